@@ -1,0 +1,517 @@
+"""config: kvgate's configuration file, typed and validated when it is loaded.
+
+Every problem is reported as a ``ConfigError`` naming the dotted key and the reason.
+Unknown keys are errors too: a misspelled limit silently ignored is a GPU outage later.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from extproc.errors import ConfigError
+
+ENGINES = ("vllm", "sglang", "tgi", "dcgm")
+AGGREGATES = ("max", "mean")
+ON_UNAVAILABLE = ("local_share", "fail_closed")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True, slots=True)
+class BackendConfig:
+    """BackendConfig is one inference node's (or GPU exporter's) metrics endpoint."""
+
+    name: str
+    metrics_url: str
+    engine: str = "vllm"
+    model_name: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SignalsConfig:
+    """SignalsConfig says how a pool's backend signals combine.
+
+    ``aggregate``: how node KV usages combine (max or mean); ``waiting_threshold``:
+    queued requests (summed over nodes) at or above which the pool counts as saturated;
+    ``kv_budget_fraction``: share of the nodes' reported KV capacity (tokens) used as
+    the in-flight KV budget when ``kv_budget_tokens`` is not set.
+    """
+
+    aggregate: str = "max"
+    waiting_threshold: int = 8
+    kv_budget_fraction: float = 0.9
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    """PoolConfig holds the base limits of one pool (nodes serving one model).
+
+    ``max_concurrency``: in-flight requests; ``tpm``: tokens per minute (None: no
+    bucket); ``kv_budget_tokens``: in-flight KV tokens (None: derived from the
+    backends' capacity, or unbounded without backends); ``context_window`` and
+    ``default_max_tokens`` in tokens.
+    """
+
+    name: str
+    max_concurrency: int = 64
+    tpm: int | None = None
+    kv_budget_tokens: int | None = None
+    context_window: int = 32768
+    default_max_tokens: int = 1024
+    tokenizer: str = "cl100k_base"
+    chat_template: str = "openai"
+    backends: tuple[BackendConfig, ...] = ()
+    signals: SignalsConfig = field(default_factory=SignalsConfig)
+
+
+@dataclass(frozen=True, slots=True)
+class LimitsConfig:
+    """LimitsConfig holds request-level caps: ``max_body_bytes`` is the largest request body."""
+
+    max_body_bytes: int = 1_048_576
+
+
+@dataclass(frozen=True, slots=True)
+class AdaptiveConfig:
+    """AdaptiveConfig drives the adaptive scale from backend signals.
+
+    Watermarks are KV-cache usage ratios; ``min_scale`` is the scale at or above the
+    high watermark; ``recovery_per_s`` is the largest rise of the scale per second
+    (a shrink applies at once). Polling times are in seconds; ``max_scrape_bytes`` caps
+    the size of one metrics response.
+    """
+
+    high_watermark: float = 0.85
+    low_watermark: float = 0.70
+    min_scale: float = 0.6
+    recovery_per_s: float = 0.1
+    poll_interval_s: float = 1.0
+    scrape_timeout_s: float = 0.5
+    stale_after_s: float = 3.0
+    max_scrape_bytes: int = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class ClassConfig:
+    """ClassConfig is a tenant class: how its requests share a pool.
+
+    ``priority``: higher is served first from the wait queue; ``guaranteed_slots``:
+    slots per pool no other class may take while this class is below them; ``tpm``:
+    a bucket per tenant of the class (None: none); ``max_wait_s``: how long a request
+    may wait for capacity (0: refuse at once); ``sheddable``: refused first when the
+    pool is in alarm.
+    """
+
+    name: str
+    priority: int = 0
+    guaranteed_slots: int = 0
+    tpm: int | None = None
+    max_wait_s: float = 0.0
+    sheddable: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TenantConfig:
+    """TenantConfig is a known tenant: its class, its own TPM (None: the class's), its API keys' SHA-256."""
+
+    name: str
+    class_name: str
+    tpm: int | None = None
+    api_key_sha256: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class TenantsConfig:
+    """TenantsConfig says how a request's tenant is found and which classes exist."""
+
+    header: str = "x-tenant-id"
+    default_class: str = "standard"
+    classes: Mapping[str, ClassConfig] = field(
+        default_factory=lambda: {"standard": ClassConfig(name="standard")})
+    tenants: Mapping[str, TenantConfig] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class RedisStoreConfig:
+    """RedisStoreConfig is the shared store: leases live ``lease_ttl_s`` seconds unless refreshed."""
+
+    url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "kvgate:"
+    lease_ttl_s: float = 30.0
+    timeout_s: float = 0.05
+    on_unavailable: str = "local_share"
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    """StoreConfig picks where budgets live: ``memory`` (one replica) or ``redis`` (shared)."""
+
+    kind: str = "memory"
+    redis: RedisStoreConfig | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """ServerConfig holds listen addresses and shutdown timing (seconds)."""
+
+    grpc_listen: str = "0.0.0.0:50051"
+    admin_listen: str = "0.0.0.0:9464"
+    drain_s: float = 5.0
+    grace_s: float = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """Config is the whole validated configuration of one kvgate process."""
+
+    pools: Mapping[str, PoolConfig]
+    default_pool: str = "default"
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
+    tenants: TenantsConfig = field(default_factory=TenantsConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    def pool(self, name: str | None) -> PoolConfig:
+        """pool returns the named pool, or the default pool for None."""
+        return self.pools[name or self.default_pool]
+
+    def class_of(self, tenant: str) -> ClassConfig:
+        """class_of returns the class of a tenant; unknown tenants get the default class."""
+        known = self.tenants.tenants.get(tenant)
+        name = known.class_name if known else self.tenants.default_class
+        return self.tenants.classes[name]
+
+
+# --- reading helpers -------------------------------------------------------------
+
+class _Section:
+    """_Section reads one mapping of the file, remembering its dotted key for errors."""
+
+    __slots__ = ("key", "data", "seen")
+
+    def __init__(self, key: str, data: Any) -> None:
+        if data is None:
+            data = {}
+        if not isinstance(data, Mapping):
+            raise ConfigError(key or "<root>", f"must be a mapping, got {type(data).__name__}")
+        for k in data:
+            if not isinstance(k, str):
+                raise ConfigError(key or "<root>", f"keys must be strings, got {k!r}")
+        self.key = key
+        self.data = data
+        self.seen: set[str] = set()
+
+    def path(self, name: str) -> str:
+        return f"{self.key}.{name}" if self.key else name
+
+    def raw(self, name: str, default: Any = None) -> Any:
+        self.seen.add(name)
+        return self.data.get(name, default)
+
+    def has(self, name: str) -> bool:
+        return name in self.data
+
+    def section(self, name: str) -> _Section:
+        return _Section(self.path(name), self.raw(name))
+
+    def integer(self, name: str, default: int | None, *, minimum: int = 1,
+                optional: bool = False) -> int | None:
+        value = self.raw(name, default)
+        if value is None:
+            if optional:
+                return None
+            raise ConfigError(self.path(name), "is required")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(self.path(name), f"must be an integer, got {value!r}")
+        if isinstance(value, float):
+            if not value.is_integer():
+                raise ConfigError(self.path(name), f"must be an integer, got {value!r}")
+            value = int(value)
+        if value < minimum:
+            raise ConfigError(self.path(name), f"must be >= {minimum}, got {value}")
+        return value
+
+    def number(self, name: str, default: float, *, low: float | None = None,
+               high: float | None = None, low_open: bool = False) -> float:
+        value = self.raw(name, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(self.path(name), f"must be a number, got {value!r}")
+        value = float(value)
+        if not math.isfinite(value):
+            raise ConfigError(self.path(name), f"must be finite, got {value}")
+        if low is not None and (value <= low if low_open else value < low):
+            raise ConfigError(self.path(name), f"must be {'>' if low_open else '>='} {low}, got {value}")
+        if high is not None and value > high:
+            raise ConfigError(self.path(name), f"must be <= {high}, got {value}")
+        return value
+
+    def string(self, name: str, default: str | None, *, choices: tuple[str, ...] = (),
+               optional: bool = False) -> str | None:
+        value = self.raw(name, default)
+        if value is None:
+            if optional:
+                return None
+            raise ConfigError(self.path(name), "is required")
+        if not isinstance(value, str) or not value:
+            raise ConfigError(self.path(name), f"must be a non-empty string, got {value!r}")
+        if choices and value not in choices:
+            raise ConfigError(self.path(name), f"must be one of {', '.join(choices)}, got {value!r}")
+        return value
+
+    def boolean(self, name: str, default: bool) -> bool:
+        value = self.raw(name, default)
+        if not isinstance(value, bool):
+            raise ConfigError(self.path(name), f"must be true or false, got {value!r}")
+        return value
+
+    def done(self) -> None:
+        """done refuses keys nobody read: they are typos or unsupported settings."""
+        unknown = sorted(set(self.data) - self.seen)
+        if unknown:
+            raise ConfigError(self.path(unknown[0]), "unknown key")
+
+
+def _name(key: str, value: str) -> str:
+    if not _NAME.match(value):
+        raise ConfigError(key, f"names use letters, digits, '_', '.', '-' (at most 63), got {value!r}")
+    return value
+
+
+def _backend(key: str, data: Any) -> BackendConfig:
+    s = _Section(key, data)
+    name = _name(s.path("name"), s.string("name", None))
+    url = s.string("metrics_url", None)
+    if not url.startswith(("http://", "https://")):
+        raise ConfigError(s.path("metrics_url"), f"must be an http:// or https:// URL, got {url!r}")
+    b = BackendConfig(name=name, metrics_url=url,
+                      engine=s.string("engine", "vllm", choices=ENGINES),
+                      model_name=s.string("model_name", None, optional=True))
+    s.done()
+    return b
+
+
+def _pool(key: str, name: str, data: Any) -> PoolConfig:
+    s = _Section(key, data)
+    backends_raw = s.raw("backends", [])
+    if backends_raw is None:
+        backends_raw = []
+    if not isinstance(backends_raw, list):
+        raise ConfigError(s.path("backends"), "must be a list")
+    backends = tuple(_backend(f"{s.path('backends')}[{i}]", b) for i, b in enumerate(backends_raw))
+    seen: set[str] = set()
+    for i, b in enumerate(backends):
+        if b.name in seen:
+            raise ConfigError(f"{s.path('backends')}[{i}].name", f"duplicate backend {b.name!r}")
+        seen.add(b.name)
+    sig = s.section("signals")
+    signals = SignalsConfig(
+        aggregate=sig.string("aggregate", "max", choices=AGGREGATES),
+        waiting_threshold=sig.integer("waiting_threshold", 8, minimum=1),
+        kv_budget_fraction=sig.number("kv_budget_fraction", 0.9, low=0.0, high=1.0, low_open=True),
+    )
+    sig.done()
+    tokenizer = s.string("tokenizer", "cl100k_base")
+    if tokenizer.startswith(("tiktoken:", "hf:")) and not tokenizer.split(":", 1)[1]:
+        raise ConfigError(s.path("tokenizer"), "needs a path after the prefix")
+    pool = PoolConfig(
+        name=name,
+        max_concurrency=s.integer("max_concurrency", 64),
+        tpm=s.integer("tpm", None, optional=True),
+        kv_budget_tokens=s.integer("kv_budget_tokens", None, optional=True),
+        context_window=s.integer("context_window", 32768),
+        default_max_tokens=s.integer("default_max_tokens", 1024),
+        tokenizer=tokenizer,
+        chat_template=s.string("chat_template", "openai", choices=("openai", "llama3", "qwen2", "none")),
+        backends=backends,
+        signals=signals,
+    )
+    s.done()
+    if pool.default_max_tokens >= pool.context_window:
+        raise ConfigError(s.path("default_max_tokens"),
+                          f"must be below context_window ({pool.context_window})")
+    return pool
+
+
+def _classes(s: _Section) -> dict[str, ClassConfig]:
+    raw = s.section("classes")
+    classes: dict[str, ClassConfig] = {}
+    for cname in raw.data:
+        c = raw.section(cname)
+        _name(c.key, cname)
+        classes[cname] = ClassConfig(
+            name=cname,
+            priority=c.integer("priority", 0, minimum=-1000),
+            guaranteed_slots=c.integer("guaranteed_slots", 0, minimum=0),
+            tpm=c.integer("tpm", None, optional=True),
+            max_wait_s=c.number("max_wait_s", 0.0, low=0.0, high=600.0),
+            sheddable=c.boolean("sheddable", False),
+        )
+        c.done()
+    if not classes:
+        classes["standard"] = ClassConfig(name="standard")
+    return classes
+
+
+def _tenants(data: Any) -> TenantsConfig:
+    s = _Section("tenants", data)
+    header = s.string("header", "x-tenant-id").lower()
+    classes = _classes(s)
+    default_class = s.string("default_class", "standard" if "standard" in classes else None)
+    if default_class not in classes:
+        raise ConfigError("tenants.default_class", f"names no class in tenants.classes: {default_class!r}")
+    raw = s.section("tenants")
+    tenants: dict[str, TenantConfig] = {}
+    key_owner: dict[str, str] = {}
+    for tname in raw.data:
+        t = raw.section(tname)
+        _name(t.key, tname)
+        cname = t.string("class", default_class)
+        if cname not in classes:
+            raise ConfigError(t.path("class"), f"names no class in tenants.classes: {cname!r}")
+        keys_raw = t.raw("api_key_sha256", [])
+        if isinstance(keys_raw, str):
+            keys_raw = [keys_raw]
+        if not isinstance(keys_raw, list):
+            raise ConfigError(t.path("api_key_sha256"), "must be a hex digest or a list of them")
+        keys = []
+        for k in keys_raw:
+            if not isinstance(k, str) or not _SHA256.match(k.lower()):
+                raise ConfigError(t.path("api_key_sha256"), "each entry must be 64 hex digits (SHA-256 of the key)")
+            k = k.lower()
+            if k in key_owner:
+                raise ConfigError(t.path("api_key_sha256"), f"key already belongs to tenant {key_owner[k]!r}")
+            key_owner[k] = tname
+            keys.append(k)
+        tenants[tname] = TenantConfig(name=tname, class_name=cname,
+                                      tpm=t.integer("tpm", None, optional=True),
+                                      api_key_sha256=tuple(keys))
+        t.done()
+    s.done()
+    return TenantsConfig(header=header, default_class=default_class, classes=classes, tenants=tenants)
+
+
+def _adaptive(data: Any) -> AdaptiveConfig:
+    s = _Section("adaptive", data)
+    a = AdaptiveConfig(
+        high_watermark=s.number("high_watermark", 0.85, low=0.0, high=1.0, low_open=True),
+        low_watermark=s.number("low_watermark", 0.70, low=0.0, high=1.0),
+        min_scale=s.number("min_scale", 0.6, low=0.0, high=1.0, low_open=True),
+        recovery_per_s=s.number("recovery_per_s", 0.1, low=0.0, low_open=True),
+        poll_interval_s=s.number("poll_interval_s", 1.0, low=0.01, high=60.0),
+        scrape_timeout_s=s.number("scrape_timeout_s", 0.5, low=0.001, high=60.0),
+        stale_after_s=s.number("stale_after_s", 3.0, low=0.0, low_open=True),
+        max_scrape_bytes=s.integer("max_scrape_bytes", 4 * 1024 * 1024, minimum=1024),
+    )
+    s.done()
+    if a.low_watermark >= a.high_watermark:
+        raise ConfigError("adaptive.low_watermark",
+                          f"must be below high_watermark ({a.high_watermark}), got {a.low_watermark}")
+    if a.scrape_timeout_s > a.poll_interval_s:
+        raise ConfigError("adaptive.scrape_timeout_s", "must not exceed poll_interval_s")
+    if a.stale_after_s < a.poll_interval_s:
+        raise ConfigError("adaptive.stale_after_s", "must be at least poll_interval_s")
+    return a
+
+
+def _store(data: Any) -> StoreConfig:
+    if data is None or data == "memory":
+        return StoreConfig()
+    if isinstance(data, str):
+        raise ConfigError("store", f"must be 'memory' or a mapping with 'redis', got {data!r}")
+    s = _Section("store", data)
+    if not s.has("redis"):
+        if s.raw("memory", None) is not None or s.has("memory"):
+            s.done()
+            return StoreConfig()
+        raise ConfigError("store", "must be 'memory' or a mapping with 'redis'")
+    r = s.section("redis")
+    url = r.string("url", "redis://127.0.0.1:6379/0")
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError("store.redis.url", f"must be a redis:// URL, got {url!r}")
+    cfg = RedisStoreConfig(
+        url=url,
+        key_prefix=r.string("key_prefix", "kvgate:"),
+        lease_ttl_s=r.number("lease_ttl_s", 30.0, low=1.0, high=3600.0),
+        timeout_s=r.number("timeout_s", 0.05, low=0.0, low_open=True, high=10.0),
+        on_unavailable=r.string("on_unavailable", "local_share", choices=ON_UNAVAILABLE),
+    )
+    r.done()
+    s.done()
+    return StoreConfig(kind="redis", redis=cfg)
+
+
+def _hostport(key: str, value: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(key, f"must be HOST:PORT, got {value!r}")
+    return value
+
+
+def _server(data: Any) -> ServerConfig:
+    s = _Section("server", data)
+    cfg = ServerConfig(
+        grpc_listen=_hostport("server.grpc_listen", s.string("grpc_listen", "0.0.0.0:50051")),
+        admin_listen=_hostport("server.admin_listen", s.string("admin_listen", "0.0.0.0:9464")),
+        drain_s=s.number("drain_s", 5.0, low=0.0, high=600.0),
+        grace_s=s.number("grace_s", 30.0, low=0.0, high=3600.0),
+    )
+    s.done()
+    return cfg
+
+
+def parse_config(data: Any) -> Config:
+    """parse_config validates a decoded configuration mapping and returns a ``Config``.
+
+    Raises ``ConfigError`` naming the first bad key.
+    """
+    root = _Section("", data)
+    pools_raw = root.section("pools")
+    if not pools_raw.data:
+        raise ConfigError("pools", "needs at least one pool")
+    pools = {}
+    for pname in pools_raw.data:
+        _name(pools_raw.path(pname), pname)
+        pools[pname] = _pool(pools_raw.path(pname), pname, pools_raw.raw(pname))
+    default_pool = root.string("default_pool", "default" if "default" in pools else next(iter(pools)))
+    if default_pool not in pools:
+        raise ConfigError("default_pool", f"names no pool in pools: {default_pool!r}")
+    limits_s = root.section("limits")
+    limits = LimitsConfig(max_body_bytes=limits_s.integer("max_body_bytes", 1_048_576, minimum=64))
+    limits_s.done()
+    tenants = _tenants(root.raw("tenants"))
+    for pool in pools.values():
+        guaranteed = sum(c.guaranteed_slots for c in tenants.classes.values())
+        if guaranteed > pool.max_concurrency:
+            raise ConfigError("tenants.classes",
+                              f"guaranteed_slots add up to {guaranteed}, above "
+                              f"pools.{pool.name}.max_concurrency ({pool.max_concurrency})")
+    cfg = Config(pools=pools, default_pool=default_pool, limits=limits,
+                 adaptive=_adaptive(root.raw("adaptive")), tenants=tenants,
+                 store=_store(root.raw("store")), server=_server(root.raw("server")))
+    root.done()
+    return cfg
+
+
+def load_config(path: str | Path) -> Config:
+    """load_config reads and validates a YAML configuration file.
+
+    Raises ``ConfigError`` for unreadable files, YAML syntax errors and bad keys.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(str(p), f"cannot read: {exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(str(p), f"is not valid YAML: {exc}") from None
+    return parse_config(data)

@@ -1,0 +1,37 @@
+"""errors: the small set of named error types kvgate raises."""
+
+from __future__ import annotations
+
+
+class KvgateError(Exception):
+    """KvgateError is the base of every error kvgate raises on purpose."""
+
+
+class ConfigError(KvgateError):
+    """ConfigError says which configuration key is wrong and why.
+
+    ``key`` is a dotted path into the file (``pools.default.tpm``); ``reason`` is a
+    sentence an operator can act on.
+    """
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(f"{key}: {reason}")
+        self.key = key
+        self.reason = reason
+
+
+class RequestError(KvgateError):
+    """RequestError is a client request kvgate refuses as malformed (answered with 4xx).
+
+    ``status`` is the HTTP status, ``code`` the OpenAI error code (or None), ``param``
+    the request field at fault (or None).
+    """
+
+    def __init__(self, message: str, *, status: int = 400, code: str | None = None,
+                 param: str | None = None, error_type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.code = code
+        self.param = param
+        self.error_type = error_type
