@@ -1,0 +1,111 @@
+"""procs: start and stop the real processes tests need, on free loopback ports."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+VENV_BIN = Path(sys.executable).parent
+LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    """free_port returns a TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, interval: float = 0.02,
+               what: str = "condition") -> None:
+    """wait_until polls ``predicate`` until it is true, failing after ``timeout`` seconds.
+
+    This waits for an event in another process (a port opening, a metric changing), not
+    for time to pass: the predicate is what the test depends on.
+    """
+    deadline = time.monotonic() + timeout
+    last_exc: BaseException | None = None
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return
+        except Exception as exc:  # the other process may not be up yet
+            last_exc = exc
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}" +
+                       (f" (last error: {last_exc!r})" if last_exc else ""))
+
+
+def port_open(port: int, host: str = LOOPBACK) -> bool:
+    """port_open tells whether something accepts TCP connections on host:port."""
+    try:
+        with socket.create_connection((host, port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+class Proc:
+    """Proc is a child process whose output goes to a log file, stopped on exit."""
+
+    def __init__(self, argv: Sequence[str], log_path: Path, env: dict[str, str] | None = None,
+                 cwd: Path | None = None) -> None:
+        self.argv = list(argv)
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        full_env = dict(os.environ)
+        full_env["PYTHONUNBUFFERED"] = "1"
+        if env:
+            full_env.update(env)
+        self.popen = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT,
+                                      env=full_env, cwd=str(cwd or ROOT), start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def output(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            self.popen.send_signal(sig)
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """stop sends SIGTERM, then SIGKILL after ``timeout`` seconds; returns the exit code."""
+        if self.alive():
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(timeout=5)
+        self._log.close()
+        return self.popen.returncode
+
+    def kill(self) -> None:
+        if self.alive():
+            self.popen.kill()
+            self.popen.wait(timeout=5)
+
+    def wait_port(self, port: int, timeout: float = 20.0) -> None:
+        """wait_port waits until the process listens on ``port``; fails early if it died."""
+        def ready() -> bool:
+            if not self.alive():
+                raise RuntimeError(f"{self.argv[0]} exited early:\n{self.output()[-3000:]}")
+            return port_open(port)
+        try:
+            wait_until(ready, timeout=timeout, what=f"{self.argv[0]} on port {port}")
+        except TimeoutError:
+            raise TimeoutError(f"{self.argv[0]} not listening on {port}:\n{self.output()[-3000:]}")
