@@ -11,7 +11,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev,hf,fast]'
+	$(PY) -m pip install -q -e '.[dev,hf,fast]' --config-settings editable_mode=compat
 	touch $(STAMP)
 
 run: install
