@@ -1,0 +1,238 @@
+"""localstack: `make run` — the simulator, kvgate and Envoy on loopback, stopped on Ctrl-C.
+
+The stack uses the repository's own files: ``deploy/envoy.yaml`` (ports and upstream
+addresses rewritten for loopback) and ``deploy/local/kvgate.yaml`` (a kvgate config that
+scrapes the simulator). Generated files go to ``run/`` (ignored by git).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from extproc.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+LOOPBACK = "127.0.0.1"
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((LOOPBACK, port))
+        except OSError:
+            return False
+        return True
+
+
+def pick_port(preferred: int) -> int:
+    """pick_port returns ``preferred`` when it is free on loopback, else any free port."""
+    if _port_free(preferred):
+        return preferred
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def _endpoint(port: int) -> dict[str, Any]:
+    return {"endpoint": {"address": {"socket_address": {"address": LOOPBACK, "port_value": port}}}}
+
+
+def is_processor_cluster(cluster: dict[str, Any]) -> bool:
+    """is_processor_cluster tells the ext_proc (gRPC, HTTP/2) cluster from the inference upstreams."""
+    name = cluster.get("name", "")
+    return "kvgate" in name or "ext_proc" in name or "extproc" in name
+
+
+def render_envoy(template: dict[str, Any], *, listen: int, admin: int, grpc: int,
+                 upstream: int) -> dict[str, Any]:
+    """render_envoy points a copy of an Envoy bootstrap at loopback ports.
+
+    Every listener binds 127.0.0.1:``listen``; the ext_proc cluster reaches kvgate on
+    ``grpc``; every other cluster reaches the simulator on ``upstream``.
+    """
+    cfg = yaml.safe_load(yaml.safe_dump(template))
+    if "admin" in cfg:
+        cfg["admin"]["address"] = {"socket_address": {"address": LOOPBACK, "port_value": admin}}
+    for listener in cfg.get("static_resources", {}).get("listeners", []):
+        listener["address"] = {"socket_address": {"address": LOOPBACK, "port_value": listen}}
+    for cluster in cfg.get("static_resources", {}).get("clusters", []):
+        port = grpc if is_processor_cluster(cluster) else upstream
+        cluster["type"] = "STATIC"
+        cluster.pop("dns_lookup_family", None)
+        cluster["load_assignment"] = {"cluster_name": cluster["name"],
+                                      "endpoints": [{"lb_endpoints": [_endpoint(port)]}]}
+        cluster.pop("transport_socket", None)
+    return cfg
+
+
+def render_kvgate(path: Path, *, sim_port: int) -> dict[str, Any]:
+    """render_kvgate reads the local kvgate config and points its backends at the simulator."""
+    data = yaml.safe_load(path.read_text())
+    for pool in data.get("pools", {}).values():
+        for backend in pool.get("backends", []) or []:
+            backend["metrics_url"] = f"http://{LOOPBACK}:{sim_port}/metrics"
+    return data
+
+
+class Stack:
+    """Stack starts the three processes in order and stops them in reverse."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+
+    def start(self, name: str, argv: list[str], ready_port: int, timeout: float = 30.0) -> None:
+        log = open(self.run_dir / f"{name}.log", "wb")
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                start_new_session=True)
+        self.procs.append((name, proc))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                tail = (self.run_dir / f"{name}.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{tail}")
+            try:
+                with socket.create_connection((LOOPBACK, ready_port), timeout=0.2):
+                    return
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError(f"{name} did not listen on {ready_port} within {timeout}s "
+                           f"(log: {self.run_dir / (name + '.log')})")
+
+    def stop(self) -> None:
+        for name, proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for name, proc in reversed(self.procs):
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        self.procs.clear()
+
+    def dead(self) -> str | None:
+        for name, proc in self.procs:
+            if proc.poll() is not None:
+                return name
+        return None
+
+
+def banner(envoy: int, admin: int, sim: int, envoy_admin: int, model: str) -> str:
+    """banner is what `make run` prints: where to send requests and where to look."""
+    base = f"http://{LOOPBACK}:{envoy}"
+    return f"""
+kvgate local stack is up (Ctrl-C stops everything)
+
+  Envoy (send requests here)   {base}/v1
+  kvgate metrics               http://{LOOPBACK}:{admin}/metrics   (also /healthz, /readyz)
+  simulator (vLLM-compatible)  http://{LOOPBACK}:{sim}/metrics     (POST /sim/config to add pressure)
+  Envoy admin                  http://{LOOPBACK}:{envoy_admin}/
+
+Try it:
+
+  curl -s {base}/v1/chat/completions -H 'content-type: application/json' \\
+       -H 'x-tenant-id: online-1' \\
+       -d '{{"model": "{model}", "max_tokens": 16, "messages": [{{"role": "user", "content": "Hello"}}]}}'
+
+  from openai import OpenAI
+  client = OpenAI(base_url="{base}/v1", api_key="unused",
+                  default_headers={{"x-tenant-id": "online-1"}})
+  reply = client.chat.completions.create(model="{model}", max_tokens=16,
+                                         messages=[{{"role": "user", "content": "Hello"}}])
+  print(reply.choices[0].message.content, reply.usage)
+
+Drive the node into KV pressure and watch the limit shrink:
+
+  curl -s {LOOPBACK}:{sim}/sim/config -d '{{"background_kv_tokens": 60000}}'
+  curl -s {LOOPBACK}:{admin}/metrics | grep -E '^kvgate_(admission_scale|concurrency_limit)'
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """main runs the local stack until Ctrl-C (or ``--check``: start, send one request, stop)."""
+    ap = argparse.ArgumentParser(prog="kvgate-localstack", description=__doc__)
+    ap.add_argument("--envoy-port", type=int, default=int(os.environ.get("KVGATE_PORT", 8080)))
+    ap.add_argument("--check", action="store_true",
+                    help="start the stack, send the printed request once, stop (for tests)")
+    args = ap.parse_args(argv)
+
+    run_dir = ROOT / "run"
+    run_dir.mkdir(exist_ok=True)
+    bin_dir = Path(sys.executable).parent
+    envoy_bin = shutil.which("envoy", path=str(bin_dir)) or shutil.which("envoy")
+    if not envoy_bin:
+        print("error: the envoy binary is missing; run `make install`", file=sys.stderr)
+        return 2
+
+    envoy = pick_port(args.envoy_port)
+    envoy_admin = pick_port(9901)
+    grpc = pick_port(50051)
+    admin = pick_port(9464)
+    sim = pick_port(8000)
+    model = "sim-llama-3-8b"
+
+    kv_cfg = render_kvgate(ROOT / "deploy/local/kvgate.yaml", sim_port=sim)
+    kv_path = run_dir / "kvgate.yaml"
+    kv_path.write_text(yaml.safe_dump(kv_cfg, sort_keys=False))
+    load_config(kv_path)  # fail here, with the key named, rather than in a child's log
+    envoy_cfg = render_envoy(yaml.safe_load((ROOT / "deploy/envoy.yaml").read_text()),
+                             listen=envoy, admin=envoy_admin, grpc=grpc, upstream=sim)
+    envoy_path = run_dir / "envoy.yaml"
+    envoy_path.write_text(yaml.safe_dump(envoy_cfg, sort_keys=False))
+
+    py = sys.executable
+    stack = Stack(run_dir)
+    stopping = False
+
+    def on_signal(signum: int, frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        stack.start("sim", [py, "-m", "sim", "--listen", f"{LOOPBACK}:{sim}", "--model", model,
+                            "--max-model-len", "32768", "--kv-capacity-tokens", "131072",
+                            "--speedup", "1"], sim)
+        stack.start("kvgate", [py, "-m", "extproc", "serve", "--config", str(kv_path),
+                               "--grpc-listen", f"{LOOPBACK}:{grpc}",
+                               "--admin-listen", f"{LOOPBACK}:{admin}"], admin)
+        stack.start("envoy", [envoy_bin, "-c", str(envoy_path), "--log-level", "warn",
+                              "--base-id", str(os.getpid() % 60000)], envoy)
+        print(banner(envoy, admin, sim, envoy_admin, model), flush=True)
+        if args.check:
+            body = (b'{"model": "%s", "max_tokens": 16, "messages": '
+                    b'[{"role": "user", "content": "Hello"}]}' % model.encode())
+            req = urllib.request.Request(f"http://{LOOPBACK}:{envoy}/v1/chat/completions",
+                                         data=body, headers={"content-type": "application/json",
+                                                             "x-tenant-id": "online-1"})
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                print(resp.status, resp.read().decode()[:300])
+            return 0
+        while not stopping:
+            dead = stack.dead()
+            if dead:
+                print(f"error: {dead} stopped; see {run_dir / (dead + '.log')}", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+        print("\nstopping...", flush=True)
+        return 0
+    finally:
+        stack.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
