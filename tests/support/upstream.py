@@ -1,0 +1,207 @@
+"""upstream: a small, fast fake of an OpenAI-compatible inference server (vLLM-shaped).
+
+It answers ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/embeddings`` the way
+vLLM does: JSON with ``usage`` when not streamed; when streamed, SSE chunks at a
+configurable pace, the usage chunk (``"choices": []``) only when the request asked for
+``stream_options.include_usage``, then ``data: [DONE]``.
+
+Behaviour per request is chosen with request headers, so one process serves every test:
+
+- ``x-fake-tokens: N``: completion tokens to generate (default: ``max_tokens`` or 8);
+- ``x-fake-delay-ms: D``: pause before each streamed chunk, in milliseconds (default 0);
+- ``x-fake-status: S``: answer status S (4xx/5xx) with an OpenAI-shaped error body;
+- ``x-fake-hold: KEY``: send the first streamed chunk, then wait (at most 60 s) until
+  ``POST /_fake/release/KEY`` (or the client goes away) before sending the rest.
+
+``GET /_fake/requests`` returns the last requests received (path, headers, body) so tests
+can check what the gateway forwarded; ``GET /_fake/stats`` returns counters (``started``,
+``finished``, ``aborted``). Run it with ``python -m tests.support.upstream --port N``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import time
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+DEFAULT_TOKENS = 8
+MAX_HOLD_S = 60.0
+RECENT = 64
+
+
+class FakeUpstream:
+    """FakeUpstream holds the fake's state: recent requests, held streams and counters."""
+
+    def __init__(self) -> None:
+        self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT)
+        self.holds: dict[str, asyncio.Event] = {}
+        self.stats = {"started": 0, "finished": 0, "aborted": 0}
+
+    def app(self) -> web.Application:
+        """app builds the aiohttp application that serves the fake."""
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/chat/completions", self.completions)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/embeddings", self.embeddings)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/_fake/requests", self.requests)
+        app.router.add_get("/_fake/stats", self.get_stats)
+        app.router.add_post("/_fake/release/{key}", self.release)
+        app.router.add_post("/_fake/reset", self.reset)
+        return app
+
+    # --- control ---------------------------------------------------------------
+
+    async def requests(self, request: web.Request) -> web.Response:
+        return web.Response(body=orjson.dumps(list(self.recent)), content_type="application/json")
+
+    async def get_stats(self, request: web.Request) -> web.Response:
+        return web.Response(body=orjson.dumps(self.stats), content_type="application/json")
+
+    async def release(self, request: web.Request) -> web.Response:
+        key = request.match_info["key"]
+        self.holds.setdefault(key, asyncio.Event()).set()
+        return web.Response(text="released")
+
+    async def reset(self, request: web.Request) -> web.Response:
+        self.recent.clear()
+        self.holds.clear()
+        for k in self.stats:
+            self.stats[k] = 0
+        return web.Response(text="reset")
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+
+    # --- inference -------------------------------------------------------------
+
+    async def _read(self, request: web.Request) -> tuple[dict[str, Any] | None, bytes]:
+        raw = await request.read()
+        self.recent.append({"path": request.path, "headers": dict(request.headers),
+                            "body": raw.decode("utf-8", "replace")})
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return None, raw
+        return (body if isinstance(body, dict) else None), raw
+
+    @staticmethod
+    def _error(status: int, message: str) -> web.Response:
+        body = {"object": "error", "message": message, "type": "BadRequestError" if status < 500
+                else "InternalServerError", "param": None, "code": status}
+        return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        body, raw = await self._read(request)
+        status = int(request.headers.get("x-fake-status", "200"))
+        if status >= 400:
+            return self._error(status, "fake upstream error")
+        if body is None:
+            return self._error(400, "body is not a JSON object")
+        inputs = body.get("input")
+        items = inputs if isinstance(inputs, list) and inputs and not isinstance(inputs[0], int) else [inputs]
+        prompt = sum(max(1, len(str(i)) // 4) for i in items)
+        data = [{"object": "embedding", "index": i, "embedding": [0.0, 0.1, 0.2]} for i in range(len(items))]
+        out = {"object": "list", "data": data, "model": body.get("model", "fake"),
+               "usage": {"prompt_tokens": prompt, "total_tokens": prompt}}
+        return web.Response(body=orjson.dumps(out), content_type="application/json")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body, raw = await self._read(request)
+        status = int(request.headers.get("x-fake-status", "200"))
+        if status >= 400:
+            return self._error(status, "fake upstream error")
+        if body is None:
+            return self._error(400, "body is not a JSON object")
+        chat = request.path.endswith("/chat/completions")
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+        tokens = int(request.headers.get("x-fake-tokens", max_tokens or DEFAULT_TOKENS))
+        if isinstance(max_tokens, int):
+            tokens = min(tokens, max_tokens)
+        prompt_tokens = max(1, len(raw) // 8)
+        model = body.get("model", "fake")
+        usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + tokens,
+                 "completion_tokens": tokens}
+        created = int(time.time())
+        finish = "length" if isinstance(max_tokens, int) and tokens >= max_tokens else "stop"
+        if not body.get("stream"):
+            text = " ".join(f"tok{i}" for i in range(tokens))
+            choice: dict[str, Any] = ({"index": 0, "message": {"role": "assistant", "content": text},
+                                       "logprobs": None, "finish_reason": finish} if chat else
+                                      {"index": 0, "text": text, "logprobs": None,
+                                       "finish_reason": finish})
+            out = {"id": "cmpl-fake", "object": "chat.completion" if chat else "text_completion",
+                   "created": created, "model": model, "choices": [choice], "usage": usage}
+            self.stats["started"] += 1
+            self.stats["finished"] += 1
+            return web.Response(body=orjson.dumps(out), content_type="application/json")
+        return await self._stream(request, body, chat, tokens, usage, finish, model, created)
+
+    async def _stream(self, request: web.Request, body: dict[str, Any], chat: bool, tokens: int,
+                      usage: dict[str, int], finish: str, model: str, created: int) -> web.StreamResponse:
+        delay = float(request.headers.get("x-fake-delay-ms", "0")) / 1000.0
+        hold = request.headers.get("x-fake-hold")
+        opts = body.get("stream_options")
+        include_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream",
+                                           "cache-control": "no-cache"})
+        await resp.prepare(request)
+        self.stats["started"] += 1
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choices: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> bytes:
+            c: dict[str, Any] = {"id": "chatcmpl-fake", "object": obj, "created": created,
+                                 "model": model, "choices": choices}
+            if extra:
+                c.update(extra)
+            return b"data: " + orjson.dumps(c) + b"\n\n"
+
+        def piece(i: int, last: bool) -> dict[str, Any]:
+            fin = finish if last else None
+            if chat:
+                delta: dict[str, Any] = {"content": f"tok{i} "}
+                if i == 0:
+                    delta["role"] = "assistant"
+                return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": fin}
+            return {"index": 0, "text": f"tok{i} ", "logprobs": None, "finish_reason": fin}
+
+        try:
+            for i in range(tokens):
+                if delay:
+                    await asyncio.sleep(delay)
+                await resp.write(chunk([piece(i, i == tokens - 1)]))
+                if i == 0 and hold:
+                    event = self.holds.setdefault(hold, asyncio.Event())
+                    await asyncio.wait_for(event.wait(), MAX_HOLD_S)
+            if include_usage:
+                await resp.write(chunk([], {"usage": usage}))
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            self.stats["finished"] += 1
+        except (ConnectionResetError, asyncio.CancelledError, TimeoutError):
+            self.stats["aborted"] += 1
+            raise
+        finally:
+            if hold:
+                self.holds.pop(hold, None)
+        return resp
+
+
+def main(argv: list[str] | None = None) -> None:
+    """main serves the fake on 127.0.0.1:PORT until killed."""
+    ap = argparse.ArgumentParser(description="fake vLLM-shaped upstream for tests")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    args = ap.parse_args(argv)
+    # handler_cancellation: a client that goes away cancels its handler, as vLLM aborts
+    web.run_app(FakeUpstream().app(), host=args.host, port=args.port, print=None,
+                access_log=None, handle_signals=True, handler_cancellation=True)
+
+
+if __name__ == "__main__":
+    main()
