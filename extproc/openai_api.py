@@ -1,0 +1,623 @@
+"""openai_api: what kvgate understands of the OpenAI HTTP API.
+
+Request side: which paths are admitted, parsing and validating a body into a
+``ParsedRequest`` (every bad input is a ``RequestError`` with OpenAI's error shape),
+prompt tokens, the completion reservation, the context-window check, and asking the
+upstream for stream usage. Response side: ``ResponseTracker`` reads usage from the final
+JSON or the SSE usage chunk and hides that chunk when kvgate asked for it. Answers: the
+OpenAI-shaped error bodies, 429s and ``x-ratelimit-*`` headers.
+
+Nothing here knows about gRPC or Envoy; bodies are bytes in, bytes out.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+from urllib.parse import unquote
+
+import orjson
+
+from extproc.admission.types import RateInfo, Reason, Rejection
+from extproc.errors import RequestError
+from extproc.tokens import (
+    ChatShape,
+    ChatTemplate,
+    PromptShape,
+    Tokenizer,
+    chat_shape,
+    count_prompt_shape,
+    count_shape,
+    prompt_shape,
+    utf8_upper_bound,
+)
+
+MAX_TOKENS_LIMIT = 10_000_000
+"""MAX_TOKENS_LIMIT is the largest max_tokens accepted (tokens): anything above is absurd."""
+MAX_CHOICES = 128
+"""MAX_CHOICES is the largest ``n`` (and ``best_of``) accepted, OpenAI's own cap."""
+
+
+class Endpoint(StrEnum):
+    """Endpoint is an OpenAI API kvgate admits; other paths pass through unchecked."""
+
+    CHAT = "chat"
+    COMPLETIONS = "completions"
+    EMBEDDINGS = "embeddings"
+
+
+_PATHS = {
+    "/v1/chat/completions": Endpoint.CHAT,
+    "/v1/completions": Endpoint.COMPLETIONS,
+    "/v1/embeddings": Endpoint.EMBEDDINGS,
+}
+_SLASHES = re.compile(r"/{2,}")
+
+
+def endpoint_for_path(path: str) -> Endpoint | None:
+    """endpoint_for_path maps a request path (query allowed) to its Endpoint, or None.
+
+    The path is normalised as the inference server's router sees it (percent-decoding,
+    repeated and trailing slashes), so ``/v1//chat/%63ompletions/`` cannot slip past
+    admission to a server that routes it to chat completions.
+    """
+    end = len(path)
+    for sep in ("?", "#"):
+        i = path.find(sep)
+        if 0 <= i < end:
+            end = i
+    p = path[:end]
+    hit = _PATHS.get(p)
+    if hit is not None:
+        return hit
+    if "%" in p:
+        p = unquote(p, errors="strict") if _valid_escapes(p) else p
+    if "//" in p:
+        p = _SLASHES.sub("/", p)
+    if len(p) > 1 and p.endswith("/"):
+        p = p.rstrip("/")
+    return _PATHS.get(p)
+
+
+def _valid_escapes(p: str) -> bool:
+    try:
+        unquote(p, errors="strict")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    """ParsedRequest is a validated OpenAI request body and what admission needs of it.
+
+    ``max_tokens``: the explicit completion cap per choice (``max_completion_tokens``
+    wins over ``max_tokens``), None when absent, 0 for embeddings; ``n``: choices per
+    prompt; ``best_of``: sequences generated per prompt when larger than n (None when
+    absent); ``prompts``: prompts in the request (a completions batch); ``chat`` /
+    ``prompt``: the validated shapes to count; ``max_prompt_tokens``: the longest single
+    prompt in tokens, set by ``count_prompt_tokens``.
+    """
+
+    endpoint: Endpoint
+    model: str | None
+    stream: bool
+    client_wants_usage: bool
+    max_tokens: int | None
+    n: int
+    body: dict[str, Any]
+    best_of: int | None = None
+    prompts: int = 1
+    chat: ChatShape | None = None
+    prompt: PromptShape | None = None
+    max_prompt_tokens: int | None = None
+    suffix: str | None = None
+
+    @property
+    def sequences(self) -> int:
+        """sequences is how many completions the server generates for this request."""
+        per_prompt = max(self.n, self.best_of or 0)
+        return per_prompt * self.prompts
+
+
+def _bad(message: str, param: str | None, *, status: int = 400, code: str | None = None) -> RequestError:
+    return RequestError(message, status=status, code=code, param=param)
+
+
+def _check_content_type(content_type: str | None) -> None:
+    """_check_content_type refuses (415) a body that is declared as something but JSON.
+
+    A missing content-type is accepted, as the inference servers do.
+    """
+    if content_type is None:
+        return
+    media, _, params = content_type.partition(";")
+    media = media.strip().lower()
+    if not media:
+        return
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise _bad(f"Unsupported Content-Type {media[:100]!r}: the body must be application/json.",
+                   None, status=415, code="unsupported_media_type")
+    for param in params.split(";"):
+        key, _, value = param.partition("=")
+        if key.strip().lower() == "charset" and value.strip().strip('"').lower() not in ("utf-8", "utf8", "us-ascii"):
+            raise _bad(f"Unsupported charset {value.strip()[:40]!r}: JSON bodies must be UTF-8.",
+                       None, status=415, code="unsupported_media_type")
+
+
+def _load_json(body: bytes | bytearray | memoryview) -> dict[str, Any]:
+    if not body:
+        raise _bad("We could not parse the JSON body of your request: the body is empty. "
+                   "The OpenAI API expects a JSON payload.", None)
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        reason = str(exc)
+        if "UTF-8" in reason or "surrogate" in reason:
+            msg = "The request body is not valid UTF-8 JSON."
+        elif "depth" in reason or "recursion" in reason:
+            msg = "The JSON body of your request is nested too deeply."
+        else:
+            msg = "We could not parse the JSON body of your request: " + reason[:200]
+        raise _bad(msg, None) from None
+    if not isinstance(obj, dict):
+        raise _bad(f"The JSON body must be an object, not {_json_type(obj)}.", None)
+    return obj
+
+
+def _json_type(x: Any) -> str:
+    if isinstance(x, list):
+        return "an array"
+    if isinstance(x, str):
+        return "a string"
+    if isinstance(x, bool):
+        return "a boolean"
+    if x is None:
+        return "null"
+    return "a number"
+
+
+def _opt_int(body: dict[str, Any], key: str, *, minimum: int, maximum: int) -> int | None:
+    """_opt_int reads an optional integer field in [minimum, maximum]; null counts as absent."""
+    value = body.get(key)
+    if value is None:
+        return None
+    if type(value) is not int:  # bools are not counts; neither are decimals (OpenAI agrees)
+        raise _bad(f"Invalid type for '{key}': expected an integer, but got {_json_type(value)}.", key)
+    if value < minimum:
+        raise _bad(f"Invalid '{key}': integer below minimum value. Expected a value >= {minimum}, "
+                   f"but got {value} instead.", key, code="integer_below_min_value")
+    if value > maximum:
+        raise _bad(f"Invalid '{key}': integer above maximum value. Expected a value <= {maximum}, "
+                   f"but got {value} instead.", key, code="integer_above_max_value")
+    return value
+
+
+def _opt_bool(body: dict[str, Any], key: str) -> bool:
+    value = body.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise _bad(f"Invalid type for '{key}': expected a boolean, but got {_json_type(value)}.", key)
+    return value
+
+
+def parse_request(endpoint: Endpoint, body: bytes, content_type: str | None) -> ParsedRequest:
+    """parse_request validates an OpenAI request body and returns what admission needs.
+
+    ``max_tokens`` (and ``max_completion_tokens``) must be integers in [1, 10M]: inference
+    servers refuse 0 (vLLM: "max_tokens must be at least 1"), so kvgate answers it at once.
+    Raises RequestError: 415 for a declared content-type other than JSON; 400 for an
+    empty, malformed, non-UTF-8 or too deeply nested body, a body that is not an object,
+    a missing or malformed ``messages`` / ``prompt`` / ``input``, and any field of the
+    wrong type or out of range (``param`` names it).
+    """
+    _check_content_type(content_type)
+    obj = _load_json(body)
+    model = obj.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _bad(f"Invalid type for 'model': expected a string, but got {_json_type(model)}.", "model")
+    if endpoint is Endpoint.EMBEDDINGS:
+        if "input" not in obj:
+            raise _bad("Missing required parameter: 'input'.", "input", code="missing_required_parameter")
+        shape = prompt_shape(obj["input"], "input")
+        return ParsedRequest(endpoint=endpoint, model=model, stream=False, client_wants_usage=False,
+                             max_tokens=0, n=1, body=obj, prompts=shape.prompts, prompt=shape)
+
+    stream = _opt_bool(obj, "stream")
+    options = obj.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not isinstance(options, dict):
+            raise _bad("Invalid type for 'stream_options': expected an object.", "stream_options")
+        include_usage = _opt_bool(options, "include_usage")
+    n = _opt_int(obj, "n", minimum=1, maximum=MAX_CHOICES) or 1
+    best_of = _opt_int(obj, "best_of", minimum=1, maximum=MAX_CHOICES)
+    max_tokens = _opt_int(obj, "max_tokens", minimum=1, maximum=MAX_TOKENS_LIMIT)
+    if endpoint is Endpoint.CHAT:
+        explicit = _opt_int(obj, "max_completion_tokens", minimum=1, maximum=MAX_TOKENS_LIMIT)
+        if explicit is not None:
+            max_tokens = explicit  # the newer name wins, as in vLLM
+        if "messages" not in obj:
+            raise _bad("Missing required parameter: 'messages'.", "messages", code="missing_required_parameter")
+        chat = chat_shape(obj["messages"], obj.get("tools"))
+        return ParsedRequest(endpoint=endpoint, model=model, stream=stream,
+                             client_wants_usage=stream and include_usage, max_tokens=max_tokens,
+                             n=n, body=obj, best_of=best_of, chat=chat)
+    if "prompt" not in obj:
+        raise _bad("Missing required parameter: 'prompt'.", "prompt", code="missing_required_parameter")
+    shape = prompt_shape(obj["prompt"], "prompt")
+    suffix = obj.get("suffix")
+    if suffix is not None:
+        if not isinstance(suffix, str):
+            raise _bad(f"Invalid type for 'suffix': expected a string, but got {_json_type(suffix)}.", "suffix")
+    return ParsedRequest(endpoint=endpoint, model=model, stream=stream,
+                         client_wants_usage=stream and include_usage, max_tokens=max_tokens,
+                         n=n, body=obj, best_of=best_of, prompts=shape.prompts, prompt=shape,
+                         suffix=suffix or None)
+
+
+def count_prompt_tokens(req: ParsedRequest, tokenizer: Tokenizer, template: ChatTemplate) -> int:
+    """count_prompt_tokens returns the request's prompt tokens, chat-template overhead included.
+
+    Also records ``req.max_prompt_tokens``, the longest single prompt, which the context
+    check uses for a completions batch.
+    """
+    if req.chat is not None:
+        n = count_shape(req.chat, tokenizer, template)
+        req.max_prompt_tokens = n
+        return n
+    if req.prompt is None:  # a ParsedRequest built by hand
+        raise ValueError("ParsedRequest has neither a chat nor a prompt shape")
+    counts = count_prompt_shape(req.prompt, tokenizer)
+    if req.suffix:  # the model reads the suffix with every prompt
+        extra = tokenizer.count(req.suffix)
+        counts = [c + extra for c in counts]
+    req.max_prompt_tokens = max(counts, default=0)
+    return sum(counts)
+
+
+def prompt_upper_bound(req: ParsedRequest, template: ChatTemplate) -> int:
+    """prompt_upper_bound is a free upper bound on count_prompt_tokens (tokens).
+
+    Byte-level BPE yields at most one token per UTF-8 byte, so this needs no tokenizer:
+    use it to decide whether counting is worth moving off the event loop.
+    """
+    if req.chat is not None:
+        return req.chat.upper_bound(template)
+    if req.prompt is None:
+        return 0
+    suffix = utf8_upper_bound(req.suffix) * req.prompts if req.suffix else 0
+    return req.prompt.upper_bound() + suffix
+
+
+def _completion_per_sequence(req: ParsedRequest, prompt_tokens: int, context_window: int,
+                             default_max_tokens: int) -> int:
+    if req.endpoint is Endpoint.EMBEDDINGS:
+        return 0
+    if req.max_tokens is not None:
+        return req.max_tokens
+    longest = req.max_prompt_tokens if req.max_prompt_tokens is not None else prompt_tokens
+    return max(0, min(context_window - longest, default_max_tokens))
+
+
+def reserved_completion(req: ParsedRequest, prompt_tokens: int, context_window: int,
+                        default_max_tokens: int) -> int:
+    """reserved_completion is the completion tokens to reserve for a request (tokens).
+
+    Per generated sequence: the explicit max_tokens, else what is left of the context
+    window after the prompt, capped at ``default_max_tokens``; times the sequences the
+    server generates (n or best_of, per prompt). Embeddings reserve 0.
+    """
+    return _completion_per_sequence(req, prompt_tokens, context_window, default_max_tokens) * req.sequences
+
+
+def check_context(req: ParsedRequest, prompt_tokens: int, reserved: int, context_window: int) -> None:
+    """check_context refuses a request that cannot fit the model's context window.
+
+    Every sequence must hold its prompt plus its completion: the longest prompt (for a
+    batch) plus the reserved completion per sequence; a chat or completion also needs
+    room for at least one generated token. Raises RequestError 400
+    ``context_length_exceeded`` in OpenAI's words.
+    """
+    longest = req.max_prompt_tokens if req.max_prompt_tokens is not None else prompt_tokens
+    per_seq = reserved // req.sequences if req.sequences > 0 else reserved
+    if req.endpoint is Endpoint.EMBEDDINGS:
+        if longest <= context_window:
+            return
+        per_seq = 0
+    elif longest + max(per_seq, 1) <= context_window:
+        return
+    param = {Endpoint.CHAT: "messages", Endpoint.COMPLETIONS: "prompt"}.get(req.endpoint, "input")
+    where = "messages" if req.endpoint is Endpoint.CHAT else "prompt"
+    raise _bad(f"This model's maximum context length is {context_window} tokens. However, you "
+               f"requested {longest + per_seq} tokens ({longest} in the {where}, {per_seq} in the "
+               f"completion). Please reduce the length of the {where} or completion.",
+               param, code="context_length_exceeded")
+
+
+def add_stream_usage(req: ParsedRequest) -> bytes | None:
+    """add_stream_usage returns the body asking the upstream for stream usage, or None.
+
+    When the client streams without ``stream_options.include_usage``, the upstream would
+    never report usage; kvgate asks for it (the ResponseTracker then hides the usage chunk
+    from the client). vLLM's ``continuous_usage_stats`` is turned off with it, so no other
+    chunk changes. Returns None when the body is left as it is.
+    """
+    if not req.stream or req.client_wants_usage or req.endpoint is Endpoint.EMBEDDINGS:
+        return None
+    body = dict(req.body)
+    options = dict(body.get("stream_options") or {})
+    options["include_usage"] = True
+    if options.get("continuous_usage_stats"):
+        options["continuous_usage_stats"] = False
+    body["stream_options"] = options
+    return orjson.dumps(body)
+
+
+# --- responses ---------------------------------------------------------------------
+
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+_MAX_USAGE = 1 << 40
+
+
+def _usage_int(x: Any) -> int | None:
+    return x if type(x) is int and 0 <= x < _MAX_USAGE else None
+
+
+class ResponseTracker:
+    """ResponseTracker follows one response body: usage, delivered chunks, the usage chunk.
+
+    Non-streamed: the body is buffered up to ``max_buffer`` bytes and usage read from the
+    final JSON (over the cap, usage stays unknown). Streamed (SSE): events are parsed as
+    they pass, partial lines kept across chunks (split anywhere: mid-line, mid-UTF-8,
+    between ``\\r`` and ``\\n``); ``delivered_chunks`` counts events with choices (about
+    one token each). With ``strip_usage_chunk`` the usage-only event (``"choices": []``)
+    is removed; partial events are then held back until complete so the client only gets
+    whole events. Garbage never raises; an event over ``max_buffer`` stops the parsing
+    and everything held passes on.
+
+    ``completion_tokens`` / ``prompt_tokens`` are the reported usage, None until reported.
+    """
+
+    __slots__ = ("streamed", "strip_usage_chunk", "max_buffer", "completion_tokens", "prompt_tokens",
+                 "delivered_chunks", "done_seen", "overflowed", "_buf", "_scan", "_line_start", "_data")
+
+    def __init__(self, *, streamed: bool, strip_usage_chunk: bool, max_buffer: int = 1 << 20) -> None:
+        self.streamed = streamed
+        self.strip_usage_chunk = strip_usage_chunk and streamed
+        self.max_buffer = max_buffer
+        self.completion_tokens: int | None = None
+        self.prompt_tokens: int | None = None
+        self.delivered_chunks = 0
+        self.done_seen = False
+        self.overflowed = False
+        self._buf = bytearray()
+        self._scan = 0
+        self._line_start = 0
+        self._data: list[bytes] = []
+
+    def feed(self, chunk: bytes, end_of_stream: bool) -> bytes | None:
+        """feed takes the next body chunk; returns its replacement, or None to pass it as is."""
+        if self.overflowed:
+            return None
+        if not self.streamed:
+            self._feed_json(chunk, end_of_stream)
+            return None
+        self._buf += chunk
+        out = self._parse(end_of_stream)
+        if out is None or out == chunk:
+            return None
+        return out
+
+    # non-streamed
+
+    def _feed_json(self, chunk: bytes, end_of_stream: bool) -> None:
+        if len(self._buf) + len(chunk) > self.max_buffer:
+            self.overflowed = True
+            self._buf = bytearray()
+            return
+        self._buf += chunk
+        if not end_of_stream:
+            return
+        try:
+            obj = orjson.loads(self._buf)
+        except orjson.JSONDecodeError:
+            obj = None
+        self._buf = bytearray()
+        if isinstance(obj, dict):
+            self._take_usage(obj.get("usage"))
+
+    def _take_usage(self, usage: Any) -> bool:
+        if not isinstance(usage, dict):
+            return False
+        prompt = _usage_int(usage.get("prompt_tokens"))
+        completion = _usage_int(usage.get("completion_tokens"))
+        if completion is None and prompt is not None:
+            total = _usage_int(usage.get("total_tokens"))
+            if total is not None and total >= prompt:  # embeddings report no completion
+                completion = total - prompt
+        if prompt is not None:
+            self.prompt_tokens = prompt
+        if completion is not None:
+            self.completion_tokens = completion
+        return prompt is not None or completion is not None
+
+    # streamed
+
+    def _parse(self, end_of_stream: bool) -> bytes | None:
+        """_parse consumes whole events from the buffer.
+
+        Returns the bytes the client gets when stripping (None otherwise); an unfinished
+        event stays in the buffer.
+        """
+        buf = self._buf
+        strip = self.strip_usage_chunk
+        out = bytearray() if strip else None
+        scan, line_start = self._scan, self._line_start
+        event_start = 0
+        search = _LINE_END.search
+        while True:
+            m = search(buf, scan)
+            if m is None:
+                scan = len(buf)
+                break
+            start, end = m.span()
+            if end == len(buf) and end - start == 1 and buf[start] == 0x0D and not end_of_stream:
+                scan = start  # a lone \r at the end may be the first half of \r\n
+                break
+            if start > line_start:
+                self._field(buf[line_start:start])
+                scan = line_start = end
+                continue
+            # A blank line ends the event.
+            if self._event_done() and out is not None:
+                out += buf[event_start:end]
+            event_start = scan = line_start = end
+        if end_of_stream:
+            if event_start < len(buf):  # the stream ended without the final blank line
+                if line_start < len(buf):
+                    self._field(buf[line_start:])
+                if self._event_done() and out is not None:
+                    out += buf[event_start:]
+            buf.clear()
+            self._data.clear()
+            scan = line_start = 0
+        else:
+            if event_start:
+                del buf[:event_start]
+                scan -= event_start
+                line_start -= event_start
+            if len(buf) > self.max_buffer:  # no event is this long: stop parsing, let it all pass
+                self.overflowed = True
+                if out is not None:
+                    out += buf
+                buf.clear()
+                self._data.clear()
+                scan = line_start = 0
+        self._scan, self._line_start = scan, line_start
+        return None if out is None else bytes(out)
+
+    def _field(self, line: bytearray) -> None:
+        if line.startswith(b"data:"):
+            value = line[5:]
+            self._data.append(value[1:] if value[:1] == b" " else value)
+
+    def _event_done(self) -> bool:
+        """_event_done reads the finished event's data; returns False to drop the event."""
+        data = self._data
+        if not data:
+            return True
+        payload = data[0] if len(data) == 1 else b"\n".join(data)
+        data.clear()
+        if payload == b"[DONE]":
+            self.done_seen = True
+            return True
+        if not payload.startswith(b"{"):
+            return True
+        try:
+            obj = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return True
+        if not isinstance(obj, dict):
+            return True
+        has_usage = self._take_usage(obj.get("usage"))
+        choices = obj.get("choices")
+        if isinstance(choices, list):
+            if choices:
+                self.delivered_chunks += 1
+            elif has_usage and self.strip_usage_chunk:
+                return False
+        return True
+
+
+# --- answers -----------------------------------------------------------------------
+
+def error_body(message: str, *, error_type: str, code: str | None, param: str | None = None) -> bytes:
+    """error_body is OpenAI's error JSON: ``{"error": {"message", "type", "param", "code"}}``."""
+    return orjson.dumps({"error": {"message": message, "type": error_type, "param": param, "code": code}})
+
+
+def format_reset(seconds: float) -> str:
+    """format_reset writes a delay as OpenAI's reset headers do: ``12ms``, ``1s``, ``6m0s``, ``1h2m3.5s``.
+
+    Under a second: whole milliseconds, rounded up (a positive delay is at least 1ms).
+    Zero, negative or not finite: ``0s``.
+    """
+    if not math.isfinite(seconds) or seconds <= 0:
+        return "0s"
+    ms = math.ceil(seconds * 1000 - 1e-9)
+    if ms < 1000:
+        return f"{ms}ms"
+    hours, rest = divmod(ms, 3_600_000)
+    minutes, rest = divmod(rest, 60_000)
+    secs = f"{rest // 1000}" if rest % 1000 == 0 else f"{rest / 1000:.3f}".rstrip("0")
+    if hours:
+        return f"{hours}h{minutes}m{secs}s"
+    if minutes:
+        return f"{minutes}m{secs}s"
+    return f"{secs}s"
+
+
+def rate_limit_headers(rate: RateInfo | None) -> list[tuple[str, str]]:
+    """rate_limit_headers are the ``x-ratelimit-*`` headers of a decision (none for None).
+
+    The ``-requests`` family reports concurrency slots; the ``-tokens`` family the TPM
+    bucket, only when the pool has one. Remaining counts never go below 0 (a bucket in
+    debt reports 0).
+    """
+    if rate is None:
+        return []
+    headers = [
+        ("x-ratelimit-limit-requests", str(max(0, rate.limit_requests))),
+        ("x-ratelimit-remaining-requests", str(max(0, rate.remaining_requests))),
+        ("x-ratelimit-reset-requests", format_reset(rate.reset_requests_s)),
+    ]
+    if rate.limit_tokens is not None:
+        remaining = rate.remaining_tokens if rate.remaining_tokens is not None else rate.limit_tokens
+        headers += [
+            ("x-ratelimit-limit-tokens", str(max(0, rate.limit_tokens))),
+            ("x-ratelimit-remaining-tokens", str(max(0, int(remaining)))),
+            ("x-ratelimit-reset-tokens", format_reset(rate.reset_tokens_s)),
+        ]
+    return headers
+
+
+_MAX_RETRY_S = 86_400.0
+_RATE_TYPES = {Reason.TPM: "tokens", Reason.KV_BUDGET: "tokens"}
+
+
+def rejection_response(rej: Rejection) -> tuple[int, list[tuple[str, str]], bytes]:
+    """rejection_response is the 429 a refused request gets: status, headers, body.
+
+    ``retry-after`` is whole seconds (at least 1), ``retry-after-ms`` the exact delay (what
+    openai-python reads first); ``x-kvgate-reason`` names the budget; a request that can
+    never fit adds ``x-should-retry: false``. The body's ``type`` is ``tokens`` for TPM and
+    KV refusals, ``requests`` for concurrency and shedding, as OpenAI's 429s are.
+    """
+    delay = rej.retry_after_s
+    if not math.isfinite(delay) or delay < 0:
+        delay = _MAX_RETRY_S
+    delay = min(delay, _MAX_RETRY_S)
+    headers = [
+        ("content-type", "application/json"),
+        ("retry-after", str(max(1, math.ceil(delay)))),
+        ("retry-after-ms", str(max(1, math.ceil(delay * 1000)))),
+        ("x-kvgate-reason", rej.reason.value),
+    ]
+    if not rej.retryable:
+        headers.append(("x-should-retry", "false"))
+    headers += rate_limit_headers(rej.rate)
+    body = error_body(rej.message, error_type=_RATE_TYPES.get(rej.reason, "requests"),
+                      code="rate_limit_exceeded")
+    return 429, headers, body
+
+
+def request_error_response(err: RequestError) -> tuple[int, list[tuple[str, str]], bytes]:
+    """request_error_response is the 4xx a malformed request gets, with ``x-should-retry: false``."""
+    headers = [("content-type", "application/json"), ("x-should-retry", "false")]
+    body = error_body(err.message, error_type=err.error_type, code=err.code, param=err.param)
+    return err.status, headers, body
