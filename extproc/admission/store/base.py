@@ -35,6 +35,10 @@ from extproc.admission.types import Reason
 from extproc.errors import KvgateError
 
 
+# The key of the pool's own bucket in ``BucketSpec.key`` (tenant buckets are "tenant:<name>").
+POOL_BUCKET = "pool"
+
+
 class StoreError(KvgateError):
     """StoreError is a store that cannot answer (unreachable, timed out, bad reply)."""
 
@@ -73,7 +77,7 @@ _REASON = {
 class BucketSpec:
     """BucketSpec is one token bucket's limits for this plan.
 
-    ``key``: the bucket's name inside its pool (``"pool"`` or ``"tenant:<name>"``);
+    ``key``: the bucket's name inside its pool (``POOL_BUCKET`` or ``"tenant:<name>"``);
     ``capacity``: the effective capacity in tokens (after the scale); ``rate``: refill in
     tokens per second (capacity / 60); ``base_capacity``: the capacity at scale 1.0, in
     tokens: a plan above it can never fit.

@@ -1,0 +1,158 @@
+"""adaptive: the pool's scale in [min_scale, 1] from its backends' signals, and its recovery.
+
+``target_scale`` is a pure function from signals to the scale they call for;
+``next_scale`` is the pure recovery step (a shrink at once, a rise at most
+``recovery_per_s`` per second); ``ScaleTracker`` keeps one pool's last scale and signals
+and evaluates both lazily at each instant it is asked.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from extproc.admission.types import PoolSignals
+from extproc.config import AdaptiveConfig, PoolConfig
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleParams:
+    """ScaleParams are the adaptive settings of one pool.
+
+    ``enabled`` is False for a pool with no backends (its scale stays 1.0);
+    watermarks are KV-cache usage ratios; ``waiting_threshold`` is queued requests at
+    or above which the pool counts as saturated; ``stale_after_s`` is the age, in
+    seconds, past which signals count as stale; ``recovery_per_s`` is scale per second.
+    """
+
+    enabled: bool
+    high_watermark: float = 0.85
+    low_watermark: float = 0.70
+    min_scale: float = 0.6
+    recovery_per_s: float = 0.1
+    waiting_threshold: int = 8
+    stale_after_s: float = 3.0
+
+    @classmethod
+    def of(cls, pool: PoolConfig, adaptive: AdaptiveConfig) -> ScaleParams:
+        """of builds a pool's parameters from its configuration."""
+        return cls(enabled=bool(pool.backends), high_watermark=adaptive.high_watermark,
+                   low_watermark=adaptive.low_watermark, min_scale=adaptive.min_scale,
+                   recovery_per_s=adaptive.recovery_per_s,
+                   waiting_threshold=pool.signals.waiting_threshold,
+                   stale_after_s=adaptive.stale_after_s)
+
+
+def usable(signals: PoolSignals | None, params: ScaleParams, now: float) -> float | None:
+    """usable is the signals' KV usage ratio, or None when they cannot be trusted.
+
+    None (saturated) for: no signals, stale signals, signals older than
+    ``stale_after_s`` at ``now``, a missing or non-finite usage, or a usage outside [0, 1]
+    beyond rounding (backends are outside input). Waiting requests at or above the
+    threshold read as usage 1.0. A missing waiting count alone is not saturation: the
+    usage is the primary signal.
+    """
+    if signals is None or signals.stale:
+        return None
+    at = signals.at
+    if not isinstance(at, (int, float)) or not math.isfinite(at) or now - at > params.stale_after_s:
+        return None
+    u = signals.kv_usage
+    if u is None or isinstance(u, bool) or not isinstance(u, (int, float)) or not math.isfinite(u):
+        return None
+    if u < -0.01 or u > 1.01:
+        return None
+    w = signals.waiting
+    if w is not None:
+        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+            return None
+        if w >= params.waiting_threshold:
+            return 1.0
+    return min(1.0, max(0.0, float(u)))
+
+
+def target_scale(signals: PoolSignals | None, params: ScaleParams, now: float) -> float:
+    """target_scale is the scale the signals call for at ``now``, in [min_scale, 1].
+
+    Usage at or above the high watermark gives min_scale; at or below the low watermark
+    1.0; linear in between. Untrusted signals (``usable``) give min_scale. A pool
+    without backends always gets 1.0.
+    """
+    if not params.enabled:
+        return 1.0
+    u = usable(signals, params, now)
+    if u is None or u >= params.high_watermark:
+        return params.min_scale
+    if u <= params.low_watermark:
+        return 1.0
+    frac = (u - params.low_watermark) / (params.high_watermark - params.low_watermark)
+    return 1.0 - frac * (1.0 - params.min_scale)
+
+
+def in_alarm(signals: PoolSignals | None, params: ScaleParams, now: float) -> bool:
+    """in_alarm tells whether the pool sheds: usage at or above the high watermark, or untrusted signals."""
+    if not params.enabled:
+        return False
+    u = usable(signals, params, now)
+    return u is None or u >= params.high_watermark
+
+
+def next_scale(prev: float, target: float, dt: float, recovery_per_s: float) -> float:
+    """next_scale moves the scale from ``prev`` toward ``target`` over ``dt`` seconds.
+
+    A shrink applies at once; a rise is at most ``recovery_per_s × dt``, so limits do
+    not oscillate with noisy signals.
+    """
+    if target <= prev:
+        return target
+    if dt <= 0:
+        return prev
+    risen = prev + recovery_per_s * dt
+    return risen if risen < target else target
+
+
+class ScaleTracker:
+    """ScaleTracker is one pool's adaptive state: its last signals, scale and alarm.
+
+    ``at(now)`` evaluates the scale lazily at the instant asked (admissions, snapshots),
+    so staleness and recovery follow the clock even when no signal arrives. A tracker
+    with backends starts with no signals, which count as stale: the pool starts at
+    ``min_scale`` until its first signals (fail safe).
+    """
+
+    __slots__ = ("params", "signals", "scale", "alarm", "t")
+
+    def __init__(self, params: ScaleParams, now: float) -> None:
+        self.params = params
+        self.signals: PoolSignals | None = None
+        self.t = now
+        self.scale = params.min_scale if params.enabled else 1.0
+        self.alarm = params.enabled
+
+    def at(self, now: float) -> float:
+        """at is the scale at instant ``now`` (seconds); it also refreshes ``alarm``."""
+        params = self.params
+        if not params.enabled:
+            return 1.0
+        target = target_scale(self.signals, params, now)
+        self.scale = next_scale(self.scale, target, now - self.t, params.recovery_per_s)
+        if now > self.t:
+            self.t = now
+        self.alarm = in_alarm(self.signals, params, now)
+        return self.scale
+
+    def update(self, signals: PoolSignals, now: float) -> float:
+        """update takes new signals at ``now``: the scale recovers up to now first, then follows them."""
+        self.at(now)
+        self.signals = signals
+        return self.at(now)
+
+    def retune(self, params: ScaleParams, now: float) -> None:
+        """retune applies new parameters (hot reload), keeping the signals and the scale reached."""
+        self.at(now)
+        self.params = params
+        if not params.enabled:
+            self.scale, self.alarm = 1.0, False
+        else:
+            self.scale = min(self.scale, 1.0)
+            self.at(now)

@@ -1,0 +1,107 @@
+"""bucket: a token bucket with explicit instants, debt, refunds and the exact wait.
+
+Every method takes the instant ``now`` (seconds, on the caller's monotonic clock), so the
+bucket can be tested at fixed instants and driven by a shared store's clock.
+"""
+
+from __future__ import annotations
+
+import math
+
+# Float refill is not exact: after waiting exactly ``delay(n)`` the bucket may hold
+# n - 1e-12 tokens. Amounts within this many tokens count as fitting.
+FIT_SLACK = 1e-6
+
+
+def tpm_rate(capacity: float) -> float:
+    """tpm_rate is the refill rate, in tokens per second, of a tokens-per-minute capacity."""
+    return capacity / 60.0
+
+
+class TokenBucket:
+    """TokenBucket holds up to ``capacity`` tokens and refills at ``rate`` tokens per second.
+
+    Invariant: ``tokens <= capacity`` after every method. Tokens may be negative: a debt,
+    left when a settled request used more than it reserved; refill repays it before
+    anything else fits. ``t`` is the instant (seconds) ``tokens`` was computed at; an
+    instant earlier than ``t`` refills nothing (a clock never runs backwards here).
+    """
+
+    __slots__ = ("capacity", "rate", "tokens", "t")
+
+    def __init__(self, capacity: float, rate: float, now: float) -> None:
+        if not capacity > 0 or not rate > 0 or math.isinf(capacity) or math.isinf(rate):
+            raise ValueError(f"a bucket needs a finite capacity and rate above 0, got {capacity}, {rate}")
+        self.capacity = float(capacity)
+        self.rate = float(rate)
+        self.tokens = float(capacity)
+        self.t = now
+
+    def refill(self, now: float) -> float:
+        """refill adds ``rate`` tokens per second elapsed since ``t`` (up to capacity); returns tokens."""
+        dt = now - self.t
+        if dt > 0:
+            tokens = self.tokens + dt * self.rate
+            self.tokens = tokens if tokens < self.capacity else self.capacity
+            self.t = now
+        return self.tokens
+
+    def set_limits(self, capacity: float, rate: float, now: float) -> float:
+        """set_limits refills at the old rate up to ``now``, then applies the new capacity and rate.
+
+        A smaller capacity takes the excess tokens away at once; a larger one adds none
+        (they come with the refill). Returns the tokens.
+        """
+        self.refill(now)
+        if capacity != self.capacity or rate != self.rate:
+            if not capacity > 0 or not rate > 0:
+                raise ValueError(f"a bucket needs a capacity and rate above 0, got {capacity}, {rate}")
+            self.capacity = float(capacity)
+            self.rate = float(rate)
+            if self.tokens > self.capacity:
+                self.tokens = self.capacity
+        return self.tokens
+
+    def fits(self, n: float, now: float) -> bool:
+        """fits tells whether ``n`` tokens can be taken at ``now`` without debt."""
+        return n <= self.refill(now) + FIT_SLACK
+
+    def delay(self, n: float, now: float) -> float:
+        """delay is the wait, in seconds from ``now``, until ``n`` tokens fit at the current rate.
+
+        0.0 when they fit now; ``math.inf`` when ``n`` exceeds the capacity (it never fits).
+        """
+        return wait_for(n, self.refill(now), self.capacity, self.rate)
+
+    def take(self, n: float, now: float) -> float:
+        """take removes ``n`` tokens at ``now`` (callers check ``fits`` first); returns tokens left."""
+        self.refill(now)
+        self.tokens -= n
+        return self.tokens
+
+    def give(self, n: float, now: float) -> float:
+        """give returns ``n`` tokens at ``now``, never above capacity; a negative ``n`` charges more.
+
+        This is the settle step: ``n = reserved - actual``. Returns tokens left.
+        """
+        self.refill(now)
+        tokens = self.tokens + n
+        self.tokens = tokens if tokens < self.capacity else self.capacity
+        return self.tokens
+
+    def reset_s(self, now: float) -> float:
+        """reset_s is the time, in seconds from ``now``, until the bucket is full again."""
+        return (self.capacity - self.refill(now)) / self.rate
+
+
+def wait_for(n: float, tokens: float, capacity: float, rate: float) -> float:
+    """wait_for is the exact wait, in seconds, until ``n`` tokens fit in a bucket now holding ``tokens``.
+
+    ``capacity`` and ``rate`` are in tokens and tokens per second. 0.0 when they fit;
+    ``math.inf`` when ``n`` is above ``capacity``.
+    """
+    if n <= tokens + FIT_SLACK:
+        return 0.0
+    if n > capacity + FIT_SLACK:
+        return math.inf
+    return (n - tokens) / rate

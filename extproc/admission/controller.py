@@ -1,0 +1,605 @@
+"""controller: ``Admission`` decides per request whether a pool takes it now; ``Lease`` gives it back.
+
+The controller turns a ``Demand`` into a ``Plan`` (the pool's limits at the current
+adaptive scale, the class's guarantees, the tenant's bucket), hands it to the store, and
+returns a ``Lease`` or a ``Rejection``. It adds what no store does: load shedding in alarm,
+the bounded wait of a class (``waitqueue``), and re-trying waiters when capacity frees.
+
+Everything runs on one event loop thread: ``try_acquire``, ``lease.release``,
+``update_signals``, ``reconfigure`` and ``snapshot`` are synchronous and never wait;
+``acquire`` suspends only to wait for capacity (or on a shared store).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+from extproc.admission import rules
+from extproc.admission.adaptive import ScaleParams, ScaleTracker
+from extproc.admission.errors import InvalidDemandError, UnknownPoolError
+from extproc.admission.kvbudget import base_kv_budget, effective_kv_budget, reserved_completion
+from extproc.admission.slots import effective_guarantees, effective_limit
+from extproc.admission.store.base import (POOL_BUCKET, Budget, BucketSpec, Grant, Plan, PoolLimits,
+                                          Refusal, Store, SyncStore)
+from extproc.admission.store.memory import MemoryStore
+from extproc.admission.tenants import Tenants
+from extproc.admission.types import (Demand, Outcome, PoolSignals, PoolSnapshot, RateInfo, Reason,
+                                     Rejection)
+from extproc.admission.waitqueue import Step, Waiter, WaitQueue
+from extproc.clock import Clock
+from extproc.config import ClassConfig, Config, PoolConfig
+
+# With a shared store, releases by other replicas are not seen here: waiters blocked on
+# slots or KV are re-tried this often (seconds).
+SHARED_POLL_S = 0.05
+
+_STOPS = (Budget.SLOTS, Budget.KV, Budget.POOL_TPM)
+
+
+class Lease:
+    """Lease is an admitted request's hold on its pool's budgets, until ``release``.
+
+    ``demand`` is what was asked; ``id`` is the store's grant id; ``released`` tells
+    whether it was released; ``outcome`` is how it ended (None while held).
+    """
+
+    __slots__ = ("_adm", "_grant", "demand", "released", "outcome", "_max_completion")
+
+    def __init__(self, adm: Admission, grant: Grant, demand: Demand, max_completion: int) -> None:
+        self._adm = adm
+        self._grant = grant
+        self.demand = demand
+        self.released = False
+        self.outcome: Outcome | None = None
+        self._max_completion = max_completion
+
+    @property
+    def id(self) -> str:
+        """id is the grant's id in the store."""
+        return self._grant.id
+
+    @property
+    def rate(self) -> RateInfo:
+        """rate is what the ``x-ratelimit-*`` headers report, as of the admission.
+
+        Tokens describe the binding bucket (the tenant's or the pool's, whichever had
+        fewer tokens left); None without buckets.
+        """
+        g = self._grant
+        limit = g.plan.limits.limit
+        if g.bucket_capacity is None:
+            return RateInfo(limit_requests=limit, remaining_requests=max(0, limit - g.inflight))
+        cap = g.bucket_capacity
+        left = g.bucket_tokens or 0.0
+        return RateInfo(limit_requests=limit, remaining_requests=max(0, limit - g.inflight),
+                        limit_tokens=int(cap), remaining_tokens=max(0, int(left)),
+                        reset_tokens_s=max(0.0, (cap - left) / g.bucket_rate) if g.bucket_rate else 0.0)
+
+    def release(self, outcome: Outcome, completion_tokens: int | None = None) -> bool:
+        """release gives the lease back once; True only for the call that released it.
+
+        ``completion_tokens`` is the completion the upstream reported; the buckets end up
+        charged prompt + that. None (unknown), or anything that is not an integer >= 0,
+        charges the whole reservation, never zero. A count above the pool's context window
+        is capped there (a backend's report is outside input).
+        """
+        if self.released:
+            return False
+        self.released = True
+        self.outcome = outcome
+        d = self.demand
+        if type(completion_tokens) is int and completion_tokens >= 0:
+            c = completion_tokens if completion_tokens < self._max_completion else self._max_completion
+            charged = d.prompt_tokens + c
+        else:
+            charged = d.prompt_tokens + d.completion_tokens
+        self._adm._settle(self._grant, charged)
+        return True
+
+    def __repr__(self) -> str:
+        return f"Lease({self.id}, {self.demand.pool}/{self.demand.tenant}, released={self.released})"
+
+
+class _Pool:
+    """_Pool is one pool's runtime: its config, adaptive tracker, cached limits and wait queue."""
+
+    __slots__ = ("name", "config", "tracker", "kv_capacity", "limits", "queue", "loop", "timer",
+                 "timer_at", "stop", "blocked_tenants", "draining", "drain_again", "drain_task",
+                 "retry_estimate_s", "guaranteed")
+
+    def __init__(self, config: PoolConfig, params: ScaleParams, retry_estimate_s: float,
+                 guaranteed: dict[str, int], now: float) -> None:
+        self.name = config.name
+        self.config = config
+        self.tracker = ScaleTracker(params, now)
+        self.kv_capacity: int | None = None
+        self.limits: PoolLimits | None = None
+        self.queue = WaitQueue()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.timer_at = math.inf
+        # What blocked the last walk of the queue: (priority, refusal) of the waiter it
+        # stopped at, and the tenants whose own bucket refused their first waiter.
+        self.stop: tuple[int, Refusal] | None = None
+        self.blocked_tenants: dict[str, Refusal] = {}
+        self.draining = False
+        self.drain_again = False
+        self.drain_task: asyncio.Task[None] | None = None
+        self.retry_estimate_s = retry_estimate_s
+        self.guaranteed = guaranteed
+
+    def limits_at(self, now: float) -> PoolLimits:
+        """limits_at is the pool's limits at ``now``'s scale (cached while the scale holds)."""
+        scale = self.tracker.at(now)
+        lim = self.limits
+        if lim is not None and lim.scale == scale:
+            return lim
+        cfg = self.config
+        limit = effective_limit(cfg.max_concurrency, scale)
+        base_kv = base_kv_budget(cfg.kv_budget_tokens, self.kv_capacity, cfg.signals.kv_budget_fraction)
+        bucket = None
+        if cfg.tpm is not None:
+            cap = cfg.tpm * scale
+            bucket = BucketSpec(key=POOL_BUCKET, capacity=cap, rate=cap / 60.0, base_capacity=float(cfg.tpm))
+        lim = self.limits = PoolLimits(
+            pool=self.name, scale=scale, limit=limit, base_limit=cfg.max_concurrency,
+            guarantees=effective_guarantees(self.guaranteed, scale, limit),
+            kv_budget=effective_kv_budget(base_kv, scale), base_kv_budget=base_kv, bucket=bucket,
+            retry_estimate_s=self.retry_estimate_s)
+        return lim
+
+
+def _check(demand: Demand) -> None:
+    p, c = demand.prompt_tokens, demand.completion_tokens
+    if type(p) is not int or type(c) is not int or p < 0 or c < 0:
+        raise InvalidDemandError(f"token counts must be integers >= 0, got prompt={p!r} completion={c!r}")
+
+
+class Admission:
+    """Admission admits requests to pools by slots, tokens per minute and in-flight KV tokens.
+
+    ``config`` gives the pools, classes and tenants; ``clock`` the instants (seconds);
+    ``store`` where budgets live (None: in this process). See the module docstring for
+    the threading rule.
+    """
+
+    def __init__(self, config: Config, clock: Clock, store: Store | None = None) -> None:
+        self._clock = clock
+        self._store: Store = MemoryStore() if store is None else store
+        self._sync: SyncStore | None = self._store if isinstance(self._store, SyncStore) else None
+        self._config = config
+        self._tenants = Tenants(config.tenants)
+        now = clock.now()
+        self._pools: dict[str, _Pool] = {
+            name: self._new_pool(pc, config, now) for name, pc in config.pools.items()}
+
+    def _new_pool(self, pc: PoolConfig, config: Config, now: float) -> _Pool:
+        return _Pool(pc, ScaleParams.of(pc, config.adaptive), config.adaptive.poll_interval_s,
+                     self._tenants.guaranteed, now)
+
+    # --- public API -------------------------------------------------------------
+
+    @property
+    def pools(self) -> tuple[str, ...]:
+        """pools names the configured pools."""
+        return tuple(self._pools)
+
+    @property
+    def store(self) -> Store:
+        """store is where the budgets live."""
+        return self._store
+
+    def demand(self, tenant: str, prompt_tokens: int, max_tokens: int | None = None,
+               pool: str | None = None) -> Demand:
+        """demand builds a request's Demand: the tenant's class and the completion it reserves.
+
+        ``tenant`` is a configured tenant name (unknown ones get the default class);
+        ``max_tokens`` is the request's max_tokens or max_completion_tokens (None: the
+        pool's ``min(context_window - prompt, default_max_tokens)``); ``pool`` None is the
+        default pool.
+        """
+        name = pool or self._config.default_pool
+        p = self._pools.get(name)
+        if p is None:
+            raise UnknownPoolError(name)
+        cfg = p.config
+        return Demand(pool=name, tenant=tenant, class_name=self._config.class_of(tenant).name,
+                      prompt_tokens=prompt_tokens,
+                      completion_tokens=reserved_completion(prompt_tokens, max_tokens,
+                                                            cfg.context_window, cfg.default_max_tokens))
+
+    def try_acquire(self, demand: Demand) -> Lease | Rejection:
+        """try_acquire admits ``demand`` now or refuses it; it never waits (in-process store only).
+
+        Raises ``UnknownPoolError``, ``InvalidDemandError``, or ``TypeError`` with a shared store.
+        """
+        p = self._pools.get(demand.pool)
+        if p is None:
+            raise UnknownPoolError(demand.pool)
+        _check(demand)
+        store = self._sync
+        if store is None:
+            raise TypeError("try_acquire needs an in-process store; use acquire with a shared store")
+        now = self._clock.now()
+        cls = self._tenants.class_rule(demand.class_name)
+        limits = p.limits_at(now)
+        if cls.sheddable and p.tracker.alarm:
+            return self._shed(p, cls, limits)
+        plan = Plan(limits, demand.tenant, cls.name, demand.prompt_tokens + demand.completion_tokens,
+                    self._tenants.bucket(demand.tenant, cls.name))
+        if p.queue.size:
+            blocker = self._blocked(p, demand, cls)
+            if blocker is not None:
+                return self._rejection(p, blocker, plan, now)
+        res = store.admit_now(plan, now)
+        if type(res) is Grant:
+            return Lease(self, res, demand, p.config.context_window)
+        return self._rejection(p, res, plan, now)  # type: ignore[arg-type]
+
+    async def acquire(self, demand: Demand) -> Lease | Rejection:
+        """acquire admits ``demand``, waiting up to its class's ``max_wait_s`` for capacity.
+
+        A request admitted at once costs no task and no future. A waiter cancelled while
+        it waits (its client went away) leaves the queue and holds nothing. Raises like
+        ``try_acquire`` (but works with every store).
+        """
+        p = self._pools.get(demand.pool)
+        if p is None:
+            raise UnknownPoolError(demand.pool)
+        _check(demand)
+        now = self._clock.now()
+        cls = self._tenants.class_rule(demand.class_name)
+        limits = p.limits_at(now)
+        if cls.sheddable and p.tracker.alarm:
+            return self._shed(p, cls, limits)
+        plan = Plan(limits, demand.tenant, cls.name, demand.prompt_tokens + demand.completion_tokens,
+                    self._tenants.bucket(demand.tenant, cls.name))
+        refusal = self._blocked(p, demand, cls) if p.queue.size else None
+        if refusal is None:
+            store = self._sync
+            res = store.admit_now(plan, now) if store is not None else await self._store.admit(plan, now)
+            if type(res) is Grant:
+                return Lease(self, res, demand, p.config.context_window)
+            refusal = res  # type: ignore[assignment]
+            if not refusal.retryable or cls.max_wait_s <= 0:
+                return self._rejection(p, refusal, plan, now)
+        elif cls.max_wait_s <= 0:
+            return self._rejection(p, refusal, plan, now)
+        return await self._wait(p, demand, cls, plan, refusal, now)
+
+    def update_signals(self, pool: str, signals: PoolSignals) -> None:
+        """update_signals takes a pool's latest backend signals (on the event-loop thread).
+
+        The scale follows at once when it shrinks, smoothly when it rises; entering alarm
+        sheds the waiting requests of sheddable classes; a reported KV capacity (tokens)
+        sets the derived KV budget. Pools without backends keep scale 1.0. Raises
+        ``UnknownPoolError`` for a pool that is not configured.
+        """
+        p = self._pools.get(pool)
+        if p is None:
+            raise UnknownPoolError(pool)
+        now = self._clock.now()
+        p.tracker.update(signals, now)
+        cap = signals.kv_capacity_tokens
+        if type(cap) is int and cap > 0 and cap != p.kv_capacity:
+            p.kv_capacity = cap
+            p.limits = None
+        if p.queue.size:
+            if p.tracker.alarm:
+                self._shed_waiters(p, now)
+            self._kick(p)
+
+    def snapshot(self, pool: str) -> PoolSnapshot:
+        """snapshot reports a pool's scale, limits and usage now, for metrics and health pages."""
+        p = self._pools.get(pool)
+        if p is None:
+            raise UnknownPoolError(pool)
+        now = self._clock.now()
+        limits = p.limits_at(now)
+        usage = self._store.usage(pool, now)
+        bucket = limits.bucket
+        available = usage.bucket_tokens
+        if bucket is not None and available is None:
+            available = bucket.capacity
+        return PoolSnapshot(
+            pool=pool, scale=limits.scale, concurrency_limit=limits.limit, inflight=usage.inflight,
+            inflight_by_class={k: v for k, v in usage.by_class.items() if v},
+            tpm_capacity=None if bucket is None else int(bucket.capacity),
+            tpm_available=None if bucket is None else min(available, bucket.capacity),
+            kv_inflight=usage.kv_inflight, kv_budget=limits.kv_budget, alarm=p.tracker.alarm,
+            waiting=p.queue.size)
+
+    def reconfigure(self, config: Config) -> None:
+        """reconfigure applies a reloaded configuration to new admissions.
+
+        Granted leases keep what they hold and release correctly; pools keep their
+        adaptive state; waiters of a removed pool are refused (not retryable).
+        """
+        now = self._clock.now()
+        self._config = config
+        self._tenants = Tenants(config.tenants)
+        pools: dict[str, _Pool] = {}
+        for name, pc in config.pools.items():
+            p = self._pools.get(name)
+            if p is None:
+                pools[name] = self._new_pool(pc, config, now)
+                continue
+            p.config = pc
+            p.tracker.retune(ScaleParams.of(pc, config.adaptive), now)
+            p.retry_estimate_s = config.adaptive.poll_interval_s
+            p.guaranteed = self._tenants.guaranteed
+            p.limits = None
+            pools[name] = p
+        removed = [p for name, p in self._pools.items() if name not in pools]
+        self._pools = pools
+        for p in removed:
+            self._close_pool(p)
+        for p in pools.values():
+            if p.queue.size:
+                self._kick(p)
+
+    def poll(self, pool: str | None = None) -> None:
+        """poll re-runs the wait queue of ``pool`` (None: all) at the clock's now.
+
+        Overdue waiters are refused and waiters that now fit are admitted. Timers call it
+        on their own; tests that move a ``ManualClock`` call it to stand in for them.
+        """
+        for p in ([self._pools[pool]] if pool is not None else list(self._pools.values())):
+            if p.queue.size:
+                self._kick(p)
+
+    async def close(self) -> None:
+        """close refuses every waiter, stops timers and closes the store."""
+        for p in self._pools.values():
+            self._close_pool(p, reason="kvgate is shutting down")
+        await self._store.close()
+
+    # --- internals --------------------------------------------------------------
+
+    def _settle(self, grant: Grant, charged: int) -> None:
+        self._store.settle(grant, charged, self._clock.now())
+        p = self._pools.get(grant.plan.limits.pool)
+        if p is not None and p.queue.size:
+            self._kick(p)
+
+    def _rate(self, p: _Pool, limits: PoolLimits, now: float) -> RateInfo:
+        usage = self._store.usage(p.name, now)
+        b = limits.bucket
+        if b is None:
+            return RateInfo(limit_requests=limits.limit,
+                            remaining_requests=max(0, limits.limit - usage.inflight))
+        tokens = b.capacity if usage.bucket_tokens is None else min(usage.bucket_tokens, b.capacity)
+        return RateInfo(limit_requests=limits.limit, remaining_requests=max(0, limits.limit - usage.inflight),
+                        limit_tokens=int(b.capacity), remaining_tokens=max(0, int(tokens)),
+                        reset_tokens_s=(b.capacity - tokens) / b.rate)
+
+    def _rejection(self, p: _Pool, refusal: Refusal, plan: Plan, now: float) -> Rejection:
+        return Rejection(reason=refusal.budget.reason, retry_after_s=refusal.retry_after_s,
+                         retryable=refusal.retryable, message=rules.message(refusal, plan),
+                         rate=self._rate(p, plan.limits, now))
+
+    def _shed(self, p: _Pool, cls: ClassConfig, limits: PoolLimits) -> Rejection:
+        wait = p.retry_estimate_s
+        return Rejection(reason=Reason.SHED, retry_after_s=wait, retryable=True,
+                         message=rules.shed_message(p.name, cls.name, wait),
+                         rate=self._rate(p, limits, self._clock.now()))
+
+    def _blocked(self, p: _Pool, demand: Demand, cls: ClassConfig) -> Refusal | None:
+        """_blocked is the refusal of a waiter that ``demand`` may not jump, or None.
+
+        Waiters of a higher or the same priority that stopped on a budget everyone
+        needs, and earlier waiters of the same tenant stopped by its bucket, go first.
+        """
+        top = p.queue.top_priority()
+        if top is None or (top < cls.priority and demand.tenant not in p.blocked_tenants):
+            return None
+        if self._sync is not None:
+            self._kick(p)  # time has passed since the last walk: serve the queue first
+        stop = p.stop
+        if stop is not None and cls.priority <= stop[0]:
+            return stop[1]
+        return p.blocked_tenants.get(demand.tenant)
+
+    async def _wait(self, p: _Pool, demand: Demand, cls: ClassConfig, plan: Plan,
+                    refusal: Refusal, now: float) -> Lease | Rejection:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Lease | Rejection] = loop.create_future()
+        w = Waiter(demand, cls.priority, now, now + cls.max_wait_s, fut, refusal, plan)
+        p.loop = loop
+        p.queue.push(w)
+        self._schedule(p, now)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if p.queue.remove(w):
+                self._kick(p)  # it may have been the waiter others were queued behind
+            if fut.done() and not fut.cancelled():
+                got = fut.result()
+                if isinstance(got, Lease):
+                    self._abandon(got)
+            raise
+
+    def _abandon(self, lease: Lease) -> None:
+        """_abandon takes back a lease its requester never received: nothing ran, nothing is charged."""
+        if not lease.released:
+            lease.released = True
+            lease.outcome = Outcome.CLIENT_DISCONNECT
+            self._settle(lease._grant, 0)
+
+    def _resolve(self, p: _Pool, w: Waiter, result: Lease | Rejection) -> None:
+        p.queue.remove(w)
+        if w.future.done():
+            if isinstance(result, Lease):
+                self._abandon(result)
+        else:
+            w.future.set_result(result)
+
+    def _shed_waiters(self, p: _Pool, now: float) -> None:
+        for w in p.queue.waiters():
+            cls = self._tenants.class_rule(w.demand.class_name)
+            if cls.sheddable:
+                self._resolve(p, w, self._shed(p, cls, p.limits_at(now)))
+
+    def _close_pool(self, p: _Pool, reason: str = "its pool is no longer configured") -> None:
+        if p.timer is not None:
+            p.timer.cancel()
+            p.timer, p.timer_at = None, math.inf
+        for w in p.queue.waiters():
+            self._resolve(p, w, Rejection(reason=w.refusal.budget.reason, retry_after_s=0.0,
+                                          retryable=False, message=f"The request was refused: {reason}."))
+
+    def _expire(self, p: _Pool, now: float) -> None:
+        for w in p.queue.expired(now):
+            if not w.future.done():
+                waited = now - w.since
+                r = self._rejection(p, w.refusal, w.plan, now)
+                w.future.set_result(Rejection(
+                    reason=r.reason, retry_after_s=r.retry_after_s, retryable=r.retryable,
+                    message=f"{r.message} (waited {max(0.0, waited):.1f}s for capacity)", rate=r.rate))
+
+    def _kick(self, p: _Pool) -> None:
+        """_kick serves the queue now (in-process store) or makes sure a drain task runs.
+
+        A kick during a walk (a release made by the walk itself) only asks for one more.
+        """
+        if p.draining:
+            p.drain_again = True
+            return
+        if self._sync is not None:
+            p.draining = True
+            try:
+                while True:
+                    p.drain_again = False
+                    self._drain(p)
+                    if not p.drain_again:
+                        break
+            finally:
+                p.draining = False
+            return
+        if p.loop is None or p.loop.is_closed():
+            return
+        p.draining = True
+        p.drain_task = p.loop.create_task(self._drain_async(p))
+
+    def _begin_walk(self, p: _Pool, now: float) -> bool:
+        self._expire(p, now)
+        p.stop = None
+        p.blocked_tenants.clear()
+        return bool(p.queue.size)
+
+    def _prepare(self, p: _Pool, w: Waiter, now: float) -> Plan | Step:
+        """_prepare is the plan to try for waiter ``w``, or the Step when it needs no try."""
+        if w.future.done():  # cancelled; its task has not run its handler yet
+            p.queue.remove(w)
+            return Step.NEXT
+        cls = self._tenants.class_rule(w.demand.class_name)
+        limits = p.limits_at(now)
+        if cls.sheddable and p.tracker.alarm:
+            self._resolve(p, w, self._shed(p, cls, limits))
+            return Step.NEXT
+        d = w.demand
+        plan = w.plan = Plan(limits, d.tenant, cls.name, d.prompt_tokens + d.completion_tokens,
+                             self._tenants.bucket(d.tenant, cls.name))
+        return plan
+
+    def _served(self, p: _Pool, w: Waiter, plan: Plan, res: Grant | Refusal, now: float) -> Step:
+        if type(res) is Grant:
+            if not w.queued or w.future.done():
+                self._store.settle(res, 0, now)  # its requester left while the store answered
+                return Step.NEXT
+            self._resolve(p, w, Lease(self, res, w.demand, p.config.context_window))
+            return Step.NEXT
+        refusal: Refusal = res  # type: ignore[assignment]
+        w.refusal = refusal
+        if not refusal.retryable:
+            self._resolve(p, w, self._rejection(p, refusal, plan, now))
+            return Step.NEXT
+        b = refusal.budget
+        if b in _STOPS:
+            p.stop = (w.priority, refusal)
+            return Step.STOP
+        if b is Budget.RESERVED_SLOTS:
+            return Step.SKIP_CLASS
+        p.blocked_tenants[w.demand.tenant] = refusal
+        return Step.SKIP_TENANT
+
+    def _drain(self, p: _Pool) -> None:
+        """_drain walks the queue once with the in-process store, then re-arms the timer."""
+        now = self._clock.now()
+        if self._begin_walk(p, now):
+            store = self._sync
+            assert store is not None
+            walk = p.queue.walk()
+            try:
+                w = next(walk)
+                while True:
+                    plan = self._prepare(p, w, now)
+                    step = plan if isinstance(plan, Step) else \
+                        self._served(p, w, plan, store.admit_now(plan, now), now)
+                    w = walk.send(step)
+            except StopIteration:
+                pass
+            finally:
+                walk.close()
+        self._schedule(p, now)
+
+    async def _drain_async(self, p: _Pool) -> None:
+        """_drain_async walks the queue with a store that answers asynchronously, until no change is pending."""
+        try:
+            while True:
+                p.drain_again = False
+                now = self._clock.now()
+                if self._begin_walk(p, now):
+                    walk = p.queue.walk()
+                    try:
+                        w = next(walk)
+                        while True:
+                            plan = self._prepare(p, w, now)
+                            if isinstance(plan, Step):
+                                step = plan
+                            else:
+                                res = await self._store.admit(plan, now)
+                                step = self._served(p, w, plan, res, now)
+                            w = walk.send(step)
+                    except StopIteration:
+                        pass
+                    finally:
+                        walk.close()
+                self._schedule(p, self._clock.now())
+                if not p.drain_again:
+                    break
+        finally:
+            p.draining = False
+            p.drain_task = None
+
+    def _schedule(self, p: _Pool, now: float) -> None:
+        """_schedule arms one timer for the pool's next event: a deadline, or a bucket refill."""
+        if not p.queue.size or p.loop is None or p.loop.is_closed():
+            if p.timer is not None:
+                p.timer.cancel()
+                p.timer, p.timer_at = None, math.inf
+            return
+        wake = p.queue.next_deadline() or math.inf
+        stop = p.stop
+        if stop is not None and (stop[1].budget is Budget.POOL_TPM or self._store.shared):
+            wake = min(wake, now + (stop[1].retry_after_s if stop[1].budget is Budget.POOL_TPM
+                                    else SHARED_POLL_S))
+        for r in p.blocked_tenants.values():
+            wake = min(wake, now + r.retry_after_s)
+        if self._store.shared and p.stop is None:
+            wake = min(wake, now + SHARED_POLL_S)
+        if p.timer is not None:
+            if p.timer_at <= wake:
+                return
+            p.timer.cancel()
+        if wake == math.inf:
+            p.timer, p.timer_at = None, math.inf
+            return
+        p.timer_at = wake
+        p.timer = p.loop.call_later(max(0.0, wake - now), self._on_timer, p)
+
+    def _on_timer(self, p: _Pool) -> None:
+        p.timer, p.timer_at = None, math.inf
+        if self._pools.get(p.name) is p and p.queue.size:
+            self._kick(p)

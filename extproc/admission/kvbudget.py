@@ -1,0 +1,72 @@
+"""kvbudget: the in-flight KV-token budget, and what a request reserves of it.
+
+A request holds KV-cache memory for its prompt and every token it generates, for as long
+as it runs. The sum over admitted, unfinished requests of (prompt + reserved completion)
+is kept within ``kv_budget × scale``: the guard against ten 32k-token requests arriving
+together, which neither slots nor a per-minute bucket stop.
+"""
+
+from __future__ import annotations
+
+import math
+
+from extproc.admission.slots import scaled_floor
+
+
+def reserved_completion(prompt_tokens: int, max_tokens: int | None, context_window: int,
+                        default_max_tokens: int) -> int:
+    """reserved_completion is the completion tokens reserved for a request.
+
+    ``max_tokens`` (or ``max_completion_tokens``) when the request gives it; otherwise
+    ``min(context_window - prompt_tokens, default_max_tokens)``, never below 0. All tokens.
+    """
+    if max_tokens is not None:
+        return max_tokens if max_tokens > 0 else 0
+    room = context_window - prompt_tokens
+    return max(0, min(room, default_max_tokens))
+
+
+def base_kv_budget(configured: int | None, capacity_tokens: int | None, fraction: float) -> int | None:
+    """base_kv_budget is the pool's KV budget at scale 1.0, in tokens (None: unbounded).
+
+    The configured ``kv_budget_tokens`` wins; otherwise ``floor(capacity × fraction)``
+    of the KV capacity the nodes report; None when neither is known.
+    """
+    if configured is not None:
+        return configured
+    if capacity_tokens is None or capacity_tokens <= 0:
+        return None
+    return max(1, math.floor(capacity_tokens * fraction))
+
+
+def effective_kv_budget(base: int | None, scale: float) -> int | None:
+    """effective_kv_budget is the KV budget at ``scale``: floor(base × scale) tokens (None stays None)."""
+    if base is None:
+        return None
+    return scaled_floor(base, scale)
+
+
+def kv_fits(kv_inflight: int, tokens: int, budget: int | None) -> bool:
+    """kv_fits tells whether ``tokens`` more in-flight KV tokens stay within ``budget``."""
+    return budget is None or kv_inflight + tokens <= budget
+
+
+class KvLedger:
+    """KvLedger counts the KV tokens reserved by admitted, unfinished requests of one pool."""
+
+    __slots__ = ("inflight",)
+
+    def __init__(self) -> None:
+        self.inflight = 0
+
+    def take(self, tokens: int) -> int:
+        """take reserves ``tokens``; returns the tokens in flight."""
+        self.inflight += tokens
+        return self.inflight
+
+    def give(self, tokens: int) -> int:
+        """give frees ``tokens`` reserved earlier; returns the tokens in flight."""
+        if tokens > self.inflight:
+            raise ValueError(f"cannot free {tokens} KV tokens, only {self.inflight} are in flight")
+        self.inflight -= tokens
+        return self.inflight

@@ -1,0 +1,206 @@
+"""waitqueue: requests waiting (boundedly) for capacity: higher priority first, FIFO within one.
+
+The queue only orders and walks; the controller decides, for each waiter the walk
+yields, what the walk does next (``Step``). The anti-starvation rule lives in those
+steps: a waiter that does not fit on a budget every request needs (slots, KV tokens, the
+pool's bucket) STOPs the walk, so no smaller request of the same or a lower priority
+jumps it; a waiter refused by its own tenant's bucket blocks only its own tenant; a
+waiter refused because the free slots are guaranteed to other classes blocks only its
+own class. A large request therefore waits only for capacity, never behind a stream of
+small ones.
+
+Waiters added or removed while a walk is under way (the walk may suspend on a shared
+store) take effect when it ends; a removed waiter is never yielded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+from collections.abc import Generator
+from enum import Enum
+from typing import Any
+
+from extproc.admission.store.base import Plan, Refusal
+from extproc.admission.types import Demand
+
+
+class Step(Enum):
+    """Step is what the walk does after the controller has served one waiter."""
+
+    NEXT = 1        # go on with the next waiter in order
+    SKIP_CLASS = 2  # no later waiter of this class fits now
+    SKIP_TENANT = 3  # no later waiter of this tenant fits now
+    STOP = 4        # nobody later may go ahead of this waiter
+
+
+class Waiter:
+    """Waiter is one waiting request: its demand, order, deadline and the future it waits on.
+
+    ``since`` and ``deadline`` are clock instants (s): when it began and stops waiting; ``refusal``/``plan`` are the last refusal it got
+    and the plan it was made for (for the message when the wait ends without capacity).
+    """
+
+    __slots__ = ("demand", "priority", "since", "deadline", "future", "refusal", "plan", "seq", "queued")
+
+    def __init__(self, demand: Demand, priority: int, since: float, deadline: float,
+                 future: asyncio.Future[Any], refusal: Refusal, plan: Plan) -> None:
+        self.demand = demand
+        self.priority = priority
+        self.since = since
+        self.deadline = deadline
+        self.future = future
+        self.refusal = refusal
+        self.plan = plan
+        self.seq = 0
+        self.queued = False
+
+
+class WaitQueue:
+    """WaitQueue holds one pool's waiters by priority, then class, in arrival order.
+
+    ``size`` counts the waiters queued (including those added during a walk).
+    """
+
+    __slots__ = ("_levels", "_deadlines", "_seq", "size", "_walking", "_added", "_removed")
+
+    def __init__(self) -> None:
+        self._levels: dict[int, dict[str, dict[int, Waiter]]] = {}
+        self._deadlines: list[tuple[float, int, Waiter]] = []
+        self._seq = 0
+        self.size = 0
+        self._walking = False
+        self._added: list[Waiter] = []
+        self._removed: list[Waiter] = []
+
+    def push(self, w: Waiter) -> None:
+        """push queues ``w`` behind every waiter of its priority."""
+        self._seq += 1
+        w.seq = self._seq
+        w.queued = True
+        self.size += 1
+        heapq.heappush(self._deadlines, (w.deadline, w.seq, w))
+        if self._walking:
+            self._added.append(w)
+        else:
+            self._insert(w)
+
+    def _insert(self, w: Waiter) -> None:
+        level = self._levels.get(w.priority)
+        if level is None:
+            level = self._levels[w.priority] = {}
+        fifo = level.get(w.demand.class_name)
+        if fifo is None:
+            fifo = level[w.demand.class_name] = {}
+        fifo[w.seq] = w
+
+    def remove(self, w: Waiter) -> bool:
+        """remove takes ``w`` out of the queue; False when it was not queued."""
+        if not w.queued:
+            return False
+        w.queued = False
+        self.size -= 1
+        if self._walking:
+            self._removed.append(w)
+        else:
+            self._delete(w)
+        if not self.size:
+            self._deadlines.clear()
+        return True
+
+    def _delete(self, w: Waiter) -> None:
+        level = self._levels.get(w.priority)
+        fifo = None if level is None else level.get(w.demand.class_name)
+        if fifo is None or fifo.pop(w.seq, None) is None:
+            return
+        if not fifo:
+            del level[w.demand.class_name]
+            if not level:
+                del self._levels[w.priority]
+
+    def top_priority(self) -> int | None:
+        """top_priority is the highest priority with a waiter, or None when nobody waits."""
+        if not self.size:
+            return None
+        if self._walking and self._added:
+            return max(max(self._levels, default=self._added[0].priority),
+                       max(w.priority for w in self._added if w.queued))
+        return max(self._levels) if self._levels else None
+
+    def waiters(self) -> list[Waiter]:
+        """waiters lists the queued waiters (any order)."""
+        out = [w for level in self._levels.values() for fifo in level.values()
+               for w in fifo.values() if w.queued]
+        if self._walking:
+            out.extend(w for w in self._added if w.queued)
+        return out
+
+    def expired(self, now: float) -> list[Waiter]:
+        """expired removes and returns the waiters whose deadline is at or before ``now`` (s)."""
+        out = []
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            w = heapq.heappop(heap)[2]
+            if self.remove(w):
+                out.append(w)
+        return out
+
+    def next_deadline(self) -> float | None:
+        """next_deadline is the earliest deadline (s) of a queued waiter, or None."""
+        heap = self._deadlines
+        while heap and not heap[0][2].queued:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
+    def walk(self) -> Generator[Waiter, Step, None]:
+        """walk yields the queued waiters in service order and obeys the ``Step`` sent back for each.
+
+        Order: priority descending; within a priority, arrival order across its classes.
+        """
+        self._walking = True
+        try:
+            skip_tenants: set[str] = set()
+            for prio in sorted(self._levels, reverse=True):
+                heads: dict[str, list[Any]] = {}
+                for cname, fifo in self._levels[prio].items():
+                    it = iter(fifo.values())
+                    head = _next_queued(it)
+                    if head is not None:
+                        heads[cname] = [it, head]
+                while heads:
+                    if len(heads) == 1:
+                        cname, entry = next(iter(heads.items()))
+                    else:
+                        cname, entry = min(heads.items(), key=lambda kv: kv[1][1].seq)
+                    w = entry[1]
+                    step = Step.NEXT
+                    if w.queued and w.demand.tenant not in skip_tenants:
+                        step = yield w
+                    if step is Step.STOP:
+                        return
+                    if step is Step.SKIP_CLASS:
+                        del heads[cname]
+                        continue
+                    if step is Step.SKIP_TENANT:
+                        skip_tenants.add(w.demand.tenant)
+                    nxt = _next_queued(entry[0])
+                    if nxt is None:
+                        del heads[cname]
+                    else:
+                        entry[1] = nxt
+        finally:
+            self._walking = False
+            removed, self._removed = self._removed, []
+            for w in removed:
+                self._delete(w)
+            added, self._added = self._added, []
+            for w in added:
+                if w.queued:
+                    self._insert(w)
+
+
+def _next_queued(it: Any) -> Waiter | None:
+    for w in it:
+        if w.queued:
+            return w
+    return None
