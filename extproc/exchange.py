@@ -1,0 +1,538 @@
+"""exchange: one HTTP request's admission state machine, free of gRPC.
+
+An ``Exchange`` receives the decoded ext_proc messages of one request in the order Envoy
+sends them (request headers, request body, response headers, response body chunks) and
+returns the ``ProcessingResponse`` to send back. It holds the request's lease from the
+moment it is granted until ``finish`` (or the response's end of stream) releases it.
+
+A ``Gate`` is what every exchange shares: the configuration, each pool's tokenizer and
+chat template, the API-key table, the admission core, the metrics and a small thread
+pool for tokenizing large bodies off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
+
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import duration_pb2
+
+from extproc import openai_api as oai
+from extproc.admission import Admission, Demand, Lease, Outcome, Rejection
+from extproc.clock import Clock
+from extproc.config import ClassConfig, Config, PoolConfig
+from extproc.errors import RequestError
+from extproc.metrics import Metrics
+from extproc.tokens import TEMPLATES, load_tokenizer
+
+log = logging.getLogger("kvgate.exchange")
+
+# Bodies above this size are parsed and tokenized in the thread pool: tiktoken releases
+# the GIL, and at ~10 MB/s a 32 KB body costs ~3 ms, the most the loop should stall.
+OFFLOAD_BYTES = 32 * 1024
+# Tenant name of requests whose identity is not configured. Configured names cannot
+# start with '_', so this never collides with one.
+ANONYMOUS_TENANT = "_anonymous"
+# The message timeout kvgate asks Envoy for while a request waits in its class's queue,
+# on top of the class's max_wait_s (seconds).
+WAIT_TIMEOUT_MARGIN_S = 1.0
+# Per-route metadata keys (namespace ``kvgate``); anything else counts as "unknown".
+ROUTE_KEYS = ("pool", "tenant_class", "context_window", "max_body_bytes")
+# A bad route setting is logged at most once per key in this many seconds.
+ROUTE_LOG_INTERVAL_S = 60.0
+METADATA_NAMESPACE = "kvgate"
+
+_JSON = "application/json"
+
+
+# --- constant responses ------------------------------------------------------------
+# Built once: most messages are answered with one of these, and building a protobuf
+# message per chunk would be pure overhead on every streamed token.
+
+def _continue_headers() -> pb.ProcessingResponse:
+    return pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+
+
+CONTINUE_REQUEST_HEADERS = _continue_headers()
+CONTINUE_REQUEST_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())
+CONTINUE_RESPONSE_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+CONTINUE_RESPONSE_BODY = pb.ProcessingResponse(response_body=pb.BodyResponse())
+CONTINUE_REQUEST_TRAILERS = pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+CONTINUE_RESPONSE_TRAILERS = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+# Paths kvgate does not admit: let the rest of the request and its response bypass the
+# processor (needs allow_mode_override in Envoy; without it Envoy sends them anyway and
+# they are answered with CONTINUE).
+PASS_THROUGH = pb.ProcessingResponse(
+    request_headers=pb.HeadersResponse(),
+    mode_override=processing_mode_pb2.ProcessingMode(
+        request_body_mode=processing_mode_pb2.ProcessingMode.NONE,
+        response_header_mode=processing_mode_pb2.ProcessingMode.SKIP,
+        response_body_mode=processing_mode_pb2.ProcessingMode.NONE,
+        request_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP,
+        response_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP))
+
+_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+
+def header_option(key: str, value: str) -> base_pb2.HeaderValueOption:
+    """header_option is one header to set (replacing any previous value)."""
+    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
+                                      append_action=_OVERWRITE)
+
+
+def immediate(status: int, headers: list[tuple[str, str]], body: bytes,
+              details: str) -> pb.ProcessingResponse:
+    """immediate is a response Envoy sends to the client as-is, ending the request.
+
+    ``details`` shows in Envoy's access log (``%RESPONSE_CODE_DETAILS%``).
+    """
+    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=status),  # type: ignore[arg-type]
+        headers=pb.HeaderMutation(set_headers=[header_option(k, v) for k, v in headers]),
+        body=body, details=details))
+
+
+# --- shared state ----------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class PoolRuntime:
+    """PoolRuntime is a pool's configuration with its loaded tokenizer and chat template."""
+
+    config: PoolConfig
+    tokenizer: Any
+    template: Any
+
+
+@dataclass(frozen=True, slots=True)
+class RouteSettings:
+    """RouteSettings are the per-route overrides Envoy sent (None: the file's value).
+
+    ``context_window`` in tokens, ``max_body_bytes`` in bytes.
+    """
+
+    pool: str | None = None
+    tenant_class: str | None = None
+    context_window: int | None = None
+    max_body_bytes: int | None = None
+
+
+NO_ROUTE_SETTINGS = RouteSettings()
+
+
+class Gate:
+    """Gate holds what every exchange shares and can be reconfigured at run time.
+
+    ``offload_bytes``: bodies larger than this are parsed and tokenized in ``executor``
+    (None: the loop's default executor).
+    """
+
+    def __init__(self, config: Config, admission: Admission, metrics: Metrics, clock: Clock,
+                 executor: Executor | None = None, offload_bytes: int = OFFLOAD_BYTES) -> None:
+        self.admission = admission
+        self.metrics = metrics
+        self.clock = clock
+        self.executor = executor
+        self.offload_bytes = offload_bytes
+        self._route_logged: dict[str, float] = {}
+        self.config = config
+        self.pools: dict[str, PoolRuntime] = {}
+        self.api_keys: dict[str, str] = {}
+        self._apply(config)
+
+    def reconfigure(self, config: Config) -> None:
+        """reconfigure switches new requests to ``config``; requests in flight keep theirs.
+
+        Tokenizers load first, so a config whose tokenizer cannot load raises
+        ``ConfigError`` and changes nothing.
+        """
+        self._apply(config)
+
+    def _apply(self, config: Config) -> None:
+        pools = {name: PoolRuntime(pc, load_tokenizer(pc.tokenizer), TEMPLATES[pc.chat_template])
+                 for name, pc in config.pools.items()}
+        api_keys = {digest: t.name for t in config.tenants.tenants.values()
+                    for digest in t.api_key_sha256}
+        self.config, self.pools, self.api_keys = config, pools, api_keys
+
+    # --- identity ----------------------------------------------------------------
+
+    def tenant_of(self, header_values: list[bytes], authorization: bytes | None) -> str:
+        """tenant_of names the configured tenant of a request, or ANONYMOUS_TENANT.
+
+        An API key (``authorization: Bearer KEY``) whose SHA-256 is configured wins over
+        the tenant header: a key is a credential, the header only a claim. More than one
+        tenant header is refused (RequestError): which one counts would be a guess.
+        """
+        if len(header_values) > 1:
+            raise RequestError(f"the {self.config.tenants.header} header is given "
+                               f"{len(header_values)} times; send it once",
+                               param=self.config.tenants.header)
+        if authorization is not None and self.api_keys:
+            scheme, _, key = authorization.strip().partition(b" ")
+            if scheme.lower() == b"bearer" and key:
+                owner = self.api_keys.get(hashlib.sha256(key.strip()).hexdigest())
+                if owner is not None:
+                    return owner
+        if header_values:
+            name = header_values[0].decode("latin-1").strip()
+            if name in self.config.tenants.tenants:
+                return name
+        return ANONYMOUS_TENANT
+
+    # --- per-route settings --------------------------------------------------------
+
+    def route_settings(self, metadata: pb.ProcessingRequest | Any | None) -> RouteSettings:
+        """route_settings reads the ``kvgate`` namespace of the request's metadata context.
+
+        ``metadata`` is an ``envoy.config.core.v3.Metadata``. Unknown keys and bad values
+        are ignored, but never silently: each is counted in
+        ``kvgate_route_metadata_errors_total{key}`` and logged (at most once per key a
+        minute). Numbers arrive as doubles and must be whole and positive.
+        """
+        if metadata is None or METADATA_NAMESPACE not in metadata.filter_metadata:
+            return NO_ROUTE_SETTINGS
+        fields = metadata.filter_metadata[METADATA_NAMESPACE].fields
+        values: dict[str, Any] = {}
+        for key, value in fields.items():
+            if key not in ROUTE_KEYS:
+                self._route_error("unknown", f"unknown per-route key {key[:64]!r}")
+                continue
+            kind = value.WhichOneof("kind")
+            if key in ("pool", "tenant_class"):
+                names = self.config.pools if key == "pool" else self.config.tenants.classes
+                if kind != "string_value":
+                    self._route_error(key, f"{key} must be a string")
+                elif value.string_value not in names:
+                    self._route_error(key, f"{key} {value.string_value[:64]!r} is not configured")
+                else:
+                    values[key] = value.string_value
+            else:
+                minimum = 64 if key == "max_body_bytes" else 1
+                number = value.number_value if kind == "number_value" else math.nan
+                if not (math.isfinite(number) and number.is_integer() and number >= minimum):
+                    self._route_error(key, f"{key} must be a whole number >= {minimum}")
+                else:
+                    values[key] = int(number)
+        return RouteSettings(**values) if values else NO_ROUTE_SETTINGS
+
+    def _route_error(self, key: str, message: str) -> None:
+        self.metrics.route_metadata_error(key)
+        now = self.clock.now()
+        last = self._route_logged.get(key)
+        if last is None or now - last >= ROUTE_LOG_INTERVAL_S:
+            self._route_logged[key] = now
+            log.warning("ignoring per-route setting: %s (kvgate_route_metadata_errors_total"
+                        "{key=%r} counts every occurrence)", message, key)
+
+
+# --- one request -------------------------------------------------------------------
+
+def _evaluate(endpoint: oai.Endpoint, body: bytes, content_type: str | None,
+              pool: PoolRuntime) -> tuple[oai.ParsedRequest, int]:
+    """_evaluate parses a body and counts its prompt tokens (may run in a worker thread)."""
+    parsed = oai.parse_request(endpoint, body, content_type)
+    return parsed, oai.count_prompt_tokens(parsed, pool.tokenizer, pool.template)
+
+
+_REASON_OUTCOME = {"concurrency": "rejected_concurrency", "tpm": "rejected_tpm",
+                   "kv_budget": "rejected_kv_budget", "shed": "rejected_shed"}
+
+# States of an exchange.
+_NEW, _BODY, _PASS, _ADMITTED, _DONE = range(5)
+
+
+class Exchange:
+    """Exchange is one HTTP request's admission state machine (see the module doc).
+
+    Methods are called in Envoy's message order; each returns the response to send.
+    ``finish`` must be called once the ext_proc stream ends, however it ends: it releases
+    the lease (if still held) with the cause derived from what was seen.
+    """
+
+    __slots__ = ("gate", "state", "endpoint", "pool", "pool_name", "class_cfg", "tenant",
+                 "route", "content_type", "body", "max_body", "parsed", "lease", "strip_usage",
+                 "tracker", "status", "response_done", "upstream_error", "outcome")
+
+    def __init__(self, gate: Gate) -> None:
+        self.gate = gate
+        self.state = _NEW
+        self.endpoint: oai.Endpoint | None = None
+        self.pool: PoolRuntime | None = None
+        self.pool_name = ""
+        self.class_cfg: ClassConfig | None = None
+        self.tenant = ANONYMOUS_TENANT
+        self.route = NO_ROUTE_SETTINGS
+        self.content_type: str | None = None
+        self.body: bytearray | None = None
+        self.max_body = 0
+        self.parsed: oai.ParsedRequest | None = None
+        self.lease: Lease | None = None
+        self.strip_usage = False
+        self.tracker: oai.ResponseTracker | None = None
+        self.status = 0
+        self.response_done = False
+        self.upstream_error = False
+        self.outcome: Outcome | None = None
+
+    # --- request headers -------------------------------------------------------------
+
+    def request_headers(self, msg: pb.HttpHeaders, metadata: Any = None) -> pb.ProcessingResponse:
+        """request_headers picks the endpoint, pool, tenant and class; refuses early what it can.
+
+        Answers 413 for a declared content-length above the cap (before any body is
+        read), 400 for duplicate tenant headers or a missing body; passes through paths
+        that are not admitted.
+        """
+        gate = self.gate
+        config = gate.config
+        tenant_header = config.tenants.header
+        path = method = b""
+        content_length: bytes | None = None
+        authorization: bytes | None = None
+        tenant_values: list[bytes] = []
+        for h in msg.headers.headers:
+            key = h.key
+            if key == ":path":
+                path = h.raw_value
+            elif key == ":method":
+                method = h.raw_value
+            elif key == "content-length":
+                content_length = h.raw_value
+            elif key == "content-type":
+                self.content_type = h.raw_value.decode("latin-1")
+            elif key == "authorization":
+                authorization = h.raw_value
+            elif key == tenant_header:
+                tenant_values.append(h.raw_value)
+        endpoint = oai.endpoint_for_path(path.decode("latin-1")) if method == b"POST" else None
+        if endpoint is None:
+            self.state = _PASS
+            return PASS_THROUGH
+        self.endpoint = endpoint
+        self.route = route = gate.route_settings(metadata)
+        self.pool_name = route.pool or config.default_pool
+        self.pool = gate.pools[self.pool_name]
+        self.max_body = route.max_body_bytes or config.limits.max_body_bytes
+        try:
+            self.tenant = gate.tenant_of(tenant_values, authorization)
+        except RequestError as err:
+            self.class_cfg = config.tenants.classes[config.tenants.default_class]
+            return self._refuse(err, "rejected_invalid")
+        self.class_cfg = (config.tenants.classes[route.tenant_class] if route.tenant_class
+                          else config.class_of(self.tenant))
+        if content_length is not None:
+            try:
+                declared = int(content_length)
+            except ValueError:
+                return self._refuse(RequestError("content-length is not a number",
+                                                 param="content-length"), "rejected_invalid")
+            if declared > self.max_body:
+                return self._refuse_too_large(declared)
+        if msg.end_of_stream:
+            return self._refuse(RequestError("the request has no body; send a JSON object"),
+                                "rejected_invalid")
+        self.state = _BODY
+        self.body = bytearray()
+        return CONTINUE_REQUEST_HEADERS
+
+    # --- request body ------------------------------------------------------------------
+
+    async def request_body(self, msg: pb.HttpBody,
+                           send: Callable[[pb.ProcessingResponse], Awaitable[None]] | None = None,
+                           ) -> pb.ProcessingResponse:
+        """request_body decides: parse, count, check the context window, then acquire.
+
+        ``send`` lets the exchange extend Envoy's message timeout before it waits in its
+        class's queue (``override_message_timeout``); None when the caller cannot.
+        """
+        if self.state != _BODY:
+            return CONTINUE_REQUEST_BODY
+        body = self.body
+        assert body is not None
+        body += msg.body
+        if len(body) > self.max_body:
+            return self._refuse_too_large(len(body))
+        if not msg.end_of_stream:
+            # Only a non-BUFFERED Envoy config sends a body in parts: keep collecting.
+            return CONTINUE_REQUEST_BODY
+        gate = self.gate
+        started = gate.clock.now()
+        pool = self.pool
+        assert pool is not None and self.endpoint is not None and self.class_cfg is not None
+        raw = bytes(body)
+        self.body = None
+        try:
+            if len(raw) > gate.offload_bytes:
+                loop = asyncio.get_running_loop()
+                parsed, prompt_tokens = await loop.run_in_executor(
+                    gate.executor, _evaluate, self.endpoint, raw, self.content_type, pool)
+            else:
+                parsed, prompt_tokens = _evaluate(self.endpoint, raw, self.content_type, pool)
+            window = self.route.context_window or pool.config.context_window
+            reserved = oai.reserved_completion(parsed, prompt_tokens, window,
+                                               pool.config.default_max_tokens)
+            oai.check_context(parsed, prompt_tokens, reserved, window)
+        except RequestError as err:
+            outcome = ("rejected_context_length" if err.code == "context_length_exceeded"
+                       else "rejected_body_too_large" if err.status == 413 else "rejected_invalid")
+            return self._refuse(err, outcome)
+        self.parsed = parsed
+        demand = Demand(pool=self.pool_name, tenant=self.tenant, class_name=self.class_cfg.name,
+                        prompt_tokens=prompt_tokens, completion_tokens=reserved)
+        if self.class_cfg.max_wait_s > 0 and send is not None:
+            await send(self._wait_timeout(self.class_cfg.max_wait_s))
+        result = await gate.admission.acquire(demand)
+        gate.metrics.decision_time(gate.clock.now() - started)
+        if isinstance(result, Rejection):
+            self.state = _DONE
+            gate.metrics.request(self.pool_name, self.class_cfg.name,
+                                 _REASON_OUTCOME.get(result.reason.value, "rejected_invalid"))
+            status, headers, payload = oai.rejection_response(result)
+            return immediate(status, headers, payload, f"kvgate_{result.reason.value}")
+        self.lease = result
+        self.state = _ADMITTED
+        gate.metrics.request(self.pool_name, self.class_cfg.name, "admitted")
+        new_body = oai.add_stream_usage(parsed)
+        if new_body is None:
+            return CONTINUE_REQUEST_BODY
+        # The client streams without asking for usage: ask for it upstream (and hide the
+        # usage chunk from the client). Envoy does not fix content-length for a replaced
+        # body: set it in the same answer or Envoy fails the request with 500.
+        self.strip_usage = True
+        return pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(
+            header_mutation=pb.HeaderMutation(
+                set_headers=[header_option("content-length", str(len(new_body)))]),
+            body_mutation=pb.BodyMutation(body=new_body))))
+
+    @staticmethod
+    def _wait_timeout(max_wait_s: float) -> pb.ProcessingResponse:
+        seconds = max_wait_s + WAIT_TIMEOUT_MARGIN_S
+        whole = int(seconds)
+        return pb.ProcessingResponse(override_message_timeout=duration_pb2.Duration(
+            seconds=whole, nanos=int((seconds - whole) * 1e9)))
+
+    # --- response ------------------------------------------------------------------------
+
+    def response_headers(self, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
+        """response_headers notes the upstream status and adds the x-ratelimit-* headers."""
+        lease = self.lease
+        if self.state != _ADMITTED or lease is None:
+            return CONTINUE_RESPONSE_HEADERS
+        content_type = ""
+        for h in msg.headers.headers:
+            if h.key == ":status":
+                try:
+                    self.status = int(h.raw_value)
+                except ValueError:
+                    self.status = 0
+            elif h.key == "content-type":
+                content_type = h.raw_value.decode("latin-1")
+        self.upstream_error = self.status >= 400
+        streamed = content_type.startswith("text/event-stream")
+        strip = self.strip_usage and streamed and not self.upstream_error
+        self.tracker = oai.ResponseTracker(streamed=streamed, strip_usage_chunk=strip)
+        headers = [header_option(k, v) for k, v in oai.rate_limit_headers(lease.rate)]
+        remove = ["content-length"] if strip else []  # chunks may shrink: no fixed length
+        if msg.end_of_stream:
+            self._response_end()
+        return pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=pb.CommonResponse(
+            header_mutation=pb.HeaderMutation(set_headers=headers, remove_headers=remove))))
+
+    def response_body(self, msg: pb.HttpBody) -> pb.ProcessingResponse:
+        """response_body follows the response (usage, delivered chunks), hides the injected
+        usage chunk, and releases the lease at the response's end of stream."""
+        tracker = self.tracker
+        if tracker is None:
+            return CONTINUE_RESPONSE_BODY
+        replacement = tracker.feed(msg.body, msg.end_of_stream)
+        if msg.end_of_stream:
+            self._response_end()
+        if replacement is None:
+            return CONTINUE_RESPONSE_BODY
+        return pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(
+            body_mutation=pb.BodyMutation(body=replacement))))
+
+    def _response_end(self) -> None:
+        # The response is complete: free the slot now rather than when Envoy gets round
+        # to closing the ext_proc stream.
+        self.response_done = True
+        self.finish()
+
+    # --- the end -------------------------------------------------------------------------
+
+    def finish(self, *, gave_up: bool = False) -> Outcome | None:
+        """finish releases the lease if still held and returns the cause (None if nothing to do).
+
+        The cause: upstream_error for an upstream 4xx/5xx; completed once the response's
+        end of stream was seen; timeout when kvgate itself gave up (``gave_up``);
+        client_disconnect otherwise. Completion tokens charged: the reported usage; for a
+        stream cut short, the chunks delivered; otherwise (unknown) the whole reservation.
+        Idempotent: later calls change nothing.
+        """
+        lease = self.lease
+        self.state = _DONE
+        if lease is None or self.outcome is not None:
+            return None
+        if self.upstream_error:
+            outcome = Outcome.UPSTREAM_ERROR
+        elif self.response_done:
+            outcome = Outcome.COMPLETED
+        elif gave_up:
+            outcome = Outcome.TIMEOUT
+        else:
+            outcome = Outcome.CLIENT_DISCONNECT
+        self.outcome = outcome
+        if lease.release(outcome, self._completion_tokens(outcome)):
+            self.gate.metrics.release(self.pool_name, outcome.value)
+        return outcome
+
+    def _completion_tokens(self, outcome: Outcome) -> int | None:
+        tracker = self.tracker
+        if tracker is not None and tracker.completion_tokens is not None:
+            return tracker.completion_tokens
+        if outcome in (Outcome.CLIENT_DISCONNECT, Outcome.TIMEOUT) and self.parsed is not None \
+                and self.parsed.stream:
+            # What reached the client is what was generated (the upstream is reset within
+            # a millisecond of the disconnect).
+            return tracker.delivered_chunks if tracker is not None else 0
+        return None
+
+    # --- refusals ------------------------------------------------------------------------
+
+    def _refuse(self, err: RequestError, outcome: str) -> pb.ProcessingResponse:
+        self.state = _DONE
+        cls = self.class_cfg
+        self.gate.metrics.request(self.pool_name or self.gate.config.default_pool,
+                                  cls.name if cls is not None else self.gate.config.tenants.default_class,
+                                  outcome)
+        status, headers, payload = oai.request_error_response(err)
+        if not any(k == "x-kvgate-reason" for k, _ in headers):
+            headers = [*headers, ("x-kvgate-reason", outcome.removeprefix("rejected_"))]
+        return immediate(status, headers, payload, f"kvgate_{outcome}")
+
+    def _refuse_too_large(self, size: int) -> pb.ProcessingResponse:
+        self.body = None
+        return self._refuse(RequestError(
+            f"The request body is {size} bytes, above this endpoint's limit of "
+            f"{self.max_body} bytes.", status=413, code="request_too_large"),
+            "rejected_body_too_large")
+
+
+def classes_of(config: Config) -> tuple[str, ...]:
+    """classes_of lists the configured tenant class names (for metrics)."""
+    return tuple(config.tenants.classes)
+
+
+def pool_names(config: Config) -> Mapping[str, PoolConfig]:
+    """pool_names maps each configured pool name to its configuration."""
+    return config.pools
