@@ -1,0 +1,304 @@
+"""scraper: the thread that polls every backend and publishes each pool's signals.
+
+One round (``poll_once``): GET every backend's metrics endpoint concurrently on a small
+thread pool (one slow node delays nobody beyond ``scrape_timeout_s``), read each body
+into a ``NodeSample``, update each node's last usable sample, then aggregate each pool
+and call ``publish(pool, signals)`` once per pool that has backends, stale pools
+included, so the admission core can shrink. Rounds repeat every ``poll_interval_s`` on a
+dedicated thread that never touches the event loop: the server's ``publish`` hands the
+signals over with ``loop.call_soon_threadsafe``.
+
+Nothing a backend sends can stop the thread: every failure is counted by reason through
+the observer and logged at most once per ``log_every_s`` per backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+from extproc.admission.types import PoolSignals
+from extproc.clock import Clock
+from extproc.config import BackendConfig, Config
+from extproc.signals.aggregate import NodeReading, aggregate
+from extproc.signals.engines import read
+from extproc.signals.observer import ScrapeObserver
+from extproc.signals.poll import fetch
+from extproc.signals.sample import NodeSample, ScrapeError, ScrapeFailure
+
+log = logging.getLogger(__name__)
+
+Publish = Callable[[str, PoolSignals], None]
+
+# Extra wait (seconds) past scrape_timeout_s for workers to hand back their result: the
+# deadline is enforced inside fetch, this only covers thread wake-up.
+_GRACE_S = 0.05
+_MAX_WORKERS = 128
+
+
+@dataclass(frozen=True, slots=True)
+class _Result:
+    sample: NodeSample | None
+    failure: ScrapeFailure | None
+    seconds: float
+
+
+class _LogGate:
+    """_LogGate lets one log line through per ``every_s`` seconds and counts the others."""
+
+    __slots__ = ("every_s", "last", "suppressed")
+
+    def __init__(self, every_s: float) -> None:
+        self.every_s = every_s
+        self.last: float | None = None
+        self.suppressed = 0
+
+    def allow(self, now: float) -> int | None:
+        """allow returns the number of lines held back since the last one, or None to hold this one."""
+        if self.last is not None and now - self.last < self.every_s:
+            self.suppressed += 1
+            return None
+        held, self.last, self.suppressed = self.suppressed, now, 0
+        return held
+
+
+class _Node:
+    """_Node is the scraper's state for one configured backend (touched only by rounds)."""
+
+    __slots__ = ("pool", "backend", "since", "sample", "sampled_at", "inflight", "up", "gate")
+
+    def __init__(self, pool: str, backend: BackendConfig, since: float, log_every_s: float) -> None:
+        self.pool = pool
+        self.backend = backend
+        self.since = since                        # instant it was configured (seconds)
+        self.sample: NodeSample | None = None     # last usable sample
+        self.sampled_at: float | None = None      # instant of that sample (seconds)
+        self.inflight: Future[_Result] | None = None
+        self.up: bool | None = None
+        self.gate = _LogGate(log_every_s)
+
+    def reading(self, now: float) -> NodeReading:
+        anchor = self.sampled_at if self.sampled_at is not None else self.since
+        return NodeReading(self.sample, max(0.0, now - anchor))
+
+
+def _scrape(backend: BackendConfig, timeout_s: float, max_bytes: int) -> _Result:
+    """_scrape runs in a worker: GET, parse, extract; every failure becomes a value."""
+    t0 = time.perf_counter()
+    try:
+        body = fetch(backend.metrics_url, timeout_s, max_bytes)
+        sample = read(backend.engine, body, backend.model_name)
+        return _Result(sample, None, time.perf_counter() - t0)
+    except ScrapeFailure as exc:
+        return _Result(None, exc, time.perf_counter() - t0)
+    except Exception as exc:  # a reader bug must not look like an idle node, nor kill the round
+        log.exception("scraping %s failed unexpectedly", backend.name)
+        return _Result(None, ScrapeFailure(ScrapeError.PARSE, f"unexpected {type(exc).__name__}"),
+                       time.perf_counter() - t0)
+
+
+class Scraper:
+    """Scraper polls the backends of every pool and publishes ``PoolSignals`` per pool.
+
+    ``publish(pool, signals)`` is called from the scraper's thread once per pool with
+    backends per round; ``observer`` receives per-backend results; ``clock`` (seconds)
+    dates samples and decides staleness, so tests drive it with ``poll_once`` and a
+    ``ManualClock``. ``log_every_s`` bounds log lines per backend.
+    """
+
+    def __init__(self, config: Config, publish: Publish, observer: ScrapeObserver, clock: Clock,
+                 *, log_every_s: float = 60.0) -> None:
+        self._publish = publish
+        self._observer = observer
+        self._clock = clock
+        self._log_every_s = log_every_s
+        self._lock = threading.Lock()          # guards _config and _nodes (swapped by reconfigure)
+        self._round_lock = threading.Lock()    # one round at a time
+        self._config = config
+        self._nodes: dict[tuple[str, str], _Node] = self._build(config, {})
+        self._pool_stale: dict[str, bool] = {}
+        self._observer_gate = _LogGate(log_every_s)
+        self._executor: ThreadPoolExecutor | None = None
+        self._workers = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # --- configuration ---------------------------------------------------------------
+
+    def _build(self, config: Config, old: dict[tuple[str, str], _Node]) -> dict[tuple[str, str], _Node]:
+        now = self._clock.now()
+        nodes: dict[tuple[str, str], _Node] = {}
+        for pool in config.pools.values():
+            for b in pool.backends:
+                key = (pool.name, b.name)
+                kept = old.get(key)
+                # A backend whose endpoint or engine changed is a new node: its old
+                # samples describe something else.
+                nodes[key] = kept if kept is not None and kept.backend == b else \
+                    _Node(pool.name, b, now, self._log_every_s)
+        return nodes
+
+    def reconfigure(self, config: Config) -> None:
+        """reconfigure switches to a new configuration from the next round on.
+
+        Unchanged backends keep their last sample; new or changed ones start pending
+        (not counted until they answer or ``stale_after_s`` passes); removed pools are
+        no longer published.
+        """
+        with self._lock:
+            self._nodes = self._build(config, self._nodes)
+            self._config = config
+
+    # --- one round -------------------------------------------------------------------
+
+    def _pool_executor(self, nodes: int) -> ThreadPoolExecutor:
+        want = max(1, min(_MAX_WORKERS, nodes))
+        if self._executor is None or want > self._workers:
+            if self._executor is not None:
+                self._executor.shutdown(wait=False)
+            self._executor = ThreadPoolExecutor(max_workers=want, thread_name_prefix="kvgate-scrape")
+            self._workers = want
+        return self._executor
+
+    def poll_once(self) -> dict[str, PoolSignals]:
+        """poll_once scrapes every backend once, publishes every pool, and returns the signals.
+
+        Blocks at most about ``scrape_timeout_s``. A backend whose previous scrape is
+        still running (a hung DNS lookup, say) is not scraped again; it counts as a timeout.
+        """
+        with self._round_lock:
+            with self._lock:
+                config, nodes = self._config, self._nodes
+            a = config.adaptive
+            executor = self._pool_executor(len(nodes))
+            for node in nodes.values():
+                if node.inflight is None:
+                    node.inflight = executor.submit(_scrape, node.backend, a.scrape_timeout_s,
+                                                    a.max_scrape_bytes)
+            pending = [n.inflight for n in nodes.values() if n.inflight is not None]
+            wait(pending, timeout=a.scrape_timeout_s + _GRACE_S)
+            now = self._clock.now()
+            for node in nodes.values():
+                fut = node.inflight
+                if fut is not None and fut.done():
+                    node.inflight = None
+                    result = fut.result()
+                else:
+                    result = _Result(None, ScrapeFailure(ScrapeError.TIMEOUT, "previous scrape still running"),
+                                     a.scrape_timeout_s)
+                self._record(node, result, now)
+            out: dict[str, PoolSignals] = {}
+            for pool in config.pools.values():
+                if not pool.backends:
+                    continue  # pools without backends keep scale 1.0: nothing to publish
+                signals = aggregate((nodes[(pool.name, b.name)].reading(now) for b in pool.backends),
+                                    pool.signals, a.stale_after_s, now)
+                out[pool.name] = signals
+                self._report_pool(pool.name, signals, a.stale_after_s)
+                with self._lock:
+                    current = self._config.pools.get(pool.name)
+                if current is None or not current.backends:
+                    continue  # removed by a reload during this round
+                try:
+                    self._publish(pool.name, signals)
+                except Exception:
+                    log.exception("publishing signals of pool %s failed", pool.name)
+            return out
+
+    def _record(self, node: _Node, result: _Result, now: float) -> None:
+        pool, name = node.pool, node.backend.name
+        sample = result.sample
+        ok = sample is not None and sample.usable
+        self._observe("scrape_done", pool, name, result.seconds, ok)
+        problems: list[tuple[ScrapeError, str]] = []
+        if result.failure is not None:
+            problems.append((result.failure.reason, result.failure.detail))
+        if sample is not None:
+            problems.extend((p.reason, p.detail) for p in sample.problems)
+        # One count per reason per scrape: three missing names are one broken scrape.
+        for reason in dict.fromkeys(r for r, _ in problems):
+            self._observe("scrape_error", pool, name, reason.value)
+        if ok:
+            node.sample, node.sampled_at = sample, now
+        self._observe("backend_state", pool, name, ok,
+                      sample.kv_usage if ok else None, sample.waiting if ok else None)
+        if problems:
+            held = node.gate.allow(now)
+            if held is not None:
+                what = "; ".join(f"{r.value}: {d}" for r, d in problems[:4])
+                more = f" ({held} similar lines held back)" if held else ""
+                level = logging.INFO if ok else logging.WARNING
+                log.log(level, "backend %s/%s (%s): %s%s", pool, name, node.backend.engine, what, more)
+        if node.up is not None and ok != node.up:
+            if ok:
+                log.info("backend %s/%s answers again", pool, name)
+            elif node.sampled_at is not None:
+                log.warning("backend %s/%s stopped answering; its last sample counts until it is "
+                            "stale", pool, name)
+        node.up = ok
+
+    def _report_pool(self, pool: str, signals: PoolSignals, stale_after_s: float) -> None:
+        self._observe("pool_stale", pool, signals.stale)
+        was = self._pool_stale.get(pool)
+        if signals.stale and was is not True:
+            log.warning("pool %s: no backend gave usable metrics for %.1fs: signals are stale, "
+                        "the pool runs at min_scale", pool, stale_after_s)
+        elif not signals.stale and was:
+            log.info("pool %s: fresh signals again (kv_usage=%.3f)", pool, signals.kv_usage or 0.0)
+        self._pool_stale[pool] = signals.stale
+
+    def _observe(self, method: str, *args: object) -> None:
+        # The observer is the service's code; its failure must not stop scraping.
+        try:
+            getattr(self._observer, method)(*args)
+        except Exception:
+            if self._observer_gate.allow(self._clock.now()) is not None:
+                log.exception("scrape observer %s failed", method)
+
+    # --- the thread ------------------------------------------------------------------
+
+    def start(self) -> None:
+        """start runs rounds every ``poll_interval_s`` on a daemon thread until ``stop``."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="kvgate-scraper", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        next_at = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                self.poll_once()
+            except Exception:
+                log.exception("scrape round failed")
+            with self._lock:
+                interval = self._config.adaptive.poll_interval_s
+            next_at += interval
+            delay = next_at - time.monotonic()
+            if delay < 0:  # a round overran: start the next one now, do not try to catch up
+                next_at, delay = time.monotonic(), 0.0
+            self._stop.wait(delay)
+
+    def stop(self, timeout_s: float | None = None) -> None:
+        """stop ends the thread (within about ``scrape_timeout_s``) and its worker pool."""
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            with self._lock:
+                limit = self._config.adaptive.scrape_timeout_s + 2.0
+            thread.join(timeout_s if timeout_s is not None else limit)
+        with self._round_lock:
+            if self._executor is not None:
+                self._executor.shutdown(wait=False, cancel_futures=True)
+                self._executor = None
+                self._workers = 0
+
+    @property
+    def running(self) -> bool:
+        """running is True while the polling thread is alive."""
+        return self._thread is not None and self._thread.is_alive()

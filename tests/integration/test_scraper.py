@@ -1,0 +1,410 @@
+"""The scraper against real HTTP servers on 127.0.0.1: engine samples, faults, staleness.
+
+Time that decides staleness is a ManualClock moved by the test; the only real waits are
+socket timeouts (0.2 s) against servers that answer too slowly on purpose.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from extproc.admission.types import PoolSignals
+from extproc.clock import ManualClock, MonotonicClock
+from extproc.config import Config, parse_config
+from extproc.signals import ScrapeError, Scraper
+from tests.support.procs import LOOPBACK, free_port, wait_until
+
+SAMPLES = Path(__file__).resolve().parents[1] / "unit" / "signals" / "samples"
+TIMEOUT_S = 0.2
+
+
+def sample(name: str) -> bytes:
+    return (SAMPLES / name).read_bytes()
+
+
+def vllm_body(usage: float | str, waiting: int = 0) -> bytes:
+    """vllm_body is the vLLM V1 sample with its usage and queue replaced."""
+    out = []
+    for line in sample("vllm_v1.prom").decode().splitlines():
+        if line.startswith("vllm:kv_cache_usage_perc{"):
+            line = f"{line.rsplit(' ', 1)[0]} {usage}"
+        elif line.startswith("vllm:num_requests_waiting{"):
+            line = f"{line.rsplit(' ', 1)[0]} {waiting}"
+        out.append(line)
+    return ("\n".join(out) + "\n").encode()
+
+
+class Behavior:
+    """Behavior is what a fake metrics server does with the next request (settable live)."""
+
+    def __init__(self, body: bytes = b"", status: int = 200, ctype: str = "text/plain; version=0.0.4",
+                 mode: str = "serve") -> None:
+        self.body, self.status, self.ctype, self.mode = body, status, ctype, mode
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: MetricsServer
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        b = self.server.behavior
+        self.server.hits += 1
+        if b.mode == "slow":  # answers, but only after the scraper's timeout
+            self.server.release.wait(5.0)
+        if b.mode == "short":  # promises more than it sends, then hangs up
+            self.send_response(200)
+            self.send_header("Content-Type", b.ctype)
+            self.send_header("Content-Length", str(len(b.body) + 1000))
+            self.end_headers()
+            self.wfile.write(b.body)
+            return
+        if b.mode == "drip":  # a byte at a time, never finishing within the timeout
+            self.send_response(200)
+            self.send_header("Content-Type", b.ctype)
+            self.end_headers()
+            for byte in b.body:
+                if self.server.release.wait(0.05):
+                    return
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+            return
+        self.send_response(b.status)
+        self.send_header("Content-Type", b.ctype)
+        if b.mode != "no_length":
+            self.send_header("Content-Length", str(len(b.body)))
+        self.end_headers()
+        try:
+            self.wfile.write(b.body)
+        except OSError:
+            pass  # the scraper hung up on a body too large: expected
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+class MetricsServer(ThreadingHTTPServer):
+    """MetricsServer serves one Behavior on 127.0.0.1; stop() closes the port (a dead node)."""
+
+    daemon_threads = True
+    block_on_close = False
+
+    def __init__(self, behavior: Behavior, port: int = 0) -> None:
+        super().__init__((LOOPBACK, port), _Handler)
+        self.behavior = behavior
+        self.hits = 0
+        self.release = threading.Event()
+        self._thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self._thread.start()
+
+    @property
+    def port(self) -> int:
+        return self.server_address[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}/metrics"
+
+    def stop(self) -> None:
+        self.release.set()
+        self.shutdown()
+        self.server_close()
+        self._thread.join(5)
+
+
+class Recorder:
+    """Recorder is a ScrapeObserver that keeps every call, for assertions."""
+
+    def __init__(self) -> None:
+        self.done: list[tuple[str, str, bool]] = []
+        self.errors: list[tuple[str, str, str]] = []
+        self.states: list[tuple[str, str, bool, float | None, int | None]] = []
+        self.stale: list[tuple[str, bool]] = []
+
+    def scrape_done(self, pool: str, backend: str, seconds: float, ok: bool) -> None:
+        assert seconds >= 0.0
+        self.done.append((pool, backend, ok))
+
+    def scrape_error(self, pool: str, backend: str, reason: str) -> None:
+        self.errors.append((pool, backend, reason))
+
+    def backend_state(self, pool: str, backend: str, up: bool, kv_usage: float | None,
+                      waiting: int | None) -> None:
+        self.states.append((pool, backend, up, kv_usage, waiting))
+
+    def pool_stale(self, pool: str, stale: bool) -> None:
+        self.stale.append((pool, stale))
+
+    def clear(self) -> None:
+        self.done.clear(), self.errors.clear(), self.states.clear(), self.stale.clear()
+
+
+class Published:
+    """Published records what the scraper hands to the admission core."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, PoolSignals]] = []
+        self.event = threading.Event()
+
+    def __call__(self, pool: str, signals: PoolSignals) -> None:
+        self.calls.append((pool, signals))
+        self.event.set()
+
+    def last(self, pool: str) -> PoolSignals:
+        return [s for p, s in self.calls if p == pool][-1]
+
+
+def make_config(pools: dict[str, list[dict]], *, aggregate: str = "max", poll: float = 1.0,
+                timeout: float = TIMEOUT_S, stale: float = 3.0) -> Config:
+    return parse_config({
+        "pools": {name: {"backends": backends, "signals": {"aggregate": aggregate}}
+                  for name, backends in pools.items()},
+        "adaptive": {"poll_interval_s": poll, "scrape_timeout_s": timeout, "stale_after_s": stale},
+    })
+
+
+@pytest.fixture
+def servers() -> Iterator[list[MetricsServer]]:
+    started: list[MetricsServer] = []
+    yield started
+    for s in started:
+        s.stop()
+
+
+@pytest.fixture
+def new_scraper() -> Iterator[Callable[..., Scraper]]:
+    """new_scraper makes Scrapers and stops them all after the test (no pool outlives it)."""
+    made: list[Scraper] = []
+
+    def make(*args: Any, **kwargs: Any) -> Scraper:
+        s = Scraper(*args, **kwargs)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.stop()
+
+
+def serve(servers: list[MetricsServer], behavior: Behavior, port: int = 0) -> MetricsServer:
+    s = MetricsServer(behavior, port)
+    servers.append(s)
+    return s
+
+
+def test_each_engine_served_over_http_reaches_its_pool(new_scraper, servers):
+    vllm = serve(servers, Behavior(sample("vllm_v1_dp.prom")))
+    sgl = serve(servers, Behavior(sample("sglang_dp.prom")))
+    tgi = serve(servers, Behavior(sample("tgi.prom")))
+    gpu = serve(servers, Behavior(sample("dcgm_Hostname.prom")))
+    cfg = make_config({
+        "llama": [{"name": "node-a", "metrics_url": vllm.url, "engine": "vllm"},
+                  {"name": "node-a-gpu", "metrics_url": gpu.url, "engine": "dcgm"}],
+        "qwen": [{"name": "sgl-0", "metrics_url": sgl.url, "engine": "sglang"},
+                 {"name": "tgi-0", "metrics_url": tgi.url, "engine": "tgi"}],
+        "plain": [],
+    })
+    rec, pub, clock = Recorder(), Published(), ManualClock(100.0)
+    out = new_scraper(cfg, pub, rec, clock).poll_once()
+
+    assert sorted(out) == ["llama", "qwen"]  # a pool without backends is never published
+    assert sorted(p for p, _ in pub.calls) == ["llama", "qwen"]
+    llama, qwen = out["llama"], out["qwen"]
+    assert llama == pub.last("llama") and llama.at == 100.0 and not llama.stale
+    assert llama.kv_usage == pytest.approx(73339 / (73339 + 8149))  # max: the GPU is fuller
+    assert (llama.waiting, llama.kv_capacity_tokens) == (7, 2 * 444832)
+    assert qwen.kv_usage == pytest.approx(0.70)  # max(SGLang 0.70, TGI 0.375)
+    assert (qwen.waiting, qwen.kv_capacity_tokens) == (10 + 3, 2 * 161721 + 163840)
+    assert sorted(rec.done) == sorted([("llama", "node-a", True), ("llama", "node-a-gpu", True),
+                                       ("qwen", "sgl-0", True), ("qwen", "tgi-0", True)])
+    assert rec.errors == []
+    assert ("llama", "node-a", True, pytest.approx(0.6), 7) in rec.states
+    assert sorted(rec.stale) == [("llama", False), ("qwen", False)]
+
+
+def test_mean_aggregate_is_selectable(new_scraper, servers):
+    a = serve(servers, Behavior(vllm_body(0.2)))
+    b = serve(servers, Behavior(vllm_body(0.6)))
+    cfg = make_config({"p": [{"name": "a", "metrics_url": a.url}, {"name": "b", "metrics_url": b.url}]},
+                      aggregate="mean")
+    out = new_scraper(cfg, Published(), Recorder(), ManualClock()).poll_once()
+    assert out["p"].kv_usage == pytest.approx(0.4)
+
+
+BIG = b"# HELP filler x\n" + b"filler_metric 1\n" * (5 * 1024 * 1024 // 16)
+
+# (behavior, reason counted, usable): every fault of the issue
+FAULTS = {
+    "html_page": (Behavior(b"<html><body><h1>Service Unavailable</h1></body></html>\n", ctype="text/html"),
+                  ScrapeError.PARSE),
+    "html_as_text": (Behavior(b"<!DOCTYPE html>\n<html><body>oops</body></html>\n"), ScrapeError.PARSE),
+    "garbage": (Behavior(b"Hello from the load balancer, all good here\n"), ScrapeError.PARSE),
+    "truncated": (Behavior(vllm_body(0.05)[:-40]), ScrapeError.PARSE),
+    "short_body": (Behavior(vllm_body(0.05), mode="short"), ScrapeError.PARSE),
+    "http_500": (Behavior(b"internal error\n", status=500), ScrapeError.HTTP_STATUS),
+    "http_404": (Behavior(b"not found\n", status=404), ScrapeError.HTTP_STATUS),
+    "slow": (Behavior(vllm_body(0.05), mode="slow"), ScrapeError.TIMEOUT),
+    "drip": (Behavior(vllm_body(0.05), mode="drip"), ScrapeError.TIMEOUT),
+    "too_large": (Behavior(BIG), ScrapeError.TOO_LARGE),
+    "too_large_no_length": (Behavior(BIG, mode="no_length"), ScrapeError.TOO_LARGE),
+    "nan": (Behavior(vllm_body("NaN")), ScrapeError.BAD_VALUE),
+    "negative": (Behavior(vllm_body(-0.4)), ScrapeError.BAD_VALUE),
+    "missing_names": (Behavior(sample("tgi.prom")), ScrapeError.MISSING_METRICS),
+    "empty": (Behavior(b""), ScrapeError.MISSING_METRICS),
+}
+
+
+def _fault_setup(servers: list[MetricsServer], fault: str) -> tuple[str, MetricsServer | None]:
+    if fault == "refused":
+        return f"http://{LOOPBACK}:{free_port()}/metrics", None
+    behavior, _ = FAULTS[fault]
+    s = serve(servers, Behavior(vllm_body(0.05)))
+    s.behavior = behavior
+    return s.url, s
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS) + ["refused"])
+def test_a_fault_is_counted_by_reason_and_never_read_as_idle(new_scraper, servers, fault):
+    reason = ScrapeError.CONNECT if fault == "refused" else FAULTS[fault][1]
+    url, _ = _fault_setup(servers, fault)
+    good = serve(servers, Behavior(vllm_body(0.05)))
+    cfg = make_config({"p": [{"name": "bad", "metrics_url": url}, {"name": "good", "metrics_url": good.url}]})
+    rec, pub, clock = Recorder(), Published(), ManualClock()
+    scraper = new_scraper(cfg, pub, rec, clock, log_every_s=3600.0)
+
+    t0 = time.monotonic()
+    scraper.poll_once()
+    # the faulty node costs the round at most its timeout (the slow server would hold 5 s)
+    assert time.monotonic() - t0 < 2.0
+    assert [e for e in rec.errors if e[1] == "bad"] == [("p", "bad", reason.value)]
+    assert ("p", "bad", False) in rec.done and ("p", "good", True) in rec.done
+    assert ("p", "bad", False, None, None) in rec.states
+    # never sampled: not counted yet, and once stale_after_s passes it counts as saturated
+    assert pub.last("p").kv_usage == pytest.approx(0.05)
+    for _ in range(3):
+        clock.advance(1.0)
+        scraper.poll_once()
+    assert pub.last("p").kv_usage == 1.0
+    assert len([e for e in rec.errors if e[1] == "bad"]) == 4  # counted every round
+
+
+def test_usage_above_one_is_clamped_and_counted(new_scraper, servers):
+    s = serve(servers, Behavior(vllm_body(1.3)))
+    rec = Recorder()
+    out = new_scraper(make_config({"p": [{"name": "n", "metrics_url": s.url}]}), Published(), rec,
+                  ManualClock()).poll_once()
+    assert out["p"].kv_usage == 1.0 and not out["p"].stale
+    assert rec.errors == [("p", "n", "bad_value")]
+    assert rec.done == [("p", "n", True)]
+
+
+def test_a_failed_scrape_keeps_the_last_sample_until_stale(new_scraper, servers):
+    s = serve(servers, Behavior(vllm_body(0.3, waiting=2)))
+    rec, pub, clock = Recorder(), Published(), ManualClock()
+    scraper = new_scraper(make_config({"p": [{"name": "n", "metrics_url": s.url}]}), pub, rec, clock)
+    scraper.poll_once()
+    s.behavior = Behavior(vllm_body("NaN"))
+    for t in (1.0, 2.0):
+        clock.set(t)
+        scraper.poll_once()
+        assert pub.last("p").kv_usage == pytest.approx(0.3) and not pub.last("p").stale
+    clock.set(3.0)
+    scraper.poll_once()
+    last = pub.last("p")
+    assert last.stale and last.kv_usage is None and last.at == 3.0
+    assert rec.stale[-1] == ("p", True) and rec.stale[0] == ("p", False)
+
+
+def test_a_dead_node_saturates_its_pool_within_stale_after_and_returns(new_scraper, servers):
+    a = serve(servers, Behavior(vllm_body(0.3)))
+    b = serve(servers, Behavior(vllm_body(0.4)))
+    cfg = make_config({"p": [{"name": "a", "metrics_url": a.url}, {"name": "b", "metrics_url": b.url}]})
+    rec, pub, clock = Recorder(), Published(), ManualClock()
+    scraper = new_scraper(cfg, pub, rec, clock)
+    scraper.poll_once()
+    assert pub.last("p").kv_usage == pytest.approx(0.4)
+
+    port = b.port
+    b.stop()  # the node dies: its port refuses connections
+    seen = []
+    for t in (1.0, 2.0, 3.0):
+        clock.set(t)
+        scraper.poll_once()
+        seen.append(pub.last("p").kv_usage)
+    assert seen == [pytest.approx(0.4), pytest.approx(0.4), 1.0]
+    assert ("p", "b", "connect") in rec.errors
+
+    serve(servers, Behavior(vllm_body(0.2)), port=port)  # it comes back on the same port
+    clock.set(4.0)
+    scraper.poll_once()
+    assert pub.last("p").kv_usage == pytest.approx(0.3) and not pub.last("p").stale
+
+
+def test_every_node_dead_makes_the_pool_stale(new_scraper, servers):
+    a = serve(servers, Behavior(vllm_body(0.3)))
+    rec, pub, clock = Recorder(), Published(), ManualClock()
+    scraper = new_scraper(make_config({"p": [{"name": "a", "metrics_url": a.url}]}), pub, rec, clock)
+    scraper.poll_once()
+    a.stop()
+    clock.set(3.0)
+    scraper.poll_once()
+    assert pub.last("p").stale and pub.last("p").kv_usage is None
+    assert rec.stale == [("p", False), ("p", True)]
+
+
+def test_reconfigure_keeps_known_nodes_and_drops_removed_pools(new_scraper, servers):
+    a = serve(servers, Behavior(vllm_body(0.3)))
+    b = serve(servers, Behavior(vllm_body(0.5)))
+    clock, pub = ManualClock(), Published()
+    first = make_config({"p": [{"name": "a", "metrics_url": a.url}],
+                         "q": [{"name": "b", "metrics_url": b.url}]})
+    scraper = new_scraper(first, pub, Recorder(), clock)
+    scraper.poll_once()
+    a.stop()  # node a will not answer again; its sample must survive the reload
+    second = make_config({"p": [{"name": "a", "metrics_url": a.url}, {"name": "b2", "metrics_url": b.url}]})
+    scraper.reconfigure(second)
+    pub.calls.clear()
+    clock.set(1.0)
+    scraper.poll_once()
+    assert [p for p, _ in pub.calls] == ["p"]
+    assert pub.last("p").kv_usage == pytest.approx(0.5)  # a's 0.3 kept, b2 new: max 0.5
+
+
+def test_a_failing_observer_or_publisher_does_not_stop_the_round(new_scraper, servers):
+    a = serve(servers, Behavior(vllm_body(0.3)))
+
+    class Broken(Recorder):
+        def backend_state(self, *args: object) -> None:
+            raise RuntimeError("observer bug")
+
+    calls = []
+
+    def publish(pool: str, signals: PoolSignals) -> None:
+        calls.append(pool)
+        raise RuntimeError("publisher bug")
+
+    cfg = make_config({"p": [{"name": "a", "metrics_url": a.url}], "q": [{"name": "b", "metrics_url": a.url}]})
+    rec = Broken()
+    out = new_scraper(cfg, publish, rec, ManualClock()).poll_once()
+    assert calls == ["p", "q"] and out["p"].kv_usage == pytest.approx(0.3)
+    assert len(rec.done) == 2
+
+
+def test_the_thread_polls_until_stopped(new_scraper, servers):
+    a = serve(servers, Behavior(vllm_body(0.3)))
+    pub = Published()
+    scraper = new_scraper(make_config({"p": [{"name": "a", "metrics_url": a.url}]}, poll=0.05, timeout=0.05,
+                                  stale=1.0), pub, Recorder(), MonotonicClock())
+    scraper.start()
+    try:
+        wait_until(lambda: a.hits >= 3, timeout=10.0, what="three scrapes by the thread")
+        assert scraper.running
+    finally:
+        scraper.stop()
+    assert not scraper.running
+    assert pub.last("p").kv_usage == pytest.approx(0.3)
