@@ -1,0 +1,98 @@
+"""Adaptive scale: the pure target from signals, the recovery step, staleness, the tracker."""
+
+from __future__ import annotations
+
+import pytest
+
+from extproc.admission.adaptive import (ScaleParams, ScaleTracker, in_alarm, next_scale,
+                                        target_scale)
+from extproc.admission.types import PoolSignals
+
+P = ScaleParams(enabled=True)  # high 0.85, low 0.70, min 0.6, +0.1/s, waiting 8, stale 3 s
+T0 = 50.0
+
+
+def sig(usage: float | None, waiting: int | None = 0, stale: bool = False, at: float = T0,
+        capacity: int | None = None) -> PoolSignals:
+    return PoolSignals(kv_usage=usage, waiting=waiting, stale=stale, kv_capacity_tokens=capacity, at=at)
+
+
+@pytest.mark.parametrize("usage, scale", [
+    (0.0, 1.0), (0.5, 1.0), (0.70, 1.0),          # at or below low: full
+    (0.775, 0.8),                                  # halfway: halfway between 1 and 0.6
+    (0.73, 1.0 - 0.2 * 0.4), (0.82, 1.0 - 0.8 * 0.4),
+    (0.85, 0.6), (0.99, 0.6), (1.0, 0.6),          # at or above high: min
+])
+def test_target_is_linear_between_the_watermarks(usage, scale):
+    assert target_scale(sig(usage), P, T0) == pytest.approx(scale)
+
+
+@pytest.mark.parametrize("signals", [
+    None,                                   # no signals yet
+    sig(0.1, stale=True),                   # the scraper says stale
+    sig(0.1, at=T0 - 3.5),                  # older than stale_after_s
+    sig(None),                              # usage missing
+    sig(float("nan")), sig(float("inf")),   # hostile numbers
+    sig(1.7), sig(-0.5),                    # out of range
+    sig(0.1, waiting=-1),                   # a negative queue is a broken exporter
+])
+def test_untrusted_signals_count_as_saturated(signals):
+    assert target_scale(signals, P, T0) == P.min_scale
+    assert in_alarm(signals, P, T0)
+
+
+def test_waiting_at_the_threshold_counts_as_high_usage():
+    assert target_scale(sig(0.1, waiting=7), P, T0) == 1.0
+    assert not in_alarm(sig(0.1, waiting=7), P, T0)
+    assert target_scale(sig(0.1, waiting=8), P, T0) == 0.6
+    assert in_alarm(sig(0.1, waiting=8), P, T0)
+    assert target_scale(sig(0.1, waiting=None), P, T0) == 1.0  # usage alone decides
+
+
+def test_alarm_is_at_or_above_the_high_watermark():
+    assert not in_alarm(sig(0.849), P, T0)
+    assert in_alarm(sig(0.85), P, T0)
+
+
+def test_no_backends_means_scale_one_forever():
+    off = ScaleParams(enabled=False)
+    assert target_scale(None, off, T0) == 1.0
+    assert target_scale(sig(1.0), off, T0) == 1.0
+    assert not in_alarm(None, off, T0)
+    t = ScaleTracker(off, T0)
+    assert t.at(T0 + 1000) == 1.0 and not t.alarm
+
+
+@pytest.mark.parametrize("prev, target, dt, expected", [
+    (1.0, 0.6, 0.0, 0.6),     # a shrink applies at once
+    (0.8, 0.6, 5.0, 0.6),
+    (0.6, 1.0, 1.0, 0.7),     # recovery at most 0.1/s
+    (0.6, 1.0, 2.5, 0.85),
+    (0.6, 1.0, 10.0, 1.0),    # and never past the target
+    (0.6, 0.65, 1.0, 0.65),
+    (0.6, 1.0, 0.0, 0.6),
+    (0.6, 1.0, -1.0, 0.6),    # a clock that went back does not move it
+])
+def test_next_scale(prev, target, dt, expected):
+    assert next_scale(prev, target, dt, 0.1) == pytest.approx(expected)
+
+
+def test_tracker_starts_saturated_then_recovers_smoothly():
+    t = ScaleTracker(P, T0)
+    assert t.at(T0) == 0.6 and t.alarm              # no signals yet: fail safe
+    t.update(sig(0.2, at=T0 + 1), T0 + 1)
+    assert t.scale == pytest.approx(0.6) and not t.alarm  # recovery starts now, not at T0
+    assert t.at(T0 + 2) == pytest.approx(0.7)
+    assert t.at(T0 + 3) == pytest.approx(0.8)
+    t.update(sig(0.85, at=T0 + 3), T0 + 3)
+    assert t.scale == 0.6 and t.alarm               # shrink at once
+    t.update(sig(0.2, at=T0 + 3.5), T0 + 3.5)
+    assert t.at(T0 + 4) == pytest.approx(0.65)
+
+
+def test_tracker_goes_stale_when_signals_stop():
+    t = ScaleTracker(P, T0)
+    t.update(sig(0.1, at=T0), T0)
+    assert t.at(T0 + 2) == pytest.approx(0.8)
+    assert t.at(T0 + 3) == pytest.approx(0.9) and not t.alarm   # 3 s old: still fresh
+    assert t.at(T0 + 3.01) == 0.6 and t.alarm                   # older: saturated at once

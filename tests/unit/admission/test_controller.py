@@ -1,0 +1,257 @@
+"""Admission end to end over the store interface, at fixed instants of a manual clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from extproc.admission import (Admission, Demand, InvalidDemandError, Lease, Outcome, PoolSignals,
+                               Reason, Rejection, UnknownPoolError)
+from extproc.admission.store.base import Store
+from extproc.clock import ManualClock
+from tests.unit.admission.conftest import T0, YieldingStore, config, tenants
+
+BACKENDS = [{"name": "n1", "metrics_url": "http://127.0.0.1:9/metrics"}]
+
+
+def sig(usage: float, at: float, waiting: int = 0, capacity: int | None = None) -> PoolSignals:
+    return PoolSignals(kv_usage=usage, waiting=waiting, stale=False, kv_capacity_tokens=capacity, at=at)
+
+
+def demand(prompt: int = 100, completion: int = 100, tenant: str = "t", class_name: str = "standard",
+           pool: str = "default") -> Demand:
+    return Demand(pool=pool, tenant=tenant, class_name=class_name, prompt_tokens=prompt,
+                  completion_tokens=completion)
+
+
+async def test_slots_refuse_beyond_the_limit_until_one_is_released(clock: ManualClock, store: Store):
+    adm = Admission(config(), clock, store)
+    leases = [await adm.acquire(demand()) for _ in range(4)]
+    assert all(isinstance(x, Lease) for x in leases)
+    r = await adm.acquire(demand())
+    assert isinstance(r, Rejection) and r.reason is Reason.CONCURRENCY
+    assert r.retryable and r.retry_after_s > 0 and "concurrency" in r.message
+    assert r.rate.limit_requests == 4 and r.rate.remaining_requests == 0
+    assert leases[0].release(Outcome.COMPLETED, 10)
+    assert isinstance(await adm.acquire(demand()), Lease)
+
+
+async def test_a_shrink_refuses_new_requests_and_revokes_nothing(clock: ManualClock, store: Store):
+    adm = Admission(config(pool={"max_concurrency": 10, "backends": BACKENDS}), clock, store)
+    assert adm.snapshot("default").concurrency_limit == 6  # no signals yet: saturated
+    adm.update_signals("default", sig(0.2, clock.now()))
+    for _ in range(4):  # the scraper's polls, once a second
+        clock.advance(1)
+        adm.update_signals("default", sig(0.2, clock.now()))
+    assert adm.snapshot("default").concurrency_limit == 10
+    held = [await adm.acquire(demand()) for _ in range(8)]
+    assert all(isinstance(x, Lease) for x in held)
+    adm.update_signals("default", sig(0.95, clock.now()))
+    snap = adm.snapshot("default")
+    assert (snap.scale, snap.concurrency_limit, snap.inflight, snap.alarm) == (0.6, 6, 8, True)
+    assert not any(x.released for x in held)
+    for i in range(3):  # 8 -> 5 in flight: a slot frees only once below 6
+        assert isinstance(await adm.acquire(demand()), Rejection)
+        held[i].release(Outcome.COMPLETED, 1)
+    assert isinstance(await adm.acquire(demand()), Lease)
+    assert isinstance(await adm.acquire(demand()), Rejection)
+
+
+async def test_recovery_is_smooth(clock: ManualClock, store: Store):
+    adm = Admission(config(pool={"max_concurrency": 100, "backends": BACKENDS}), clock, store)
+    adm.update_signals("default", sig(0.0, clock.now()))
+    limits = []
+    for _ in range(5):
+        clock.advance(1)
+        adm.update_signals("default", sig(0.0, clock.now()))
+        limits.append(adm.snapshot("default").concurrency_limit)
+    assert limits == [70, 80, 90, 100, 100]
+
+
+async def test_stale_signals_shrink_and_pools_without_backends_stay_at_one(clock: ManualClock):
+    cfg = config(pools={"default": {"max_concurrency": 10, "backends": BACKENDS},
+                        "plain": {"max_concurrency": 10}})
+    adm = Admission(cfg, clock)
+    adm.update_signals("default", sig(0.1, clock.now()))
+    clock.advance(3)
+    adm.update_signals("default", sig(0.1, clock.now()))
+    assert adm.snapshot("default").scale == pytest.approx(0.9)
+    clock.advance(3.5)  # the scraper stopped: the last signals are now stale
+    assert adm.snapshot("default").scale == 0.6 and adm.snapshot("default").alarm
+    assert adm.snapshot("plain").scale == 1.0 and not adm.snapshot("plain").alarm
+    clock.advance(1000)
+    assert adm.snapshot("plain").concurrency_limit == 10
+
+
+async def test_tpm_reserves_then_refunds_with_the_exact_wait(clock: ManualClock, store: Store):
+    adm = Admission(config(pool={"tpm": 6000}), clock, store)   # 100 tokens/s
+    a = await adm.acquire(demand(1000, 2000))
+    b = await adm.acquire(demand(1000, 2000))
+    assert isinstance(a, Lease) and isinstance(b, Lease)
+    assert b.rate.remaining_tokens == 0 and b.rate.limit_tokens == 6000
+    assert b.rate.reset_tokens_s == pytest.approx(60.0)
+    r = await adm.acquire(demand(400, 100))
+    assert isinstance(r, Rejection) and r.reason is Reason.TPM
+    assert r.retry_after_s == pytest.approx(5.0) and r.retryable
+    assert "tokens per minute" in r.message
+    a.release(Outcome.COMPLETED, 500)  # 1500 charged of 3000 reserved: 1500 back
+    assert adm.snapshot("default").tpm_available == pytest.approx(1500)
+    assert isinstance(await adm.acquire(demand(1000, 500)), Lease)
+
+
+async def test_unknown_usage_charges_the_whole_reservation(clock: ManualClock, store: Store):
+    adm = Admission(config(pool={"tpm": 6000}), clock, store)
+    lease = await adm.acquire(demand(1000, 2000))
+    assert lease.release(Outcome.CLIENT_DISCONNECT, None)
+    assert adm.snapshot("default").tpm_available == pytest.approx(3000)
+    assert lease.outcome is Outcome.CLIENT_DISCONNECT
+
+
+@pytest.mark.parametrize("reported, charged", [
+    (0, 1000),            # a real zero-token completion
+    (-5, 3000),           # nonsense: the whole reservation
+    ("12", 3000), (1.5, 3000), (True, 3000),
+    (10**12, 1000 + 32768),  # capped at the context window
+])
+async def test_hostile_completion_counts(clock: ManualClock, reported, charged):
+    adm = Admission(config(pool={"tpm": 100_000}), clock)
+    lease = adm.try_acquire(demand(1000, 2000))
+    lease.release(Outcome.COMPLETED, reported)
+    assert adm.snapshot("default").tpm_available == pytest.approx(100_000 - charged)
+
+
+async def test_a_request_larger_than_the_bucket_is_never_retryable(clock: ManualClock, store: Store):
+    adm = Admission(config(pool={"tpm": 6000}), clock, store)
+    r = await adm.acquire(demand(5000, 1001))
+    assert isinstance(r, Rejection) and r.reason is Reason.TPM and r.retryable is False
+    assert "can never be admitted" in r.message
+    assert adm.snapshot("default").inflight == 0
+
+
+async def test_ten_32k_requests_stop_at_the_kv_budget(clock: ManualClock, store: Store):
+    adm = Admission(config(pool={"max_concurrency": 64, "kv_budget_tokens": 200_000}), clock, store)
+    results = [await adm.acquire(demand(32_768 - 1024, 1024)) for _ in range(10)]
+    admitted = [x for x in results if isinstance(x, Lease)]
+    refused = [x for x in results if isinstance(x, Rejection)]
+    assert len(admitted) == 6 and all(x.reason is Reason.KV_BUDGET for x in refused)
+    assert refused[0].retryable and "KV-token budget" in refused[0].message
+    assert adm.snapshot("default").kv_inflight == 6 * 32_768 <= 200_000
+    big = await adm.acquire(demand(200_000, 1))
+    assert isinstance(big, Rejection) and not big.retryable
+
+
+async def test_kv_budget_derived_from_reported_capacity(clock: ManualClock, store: Store):
+    cfg = config(pool={"max_concurrency": 64, "backends": BACKENDS, "signals": {"kv_budget_fraction": 0.5}})
+    adm = Admission(cfg, clock, store)
+    assert adm.snapshot("default").kv_budget is None
+    adm.update_signals("default", sig(0.1, clock.now(), capacity=100_000))
+    assert adm.snapshot("default").kv_budget == 30_000  # 100k × 0.5 × scale 0.6 (recovering)
+    for _ in range(4):
+        clock.advance(1)
+        adm.update_signals("default", sig(0.1, clock.now(), capacity=100_000))
+    assert adm.snapshot("default").kv_budget == 50_000
+    assert isinstance(await adm.acquire(demand(40_000, 10_000)), Lease)
+    assert isinstance(await adm.acquire(demand(1, 0)), Rejection)
+
+
+async def test_alarm_sheds_sheddable_classes_first(clock: ManualClock, store: Store):
+    cfg = config(pool={"max_concurrency": 10, "backends": BACKENDS},
+                 tenants=tenants({"standard": {}, "batch": {"sheddable": True}}))
+    adm = Admission(cfg, clock, store)
+    adm.update_signals("default", sig(0.9, clock.now()))
+    r = await adm.acquire(demand(class_name="batch"))
+    assert isinstance(r, Rejection) and r.reason is Reason.SHED and r.retryable
+    assert "shed" in r.message
+    assert isinstance(await adm.acquire(demand()), Lease)  # non-sheddable still admitted
+    adm.update_signals("default", sig(0.5, clock.now()))
+    assert isinstance(await adm.acquire(demand(class_name="batch")), Lease)
+
+
+async def test_tenant_buckets_are_separate(clock: ManualClock, store: Store):
+    cfg = config(pool={"tpm": 1_000_000},
+                 tenants=tenants({"standard": {"tpm": 1200}}, {"big": {"class": "standard", "tpm": 6000}}))
+    adm = Admission(cfg, clock, store)
+    assert isinstance(await adm.acquire(demand(1000, 200, tenant="a")), Lease)
+    r = await adm.acquire(demand(10, 0, tenant="a"))
+    assert isinstance(r, Rejection) and r.reason is Reason.TPM and "tenant 'a'" in r.message
+    assert r.retry_after_s == pytest.approx(0.5)  # 10 tokens at 20/s
+    assert isinstance(await adm.acquire(demand(1000, 200, tenant="b")), Lease)
+    assert isinstance(await adm.acquire(demand(5000, 0, tenant="big")), Lease)
+    r = await adm.acquire(demand(1201, 0, tenant="b"))
+    assert isinstance(r, Rejection) and not r.retryable
+
+
+def test_release_is_idempotent_and_changes_nothing_twice(clock: ManualClock):
+    adm = Admission(config(pool={"tpm": 6000, "kv_budget_tokens": 10_000}), clock)
+    lease = adm.try_acquire(demand(100, 100))
+    other = adm.try_acquire(demand(100, 100))
+    assert lease.release(Outcome.COMPLETED, 50) is True
+    before = adm.snapshot("default")
+    assert lease.release(Outcome.UPSTREAM_ERROR, None) is False
+    assert lease.released and lease.outcome is Outcome.COMPLETED
+    assert adm.snapshot("default") == before
+    other.release(Outcome.TIMEOUT, None)
+    snap = adm.snapshot("default")
+    assert (snap.inflight, snap.kv_inflight) == (0, 0)
+
+
+def test_lease_fields(clock: ManualClock):
+    adm = Admission(config(), clock)
+    d = demand()
+    lease = adm.try_acquire(d)
+    assert lease.demand is d and lease.id and not lease.released
+    assert lease.rate.limit_requests == 4 and lease.rate.remaining_requests == 3
+    assert lease.rate.limit_tokens is None
+
+
+def test_demand_helper_resolves_class_and_reservation(clock: ManualClock):
+    cfg = config(pool={"context_window": 8192, "default_max_tokens": 1024},
+                 tenants=tenants({"standard": {}, "gold": {}}, {"acme": {"class": "gold"}}))
+    adm = Admission(cfg, clock)
+    d = adm.demand("acme", 7500)
+    assert (d.pool, d.class_name, d.prompt_tokens, d.completion_tokens) == ("default", "gold", 7500, 692)
+    assert adm.demand("stranger", 10, 50).class_name == "standard"
+    assert adm.demand("stranger", 10, 50).completion_tokens == 50
+    with pytest.raises(UnknownPoolError):
+        adm.demand("acme", 1, pool="nope")
+
+
+async def test_bad_calls_raise_named_errors(clock: ManualClock):
+    adm = Admission(config(), clock)
+    with pytest.raises(UnknownPoolError):
+        adm.try_acquire(demand(pool="nope"))
+    with pytest.raises(UnknownPoolError):
+        await adm.acquire(demand(pool="nope"))
+    with pytest.raises(UnknownPoolError):
+        adm.update_signals("nope", sig(0.1, T0))
+    for bad in (demand(-1, 0), demand(1, -1), demand(1.5, 0), demand(True, 0)):  # type: ignore[arg-type]
+        with pytest.raises(InvalidDemandError):
+            adm.try_acquire(bad)
+    assert adm.snapshot("default").inflight == 0
+    with pytest.raises(TypeError):
+        Admission(config(), clock, YieldingStore()).try_acquire(demand())
+
+
+async def test_reconfigure_applies_to_new_admissions_and_old_leases_release(clock: ManualClock, store: Store):
+    adm = Admission(config(pools={"default": {"max_concurrency": 4}, "old": {"max_concurrency": 2}}),
+                    clock, store)
+    held = [await adm.acquire(demand()) for _ in range(3)]
+    old = await adm.acquire(demand(pool="old"))
+    adm.reconfigure(config(pools={"default": {"max_concurrency": 2, "tpm": 6000}}))
+    assert adm.pools == ("default",)
+    assert isinstance(await adm.acquire(demand()), Rejection)  # 3 in flight, limit 2
+    for x in held:
+        assert x.release(Outcome.COMPLETED, 1)
+    assert old.release(Outcome.COMPLETED, 1)
+    snap = adm.snapshot("default")
+    assert (snap.inflight, snap.concurrency_limit, snap.tpm_capacity) == (0, 2, 6000)
+    assert store.usage("old", clock.now()).inflight == 0
+    assert isinstance(await adm.acquire(demand()), Lease)
+
+
+def test_unknown_class_falls_back_to_the_default_class(clock: ManualClock):
+    adm = Admission(config(), clock)
+    lease = adm.try_acquire(demand(class_name="removed-by-a-reload"))
+    assert isinstance(lease, Lease)
+    assert adm.snapshot("default").inflight_by_class == {"standard": 1}
+    lease.release(Outcome.COMPLETED, 1)
+    assert adm.snapshot("default").inflight_by_class == {}
