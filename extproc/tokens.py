@@ -38,7 +38,8 @@ _PAT_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3
                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _PAT_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_PATTERNS = {"llama3": _PAT_LLAMA3, "qwen2": _PAT_QWEN2}
+SPLIT_PATTERNS: dict[str, str] = {"llama3": _PAT_LLAMA3, "qwen2": _PAT_QWEN2}
+"""SPLIT_PATTERNS are the pre-tokenizer regexes a rank file can be used with (``tiktoken:PATH#name``)."""
 
 _MAX_RANK_FILE_BYTES = 64 * 1024 * 1024
 _CACHE_ENTRIES = 32768
@@ -243,11 +244,11 @@ def _tiktoken_from_file(spec: str, rest: str) -> TiktokenTokenizer:
     path_s, pattern = rest, "llama3"
     if "#" in rest and not Path(rest).exists():
         path_s, pattern = rest.rsplit("#", 1)
-    if pattern not in _PATTERNS:
-        raise ConfigError("tokenizer", f"unknown split pattern {pattern!r} (known: {', '.join(_PATTERNS)})")
+    if pattern not in SPLIT_PATTERNS:
+        raise ConfigError("tokenizer", f"unknown split pattern {pattern!r} (known: {', '.join(SPLIT_PATTERNS)})")
     ranks = read_rank_file(Path(path_s))
     try:
-        enc = tiktoken.Encoding(spec, pat_str=_PATTERNS[pattern], mergeable_ranks=ranks,
+        enc = tiktoken.Encoding(spec, pat_str=SPLIT_PATTERNS[pattern], mergeable_ranks=ranks,
                                 special_tokens={})
     except Exception as exc:  # tiktoken's own validation of the ranks
         raise ConfigError("tokenizer", f"tiktoken refused {path_s}: {exc}") from None
