@@ -31,7 +31,7 @@ from extproc import openai_api as oai
 from extproc.admission import Admission, Demand, Lease, Outcome, Rejection
 from extproc.clock import Clock
 from extproc.config import ClassConfig, Config, PoolConfig
-from extproc.errors import RequestError
+from extproc.errors import ConfigError, RequestError
 from extproc.metrics import Metrics
 from extproc.tokens import TEMPLATES, load_tokenizer
 
@@ -158,8 +158,13 @@ class Gate:
         self._apply(config)
 
     def _apply(self, config: Config) -> None:
-        pools = {name: PoolRuntime(pc, load_tokenizer(pc.tokenizer), TEMPLATES[pc.chat_template])
-                 for name, pc in config.pools.items()}
+        pools = {}
+        for name, pc in config.pools.items():
+            try:
+                tokenizer = load_tokenizer(pc.tokenizer)
+            except ConfigError as err:
+                raise ConfigError(f"pools.{name}.tokenizer", err.reason) from None
+            pools[name] = PoolRuntime(pc, tokenizer, TEMPLATES[pc.chat_template])
         api_keys = {digest: t.name for t in config.tenants.tenants.values()
                     for digest in t.api_key_sha256}
         self.config, self.pools, self.api_keys = config, pools, api_keys
@@ -191,7 +196,7 @@ class Gate:
 
     # --- per-route settings --------------------------------------------------------
 
-    def route_settings(self, metadata: pb.ProcessingRequest | Any | None) -> RouteSettings:
+    def route_settings(self, metadata: Any) -> RouteSettings:
         """route_settings reads the ``kvgate`` namespace of the request's metadata context.
 
         ``metadata`` is an ``envoy.config.core.v3.Metadata``. Unknown keys and bad values
@@ -526,13 +531,3 @@ class Exchange:
             f"The request body is {size} bytes, above this endpoint's limit of "
             f"{self.max_body} bytes.", status=413, code="request_too_large"),
             "rejected_body_too_large")
-
-
-def classes_of(config: Config) -> tuple[str, ...]:
-    """classes_of lists the configured tenant class names (for metrics)."""
-    return tuple(config.tenants.classes)
-
-
-def pool_names(config: Config) -> Mapping[str, PoolConfig]:
-    """pool_names maps each configured pool name to its configuration."""
-    return config.pools

@@ -1,0 +1,314 @@
+"""server: the grpc.aio ext_proc service and the process around it.
+
+``ExtProcService.Process`` is one ext_proc stream (one HTTP request): it reads Envoy's
+messages, dispatches them by kind to an ``Exchange`` and writes the answers. The lease is
+released in ``finally``: however the stream ends (response end of stream, a clean end
+after a client disconnect, ``CancelledError``, an error in kvgate, shutdown), exactly once.
+
+``Server`` wires a process together: config, admission core, metrics, gate, the gRPC
+server with the standard health service, the admin HTTP server, the backend scraper and
+the config watcher, and the SIGTERM sequence:
+
+1. ``/readyz`` and gRPC health go NOT_SERVING at once;
+2. new streams are still served for ``server.drain_s`` seconds (load balancers notice);
+3. the gRPC server stops accepting; streams in flight get ``server.grace_s`` seconds;
+4. streams still open then are given up: their leases released with cause ``timeout``;
+5. everything stops; the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+
+from extproc.admin import AdminServer, Readiness
+from extproc.admission import Admission
+from extproc.clock import Clock, MonotonicClock
+from extproc.config import Config
+from extproc.errors import ConfigError
+from extproc.exchange import (CONTINUE_REQUEST_TRAILERS, CONTINUE_RESPONSE_TRAILERS, Exchange,
+                              Gate)
+from extproc.metrics import Metrics
+
+log = logging.getLogger("kvgate.server")
+
+# gRPC messages carry whole request bodies (BUFFERED): room for the largest configurable
+# body plus protobuf framing.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+TOKENIZE_THREADS = 2
+
+
+class ExtProcService(pb_grpc.ExternalProcessorServicer):
+    """ExtProcService serves Envoy's ext_proc streams, one ``Exchange`` per stream.
+
+    ``active`` maps each open stream's task to its exchange, for shutdown.
+    """
+
+    def __init__(self, gate: Gate, metrics: Metrics) -> None:
+        self._gate = gate
+        self._metrics = metrics
+        self.active: dict[asyncio.Task[Any], Exchange] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._given_up = False
+
+    async def Process(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+        ex = Exchange(self._gate)
+        task = asyncio.current_task()
+        assert task is not None
+        self.active[task] = ex
+        self._idle.clear()
+        self._metrics.streams.inc()
+        read = context.read
+        write = context.write
+        eof = grpc.aio.EOF
+        try:
+            while True:
+                req = await read()
+                if req is eof:
+                    return
+                kind = req.WhichOneof("request")
+                if kind == "response_body":
+                    resp = ex.response_body(req.response_body)
+                elif kind == "request_headers":
+                    resp = ex.request_headers(req.request_headers, req.metadata_context)
+                elif kind == "request_body":
+                    resp = await ex.request_body(req.request_body, write)
+                elif kind == "response_headers":
+                    resp = ex.response_headers(req.response_headers)
+                elif kind == "request_trailers":
+                    resp = CONTINUE_REQUEST_TRAILERS
+                elif kind == "response_trailers":
+                    resp = CONTINUE_RESPONSE_TRAILERS
+                else:  # a newer Envoy's message kind: nothing to do with it
+                    continue
+                await write(resp)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self._metrics.internal_errors.inc()
+            log.exception("ext_proc stream failed; ending it (Envoy answers the client 500)")
+            raise
+        finally:
+            ex.finish(gave_up=self._given_up)
+            del self.active[task]
+            self._metrics.streams.dec()
+            if not self.active:
+                self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """wait_idle waits up to ``timeout`` seconds for every stream to end; True if they did."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    def give_up(self) -> int:
+        """give_up releases every open stream's lease with cause ``timeout`` and cancels it.
+
+        Returns how many streams were open.
+        """
+        self._given_up = True
+        open_streams = list(self.active.items())
+        for task, ex in open_streams:
+            ex.finish(gave_up=True)
+            task.cancel()
+        return len(open_streams)
+
+
+def _split_hostport(value: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+class Server:
+    """Server is one kvgate process: every part wired together, started and stopped in order.
+
+    ``grpc_listen`` / ``admin_listen`` default to the config's ``server`` section; port 0
+    picks a free port (``grpc_port`` / ``admin_port`` tell which after ``start``).
+    ``config_path`` enables hot reload of that file (and SIGHUP); ``scrape`` starts the
+    backend scraper for pools that list backends.
+    """
+
+    def __init__(self, config: Config, *, grpc_listen: str | None = None,
+                 admin_listen: str | None = None, config_path: str | Path | None = None,
+                 clock: Clock | None = None, metrics: Metrics | None = None,
+                 scrape: bool = True) -> None:
+        self.config = config
+        self.clock = clock or MonotonicClock()
+        self.metrics = metrics or Metrics()
+        self.readiness = Readiness()
+        self._grpc_listen = grpc_listen or config.server.grpc_listen
+        self._admin_listen = admin_listen or config.server.admin_listen
+        self._config_path = Path(config_path) if config_path else None
+        self._scrape = scrape
+        self.admission = Admission(config, self.clock)
+        self.executor = ThreadPoolExecutor(max_workers=TOKENIZE_THREADS,
+                                           thread_name_prefix="kvgate-tokenize")
+        self.gate = Gate(config, self.admission, self.metrics, self.clock, self.executor)
+        self.metrics.attach(self.admission, tuple(config.tenants.classes))
+        self.service: ExtProcService | None = None
+        self.health: HealthServicer | None = None
+        self._grpc: grpc.aio.Server | None = None
+        self._admin: AdminServer | None = None
+        self._scraper: Any = None
+        self._watcher: Any = None
+        self._stop_requested: asyncio.Event | None = None
+        self.grpc_port = 0
+        self.admin_port = 0
+        self.released_at_shutdown = 0
+
+    # --- start ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """start binds both listeners and starts the helpers; then kvgate is ready."""
+        loop = asyncio.get_running_loop()
+        self._stop_requested = asyncio.Event()
+        self.service = ExtProcService(self.gate, self.metrics)
+        self.health = HealthServicer()
+        self._grpc = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            # Two kvgates on one port would split Envoy's streams between them silently.
+            ("grpc.so_reuseport", 0),
+        ])
+        pb_grpc.add_ExternalProcessorServicer_to_server(self.service, self._grpc)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
+        self.grpc_port = self._grpc.add_insecure_port(self._grpc_listen)
+        if self.grpc_port == 0:
+            raise OSError(f"cannot listen for gRPC on {self._grpc_listen}")
+        host, port = _split_hostport(self._admin_listen)
+        self._admin = AdminServer(self.metrics, self.readiness, host, port)
+        await self._admin.start()
+        self.admin_port = self._admin.port
+        await self._grpc.start()
+        if self._scrape and any(p.backends for p in self.config.pools.values()):
+            from extproc.signals import Scraper  # imported only when a pool has backends
+
+            def publish(pool: str, signals: Any) -> None:
+                loop.call_soon_threadsafe(self.admission.update_signals, pool, signals)
+
+            self._scraper = Scraper(self.config, publish, self.metrics, self.clock)
+            self._scraper.start()
+        if self._config_path is not None:
+            from extproc.reload import ConfigWatcher
+            self._watcher = ConfigWatcher(self._config_path, self.apply_config,
+                                          self._reload_refused, self.clock, loop=loop)
+            self._watcher.load_initial()
+            self._watcher.start()
+            self._watcher.install_sighup(loop)
+        self.metrics.reload_ok(time.time())
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self.readiness.set_ready()
+        self.metrics.ready.set(1)
+        log.info("kvgate serving ext_proc on %s (port %d), admin on %s (port %d)",
+                 self._grpc_listen, self.grpc_port, self._admin_listen, self.admin_port)
+
+    # --- reload --------------------------------------------------------------------------
+
+    def apply_config(self, config: Config) -> None:
+        """apply_config switches to a new configuration (on the loop thread).
+
+        Tokenizers load first: a config that cannot load them is refused whole, and the
+        old one stays in force. Granted leases are untouched.
+        """
+        try:
+            self.gate.reconfigure(config)
+        except ConfigError as err:
+            self._reload_refused(err)
+            return
+        self.admission.reconfigure(config)
+        if self._scraper is not None:
+            self._scraper.reconfigure(config)
+        self.metrics.set_classes(tuple(config.tenants.classes))
+        self.config = config
+        self.metrics.reload_ok(time.time())
+        log.info("configuration reloaded: pools %s", ", ".join(config.pools))
+
+    def _reload_refused(self, err: Exception) -> None:
+        self.metrics.reload_failed()
+        log.error("configuration not reloaded, the previous one stays in force: %s", err)
+
+    # --- stop ----------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """request_stop starts the shutdown sequence (what SIGTERM and SIGINT do)."""
+        if self._stop_requested is not None:
+            self._stop_requested.set()
+
+    async def serve_until_stopped(self) -> None:
+        """serve_until_stopped runs until SIGTERM/SIGINT (or ``request_stop``), then shuts down."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+        assert self._stop_requested is not None
+        await self._stop_requested.wait()
+        await self.shutdown()
+
+    async def shutdown(self) -> None:
+        """shutdown drains and stops kvgate (the numbered sequence in the module doc)."""
+        drain_s, grace_s = self.config.server.drain_s, self.config.server.grace_s
+        self.readiness.set_draining()
+        self.metrics.ready.set(0)
+        if self.health is not None:
+            await self.health.enter_graceful_shutdown()
+        log.info("draining: not ready; still serving new streams for %.1fs", drain_s)
+        if drain_s > 0:
+            await asyncio.sleep(drain_s)
+        assert self._grpc is not None and self.service is not None
+        # Stop accepting now; grpc cancels whatever is left a little after our own deadline.
+        stopping = asyncio.create_task(self._grpc.stop(grace_s + 1.0))
+        open_streams = len(self.service.active)
+        if open_streams:
+            log.info("waiting up to %.1fs for %d streams in flight", grace_s, open_streams)
+        if not await self.service.wait_idle(grace_s):
+            self.released_at_shutdown = self.service.give_up()
+            log.warning("grace period over: gave up %d streams (leases released, cause timeout)",
+                        self.released_at_shutdown)
+        await stopping
+        await self.close()
+        log.info("kvgate stopped")
+
+    async def close(self) -> None:
+        """close stops the helpers and listeners without draining (tests, failed starts)."""
+        if self._watcher is not None:
+            loop = asyncio.get_running_loop()
+            self._watcher.remove_sighup(loop)
+            await loop.run_in_executor(None, self._watcher.stop)
+            self._watcher = None
+        if self._scraper is not None:
+            self._scraper.stop()
+            self._scraper = None
+        if self._grpc is not None:
+            await self._grpc.stop(0)
+            self._grpc = None
+        if self._admin is not None:
+            await self._admin.stop()
+            self._admin = None
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+async def serve(config: Config, *, grpc_listen: str | None = None, admin_listen: str | None = None,
+                config_path: str | Path | None = None) -> int:
+    """serve runs kvgate until SIGTERM/SIGINT and returns the exit code (0 after a clean drain)."""
+    server = Server(config, grpc_listen=grpc_listen, admin_listen=admin_listen,
+                    config_path=config_path)
+    try:
+        await server.start()
+    except BaseException:
+        await server.close()
+        raise
+    await server.serve_until_stopped()
+    return 0
