@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from extproc.signals import dcgm, sglang, tgi, vllm
-from extproc.signals.exposition import Index, parse
+from extproc.signals.exposition import Index, Selector, parse
 from extproc.signals.sample import NodeSample
 
 
@@ -20,15 +20,15 @@ class Engine:
     """Engine names the sample names an engine exports and how to read them."""
 
     name: str
-    wanted: frozenset[str]
+    selector: Selector
     extract: Callable[[Index, str | None], NodeSample]
 
 
 ENGINES: Mapping[str, Engine] = MappingProxyType({
-    "vllm": Engine("vllm", vllm.WANTED, vllm.extract),
-    "sglang": Engine("sglang", sglang.WANTED, sglang.extract),
-    "tgi": Engine("tgi", tgi.WANTED, tgi.extract),
-    "dcgm": Engine("dcgm", dcgm.WANTED, dcgm.extract),
+    "vllm": Engine("vllm", Selector(vllm.WANTED), vllm.extract),
+    "sglang": Engine("sglang", Selector(sglang.WANTED), sglang.extract),
+    "tgi": Engine("tgi", Selector(tgi.WANTED), tgi.extract),
+    "dcgm": Engine("dcgm", Selector(dcgm.WANTED), dcgm.extract),
 })
 
 
@@ -39,4 +39,4 @@ def read(engine: str, body: bytes, model_name: str | None = None) -> NodeSample:
     ``KeyError`` for an engine the configuration could not have accepted.
     """
     e = ENGINES[engine]
-    return e.extract(parse(body, e.wanted), model_name)
+    return e.extract(parse(body, e.selector), model_name)

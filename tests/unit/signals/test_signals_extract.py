@@ -224,3 +224,29 @@ def test_every_reading_is_within_bounds():
     for name, engine, *_ in CASES:
         s = read(engine, body(name))
         assert s.kv_usage is not None and 0.0 <= s.kv_usage <= 1.0 and not math.isnan(s.kv_usage)
+
+
+def test_a_garbage_line_among_real_samples_fails_the_body():
+    text = body("vllm_v1.prom").decode()
+    cut = len(text) // 2
+    cut = text.index("\n", cut) + 1
+    with pytest.raises(ScrapeFailure) as info:
+        read("vllm", (text[:cut] + "upstream connect error or disconnect/reset before headers\n" + text[cut:]).encode())
+    assert info.value.reason == ScrapeError.PARSE
+
+
+def test_names_that_extend_a_wanted_name_are_not_read_as_it():
+    text = ('vllm:kv_cache_usage_perc_max{model_name="m"} 0.99\n'
+            'vllm:kv_cache_usage_perc{model_name="m"} 0.25\n'
+            'vllm:num_requests_waiting{model_name="m"} 1\n'
+            'vllm:num_requests_waiting_by_reason{model_name="m",reason="capacity"} 40\n'
+            'vllm:num_requests_running{model_name="m"} 2\n')
+    s = read("vllm", text.encode())
+    assert (s.kv_usage, s.waiting, s.running) == (0.25, 1, 2)
+
+
+def test_a_broken_wanted_line_fails_the_body():
+    text = 'vllm:kv_cache_usage_perc{model_name="m} 0.25\nvllm:num_requests_waiting 1\n'
+    with pytest.raises(ScrapeFailure) as info:
+        read("vllm", text.encode())
+    assert info.value.reason == ScrapeError.PARSE
