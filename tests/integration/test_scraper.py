@@ -6,6 +6,7 @@ socket timeouts (0.2 s) against servers that answer too slowly on purpose.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from extproc.admission import Admission
 from extproc.admission.types import PoolSignals
 from extproc.clock import ManualClock, MonotonicClock
 from extproc.config import Config, parse_config
@@ -408,3 +410,51 @@ def test_the_thread_polls_until_stopped(new_scraper, servers):
         scraper.stop()
     assert not scraper.running
     assert pub.last("p").kv_usage == pytest.approx(0.3)
+
+
+def test_the_admission_scale_follows_a_node_death_and_its_return(new_scraper, servers):
+    """Issue 4: min_scale within stale_after_s + one poll of a death; smooth recovery after."""
+    a = serve(servers, Behavior(vllm_body(0.3)))
+    b = serve(servers, Behavior(vllm_body(0.4)))
+    cfg = make_config({"p": [{"name": "a", "metrics_url": a.url}, {"name": "b", "metrics_url": b.url}]})
+    ad = cfg.adaptive
+    clock = ManualClock()
+    adm = Admission(cfg, clock)
+    scraper = new_scraper(cfg, adm.update_signals, Recorder(), clock)
+    base = cfg.pools["p"].max_concurrency
+    assert adm.snapshot("p").scale == ad.min_scale  # no signals yet: fail safe
+
+    def poll_for(seconds: float) -> list[float]:
+        scales = []
+        for _ in range(int(round(seconds / ad.poll_interval_s))):
+            clock.advance(ad.poll_interval_s)
+            scraper.poll_once()
+            scales.append(adm.snapshot("p").scale)
+        return scales
+
+    scraper.poll_once()
+    assert poll_for(10.0)[-1] == 1.0
+    assert adm.snapshot("p").concurrency_limit == base
+    node_tokens = 444832  # kv_cache_size_tokens of the vLLM sample
+    fraction = cfg.pools["p"].signals.kv_budget_fraction
+    assert adm.snapshot("p").kv_budget == math.floor(2 * node_tokens * fraction)  # derived, not configured
+
+    port = b.port
+    b.stop()
+    died = clock.now()
+    scales = poll_for(ad.stale_after_s + ad.poll_interval_s)
+    assert scales[-1] == pytest.approx(ad.min_scale)
+    assert scales[0] == 1.0  # one lost scrape is not an outage
+    first_min = next(i for i, s in enumerate(scales) if s == pytest.approx(ad.min_scale))
+    assert (first_min + 1) * ad.poll_interval_s <= ad.stale_after_s + ad.poll_interval_s
+    assert clock.now() - died <= ad.stale_after_s + ad.poll_interval_s
+    assert adm.snapshot("p").concurrency_limit < base
+    # the dead node's KV cache no longer counts, and what is left is scaled down
+    assert adm.snapshot("p").kv_budget == math.floor(math.floor(node_tokens * fraction) * ad.min_scale)
+
+    serve(servers, Behavior(vllm_body(0.4)), port=port)
+    scales = poll_for(10.0)
+    steps = [later - earlier for earlier, later in zip([ad.min_scale] + scales, scales)]
+    assert all(0.0 <= d <= ad.recovery_per_s * ad.poll_interval_s + 1e-9 for d in steps)  # smooth
+    assert scales[0] < 1.0 and scales[-1] == 1.0
+    assert adm.snapshot("p").concurrency_limit == base
