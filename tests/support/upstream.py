@@ -70,6 +70,8 @@ class FakeUpstream:
 
     async def reset(self, request: web.Request) -> web.Response:
         self.recent.clear()
+        for event in self.holds.values():  # held streams finish rather than hang
+            event.set()
         self.holds.clear()
         for k in self.stats:
             self.stats[k] = 0
@@ -82,7 +84,7 @@ class FakeUpstream:
 
     async def _read(self, request: web.Request) -> tuple[dict[str, Any] | None, bytes]:
         raw = await request.read()
-        self.recent.append({"path": request.path, "headers": dict(request.headers),
+        self.recent.append({"path": request.path, "headers": {str(k): v for k, v in request.headers.items()},
                             "body": raw.decode("utf-8", "replace")})
         try:
             body = orjson.loads(raw)

@@ -1,0 +1,189 @@
+"""stack: the real Envoy, kvgate and the fake upstream on free loopback ports.
+
+Used by the end-to-end tests (one stack per test module) and by ``bench/``. Envoy's
+configuration is ``deploy/envoy.yaml`` itself, pointed at loopback ports, so the tests
+exercise the file operators deploy. ``processor`` picks what sits behind ext_proc:
+kvgate (``"kvgate"``), any other gRPC command on a port (``argv`` with ``{port}``), or no
+ext_proc filter at all (None).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from extproc.localstack import render_envoy
+from tests.support.procs import LOOPBACK, ROOT, VENV_BIN, Proc, free_port, wait_until
+
+ENVOY_TEMPLATE = ROOT / "deploy" / "envoy.yaml"
+SET_METADATA = "envoy.filters.http.set_metadata"
+EXT_PROC = "envoy.filters.http.ext_proc"
+
+
+def _hcm(cfg: dict[str, Any]) -> dict[str, Any]:
+    listener = cfg["static_resources"]["listeners"][0]
+    return listener["filter_chains"][0]["filters"][0]["typed_config"]
+
+
+def metadata_route(match_header: tuple[str, str], settings: dict[str, Any]) -> dict[str, Any]:
+    """metadata_route is a route to the upstream for requests carrying ``match_header``,
+    with ``settings`` as its per-route kvgate metadata."""
+    name, value = match_header
+    return {
+        "match": {"prefix": "/", "headers": [{"name": name, "string_match": {"exact": value}}]},
+        "route": {"cluster": "inference", "timeout": "0s"},
+        "typed_per_filter_config": {SET_METADATA: {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.set_metadata.v3.Config",
+            "metadata": [{"metadata_namespace": "kvgate", "value": settings}]}},
+    }
+
+
+def envoy_config(*, listen: int, upstream: int, grpc: int | None,
+                 routes: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+    """envoy_config renders deploy/envoy.yaml for loopback: Envoy on ``listen``, the
+    inference cluster on ``upstream``, ext_proc on ``grpc`` (None: no ext_proc filter).
+    ``routes`` go before the file's catch-all route. Envoy's admin interface is left out."""
+    cfg = render_envoy(yaml.safe_load(ENVOY_TEMPLATE.read_text()), listen=listen, admin=0,
+                       grpc=grpc or 1, upstream=upstream)
+    cfg.pop("admin", None)
+    hcm = _hcm(cfg)
+    vhost = hcm["route_config"]["virtual_hosts"][0]
+    vhost["routes"] = [*routes, *vhost["routes"]]
+    if grpc is None:
+        hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != EXT_PROC]
+        cfg["static_resources"]["clusters"] = [
+            c for c in cfg["static_resources"]["clusters"] if c["name"] != "kvgate"]
+    return cfg
+
+
+class Stack:
+    """Stack is one fake upstream, one processor and one Envoy, each a child process.
+
+    ``kvgate_config`` is the kvgate configuration as a mapping (written to a file in
+    ``workdir``). ``processor``: "kvgate", None (plain Envoy), or an argv with ``{port}``.
+    """
+
+    def __init__(self, workdir: Path, kvgate_config: dict[str, Any] | None = None, *,
+                 processor: str | Sequence[str] | None = "kvgate",
+                 routes: Sequence[dict[str, Any]] = (), envoy_concurrency: int = 1) -> None:
+        self.workdir = workdir
+        self.kvgate_config = kvgate_config
+        self.processor = processor
+        self.routes = list(routes)
+        self.envoy_concurrency = envoy_concurrency
+        self.upstream_port = free_port()
+        self.grpc_port = free_port()
+        self.admin_port = free_port()
+        self.envoy_port = free_port()
+        self.procs: dict[str, Proc] = {}
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.envoy_port}"
+
+    @property
+    def upstream_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.upstream_port}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.admin_port}"
+
+    @property
+    def config_path(self) -> Path:
+        return self.workdir / "kvgate.yaml"
+
+    def start(self) -> Stack:
+        """start launches upstream, processor and Envoy, each waited for on its port."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        py = sys.executable
+        try:
+            up = self._spawn("upstream", [py, "-m", "tests.support.upstream",
+                                          "--port", str(self.upstream_port)])
+            up.wait_port(self.upstream_port)
+            grpc: int | None = None
+            if self.processor == "kvgate":
+                self.config_path.write_text(yaml.safe_dump(self.kvgate_config, sort_keys=False))
+                kv = self._spawn("kvgate", [py, "-m", "extproc", "serve", "--config",
+                                            str(self.config_path), "--grpc-listen",
+                                            f"{LOOPBACK}:{self.grpc_port}", "--admin-listen",
+                                            f"{LOOPBACK}:{self.admin_port}", "--log-level", "info"])
+                kv.wait_port(self.admin_port)
+                kv.wait_port(self.grpc_port)
+                grpc = self.grpc_port
+            elif self.processor is not None:
+                argv = [a.replace("{port}", str(self.grpc_port)) for a in self.processor]
+                self._spawn("processor", argv).wait_port(self.grpc_port)
+                grpc = self.grpc_port
+            cfg = envoy_config(listen=self.envoy_port, upstream=self.upstream_port, grpc=grpc,
+                               routes=self.routes)
+            envoy_yaml = self.workdir / "envoy.yaml"
+            envoy_yaml.write_text(yaml.safe_dump(cfg, sort_keys=False))
+            envoy = self._spawn("envoy", [str(VENV_BIN / "envoy"), "-c", str(envoy_yaml),
+                                          "--log-level", "warn", "--disable-hot-restart",
+                                          "--concurrency", str(self.envoy_concurrency)])
+            envoy.wait_port(self.envoy_port)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _spawn(self, name: str, argv: list[str]) -> Proc:
+        proc = Proc(argv, self.workdir / f"{name}.log")
+        self.procs[name] = proc
+        return proc
+
+    def stop(self) -> None:
+        """stop ends Envoy first, then the processor and the upstream."""
+        for name in ("envoy", "processor", "kvgate", "upstream"):
+            proc = self.procs.pop(name, None)
+            if proc is not None:
+                proc.stop()
+
+    # --- looking inside -------------------------------------------------------------------
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """metrics reads kvgate's /metrics: {(sample name, sorted labels): value}."""
+        with urllib.request.urlopen(f"{self.admin_url}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        return out
+
+    def metric(self, name: str, **labels: str) -> float:
+        """metric sums the samples of ``name`` whose labels include ``labels`` (0 if none)."""
+        want = set(labels.items())
+        return sum(v for (n, ls), v in self.metrics().items() if n == name and want <= set(ls))
+
+    def inflight(self) -> float:
+        """inflight is kvgate's admitted, unreleased requests over all pools and classes."""
+        return self.metric("kvgate_inflight_requests")
+
+    def wait_inflight(self, value: float, timeout: float = 5.0) -> None:
+        """wait_inflight waits until kvgate reports ``value`` requests in flight."""
+        wait_until(lambda: self.inflight() == value, timeout=timeout,
+                   what=f"kvgate_inflight_requests == {value}")
+
+    def upstream_json(self, path: str) -> Any:
+        """upstream_json GETs one of the fake upstream's control endpoints."""
+        with urllib.request.urlopen(f"{self.upstream_url}{path}", timeout=5) as resp:
+            return json.loads(resp.read())
+
+    def upstream_post(self, path: str) -> None:
+        """upstream_post POSTs to one of the fake upstream's control endpoints."""
+        req = urllib.request.Request(f"{self.upstream_url}{path}", data=b"", method="POST")
+        with urllib.request.urlopen(req, timeout=5):
+            pass
+
+    def log(self, name: str) -> str:
+        proc = self.procs.get(name)
+        return proc.output() if proc else ""
