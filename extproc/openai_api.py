@@ -196,12 +196,13 @@ def _opt_int(body: dict[str, Any], key: str, *, minimum: int, maximum: int) -> i
     return value
 
 
-def _opt_bool(body: dict[str, Any], key: str) -> bool:
+def _opt_bool(body: dict[str, Any], key: str, param: str | None = None) -> bool:
     value = body.get(key)
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise _bad(f"Invalid type for '{key}': expected a boolean, but got {_json_type(value)}.", key)
+        param = param or key
+        raise _bad(f"Invalid type for '{param}': expected a boolean, but got {_json_type(value)}.", param)
     return value
 
 
@@ -233,7 +234,7 @@ def parse_request(endpoint: Endpoint, body: bytes, content_type: str | None) -> 
     if options is not None:
         if not isinstance(options, dict):
             raise _bad("Invalid type for 'stream_options': expected an object.", "stream_options")
-        include_usage = _opt_bool(options, "include_usage")
+        include_usage = _opt_bool(options, "include_usage", "stream_options.include_usage")
     n = _opt_int(obj, "n", minimum=1, maximum=MAX_CHOICES) or 1
     best_of = _opt_int(obj, "best_of", minimum=1, maximum=MAX_CHOICES)
     max_tokens = _opt_int(obj, "max_tokens", minimum=1, maximum=MAX_TOKENS_LIMIT)
