@@ -458,3 +458,22 @@ def test_the_admission_scale_follows_a_node_death_and_its_return(new_scraper, se
     assert all(0.0 <= d <= ad.recovery_per_s * ad.poll_interval_s + 1e-9 for d in steps)  # smooth
     assert scales[0] < 1.0 and scales[-1] == 1.0
     assert adm.snapshot("p").concurrency_limit == base
+
+
+def test_stale_pool_and_broken_node_say_so_in_logs_without_flooding(new_scraper, servers, caplog):
+    a = serve(servers, Behavior(vllm_body(0.3)))
+    bad = serve(servers, Behavior(b"garbage page\n"))
+    clock = ManualClock()
+    cfg = make_config({"p": [{"name": "a", "metrics_url": a.url}],
+                       "q": [{"name": "bad", "metrics_url": bad.url}]})
+    scraper = new_scraper(cfg, Published(), Recorder(), clock, log_every_s=10.0)
+    caplog.set_level("INFO", logger="extproc.signals")
+    for _ in range(25):  # 25 s of a broken node, polled every second
+        scraper.poll_once()
+        clock.advance(1.0)
+    about_bad = [r for r in caplog.records if "q/bad" in r.getMessage()]
+    assert len(about_bad) == 3  # t=0, 10, 20: one line per log_every_s
+    assert "9 similar lines held back" in about_bad[1].getMessage()
+    stale = [r for r in caplog.records if "pool q" in r.getMessage()]
+    assert len(stale) == 1 and stale[0].levelname == "WARNING" and "min_scale" in stale[0].getMessage()
+    assert not [r for r in caplog.records if "pool p" in r.getMessage()]
