@@ -175,20 +175,27 @@ class Scraper:
                 config, nodes = self._config, self._nodes
             a = config.adaptive
             executor = self._pool_executor(len(nodes))
+            fresh: set[int] = set()
             for node in nodes.values():
                 if node.inflight is None:
                     node.inflight = executor.submit(_scrape, node.backend, a.scrape_timeout_s,
                                                     a.max_scrape_bytes)
+                    fresh.add(id(node))
             pending = [n.inflight for n in nodes.values() if n.inflight is not None]
             wait(pending, timeout=a.scrape_timeout_s + _GRACE_S)
             now = self._clock.now()
             for node in nodes.values():
                 fut = node.inflight
-                if fut is not None and fut.done():
+                if fut is not None and fut.done() and id(node) in fresh:
                     node.inflight = None
                     result = fut.result()
                 else:
-                    result = _Result(None, ScrapeFailure(ScrapeError.TIMEOUT, "previous scrape still running"),
+                    # Still running, or finished late after overrunning an earlier round:
+                    # either way it missed its deadline, and a late answer must not be
+                    # dated now.
+                    if fut is not None and fut.done():
+                        node.inflight = None
+                    result = _Result(None, ScrapeFailure(ScrapeError.TIMEOUT, "scrape overran its deadline"),
                                      a.scrape_timeout_s)
                 self._record(node, result, now)
             out: dict[str, PoolSignals] = {}
