@@ -156,7 +156,7 @@ Try it:
 
 Drive the node into KV pressure and watch the limit shrink:
 
-  curl -s {LOOPBACK}:{sim}/sim/config -d '{{"background_kv_tokens": 60000}}'
+  curl -s {LOOPBACK}:{sim}/sim/config -d '{{"background_kv_tokens": 120000}}'
   curl -s {LOOPBACK}:{admin}/metrics | grep -E '^kvgate_(admission_scale|concurrency_limit)'
 """
 
