@@ -7,11 +7,19 @@ crashed Redis without persistence looks like to kvgate).
 
 from __future__ import annotations
 
+import secrets
 import shutil
+import signal
 import socket
 import tempfile
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import pytest
+
+from extproc.admission.store.redis import RedisStore
+from extproc.clock import Clock
+from extproc.config import RedisStoreConfig
 from tests.support.procs import LOOPBACK, Proc, free_port, wait_until
 
 
@@ -82,12 +90,23 @@ class RedisServer:
     def stop(self) -> None:
         """stop ends the server with SIGTERM (SIGKILL if it lingers) and waits for it."""
         if self.proc is not None:
+            self.proc.signal(signal.SIGCONT)  # a paused server cannot act on SIGTERM
             self.proc.stop(timeout=5.0)
 
     def kill(self) -> None:
         """kill ends the server with SIGKILL: a crash, nothing flushed."""
         if self.proc is not None:
             self.proc.kill()
+
+    def pause(self) -> None:
+        """pause stops the server with SIGSTOP: connections stay open, nothing answers (a stall)."""
+        if self.proc is not None:
+            self.proc.signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """resume lets a paused server run again with SIGCONT."""
+        if self.proc is not None:
+            self.proc.signal(signal.SIGCONT)
 
     def restart(self) -> None:
         """restart kills the server and starts a fresh, empty one on the same port."""
@@ -106,3 +125,29 @@ class RedisServer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# --- pytest fixtures (imported by the conftest files that offer a Redis store) ---------
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """redis_server is one real redis-server for the test session (skipped when not installed)."""
+    if redis_server_binary() is None:
+        pytest.skip("redis-server is not installed (.ci/run installs Debian's redis-server)")
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+async def redis_store(redis_server: RedisServer, clock: Clock) -> AsyncIterator[RedisStore]:
+    """redis_store is a RedisStore on the session's server, under a key prefix of its own.
+
+    It takes its instants from the callers (``clock``, the test's manual clock), so that
+    the suite's fixed-instant tests run unchanged against Redis; its timeout is 2 s, as
+    the suite checks the rule, not the speed of Redis on a busy machine.
+    """
+    # A generous timeout: these tests check the rule, not Redis's speed on a busy machine.
+    cfg = RedisStoreConfig(url=redis_server.url, key_prefix=f"t{secrets.token_hex(6)}:", timeout_s=2.0)
+    store = RedisStore(cfg, clock=clock)
+    yield store
+    await store.close()

@@ -1,0 +1,1061 @@
+"""redis: the shared store: the admissions of every kvgate replica charge one budget in Redis.
+
+With per-replica state, N replicas admit N times the budget. ``RedisStore`` keeps each
+pool's slots, in-flight KV tokens and token buckets in Redis and applies the admission
+rule (``extproc.admission.rules.decide``, mirrored line for line in Lua) in ONE script per
+admission and ONE per settle, so a decision is atomic across replicas. Time inside the
+scripts is Redis ``TIME``: replicas' clocks never meet.
+
+Crash safety: every grant is a lease with an expiry (Redis time + ``lease_ttl_s``). A
+background task of each replica extends its live leases every ``lease_ttl_s / 3`` in one
+pipelined round trip (and re-takes any that Redis lost, e.g. after a restart). Every
+script first purges the expired leases of its pool, returning their slots and KV tokens:
+that is how the leases of a replica killed with SIGKILL come back within ``lease_ttl_s``.
+A settle removes the lease and leaves a tombstone; a lease that was settled or has
+expired is never refunded twice, and a tombstoned lease is never re-taken.
+
+Redis unavailable or slower than ``timeout_s``: the store says so loudly (a log line on
+each change of mode, ``StoreObserver.store_error`` for every failed round trip,
+``StoreObserver.store_mode`` on each change) and, with ``on_unavailable: local_share``,
+admits in a local in-memory store with each limit divided by the number of replicas it
+last saw (heartbeats in Redis); with ``fail_closed`` it raises ``StoreUnavailableError``.
+A probe brings it back to shared mode when Redis answers; grants made locally are settled
+locally, never sent to Redis.
+
+Key layout (``P`` = ``key_prefix``; ``{pool}`` is a hash tag, so that a pool's keys share
+one Redis Cluster slot and one script may touch them all):
+
+=========================  ======  ==========================================================
+``P{pool}:st``             hash    ``n`` slots in use, ``kv`` in-flight KV tokens, ``c:<class>`` slots per class
+``P{pool}:lz``             zset    lease id -> expiry (s, store time)
+``P{pool}:lh``             hash    lease id -> ``<class>\\t<tokens>``: what the lease holds
+``P{pool}:done``           zset    settled lease id -> when its tombstone may go (s)
+``P{pool}:b:<bucket key>`` hash    a token bucket: ``tok`` tokens, ``t`` instant, ``cap`` tokens, ``rate`` tokens/s
+``Preplicas``              zset    replica id -> heartbeat expiry (s)
+=========================  ======  ==========================================================
+
+Tenant buckets expire once they would be full again (a full bucket and a missing one are
+the same), so names that come and go leave nothing behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import math
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any, Protocol
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from extproc.admission.kvbudget import effective_kv_budget
+from extproc.admission.slots import effective_guarantees, effective_limit
+from extproc.admission.store.base import (Budget, BucketSpec, Grant, Plan, PoolUsage, Refusal, Store,
+                                          StoreError)
+from extproc.admission.store.memory import MemoryStore
+from extproc.clock import Clock
+from extproc.config import RedisStoreConfig
+
+log = logging.getLogger("kvgate.store")
+
+MODE_SHARED = "shared"
+MODE_LOCAL_SHARE = "local_share"
+MODE_FAIL_CLOSED = "fail_closed"
+MODES = (MODE_SHARED, MODE_LOCAL_SHARE, MODE_FAIL_CLOSED)
+"""MODES are the values of ``kvgate_store_mode{mode}``: where admissions are decided."""
+
+ERROR_TIMEOUT = "timeout"
+ERROR_CONNECTION = "connection"
+ERROR_RESPONSE = "response"
+ERROR_DROPPED = "dropped"
+ERROR_REASONS = (ERROR_TIMEOUT, ERROR_CONNECTION, ERROR_RESPONSE, ERROR_DROPPED)
+"""ERROR_REASONS are the values of ``kvgate_store_errors_total{reason}``.
+
+``timeout``: no answer within ``timeout_s``; ``connection``: refused or reset; ``response``:
+Redis answered with an error or something this store does not understand; ``dropped``: a
+settle was dropped because too many were queued during an outage (its lease expires).
+"""
+
+LOCAL_PREFIX = "local:"
+"""LOCAL_PREFIX starts the id of every grant made locally while Redis was unavailable."""
+
+# Settles queued while Redis is unreachable; beyond this the oldest are dropped: their
+# leases expire by themselves, so memory stays bounded during a long outage.
+_MAX_PENDING = 100_000
+# Leases per refresh script call, so that one call never blocks Redis for long.
+_REFRESH_CHUNK = 500
+# Connections per replica: enough for concurrent admissions without one per request.
+_MAX_CONNECTIONS = 32
+
+
+class StoreObserver(Protocol):
+    """StoreObserver hears what the shared store does, for metrics (``extproc.metrics``).
+
+    ``store_error(reason)``: one failed round trip or dropped settle, ``reason`` in
+    ``ERROR_REASONS``; ``store_mode(mode)``: the store now decides in ``mode`` (one of
+    ``MODES``), called once at start and on every change. Both are called on the event
+    loop and must not block.
+    """
+
+    def store_error(self, reason: str) -> None: ...
+
+    def store_mode(self, mode: str) -> None: ...
+
+
+class _NullObserver:
+    """_NullObserver ignores everything: the store without metrics."""
+
+    __slots__ = ()
+
+    def store_error(self, reason: str) -> None:
+        pass
+
+    def store_mode(self, mode: str) -> None:
+        pass
+
+
+class StoreUnavailableError(StoreError):
+    """StoreUnavailableError is a refusal to admit because the shared store cannot answer.
+
+    Raised by ``RedisStore.admit`` with ``on_unavailable: fail_closed``. The request may
+    be retried shortly: the store probes Redis and returns to shared mode by itself.
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"shared budget store unavailable ({reason})")
+        self.reason = reason
+
+
+class _Failure(Exception):
+    """_Failure is one failed round trip, with its ``reason`` (one of ``ERROR_REASONS``)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+# --- Lua ----------------------------------------------------------------------------
+# One prelude shared by every script: the clock, exact number formatting, the purge of
+# expired leases and the token bucket (a mirror of extproc.admission.bucket.TokenBucket).
+
+_PRELUDE = r"""
+local FIT = 1e-6
+local function now_of(arg)
+  if arg ~= '' then return tonumber(arg) end
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+-- Lua's tostring keeps 14 digits; %.17g round-trips a double exactly.
+local function fmt(x) return string.format('%.17g', x) end
+local function untake(st, rec)
+  local tab = string.find(rec, '\t', 1, true)
+  local cls = string.sub(rec, 1, tab - 1)
+  local tok = tonumber(string.sub(rec, tab + 1))
+  redis.call('HINCRBY', st, 'n', -1)
+  redis.call('HINCRBY', st, 'c:' .. cls, -1)
+  redis.call('HINCRBY', st, 'kv', -tok)
+  return tok
+end
+-- purge returns the slots and KV tokens of leases whose expiry has passed (their replica
+-- stopped refreshing them: it died) and forgets tombstones that served their time.
+local function purge(st, lz, lh, done, now)
+  local ids = redis.call('ZRANGEBYSCORE', lz, '-inf', now, 'LIMIT', 0, 256)
+  for i = 1, #ids do
+    local rec = redis.call('HGET', lh, ids[i])
+    if rec then
+      untake(st, rec)
+      redis.call('HDEL', lh, ids[i])
+    end
+    redis.call('ZREM', lz, ids[i])
+  end
+  redis.call('ZREMRANGEBYSCORE', done, '-inf', now)
+end
+-- bucket_load is TokenBucket(cap, rate, now) for a new bucket, else refill(now) at the
+-- stored rate followed by set_limits(cap, rate): a shrink clamps, a rise adds nothing.
+local function bucket_load(key, cap, rate, now)
+  local v = redis.call('HMGET', key, 'tok', 't', 'cap', 'rate')
+  if not v[1] then return {cap, now, cap, rate} end
+  local tok, t, bcap, brate = tonumber(v[1]), tonumber(v[2]), tonumber(v[3]), tonumber(v[4])
+  local dt = now - t
+  if dt > 0 then
+    tok = tok + dt * brate
+    if not (tok < bcap) then tok = bcap end
+    t = now
+  end
+  if cap ~= bcap or rate ~= brate then
+    bcap = cap
+    brate = rate
+    if tok > bcap then tok = bcap end
+  end
+  return {tok, t, bcap, brate}
+end
+-- bucket_save writes a bucket; a tenant's (expire_s >= 0) goes away once it would be full.
+local function bucket_save(key, b, expire_s)
+  redis.call('HSET', key, 'tok', fmt(b[1]), 't', fmt(b[2]), 'cap', fmt(b[3]), 'rate', fmt(b[4]))
+  if expire_s >= 0 then
+    local full_in = (b[3] - b[1]) / b[4]
+    redis.call('PEXPIRE', key, math.ceil((full_in + expire_s) * 1000))
+  end
+end
+-- bucket_give is TokenBucket.give(n, now) on a stored bucket; a missing one is full at cap.
+local function bucket_give(key, n, cap, rate, now, expire_s)
+  local v = redis.call('HMGET', key, 'tok', 't', 'cap', 'rate')
+  local b
+  if v[1] then
+    b = {tonumber(v[1]), tonumber(v[2]), tonumber(v[3]), tonumber(v[4])}
+    local dt = now - b[2]
+    if dt > 0 then
+      local tok = b[1] + dt * b[4]
+      if not (tok < b[3]) then tok = b[3] end
+      b[1] = tok
+      b[2] = now
+    end
+  else
+    b = {cap, now, cap, rate}
+  end
+  local tok = b[1] + n
+  if not (tok < b[3]) then tok = b[3] end
+  b[1] = tok
+  bucket_save(key, b, expire_s)
+end
+-- view is what every script returns last: the store's instant, the pool's counters (and
+-- their version) and its bucket (empty when the pool has none), for the usage view.
+local function view(now, st, pbk, has_pb)
+  -- v orders the views of one pool: replies on different connections arrive in any order
+  redis.call('HINCRBY', st, 'v', 1)
+  local pb = {}
+  if has_pb then pb = redis.call('HMGET', pbk, 'tok', 't', 'cap', 'rate') end
+  return {fmt(now), redis.call('HGETALL', st), pb}
+end
+"""
+
+# KEYS: st lz lh done pool_bucket tenant_bucket (st stands in for a missing bucket)
+# ARGV: now id ttl class tokens limit kv_budget base_kv estimate
+#       p_cap p_rate p_base t_cap t_rate t_base tenant_expire n_guarantees {class g}...
+# Returns {1, inflight, b_tok, b_cap, b_rate, view} (granted), {0, budget, retry,
+# retryable, needed, used, limit, view} (refused), {2, view} (the id was cancelled).
+_ADMIT = _PRELUDE + r"""
+local st, lz, lh, done, pbk, tbk = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local now = now_of(ARGV[1])
+local id, ttl, cls, n = ARGV[2], tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5])
+local limit, kvb, base_kv, est = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
+local pcap, prate, pbase = tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12])
+local tcap, trate, tbase = tonumber(ARGV[13]), tonumber(ARGV[14]), tonumber(ARGV[15])
+local texp = tonumber(ARGV[16])
+local ng = tonumber(ARGV[17])
+purge(st, lz, lh, done, now)
+if redis.call('ZSCORE', done, id) then return {2, view(now, st, pbk, pcap ~= nil)} end
+local sv = redis.call('HMGET', st, 'n', 'kv')
+local inflight, kvin = tonumber(sv[1]) or 0, tonumber(sv[2]) or 0
+local pb, tb
+if pcap then pb = bucket_load(pbk, pcap, prate, now) end
+if tcap then tb = bucket_load(tbk, tcap, trate, now) end
+local function save()
+  if pb then bucket_save(pbk, pb, -1) end
+  if tb then bucket_save(tbk, tb, texp) end
+end
+local function binding()
+  local b = pb
+  if tb and (b == nil or tb[1] < b[1]) then b = tb end
+  return b
+end
+local function granted(nin)
+  local b = binding()
+  if b then return {1, nin, fmt(b[1]), fmt(b[3]), fmt(b[4]), view(now, st, pbk, pb ~= nil)} end
+  return {1, nin, '', '', '', view(now, st, pbk, false)}
+end
+if redis.call('HEXISTS', lh, id) == 1 then
+  -- a retried round trip whose first attempt was applied: the grant stands, once
+  save()
+  return granted(inflight)
+end
+local function refused(r)
+  save()
+  return {0, r[1], fmt(r[2]), r[3], fmt(r[4]), fmt(r[5]), fmt(r[6]), view(now, st, pbk, pb ~= nil)}
+end
+-- rules.decide, step 1: never fits, not even at scale 1.0
+if base_kv and n > base_kv then return refused({'kv', 0, 0, n, kvin, base_kv}) end
+if tb and n > tbase + FIT then return refused({'tenant_tpm', 0, 0, n, 0, tbase}) end
+if pb and n > pbase + FIT then return refused({'pool_tpm', 0, 0, n, 0, pbase}) end
+local function wait_for(tokens, cap, rate)
+  if n <= tokens + FIT then return 0 end
+  if n > cap + FIT then return math.huge end
+  return (n - tokens) / rate
+end
+local function bucket_wait(tokens, cap, rate)
+  local w = wait_for(tokens, cap, rate)
+  if w == math.huge then w = math.max(est, (n - tokens) / rate) end
+  return w
+end
+local first = nil
+local wait = 0
+-- step 2: slots (slots.slot_refusal)
+local slots = nil
+if inflight >= limit then
+  slots = 'slots'
+elseif ng > 0 then
+  local reserved = 0
+  for i = 0, ng - 1 do
+    local name, g = ARGV[18 + 2 * i], tonumber(ARGV[19 + 2 * i])
+    if name ~= cls then
+      local free = g - (tonumber(redis.call('HGET', st, 'c:' .. name)) or 0)
+      if free > 0 then reserved = reserved + free end
+    end
+  end
+  if inflight + 1 + reserved > limit then slots = 'reserved_slots' end
+end
+if slots then
+  first = {slots, est, 1, 1, inflight, limit}
+  wait = est
+end
+-- step 3: in-flight KV tokens
+if kvb and kvin + n > kvb then
+  if not first then first = {'kv', est, 1, n, kvin, kvb} end
+  wait = est
+end
+-- step 4: the tenant's bucket, then the pool's
+if tb and n > tb[1] + FIT then
+  local w = bucket_wait(tb[1], tb[3], tb[4])
+  if not first then first = {'tenant_tpm', w, 1, n, tb[1], tb[3]} end
+  wait = math.max(wait, w)
+end
+if pb and n > pb[1] + FIT then
+  local w = bucket_wait(pb[1], pb[3], pb[4])
+  if not first then first = {'pool_tpm', w, 1, n, pb[1], pb[3]} end
+  wait = math.max(wait, w)
+end
+if first then
+  first[2] = wait
+  return refused(first)
+end
+local nin = redis.call('HINCRBY', st, 'n', 1)
+redis.call('HINCRBY', st, 'c:' .. cls, 1)
+redis.call('HINCRBY', st, 'kv', n)
+redis.call('HSET', lh, id, cls .. '\t' .. ARGV[5])
+redis.call('ZADD', lz, now + ttl, id)
+if pb then pb[1] = pb[1] - n end
+if tb then tb[1] = tb[1] - n end
+save()
+return granted(nin)
+"""
+
+# KEYS: st lz lh done pool_bucket tenant_bucket
+# ARGV: now id charged ttl p_cap p_rate t_cap t_rate tenant_expire
+# Returns {1, view} when this call released the lease, {0, view} when nothing was held.
+_SETTLE = _PRELUDE + r"""
+local st, lz, lh, done, pbk, tbk = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local now = now_of(ARGV[1])
+local id, charged, ttl = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local pcap, prate, tcap, trate, texp = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
+purge(st, lz, lh, done, now)
+-- the tombstone keeps a refresh or a late admit already on the wire from bringing it back
+redis.call('ZADD', done, now + ttl, id)
+local rec = redis.call('HGET', lh, id)
+if not rec then return {0, view(now, st, pbk, pcap ~= nil)} end
+redis.call('HDEL', lh, id)
+redis.call('ZREM', lz, id)
+local tok = untake(st, rec)
+local refund = tok - charged
+if refund ~= 0 then
+  if pcap then bucket_give(pbk, refund, pcap, prate, now, -1) end
+  if tcap then bucket_give(tbk, refund, tcap, trate, now, texp) end
+end
+return {1, view(now, st, pbk, pcap ~= nil)}
+"""
+
+# KEYS: st lz lh done pool_bucket
+# ARGV: now ttl has_pool_bucket {id class tokens}...
+# Extends this replica's live leases; re-takes those Redis lost (a restart) unless settled.
+# Returns {restored, view}.
+_REFRESH = _PRELUDE + r"""
+local st, lz, lh, done, pbk = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local now = now_of(ARGV[1])
+local exp = now + tonumber(ARGV[2])
+local restored = 0
+for i = 4, #ARGV, 3 do
+  local id = ARGV[i]
+  if redis.call('ZSCORE', lz, id) then
+    redis.call('ZADD', lz, exp, id)
+  elseif not redis.call('ZSCORE', done, id) then
+    redis.call('ZADD', lz, exp, id)
+    redis.call('HSET', lh, id, ARGV[i + 1] .. '\t' .. ARGV[i + 2])
+    redis.call('HINCRBY', st, 'n', 1)
+    redis.call('HINCRBY', st, 'c:' .. ARGV[i + 1], 1)
+    redis.call('HINCRBY', st, 'kv', tonumber(ARGV[i + 2]))
+    restored = restored + 1
+  end
+end
+purge(st, lz, lh, done, now)
+return {restored, view(now, st, pbk, ARGV[3] == '1')}
+"""
+
+# KEYS: replicas   ARGV: now replica_id ttl
+# Returns the number of live replicas, this one included.
+_HEARTBEAT = r"""
+local now = ARGV[1]
+if now == '' then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+else
+  now = tonumber(now)
+end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[2])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+return redis.call('ZCARD', KEYS[1])
+"""
+
+
+class _Script:
+    """_Script is a Lua script and its SHA1, the name ``EVALSHA`` knows it by."""
+
+    __slots__ = ("source", "sha")
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+
+
+ADMIT = _Script(_ADMIT)
+SETTLE = _Script(_SETTLE)
+REFRESH = _Script(_REFRESH)
+HEARTBEAT = _Script(_HEARTBEAT)
+_SCRIPTS = (ADMIT, SETTLE, REFRESH, HEARTBEAT)
+
+
+class _Keys:
+    """_Keys are one pool's Redis keys (see the module's key layout)."""
+
+    __slots__ = ("st", "lz", "lh", "done", "bucket_prefix", "pool_bucket")
+
+    def __init__(self, prefix: str, pool: str) -> None:
+        base = f"{prefix}{{{pool}}}:"
+        self.st = base + "st"
+        self.lz = base + "lz"
+        self.lh = base + "lh"
+        self.done = base + "done"
+        self.bucket_prefix = base + "b:"
+        self.pool_bucket: str | None = None  # learnt from the plans: the pool's bucket key
+
+    def bucket(self, spec: BucketSpec | None) -> str:
+        return self.st if spec is None else self.bucket_prefix + spec.key
+
+
+class _View:
+    """_View is the last state of one pool that Redis reported, for ``usage``.
+
+    ``offset`` is store time minus caller time (s) when it was seen; bucket fields are
+    None when the pool has no bucket. A view older than the one kept, by (store instant,
+    version), is ignored.
+    """
+
+    __slots__ = ("inflight", "by_class", "kv", "tok", "t", "cap", "rate", "offset", "at", "version")
+
+    def __init__(self) -> None:
+        self.at = -math.inf  # store instant of the view (s)
+        self.version = 0     # the pool's view counter in Redis: orders views of one instant
+        self.inflight = 0
+        self.by_class: dict[str, int] = {}
+        self.kv = 0
+        self.tok: float | None = None
+        self.t = 0.0
+        self.cap = 0.0
+        self.rate = 0.0
+        self.offset = 0.0
+
+
+class _Pending:
+    """_Pending is one settle waiting for its round trip: its pool, command and lease id.
+
+    ``lease_id`` is None for the cancel of an admission whose answer was lost (it is not
+    in the usage view, so nothing is to be taken out of it).
+    """
+
+    __slots__ = ("pool", "cmd", "lease_id")
+
+    def __init__(self, pool: str, cmd: tuple[Any, ...], lease_id: str | None) -> None:
+        self.pool = pool
+        self.cmd = cmd
+        self.lease_id = lease_id
+
+
+class _Settled:
+    """_Settled is a settle Redis has not confirmed yet, as ``usage`` takes it out of the view.
+
+    ``class_name`` and ``tokens`` are what the lease held; ``refund`` the tokens given back
+    to the buckets (negative: charged more); ``now`` the caller instant (s) of the settle.
+    """
+
+    __slots__ = ("class_name", "tokens", "refund", "now")
+
+    def __init__(self, class_name: str, tokens: int, refund: int, now: float) -> None:
+        self.class_name = class_name
+        self.tokens = tokens
+        self.refund = refund
+        self.now = now
+
+
+def local_share(plan: Plan, replicas: int) -> Plan:
+    """local_share is ``plan`` with this replica's share of every limit: limit / ``replicas``.
+
+    Slots: max(1, floor(limit / N)) so that a replica still admits one request at a time;
+    guarantees and the KV budget: floor(x / N) tokens or slots; buckets: capacity and rate
+    / N. Capacities at scale 1.0 stay whole: a request that fits the shared budget is not
+    told it can never fit because of an outage.
+    """
+    if replicas <= 1:
+        return plan
+    share = 1.0 / replicas
+    lim = plan.limits
+    limit = effective_limit(lim.limit, share)
+    limits = replace(lim, limit=limit,
+                     guarantees=effective_guarantees(lim.guarantees, share, limit),
+                     kv_budget=effective_kv_budget(lim.kv_budget, share),
+                     bucket=_share_bucket(lim.bucket, share))
+    return Plan(limits, plan.tenant, plan.class_name, plan.tokens,
+                _share_bucket(plan.tenant_bucket, share))
+
+
+def _share_bucket(spec: BucketSpec | None, share: float) -> BucketSpec | None:
+    if spec is None:
+        return None
+    return BucketSpec(spec.key, spec.capacity * share, spec.rate * share, spec.base_capacity)
+
+
+def _num(v: Any) -> float:
+    """_num reads a number Redis sent as a string (bytes) or an integer."""
+    return float(v)
+
+
+class RedisStore(Store):
+    """RedisStore is the store shared by kvgate replicas through one Redis (see the module doc).
+
+    ``config``: URL, key prefix, lease TTL (s), round-trip timeout (s) and what to do
+    when Redis is unavailable. ``clock``: None (the default) takes every instant from
+    Redis ``TIME``, the one clock all replicas share; a ``Clock`` makes the scripts use
+    the callers' ``now`` instead (and ``clock.now()`` for refreshes), for tests at fixed
+    instants and single-process simulations. ``replica_id``: unique per process (random
+    by default). Must be used from one event loop; background tasks start with ``start``
+    or the first ``admit``.
+    """
+
+    shared = True
+
+    def __init__(self, config: RedisStoreConfig, *, observer: StoreObserver | None = None,
+                 clock: Clock | None = None, replica_id: str | None = None,
+                 max_connections: int = _MAX_CONNECTIONS) -> None:
+        self.config = config
+        self.replica_id = replica_id or secrets.token_hex(6)
+        self._observer: StoreObserver = observer or _NullObserver()
+        self._clock = clock
+        self._timeout = config.timeout_s
+        self._ttl = config.lease_ttl_s
+        self._refresh_every = config.lease_ttl_s / 3.0
+        self._probe_every = min(0.5, self._refresh_every)
+        self._prefix = config.key_prefix
+        self._replicas_key = f"{config.key_prefix}replicas"
+        # Tenant buckets expire a minute after they would be full; with caller instants
+        # Redis's own expiry would run on another clock, so they are kept.
+        self._tenant_expire = -1.0 if clock is not None else 60.0
+        pool = aioredis.BlockingConnectionPool.from_url(
+            config.url, max_connections=max_connections, timeout=config.timeout_s,
+            socket_timeout=config.timeout_s, socket_connect_timeout=config.timeout_s,
+            retry=Retry(NoBackoff(), 0), client_name=f"kvgate-{self.replica_id}")
+        self._client = aioredis.Redis(connection_pool=pool)
+        self._where = _describe(pool)
+        self._keys: dict[str, _Keys] = {}
+        self._views: dict[str, _View] = {}
+        self._live: dict[str, dict[str, Grant]] = {}
+        self._pending: list[_Pending] = []
+        self._unconfirmed: dict[str, dict[str, _Settled]] = {}
+        self._batch: asyncio.Future[None] | None = None
+        self._flusher: asyncio.Task[None] | None = None
+        self._local = MemoryStore()
+        self._mode = MODE_SHARED
+        self._replicas = 1
+        self._next = 0
+        self._task: asyncio.Task[None] | None = None
+        self._wake: asyncio.Event | None = None
+        self._closed = False
+        self._observer.store_mode(MODE_SHARED)
+
+    # --- public state ------------------------------------------------------------
+
+    @property
+    def mode(self) -> str:
+        """mode is where admissions are decided now: one of ``MODES``."""
+        return self._mode
+
+    @property
+    def replicas(self) -> int:
+        """replicas is the number of live replicas this one last saw (itself included, >= 1)."""
+        return self._replicas
+
+    @property
+    def pending_settles(self) -> int:
+        """pending_settles is the number of settles not yet applied in Redis."""
+        return len(self._pending)
+
+    def live_leases(self, pool: str) -> int:
+        """live_leases is the number of this replica's unsettled shared grants in ``pool``."""
+        return len(self._live.get(pool, ()))
+
+    # --- lifecycle ---------------------------------------------------------------
+
+    async def start(self) -> None:
+        """start registers this replica and starts the refresher; degrades if Redis is away."""
+        self._ensure_task()
+        await self.refresh()
+
+    def _ensure_task(self) -> None:
+        if self._task is None and not self._closed:
+            self._wake = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._maintain(),
+                                                                name="kvgate-redis-store")
+
+    async def close(self) -> None:
+        """close stops the refresher, applies queued settles if Redis answers, deregisters, disconnects."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in (self._task, self._flusher):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        if self._mode == MODE_SHARED:
+            with contextlib.suppress(_Failure):
+                await self._flush_pending()
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self._timeout):
+                    await self._client.zrem(self._replicas_key, self.replica_id)
+        await self._client.aclose()
+
+    async def _maintain(self) -> None:
+        """_maintain refreshes leases every lease_ttl_s / 3 in shared mode, probes Redis otherwise."""
+        wake = self._wake
+        assert wake is not None
+        while not self._closed:
+            if self._mode == MODE_SHARED:
+                wake.clear()
+                try:
+                    await asyncio.wait_for(wake.wait(), self._refresh_every)
+                except TimeoutError:
+                    await self.refresh()  # the timer, not a failure, ended the wait
+            else:
+                await asyncio.sleep(self._probe_every)
+                await self.probe()
+
+    # --- modes -------------------------------------------------------------------
+
+    def _degrade(self, failure: _Failure) -> None:
+        self._observer.store_error(failure.reason)
+        if self._mode != MODE_SHARED:
+            return
+        self._mode = self.config.on_unavailable
+        if self._mode == MODE_LOCAL_SHARE:
+            what = f"admitting locally with 1/{self._replicas} of each limit"
+        else:
+            what = "refusing every admission"
+        log.warning("shared store: Redis at %s unavailable (%s: %s): %s until it answers again",
+                    self._where, failure.reason, failure, what)
+        self._observer.store_mode(self._mode)
+        if self._wake is not None:
+            self._wake.set()
+
+    async def probe(self) -> bool:
+        """probe asks Redis whether it is back; if so, applies queued settles, re-takes live leases
+        and returns to shared mode. Returns True when the store is in shared mode afterwards."""
+        if self._mode == MODE_SHARED:
+            return True
+        try:
+            await self._flush_pending()
+            await self._refresh_round_trip()
+        except _Failure as f:
+            self._observer.store_error(f.reason)
+            return False
+        previous = self._mode
+        self._mode = MODE_SHARED
+        log.warning("shared store: Redis at %s answers again: back to shared mode (was %s, %d replicas seen)",
+                    self._where, previous, self._replicas)
+        self._observer.store_mode(MODE_SHARED)
+        return True
+
+    # --- round trips -------------------------------------------------------------
+
+    async def _load_scripts(self) -> None:
+        for script in _SCRIPTS:
+            await self._client.execute_command("SCRIPT", "LOAD", script.source)
+
+    async def _round_trip(self, cmds: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """_round_trip sends ``cmds`` (EVALSHA) in one pipeline within timeout_s; loads the
+        scripts and retries once on NOSCRIPT (every script here is safe to repeat). Raises
+        ``_Failure``."""
+        for attempt in (0, 1):
+            try:
+                async with asyncio.timeout(self._timeout):
+                    if attempt:
+                        await self._load_scripts()
+                    if len(cmds) == 1:
+                        try:
+                            return [await self._client.execute_command(*cmds[0])]
+                        except NoScriptError:
+                            if attempt:
+                                raise
+                            self._forget_order()
+                            continue
+                    pipe = self._client.pipeline(transaction=False)
+                    for cmd in cmds:
+                        pipe.execute_command(*cmd)
+                    results = await pipe.execute(raise_on_error=False)
+            except (TimeoutError, RedisTimeoutError) as exc:
+                raise _Failure(ERROR_TIMEOUT, f"no answer within {self._timeout}s") from exc
+            except (RedisConnectionError, OSError) as exc:
+                raise _Failure(ERROR_CONNECTION, str(exc) or type(exc).__name__) from exc
+            except RedisError as exc:
+                raise _Failure(ERROR_RESPONSE, str(exc) or type(exc).__name__) from exc
+            if attempt == 0 and any(isinstance(r, NoScriptError) for r in results):
+                self._forget_order()
+                continue
+            for r in results:
+                if isinstance(r, Exception):
+                    raise _Failure(ERROR_RESPONSE, str(r) or type(r).__name__)
+            return results
+        raise AssertionError("unreachable")
+
+    def _forget_order(self) -> None:
+        """_forget_order accepts the next view of every pool: Redis lost its scripts, so it
+        restarted and its view counters start again."""
+        for view in self._views.values():
+            view.at = -math.inf
+            view.version = 0
+
+    def _now_arg(self, now: float) -> float | str:
+        return "" if self._clock is None else now
+
+    def _keys_of(self, pool: str) -> _Keys:
+        k = self._keys.get(pool)
+        if k is None:
+            k = self._keys[pool] = _Keys(self._prefix, pool)
+        return k
+
+    # --- admit -------------------------------------------------------------------
+
+    async def admit(self, plan: Plan, now: float) -> Grant | Refusal:
+        """admit charges every budget of ``plan`` in Redis in one script, or refuses it.
+
+        ``now`` (s, caller clock) is used only with an injected clock and in local mode.
+        In local_share mode the plan is decided locally at this replica's share; in
+        fail_closed mode ``StoreUnavailableError`` is raised.
+        """
+        if self._task is None:
+            self._ensure_task()
+        if self._mode != MODE_SHARED:
+            return self._admit_degraded(plan, now)
+        self._next += 1
+        lease_id = f"{self.replica_id}.{self._next}"
+        pool = plan.limits.pool
+        keys = self._keys_of(pool)
+        cmd = self._admit_cmd(plan, keys, lease_id, now)
+        # Settles of this replica go out before its next admission, in the same round
+        # trip: a slot this replica released is free for the request it admits next.
+        batch, self._pending = self._pending, []
+        previous = self._batch
+        if previous is not None:
+            await asyncio.shield(previous)
+        try:
+            results = await self._round_trip([p.cmd for p in batch] + [cmd])
+        except _Failure as f:
+            self._pending[:0] = batch
+            self._degrade(f)
+            # The script may have run before the answer was lost: cancel the lease, so
+            # that a grant nobody will refresh or settle does not hold a slot until it
+            # expires (the tombstone also stops the admit if it is still on the wire).
+            self._queue(_Pending(pool, self._settle_cmd(plan, keys, lease_id, 0, now), None))
+            return self._admit_degraded(plan, now)
+        self._read_settles(batch, results, now)
+        try:
+            return self._read_admit(plan, lease_id, results[-1], now)
+        except (IndexError, TypeError, ValueError, KeyError, AttributeError) as exc:
+            self._degrade(_Failure(ERROR_RESPONSE, f"unexpected admit reply: {exc}"))
+            self._queue(_Pending(pool, self._settle_cmd(plan, keys, lease_id, 0, now), None))
+            return self._admit_degraded(plan, now)
+
+    def _admit_degraded(self, plan: Plan, now: float) -> Grant | Refusal:
+        if self._mode == MODE_FAIL_CLOSED:
+            raise StoreUnavailableError(f"Redis at {self._where} does not answer")
+        decision = self._local.admit_now(local_share(plan, self._replicas), now)
+        if isinstance(decision, Grant):
+            decision.id = LOCAL_PREFIX + decision.id
+        return decision
+
+    def _admit_cmd(self, plan: Plan, keys: _Keys, lease_id: str, now: float) -> tuple[Any, ...]:
+        lim = plan.limits
+        pb = lim.bucket
+        tb = plan.tenant_bucket
+        if pb is not None:
+            keys.pool_bucket = keys.bucket(pb)
+        cmd: list[Any] = [
+            "EVALSHA", ADMIT.sha, 6, keys.st, keys.lz, keys.lh, keys.done, keys.bucket(pb), keys.bucket(tb),
+            self._now_arg(now), lease_id, self._ttl, plan.class_name, plan.tokens, lim.limit,
+            "" if lim.kv_budget is None else lim.kv_budget,
+            "" if lim.base_kv_budget is None else lim.base_kv_budget,
+            lim.retry_estimate_s,
+            "" if pb is None else pb.capacity, "" if pb is None else pb.rate,
+            "" if pb is None else pb.base_capacity,
+            "" if tb is None else tb.capacity, "" if tb is None else tb.rate,
+            "" if tb is None else tb.base_capacity,
+            self._tenant_expire, len(lim.guarantees)]
+        for name, g in lim.guarantees.items():
+            cmd.append(name)
+            cmd.append(g)
+        return tuple(cmd)
+
+    def _read_admit(self, plan: Plan, lease_id: str, r: list[Any], now: float) -> Grant | Refusal:
+        code = int(r[0])
+        self._read_view(plan.limits.pool, r[-1], now)
+        if code == 1:
+            grant = Grant(lease_id, plan, int(r[1]))
+            if r[2] != b"":
+                grant.bucket_tokens = _num(r[2])
+                grant.bucket_capacity = _num(r[3])
+                grant.bucket_rate = _num(r[4])
+            self._live.setdefault(plan.limits.pool, {})[lease_id] = grant
+            return grant
+        if code == 0:
+            return Refusal(Budget(r[1].decode()), _num(r[2]), bool(int(r[3])), _num(r[4]),
+                           _num(r[5]), _num(r[6]))
+        raise ValueError(f"admit answered code {code} for a fresh lease id")
+
+    def _read_view(self, pool: str, v: list[Any], now: float) -> None:
+        """_read_view keeps what a script reported of ``pool``: counters and the pool bucket."""
+        view = self._views.get(pool)
+        if view is None:
+            view = self._views[pool] = _View()
+        store_now = _num(v[0])
+        flat = v[1]
+        by_class: dict[str, int] = {}
+        inflight = kv = version = 0
+        for i in range(0, len(flat) - 1, 2):
+            field = flat[i].decode()
+            value = int(flat[i + 1])
+            if field == "n":
+                inflight = value
+            elif field == "kv":
+                kv = value
+            elif field == "v":
+                version = value
+            elif field.startswith("c:"):
+                by_class[field[2:]] = value
+        if (store_now, version) < (view.at, view.version):
+            return  # an older state that arrived late on another connection
+        view.at = store_now
+        view.version = version
+        view.inflight = inflight
+        view.kv = kv
+        view.by_class = by_class
+        pb = v[2]
+        if pb and pb[0] is not None:
+            view.tok, view.t, view.cap, view.rate = (_num(pb[0]), _num(pb[1]), _num(pb[2]), _num(pb[3]))
+        view.offset = store_now - now
+
+    # --- settle ------------------------------------------------------------------
+
+    def settle(self, grant: Grant, charged_tokens: int, now: float) -> None:
+        """settle releases ``grant`` with its buckets charged ``charged_tokens`` in the end.
+
+        A local grant is settled in the local store at once; a shared one is queued and
+        sent with this replica's next round trip (at the latest on the next loop turn),
+        and kept while Redis is away. Never blocks, never raises.
+        """
+        if grant.id.startswith(LOCAL_PREFIX):
+            self._local.settle(grant, charged_tokens, now)
+            return
+        plan = grant.plan
+        pool = plan.limits.pool
+        live = self._live.get(pool)
+        if live is None or live.pop(grant.id, None) is None:
+            return  # not ours, or settled already: nothing is refunded twice
+        self._unconfirmed.setdefault(pool, {})[grant.id] = _Settled(
+            plan.class_name, plan.tokens, plan.tokens - charged_tokens, now)
+        self._queue(_Pending(pool, self._settle_cmd(plan, self._keys_of(pool), grant.id,
+                                                    charged_tokens, now), grant.id))
+
+    def _settle_cmd(self, plan: Plan, keys: _Keys, lease_id: str, charged: int,
+                    now: float) -> tuple[Any, ...]:
+        pb = plan.limits.bucket
+        tb = plan.tenant_bucket
+        return ("EVALSHA", SETTLE.sha, 6, keys.st, keys.lz, keys.lh, keys.done, keys.bucket(pb),
+                keys.bucket(tb), self._now_arg(now), lease_id, charged, self._ttl,
+                "" if pb is None else pb.capacity, "" if pb is None else pb.rate,
+                "" if tb is None else tb.capacity, "" if tb is None else tb.rate, self._tenant_expire)
+
+    def _queue(self, pending: _Pending) -> None:
+        self._pending.append(pending)
+        if len(self._pending) > _MAX_PENDING:
+            del self._pending[0]
+            self._observer.store_error(ERROR_DROPPED)
+        if self._mode == MODE_SHARED and self._flusher is None and not self._closed:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                return  # no loop (a test settling by hand): the next round trip takes it
+            self._flusher = loop.create_task(self._flush_soon())
+
+    async def _flush_soon(self) -> None:
+        """_flush_soon sends the settles no admission took along, one pipeline at a time."""
+        try:
+            while self._pending and self._mode == MODE_SHARED:
+                try:
+                    await self._flush_pending()
+                except _Failure as f:
+                    self._degrade(f)
+        finally:
+            self._flusher = None
+
+    async def _flush_pending(self) -> None:
+        """_flush_pending sends every queued settle in one round trip; re-queues them on failure."""
+        while self._batch is not None:
+            await asyncio.shield(self._batch)
+        if not self._pending:
+            return
+        batch, self._pending = self._pending, []
+        self._batch = done = asyncio.get_running_loop().create_future()
+        try:
+            results = await self._round_trip([p.cmd for p in batch])
+        except _Failure:
+            self._pending[:0] = batch
+            raise
+        finally:
+            self._batch = None
+            done.set_result(None)
+        self._read_settles(batch, results, self._caller_now())
+
+    def _read_settles(self, batch: list[_Pending], results: list[Any], now: float) -> None:
+        """_read_settles takes the confirmed settles out of the unconfirmed ones and keeps their views."""
+        for p, r in zip(batch, results):
+            if p.lease_id is not None:
+                unconfirmed = self._unconfirmed.get(p.pool)
+                if unconfirmed is not None:
+                    unconfirmed.pop(p.lease_id, None)
+            with contextlib.suppress(IndexError, TypeError, ValueError, AttributeError):
+                self._read_view(p.pool, r[-1], now)
+
+    async def flush(self) -> None:
+        """flush waits until every settle queued so far is applied in Redis (or Redis failed)."""
+        while self._pending or self._batch is not None or self._flusher is not None:
+            if self._mode != MODE_SHARED:
+                return
+            if self._flusher is not None:
+                await asyncio.shield(self._flusher)
+            elif self._batch is not None:
+                await asyncio.shield(self._batch)
+            else:
+                try:
+                    await self._flush_pending()
+                except _Failure as f:
+                    self._degrade(f)
+
+    # --- refresh -----------------------------------------------------------------
+
+    def _caller_now(self) -> float:
+        return self._clock.now() if self._clock is not None else time.monotonic()
+
+    async def refresh(self) -> bool:
+        """refresh heartbeats, extends this replica's live leases and re-reads every known pool,
+        in one round trip. Degrades the store when Redis fails; True on success."""
+        if self._mode != MODE_SHARED:
+            return False
+        try:
+            await self._refresh_round_trip()
+        except _Failure as f:
+            self._degrade(f)
+            return False
+        return True
+
+    async def _refresh_round_trip(self) -> None:
+        now = self._caller_now()
+        now_arg = self._now_arg(now)
+        cmds: list[tuple[Any, ...]] = [("EVALSHA", HEARTBEAT.sha, 1, self._replicas_key, now_arg,
+                                        self.replica_id, self._ttl)]
+        pools: list[str] = []
+        for pool, keys in self._keys.items():
+            leases = list(self._live.get(pool, {}).values())
+            chunks = [leases[i:i + _REFRESH_CHUNK] for i in range(0, len(leases), _REFRESH_CHUNK)] or [[]]
+            for chunk in chunks:
+                cmd: list[Any] = ["EVALSHA", REFRESH.sha, 5, keys.st, keys.lz, keys.lh, keys.done,
+                                  keys.pool_bucket or keys.st, now_arg, self._ttl,
+                                  "1" if keys.pool_bucket else "0"]
+                for g in chunk:
+                    cmd.extend((g.id, g.plan.class_name, g.plan.tokens))
+                cmds.append(tuple(cmd))
+                pools.append(pool)
+        results = await self._round_trip(cmds)
+        try:
+            self._replicas = max(1, int(results[0]))
+            restored = 0
+            for pool, r in zip(pools, results[1:]):
+                restored += int(r[0])
+                self._read_view(pool, r[1], now)
+        except (IndexError, TypeError, ValueError) as exc:
+            raise _Failure(ERROR_RESPONSE, f"unexpected refresh reply: {exc}") from exc
+        if restored:
+            log.warning("shared store: Redis had lost %d live leases of this replica (restart?): taken again",
+                        restored)
+
+    # --- usage -------------------------------------------------------------------
+
+    def usage(self, pool: str, now: float) -> PoolUsage:
+        """usage is the pool's state as Redis last reported it (local state in local mode).
+
+        The pool bucket's tokens are refilled from the last report to ``now`` (s).
+        """
+        if self._mode != MODE_SHARED:
+            return self._local.usage(pool, now)
+        view = self._views.get(pool)
+        if view is None:
+            return PoolUsage()
+        inflight, kv, by_class = view.inflight, view.kv, dict(view.by_class)
+        tok, t = view.tok, view.t
+        for s in self._unconfirmed.get(pool, {}).values():
+            # Queued settles are this replica's own releases: show them at once, as the
+            # in-memory store does, rather than a round trip later.
+            inflight -= 1
+            kv -= s.tokens
+            by_class[s.class_name] = by_class.get(s.class_name, 0) - 1
+            if tok is not None and s.refund:
+                tok, t = _refill(tok, t, s.now + view.offset, view.cap, view.rate)
+                tok = min(tok + s.refund, view.cap)
+        tokens = None
+        if tok is not None:
+            tokens, _ = _refill(tok, t, now + view.offset, view.cap, view.rate)
+        return PoolUsage(inflight=max(0, inflight), kv_inflight=max(0, kv),
+                         by_class={c: max(0, n) for c, n in by_class.items()},
+                         bucket_tokens=tokens)
+
+
+def _refill(tokens: float, t: float, now: float, capacity: float, rate: float) -> tuple[float, float]:
+    """_refill is TokenBucket.refill on plain values: (tokens, instant) at ``now`` (s)."""
+    dt = now - t
+    if dt > 0:
+        tokens = tokens + dt * rate
+        return (tokens if tokens < capacity else capacity), now
+    return tokens, t
+
+
+def _describe(pool: aioredis.ConnectionPool) -> str:
+    """_describe names the Redis server for log lines, without credentials."""
+    kw = pool.connection_kwargs
+    if "path" in kw:
+        return f"unix:{kw['path']}"
+    return f"{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}"
+
