@@ -14,8 +14,9 @@ Delivery rules:
   not log an error every second; SIGHUP re-reads and re-delivers even an unchanged file.
 
 What applying a configuration means (new limits for new admissions, granted leases
-untouched) and the metrics ``kvgate_config_reload_total`` / ``..._errors_total`` belong to
-the ``on_config`` / ``on_error`` callbacks that the server passes in.
+untouched), the log lines an operator reads and the metrics
+``kvgate_config_reload_total`` / ``..._errors_total`` belong to the ``on_config`` /
+``on_error`` callbacks that the server passes in; the watcher itself logs at debug level.
 """
 
 from __future__ import annotations
@@ -135,13 +136,13 @@ class ConfigWatcher:
             except ConfigError as exc:
                 self._refused = fingerprint
                 self.refused_at = now
-                log.error("configuration %s refused, the previous one stays in force: %s",
-                          self._path, exc)
+                # The on_error callback logs and counts it (one line, not two).
+                log.debug("configuration %s refused: %s", self._path, exc)
                 self._deliver(self._on_error, exc)
                 return False
             self._applied, self._refused = fingerprint, None
             self.loaded_at = now
-            log.info("configuration %s loaded (%s)", self._path, fingerprint[:19])
+            log.debug("configuration %s changed (%s)", self._path, fingerprint[:19])
             self._deliver(self._on_config, config)
             return True
 
