@@ -99,7 +99,8 @@ class ParsedRequest:
     prompt; ``best_of``: sequences generated per prompt when larger than n (None when
     absent); ``prompts``: prompts in the request (a completions batch); ``chat`` /
     ``prompt``: the validated shapes to count; ``max_prompt_tokens``: the longest single
-    prompt in tokens, set by ``count_prompt_tokens``.
+    prompt in tokens, set by ``count_prompt_tokens``; ``suffix``: a completions suffix,
+    read by the model with every prompt.
     """
 
     endpoint: Endpoint
