@@ -190,6 +190,11 @@ class Admission:
         """store is where the budgets live."""
         return self._store
 
+    @property
+    def draining(self) -> bool:
+        """draining tells whether a walk of a wait queue is under way (a shared store's runs in a task)."""
+        return any(p.draining for p in self._pools.values())
+
     def demand(self, tenant: str, prompt_tokens: int, max_tokens: int | None = None,
                pool: str | None = None) -> Demand:
         """demand builds a request's Demand: the tenant's class and the completion it reserves.
@@ -408,6 +413,7 @@ class Admission:
         w = Waiter(demand, cls.priority, now, now + cls.max_wait_s, fut, refusal, plan)
         p.loop = loop
         p.queue.push(w)
+        self._note_block(p, w, refusal)
         self._schedule(p, now)
         try:
             return await fut
@@ -515,13 +521,18 @@ class Admission:
         if not refusal.retryable:
             self._resolve(p, w, self._rejection(p, refusal, plan, now))
             return Step.NEXT
+        return self._note_block(p, w, refusal)
+
+    def _note_block(self, p: _Pool, w: Waiter, refusal: Refusal) -> Step:
+        """_note_block records what a waiter's refusal blocks for arrivals and the walk (see waitqueue)."""
         b = refusal.budget
         if b in _STOPS:
-            p.stop = (w.priority, refusal)
+            if p.stop is None or w.priority > p.stop[0]:
+                p.stop = (w.priority, refusal)
             return Step.STOP
         if b is Budget.RESERVED_SLOTS:
             return Step.SKIP_CLASS
-        p.blocked_tenants[w.demand.tenant] = refusal
+        p.blocked_tenants.setdefault(w.demand.tenant, refusal)
         return Step.SKIP_TENANT
 
     def _drain(self, p: _Pool) -> None:

@@ -8,7 +8,7 @@ from extproc.admission import (Admission, Demand, InvalidDemandError, Lease, Out
                                Reason, Rejection, UnknownPoolError)
 from extproc.admission.store.base import Store
 from extproc.clock import ManualClock
-from tests.unit.admission.conftest import T0, YieldingStore, config, tenants
+from tests.unit.admission.helpers import T0, YieldingStore, config, tenants
 
 BACKENDS = [{"name": "n1", "metrics_url": "http://127.0.0.1:9/metrics"}]
 
