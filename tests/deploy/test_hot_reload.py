@@ -95,8 +95,17 @@ class Kvgate:
                           "--admin-listen", f"127.0.0.1:{self.admin_port}"], tmp / "kvgate.log")
         self.proc.wait_port(self.admin_port, timeout=60)
         self.proc.wait_port(self.grpc_port, timeout=60)
+        # Ready comes after the config watcher has taken its baseline: a file swapped
+        # before that would be taken for the startup configuration.
+        wait_until(self.ready, timeout=60, what="kvgate ready")
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.grpc_port}")
         self.stub = pb_grpc.ExternalProcessorStub(self.channel)
+
+    def ready(self) -> bool:
+        try:
+            return urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/readyz", timeout=5).status == 200
+        except OSError:
+            return False
 
     def metric(self, name: str) -> float:
         """metric reads one unlabelled-or-pool-default sample from /metrics."""
