@@ -158,3 +158,20 @@ async def test_crash_mode_fails_running_requests_with_500(sim):
     assert failures and all(isinstance(f, openai.InternalServerError) for f in failures)
     assert metric(sim, "kvgate_sim_crashes_total") > before
     assert state(sim)["used_blocks"] == 0
+
+
+def test_hostile_requests_get_clear_errors_and_leave_nothing_behind(sim):
+    before = state(sim)
+    for path, body in (("/v1/chat/completions", b"{not json"),
+                       ("/v1/chat/completions", b'{"messages": "hi"}'),
+                       ("/v1/completions", b'{"prompt": {"a": 1}}'),
+                       ("/v1/completions", orjson.dumps({"prompt": "x", "max_tokens": -3})),
+                       ("/sim/config", b'{"background_kv_tokens": "lots"}')):
+        req = urllib.request.Request(f"{sim}{path}", data=body, method="POST")
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(req, timeout=5)
+        assert info.value.code == 400
+        assert orjson.loads(info.value.read())["error"]["message"]
+    after = state(sim)
+    assert (after["running"], after["waiting"], after["used_blocks"]) == (0, 0, 0)
+    assert after["finished"] == before["finished"]
