@@ -13,6 +13,7 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +22,7 @@ from aiohttp import web
 
 from extproc.clock import Clock, MonotonicClock
 from sim.api import ApiError, CompletionRequest, Responder, check_context, count_prompt, parse_request, words
-from sim.engine import Engine, EngineParams, EventKind
+from sim.engine import Engine, EngineParams, EngineStats, EventKind
 from sim.metrics import CONTENT_TYPE, make_registry, render
 
 log = logging.getLogger("kvgate.sim")
@@ -244,7 +245,7 @@ class SimServer:
     """SimServer is the aiohttp application of one simulated vLLM node."""
 
     def __init__(self, settings: SimSettings, params: EngineParams, clock: Clock | None = None,
-                 encode: Any = None) -> None:
+                 encode: Callable[[str], Sequence[int]] | None = None) -> None:
         settings.validate(params.kv_capacity_tokens)
         self.settings = settings
         self.engine = Engine(params)
@@ -257,8 +258,8 @@ class SimServer:
         self._registry = make_registry(self._stats, settings.model, params.block_size)
         self._requests = 0
 
-    def _stats(self):  # the collector reads the engine as of now
-        self.driver.sync()
+    def _stats(self) -> EngineStats:
+        self.driver.sync()  # the page describes the engine as of now, not as of its last step
         return self.engine.stats()
 
     def app(self) -> web.Application:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 

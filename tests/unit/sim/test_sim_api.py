@@ -115,3 +115,18 @@ def test_runtime_config_is_validated_as_a_whole():
                 b'{"speed": 1}', b'{"overflow": 1}'):
         with pytest.raises(ApiError):
             parse_runtime_config(raw)
+
+
+def test_uniform_output_lengths_are_drawn_from_the_seed():
+    from sim.engine import EngineParams
+    from sim.server import SimServer, SimSettings
+
+    def targets(seed: int, lengths: str = "uniform") -> list[int]:
+        server = SimServer(SimSettings(model="m", max_model_len=100, output_lengths=lengths, seed=seed),
+                           EngineParams(kv_capacity_tokens=1600), encode=str.split)
+        return [server._target(n, 50) for n in range(200)]
+
+    drawn = targets(3)
+    assert drawn == targets(3) and drawn != targets(4)
+    assert all(1 <= t <= 50 for t in drawn) and len(set(drawn)) > 20
+    assert set(targets(3, "max")) == {50}
