@@ -113,8 +113,8 @@ class MemoryStore(SyncStore):
                          kv_inflight=st.kv.inflight,
                          bucket_tokens=None if b is None else b.refill(now))
 
-    def bucket_tokens(self, pool: str, key: str, now: float) -> float | None:
-        """bucket_tokens is a bucket's tokens at ``now`` (s), or None when it does not exist yet."""
+    def bucket_state(self, pool: str, key: str, now: float) -> tuple[float, float] | None:
+        """bucket_state is a bucket's (tokens, capacity) at ``now`` (s), or None when it does not exist yet."""
         st = self._pools.get(pool)
         b = None if st is None else st.buckets.get(key)
-        return None if b is None else b.refill(now)
+        return None if b is None else (b.refill(now), b.capacity)
