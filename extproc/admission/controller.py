@@ -35,6 +35,7 @@ from extproc.config import ClassConfig, Config, PoolConfig
 SHARED_POLL_S = 0.05
 
 _STOPS = (Budget.SLOTS, Budget.KV, Budget.POOL_TPM)
+_UNCACHED = object()
 
 
 class Lease:
@@ -106,13 +107,14 @@ class _Pool:
 
     __slots__ = ("name", "config", "tracker", "kv_capacity", "limits", "queue", "loop", "timer",
                  "timer_at", "stop", "blocked_tenants", "draining", "drain_again", "drain_task",
-                 "retry_estimate_s", "guaranteed")
+                 "retry_estimate_s", "guaranteed", "adaptive")
 
     def __init__(self, config: PoolConfig, params: ScaleParams, retry_estimate_s: float,
                  guaranteed: dict[str, int], now: float) -> None:
         self.name = config.name
         self.config = config
         self.tracker = ScaleTracker(params, now)
+        self.adaptive = params.enabled  # False: scale 1.0 forever, limits cached until invalidated
         self.kv_capacity: int | None = None
         self.limits: PoolLimits | None = None
         self.queue = WaitQueue()
@@ -148,12 +150,6 @@ class _Pool:
             kv_budget=effective_kv_budget(base_kv, scale), base_kv_budget=base_kv, bucket=bucket,
             retry_estimate_s=self.retry_estimate_s)
         return lim
-
-
-def _check(demand: Demand) -> None:
-    p, c = demand.prompt_tokens, demand.completion_tokens
-    if type(p) is not int or type(c) is not int or p < 0 or c < 0:
-        raise InvalidDemandError(f"token counts must be integers >= 0, got prompt={p!r} completion={c!r}")
 
 
 class Admission:
@@ -219,20 +215,17 @@ class Admission:
 
         Raises ``UnknownPoolError``, ``InvalidDemandError``, or ``TypeError`` with a shared store.
         """
-        p = self._pools.get(demand.pool)
-        if p is None:
-            raise UnknownPoolError(demand.pool)
-        _check(demand)
         store = self._sync
         if store is None:
             raise TypeError("try_acquire needs an in-process store; use acquire with a shared store")
+        p = self._pools.get(demand.pool)
+        if p is None:
+            raise UnknownPoolError(demand.pool)
         now = self._clock.now()
-        cls = self._tenants.class_rule(demand.class_name)
-        limits = p.limits_at(now)
-        if cls.sheddable and p.tracker.alarm:
-            return self._shed(p, cls, limits)
-        plan = Plan(limits, demand.tenant, cls.name, demand.prompt_tokens + demand.completion_tokens,
-                    self._tenants.bucket(demand.tenant, cls.name))
+        got = self._plan(p, demand, now)
+        if type(got) is Rejection:
+            return got
+        cls, plan = got  # type: ignore[misc]
         if p.queue.size:
             blocker = self._blocked(p, demand, cls)
             if blocker is not None:
@@ -252,14 +245,11 @@ class Admission:
         p = self._pools.get(demand.pool)
         if p is None:
             raise UnknownPoolError(demand.pool)
-        _check(demand)
         now = self._clock.now()
-        cls = self._tenants.class_rule(demand.class_name)
-        limits = p.limits_at(now)
-        if cls.sheddable and p.tracker.alarm:
-            return self._shed(p, cls, limits)
-        plan = Plan(limits, demand.tenant, cls.name, demand.prompt_tokens + demand.completion_tokens,
-                    self._tenants.bucket(demand.tenant, cls.name))
+        got = self._plan(p, demand, now)
+        if type(got) is Rejection:
+            return got
+        cls, plan = got  # type: ignore[misc]
         refusal = self._blocked(p, demand, cls) if p.queue.size else None
         if refusal is None:
             store = self._sync
@@ -272,6 +262,23 @@ class Admission:
         elif cls.max_wait_s <= 0:
             return self._rejection(p, refusal, plan, now)
         return await self._wait(p, demand, cls, plan, refusal, now)
+
+    def _plan(self, p: _Pool, demand: Demand, now: float) -> tuple[ClassConfig, Plan] | Rejection:
+        """_plan checks a demand and builds its plan at ``now``; a Rejection when its class is shed."""
+        pt, ct = demand.prompt_tokens, demand.completion_tokens
+        if type(pt) is not int or type(ct) is not int or pt < 0 or ct < 0:
+            raise InvalidDemandError(f"token counts must be integers >= 0, got prompt={pt!r} completion={ct!r}")
+        tenants = self._tenants
+        cls = tenants.classes.get(demand.class_name) or tenants.default
+        limits = p.limits
+        if limits is None or p.adaptive:
+            limits = p.limits_at(now)
+        if cls.sheddable and p.tracker.alarm:
+            return self._shed(p, cls, limits)
+        tb = tenants.buckets.get(demand.tenant, _UNCACHED)
+        if tb is _UNCACHED:
+            tb = tenants.bucket(demand.tenant, cls.name)
+        return cls, Plan(limits, demand.tenant, cls.name, pt + ct, tb)  # type: ignore[arg-type]
 
     def update_signals(self, pool: str, signals: PoolSignals) -> None:
         """update_signals takes a pool's latest backend signals (on the event-loop thread).
@@ -331,7 +338,9 @@ class Admission:
                 pools[name] = self._new_pool(pc, config, now)
                 continue
             p.config = pc
-            p.tracker.retune(ScaleParams.of(pc, config.adaptive), now)
+            params = ScaleParams.of(pc, config.adaptive)
+            p.tracker.retune(params, now)
+            p.adaptive = params.enabled
             p.retry_estimate_s = config.adaptive.poll_interval_s
             p.guaranteed = self._tenants.guaranteed
             p.limits = None

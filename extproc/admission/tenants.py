@@ -22,12 +22,14 @@ class Tenants:
     built before a reload that removed its class) resolves to the default class.
     """
 
-    __slots__ = ("config", "default", "_buckets", "guaranteed")
+    __slots__ = ("config", "classes", "default", "buckets", "guaranteed")
 
     def __init__(self, config: TenantsConfig) -> None:
         self.config = config
+        self.classes = config.classes
         self.default: ClassConfig = config.classes[config.default_class]
-        self._buckets: dict[str, BucketSpec | None] = {}
+        # Tenant name -> its bucket spec, for configured tenants (read directly on the hot path).
+        self.buckets: dict[str, BucketSpec | None] = {}
         self.guaranteed: dict[str, int] = {
             name: c.guaranteed_slots for name, c in config.classes.items() if c.guaranteed_slots > 0}
 
@@ -49,7 +51,7 @@ class Tenants:
         Specs of configured tenants are cached; other names are computed each time so
         that the cache stays bounded by the configuration.
         """
-        spec = self._buckets.get(tenant, False)
+        spec = self.buckets.get(tenant, False)
         if spec is not False:
             return spec  # type: ignore[return-value]
         tpm = self.tpm_of(tenant, class_name)
@@ -57,5 +59,5 @@ class Tenants:
                                                    rate=tpm_rate(tpm), base_capacity=float(tpm))
         known = self.config.tenants.get(tenant)
         if known is not None and known.class_name == class_name:
-            self._buckets[tenant] = spec
+            self.buckets[tenant] = spec
         return spec

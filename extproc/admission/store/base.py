@@ -117,12 +117,14 @@ class PoolLimits:
     retry_estimate_s: float = 1.0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Plan:
     """Plan is one admission to decide: who asks, how many tokens, under which limits.
 
     ``tokens`` is prompt + reserved completion (what the KV budget and the buckets are
     charged at admission); ``tenant_bucket`` is the tenant's own bucket (None: none).
+    Treat it as immutable; it is not frozen only because one is built per request on
+    the hot path, and a frozen dataclass costs three times as much to build.
     """
 
     limits: PoolLimits

@@ -24,11 +24,14 @@ class _PoolState:
         self.buckets: dict[str, TokenBucket] = {}
 
     def bucket(self, spec: BucketSpec, now: float) -> TokenBucket:
+        """bucket is the bucket ``spec`` names, created full, refilled to ``now`` with the spec's limits."""
         b = self.buckets.get(spec.key)
         if b is None:
             b = self.buckets[spec.key] = TokenBucket(spec.capacity, spec.rate, now)
-        else:
+        elif b.capacity != spec.capacity or b.rate != spec.rate:
             b.set_limits(spec.capacity, spec.rate, now)
+        else:
+            b.refill(now)
         return b
 
 
@@ -52,7 +55,9 @@ class MemoryStore(SyncStore):
     def admit_now(self, plan: Plan, now: float) -> Grant | Refusal:
         """admit_now charges every budget of ``plan`` at ``now`` (s), or refuses it; see ``Store.admit``."""
         limits = plan.limits
-        st = self._state(limits.pool)
+        st = self._pools.get(limits.pool)
+        if st is None:
+            st = self._state(limits.pool)
         pb = tb = None
         pool_tokens = tenant_tokens = None
         if limits.bucket is not None:
@@ -69,7 +74,7 @@ class MemoryStore(SyncStore):
         inflight = slots.take(plan.class_name)
         st.kv.inflight += n
         self._next_id += 1
-        grant = Grant(f"m{self._next_id}", plan, inflight)
+        grant = Grant("m" + str(self._next_id), plan, inflight)
         binding = None
         if pb is not None:
             pb.tokens -= n  # refilled to ``now`` by st.bucket above
