@@ -163,7 +163,8 @@ local function untake(st, rec)
   local tok = tonumber(string.sub(rec, tab + 1))
   redis.call('HINCRBY', st, 'n', -1)
   redis.call('HINCRBY', st, 'c:' .. cls, -1)
-  redis.call('HINCRBY', st, 'kv', -tok)
+  -- 0 - tok, not -tok: Lua writes -0 as "-0", which HINCRBY refuses
+  redis.call('HINCRBY', st, 'kv', 0 - tok)
   return tok
 end
 -- purge returns the slots and KV tokens of leases whose expiry has passed (their replica
@@ -569,7 +570,11 @@ class RedisStore(Store):
         pool = aioredis.BlockingConnectionPool.from_url(
             config.url, max_connections=max_connections, timeout=config.timeout_s,
             socket_timeout=config.timeout_s, socket_connect_timeout=config.timeout_s,
-            retry=Retry(NoBackoff(), 0), client_name=f"kvgate-{self.replica_id}")
+            # One immediate retry on a new connection when a pooled one turns out dead
+            # (Redis restarted, an idle connection was cut): that is not an outage.
+            # Every script here is safe to repeat; timeouts are not retried.
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+            client_name=f"kvgate-{self.replica_id}")
         self._client = aioredis.Redis(connection_pool=pool)
         self._where = _describe(pool)
         self._keys: dict[str, _Keys] = {}
