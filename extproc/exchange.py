@@ -24,7 +24,6 @@ from typing import Any
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.type.v3 import http_status_pb2
 from google.protobuf import duration_pb2
 
 from extproc import openai_api as oai
@@ -50,6 +49,7 @@ WAIT_TIMEOUT_MARGIN_S = 1.0
 ROUTE_KEYS = ("pool", "tenant_class", "context_window", "max_body_bytes")
 # A bad route setting is logged at most once per key in this many seconds.
 ROUTE_LOG_INTERVAL_S = 60.0
+ROUTE_CACHE_ENTRIES = 256
 METADATA_NAMESPACE = "kvgate"
 
 _JSON = "application/json"
@@ -84,10 +84,19 @@ PASS_THROUGH = pb.ProcessingResponse(
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
 
-def header_option(key: str, value: str) -> base_pb2.HeaderValueOption:
-    """header_option is one header to set (replacing any previous value)."""
-    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
-                                      append_action=_OVERWRITE)
+def set_headers(mutation: pb.HeaderMutation, headers: list[tuple[str, str]]) -> None:
+    """set_headers adds headers to set (replacing any previous value) to ``mutation``.
+
+    Filling the repeated field in place costs a third of building each option with
+    keyword arguments, and this runs on every admitted response.
+    """
+    add = mutation.set_headers.add
+    for key, value in headers:
+        option = add()
+        header = option.header
+        header.key = key
+        header.raw_value = value.encode()
+        option.append_action = _OVERWRITE
 
 
 def immediate(status: int, headers: list[tuple[str, str]], body: bytes,
@@ -96,10 +105,13 @@ def immediate(status: int, headers: list[tuple[str, str]], body: bytes,
 
     ``details`` shows in Envoy's access log (``%RESPONSE_CODE_DETAILS%``).
     """
-    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
-        status=http_status_pb2.HttpStatus(code=status),  # type: ignore[arg-type]
-        headers=pb.HeaderMutation(set_headers=[header_option(k, v) for k, v in headers]),
-        body=body, details=details))
+    resp = pb.ProcessingResponse()
+    imm = resp.immediate_response
+    imm.status.code = status  # type: ignore[assignment]
+    set_headers(imm.headers, headers)
+    imm.body = body
+    imm.details = details
+    return resp
 
 
 # --- shared state ----------------------------------------------------------------
@@ -144,6 +156,7 @@ class Gate:
         self.executor = executor
         self.offload_bytes = offload_bytes
         self._route_logged: dict[str, float] = {}
+        self._routes: dict[bytes, tuple[RouteSettings, tuple[tuple[str, str], ...]]] = {}
         self.config = config
         self.pools: dict[str, PoolRuntime] = {}
         self.api_keys: dict[str, str] = {}
@@ -168,6 +181,7 @@ class Gate:
         api_keys = {digest: t.name for t in config.tenants.tenants.values()
                     for digest in t.api_key_sha256}
         self.config, self.pools, self.api_keys = config, pools, api_keys
+        self._routes = {}  # pool and class names may have changed
 
     # --- identity ----------------------------------------------------------------
 
@@ -202,33 +216,48 @@ class Gate:
         ``metadata`` is an ``envoy.config.core.v3.Metadata``. Unknown keys and bad values
         are ignored, but never silently: each is counted in
         ``kvgate_route_metadata_errors_total{key}`` and logged (at most once per key a
-        minute). Numbers arrive as doubles and must be whole and positive.
+        minute). Numbers arrive as doubles and must be whole and positive. Every request
+        of a route carries the same entry: results are remembered by its encoding.
         """
         if metadata is None or METADATA_NAMESPACE not in metadata.filter_metadata:
             return NO_ROUTE_SETTINGS
-        fields = metadata.filter_metadata[METADATA_NAMESPACE].fields
+        struct = metadata.filter_metadata[METADATA_NAMESPACE]
+        key = struct.SerializeToString(deterministic=True)
+        hit = self._routes.get(key)
+        if hit is None:
+            hit = self._parse_route(struct)
+            if len(self._routes) >= ROUTE_CACHE_ENTRIES:  # routes are few; anything else is odd
+                self._routes.clear()
+            self._routes[key] = hit
+        settings, errors = hit
+        for error_key, message in errors:
+            self._route_error(error_key, message)
+        return settings
+
+    def _parse_route(self, struct: Any) -> tuple[RouteSettings, tuple[tuple[str, str], ...]]:
         values: dict[str, Any] = {}
-        for key, value in fields.items():
+        errors: list[tuple[str, str]] = []
+        for key, value in struct.fields.items():
             if key not in ROUTE_KEYS:
-                self._route_error("unknown", f"unknown per-route key {key[:64]!r}")
+                errors.append(("unknown", f"unknown per-route key {key[:64]!r}"))
                 continue
             kind = value.WhichOneof("kind")
             if key in ("pool", "tenant_class"):
                 names = self.config.pools if key == "pool" else self.config.tenants.classes
                 if kind != "string_value":
-                    self._route_error(key, f"{key} must be a string")
+                    errors.append((key, f"{key} must be a string"))
                 elif value.string_value not in names:
-                    self._route_error(key, f"{key} {value.string_value[:64]!r} is not configured")
+                    errors.append((key, f"{key} {value.string_value[:64]!r} is not configured"))
                 else:
                     values[key] = value.string_value
             else:
                 minimum = 64 if key == "max_body_bytes" else 1
                 number = value.number_value if kind == "number_value" else math.nan
                 if not (math.isfinite(number) and number.is_integer() and number >= minimum):
-                    self._route_error(key, f"{key} must be a whole number >= {minimum}")
+                    errors.append((key, f"{key} must be a whole number >= {minimum}"))
                 else:
                     values[key] = int(number)
-        return RouteSettings(**values) if values else NO_ROUTE_SETTINGS
+        return (RouteSettings(**values) if values else NO_ROUTE_SETTINGS), tuple(errors)
 
     def _route_error(self, key: str, message: str) -> None:
         self.metrics.route_metadata_error(key)
@@ -298,6 +327,8 @@ class Exchange:
         read), 400 for duplicate tenant headers or a missing body; passes through paths
         that are not admitted.
         """
+        if self.state != _NEW:  # a second request on one stream: never from Envoy; ignore it
+            return CONTINUE_REQUEST_HEADERS
         gate = self.gate
         config = gate.config
         tenant_header = config.tenants.header
@@ -364,18 +395,23 @@ class Exchange:
             return CONTINUE_REQUEST_BODY
         body = self.body
         assert body is not None
-        body += msg.body
-        if len(body) > self.max_body:
-            return self._refuse_too_large(len(body))
-        if not msg.end_of_stream:
+        if body or not msg.end_of_stream:
             # Only a non-BUFFERED Envoy config sends a body in parts: keep collecting.
-            return CONTINUE_REQUEST_BODY
+            body += msg.body
+            if len(body) > self.max_body:
+                return self._refuse_too_large(len(body))
+            if not msg.end_of_stream:
+                return CONTINUE_REQUEST_BODY
+            raw = bytes(body)
+        else:  # BUFFERED: the whole body in one message
+            raw = msg.body
+            if len(raw) > self.max_body:
+                return self._refuse_too_large(len(raw))
+        self.body = None
         gate = self.gate
         started = gate.clock.now()
         pool = self.pool
         assert pool is not None and self.endpoint is not None and self.class_cfg is not None
-        raw = bytes(body)
-        self.body = None
         try:
             if len(raw) > gate.offload_bytes:
                 loop = asyncio.get_running_loop()
@@ -414,10 +450,11 @@ class Exchange:
         # usage chunk from the client). Envoy does not fix content-length for a replaced
         # body: set it in the same answer or Envoy fails the request with 500.
         self.strip_usage = True
-        return pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(
-            header_mutation=pb.HeaderMutation(
-                set_headers=[header_option("content-length", str(len(new_body)))]),
-            body_mutation=pb.BodyMutation(body=new_body))))
+        resp = pb.ProcessingResponse()
+        common = resp.request_body.response
+        set_headers(common.header_mutation, [("content-length", str(len(new_body)))])
+        common.body_mutation.body = new_body
+        return resp
 
     @staticmethod
     def _wait_timeout(max_wait_s: float) -> pb.ProcessingResponse:
@@ -446,12 +483,14 @@ class Exchange:
         streamed = content_type.startswith("text/event-stream")
         strip = self.strip_usage and streamed and not self.upstream_error
         self.tracker = oai.ResponseTracker(streamed=streamed, strip_usage_chunk=strip)
-        headers = [header_option(k, v) for k, v in oai.rate_limit_headers(lease.rate)]
-        remove = ["content-length"] if strip else []  # chunks may shrink: no fixed length
+        resp = pb.ProcessingResponse()
+        mutation = resp.response_headers.response.header_mutation
+        set_headers(mutation, oai.rate_limit_headers(lease.rate))
+        if strip:
+            mutation.remove_headers.append("content-length")  # chunks may shrink: no fixed length
         if msg.end_of_stream:
             self._response_end()
-        return pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=pb.CommonResponse(
-            header_mutation=pb.HeaderMutation(set_headers=headers, remove_headers=remove))))
+        return resp
 
     def response_body(self, msg: pb.HttpBody) -> pb.ProcessingResponse:
         """response_body follows the response (usage, delivered chunks), hides the injected
@@ -464,8 +503,9 @@ class Exchange:
             self._response_end()
         if replacement is None:
             return CONTINUE_RESPONSE_BODY
-        return pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(
-            body_mutation=pb.BodyMutation(body=replacement))))
+        resp = pb.ProcessingResponse()
+        resp.response_body.response.body_mutation.body = replacement
+        return resp
 
     def _response_end(self) -> None:
         # The response is complete: free the slot now rather than when Envoy gets round

@@ -263,6 +263,26 @@ async def test_chunked_body_over_the_cap_is_413_and_never_tokenized() -> None:
     assert spy.calls > 0
 
 
+async def test_a_body_sent_in_parts_is_collected_and_capped() -> None:
+    """A non-BUFFERED Envoy config sends the body in parts: decide on the whole of it."""
+    rig = Rig()
+    ex = Exchange(rig.gate)
+    ex.request_headers(headers_msg())
+    payload = chat(max_tokens=5)
+    first = await ex.request_body(body_msg(payload[:10], eos=False))
+    assert first == pb.ProcessingResponse(request_body=pb.BodyResponse())
+    assert ex.lease is None
+    await ex.request_body(body_msg(payload[10:], eos=True))
+    assert ex.lease is not None and ex.lease.demand.completion_tokens == 5
+    ex.finish()
+    big = Exchange(rig.gate)
+    big.request_headers(headers_msg())
+    assert (await big.request_body(body_msg(b"x" * 40000, eos=False))).WhichOneof("response") == "request_body"
+    resp = await big.request_body(body_msg(b"x" * 40000, eos=False))
+    assert resp.immediate_response.status.code == 413
+    assert rig.inflight() == 0
+
+
 async def test_context_window_overflow_is_400_context_length_exceeded_before_any_budget() -> None:
     rig = Rig()
     tpm_before = rig.admission.snapshot("default").tpm_available
