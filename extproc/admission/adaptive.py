@@ -117,10 +117,13 @@ class ScaleTracker:
     ``at(now)`` evaluates the scale lazily at the instant asked (admissions, snapshots),
     so staleness and recovery follow the clock even when no signal arrives. A tracker
     with backends starts with no signals, which count as stale: the pool starts at
-    ``min_scale`` until its first signals (fail safe).
+    ``min_scale`` until its first signals (fail safe). It gives exactly
+    ``next_scale(scale, target_scale(signals, params, now), now - t, recovery_per_s)``;
+    what the signals call for while fresh is worked out once per update, because ``at``
+    runs on every admission.
     """
 
-    __slots__ = ("params", "signals", "scale", "alarm", "t")
+    __slots__ = ("params", "signals", "scale", "alarm", "t", "_fresh_until", "_target", "_alarm")
 
     def __init__(self, params: ScaleParams, now: float) -> None:
         self.params = params
@@ -128,31 +131,54 @@ class ScaleTracker:
         self.t = now
         self.scale = params.min_scale if params.enabled else 1.0
         self.alarm = params.enabled
+        self._derive()
+
+    def _derive(self) -> None:
+        """_derive works out the target and alarm the signals give while fresh, and until when."""
+        s, params = self.signals, self.params
+        at = None if s is None else s.at
+        if at is None or isinstance(at, bool) or not isinstance(at, (int, float)) or not math.isfinite(at):
+            self._fresh_until = -math.inf  # nothing usable: saturated from the start
+            self._target, self._alarm = params.min_scale, True
+            return
+        self._fresh_until = at + params.stale_after_s
+        self._target = target_scale(s, params, at)
+        self._alarm = in_alarm(s, params, at)
 
     def at(self, now: float) -> float:
         """at is the scale at instant ``now`` (seconds); it also refreshes ``alarm``."""
         params = self.params
         if not params.enabled:
             return 1.0
-        target = target_scale(self.signals, params, now)
-        self.scale = next_scale(self.scale, target, now - self.t, params.recovery_per_s)
+        if now <= self._fresh_until:
+            target, self.alarm = self._target, self._alarm
+        else:
+            target, self.alarm = params.min_scale, True
+        scale = self.scale
+        if target < scale:
+            scale = target
+        elif target > scale and now > self.t:
+            scale += params.recovery_per_s * (now - self.t)
+            if scale > target:
+                scale = target
+        self.scale = scale
         if now > self.t:
             self.t = now
-        self.alarm = in_alarm(self.signals, params, now)
-        return self.scale
+        return scale
 
     def update(self, signals: PoolSignals, now: float) -> float:
         """update takes new signals at ``now``: the scale recovers up to now first, then follows them."""
         self.at(now)
         self.signals = signals
+        self._derive()
         return self.at(now)
 
     def retune(self, params: ScaleParams, now: float) -> None:
         """retune applies new parameters (hot reload), keeping the signals and the scale reached."""
         self.at(now)
         self.params = params
+        self._derive()
         if not params.enabled:
             self.scale, self.alarm = 1.0, False
         else:
-            self.scale = min(self.scale, 1.0)
             self.at(now)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from extproc.admission.adaptive import (ScaleParams, ScaleTracker, in_alarm, next_scale,
                                         target_scale)
@@ -96,3 +98,28 @@ def test_tracker_goes_stale_when_signals_stop():
     assert t.at(T0 + 2) == pytest.approx(0.8)
     assert t.at(T0 + 3) == pytest.approx(0.9) and not t.alarm   # 3 s old: still fresh
     assert t.at(T0 + 3.01) == 0.6 and t.alarm                   # older: saturated at once
+
+
+steps = st.lists(st.one_of(
+    st.tuples(st.just("advance"), st.floats(0.0, 5.0)),
+    st.tuples(st.just("update"), st.one_of(st.none(), st.floats(0.0, 1.0)), st.integers(0, 12),
+              st.booleans(), st.floats(-5.0, 1.0))), max_size=40)
+
+
+@settings(max_examples=200, deadline=None)
+@given(script=steps)
+def test_the_tracker_is_the_pure_functions_evaluated_lazily(script):
+    t = ScaleTracker(P, T0)
+    now, prev, prev_t, current = T0, P.min_scale, T0, None
+    for step in script:
+        if step[0] == "advance":
+            now += step[1]
+        else:
+            prev = next_scale(prev, target_scale(current, P, now), now - prev_t, P.recovery_per_s)
+            prev_t = now
+            current = sig(step[1], waiting=step[2], stale=step[3], at=now + step[4])
+            t.update(current, now)
+        expected = next_scale(prev, target_scale(current, P, now), now - prev_t, P.recovery_per_s)
+        assert t.at(now) == pytest.approx(expected)
+        assert t.alarm == in_alarm(current, P, now)
+        prev, prev_t = expected, now
