@@ -229,7 +229,7 @@ class Admission:
         if p.queue.size:
             blocker = self._blocked(p, demand, cls)
             if blocker is not None:
-                return self._rejection(p, blocker, plan, now)
+                return self._rejection(p, blocker, plan, now, behind=True)
         res = store.admit_now(plan, now)
         if type(res) is Grant:
             return Lease(self, res, demand, p.config.context_window)
@@ -251,6 +251,7 @@ class Admission:
             return got
         cls, plan = got  # type: ignore[misc]
         refusal = self._blocked(p, demand, cls) if p.queue.size else None
+        behind = refusal is not None
         if refusal is None:
             store = self._sync
             res = store.admit_now(plan, now) if store is not None else await self._store.admit(plan, now)
@@ -260,8 +261,8 @@ class Admission:
             if not refusal.retryable or cls.max_wait_s <= 0:
                 return self._rejection(p, refusal, plan, now)
         elif cls.max_wait_s <= 0:
-            return self._rejection(p, refusal, plan, now)
-        return await self._wait(p, demand, cls, plan, refusal, now)
+            return self._rejection(p, refusal, plan, now, behind=True)
+        return await self._wait(p, demand, cls, plan, refusal, behind, now)
 
     def _plan(self, p: _Pool, demand: Demand, now: float) -> tuple[ClassConfig, Plan] | Rejection:
         """_plan checks a demand and builds its plan at ``now``; a Rejection when its class is shed."""
@@ -388,10 +389,12 @@ class Admission:
                         limit_tokens=int(b.capacity), remaining_tokens=max(0, int(tokens)),
                         reset_tokens_s=(b.capacity - tokens) / b.rate)
 
-    def _rejection(self, p: _Pool, refusal: Refusal, plan: Plan, now: float) -> Rejection:
+    def _rejection(self, p: _Pool, refusal: Refusal, plan: Plan, now: float,
+                   behind: bool = False) -> Rejection:
+        """_rejection words a refusal; ``behind``: the refusal is that of a waiter queued ahead."""
+        text = rules.queued_message(refusal, plan) if behind else rules.message(refusal, plan)
         return Rejection(reason=refusal.budget.reason, retry_after_s=refusal.retry_after_s,
-                         retryable=refusal.retryable, message=rules.message(refusal, plan),
-                         rate=self._rate(p, plan.limits, now))
+                         retryable=refusal.retryable, message=text, rate=self._rate(p, plan.limits, now))
 
     def _shed(self, p: _Pool, cls: ClassConfig, limits: PoolLimits) -> Rejection:
         wait = p.retry_estimate_s
@@ -416,10 +419,11 @@ class Admission:
         return p.blocked_tenants.get(demand.tenant)
 
     async def _wait(self, p: _Pool, demand: Demand, cls: ClassConfig, plan: Plan,
-                    refusal: Refusal, now: float) -> Lease | Rejection:
+                    refusal: Refusal, behind: bool, now: float) -> Lease | Rejection:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Lease | Rejection] = loop.create_future()
         w = Waiter(demand, cls.priority, now, now + cls.max_wait_s, fut, refusal, plan)
+        w.behind = behind
         p.loop = loop
         p.queue.push(w)
         self._note_block(p, w, refusal)
@@ -468,7 +472,7 @@ class Admission:
         for w in p.queue.expired(now):
             if not w.future.done():
                 waited = now - w.since
-                r = self._rejection(p, w.refusal, w.plan, now)
+                r = self._rejection(p, w.refusal, w.plan, now, behind=w.behind)
                 w.future.set_result(Rejection(
                     reason=r.reason, retry_after_s=r.retry_after_s, retryable=r.retryable,
                     message=f"{r.message} (waited {max(0.0, waited):.1f}s for capacity)", rate=r.rate))
@@ -526,7 +530,7 @@ class Admission:
             self._resolve(p, w, Lease(self, res, w.demand, p.config.context_window))
             return Step.NEXT
         refusal: Refusal = res  # type: ignore[assignment]
-        w.refusal = refusal
+        w.refusal, w.behind = refusal, False
         if not refusal.retryable:
             self._resolve(p, w, self._rejection(p, refusal, plan, now))
             return Step.NEXT
@@ -535,6 +539,10 @@ class Admission:
     def _note_block(self, p: _Pool, w: Waiter, refusal: Refusal) -> Step:
         """_note_block records what a waiter's refusal blocks for arrivals and the walk (see waitqueue)."""
         b = refusal.budget
+        if b is not Budget.SLOTS and b in _STOPS and refusal.needed > refusal.limit:
+            # Above the budget's scaled size: only the scale's recovery lets it in, and
+            # holding others back would not bring that sooner.
+            return Step.NEXT
         if b in _STOPS:
             if p.stop is None or w.priority > p.stop[0]:
                 p.stop = (w.priority, refusal)

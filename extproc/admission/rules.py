@@ -127,3 +127,25 @@ def shed_message(pool: str, class_name: str, retry_after_s: float) -> str:
     return (f"Pool '{pool}' is overloaded (KV cache at or above its high watermark, or its "
             f"metrics are stale): requests of class '{class_name}' are shed first. "
             f"Please retry after {_seconds(retry_after_s)}.")
+
+
+_BUDGET_WORDS = {
+    Budget.SLOTS: "a concurrency slot",
+    Budget.RESERVED_SLOTS: "a concurrency slot",
+    Budget.KV: "room in the in-flight KV-token budget",
+    Budget.POOL_TPM: "tokens of the tokens-per-minute limit",
+    Budget.TENANT_TPM: "tokens of the tokens-per-minute limit",
+}
+
+
+def queued_message(refusal: Refusal, plan: Plan) -> str:
+    """queued_message words a refusal because earlier requests wait for the same budget first.
+
+    ``refusal`` is the waiting request's; the numbers in it are not this request's, so
+    the message names the budget and the order, not amounts.
+    """
+    whose = (f"tenant '{plan.tenant}'" if refusal.budget is Budget.TENANT_TPM
+             else f"pool '{plan.limits.pool}'")
+    return (f"Requests queued earlier on {whose} are waiting for {_BUDGET_WORDS[refusal.budget]}, "
+            f"and this request may not go ahead of them. Please retry after "
+            f"{_seconds(refusal.retry_after_s)}.")

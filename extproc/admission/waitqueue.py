@@ -7,7 +7,9 @@ pool's bucket) STOPs the walk, so no smaller request of the same or a lower prio
 jumps it; a waiter refused by its own tenant's bucket blocks only its own tenant; a
 waiter refused because the free slots are guaranteed to other classes blocks only its
 own class. A large request therefore waits only for capacity, never behind a stream of
-small ones.
+small ones. One exception: a waiter larger than the KV budget or the pool's bucket *at
+the current scale* (it fits only once the scale recovers) blocks nobody, since holding
+the others back would not bring the recovery sooner.
 
 Waiters added or removed while a walk is under way (the walk may suspend on a shared
 store) take effect when it ends; a removed waiter is never yielded.
@@ -41,7 +43,8 @@ class Waiter:
     and the plan it was made for (for the message when the wait ends without capacity).
     """
 
-    __slots__ = ("demand", "priority", "since", "deadline", "future", "refusal", "plan", "seq", "queued")
+    __slots__ = ("demand", "priority", "since", "deadline", "future", "refusal", "plan", "behind", "seq",
+                 "queued")
 
     def __init__(self, demand: Demand, priority: int, since: float, deadline: float,
                  future: asyncio.Future[Any], refusal: Refusal, plan: Plan) -> None:
@@ -52,6 +55,7 @@ class Waiter:
         self.future = future
         self.refusal = refusal
         self.plan = plan
+        self.behind = False
         self.seq = 0
         self.queued = False
 

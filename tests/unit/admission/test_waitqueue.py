@@ -88,6 +88,7 @@ async def test_a_large_request_is_not_starved_by_small_ones(clock: ManualClock, 
     # go ahead of the large one: the zero-wait class is refused, the waiting one queues.
     r = await adm.acquire(demand(100, class_name="quick"))
     assert isinstance(r, Rejection) and r.reason is Reason.KV_BUDGET
+    assert "queued earlier" in r.message and "800" not in r.message  # not the waiter's numbers
     small = asyncio.create_task(adm.acquire(demand(100)))
     await until(waiting(adm, 2))
     # A higher priority may.
@@ -98,6 +99,19 @@ async def test_a_large_request_is_not_starved_by_small_ones(clock: ManualClock, 
     await until(lambda: large.done() and small.done())
     assert isinstance(large.result(), Lease) and isinstance(small.result(), Lease)
     assert adm.snapshot("default").kv_inflight == 1000
+
+
+async def test_a_waiter_that_fits_only_after_recovery_blocks_nobody(clock: ManualClock, store: Store):
+    adm = adm_with(clock, store, max_concurrency=10, kv_budget_tokens=1000, backends=BACKENDS)
+    assert adm.snapshot("default").kv_budget == 600  # no signals yet: scale 0.6
+    large = asyncio.create_task(adm.acquire(demand(800)))  # fits the base budget, not 600
+    await until(waiting(adm, 1))
+    assert isinstance(await adm.acquire(demand(100, class_name="quick")), Lease)
+    for _ in range(5):  # the signals come and the scale recovers
+        adm.update_signals("default", PoolSignals(0.1, 0, False, None, clock.now()))
+        await tick(adm, clock, 1.0)
+    await until(large.done)
+    assert isinstance(large.result(), Lease)
 
 
 async def test_a_cancelled_waiter_holds_nothing_and_unblocks_those_behind(clock: ManualClock, store: Store):
