@@ -360,7 +360,14 @@ class Admission:
         Overdue waiters are refused and waiters that now fit are admitted. Timers call it
         on their own; tests that move a ``ManualClock`` call it to stand in for them.
         """
-        for p in ([self._pools[pool]] if pool is not None else list(self._pools.values())):
+        if pool is None:
+            targets = list(self._pools.values())
+        else:
+            one = self._pools.get(pool)
+            if one is None:
+                raise UnknownPoolError(pool)
+            targets = [one]
+        for p in targets:
             if p.queue.size:
                 self._kick(p)
 

@@ -223,6 +223,10 @@ async def test_bad_calls_raise_named_errors(clock: ManualClock):
         await adm.acquire(demand(pool="nope"))
     with pytest.raises(UnknownPoolError):
         adm.update_signals("nope", sig(0.1, T0))
+    with pytest.raises(UnknownPoolError):
+        adm.poll("nope")
+    with pytest.raises(UnknownPoolError):
+        adm.snapshot("nope")
     for bad in (demand(-1, 0), demand(1, -1), demand(1.5, 0), demand(True, 0)):  # type: ignore[arg-type]
         with pytest.raises(InvalidDemandError):
             adm.try_acquire(bad)
