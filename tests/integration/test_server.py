@@ -363,3 +363,9 @@ def test_example_config_keys_are_the_documented_ones() -> None:
     assert parse_config(data).pools["default"].kv_budget_tokens == 400000
     key = data["tenants"]["tenants"]["web-app"]["api_key_sha256"][0]
     assert key == hashlib.sha256(b"test").hexdigest()
+
+
+def test_sim_subcommand_hands_its_arguments_to_the_simulator() -> None:
+    res = run_cli("sim", "--help")
+    assert res.returncode == 0, res.stderr
+    assert "--kv-capacity-tokens" in res.stdout
