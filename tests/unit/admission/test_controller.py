@@ -259,3 +259,17 @@ def test_unknown_class_falls_back_to_the_default_class(clock: ManualClock):
     assert adm.snapshot("default").inflight_by_class == {"standard": 1}
     lease.release(Outcome.COMPLETED, 1)
     assert adm.snapshot("default").inflight_by_class == {}
+
+
+async def test_guarantees_shrink_with_the_limit(clock: ManualClock, store: Store):
+    # Base 10 slots, gold guaranteed 5. Shrunk to 0.6: limit 6, gold's guarantee 3.
+    cfg = config(pool={"max_concurrency": 10, "backends": BACKENDS},
+                 tenants=tenants({"standard": {}, "gold": {"guaranteed_slots": 5}}))
+    adm = Admission(cfg, clock, store)
+    adm.update_signals("default", sig(0.95, clock.now()))
+    std = [await adm.acquire(demand()) for _ in range(4)]
+    assert [isinstance(x, Lease) for x in std] == [True, True, True, False]  # 3 kept for gold
+    gold = [await adm.acquire(demand(class_name="gold")) for _ in range(4)]
+    assert [isinstance(x, Lease) for x in gold] == [True, True, True, False]  # 3 + 3 = limit 6
+    snap = adm.snapshot("default")
+    assert (snap.concurrency_limit, snap.inflight, snap.inflight_by_class) == (6, 6, {"standard": 3, "gold": 3})
