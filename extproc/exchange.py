@@ -27,7 +27,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import duration_pb2
 
 from extproc import openai_api as oai
-from extproc.admission import Admission, Demand, Lease, Outcome, Rejection
+from extproc.admission import Admission, Demand, Lease, Outcome, Rejection, StoreError
 from extproc.clock import Clock
 from extproc.config import ClassConfig, Config, PoolConfig
 from extproc.errors import ConfigError, RequestError
@@ -432,7 +432,20 @@ class Exchange:
                         prompt_tokens=prompt_tokens, completion_tokens=reserved)
         if self.class_cfg.max_wait_s > 0 and send is not None:
             await send(self._wait_timeout(self.class_cfg.max_wait_s))
-        result = await gate.admission.acquire(demand)
+        try:
+            result = await gate.admission.acquire(demand)
+        except StoreError as err:
+            # The shared store cannot answer and is set to fail closed: retry shortly.
+            gate.metrics.decision_time(gate.clock.now() - started)
+            self.state = _DONE
+            gate.metrics.request(self.pool_name, self.class_cfg.name, "rejected_store_unavailable")
+            log.warning("refusing a request: %s", err)
+            return immediate(503, [("content-type", _JSON), ("retry-after", "1"),
+                                   ("retry-after-ms", "1000"),
+                                   ("x-kvgate-reason", "store_unavailable")],
+                             oai.error_body(f"Admission is unavailable: {err}. Retry shortly.",
+                                            error_type="server_error", code="store_unavailable"),
+                             "kvgate_store_unavailable")
         gate.metrics.decision_time(gate.clock.now() - started)
         if isinstance(result, Rejection):
             self.state = _DONE

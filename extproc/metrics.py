@@ -21,7 +21,7 @@ from extproc.admission.types import PoolSnapshot
 # The outcome label of kvgate_requests_total (the issue's list, in this order).
 OUTCOMES = ("admitted", "rejected_concurrency", "rejected_tpm", "rejected_kv_budget",
             "rejected_shed", "rejected_context_length", "rejected_body_too_large",
-            "rejected_invalid")
+            "rejected_invalid", "rejected_store_unavailable")
 # The cause label of kvgate_releases_total.
 CAUSES = ("completed", "client_disconnect", "upstream_error", "timeout")
 # Decisions take tens of microseconds to a few milliseconds; waits in a class queue longer.
@@ -99,7 +99,8 @@ class Metrics:
 
     One instance per process (tests make their own, each with a fresh registry). Child
     counters are cached per label tuple: ``labels()`` is too slow for every request.
-    It also implements the scraper's ``ScrapeObserver`` protocol.
+    It also implements the scraper's ``ScrapeObserver`` and the shared store's
+    ``StoreObserver`` protocols.
     """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -150,6 +151,14 @@ class Metrics:
         self.pool_stale_gauge = Gauge("kvgate_pool_signals_stale",
                                       "1 while the pool's backend signals are missing or too old.",
                                       ["pool"], registry=r)
+        # Shared-store (Redis) observer metrics.
+        self.store_mode_gauge = Gauge("kvgate_store_mode",
+                                      "1 for where admissions are decided now (shared, local_share, "
+                                      "fail_closed), 0 for the other modes seen.", ["mode"], registry=r)
+        self.store_errors = Counter("kvgate_store_errors_total",
+                                    "Failed round trips to the shared store, by reason.", ["reason"],
+                                    registry=r)
+        self._store_modes: set[str] = set()
         self._request_children: dict[tuple[str, str, str], Any] = {}
         self._release_children: dict[tuple[str, str], Any] = {}
         self._source: SnapshotSource | None = None
@@ -230,6 +239,18 @@ class Metrics:
     def pool_stale(self, pool: str, stale: bool) -> None:
         """pool_stale records whether a pool's signals are missing or too old."""
         self.pool_stale_gauge.labels(pool).set(1.0 if stale else 0.0)
+
+    # --- StoreObserver (the Redis store) -----------------------------------------------
+
+    def store_error(self, reason: str) -> None:
+        """store_error counts one failed round trip to the shared store (``reason`` an enum)."""
+        self.store_errors.labels(reason).inc()
+
+    def store_mode(self, mode: str) -> None:
+        """store_mode records where admissions are decided now; other modes seen drop to 0."""
+        self._store_modes.add(mode)
+        for m in self._store_modes:
+            self.store_mode_gauge.labels(m).set(1.0 if m == mode else 0.0)
 
     # --- exposition ------------------------------------------------------------------
 

@@ -153,7 +153,11 @@ class Server:
         self._admin_listen = admin_listen or config.server.admin_listen
         self._config_path = Path(config_path) if config_path else None
         self._scrape = scrape
-        self.admission = Admission(config, self.clock)
+        self.store: Any = None
+        if config.store.kind == "redis" and config.store.redis is not None:
+            from extproc.admission.store.redis import RedisStore  # only with a shared store
+            self.store = RedisStore(config.store.redis, observer=self.metrics)
+        self.admission = Admission(config, self.clock, self.store)
         self.executor = ThreadPoolExecutor(max_workers=TOKENIZE_THREADS,
                                            thread_name_prefix="kvgate-tokenize")
         self.gate = Gate(config, self.admission, self.metrics, self.clock, self.executor)
@@ -191,6 +195,8 @@ class Server:
         if self.grpc_port == 0:
             raise OSError(f"cannot listen for gRPC on {self._grpc_listen}")
         host, port = _split_hostport(self._admin_listen)
+        if self.store is not None:
+            await self.store.start()  # degrades (loudly) rather than fails when Redis is away
         self._admin = AdminServer(self.metrics, self.readiness, host, port)
         await self._admin.start()
         self.admin_port = self._admin.port
@@ -235,6 +241,9 @@ class Server:
         except ConfigError as err:
             self._reload_refused(err)
             return
+        if config.store != self.config.store or config.server != self.config.server:
+            log.warning("store and server settings change only with a restart; "
+                        "the rest of the new configuration applies now")
         self.admission.reconfigure(config)
         if self._scraper is not None:
             self._scraper.reconfigure(config)
@@ -303,6 +312,9 @@ class Server:
         if self._admin is not None:
             await self._admin.stop()
             self._admin = None
+        if self.store is not None:
+            await self.store.close()  # queued settles go to Redis; this replica deregisters
+            self.store = None
         self.executor.shutdown(wait=False, cancel_futures=True)
 
 

@@ -237,6 +237,37 @@ async def test_health_service_and_admin_endpoints(server: Server) -> None:
     assert await ametric(server.admin_port, "kvgate_ready") == 1
 
 
+@pytest.mark.redis
+async def test_a_redis_store_is_wired_in_and_settled(tmp_path: Path) -> None:
+    from tests.support.redis_server import RedisServer, redis_server_binary
+    if redis_server_binary() is None:
+        pytest.fail("redis-server is missing (.ci/run installs it)")
+    redis = RedisServer(tmp_path).start()
+    try:
+        cfg = {**CONFIG, "store": {"redis": {"url": redis.url, "key_prefix": "it:"}}}
+        srv = Server(parse_config(cfg), grpc_listen=f"{LOOPBACK}:0", admin_listen=f"{LOOPBACK}:0",
+                     metrics=Metrics(CollectorRegistry()), scrape=False)
+        await srv.start()
+        try:
+            async with grpc.aio.insecure_channel(f"{LOOPBACK}:{srv.grpc_port}") as channel:
+                stub = pb_grpc.ExternalProcessorStub(channel)
+                call, resp = await admit_stream(stub, max_tokens=5)
+                assert resp.WhichOneof("response") == "request_body"
+                assert srv.store.live_leases("default") == 1
+                await call.write(response_headers(200, "application/json"))
+                await call.read()
+                await call.write(chunk(b'{"usage": {"prompt_tokens": 3, "completion_tokens": 2}}', eos=True))
+                await call.read()
+                await call.done_writing()
+            assert srv.store.live_leases("default") == 0
+            assert await ametric(srv.admin_port, "kvgate_store_mode", mode="shared") == 1
+            assert await ametric(srv.admin_port, "kvgate_releases_total", cause="completed") == 1
+        finally:
+            await srv.close()
+    finally:
+        redis.stop()
+
+
 # --- a real process ---------------------------------------------------------------------------
 
 class KvgateProc:

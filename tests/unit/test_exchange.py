@@ -587,3 +587,29 @@ def test_every_stream_ends_with_nothing_held_and_at_most_one_release(scripts: li
         admitted = rig.count("kvgate_requests_total", outcome="admitted")
         assert rig.count("kvgate_releases_total") == admitted
     asyncio.run(run())
+
+
+async def test_a_shared_store_that_cannot_answer_gives_503_and_holds_nothing() -> None:
+    """A Redis store set to fail closed, with nothing listening: 503, retry shortly."""
+    from extproc.admission.store.redis import RedisStore
+    from extproc.config import RedisStoreConfig
+    from tests.support.procs import free_port
+
+    rig = Rig()
+    store = RedisStore(RedisStoreConfig(url=f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.05,
+                                        on_unavailable="fail_closed"), observer=rig.metrics)
+    rig.admission = Admission(rig.config, rig.clock, store)
+    rig.gate = Gate(rig.config, rig.admission, rig.metrics, rig.clock)
+    try:
+        ex, resp = await admit(rig)
+        imm = resp.immediate_response
+        assert imm.status.code == 503
+        hs = set_headers(imm)
+        assert hs["x-kvgate-reason"] == "store_unavailable" and hs["retry-after"] == "1"
+        assert orjson.loads(imm.body)["error"]["code"] == "store_unavailable"
+        assert ex.lease is None and ex.finish() is None
+        assert rig.count("kvgate_requests_total", outcome="rejected_store_unavailable") == 1
+        assert rig.count("kvgate_store_mode", mode="fail_closed") == 1
+        assert rig.count("kvgate_store_errors_total") >= 1
+    finally:
+        await store.close()
