@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ import pytest
 from openai import OpenAI
 
 from tests.e2e.stack import Stack, metadata_route
-from tests.support.procs import LOOPBACK, wait_until
+from tests.support.procs import LOOPBACK, ROOT, VENV_BIN, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -181,6 +182,25 @@ def test_context_length_exceeded(stack: Stack) -> None:
     assert err.code == "context_length_exceeded"
     assert "maximum context length is 4096 tokens" in err.message
     assert err.response.headers["x-should-retry"] == "false"
+
+
+def test_a_large_body_is_counted_off_the_loop_within_envoys_message_timeout(stack: Stack) -> None:
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    text = " ".join(words[(i * 7) % len(words)] + str(i % 97) for i in range(30000))  # ~230 KB
+    t0 = time.monotonic()
+    status, hs, payload = raw_post(stack, orjson.dumps({"messages": [{"role": "user", "content": text}]}))
+    elapsed = time.monotonic() - t0
+    assert status == 400, payload[:300]  # counted (tens of thousands of tokens), not timed out (504)
+    assert orjson.loads(payload)["error"]["code"] == "context_length_exceeded"
+    assert elapsed < 2.0
+
+
+def test_deploy_envoy_yaml_validates() -> None:
+    res = subprocess.run([str(VENV_BIN / "envoy"), "--mode", "validate", "-c",
+                          str(ROOT / "deploy" / "envoy.yaml")], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "OK" in res.stdout + res.stderr
 
 
 def test_413_on_a_large_content_length_before_the_body(stack: Stack) -> None:
