@@ -34,7 +34,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from extproc.admin import AdminServer, Readiness
-from extproc.admission import Admission
+from extproc.admission import Admission, UnknownPoolError
 from extproc.clock import Clock, MonotonicClock
 from extproc.config import Config
 from extproc.errors import ConfigError
@@ -201,19 +201,14 @@ class Server:
         await self._admin.start()
         self.admin_port = self._admin.port
         await self._grpc.start()
-        if self._scrape and any(p.backends for p in self.config.pools.values()):
-            from extproc.signals import Scraper  # imported only when a pool has backends
-
-            def publish(pool: str, signals: Any) -> None:
-                loop.call_soon_threadsafe(self.admission.update_signals, pool, signals)
-
-            self._scraper = Scraper(self.config, publish, self.metrics, self.clock)
-            self._scraper.start()
+        self._ensure_scraper(self.config)
         if self._config_path is not None:
             from extproc.reload import ConfigWatcher
             self._watcher = ConfigWatcher(self._config_path, self.apply_config,
                                           self._reload_refused, self.clock, loop=loop)
-            self._watcher.load_initial()
+            initial = self._watcher.load_initial()
+            if initial != self.config:  # the file changed between the first read and now
+                self.apply_config(initial)
             self._watcher.start()
             self._watcher.install_sighup(loop)
         self.metrics.reload_ok(time.time())
@@ -247,10 +242,34 @@ class Server:
         self.admission.reconfigure(config)
         if self._scraper is not None:
             self._scraper.reconfigure(config)
+        else:
+            self._ensure_scraper(config)  # a reload may add the first backends
         self.metrics.set_classes(tuple(config.tenants.classes))
         self.config = config
         self.metrics.reload_ok(time.time())
         log.info("configuration reloaded: pools %s", ", ".join(config.pools))
+
+    def _ensure_scraper(self, config: Config) -> None:
+        """_ensure_scraper starts the scraper thread once some pool has backends."""
+        if self._scraper is not None or not self._scrape:
+            return
+        if not any(p.backends for p in config.pools.values()):
+            return
+        from extproc.signals import Scraper  # imported only when a pool has backends
+        loop = asyncio.get_running_loop()
+        admission = self.admission
+
+        def deliver(pool: str, signals: Any) -> None:
+            try:
+                admission.update_signals(pool, signals)
+            except UnknownPoolError:
+                pass  # published just before a reload removed the pool: nothing to follow
+
+        def publish(pool: str, signals: Any) -> None:
+            loop.call_soon_threadsafe(deliver, pool, signals)
+
+        self._scraper = Scraper(config, publish, self.metrics, self.clock)
+        self._scraper.start()
 
     def _reload_refused(self, err: Exception) -> None:
         self.metrics.reload_failed()
@@ -304,7 +323,8 @@ class Server:
             await loop.run_in_executor(None, self._watcher.stop)
             self._watcher = None
         if self._scraper is not None:
-            self._scraper.stop()
+            # stop joins the thread, which may be inside a scrape: keep the loop free meanwhile
+            await asyncio.get_running_loop().run_in_executor(None, self._scraper.stop)
             self._scraper = None
         if self._grpc is not None:
             await self._grpc.stop(0)

@@ -1,0 +1,55 @@
+"""A reload that adds the first backends starts following them (no restart needed)."""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import threading
+from pathlib import Path
+
+from extproc.config import parse_config
+from extproc.metrics import Metrics
+from extproc.server import Server
+from prometheus_client import CollectorRegistry
+from tests.support.procs import LOOPBACK
+
+SAMPLE = (Path(__file__).resolve().parents[1] / "unit/signals/samples/vllm_v1.prom").read_text()
+BASE = {"pools": {"default": {"max_concurrency": 10}},
+        "adaptive": {"poll_interval_s": 0.05, "scrape_timeout_s": 0.05, "stale_after_s": 1.0}}
+
+
+class _Metrics(http.server.BaseHTTPRequestHandler):
+    body = SAMPLE.replace("} 0.5\n", "} 0.95\n", 1).encode()  # usage above the high watermark
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        self.send_response(200)
+        self.send_header("content-type", "text/plain; version=0.0.4")
+        self.send_header("content-length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+async def test_reload_adding_backends_starts_the_scraper() -> None:
+    assert "vllm:kv_cache_usage_perc" in _Metrics.body.decode() and b"} 0.95\n" in _Metrics.body
+    httpd = http.server.ThreadingHTTPServer((LOOPBACK, 0), _Metrics)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    srv = Server(parse_config(BASE), grpc_listen=f"{LOOPBACK}:0", admin_listen=f"{LOOPBACK}:0",
+                 metrics=Metrics(CollectorRegistry()))
+    try:
+        await srv.start()
+        assert srv.admission.snapshot("default").concurrency_limit == 10
+        with_backend = {**BASE, "pools": {"default": {"max_concurrency": 10, "backends": [
+            {"name": "n0", "metrics_url": f"http://{LOOPBACK}:{httpd.server_port}/metrics"}]}}}
+        srv.apply_config(parse_config(with_backend))
+        for _ in range(200):  # bounded: each round is one poll of the local server
+            if srv.admission.snapshot("default").concurrency_limit == 6:
+                break
+            await asyncio.sleep(0.05)
+        snap = srv.admission.snapshot("default")
+        assert snap.scale == 0.6 and snap.concurrency_limit == 6
+    finally:
+        await srv.close()
+        httpd.shutdown()
