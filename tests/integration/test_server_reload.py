@@ -36,8 +36,10 @@ async def test_reload_adding_backends_starts_the_scraper() -> None:
     assert "vllm:kv_cache_usage_perc" in _Metrics.body.decode() and b"} 0.95\n" in _Metrics.body
     httpd = http.server.ThreadingHTTPServer((LOOPBACK, 0), _Metrics)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    registry = CollectorRegistry()
     srv = Server(parse_config(BASE), grpc_listen=f"{LOOPBACK}:0", admin_listen=f"{LOOPBACK}:0",
-                 metrics=Metrics(CollectorRegistry()))
+                 metrics=Metrics(registry))
+    up = {"pool": "default", "backend": "n0"}
     try:
         await srv.start()
         assert srv.admission.snapshot("default").concurrency_limit == 10
@@ -45,9 +47,11 @@ async def test_reload_adding_backends_starts_the_scraper() -> None:
             {"name": "n0", "metrics_url": f"http://{LOOPBACK}:{httpd.server_port}/metrics"}]}}}
         srv.apply_config(parse_config(with_backend))
         for _ in range(200):  # bounded: each round is one poll of the local server
-            if srv.admission.snapshot("default").concurrency_limit == 6:
+            if registry.get_sample_value("kvgate_backend_up", up) == 1.0:
                 break
             await asyncio.sleep(0.05)
+        assert registry.get_sample_value("kvgate_backend_up", up) == 1.0
+        assert registry.get_sample_value("kvgate_backend_kv_cache_usage_ratio", up) == 0.95
         snap = srv.admission.snapshot("default")
         assert snap.scale == 0.6 and snap.concurrency_limit == 6
     finally:
