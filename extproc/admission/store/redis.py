@@ -60,8 +60,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from extproc.admission.kvbudget import effective_kv_budget
 from extproc.admission.slots import effective_guarantees, effective_limit
-from extproc.admission.store.base import (Budget, BucketSpec, Grant, Plan, PoolUsage, Refusal, Store,
-                                          StoreError)
+from extproc.admission.store.base import (Budget, BucketSpec, Grant, Plan, PoolLimits, PoolUsage,
+                                          Refusal, Store, StoreError)
 from extproc.admission.store.memory import MemoryStore
 from extproc.clock import Clock
 from extproc.config import RedisStoreConfig
@@ -150,8 +150,15 @@ class _Failure(Exception):
 
 _PRELUDE = r"""
 local FIT = 1e-6
+-- args splits the one argument a script takes: words separated by spaces ('-': none).
+-- One string instead of many keeps the client's encoding cheap on the hot path.
+local function args(s)
+  local a = {}
+  for w in string.gmatch(s, '%S+') do a[#a + 1] = w end
+  return a
+end
 local function now_of(arg)
-  if arg ~= '' then return tonumber(arg) end
+  if arg ~= '-' then return tonumber(arg) end
   local t = redis.call('TIME')
   return tonumber(t[1]) + tonumber(t[2]) / 1000000
 end
@@ -229,33 +236,45 @@ local function bucket_give(key, n, cap, rate, now, expire_s)
   b[1] = tok
   bucket_save(key, b, expire_s)
 end
--- view is what every script returns last: the store's instant, the pool's counters (and
--- their version) and its bucket (empty when the pool has none), for the usage view.
+-- view is what every reply ends with, after a '|': the store's instant, the version of
+-- the pool's counters (it orders replies that arrive on different connections), slots in
+-- use, KV tokens in flight, the pool bucket (tok t cap rate, '-' without one) and the
+-- slots per class as class=n. One string: cheap for the client to read.
 local function view(now, st, pbk, has_pb)
-  -- v orders the views of one pool: replies on different connections arrive in any order
-  redis.call('HINCRBY', st, 'v', 1)
-  local pb = {}
-  if has_pb then pb = redis.call('HMGET', pbk, 'tok', 't', 'cap', 'rate') end
-  return {fmt(now), redis.call('HGETALL', st), pb}
+  local v = redis.call('HINCRBY', st, 'v', 1)
+  local h = redis.call('HGETALL', st)
+  local n, kv, cls = '0', '0', {}
+  for i = 1, #h, 2 do
+    local f = h[i]
+    if f == 'n' then n = h[i + 1]
+    elseif f == 'kv' then kv = h[i + 1]
+    elseif string.sub(f, 1, 2) == 'c:' then cls[#cls + 1] = string.sub(f, 3) .. '=' .. h[i + 1] end
+  end
+  local pb = '- - - -'
+  if has_pb then
+    local b = redis.call('HMGET', pbk, 'tok', 't', 'cap', 'rate')
+    if b[1] then pb = b[1] .. ' ' .. b[2] .. ' ' .. b[3] .. ' ' .. b[4] end
+  end
+  return '|' .. fmt(now) .. ' ' .. v .. ' ' .. n .. ' ' .. kv .. ' ' .. pb .. ' ' .. table.concat(cls, ' ')
 end
 """
 
 # KEYS: st lz lh done pool_bucket tenant_bucket (st stands in for a missing bucket)
-# ARGV: now id ttl class tokens limit kv_budget base_kv estimate
-#       p_cap p_rate p_base t_cap t_rate t_base tenant_expire n_guarantees {class g}...
-# Returns {1, inflight, b_tok, b_cap, b_rate, view} (granted), {0, budget, retry,
-# retryable, needed, used, limit, view} (refused), {2, view} (the id was cancelled).
+# ARGV[1]: "now id ttl class tokens limit kv_budget base_kv estimate p_cap p_rate p_base
+#           t_cap t_rate t_base tenant_expire {class g}..."
+# Returns "1 inflight b_tok b_cap b_rate|view" (granted; '-' without a bucket),
+# "0 budget retry retryable needed used limit|view" (refused), "2|view" (id cancelled).
 _ADMIT = _PRELUDE + r"""
 local st, lz, lh, done, pbk, tbk = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
-local now = now_of(ARGV[1])
-local id, ttl, cls, n = ARGV[2], tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5])
-local limit, kvb, base_kv, est = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
-local pcap, prate, pbase = tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12])
-local tcap, trate, tbase = tonumber(ARGV[13]), tonumber(ARGV[14]), tonumber(ARGV[15])
-local texp = tonumber(ARGV[16])
-local ng = tonumber(ARGV[17])
+local a = args(ARGV[1])
+local now = now_of(a[1])
+local id, ttl, cls, n = a[2], tonumber(a[3]), a[4], tonumber(a[5])
+local limit, kvb, base_kv, est = tonumber(a[6]), tonumber(a[7]), tonumber(a[8]), tonumber(a[9])
+local pcap, prate, pbase = tonumber(a[10]), tonumber(a[11]), tonumber(a[12])
+local tcap, trate, tbase = tonumber(a[13]), tonumber(a[14]), tonumber(a[15])
+local texp = tonumber(a[16])
 purge(st, lz, lh, done, now)
-if redis.call('ZSCORE', done, id) then return {2, view(now, st, pbk, pcap ~= nil)} end
+if redis.call('ZSCORE', done, id) then return '2' .. view(now, st, pbk, pcap ~= nil) end
 local sv = redis.call('HMGET', st, 'n', 'kv')
 local inflight, kvin = tonumber(sv[1]) or 0, tonumber(sv[2]) or 0
 local pb, tb
@@ -265,15 +284,13 @@ local function save()
   if pb then bucket_save(pbk, pb, -1) end
   if tb then bucket_save(tbk, tb, texp) end
 end
-local function binding()
+local function granted(nin)
   local b = pb
   if tb and (b == nil or tb[1] < b[1]) then b = tb end
-  return b
-end
-local function granted(nin)
-  local b = binding()
-  if b then return {1, nin, fmt(b[1]), fmt(b[3]), fmt(b[4]), view(now, st, pbk, pb ~= nil)} end
-  return {1, nin, '', '', '', view(now, st, pbk, false)}
+  local head = '1 ' .. nin
+  if b then head = head .. ' ' .. fmt(b[1]) .. ' ' .. fmt(b[3]) .. ' ' .. fmt(b[4])
+  else head = head .. ' - - -' end
+  return head .. view(now, st, pbk, pb ~= nil)
 end
 if redis.call('HEXISTS', lh, id) == 1 then
   -- a retried round trip whose first attempt was applied: the grant stands, once
@@ -282,7 +299,8 @@ if redis.call('HEXISTS', lh, id) == 1 then
 end
 local function refused(r)
   save()
-  return {0, r[1], fmt(r[2]), r[3], fmt(r[4]), fmt(r[5]), fmt(r[6]), view(now, st, pbk, pb ~= nil)}
+  return '0 ' .. r[1] .. ' ' .. fmt(r[2]) .. ' ' .. r[3] .. ' ' .. fmt(r[4]) .. ' ' .. fmt(r[5]) .. ' '
+    .. fmt(r[6]) .. view(now, st, pbk, pb ~= nil)
 end
 -- rules.decide, step 1: never fits, not even at scale 1.0
 if base_kv and n > base_kv then return refused({'kv', 0, 0, n, kvin, base_kv}) end
@@ -304,10 +322,10 @@ local wait = 0
 local slots = nil
 if inflight >= limit then
   slots = 'slots'
-elseif ng > 0 then
+elseif #a > 16 then
   local reserved = 0
-  for i = 0, ng - 1 do
-    local name, g = ARGV[18 + 2 * i], tonumber(ARGV[19 + 2 * i])
+  for i = 17, #a - 1, 2 do
+    local name, g = a[i], tonumber(a[i + 1])
     if name ~= cls then
       local free = g - (tonumber(redis.call('HGET', st, 'c:' .. name)) or 0)
       if free > 0 then reserved = reserved + free end
@@ -342,7 +360,7 @@ end
 local nin = redis.call('HINCRBY', st, 'n', 1)
 redis.call('HINCRBY', st, 'c:' .. cls, 1)
 redis.call('HINCRBY', st, 'kv', n)
-redis.call('HSET', lh, id, cls .. '\t' .. ARGV[5])
+redis.call('HSET', lh, id, cls .. '\t' .. a[5])
 redis.call('ZADD', lz, now + ttl, id)
 if pb then pb[1] = pb[1] - n end
 if tb then tb[1] = tb[1] - n end
@@ -351,18 +369,19 @@ return granted(nin)
 """
 
 # KEYS: st lz lh done pool_bucket tenant_bucket
-# ARGV: now id charged ttl p_cap p_rate t_cap t_rate tenant_expire
-# Returns {1, view} when this call released the lease, {0, view} when nothing was held.
+# ARGV[1]: "now id charged ttl p_cap p_rate t_cap t_rate tenant_expire"
+# Returns "1|view" when this call released the lease, "0|view" when nothing was held.
 _SETTLE = _PRELUDE + r"""
 local st, lz, lh, done, pbk, tbk = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
-local now = now_of(ARGV[1])
-local id, charged, ttl = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
-local pcap, prate, tcap, trate, texp = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
+local a = args(ARGV[1])
+local now = now_of(a[1])
+local id, charged, ttl = a[2], tonumber(a[3]), tonumber(a[4])
+local pcap, prate, tcap, trate, texp = tonumber(a[5]), tonumber(a[6]), tonumber(a[7]), tonumber(a[8]), tonumber(a[9])
 purge(st, lz, lh, done, now)
 -- the tombstone keeps a refresh or a late admit already on the wire from bringing it back
 redis.call('ZADD', done, now + ttl, id)
 local rec = redis.call('HGET', lh, id)
-if not rec then return {0, view(now, st, pbk, pcap ~= nil)} end
+if not rec then return '0' .. view(now, st, pbk, pcap ~= nil) end
 redis.call('HDEL', lh, id)
 redis.call('ZREM', lz, id)
 local tok = untake(st, rec)
@@ -371,13 +390,13 @@ if refund ~= 0 then
   if pcap then bucket_give(pbk, refund, pcap, prate, now, -1) end
   if tcap then bucket_give(tbk, refund, tcap, trate, now, texp) end
 end
-return {1, view(now, st, pbk, pcap ~= nil)}
+return '1' .. view(now, st, pbk, pcap ~= nil)
 """
 
 # KEYS: st lz lh done pool_bucket
 # ARGV: now ttl has_pool_bucket {id class tokens}...
 # Extends this replica's live leases; re-takes those Redis lost (a restart) unless settled.
-# Returns {restored, view}.
+# Returns "restored|view".
 _REFRESH = _PRELUDE + r"""
 local st, lz, lh, done, pbk = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local now = now_of(ARGV[1])
@@ -397,14 +416,14 @@ for i = 4, #ARGV, 3 do
   end
 end
 purge(st, lz, lh, done, now)
-return {restored, view(now, st, pbk, ARGV[3] == '1')}
+return restored .. view(now, st, pbk, ARGV[3] == '1')
 """
 
 # KEYS: replicas   ARGV: now replica_id ttl
 # Returns the number of live replicas, this one included.
 _HEARTBEAT = r"""
 local now = ARGV[1]
-if now == '' then
+if now == '-' then
   local t = redis.call('TIME')
   now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 else
@@ -436,7 +455,7 @@ _SCRIPTS = (ADMIT, SETTLE, REFRESH, HEARTBEAT)
 class _Keys:
     """_Keys are one pool's Redis keys (see the module's key layout)."""
 
-    __slots__ = ("st", "lz", "lh", "done", "bucket_prefix", "pool_bucket")
+    __slots__ = ("st", "lz", "lh", "done", "bucket_prefix", "pool_bucket", "limits")
 
     def __init__(self, prefix: str, pool: str) -> None:
         base = f"{prefix}{{{pool}}}:"
@@ -446,6 +465,8 @@ class _Keys:
         self.done = base + "done"
         self.bucket_prefix = base + "b:"
         self.pool_bucket: str | None = None  # learnt from the plans: the pool's bucket key
+        # the last PoolLimits seen and its part of the admit argument, and the guarantees
+        self.limits: tuple[PoolLimits, str, str] | None = None
 
     def bucket(self, spec: BucketSpec | None) -> str:
         return self.st if spec is None else self.bucket_prefix + spec.key
@@ -532,9 +553,9 @@ def _share_bucket(spec: BucketSpec | None, share: float) -> BucketSpec | None:
     return BucketSpec(spec.key, spec.capacity * share, spec.rate * share, spec.base_capacity)
 
 
-def _num(v: Any) -> float:
-    """_num reads a number Redis sent as a string (bytes) or an integer."""
-    return float(v)
+def _opt(v: int | None) -> int | str:
+    """_opt is ``v``, or '-' (none) in a script argument."""
+    return "-" if v is None else v
 
 
 class RedisStore(Store):
@@ -637,9 +658,11 @@ class RedisStore(Store):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
+        # One last try for the queued settles, whatever the mode: what does not make it
+        # is freed by the lease TTL.
+        with contextlib.suppress(_Failure):
+            await self._flush_pending()
         if self._mode == MODE_SHARED:
-            with contextlib.suppress(_Failure):
-                await self._flush_pending()
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(self._timeout):
                     await self._client.zrem(self._replicas_key, self.replica_id)
@@ -744,8 +767,9 @@ class RedisStore(Store):
             view.at = -math.inf
             view.version = 0
 
-    def _now_arg(self, now: float) -> float | str:
-        return "" if self._clock is None else now
+    def _now_arg(self, now: float) -> str:
+        """_now_arg is the instant a script runs at: '-' (Redis TIME) or the caller's ``now`` (s)."""
+        return "-" if self._clock is None else repr(float(now))
 
     def _keys_of(self, pool: str) -> _Keys:
         k = self._keys.get(pool)
@@ -765,6 +789,9 @@ class RedisStore(Store):
         if self._task is None:
             self._ensure_task()
         if self._mode != MODE_SHARED:
+            # A local decision never suspends: yield once, so that callers admitting in a
+            # tight loop cannot starve the probe that brings the store back.
+            await asyncio.sleep(0)
             return self._admit_degraded(plan, now)
         self._next += 1
         lease_id = f"{self.replica_id}.{self._next}"
@@ -773,14 +800,20 @@ class RedisStore(Store):
         cmd = self._admit_cmd(plan, keys, lease_id, now)
         # Settles of this replica go out before its next admission, in the same round
         # trip: a slot this replica released is free for the request it admits next.
-        batch, self._pending = self._pending, []
         previous = self._batch
         if previous is not None:
             await asyncio.shield(previous)
+        batch, self._pending = self._pending, []
         try:
             results = await self._round_trip([p.cmd for p in batch] + [cmd])
-        except _Failure as f:
+        except BaseException as exc:
+            # Failed or cancelled (the requester left) with the answer unknown: the
+            # settles go again (they are idempotent) and the admission is cancelled.
             self._pending[:0] = batch
+            if not isinstance(exc, _Failure):
+                self._queue(_Pending(pool, self._settle_cmd(plan, keys, lease_id, 0, now), None))
+                raise
+            f = exc
             self._degrade(f)
             # The script may have run before the answer was lost: cancel the lease, so
             # that a grant nobody will refresh or settle does not hold a slot until it
@@ -807,70 +840,63 @@ class RedisStore(Store):
         lim = plan.limits
         pb = lim.bucket
         tb = plan.tenant_bucket
-        if pb is not None:
-            keys.pool_bucket = keys.bucket(pb)
-        cmd: list[Any] = [
-            "EVALSHA", ADMIT.sha, 6, keys.st, keys.lz, keys.lh, keys.done, keys.bucket(pb), keys.bucket(tb),
-            self._now_arg(now), lease_id, self._ttl, plan.class_name, plan.tokens, lim.limit,
-            "" if lim.kv_budget is None else lim.kv_budget,
-            "" if lim.base_kv_budget is None else lim.base_kv_budget,
-            lim.retry_estimate_s,
-            "" if pb is None else pb.capacity, "" if pb is None else pb.rate,
-            "" if pb is None else pb.base_capacity,
-            "" if tb is None else tb.capacity, "" if tb is None else tb.rate,
-            "" if tb is None else tb.base_capacity,
-            self._tenant_expire, len(lim.guarantees)]
-        for name, g in lim.guarantees.items():
-            cmd.append(name)
-            cmd.append(g)
-        return tuple(cmd)
+        cached = keys.limits
+        if cached is not None and cached[0] is lim:
+            limits_arg = cached[1]
+        else:
+            # The pool's part of the argument changes only with its limits (the scale).
+            if pb is not None:
+                keys.pool_bucket = keys.bucket(pb)
+            parts = [lim.limit, _opt(lim.kv_budget), _opt(lim.base_kv_budget), float(lim.retry_estimate_s)]
+            parts += ["- - -"] if pb is None else [float(pb.capacity), float(pb.rate), float(pb.base_capacity)]
+            limits_arg = " ".join(map(str, parts))
+            guarantees = " ".join(f"{name} {g}" for name, g in lim.guarantees.items())
+            keys.limits = (lim, limits_arg, guarantees)
+            cached = keys.limits
+        tenant_arg = "- - -" if tb is None else f"{float(tb.capacity)!r} {float(tb.rate)!r} {float(tb.base_capacity)!r}"
+        arg = (f"{self._now_arg(now)} {lease_id} {self._ttl!r} {plan.class_name} {int(plan.tokens)} "
+               f"{limits_arg} {tenant_arg} {self._tenant_expire!r} {cached[2]}")
+        return ("EVALSHA", ADMIT.sha, 6, keys.st, keys.lz, keys.lh, keys.done, keys.bucket(pb),
+                keys.bucket(tb), arg)
 
-    def _read_admit(self, plan: Plan, lease_id: str, r: list[Any], now: float) -> Grant | Refusal:
+    def _read_admit(self, plan: Plan, lease_id: str, reply: bytes, now: float) -> Grant | Refusal:
+        head, _, view = reply.partition(b"|")
+        r = head.split()
         code = int(r[0])
-        self._read_view(plan.limits.pool, r[-1], now)
+        self._read_view(plan.limits.pool, view, now)
         if code == 1:
             grant = Grant(lease_id, plan, int(r[1]))
-            if r[2] != b"":
-                grant.bucket_tokens = _num(r[2])
-                grant.bucket_capacity = _num(r[3])
-                grant.bucket_rate = _num(r[4])
+            if r[2] != b"-":
+                grant.bucket_tokens = float(r[2])
+                grant.bucket_capacity = float(r[3])
+                grant.bucket_rate = float(r[4])
             self._live.setdefault(plan.limits.pool, {})[lease_id] = grant
             return grant
         if code == 0:
-            return Refusal(Budget(r[1].decode()), _num(r[2]), bool(int(r[3])), _num(r[4]),
-                           _num(r[5]), _num(r[6]))
+            return Refusal(Budget(r[1].decode()), float(r[2]), r[3] == b"1", float(r[4]),
+                           float(r[5]), float(r[6]))
         raise ValueError(f"admit answered code {code} for a fresh lease id")
 
-    def _read_view(self, pool: str, v: list[Any], now: float) -> None:
-        """_read_view keeps what a script reported of ``pool``: counters and the pool bucket."""
+    def _read_view(self, pool: str, text: bytes, now: float) -> None:
+        """_read_view keeps what a script reported of ``pool`` (see ``view`` in the Lua prelude)."""
+        v = text.split()
+        store_now, version = float(v[0]), int(v[1])
         view = self._views.get(pool)
         if view is None:
             view = self._views[pool] = _View()
-        store_now = _num(v[0])
-        flat = v[1]
-        by_class: dict[str, int] = {}
-        inflight = kv = version = 0
-        for i in range(0, len(flat) - 1, 2):
-            field = flat[i].decode()
-            value = int(flat[i + 1])
-            if field == "n":
-                inflight = value
-            elif field == "kv":
-                kv = value
-            elif field == "v":
-                version = value
-            elif field.startswith("c:"):
-                by_class[field[2:]] = value
         if (store_now, version) < (view.at, view.version):
             return  # an older state that arrived late on another connection
+        by_class: dict[str, int] = {}
+        for item in v[8:]:
+            name, _, n = item.partition(b"=")
+            by_class[name.decode()] = int(n)
         view.at = store_now
         view.version = version
-        view.inflight = inflight
-        view.kv = kv
+        view.inflight = int(v[2])
+        view.kv = int(v[3])
         view.by_class = by_class
-        pb = v[2]
-        if pb and pb[0] is not None:
-            view.tok, view.t, view.cap, view.rate = (_num(pb[0]), _num(pb[1]), _num(pb[2]), _num(pb[3]))
+        if v[4] != b"-":
+            view.tok, view.t, view.cap, view.rate = float(v[4]), float(v[5]), float(v[6]), float(v[7])
         view.offset = store_now - now
 
     # --- settle ------------------------------------------------------------------
@@ -899,10 +925,12 @@ class RedisStore(Store):
                     now: float) -> tuple[Any, ...]:
         pb = plan.limits.bucket
         tb = plan.tenant_bucket
+        pool_arg = "- -" if pb is None else f"{float(pb.capacity)!r} {float(pb.rate)!r}"
+        tenant_arg = "- -" if tb is None else f"{float(tb.capacity)!r} {float(tb.rate)!r}"
+        arg = (f"{self._now_arg(now)} {lease_id} {int(charged)} {self._ttl!r} {pool_arg} {tenant_arg} "
+               f"{self._tenant_expire!r}")
         return ("EVALSHA", SETTLE.sha, 6, keys.st, keys.lz, keys.lh, keys.done, keys.bucket(pb),
-                keys.bucket(tb), self._now_arg(now), lease_id, charged, self._ttl,
-                "" if pb is None else pb.capacity, "" if pb is None else pb.rate,
-                "" if tb is None else tb.capacity, "" if tb is None else tb.rate, self._tenant_expire)
+                keys.bucket(tb), arg)
 
     def _queue(self, pending: _Pending) -> None:
         self._pending.append(pending)
@@ -937,7 +965,7 @@ class RedisStore(Store):
         self._batch = done = asyncio.get_running_loop().create_future()
         try:
             results = await self._round_trip([p.cmd for p in batch])
-        except _Failure:
+        except BaseException:  # a failure, or a cancelled flush (close): send them again later
             self._pending[:0] = batch
             raise
         finally:
@@ -953,7 +981,7 @@ class RedisStore(Store):
                 if unconfirmed is not None:
                     unconfirmed.pop(p.lease_id, None)
             with contextlib.suppress(IndexError, TypeError, ValueError, AttributeError):
-                self._read_view(p.pool, r[-1], now)
+                self._read_view(p.pool, r.partition(b"|")[2], now)
 
     async def flush(self) -> None:
         """flush waits until every settle queued so far is applied in Redis (or Redis failed)."""
@@ -1009,8 +1037,9 @@ class RedisStore(Store):
             self._replicas = max(1, int(results[0]))
             restored = 0
             for pool, r in zip(pools, results[1:]):
-                restored += int(r[0])
-                self._read_view(pool, r[1], now)
+                head, _, view = r.partition(b"|")
+                restored += int(head)
+                self._read_view(pool, view, now)
         except (IndexError, TypeError, ValueError) as exc:
             raise _Failure(ERROR_RESPONSE, f"unexpected refresh reply: {exc}") from exc
         if restored:
