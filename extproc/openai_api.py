@@ -357,7 +357,12 @@ def add_stream_usage(req: ParsedRequest) -> bytes | None:
     if options.get("continuous_usage_stats"):
         options["continuous_usage_stats"] = False
     body["stream_options"] = options
-    return orjson.dumps(body)
+    try:
+        return orjson.dumps(body)
+    except orjson.JSONEncodeError:
+        # orjson reads 1024 levels but writes only 254: such a body goes upstream as sent,
+        # and without a reported usage the whole reservation is charged.
+        return None
 
 
 # --- responses ---------------------------------------------------------------------

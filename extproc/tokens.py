@@ -509,7 +509,10 @@ def chat_shape(messages: Any, tools: Any = None) -> ChatShape:
             raise _bad("Invalid type for 'tools': expected an array.", "tools")
         if tools:
             # Templates render tool schemas into the prompt; their compact JSON is a fair count.
-            texts.append(orjson.dumps(tools).decode())
+            try:
+                texts.append(orjson.dumps(tools).decode())
+            except orjson.JSONEncodeError:  # orjson reads 1024 levels but writes only 254
+                raise _bad("Invalid 'tools': nested too deeply.", "tools") from None
     return ChatShape(texts, roles, names, image_tokens, has_system)
 
 

@@ -1,0 +1,1 @@
+"""Adversarial tests: hostile inputs, broken peers and reload storms against real parts."""
