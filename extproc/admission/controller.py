@@ -53,7 +53,9 @@ class Lease:
         self.demand = demand
         self.released = False
         self.outcome: Outcome | None = None
-        self._max_completion = max_completion
+        # n choices (or a batch of prompts) reserve and generate up to n x max_tokens,
+        # which can exceed one context window.
+        self._max_completion = max(max_completion, demand.completion_tokens)
 
     @property
     def id(self) -> str:
@@ -82,8 +84,9 @@ class Lease:
 
         ``completion_tokens`` is the completion the upstream reported; the buckets end up
         charged prompt + that. None (unknown), or anything that is not an integer >= 0,
-        charges the whole reservation, never zero. A count above the pool's context window
-        is capped there (a backend's report is outside input).
+        charges the whole reservation, never zero. A count above the larger of the pool's
+        context window and the reservation is capped there (a backend's report is outside
+        input).
         """
         if self.released:
             return False
