@@ -5,6 +5,11 @@ sends them (request headers, request body, response headers, response body chunk
 returns the ``ProcessingResponse`` to send back. It holds the request's lease from the
 moment it is granted until ``finish`` (or the response's end of stream) releases it.
 
+Two Envoy configurations are served (deploy/envoy.yaml and deploy/envoy-four-message.yaml):
+with request headers sent, the request is identified from them; with request headers
+skipped (one blocking round trip fewer), the body message is the first and the few
+request facts kvgate needs come with it as ``request_attributes`` (``REQUEST_ATTRIBUTES``).
+
 A ``Gate`` is what every exchange shares: the configuration, each pool's tokenizer and
 chat template, the API-key table, the admission core, the metrics and a small thread
 pool for tokenizing large bodies off the event loop.
@@ -51,6 +56,25 @@ ROUTE_KEYS = ("pool", "tenant_class", "context_window", "max_body_bytes")
 ROUTE_LOG_INTERVAL_S = 60.0
 ROUTE_CACHE_ENTRIES = 256
 METADATA_NAMESPACE = "kvgate"
+# Request attributes (Envoy CEL expressions) that stand in for the request headers when
+# Envoy skips them; the tenant header's entry is built from the configured header name.
+ATTR_PATH = "request.path"
+ATTR_METHOD = "request.method"
+ATTR_CONTENT_TYPE = "request.headers['content-type']"
+ATTR_AUTHORIZATION = "request.headers['authorization']"
+
+
+def tenant_attribute(header: str) -> str:
+    """tenant_attribute is the request attribute that carries the tenant header ``header``."""
+    return f"request.headers['{header}']"
+
+
+def request_attributes(tenant_header: str) -> list[str]:
+    """request_attributes lists what Envoy's ``request_attributes`` must name when request
+    headers are skipped (in this order in deploy/envoy.yaml)."""
+    return [ATTR_PATH, ATTR_METHOD, ATTR_CONTENT_TYPE, ATTR_AUTHORIZATION,
+            tenant_attribute(tenant_header)]
+
 
 _JSON = "application/json"
 
@@ -69,17 +93,23 @@ CONTINUE_RESPONSE_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersRes
 CONTINUE_RESPONSE_BODY = pb.ProcessingResponse(response_body=pb.BodyResponse())
 CONTINUE_REQUEST_TRAILERS = pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
 CONTINUE_RESPONSE_TRAILERS = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+_NOTHING_MORE = processing_mode_pb2.ProcessingMode(
+    request_body_mode=processing_mode_pb2.ProcessingMode.NONE,
+    response_header_mode=processing_mode_pb2.ProcessingMode.SKIP,
+    response_body_mode=processing_mode_pb2.ProcessingMode.NONE,
+    request_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP,
+    response_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP)
 # Paths kvgate does not admit: let the rest of the request and its response bypass the
 # processor (needs allow_mode_override in Envoy; without it Envoy sends them anyway and
 # they are answered with CONTINUE).
-PASS_THROUGH = pb.ProcessingResponse(
-    request_headers=pb.HeadersResponse(),
-    mode_override=processing_mode_pb2.ProcessingMode(
-        request_body_mode=processing_mode_pb2.ProcessingMode.NONE,
-        response_header_mode=processing_mode_pb2.ProcessingMode.SKIP,
-        response_body_mode=processing_mode_pb2.ProcessingMode.NONE,
-        request_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP,
-        response_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP))
+PASS_THROUGH = pb.ProcessingResponse(request_headers=pb.HeadersResponse(),
+                                     mode_override=_NOTHING_MORE)
+# The same, for a request first seen at its body (request headers skipped) or at its
+# response (no body at all).
+PASS_THROUGH_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse(),
+                                          mode_override=_NOTHING_MORE)
+PASS_THROUGH_RESPONSE = pb.ProcessingResponse(response_headers=pb.HeadersResponse(),
+                                              mode_override=_NOTHING_MORE)
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
@@ -259,6 +289,16 @@ class Gate:
                     values[key] = int(number)
         return (RouteSettings(**values) if values else NO_ROUTE_SETTINGS), tuple(errors)
 
+    def misconfigured(self, message: str) -> None:
+        """misconfigured counts a request kvgate cannot serve because of Envoy's
+        configuration (``kvgate_internal_errors_total``) and logs why, at most once a minute."""
+        self.metrics.internal_errors.inc()
+        now = self.clock.now()
+        last = self._route_logged.get("_misconfigured")
+        if last is None or now - last >= ROUTE_LOG_INTERVAL_S:
+            self._route_logged["_misconfigured"] = now
+            log.error("refusing requests: %s", message)
+
     def _route_error(self, key: str, message: str) -> None:
         self.metrics.route_metadata_error(key)
         now = self.clock.now()
@@ -329,9 +369,7 @@ class Exchange:
         """
         if self.state != _NEW:  # a second request on one stream: never from Envoy; ignore it
             return CONTINUE_REQUEST_HEADERS
-        gate = self.gate
-        config = gate.config
-        tenant_header = config.tenants.header
+        tenant_header = self.gate.config.tenants.header
         path = method = b""
         content_length: bytes | None = None
         authorization: bytes | None = None
@@ -350,22 +388,12 @@ class Exchange:
                 authorization = h.raw_value
             elif key == tenant_header:
                 tenant_values.append(h.raw_value)
-        endpoint = oai.endpoint_for_path(path.decode("latin-1")) if method == b"POST" else None
-        if endpoint is None:
-            self.state = _PASS
+        refusal = self._begin(path.decode("latin-1"), method == b"POST", authorization,
+                              tenant_values, metadata)
+        if refusal is not None:
+            return refusal
+        if self.state == _PASS:
             return PASS_THROUGH
-        self.endpoint = endpoint
-        self.route = route = gate.route_settings(metadata)
-        self.pool_name = route.pool or config.default_pool
-        self.pool = gate.pools[self.pool_name]
-        self.max_body = route.max_body_bytes or config.limits.max_body_bytes
-        try:
-            self.tenant = gate.tenant_of(tenant_values, authorization)
-        except RequestError as err:
-            self.class_cfg = config.tenants.classes[config.tenants.default_class]
-            return self._refuse(err, "rejected_invalid")
-        self.class_cfg = (config.tenants.classes[route.tenant_class] if route.tenant_class
-                          else config.class_of(self.tenant))
         if content_length is not None:
             try:
                 declared = int(content_length)
@@ -381,16 +409,81 @@ class Exchange:
         self.body = bytearray()
         return CONTINUE_REQUEST_HEADERS
 
+    def _begin_from_attributes(self, attributes: Any, metadata: Any) -> pb.ProcessingResponse | None:
+        """_begin_from_attributes identifies a request whose headers Envoy skipped, from the
+        request attributes sent with its first body message (``request_attributes``).
+
+        Envoy joins repeated headers with ``,`` (tenant names cannot contain one), so a
+        tenant value with a comma is a repeated tenant header. Without ``request.path``
+        kvgate cannot tell what the request is: it refuses it (fail closed) and says why.
+        """
+        values: dict[str, str] = {}
+        if attributes:
+            for struct in attributes.values():
+                for key, value in struct.fields.items():
+                    if value.WhichOneof("kind") == "string_value":
+                        values[key] = value.string_value
+        path = values.get(ATTR_PATH)
+        if path is None:
+            return self._misconfigured(
+                "Envoy sent a request body without the request headers and without the "
+                f"{ATTR_PATH!r} request attribute: list kvgate's request attributes in the "
+                "ext_proc filter's request_attributes (see deploy/envoy.yaml)")
+        self.content_type = values.get(ATTR_CONTENT_TYPE)
+        authorization = values.get(ATTR_AUTHORIZATION)
+        tenant = values.get(tenant_attribute(self.gate.config.tenants.header))
+        tenant_values = [] if tenant is None else [v.encode("latin-1") for v in tenant.split(",")]
+        return self._begin(path, values.get(ATTR_METHOD) == "POST",
+                           None if authorization is None else authorization.encode("latin-1"),
+                           tenant_values, metadata)
+
+    def _begin(self, path: str, post: bool, authorization: bytes | None,
+               tenant_values: list[bytes], metadata: Any) -> pb.ProcessingResponse | None:
+        """_begin picks endpoint, pool, tenant and class; returns a refusal or None.
+
+        A path kvgate does not admit leaves the state _PASS.
+        """
+        gate = self.gate
+        config = gate.config
+        endpoint = oai.endpoint_for_path(path) if post else None
+        if endpoint is None:
+            self.state = _PASS
+            return None
+        self.endpoint = endpoint
+        self.route = route = gate.route_settings(metadata)
+        self.pool_name = route.pool or config.default_pool
+        self.pool = gate.pools[self.pool_name]
+        self.max_body = route.max_body_bytes or config.limits.max_body_bytes
+        try:
+            self.tenant = gate.tenant_of(tenant_values, authorization)
+        except RequestError as err:
+            self.class_cfg = config.tenants.classes[config.tenants.default_class]
+            return self._refuse(err, "rejected_invalid")
+        self.class_cfg = (config.tenants.classes[route.tenant_class] if route.tenant_class
+                          else config.class_of(self.tenant))
+        return None
+
     # --- request body ------------------------------------------------------------------
 
     async def request_body(self, msg: pb.HttpBody,
                            send: Callable[[pb.ProcessingResponse], Awaitable[None]] | None = None,
+                           attributes: Any = None, metadata: Any = None,
                            ) -> pb.ProcessingResponse:
         """request_body decides: parse, count, check the context window, then acquire.
 
         ``send`` lets the exchange extend Envoy's message timeout before it waits in its
         class's queue (``override_message_timeout``); None when the caller cannot.
+        ``attributes`` and ``metadata`` identify the request when it is the stream's first
+        message (Envoy skips request headers); otherwise they are not read.
         """
+        if self.state == _NEW:
+            first = self._begin_from_attributes(attributes, metadata)
+            if first is not None:
+                return first
+            if self.state == _PASS:
+                return PASS_THROUGH_BODY
+            self.state = _BODY
+            self.body = bytearray()
         if self.state != _BODY:
             return CONTINUE_REQUEST_BODY
         body = self.body
@@ -479,8 +572,24 @@ class Exchange:
     # --- response ------------------------------------------------------------------------
 
     def response_headers(self, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
-        """response_headers notes the upstream status and adds the x-ratelimit-* headers."""
+        """response_headers notes the upstream status and adds the x-ratelimit-* headers.
+
+        A response before any admission had no request body (nothing to admit) or was
+        answered by Envoy itself: it passes through, except Envoy's own 413 for a body above
+        its buffer limit, which gets kvgate's OpenAI-shaped 413 like any body above the cap.
+        """
         lease = self.lease
+        if self.state in (_NEW, _BODY):
+            # Nothing admitted: Envoy answered before the body reached kvgate (or there was
+            # no body). Its own 413 for a body above its buffer limit gets kvgate's shape.
+            first = self.state == _NEW
+            self.state = _PASS
+            for h in msg.headers.headers:
+                if h.key == ":status" and h.raw_value == b"413":
+                    return self._refuse(RequestError(
+                        "The request body is above this endpoint's limit.", status=413,
+                        code="request_too_large"), "rejected_body_too_large")
+            return PASS_THROUGH_RESPONSE if first else CONTINUE_RESPONSE_HEADERS
         if self.state != _ADMITTED or lease is None:
             return CONTINUE_RESPONSE_HEADERS
         content_type = ""
@@ -577,6 +686,15 @@ class Exchange:
         if not any(k == "x-kvgate-reason" for k, _ in headers):
             headers = [*headers, ("x-kvgate-reason", outcome.removeprefix("rejected_"))]
         return immediate(status, headers, payload, f"kvgate_{outcome}")
+
+    def _misconfigured(self, message: str) -> pb.ProcessingResponse:
+        self.state = _DONE
+        self.gate.misconfigured(message)
+        return immediate(500, [("content-type", _JSON), ("x-kvgate-reason", "misconfigured")],
+                         oai.error_body("The admission gateway is misconfigured; the operator "
+                                        "has been told.", error_type="server_error",
+                                        code="gateway_misconfigured"),
+                         "kvgate_misconfigured")
 
     def _refuse_too_large(self, size: int) -> pb.ProcessingResponse:
         self.body = None

@@ -84,7 +84,8 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
                 elif kind == "request_headers":
                     resp = ex.request_headers(req.request_headers, req.metadata_context)
                 elif kind == "request_body":
-                    resp = await ex.request_body(req.request_body, write)
+                    resp = await ex.request_body(req.request_body, write, req.attributes,
+                                                 req.metadata_context)
                 elif kind == "response_headers":
                     resp = ex.response_headers(req.response_headers)
                 elif kind == "request_trailers":

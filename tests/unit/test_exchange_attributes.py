@@ -1,0 +1,185 @@
+"""Unit tests of the exchange when Envoy skips request headers (deploy/envoy.yaml).
+
+The stream's first message is then the request body, and the request facts kvgate needs
+come with it as request attributes (``request.path``, ``request.method``, a few headers).
+Every decision must be the one the same request gets when its headers are sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from google.protobuf import struct_pb2
+
+from extproc.exchange import (ATTR_AUTHORIZATION, ATTR_CONTENT_TYPE, ATTR_METHOD, ATTR_PATH,
+                              PASS_THROUGH_BODY, PASS_THROUGH_RESPONSE, Exchange,
+                              request_attributes, tenant_attribute)
+from tests.unit.test_exchange import API_KEY, Rig, body_msg, chat, headers_msg, \
+    response_headers_msg, route_metadata
+
+
+def attrs(path: str = "/v1/chat/completions", method: str = "POST", *,
+          content_type: str | None = "application/json", tenant: str | None = None,
+          authorization: str | None = None, **extra: str) -> dict[str, struct_pb2.Struct]:
+    """attrs is ProcessingRequest.attributes as Envoy fills it (absent headers left out)."""
+    values = {ATTR_PATH: path, ATTR_METHOD: method, **extra}
+    if content_type is not None:
+        values[ATTR_CONTENT_TYPE] = content_type
+    if tenant is not None:
+        values[tenant_attribute("x-tenant-id")] = tenant
+    if authorization is not None:
+        values[ATTR_AUTHORIZATION] = authorization
+    s = struct_pb2.Struct()
+    s.update(values)
+    req = pb.ProcessingRequest()
+    req.attributes["envoy.filters.http.ext_proc"].CopyFrom(s)
+    return req.attributes  # the real protobuf map type
+
+
+def body_first(rig: Rig, body: bytes, attributes: Any, metadata: Any = None) -> tuple[Exchange, pb.ProcessingResponse]:
+    ex = Exchange(rig.gate)
+    resp = asyncio.run(ex.request_body(body_msg(body), None, attributes, metadata))
+    return ex, resp
+
+
+def with_headers(rig: Rig, body: bytes, extra: list[tuple[str, str]] = (),
+                 metadata: Any = None) -> pb.ProcessingResponse:
+    ex = Exchange(rig.gate)
+    first = ex.request_headers(headers_msg(extra=extra), metadata)
+    if first.WhichOneof("response") != "request_headers":
+        return first
+    return asyncio.run(ex.request_body(body_msg(body)))
+
+
+def status_of(resp: pb.ProcessingResponse) -> int:
+    return resp.immediate_response.status.code if resp.HasField("immediate_response") else 0
+
+
+def test_the_attribute_list_names_the_configured_tenant_header() -> None:
+    assert request_attributes("x-org") == [ATTR_PATH, ATTR_METHOD, ATTR_CONTENT_TYPE,
+                                           ATTR_AUTHORIZATION, "request.headers['x-org']"]
+
+
+def test_a_body_first_request_is_admitted_and_released_like_one_with_headers() -> None:
+    rig = Rig()
+    ex, resp = body_first(rig, chat(max_tokens=5), attrs(tenant="acme"))
+    assert resp.WhichOneof("response") == "request_body" and not resp.HasField("immediate_response")
+    assert rig.inflight() == 1 and ex.tenant == "acme"
+    ex.response_headers(response_headers_msg())
+    ex.response_body(body_msg(orjson.dumps({"usage": {"completion_tokens": 5}})))
+    assert rig.inflight() == 0
+    assert rig.count("kvgate_releases_total", cause="completed") == 1
+
+
+def test_api_key_and_tenant_header_decide_as_with_headers() -> None:
+    rig = Rig()
+    ex, _ = body_first(rig, chat(), attrs(tenant="acme", authorization=f"Bearer {API_KEY}"))
+    assert ex.tenant == "gold-1"  # the key wins over the header claim
+    ex.finish()
+    ex, _ = body_first(rig, chat(), attrs(tenant="nobody-known"))
+    assert ex.tenant == "_anonymous"
+    ex.finish()
+    assert rig.inflight() == 0
+
+
+def test_repeated_tenant_headers_joined_by_envoy_are_refused() -> None:
+    rig = Rig()
+    _, resp = body_first(rig, chat(), attrs(tenant="acme,other"))
+    assert status_of(resp) == 400
+    assert orjson.loads(resp.immediate_response.body)["error"]["param"] == "x-tenant-id"
+    same = with_headers(rig, chat(), [("x-tenant-id", "acme"), ("x-tenant-id", "other")])
+    assert status_of(same) == 400
+    assert rig.inflight() == 0
+
+
+def test_refusals_match_the_headers_configuration() -> None:
+    cases = [
+        (chat(max_tokens=10_000), {}, 400),                        # context window
+        (b'{"messages": [', {}, 400),                               # malformed
+        (chat(), {"content_type": "text/plain"}, 415),             # wrong content type
+        (chat("x" * 70_000), {}, 413),                              # above max_body_bytes
+        (b"", {}, 400),                                             # chunked, empty
+    ]
+    for body, kw, status in cases:
+        rig = Rig()
+        _, resp = body_first(rig, body, attrs(**kw))
+        extra = [("content-type", kw["content_type"])] if "content_type" in kw else []
+        assert status_of(resp) == status, (body[:40], kw)
+        if body:
+            # With headers sent, the content-type header is replaced by the one given.
+            ex = Exchange(rig.gate)
+            msg = headers_msg()
+            if extra:
+                for h in msg.headers.headers:
+                    if h.key == "content-type":
+                        h.raw_value = extra[0][1].encode()
+            assert ex.request_headers(msg).WhichOneof("response") == "request_headers"
+            assert status_of(asyncio.run(ex.request_body(body_msg(body)))) == status
+        assert rig.inflight() == 0
+
+
+def test_route_settings_come_with_the_body() -> None:
+    rig = Rig()
+    ex, resp = body_first(rig, chat(), attrs(), route_metadata(pool="small"))
+    assert ex.pool_name == "small" and rig.inflight("small") == 1
+    ex.finish()
+    assert rig.inflight("small") == 0
+
+
+def test_paths_not_admitted_pass_through_at_the_body() -> None:
+    rig = Rig()
+    for path, method in (("/v1/models", "POST"), ("/v1/chat/completions", "GET"),
+                         ("/tokenize", "POST")):
+        ex, resp = body_first(rig, b"{}", attrs(path, method))
+        assert resp == PASS_THROUGH_BODY
+        assert ex.response_headers(response_headers_msg()).WhichOneof("response") == "response_headers"
+    assert rig.count("kvgate_requests_total") == 0
+
+
+def test_without_request_path_kvgate_refuses_and_says_why(caplog: Any) -> None:
+    rig = Rig()
+    method_only = attrs()
+    del method_only["envoy.filters.http.ext_proc"].fields[ATTR_PATH]
+    for attributes in (None, method_only):
+        _, resp = body_first(rig, chat(), attributes)
+        assert status_of(resp) == 500
+        assert orjson.loads(resp.immediate_response.body)["error"]["code"] == "gateway_misconfigured"
+    assert rig.count("kvgate_internal_errors_total") == 2
+    assert rig.inflight() == 0
+    assert "request_attributes" in caplog.text
+    assert caplog.text.count("refusing requests") == 1  # logged once a minute, counted always
+
+
+def test_a_stream_that_starts_with_response_headers_passes_through() -> None:
+    rig = Rig()
+    ex = Exchange(rig.gate)
+    assert ex.response_headers(response_headers_msg()) == PASS_THROUGH_RESPONSE
+    assert ex.response_body(body_msg(b"{}")).WhichOneof("response") == "response_body"
+    assert ex.finish() is None
+
+
+def test_envoys_own_413_gets_kvgates_shape_before_or_after_request_headers() -> None:
+    rig = Rig()
+    skipped = Exchange(rig.gate)                 # deploy/envoy.yaml: nothing seen yet
+    four_message = Exchange(rig.gate)            # headers seen, waiting for the body
+    four_message.request_headers(headers_msg())
+    for ex in (skipped, four_message):
+        resp = ex.response_headers(response_headers_msg(413, "text/plain"))
+        assert status_of(resp) == 413
+        err = orjson.loads(resp.immediate_response.body)["error"]
+        assert err["type"] == "invalid_request_error" and err["code"] == "request_too_large"
+    assert rig.count("kvgate_requests_total", outcome="rejected_body_too_large") == 2
+    assert rig.inflight() == 0
+
+
+def test_attributes_on_later_messages_change_nothing() -> None:
+    rig = Rig()
+    ex = Exchange(rig.gate)
+    ex.request_headers(headers_msg(extra=[("x-tenant-id", "acme")]))
+    asyncio.run(ex.request_body(body_msg(chat()), None, attrs(tenant="other"), None))
+    assert ex.tenant == "acme" and rig.inflight() == 1
+    ex.finish()
+    assert rig.inflight() == 0
