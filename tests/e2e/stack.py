@@ -25,6 +25,7 @@ from tests.support.procs import LOOPBACK, ROOT, VENV_BIN, Proc, free_port, wait_
 ENVOY_TEMPLATE = ROOT / "deploy" / "envoy.yaml"
 SET_METADATA = "envoy.filters.http.set_metadata"
 EXT_PROC = "envoy.filters.http.ext_proc"
+BODY_TOO_LARGE_ROUTE = "body-too-large"
 
 
 def _hcm(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -46,21 +47,39 @@ def metadata_route(match_header: tuple[str, str], settings: dict[str, Any]) -> d
 
 
 def envoy_config(*, listen: int, upstream: int, grpc: int | None,
-                 routes: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
-    """envoy_config renders deploy/envoy.yaml for loopback: Envoy on ``listen``, the
-    inference cluster on ``upstream``, ext_proc on ``grpc`` (None: no ext_proc filter).
-    ``routes`` go before the file's catch-all route. Envoy's admin interface is left out."""
-    cfg = render_envoy(yaml.safe_load(ENVOY_TEMPLATE.read_text()), listen=listen, admin=0,
+                 routes: Sequence[dict[str, Any]] = (),
+                 template: Path = ENVOY_TEMPLATE, max_body_bytes: int | None = None) -> dict[str, Any]:
+    """envoy_config renders an Envoy file of deploy/ (default deploy/envoy.yaml) for
+    loopback: Envoy on ``listen``, the inference cluster on ``upstream``, ext_proc on
+    ``grpc`` (None: no ext_proc filter). ``routes`` go before the file's own routes.
+    ``max_body_bytes`` (kvgate's limits.max_body_bytes) moves the file's early-413 route
+    to that limit, as an operator keeps the two equal. Envoy's admin interface is left out."""
+    cfg = render_envoy(yaml.safe_load(template.read_text()), listen=listen, admin=0,
                        grpc=grpc or 1, upstream=upstream)
     cfg.pop("admin", None)
     hcm = _hcm(cfg)
     vhost = hcm["route_config"]["virtual_hosts"][0]
     vhost["routes"] = [*routes, *vhost["routes"]]
+    if max_body_bytes is not None:
+        for route in vhost["routes"]:
+            if route.get("name") == BODY_TOO_LARGE_ROUTE:
+                for header in route["match"]["headers"]:
+                    if header["name"] == "content-length":
+                        header["range_match"]["start"] = max_body_bytes + 1
     if grpc is None:
-        hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != EXT_PROC]
+        hcm["http_filters"] = [f for f in hcm["http_filters"] if not _is_ext_proc(f)]
         cfg["static_resources"]["clusters"] = [
             c for c in cfg["static_resources"]["clusters"] if c["name"] != "kvgate"]
+        for route in vhost["routes"]:  # per-route settings of a filter that is gone
+            per_filter = route.get("typed_per_filter_config", {})
+            for name in [n for n in per_filter if n.startswith(EXT_PROC)]:
+                del per_filter[name]
     return cfg
+
+
+def _is_ext_proc(http_filter: dict[str, Any]) -> bool:
+    return str(http_filter.get("typed_config", {}).get("@type", "")).endswith(
+        "ext_proc.v3.ExternalProcessor")
 
 
 class Stack:
@@ -72,12 +91,15 @@ class Stack:
 
     def __init__(self, workdir: Path, kvgate_config: dict[str, Any] | None = None, *,
                  processor: str | Sequence[str] | None = "kvgate",
-                 routes: Sequence[dict[str, Any]] = (), envoy_concurrency: int = 1) -> None:
+                 routes: Sequence[dict[str, Any]] = (), envoy_concurrency: int = 1,
+                 envoy_template: Path = ENVOY_TEMPLATE, upstream_args: Sequence[str] = ()) -> None:
         self.workdir = workdir
         self.kvgate_config = kvgate_config
         self.processor = processor
         self.routes = list(routes)
         self.envoy_concurrency = envoy_concurrency
+        self.envoy_template = envoy_template
+        self.upstream_args = list(upstream_args)
         self.upstream_port = free_port()
         self.grpc_port = free_port()
         self.admin_port = free_port()
@@ -106,7 +128,7 @@ class Stack:
         py = sys.executable
         try:
             up = self._spawn("upstream", [py, "-m", "tests.support.upstream",
-                                          "--port", str(self.upstream_port)])
+                                          "--port", str(self.upstream_port), *self.upstream_args])
             up.wait_port(self.upstream_port)
             grpc: int | None = None
             if self.processor == "kvgate":
@@ -122,8 +144,10 @@ class Stack:
                 argv = [a.replace("{port}", str(self.grpc_port)) for a in self.processor]
                 self._spawn("processor", argv).wait_port(self.grpc_port)
                 grpc = self.grpc_port
+            limit = (self.kvgate_config or {}).get("limits", {}).get("max_body_bytes")
             cfg = envoy_config(listen=self.envoy_port, upstream=self.upstream_port, grpc=grpc,
-                               routes=self.routes)
+                               routes=self.routes, template=self.envoy_template,
+                               max_body_bytes=limit if self.processor == "kvgate" else None)
             envoy_yaml = self.workdir / "envoy.yaml"
             envoy_yaml.write_text(yaml.safe_dump(cfg, sort_keys=False))
             envoy = self._spawn("envoy", [str(VENV_BIN / "envoy"), "-c", str(envoy_yaml),
