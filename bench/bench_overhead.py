@@ -1,23 +1,34 @@
-"""bench_overhead: the latency kvgate adds to a request through Envoy, against two baselines.
+"""bench_overhead: what kvgate costs on the hot path, side by side with plain Envoy.
 
-One run starts three Envoys (deploy/envoy.yaml, one worker thread each) in front of
-identical fake upstreams:
+One run starts three stacks on loopback, each an Envoy (one worker thread) in front of its
+own copy of the same fast fake upstream (``tests.support.upstream --fast``, vLLM-shaped
+JSON and SSE):
 
-- ``plain``: no ext_proc filter;
-- ``bare``: ext_proc to a Python processor that answers CONTINUE to every message and
-  parses nothing: the floor of any Python processor (same grpc.aio, same event loop);
+- ``plain``: Envoy with no ext_proc filter: the physical limit;
+- ``bare``: ext_proc to a Python processor that answers CONTINUE and nothing else (same
+  grpc.aio, same event loop): the floor of any Python processor;
 - ``kvgate``: ext_proc to kvgate (parsing, token counting, admission, usage tracking).
 
-and measures each with the same load, in interleaved rounds so that drift on a shared
-machine hits all three alike. The generator's own cost is measured too (``direct``:
-straight to an upstream). Reported: p50/p99 latency per setup, and the latency each
-processor adds over plain Envoy; the goal is kvgate's added p50 within 1.3x of the bare
-processor's.
+The Envoy file is ``--envoy-config`` (default deploy/envoy.yaml, the recommended
+configuration). Scenarios, each run against every setup:
 
-Scenarios are entries of ``SCENARIOS``: add one (streaming, max rate, release latency)
-by writing a coroutine that returns per-request latencies in seconds.
+- ``latency``: a ~2 KB non-streaming chat, every body different (each one tokenized), at
+  1, 16 and 64 concurrent keep-alive clients: p50/p99, added over plain Envoy, CPU per
+  request of the processor and of Envoy;
+- ``streaming``: 64 concurrent streams of 50 chunks at 50 chunks/s: time to first chunk and
+  each chunk's delay from the upstream's write (every chunk carries its write time on the
+  host's monotonic clock) to the client's read;
+- ``max_rate``: open-loop load on a rising ladder of rates; the highest rate whose p99
+  stays under 20 ms with every request answered on time, and the CPU per request there;
+- ``memory``: resident memory of the processor and of Envoy with N streams open at once
+  (10,000, or what the open-file limit allows), as bytes per in-flight request;
+- ``release`` (kvgate only): N times, open a stream, read its first chunk, disconnect, and
+  time until kvgate's ``kvgate_inflight_requests`` is back to 0.
 
-    python bench/bench_overhead.py [--requests 2000] [--rounds 5] [--concurrency 16]
+The load generator is a bare asyncio HTTP/1.1 client (uvloop), so that the processes
+measured get as much of the machine as possible. It writes ``bench/results/overhead.md``.
+
+    python bench/bench_overhead.py [--quick] [--envoy-config deploy/envoy.yaml] [--out FILE]
 """
 
 from __future__ import annotations
@@ -34,35 +45,74 @@ import asyncio  # noqa: E402
 import os  # noqa: E402
 import platform  # noqa: E402
 import random  # noqa: E402
+import re  # noqa: E402
+import resource  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-from collections.abc import Awaitable, Callable  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from typing import Any  # noqa: E402
 
-import aiohttp  # noqa: E402
 import orjson  # noqa: E402
 
-from tests.e2e.stack import Stack  # noqa: E402
+from tests.e2e.stack import ENVOY_TEMPLATE, Stack  # noqa: E402
+from tests.support.procs import LOOPBACK  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
-TARGET_RATIO = 1.3
 SETUPS = ("plain", "bare", "kvgate")
+P99_LIMIT_S = 0.020
+CHAT_PATH = "/v1/chat/completions"
 
 BENCH_CONFIG: dict[str, Any] = {
     # Limits far above the load: the benchmark measures the path, not refusals.
-    "pools": {"default": {"max_concurrency": 100000, "tpm": 10**12, "context_window": 32768,
+    "pools": {"default": {"max_concurrency": 1000000, "tpm": 10**13, "context_window": 32768,
                           "default_max_tokens": 1024, "tokenizer": "cl100k_base"}},
     "limits": {"max_body_bytes": 1048576},
     "server": {"drain_s": 0, "grace_s": 1},
 }
 
+# Targets of issue 7 on this 2-core machine.
+TARGETS = {
+    "added_p50_16_ms": 0.8, "added_p99_16_ms": 3.0, "added_chunk_p50_ms": 0.1,
+    "rate_per_s": 1500.0, "bytes_per_stream": 2048.0, "release_p99_ms": 20.0,
+}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Sizes are the counts of one run (a full run, or ``--quick`` for a smoke test)."""
+
+    latency_requests: dict[int, int]
+    latency_rounds: int
+    streams: int
+    stream_chunks: int
+    stream_rounds: int
+    rates: tuple[int, ...]
+    rate_step_s: float
+    open_streams: int
+    disconnects: int
+    warmup: int
+
+
+FULL = Sizes(latency_requests={1: 600, 16: 3000, 64: 3000}, latency_rounds=2, streams=64,
+             stream_chunks=50, stream_rounds=2,
+             rates=(250, 500, 750, 1000, 1250, 1500, 1750, 2000, 2500, 3000),
+             rate_step_s=2.0, open_streams=10000, disconnects=1000, warmup=300)
+QUICK = Sizes(latency_requests={1: 20, 16: 64, 64: 64}, latency_rounds=1, streams=8,
+              stream_chunks=5, stream_rounds=1, rates=(50, 100), rate_step_s=0.3,
+              open_streams=40, disconnects=10, warmup=20)
+
 
 # --- the bare processor -------------------------------------------------------------------
 
 async def _serve_bare(port: int) -> None:
-    """_serve_bare answers CONTINUE to every ext_proc message, reading nothing else."""
+    """_serve_bare answers CONTINUE to every ext_proc message, reading nothing else.
+
+    In observability mode it answers nothing (Envoy expects nothing); a FULL_DUPLEX_STREAMED
+    response body is sent back chunk by chunk, which is that mode's CONTINUE.
+    """
     import grpc
+    from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
@@ -74,24 +124,129 @@ async def _serve_bare(port: int) -> None:
         "request_trailers": pb.ProcessingResponse(request_trailers=pb.TrailersResponse()),
         "response_trailers": pb.ProcessingResponse(response_trailers=pb.TrailersResponse()),
     }
+    duplex = pm.ProcessingMode.FULL_DUPLEX_STREAMED
 
     class Bare(pb_grpc.ExternalProcessorServicer):
         async def Process(self, request_iterator: Any, context: Any) -> None:  # noqa: N802
             read, write, eof = context.read, context.write, grpc.aio.EOF
+            echo = False
             while True:
                 req = await read()
                 if req is eof:
                     return
-                await write(answers[req.WhichOneof("request")])
+                if req.observability_mode:
+                    continue
+                if req.HasField("protocol_config"):
+                    echo = req.protocol_config.response_body_mode == duplex
+                kind = req.WhichOneof("request")
+                if echo and kind == "response_body":
+                    resp = pb.ProcessingResponse()
+                    streamed = resp.response_body.response.body_mutation.streamed_response
+                    streamed.body = req.response_body.body
+                    streamed.end_of_stream = req.response_body.end_of_stream
+                    await write(resp)
+                else:
+                    await write(answers[kind])
 
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     pb_grpc.add_ExternalProcessorServicer_to_server(Bare(), server)
-    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.add_insecure_port(f"{LOOPBACK}:{port}")
     await server.start()
     await server.wait_for_termination()
 
 
-# --- load ------------------------------------------------------------------------------------
+# --- the load generator: HTTP/1.1 on a bare asyncio protocol ----------------------------------
+
+_T_SENT = b'"t_sent":'
+_CHUNKED_END = b"0\r\n\r\n"
+
+
+class HttpError(Exception):
+    """HttpError is a request that did not get a 200 (or lost its connection)."""
+
+
+class Conn(asyncio.Protocol):
+    """Conn is one keep-alive HTTP/1.1 client connection; one request at a time.
+
+    ``request`` sends prebuilt request bytes and returns the status once the whole response
+    is read. For a streamed answer, ``on_chunk(now, t_sent)`` is called for every SSE event
+    that carries the upstream's write time, as soon as the event is read.
+    """
+
+    def __init__(self) -> None:
+        self.transport: Any = None
+        self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._done: asyncio.Future[int] | None = None
+        self._buf = bytearray()
+        self._status = 0
+        self._length: int | None = None
+        self._body_at = -1
+        self._scan = 0
+        self._on_chunk: Callable[[float, float], None] | None = None
+
+    @classmethod
+    async def open(cls, port: int) -> Conn:
+        loop = asyncio.get_running_loop()
+        _, conn = await loop.create_connection(cls, LOOPBACK, port)
+        return conn
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.lost.done():
+            self.lost.set_result(None)
+        if self._done is not None and not self._done.done():
+            self._done.set_exception(HttpError("connection lost"))
+
+    def request(self, data: bytes,
+                on_chunk: Callable[[float, float], None] | None = None) -> asyncio.Future[int]:
+        self._done = asyncio.get_running_loop().create_future()
+        self._buf.clear()
+        self._status, self._length, self._body_at, self._scan = 0, None, -1, 0
+        self._on_chunk = on_chunk
+        self.transport.write(data)
+        return self._done
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        now = time.monotonic()
+        buf = self._buf
+        buf += data
+        if self._body_at < 0:
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = bytes(buf[:end]).lower()
+            self._status = int(head[9:12])
+            match = re.search(rb"\r\ncontent-length: *(\d+)", head)
+            self._length = int(match.group(1)) if match else None
+            self._body_at = self._scan = end + 4
+        if self._on_chunk is not None:
+            while True:
+                i = buf.find(_T_SENT, self._scan)
+                if i < 0:
+                    break
+                j = buf.find(b"}", i)
+                if j < 0:
+                    break
+                self._on_chunk(now, float(buf[i + len(_T_SENT):j]))
+                self._scan = j
+        done = (len(buf) - self._body_at >= self._length if self._length is not None
+                else buf.endswith(_CHUNKED_END))
+        if done and self._done is not None and not self._done.done():
+            self._done.set_result(self._status)
+
+
+def http_request(body: bytes, *, extra: bytes = b"") -> bytes:
+    """http_request is a POST of ``body`` to the chat endpoint, as bytes on the wire."""
+    return (b"POST " + CHAT_PATH.encode() + b" HTTP/1.1\r\nhost: bench\r\n"
+            b"content-type: application/json\r\ncontent-length: %d\r\n%s\r\n%s"
+            % (len(body), extra, body))
+
 
 # Words of ordinary English prose, so that tokenizing costs what it costs on real prompts.
 _WORDS = ("the a of to and in is that for it as was with be by on not he this are or his from at "
@@ -111,7 +266,7 @@ class ChatBodies:
     kvgate tokenizes every request as it would in production.
     """
 
-    def __init__(self, size: int, variants: int = 64, seed: int = 7) -> None:
+    def __init__(self, size: int = 2048, variants: int = 64, seed: int = 7) -> None:
         rng = random.Random(seed)
         self._texts = []
         for _ in range(variants):
@@ -124,70 +279,155 @@ class ChatBodies:
     def __call__(self) -> bytes:
         self._n += 1
         text = self._texts[self._n % len(self._texts)]
-        return orjson.dumps({"model": "fake", "max_tokens": 16, "messages": [
+        return http_request(orjson.dumps({"model": "fake", "max_tokens": 16, "messages": [
             {"role": "system", "content": "You are a helpful assistant."},
-            {"role": "user", "content": f"Request {self._n}. {text}"}]})
+            {"role": "user", "content": f"Request {self._n}. {text}"}]}))
 
 
-async def closed_loop(url: str, make_body: Callable[[], bytes], concurrency: int,
-                      total: int) -> list[float]:
-    """closed_loop sends ``total`` POSTs from ``concurrency`` keep-alive clients, each
-    waiting for its answer before the next; returns latencies in seconds."""
+def stream_request(chunks: int, delay_ms: float = 0, hold: bool = False) -> bytes:
+    """stream_request asks the fake for a stream of ``chunks`` chunks, ``delay_ms`` apart."""
+    extra = b"x-fake-delay-ms: %d\r\n" % delay_ms
+    if hold:
+        extra += b"x-fake-hold: 1\r\n"
+    body = orjson.dumps({"model": "fake", "max_tokens": chunks, "stream": True,
+                         "messages": [{"role": "user", "content": "Tell me a story."}]})
+    return http_request(body, extra=extra)
+
+
+# --- scenarios ---------------------------------------------------------------------------------
+
+async def closed_loop(port: int, bodies: ChatBodies, clients: int, total: int) -> list[float]:
+    """closed_loop sends ``total`` requests from ``clients`` keep-alive connections, each
+    waiting for its answer before sending the next; returns latencies in seconds."""
+    conns = [await Conn.open(port) for _ in range(clients)]
     latencies: list[float] = []
     remaining = total
-    headers = {"content-type": "application/json"}
-    connector = aiohttp.TCPConnector(limit=concurrency)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        async def worker() -> None:
-            nonlocal remaining
-            while remaining > 0:
-                remaining -= 1
-                body = make_body()
-                t0 = time.perf_counter()
-                async with session.post(url, data=body, headers=headers) as resp:
-                    await resp.read()
-                    if resp.status != 200:
-                        raise RuntimeError(f"{url}: status {resp.status}")
-                latencies.append(time.perf_counter() - t0)
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+
+    async def client(conn: Conn) -> None:
+        nonlocal remaining
+        while remaining > 0:
+            remaining -= 1
+            data = bodies()
+            t0 = time.perf_counter()
+            status = await conn.request(data)
+            latencies.append(time.perf_counter() - t0)
+            if status != 200:
+                raise HttpError(f"status {status}")
+    try:
+        await asyncio.gather(*(client(c) for c in conns))
+    finally:
+        for c in conns:
+            c.close()
     return latencies
 
 
 @dataclass
-class Scenario:
-    """Scenario is one load shape: a name, a description and how to run it against a URL."""
+class StreamTimes:
+    """StreamTimes are the delays of streamed answers (seconds)."""
 
-    name: str
-    description: str
-    run: Callable[[str, argparse.Namespace], Awaitable[list[float]]]
-
-
-def _chat_2k(base: str, args: argparse.Namespace) -> Awaitable[list[float]]:
-    return closed_loop(f"{base}/v1/chat/completions", args.chat_bodies, args.concurrency,
-                       args.requests)
+    first: list[float] = field(default_factory=list)   # request sent -> first chunk read
+    chunk: list[float] = field(default_factory=list)   # upstream write -> client read, per chunk
 
 
-def _chat_2k_repeated(base: str, args: argparse.Namespace) -> Awaitable[list[float]]:
-    body = args.chat_bodies()
-    return closed_loop(f"{base}/v1/chat/completions", lambda: body, args.concurrency,
-                       args.requests)
+async def streams(port: int, count: int, chunks: int, interval_ms: float,
+                  out: StreamTimes) -> None:
+    """streams runs ``count`` concurrent streams of ``chunks`` chunks ``interval_ms`` apart,
+    started over one interval so that they do not tick in lockstep."""
+    data = stream_request(chunks, interval_ms)
+
+    async def one(delay: float) -> None:
+        await asyncio.sleep(delay)
+        conn = await Conn.open(port)
+        try:
+            first: list[float] = []
+
+            def on_chunk(now: float, sent: float) -> None:
+                if not first:
+                    first.append(now)
+                out.chunk.append(now - sent)
+            t0 = time.monotonic()
+            if await conn.request(data, on_chunk) != 200:
+                raise HttpError("stream refused")
+            if first:
+                out.first.append(first[0] - t0)
+        finally:
+            conn.close()
+    rng = random.Random(count)
+    await asyncio.gather(*(one(rng.random() * interval_ms / 1000) for _ in range(count)))
 
 
-SCENARIOS = {
-    "chat_2k": Scenario("chat_2k", "non-streaming chat, ~2 KB body, every body different "
-                        "(each one tokenized)", _chat_2k),
-    "chat_2k_repeated": Scenario("chat_2k_repeated", "the same ~2 KB chat again and again (prompt "
-                                 "counts served by the tokenizer's cache, as for a repeated "
-                                 "system prompt or chat history)", _chat_2k_repeated),
-}
+@dataclass
+class RateStep:
+    """RateStep is one rung of the max-rate ladder."""
+
+    rate: int
+    sent: int
+    p99_s: float
+    errors: int
+    late: bool
+    cpu_s: dict[str, float]
+
+    @property
+    def ok(self) -> bool:
+        return self.errors == 0 and not self.late and self.p99_s < P99_LIMIT_S
 
 
-# --- report ----------------------------------------------------------------------------------
+async def open_loop(port: int, bodies: ChatBodies, rate: int, seconds: float) -> tuple[list[float], int, bool]:
+    """open_loop sends requests at ``rate`` per second for ``seconds`` whatever the answers'
+    pace (idle connections are reused, new ones opened as needed). Returns latencies,
+    errors and whether the generator itself fell behind (then the rung does not count)."""
+    loop = asyncio.get_running_loop()
+    idle: list[Conn] = []
+    everyone: list[Conn] = []
+    latencies: list[float] = []
+    errors = 0
+    pending: set[asyncio.Task[None]] = set()
 
-def pct(values: list[float], q: float) -> float:
-    """pct is the q-quantile (0..1) of ``values`` by nearest rank."""
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+    async def one(data: bytes) -> None:
+        nonlocal errors
+        conn = idle.pop() if idle else None
+        if conn is None:
+            conn = await Conn.open(port)
+            everyone.append(conn)
+        t0 = time.perf_counter()
+        try:
+            status = await conn.request(data)
+        except HttpError:
+            errors += 1
+            return
+        latencies.append(time.perf_counter() - t0)
+        if status != 200:
+            errors += 1
+        idle.append(conn)
+
+    total = int(rate * seconds)
+    start = loop.time()
+    late = False
+    for i in range(total):
+        due = start + i / rate
+        wait = due - loop.time()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        elif wait < -0.010:  # the generator cannot keep the schedule: the rung is void
+            late = True
+        task = asyncio.ensure_future(one(bodies()))
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+    if pending:
+        await asyncio.wait(pending, timeout=10)
+    errors += sum(1 for t in pending if not t.done())
+    for conn in everyone:
+        conn.close()
+    return latencies, errors, late
+
+
+def rss_bytes(pid: int) -> int:
+    """rss_bytes is a process's resident memory (bytes, from /proc)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def cpu_seconds(pid: int) -> float:
@@ -197,81 +437,362 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _pids(stack: Stack | None) -> dict[str, int]:
-    if stack is None:
-        return {}
+async def hold_streams(port: int, count: int, batch: int = 256) -> list[Conn]:
+    """hold_streams opens ``count`` streams the upstream holds after their first chunk and
+    returns their connections once every first chunk has been read."""
+    data = stream_request(2, hold=True)
+    conns: list[Conn] = []
+
+    async def one() -> None:
+        conn = await Conn.open(port)
+        conns.append(conn)
+        got = asyncio.get_running_loop().create_future()
+
+        def on_chunk(now: float, sent: float) -> None:
+            if not got.done():
+                got.set_result(None)
+        done = conn.request(data, on_chunk)
+        done.add_done_callback(_retrieved)  # ends with the connection, by design
+        await asyncio.wait([got, done], return_when=asyncio.FIRST_COMPLETED, timeout=30)
+        if not got.done():
+            raise HttpError("a held stream got no first chunk")
+    for start in range(0, count, batch):
+        await asyncio.gather(*(one() for _ in range(min(batch, count - start))))
+    return conns
+
+
+def _retrieved(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+class Inflight:
+    """Inflight reads kvgate's ``kvgate_inflight_requests`` (summed) over one keep-alive connection."""
+
+    _LINE = re.compile(rb"^kvgate_inflight_requests\{[^}]*\} ([0-9.e+-]+)$", re.M)
+
+    def __init__(self, conn: Conn) -> None:
+        self.conn = conn
+
+    @classmethod
+    async def open(cls, admin_port: int) -> Inflight:
+        return cls(await Conn.open(admin_port))
+
+    async def read(self) -> float:
+        await self.conn.request(b"GET /metrics HTTP/1.1\r\nhost: bench\r\n\r\n")
+        return sum(float(v) for v in self._LINE.findall(bytes(self.conn._buf)))
+
+    async def wait(self, value: float, timeout: float = 10.0, interval: float = 0.001) -> float:
+        """wait polls until the value is ``value``; returns when it was first seen (monotonic)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            got = await self.read()
+            now = time.monotonic()
+            if got == value:
+                return now
+            if now > deadline:
+                raise TimeoutError(f"kvgate_inflight_requests stayed {got}, not {value}")
+            await asyncio.sleep(interval)
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+async def release_times(stack: Stack, count: int) -> list[float]:
+    """release_times: ``count`` times, a stream is opened and read to its first chunk (so
+    the lease is held), then its client disconnects; the time until kvgate holds nothing
+    again is one sample (seconds; the reading's own granularity is about a millisecond)."""
+    meter = await Inflight.open(stack.admin_port)
+    samples = []
+    try:
+        await meter.wait(0)
+        for _ in range(count):
+            (conn,) = await hold_streams(stack.envoy_port, 1)
+            t0 = time.monotonic()
+            conn.close()
+            samples.append(await meter.wait(0) - t0)
+    finally:
+        meter.close()
+    return samples
+
+
+# --- measurement -------------------------------------------------------------------------------
+
+def pct(values: Sequence[float], q: float) -> float:
+    """pct is the q-quantile (0..1) of ``values`` by nearest rank (nan when empty)."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def _pids(stack: Stack) -> dict[str, int]:
     return {role: stack.procs[name].pid for role, name in
-            (("processor", "kvgate"), ("processor", "processor"), ("envoy", "envoy"),
-             ("upstream", "upstream")) if name in stack.procs}
+            (("processor", "kvgate"), ("processor", "processor"), ("envoy", "envoy"))
+            if name in stack.procs}
 
 
 @dataclass
-class Result:
-    """Result holds one scenario's latencies (seconds) and CPU seconds per process, per setup."""
+class Results:
+    """Results are everything one run measured, per setup."""
 
-    scenario: str
-    latencies: dict[str, list[float]] = field(default_factory=dict)
-    cpu: dict[str, dict[str, float]] = field(default_factory=dict)
-
-    def cpu_us(self, setup: str, role: str) -> float | None:
-        """cpu_us is the CPU one process of a setup used per request (microseconds)."""
-        used = self.cpu.get(setup, {}).get(role)
-        return None if used is None else used / len(self.latencies[setup]) * 1e6
-
-    def p(self, setup: str, q: float) -> float:
-        return pct(self.latencies[setup], q) * 1000.0
-
-    def added(self, setup: str, q: float) -> float:
-        return self.p(setup, q) - self.p("plain", q)
+    latency: dict[int, dict[str, list[float]]] = field(default_factory=dict)
+    latency_cpu: dict[int, dict[str, dict[str, float]]] = field(default_factory=dict)
+    streaming: dict[str, StreamTimes] = field(default_factory=dict)
+    rates: dict[str, list[RateStep]] = field(default_factory=dict)
+    memory: dict[str, dict[str, int]] = field(default_factory=dict)
+    open_streams: int = 0
+    release: list[float] = field(default_factory=list)
 
 
-def report(results: list[Result], args: argparse.Namespace, wall_s: float) -> str:
-    """report writes the Markdown table of one run."""
+async def measure(stacks: dict[str, Stack], sizes: Sizes, scenarios: Sequence[str],
+                  seed: int) -> Results:
+    """measure runs the scenarios against every setup (interleaved, in shuffled order)."""
+    rng = random.Random(seed)
+    bodies = ChatBodies(seed=seed)
+    res = Results()
+    order = list(stacks)
+    for setup, stack in stacks.items():  # warm-up: connections, tokenizer, lazy paths
+        await closed_loop(stack.envoy_port, bodies, 8, sizes.warmup)
+    if "latency" in scenarios:
+        for clients, total in sizes.latency_requests.items():
+            lat = res.latency.setdefault(clients, {})
+            cpu = res.latency_cpu.setdefault(clients, {})
+            for _ in range(sizes.latency_rounds):
+                rng.shuffle(order)
+                for setup in order:
+                    pids = _pids(stacks[setup])
+                    before = {role: cpu_seconds(pid) for role, pid in pids.items()}
+                    got = await closed_loop(stacks[setup].envoy_port, bodies, clients, total)
+                    lat.setdefault(setup, []).extend(got)
+                    used = cpu.setdefault(setup, {})
+                    for role, pid in pids.items():
+                        used[role] = used.get(role, 0.0) + cpu_seconds(pid) - before[role]
+            _progress(f"latency, {clients} clients", {s: pct(v, 0.5) * 1e3 for s, v in lat.items()})
+    if "streaming" in scenarios:
+        for _ in range(sizes.stream_rounds):
+            rng.shuffle(order)
+            for setup in order:
+                times = res.streaming.setdefault(setup, StreamTimes())
+                await streams(stacks[setup].envoy_port, sizes.streams, sizes.stream_chunks, 20.0, times)
+        _progress("streaming, chunk delay p50", {s: pct(t.chunk, 0.5) * 1e3 for s, t in res.streaming.items()})
+    if "max_rate" in scenarios:
+        for setup in order:
+            steps = res.rates.setdefault(setup, [])
+            pids = _pids(stacks[setup])
+            for rate in sizes.rates:
+                before = {role: cpu_seconds(pid) for role, pid in pids.items()}
+                lat, errors, late = await open_loop(stacks[setup].envoy_port, bodies, rate,
+                                                    sizes.rate_step_s)
+                step = RateStep(rate, len(lat) + errors, pct(lat, 0.99), errors, late,
+                                {role: cpu_seconds(pid) - before[role] for role, pid in pids.items()})
+                steps.append(step)
+                if not step.ok:
+                    break
+        _progress("max rate (req/s)", {s: float(_best(v).rate if _best(v) else 0) for s, v in res.rates.items()})
+    if "memory" in scenarios:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        # Envoy holds two sockets per HTTP/1.1 stream (client and upstream side).
+        res.open_streams = max(1, min(sizes.open_streams, (soft - 512) // 2))
+        for setup in order:
+            stack = stacks[setup]
+            pids = _pids(stack)
+            before = {role: rss_bytes(pid) for role, pid in pids.items()}
+            conns = await hold_streams(stack.envoy_port, res.open_streams)
+            res.memory[setup] = {role: rss_bytes(pid) - before[role] for role, pid in pids.items()}
+            for conn in conns:
+                conn.close()
+            await asyncio.gather(*(c.lost for c in conns))
+            if setup == "kvgate":
+                meter = await Inflight.open(stack.admin_port)
+                try:
+                    await meter.wait(0, timeout=60, interval=0.05)
+                finally:
+                    meter.close()
+        _progress("memory, bytes per open stream",
+                  {s: m.get("processor", m.get("envoy", 0)) / res.open_streams for s, m in res.memory.items()})
+    if "release" in scenarios and "kvgate" in stacks:
+        res.release = await release_times(stacks["kvgate"], sizes.disconnects)
+        _progress("release after disconnect (ms)", {"p50": pct(res.release, 0.5) * 1e3,
+                                                    "p99": pct(res.release, 0.99) * 1e3})
+    return res
+
+
+def _best(steps: list[RateStep]) -> RateStep | None:
+    passed = [s for s in steps if s.ok]
+    return passed[-1] if passed else None
+
+
+def _progress(what: str, values: dict[str, float]) -> None:
+    print(f"  {what}: " + ", ".join(f"{k} {v:.2f}" for k, v in values.items()), flush=True)
+
+
+# --- report ------------------------------------------------------------------------------------
+
+def _f(value: float | None, digits: int = 2) -> str:
+    return "" if value is None or value != value else f"{value:.{digits}f}"
+
+
+def _ratio(value: float, base: float) -> str:
+    return f"{value / base:.2f}x" if base > 0 and value == value else ""
+
+
+def _verdict(ok: bool) -> str:
+    return "meets" if ok else "misses"
+
+
+def report(res: Results, *, command: str, envoy_file: str, sizes: Sizes, wall_s: float,
+           load: tuple[float, float, float]) -> str:
+    """report writes the Markdown of one run."""
+    setups = [s for s in SETUPS if s in (res.latency.get(16) or res.streaming or res.memory
+                                         or {s: 0 for s in SETUPS})]
     lines = [
-        "# Added latency of kvgate through Envoy",
+        "# kvgate on the hot path, side by side with plain Envoy",
         "",
-        f"Command: `python bench/bench_overhead.py --requests {args.requests} --rounds {args.rounds}"
-        f" --concurrency {args.concurrency} --body-bytes {args.body_bytes}`",
+        f"Command: `{command}`",
         "",
-        f"Machine: {platform.machine()}, {_cpus()} CPUs, Python {platform.python_version()}; "
-        f"Envoy, kvgate, the processors, the fake upstream and the load generator share it. "
-        f"Run took {wall_s:.0f} s.",
+        f"Machine: {platform.machine()}, {_cpus()} CPU cores, Python {platform.python_version()}; "
+        f"Envoy config `{envoy_file}` (one worker thread). Envoy, kvgate, the processors, the "
+        f"fake upstreams and the load generator share the cores. Load average when the run "
+        f"started: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}. Run took {wall_s:.0f} s.",
         "",
-        "Latencies in milliseconds over all rounds; *added* is the setup's latency minus "
-        "plain Envoy's at the same percentile. `direct` is the load generator straight to "
-        "an upstream (its own cost). CPU columns: microseconds of CPU per request used by the "
-        "processor and by Envoy (from /proc; steadier than latency on a shared machine, "
-        "where the latency at a fixed concurrency follows the CPU all processes need).",
+        "Setups: `plain` Envoy without ext_proc (the physical limit); `bare` ext_proc to a "
+        "Python processor that answers CONTINUE and parses nothing (the floor of any Python "
+        "processor); `kvgate`. *Added* is a setup's figure minus plain Envoy's at the same "
+        "percentile; *x plain* is the ratio to plain Envoy's. Times in milliseconds.",
         "",
     ]
-    for r in results:
-        sc = SCENARIOS[r.scenario]
-        lines += [f"## {sc.name}: {sc.description}, {args.concurrency} concurrent clients", "",
-                  "| setup | requests | p50 | p99 | added p50 | added p99 | processor CPU/req | Envoy CPU/req |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
-        for setup in ("direct", *SETUPS):
-            if setup not in r.latencies:
-                continue
-            added = ("" if setup in ("direct", "plain") else
-                     f"{r.added(setup, 0.5):.2f} | {r.added(setup, 0.99):.2f}")
-            cpu = " | ".join("" if v is None else f"{v:.0f} us" for v in
-                             (r.cpu_us(setup, "processor"), r.cpu_us(setup, "envoy")))
-            lines.append(f"| {setup} | {len(r.latencies[setup])} | {r.p(setup, 0.5):.2f} | "
-                         f"{r.p(setup, 0.99):.2f} | {added or ' | '} | {cpu} |")
-        floor50, floor99 = r.added("bare", 0.5), r.added("bare", 0.99)
-        ratio50 = r.added("kvgate", 0.5) / floor50 if floor50 > 0 else float("inf")
-        ratio99 = r.added("kvgate", 0.99) / floor99 if floor99 > 0 else float("inf")
-        verdict = "meets" if ratio50 <= TARGET_RATIO else "misses"
-        lines += ["", f"kvgate / bare processor, added latency: p50 {ratio50:.2f}x, "
-                      f"p99 {ratio99:.2f}x (target p50 <= {TARGET_RATIO}x: {verdict})."]
-        added_cpu = {s: (r.cpu_us(s, "processor") or 0) + (r.cpu_us(s, "envoy") or 0)
-                     - (r.cpu_us("plain", "envoy") or 0) for s in ("bare", "kvgate")}
-        if added_cpu["bare"] > 0:
-            lines += [f"CPU added per request over plain Envoy (processor + Envoy): bare "
-                      f"{added_cpu['bare']:.0f} us, kvgate {added_cpu['kvgate']:.0f} us, "
-                      f"ratio {added_cpu['kvgate'] / added_cpu['bare']:.2f}x."]
+    if res.latency:
+        lines += ["## Request path: ~2 KB non-streaming chat, every body tokenized", "",
+                  "| clients | setup | requests | p50 | p99 | added p50 | added p99 | p50 x plain | "
+                  "processor CPU/req | Envoy CPU/req |",
+                  "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for clients, lat in res.latency.items():
+            base50, base99 = pct(lat.get("plain", []), 0.5), pct(lat.get("plain", []), 0.99)
+            for setup in setups:
+                if setup not in lat:
+                    continue
+                p50, p99 = pct(lat[setup], 0.5), pct(lat[setup], 0.99)
+                added = "| | |" if setup == "plain" else f"| {_f((p50 - base50) * 1e3)} | {_f((p99 - base99) * 1e3)} |"
+                cpu = res.latency_cpu[clients][setup]
+                per = {r: cpu.get(r, 0.0) / len(lat[setup]) * 1e6 for r in ("processor", "envoy")}
+                lines.append(f"| {clients} | {setup} | {len(lat[setup])} | {_f(p50 * 1e3)} | "
+                             f"{_f(p99 * 1e3)} {added} {_ratio(p50, base50)} | "
+                             f"{_f(per['processor'], 0) + ' us' if 'processor' in cpu else ''} | "
+                             f"{_f(per['envoy'], 0)} us |")
         lines.append("")
+    if res.streaming:
+        st = res.streaming
+        plain = st.get("plain", StreamTimes())
+        lines += [f"## Streaming: {sizes.streams} concurrent streams, {sizes.stream_chunks} chunks "
+                  "each at 50 chunks/s", "",
+                  "Time to first chunk: request sent to first chunk read. Chunk delay: the "
+                  "upstream's write to the client's read, for every chunk.", "",
+                  "| setup | chunks | first chunk p50 | p99 | added p50 | added p99 | chunk delay p50 | "
+                  "p99 | added p50 | added p99 | chunk p50 x plain |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for setup in setups:
+            if setup not in st:
+                continue
+            t = st[setup]
+            f50, f99, c50, c99 = (pct(t.first, 0.5), pct(t.first, 0.99), pct(t.chunk, 0.5),
+                                  pct(t.chunk, 0.99))
+            if setup == "plain":
+                added_f = added_c = "| | |"
+            else:
+                added_f = f"| {_f((f50 - pct(plain.first, 0.5)) * 1e3)} | {_f((f99 - pct(plain.first, 0.99)) * 1e3)} |"
+                added_c = f"| {_f((c50 - pct(plain.chunk, 0.5)) * 1e3, 3)} | {_f((c99 - pct(plain.chunk, 0.99)) * 1e3, 3)} |"
+            lines.append(f"| {setup} | {len(t.chunk)} | {_f(f50 * 1e3)} | {_f(f99 * 1e3)} {added_f} "
+                         f"{_f(c50 * 1e3, 3)} | {_f(c99 * 1e3, 3)} {added_c} "
+                         f"{_ratio(c50, pct(plain.chunk, 0.5))} |")
+        lines.append("")
+    if res.rates:
+        lines += ["## Highest rate with p99 under 20 ms (open loop, one process each)", "",
+                  f"Rungs of {sizes.rate_step_s:g} s at {', '.join(str(r) for r in sizes.rates)} "
+                  "requests/s; a rung fails on p99 >= 20 ms, any error, or a generator that fell "
+                  "behind its schedule. CPU per request at the highest rung passed.", "",
+                  "| setup | highest rate (req/s) | x plain | p99 there | processor CPU/req | "
+                  "Envoy CPU/req | first failed rung |",
+                  "|---|---:|---:|---:|---:|---:|---|"]
+        plain_best = _best(res.rates.get("plain", []))
+        for setup in setups:
+            steps = res.rates.get(setup)
+            if steps is None:
+                continue
+            best = _best(steps)
+            failed = next((s for s in steps if not s.ok), None)
+            why = ("" if failed is None else f"{failed.rate}/s: p99 {_f(failed.p99_s * 1e3)} ms"
+                   + (f", {failed.errors} errors" if failed.errors else "")
+                   + (", generator late" if failed.late else ""))
+            if best is None:
+                lines.append(f"| {setup} | < {steps[0].rate} | | | | | {why} |")
+                continue
+            per = {r: v / best.sent * 1e6 for r, v in best.cpu_s.items()}
+            ratio = _ratio(best.rate, plain_best.rate) if plain_best else ""
+            lines.append(f"| {setup} | {best.rate} | {ratio} | {_f(best.p99_s * 1e3)} | "
+                         f"{_f(per.get('processor'), 0) + ' us' if 'processor' in per else ''} | "
+                         f"{_f(per.get('envoy'), 0)} us | {why} |")
+        lines.append("")
+    if res.memory:
+        n = res.open_streams
+        lines += [f"## Memory with {n} streams open at once", "",
+                  "Growth of resident memory from idle (after warm-up) to every stream open and "
+                  "past its first chunk, divided by the streams.", "",
+                  "| setup | processor RSS growth | processor bytes/stream | Envoy RSS growth | "
+                  "Envoy bytes/stream |", "|---|---:|---:|---:|---:|"]
+        for setup in setups:
+            m = res.memory.get(setup)
+            if m is None:
+                continue
+            proc = m.get("processor")
+            lines.append(f"| {setup} | {'' if proc is None else f'{proc / 2**20:.1f} MiB'} | "
+                         f"{'' if proc is None else f'{proc / n:.0f}'} | {m['envoy'] / 2**20:.1f} MiB | "
+                         f"{m['envoy'] / n:.0f} |")
+        lines.append("")
+    if res.release:
+        r = res.release
+        lines += [f"## Release after a client disconnect ({len(r)} disconnects, kvgate)", "",
+                  "From the client closing its connection mid-stream to kvgate's "
+                  "`kvgate_inflight_requests` back at 0 (read every millisecond from `/metrics`, "
+                  "whose own reading takes about a millisecond).", "",
+                  f"p50 {_f(pct(r, 0.5) * 1e3)} ms, p99 {_f(pct(r, 0.99) * 1e3)} ms, "
+                  f"max {_f(max(r) * 1e3)} ms.", ""]
+    lines += _targets(res)
     return "\n".join(lines)
+
+
+def _targets(res: Results) -> list[str]:
+    rows = []
+    lat = res.latency.get(16, {})
+    if "kvgate" in lat and "plain" in lat:
+        a50 = (pct(lat["kvgate"], 0.5) - pct(lat["plain"], 0.5)) * 1e3
+        a99 = (pct(lat["kvgate"], 0.99) - pct(lat["plain"], 0.99)) * 1e3
+        rows.append(("added p50 at 16 clients", f"<= {TARGETS['added_p50_16_ms']} ms", f"{a50:.2f} ms",
+                     a50 <= TARGETS["added_p50_16_ms"]))
+        rows.append(("added p99 at 16 clients", f"<= {TARGETS['added_p99_16_ms']} ms", f"{a99:.2f} ms",
+                     a99 <= TARGETS["added_p99_16_ms"]))
+    st = res.streaming
+    if "kvgate" in st and "plain" in st:
+        c50 = (pct(st["kvgate"].chunk, 0.5) - pct(st["plain"].chunk, 0.5)) * 1e3
+        rows.append(("added p50 per streamed chunk", f"<= {TARGETS['added_chunk_p50_ms']} ms",
+                     f"{c50:.3f} ms", c50 <= TARGETS["added_chunk_p50_ms"]))
+    best = _best(res.rates.get("kvgate", []))
+    if "kvgate" in res.rates:
+        rate = best.rate if best else 0
+        rows.append(("admitted requests/s, one process, p99 < 20 ms", f">= {TARGETS['rate_per_s']:.0f}",
+                     f"{rate}", rate >= TARGETS["rate_per_s"]))
+    if "kvgate" in res.memory and res.open_streams:
+        per = res.memory["kvgate"]["processor"] / res.open_streams
+        rows.append(("kvgate memory per in-flight request", f"<= {TARGETS['bytes_per_stream']:.0f} B",
+                     f"{per:.0f} B", per <= TARGETS["bytes_per_stream"]))
+    if res.release:
+        p99 = pct(res.release, 0.99) * 1e3
+        rows.append(("release after disconnect, p99", f"<= {TARGETS['release_p99_ms']:.0f} ms",
+                     f"{p99:.2f} ms", p99 <= TARGETS["release_p99_ms"]))
+    if not rows:
+        return []
+    return ["## Targets (issue 7)", "", "| target | goal | measured | |", "|---|---|---|---|",
+            *(f"| {name} | {goal} | {got} | {_verdict(ok)} |" for name, goal, got, ok in rows), ""]
 
 
 def _cpus() -> int:
@@ -280,67 +801,56 @@ def _cpus() -> int:
 
 # --- main ------------------------------------------------------------------------------------
 
-async def measure(stacks: dict[str, Stack], args: argparse.Namespace) -> list[Result]:
-    """measure runs every scenario against every setup in shuffled, interleaved rounds."""
-    results = []
-    rng = random.Random(args.seed)
-    for name in args.scenarios:
-        sc = SCENARIOS[name]
-        result = Result(name)
-        targets = {setup: stack.base_url for setup, stack in stacks.items()}
-        targets["direct"] = stacks["plain"].upstream_url
-        for setup, url in targets.items():  # warm-up: connections, caches, JIT-free but lazy paths
-            await sc.run(url, argparse.Namespace(**{**vars(args), "requests": args.warmup}))
-        for rnd in range(args.rounds):
-            order = list(targets)
-            rng.shuffle(order)
-            for setup in order:
-                pids = _pids(stacks.get(setup))
-                before = {role: cpu_seconds(pid) for role, pid in pids.items()}
-                lat = await sc.run(targets[setup], args)
-                result.latencies.setdefault(setup, []).extend(lat)
-                used = result.cpu.setdefault(setup, {})
-                for role, pid in pids.items():
-                    used[role] = used.get(role, 0.0) + cpu_seconds(pid) - before[role]
-            print(f"  round {rnd + 1}/{args.rounds}: " + ", ".join(
-                f"{s} p50 {pct(result.latencies[s], 0.5) * 1000:.2f} ms" for s in targets),
-                flush=True)
-        results.append(result)
-    return results
+SCENARIOS = ("latency", "streaming", "max_rate", "memory", "release")
 
 
 def main(argv: list[str] | None = None) -> int:
-    """main runs the benchmark and writes bench/results/overhead.md."""
+    """main runs the benchmark and writes the report (bench/results/overhead.md by default)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=2000, help="requests per setup per round")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=300)
-    ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--body-bytes", type=int, default=2048)
-    ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
+    ap.add_argument("--quick", action="store_true", help="tiny counts: a smoke test, not a measurement")
+    ap.add_argument("--envoy-config", type=Path, default=ENVOY_TEMPLATE,
+                    help="Envoy file (in deploy/) the three stacks run")
+    ap.add_argument("--setups", nargs="+", default=list(SETUPS), choices=SETUPS)
+    ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
+    ap.add_argument("--open-streams", type=int, help="streams held open at once for memory")
+    ap.add_argument("--disconnects", type=int, help="disconnects timed for release")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", type=Path, default=RESULTS / "overhead.md")
     ap.add_argument("--serve-bare", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    args.chat_bodies = ChatBodies(args.body_bytes, seed=args.seed)  # one counter for the whole run
     if args.serve_bare:
         _run(_serve_bare(args.serve_bare))
         return 0
+    sizes = QUICK if args.quick else FULL
+    overrides = {k: v for k, v in (("open_streams", args.open_streams),
+                                   ("disconnects", args.disconnects)) if v is not None}
+    if overrides:
+        sizes = Sizes(**{**sizes.__dict__, **overrides})
+    envoy_file = args.envoy_config.resolve()
+    load = os.getloadavg()
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-") as tmp:
         work = Path(tmp)
         bare = [sys.executable, str(Path(__file__).resolve()), "--serve-bare", "{port}"]
-        stacks = {"plain": Stack(work / "plain", processor=None),
-                  "bare": Stack(work / "bare", processor=bare),
-                  "kvgate": Stack(work / "kvgate", BENCH_CONFIG)}
+        processors: dict[str, Any] = {"plain": None, "bare": bare, "kvgate": "kvgate"}
+        stacks = {s: Stack(work / s, BENCH_CONFIG if s == "kvgate" else None,
+                           processor=processors[s], envoy_template=envoy_file,
+                           upstream_args=["--fast"]) for s in args.setups}
         try:
             for stack in stacks.values():
                 stack.start()
-            results = _run(measure(stacks, args))
+            res = _run(measure(stacks, sizes, args.scenarios, args.seed))
         finally:
             for stack in stacks.values():
                 stack.stop()
-    text = report(results, args, time.monotonic() - started)
+    try:
+        shown = envoy_file.relative_to(ROOT)
+    except ValueError:
+        shown = Path(envoy_file.name)
+    command = "python bench/bench_overhead.py" + "".join(
+        f" {a}" for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("/"))
+    text = report(res, command=command, envoy_file=str(shown), sizes=sizes,
+                  wall_s=time.monotonic() - started, load=load)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text + "\n")
     print(text)

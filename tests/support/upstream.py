@@ -16,6 +16,15 @@ Behaviour per request is chosen with request headers, so one process serves ever
 ``GET /_fake/requests`` returns the last requests received (path, headers, body) so tests
 can check what the gateway forwarded; ``GET /_fake/stats`` returns counters (``started``,
 ``finished``, ``aborted``). Run it with ``python -m tests.support.upstream --port N``.
+
+``--fast`` serves the benchmarks instead: ``FastUpstream``, the same answers (JSON with
+usage, or SSE chunks paced by ``x-fake-delay-ms``, sized by ``x-fake-tokens``) from a bare
+asyncio protocol at a fraction of aiohttp's CPU per request, so that on a small machine the
+fake takes as little as possible from the processes measured. Every SSE chunk carries
+``"t_sent"``, the ``time.monotonic()`` (CLOCK_MONOTONIC, shared by every process on the
+host) at which it was written, so a client can tell each chunk's delay through the
+gateway. ``x-fake-hold: 1`` sends the first chunk, then holds the stream open until the
+client goes away. No control endpoints, no request log.
 """
 
 from __future__ import annotations
@@ -194,12 +203,161 @@ class FakeUpstream:
         return resp
 
 
+# --- the fast fake for benchmarks ------------------------------------------------------
+
+_HEAD_END = b"\r\n\r\n"
+_MAX_HEAD = 64 * 1024
+
+
+class FastUpstream(asyncio.Protocol):
+    """FastUpstream is one keep-alive HTTP/1.1 connection of the benchmark fake (see the module doc).
+
+    Requests on a connection are answered in order; a body is read by content-length only
+    (the gateway always sends one).
+    """
+
+    __slots__ = ("transport", "buf", "busy", "closed")
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.busy = False
+        self.closed = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is no asyncio.Transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        if not self.busy:
+            self._next()
+
+    def _next(self) -> None:
+        end = self.buf.find(_HEAD_END)
+        if end < 0:
+            if len(self.buf) > _MAX_HEAD:
+                self._fail(431)
+            return
+        head = bytes(self.buf[:end]).decode("latin-1").split("\r\n")
+        headers = {}
+        for line in head[1:]:
+            key, _, value = line.partition(":")
+            headers[key.strip().lower()] = value.strip()
+        try:
+            length = int(headers.get("content-length", "0"))
+        except ValueError:
+            self._fail(400)
+            return
+        if len(self.buf) < end + 4 + length:
+            return
+        body = bytes(self.buf[end + 4:end + 4 + length])
+        del self.buf[:end + 4 + length]
+        parts = head[0].split(" ")
+        path = parts[1] if len(parts) > 1 else "/"
+        self.busy = True
+        asyncio.get_running_loop().create_task(self._answer(path, headers, body))
+
+    def _fail(self, status: int) -> None:
+        assert self.transport is not None
+        self.transport.write(b"HTTP/1.1 %d Error\r\ncontent-length: 0\r\nconnection: close\r\n\r\n" % status)
+        self.transport.close()
+
+    def _write(self, data: bytes) -> None:
+        if not self.closed:
+            assert self.transport is not None
+            self.transport.write(data)
+
+    async def _answer(self, path: str, headers: dict[str, str], raw: bytes) -> None:
+        try:
+            body = orjson.loads(raw) if raw else None
+        except orjson.JSONDecodeError:
+            body = None
+        if not isinstance(body, dict) or not path.startswith("/v1/"):
+            payload = b'{"object":"error","message":"not served here","code":404}'
+            self._write(b"HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\n"
+                        b"content-length: %d\r\n\r\n%s" % (len(payload), payload))
+        else:
+            max_tokens = body.get("max_tokens")
+            tokens = int(headers.get("x-fake-tokens", max_tokens or DEFAULT_TOKENS))
+            usage = {"prompt_tokens": max(1, len(raw) // 8), "completion_tokens": tokens,
+                     "total_tokens": max(1, len(raw) // 8) + tokens}
+            if body.get("stream"):
+                await self._stream(body, headers, tokens, usage)
+            else:
+                text = " ".join(f"tok{i}" for i in range(tokens))
+                payload = orjson.dumps({
+                    "id": "cmpl-fake", "object": "chat.completion", "created": int(time.time()),
+                    "model": body.get("model", "fake"), "usage": usage, "choices": [{
+                        "index": 0, "message": {"role": "assistant", "content": text},
+                        "finish_reason": "length"}]})
+                self._write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                            b"content-length: %d\r\n\r\n%s" % (len(payload), payload))
+        self.busy = False
+        if self.buf and not self.closed:
+            self._next()
+
+    async def _stream(self, body: dict[str, Any], headers: dict[str, str], tokens: int,
+                      usage: dict[str, int]) -> None:
+        delay = float(headers.get("x-fake-delay-ms", "0")) / 1000.0
+        hold = "x-fake-hold" in headers
+        opts = body.get("stream_options")
+        include_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
+        self._write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                    b"transfer-encoding: chunked\r\n\r\n")
+        created = int(time.time())
+
+        def event(payload: dict[str, Any]) -> None:
+            payload["t_sent"] = time.monotonic()
+            data = b"data: " + orjson.dumps(payload) + b"\n\n"
+            self._write(b"%x\r\n%s\r\n" % (len(data), data))
+
+        for i in range(tokens):
+            if self.closed:
+                return
+            if delay and i:
+                await asyncio.sleep(delay)
+            event({"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": created,
+                   "model": "fake", "choices": [{"index": 0, "delta": {"content": f"tok{i} "},
+                                                  "finish_reason": None}]})
+            if hold:
+                while not self.closed:  # held until the client goes away
+                    await asyncio.sleep(0.5)
+                return
+        if include_usage:
+            event({"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": created,
+                   "model": "fake", "choices": [], "usage": usage})
+        data = b"data: [DONE]\n\n"
+        self._write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data))
+
+
+async def serve_fast(host: str, port: int) -> None:
+    """serve_fast runs the benchmark fake on host:port until cancelled."""
+    server = await asyncio.get_running_loop().create_server(FastUpstream, host, port, backlog=4096)
+    async with server:
+        await server.serve_forever()
+
+
 def main(argv: list[str] | None = None) -> None:
     """main serves the fake on 127.0.0.1:PORT until killed."""
     ap = argparse.ArgumentParser(description="fake vLLM-shaped upstream for tests")
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--fast", action="store_true", help="the lean fake for benchmarks")
     args = ap.parse_args(argv)
+    if args.fast:
+        try:
+            import uvloop
+            run: Any = uvloop.run
+        except ImportError:
+            run = asyncio.run
+        try:
+            run(serve_fast(args.host, args.port))
+        except KeyboardInterrupt:
+            pass
+        return
     # handler_cancellation: a client that goes away cancels its handler, as vLLM aborts
     web.run_app(FakeUpstream().app(), host=args.host, port=args.port, print=None,
                 access_log=None, handle_signals=True, handler_cancellation=True)
