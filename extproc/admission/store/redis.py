@@ -935,7 +935,9 @@ class RedisStore(Store):
     def _queue(self, pending: _Pending) -> None:
         self._pending.append(pending)
         if len(self._pending) > _MAX_PENDING:
-            del self._pending[0]
+            dropped = self._pending.pop(0)
+            if dropped.lease_id is not None:
+                self._unconfirmed.get(dropped.pool, {}).pop(dropped.lease_id, None)
             self._observer.store_error(ERROR_DROPPED)
         if self._mode == MODE_SHARED and self._flusher is None and not self._closed:
             try:
