@@ -124,7 +124,7 @@ def same_decision(a: Grant | Refusal, b: Grant | Refusal) -> None:
             (b.retry_after_s, b.needed, b.used, b.limit), rel=1e-9, abs=1e-6)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=OPS)
 def test_redis_decides_like_memory(redis_server: RedisServer, ops: list[tuple]) -> None:
     """Any sequence of admissions, settles and clock moves gets the same answers from both stores."""
