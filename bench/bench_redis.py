@@ -242,6 +242,7 @@ def main() -> int:
         assert held(url) == (0, 0), f"leaked after {args.replicas} replicas: {held(url)}"
         redis_version = redis_sync.Redis.from_url(url).info("server")["redis_version"]
 
+    load = os.getloadavg()
     med_mem, med_redis = statistics.median(lat_mem), statistics.median(lat_redis)
     p99_mem, p99_redis = pct(lat_mem, 0.99), pct(lat_redis, 0.99)
     per_replica = [m["per_s"] for m in many]
@@ -254,7 +255,7 @@ def main() -> int:
         f"{datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}.",
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs shared by redis-server, the benchmark "
         f"and everything else running; Python {platform.python_version()}, redis-server {redis_version}, "
-        "redis-py without hiredis, uvloop.",
+        f"redis-py without hiredis, uvloop. Load average at the end: {load[0]:.2f} (1 min), {load[1]:.2f} (5 min).",
         "",
         "An admission is `await Admission.acquire` + `Lease.release` on one pool with every budget "
         "(slots with a guaranteed class, pool TPM, KV budget, four tenants with their own buckets; "
