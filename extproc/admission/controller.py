@@ -21,7 +21,7 @@ from extproc.admission.errors import InvalidDemandError, UnknownPoolError
 from extproc.admission.kvbudget import base_kv_budget, effective_kv_budget, reserved_completion
 from extproc.admission.slots import effective_guarantees, effective_limit
 from extproc.admission.store.base import (POOL_BUCKET, Budget, BucketSpec, Grant, Plan, PoolLimits,
-                                          Refusal, Store, SyncStore)
+                                          Refusal, Store, StoreError, SyncStore)
 from extproc.admission.store.memory import MemoryStore
 from extproc.admission.tenants import Tenants
 from extproc.admission.types import (Demand, Outcome, PoolSignals, PoolSnapshot, RateInfo, Reason,
@@ -597,8 +597,15 @@ class Admission:
                             if isinstance(plan, Step):
                                 step = plan
                             else:
-                                res = await self._store.admit(plan, now)
-                                step = self._served(p, w, plan, res, now)
+                                try:
+                                    res = await self._store.admit(plan, now)
+                                except StoreError:
+                                    # A shared store that fails closed cannot answer: the
+                                    # waiters keep waiting (bounded by their deadlines) and
+                                    # the timer armed below tries again.
+                                    step = Step.STOP
+                                else:
+                                    step = self._served(p, w, plan, res, now)
                             w = walk.send(step)
                     except StopIteration:
                         pass

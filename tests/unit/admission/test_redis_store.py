@@ -19,6 +19,7 @@ import redis as redis_sync
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from extproc.admission import Admission, Lease, Outcome, Rejection
 from extproc.admission.kvbudget import effective_kv_budget
 from extproc.admission.slots import effective_guarantees, effective_limit
 from extproc.admission.store.base import Budget, BucketSpec, Grant, Plan, PoolLimits, Refusal
@@ -26,7 +27,7 @@ from extproc.admission.store.memory import MemoryStore
 from extproc.admission.store.redis import (LOCAL_PREFIX, MODE_FAIL_CLOSED, MODE_LOCAL_SHARE, MODE_SHARED,
                                            REFRESH, RedisStore, StoreUnavailableError, local_share)
 from extproc.clock import ManualClock
-from extproc.config import RedisStoreConfig
+from extproc.config import RedisStoreConfig, parse_config
 from tests.support.redis_server import RedisServer, redis_server_binary
 
 pytestmark = pytest.mark.redis
@@ -478,3 +479,35 @@ async def test_settle_never_raises_and_close_is_idempotent(stores, own_server):
     await rs.close()
     await rs.close()
     assert math.isfinite(rs.usage("p", T0).inflight)
+
+
+async def test_a_waiter_on_a_fail_closed_store_is_refused_at_its_deadline(stores, own_server):
+    """The controller's wait queue outlives a store that refuses to answer: the waiter ends
+    at its deadline instead of hanging, and nothing stays held."""
+    clock = ManualClock(T0)
+    config = parse_config({"pools": {"default": {"max_concurrency": 1}},
+                           "tenants": {"classes": {"standard": {"max_wait_s": 30}}}})
+    rs = open_store(stores, cfg(own_server.url, timeout_s=1.0, on_unavailable="fail_closed"), clock)
+    adm = Admission(config, clock, rs)
+    d = adm.demand("t", prompt_tokens=10, max_tokens=10)
+    held = await adm.acquire(d)
+    assert isinstance(held, Lease)
+    waiter = asyncio.create_task(adm.acquire(d))
+    await wait_for_event(lambda: adm.snapshot("default").waiting == 1)
+    own_server.stop()
+    held.release(Outcome.COMPLETED, 5)  # frees the slot, but the store now fails closed
+    await wait_for_event(lambda: rs.mode == MODE_FAIL_CLOSED)
+    clock.advance(30.0)
+    result = await asyncio.wait_for(waiter, 10)
+    assert isinstance(result, Rejection) and "waited 30.0s" in result.message
+    assert adm.snapshot("default").waiting == 0
+
+
+async def wait_for_event(predicate, timeout: float = 10.0) -> None:
+    """wait_for_event yields to the loop until ``predicate`` holds (the store's round trips
+    are real I/O), failing after ``timeout`` seconds."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError("the awaited event did not happen")
+        await asyncio.sleep(0.005)
