@@ -245,18 +245,35 @@ def test_waiters_of_a_removed_pool_are_refused_and_the_holder_still_releases(rig
 # --- findings ------------------------------------------------------------------------------------
 
 @pytest.mark.xfail(strict=True, reason="BUG: exchange.request_body calls admission.acquire for the "
-                   "pool chosen at the request headers; a reload in between that removed it raises "
-                   "UnknownPoolError out of the stream (internal error, Envoy answers 500)")
-def test_a_pool_removed_between_headers_and_body_gets_a_clean_answer(rig: Rig) -> None:
+                   "pool chosen before it awaited (at the request headers, or before counting a "
+                   "large body in the thread pool); a reload in between that removed the pool "
+                   "raises UnknownPoolError out of the stream (internal error, Envoy answers 500)")
+@pytest.mark.parametrize("when", ["between_headers_and_body", "while_counting_a_large_body"])
+def test_a_pool_removed_before_the_decision_gets_a_clean_answer(rig: Rig, when: str) -> None:
     errors = rig.count("kvgate_internal_errors_total")
+    gate = threading.Event()
 
     async def go() -> str:
         call = rig.stub.Process()
         try:
-            await call.write(request_headers(extra=[("x-tenant-id", "acme")]))
-            await call.read()
-            rig.server.apply_config(parse_config(CONFIGS[2]))  # "default" becomes "main"
-            await call.write(request_body(chat(max_tokens=5)))
+            if when == "between_headers_and_body":
+                await call.write(request_headers(extra=[("x-tenant-id", "acme")]))
+                await call.read()
+                rig.server.apply_config(parse_config(CONFIGS[2]))  # "default" becomes "main"
+                await call.write(request_body(chat(max_tokens=5)))
+            else:
+                loop = asyncio.get_running_loop()
+                busy = [loop.run_in_executor(rig.server.executor, gate.wait, 10.0) for _ in range(2)]
+                msg = request_body(chat(" " * 40_000, max_tokens=5))  # 40 KB, ~300 tokens: off the loop
+                msg.attributes[EXT_PROC].update({"request.path": "/v1/chat/completions",
+                                                 "request.method": "POST"})
+                await call.write(msg)
+                while not any(ex.pool_name == "default" and ex.body is None
+                              for ex in rig.server.service.active.values()):
+                    await asyncio.sleep(0.002)  # until the body waits for a counting thread
+                rig.server.apply_config(parse_config(CONFIGS[2]))
+                gate.set()
+                await asyncio.gather(*busy)
             answer = kind(await call.read())
             await call.done_writing()
             while await call.read() != grpc.aio.EOF:
@@ -265,6 +282,7 @@ def test_a_pool_removed_between_headers_and_body_gets_a_clean_answer(rig: Rig) -
         except grpc.aio.AioRpcError as err:
             return f"stream failed: {err.details()}"
         finally:
+            gate.set()
             await rig.settle()
     try:
         answer = rig.run(go())
