@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import grpc
@@ -69,6 +69,7 @@ class LoopLag:
                 self.worst = late
 
     def start(self) -> None:
+        """start runs the ticker on the current loop."""
         self.worst = 0.0
         self._task = asyncio.get_running_loop().create_task(self._tick())
 
@@ -86,14 +87,12 @@ class LoopLag:
 class Rig:
     """Rig is one real kvgate Server on loopback plus a client stub, on the rig's own loop."""
 
-    def __init__(self, config: dict[str, Any] | None = None, *, offload_bytes: int | None = None) -> None:
+    def __init__(self, config: dict[str, Any] | None = None) -> None:
         self.loop = asyncio.new_event_loop()
         self.clock = ManualClock(1000.0)
         self.config = parse_config(config or CONFIG)
         self.server = Server(self.config, grpc_listen=f"{LOOPBACK}:0", admin_listen=f"{LOOPBACK}:0",
                              metrics=Metrics(CollectorRegistry()), clock=self.clock, scrape=False)
-        if offload_bytes is not None:
-            self.server.gate.offload_bytes = offload_bytes
         self.channel: grpc.aio.Channel | None = None
         self.stub: Any = None
         self.run(self._start())
@@ -108,6 +107,7 @@ class Rig:
         return self.loop.run_until_complete(coro)
 
     def close(self) -> None:
+        """close stops the client channel and the server, then the loop."""
         async def stop() -> None:
             if self.channel is not None:
                 await self.channel.close()
@@ -137,6 +137,7 @@ class Rig:
                 for u in [store.usage(pool, now)]}
 
     def nothing_held(self) -> bool:
+        """nothing_held tells whether no pool holds a slot or a KV token."""
         return all(v == (0, 0) for v in self.held().values())
 
     async def settle(self, timeout: float = 5.0) -> None:
@@ -158,11 +159,13 @@ async def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
 # --- what Envoy sends ------------------------------------------------------------------------
 
 def header_map(pairs: list[tuple[str, bytes]]) -> base_pb2.HeaderMap:
+    """header_map is Envoy's header map, values as raw bytes (as Envoy 1.40 sends them)."""
     return base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v) for k, v in pairs])
 
 
 def request_headers(path: str = "/v1/chat/completions", *, method: str = "POST",
                     extra: list[tuple[str, str]] = (), eos: bool = False) -> pb.ProcessingRequest:
+    """request_headers is a request_headers message for a JSON request (``extra`` appended)."""
     hs = [(":path", path), (":method", method), (":scheme", "http"), (":authority", "gw"),
           ("content-type", "application/json"), *extra]
     return pb.ProcessingRequest(request_headers=pb.HttpHeaders(
@@ -171,25 +174,30 @@ def request_headers(path: str = "/v1/chat/completions", *, method: str = "POST",
 
 
 def request_body(data: bytes, eos: bool = True) -> pb.ProcessingRequest:
+    """request_body is a request_body message (BUFFERED: the whole body, end of stream)."""
     return pb.ProcessingRequest(request_body=pb.HttpBody(body=data, end_of_stream=eos))
 
 
 def response_headers(status: int | str = 200, content_type: str = "application/json",
                      eos: bool = False) -> pb.ProcessingRequest:
+    """response_headers is a response_headers message with the upstream's status."""
     return pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=header_map([
         (":status", str(status).encode()), ("content-type", content_type.encode())]),
         end_of_stream=eos))
 
 
 def response_body(data: bytes, eos: bool = False) -> pb.ProcessingRequest:
+    """response_body is one STREAMED response chunk."""
     return pb.ProcessingRequest(response_body=pb.HttpBody(body=data, end_of_stream=eos))
 
 
 def chat(content: str = "Hello", **fields: Any) -> bytes:
+    """chat is a one-message chat completions body with ``fields`` added."""
     return orjson.dumps({"model": "m", "messages": [{"role": "user", "content": content}], **fields})
 
 
 def sse(obj: dict[str, Any]) -> bytes:
+    """sse is one server-sent event carrying ``obj`` as JSON."""
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
@@ -197,32 +205,10 @@ TOKEN = {"choices": [{"index": 0, "delta": {"content": "x"}}]}
 
 
 def usage_json(completion: int, prompt: int = 5) -> bytes:
+    """usage_json is a non-streamed completion reporting ``completion`` tokens."""
     return orjson.dumps({"choices": [{"index": 0, "message": {"content": "x"}}],
                          "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
                                    "total_tokens": prompt + completion}})
-
-
-async def exchange(stub: Any, messages: list[pb.ProcessingRequest],
-                   end: str = "close") -> list[pb.ProcessingResponse]:
-    """exchange sends ``messages`` one by one, reading one answer each, then ends the stream.
-
-    ``end``: ``close`` (half-close and read to the end, as Envoy's clean end) or ``cancel``
-    (an RST_STREAM).
-    """
-    call = stub.Process()
-    answers = []
-    try:
-        for m in messages:
-            await call.write(m)
-            answers.append(await call.read())
-        if end == "close":
-            await call.done_writing()
-            while await call.read() != grpc.aio.EOF:
-                pass
-    finally:
-        if end == "cancel":
-            call.cancel()
-    return answers
 
 
 def kind(resp: Any) -> str:
@@ -232,5 +218,3 @@ def kind(resp: Any) -> str:
         return f"immediate:{resp.immediate_response.status.code}"
     return str(which)
 
-
-Step = Callable[[], Awaitable[None]]
