@@ -5,10 +5,16 @@ sends them (request headers, request body, response headers, response body chunk
 returns the ``ProcessingResponse`` to send back. It holds the request's lease from the
 moment it is granted until ``finish`` (or the response's end of stream) releases it.
 
-Two Envoy configurations are served (deploy/envoy.yaml and deploy/envoy-four-message.yaml):
-with request headers sent, the request is identified from them; with request headers
-skipped (one blocking round trip fewer), the body message is the first and the few
-request facts kvgate needs come with it as ``request_attributes`` (``REQUEST_ATTRIBUTES``).
+Three Envoy configurations are served. With request headers sent
+(deploy/envoy-four-message.yaml) the request is identified from them; with request headers
+skipped (deploy/envoy.yaml, one blocking round trip fewer) the body message is the first and
+the few request facts kvgate needs come with it as request attributes (``request_attributes``).
+With the response sent to a second, observability-mode ext_proc filter
+(deploy/envoy-observe.yaml: no blocking message per streamed chunk), the admission stream
+carries no response at all (its protocol says response body NONE): the exchange then
+*observes* the response fed from that other stream, found again by the ``link`` it put in
+the request's dynamic metadata, and never rewrites the response (so it never asks the
+upstream for stream usage it could not hide).
 
 A ``Gate`` is what every exchange shares: the configuration, each pool's tokenizer and
 chat template, the API-key table, the admission core, the metrics and a small thread
@@ -19,8 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import logging
 import math
+import secrets
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -32,7 +40,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import duration_pb2
 
 from extproc import openai_api as oai
-from extproc.admission import Admission, Demand, Lease, Outcome, Rejection, StoreError
+from extproc.admission import (Admission, Demand, Lease, Outcome, Rejection, StoreError,
+                               UnknownPoolError)
 from extproc.clock import Clock
 from extproc.config import ClassConfig, Config, PoolConfig
 from extproc.errors import ConfigError, RequestError
@@ -56,12 +65,18 @@ ROUTE_KEYS = ("pool", "tenant_class", "context_window", "max_body_bytes")
 ROUTE_LOG_INTERVAL_S = 60.0
 ROUTE_CACHE_ENTRIES = 256
 METADATA_NAMESPACE = "kvgate"
+# Dynamic metadata key (namespace ``kvgate``) of the token that ties a request's response,
+# seen on an observability-mode stream, to the exchange that admitted it.
+LINK_KEY = "link"
 # Request attributes (Envoy CEL expressions) that stand in for the request headers when
 # Envoy skips them; the tenant header's entry is built from the configured header name.
 ATTR_PATH = "request.path"
 ATTR_METHOD = "request.method"
 ATTR_CONTENT_TYPE = "request.headers['content-type']"
 ATTR_AUTHORIZATION = "request.headers['authorization']"
+# Set by the server's decoder (never by Envoy) when the attributes were not valid UTF-8
+# (Envoy copies header bytes into protobuf strings) and had to be dropped to decode the rest.
+UNDECODABLE_ATTRIBUTES = "kvgate.undecodable_attributes"
 
 
 def tenant_attribute(header: str) -> str:
@@ -187,6 +202,8 @@ class Gate:
         self.offload_bytes = offload_bytes
         self._route_logged: dict[str, float] = {}
         self._routes: dict[bytes, tuple[RouteSettings, tuple[tuple[str, str], ...]]] = {}
+        self._link_prefix = secrets.token_hex(6)
+        self._links = itertools.count(1)
         self.config = config
         self.pools: dict[str, PoolRuntime] = {}
         self.api_keys: dict[str, str] = {}
@@ -212,6 +229,13 @@ class Gate:
                     for digest in t.api_key_sha256}
         self.config, self.pools, self.api_keys = config, pools, api_keys
         self._routes = {}  # pool and class names may have changed
+
+    def new_link(self) -> str:
+        """new_link is a token naming one admitted request within this process (see LINK_KEY).
+
+        The random prefix keeps another kvgate process from ever matching it.
+        """
+        return f"{self._link_prefix}-{next(self._links)}"
 
     # --- identity ----------------------------------------------------------------
 
@@ -335,7 +359,8 @@ class Exchange:
 
     __slots__ = ("gate", "state", "endpoint", "pool", "pool_name", "class_cfg", "tenant",
                  "route", "content_type", "body", "max_body", "parsed", "lease", "strip_usage",
-                 "tracker", "status", "response_done", "upstream_error", "outcome")
+                 "tracker", "status", "response_done", "upstream_error", "outcome", "observe",
+                 "link")
 
     def __init__(self, gate: Gate) -> None:
         self.gate = gate
@@ -357,6 +382,9 @@ class Exchange:
         self.response_done = False
         self.upstream_error = False
         self.outcome: Outcome | None = None
+        # The response arrives on another (observability-mode) stream, tied by ``link``.
+        self.observe = False
+        self.link: str | None = None
 
     # --- request headers -------------------------------------------------------------
 
@@ -417,6 +445,10 @@ class Exchange:
         tenant value with a comma is a repeated tenant header. Without ``request.path``
         kvgate cannot tell what the request is: it refuses it (fail closed) and says why.
         """
+        if attributes and UNDECODABLE_ATTRIBUTES in attributes:
+            return self._refuse(RequestError(
+                "a request header (the tenant header, authorization or content-type) is not "
+                "valid UTF-8"), "rejected_invalid")
         values: dict[str, str] = {}
         if attributes:
             for struct in attributes.values():
@@ -432,9 +464,11 @@ class Exchange:
         self.content_type = values.get(ATTR_CONTENT_TYPE)
         authorization = values.get(ATTR_AUTHORIZATION)
         tenant = values.get(tenant_attribute(self.gate.config.tenants.header))
-        tenant_values = [] if tenant is None else [v.encode("latin-1") for v in tenant.split(",")]
+        # Envoy copied the header's bytes, which were UTF-8 (the message decoded): the same
+        # bytes the header itself would have given.
+        tenant_values = [] if tenant is None else [v.encode() for v in tenant.split(",")]
         return self._begin(path, values.get(ATTR_METHOD) == "POST",
-                           None if authorization is None else authorization.encode("latin-1"),
+                           None if authorization is None else authorization.encode(),
                            tenant_values, metadata)
 
     def _begin(self, path: str, post: bool, authorization: bytes | None,
@@ -468,14 +502,18 @@ class Exchange:
     async def request_body(self, msg: pb.HttpBody,
                            send: Callable[[pb.ProcessingResponse], Awaitable[None]] | None = None,
                            attributes: Any = None, metadata: Any = None,
-                           ) -> pb.ProcessingResponse:
+                           protocol: Any = None) -> pb.ProcessingResponse:
         """request_body decides: parse, count, check the context window, then acquire.
 
         ``send`` lets the exchange extend Envoy's message timeout before it waits in its
         class's queue (``override_message_timeout``); None when the caller cannot.
         ``attributes`` and ``metadata`` identify the request when it is the stream's first
-        message (Envoy skips request headers); otherwise they are not read.
+        message (Envoy skips request headers); otherwise they are not read. ``protocol`` is
+        the stream's ProtocolConfiguration when Envoy sent one: a response body mode NONE
+        means the response is observed elsewhere (the module doc).
         """
+        if protocol is not None and self.state in (_NEW, _BODY):
+            self.observe = protocol.response_body_mode == processing_mode_pb2.ProcessingMode.NONE
         if self.state == _NEW:
             first = self._begin_from_attributes(attributes, metadata)
             if first is not None:
@@ -527,6 +565,18 @@ class Exchange:
             await send(self._wait_timeout(self.class_cfg.max_wait_s))
         try:
             result = await gate.admission.acquire(demand)
+        except UnknownPoolError:
+            # A reload removed the pool between the choice (headers, or before counting off
+            # the loop) and now: nothing was taken; the client's retry meets the new config.
+            self.state = _DONE
+            log.warning("refusing a request: its pool %r was removed by a reload", self.pool_name)
+            return immediate(503, [("content-type", _JSON), ("retry-after", "1"),
+                                   ("retry-after-ms", "1000"),
+                                   ("x-kvgate-reason", "pool_reconfigured")],
+                             oai.error_body("The gateway was reconfigured while this request was "
+                                            "being admitted. Retry.", error_type="server_error",
+                                            code="pool_reconfigured"),
+                             "kvgate_pool_reconfigured")
         except StoreError as err:
             # The shared store cannot answer and is set to fail closed: retry shortly.
             gate.metrics.decision_time(gate.clock.now() - started)
@@ -549,6 +599,8 @@ class Exchange:
         self.lease = result
         self.state = _ADMITTED
         gate.metrics.request(self.pool_name, self.class_cfg.name, "admitted")
+        if self.observe:
+            return self._linked_continue(result)
         new_body = oai.add_stream_usage(parsed)
         if new_body is None:
             return CONTINUE_REQUEST_BODY
@@ -560,6 +612,19 @@ class Exchange:
         common = resp.request_body.response
         set_headers(common.header_mutation, [("content-length", str(len(new_body)))])
         common.body_mutation.body = new_body
+        return resp
+
+    def _linked_continue(self, lease: Lease) -> pb.ProcessingResponse:
+        """_linked_continue admits a request whose response is observed on another stream:
+        the link and the x-ratelimit-* values go into the request's dynamic metadata, where
+        the observing filter (and Envoy's response_headers_to_add) find them."""
+        self.link = self.gate.new_link()
+        resp = pb.ProcessingResponse()
+        resp.request_body.SetInParent()
+        fields = resp.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.fields
+        fields[LINK_KEY].string_value = self.link
+        for key, value in oai.rate_limit_headers(lease.rate):
+            fields[key].string_value = value
         return resp
 
     @staticmethod
@@ -667,6 +732,8 @@ class Exchange:
         tracker = self.tracker
         if tracker is not None and tracker.completion_tokens is not None:
             return tracker.completion_tokens
+        if tracker is None and self.observe:
+            return None  # the response was never observed: unknown, charge the reservation
         if outcome in (Outcome.CLIENT_DISCONNECT, Outcome.TIMEOUT) and self.parsed is not None \
                 and self.parsed.stream:
             # What reached the client is what was generated (the upstream is reset within

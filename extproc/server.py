@@ -5,6 +5,15 @@ messages, dispatches them by kind to an ``Exchange`` and writes the answers. The
 released in ``finally``: however the stream ends (response end of stream, a clean end
 after a client disconnect, ``CancelledError``, an error in kvgate, shutdown), exactly once.
 
+With deploy/envoy-observe.yaml a request has two streams: the admission stream (request
+body only; it ends exactly when the HTTP request ends, completed or not) and an
+observability-mode stream that carries the response and is never answered. The second
+finds the first's exchange by the link in its dynamic metadata (``Link``). When the
+admission stream ends first, the release waits for the observing stream to show the
+response's end or to end itself (Envoy closes it ``deferred_close_timeout`` after the
+request), at most ``OBSERVE_CAP_S``; an observing stream that has not begun within
+``LINK_GRACE_S`` never will (the response never started).
+
 ``Server`` wires a process together: config, admission core, metrics, gate, the gRPC
 server with the standard health service, the admin HTTP server, the backend scraper and
 the config watcher, and the SIGTERM sequence:
@@ -30,6 +39,7 @@ from typing import Any
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
@@ -38,8 +48,8 @@ from extproc.admission import Admission, UnknownPoolError
 from extproc.clock import Clock, MonotonicClock
 from extproc.config import Config
 from extproc.errors import ConfigError
-from extproc.exchange import (CONTINUE_REQUEST_TRAILERS, CONTINUE_RESPONSE_TRAILERS, Exchange,
-                              Gate)
+from extproc.exchange import (CONTINUE_REQUEST_TRAILERS, CONTINUE_RESPONSE_TRAILERS, LINK_KEY,
+                              METADATA_NAMESPACE, UNDECODABLE_ATTRIBUTES, Exchange, Gate)
 from extproc.metrics import Metrics
 
 log = logging.getLogger("kvgate.server")
@@ -48,6 +58,82 @@ log = logging.getLogger("kvgate.server")
 # body plus protobuf framing.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 TOKENIZE_THREADS = 2
+# How long an ended admission stream waits for its observing stream to begin (seconds):
+# Envoy sent the response's first message before ending the request, but a new gRPC stream
+# can be read after an old one's end.
+LINK_GRACE_S = 0.05
+# The most an ended admission stream waits for its observing stream to end (seconds),
+# whatever deferred_close_timeout Envoy is given.
+OBSERVE_CAP_S = 10.0
+
+
+# ProcessingRequest.attributes (map<string, Struct>), field number 9.
+_ATTRIBUTES_FIELD = 9
+
+
+def _varint(data: bytes, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, at
+        shift += 7
+
+
+def _without_field(data: bytes, number: int) -> bytes:
+    """_without_field is a serialized message with every top-level ``number`` field cut out."""
+    kept = []
+    at = 0
+    while at < len(data):
+        start = at
+        tag, at = _varint(data, at)
+        wire = tag & 7
+        if wire == 0:
+            _, at = _varint(data, at)
+        elif wire == 1:
+            at += 8
+        elif wire == 2:
+            size, at = _varint(data, at)
+            at += size
+        elif wire == 5:
+            at += 4
+        else:
+            raise DecodeError(f"unsupported wire type {wire}")
+        if tag >> 3 != number:
+            kept.append(data[start:at])
+    return b"".join(kept)
+
+
+def decode_request(data: bytes) -> pb.ProcessingRequest:
+    """decode_request parses one ext_proc message from Envoy.
+
+    Envoy copies request header bytes into request attributes, which are protobuf strings:
+    a header that is not UTF-8 makes the whole message undecodable. Rather than fail the
+    stream (a 500 for a client's bad byte), the attributes are dropped and marked
+    (UNDECODABLE_ATTRIBUTES) so that the exchange refuses the request with a 400.
+    """
+    try:
+        return pb.ProcessingRequest.FromString(data)
+    except DecodeError:
+        req = pb.ProcessingRequest.FromString(_without_field(data, _ATTRIBUTES_FIELD))
+        req.attributes[UNDECODABLE_ATTRIBUTES].SetInParent()
+        return req
+
+
+class Link:
+    """Link ties an admitted exchange to the observability-mode stream of its response.
+
+    ``observed`` is set when that stream begins, ``ended`` when it ends.
+    """
+
+    __slots__ = ("exchange", "observed", "ended")
+
+    def __init__(self, exchange: Exchange) -> None:
+        self.exchange = exchange
+        self.observed = asyncio.Event()
+        self.ended = asyncio.Event()
 
 
 class ExtProcService(pb_grpc.ExternalProcessorServicer):
@@ -60,32 +146,39 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
         self._gate = gate
         self._metrics = metrics
         self.active: dict[asyncio.Task[Any], Exchange] = {}
+        self.links: dict[str, Link] = {}
         self._idle = asyncio.Event()
         self._idle.set()
         self._given_up = False
 
     async def Process(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+        read = context.read
+        req = await read()
+        if req is grpc.aio.EOF:
+            return
+        if req.observability_mode:
+            await self._observe(req, read)
+            return
         ex = Exchange(self._gate)
         task = asyncio.current_task()
         assert task is not None
         self.active[task] = ex
         self._idle.clear()
-        read = context.read
         write = context.write
         eof = grpc.aio.EOF
         try:
             while True:
-                req = await read()
-                if req is eof:
-                    return
                 kind = req.WhichOneof("request")
                 if kind == "response_body":
                     resp = ex.response_body(req.response_body)
                 elif kind == "request_headers":
                     resp = ex.request_headers(req.request_headers, req.metadata_context)
                 elif kind == "request_body":
-                    resp = await ex.request_body(req.request_body, write, req.attributes,
-                                                 req.metadata_context)
+                    resp = await ex.request_body(
+                        req.request_body, write, req.attributes, req.metadata_context,
+                        req.protocol_config if req.HasField("protocol_config") else None)
+                    if ex.link is not None and ex.link not in self.links:
+                        self.links[ex.link] = Link(ex)  # before Envoy can send the response
                 elif kind == "response_headers":
                     resp = ex.response_headers(req.response_headers)
                 elif kind == "request_trailers":
@@ -93,8 +186,12 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
                 elif kind == "response_trailers":
                     resp = CONTINUE_RESPONSE_TRAILERS
                 else:  # a newer Envoy's message kind: nothing to do with it
-                    continue
-                await write(resp)
+                    resp = None
+                if resp is not None:
+                    await write(resp)
+                req = await read()
+                if req is eof:
+                    return
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -102,8 +199,67 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
             log.exception("ext_proc stream failed; ending it (Envoy answers the client 500)")
             raise
         finally:
-            ex.finish(gave_up=self._given_up)
             del self.active[task]
+            link = self.links.get(ex.link) if ex.link is not None else None
+            if link is not None and ex.outcome is None and not self._given_up:
+                settle = asyncio.get_running_loop().create_task(self._settle(link))
+                self.active[settle] = ex
+            else:
+                ex.finish(gave_up=self._given_up)
+                if ex.link is not None:
+                    self.links.pop(ex.link, None)
+            if not self.active:
+                self._idle.set()
+
+    async def _observe(self, req: Any, read: Any) -> None:
+        """_observe follows an observability-mode stream: the response of a request admitted
+        on another stream. Nothing is answered (Envoy waits for nothing)."""
+        link = None
+        space = req.metadata_context.filter_metadata.get(METADATA_NAMESPACE)
+        if space is not None and LINK_KEY in space.fields:
+            link = self.links.get(space.fields[LINK_KEY].string_value)
+        eof = grpc.aio.EOF
+        if link is None:  # not admitted here (refused, passed through, another process)
+            while req is not eof:
+                req = await read()
+            return
+        link.observed.set()
+        ex = link.exchange
+        try:
+            while req is not eof:
+                kind = req.WhichOneof("request")
+                if kind == "response_body":
+                    ex.response_body(req.response_body)
+                elif kind == "response_headers":
+                    ex.response_headers(req.response_headers)
+                req = await read()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self._metrics.internal_errors.inc()
+            log.exception("observing stream failed; its request is released as it stands")
+        finally:
+            link.ended.set()
+
+    async def _settle(self, link: Link) -> None:
+        """_settle releases an exchange whose admission stream ended before its response
+        was seen to end: once the observing stream has shown it, or ended, or never began
+        (module doc)."""
+        ex = link.exchange
+        try:
+            if not link.observed.is_set():
+                await asyncio.wait_for(link.observed.wait(), LINK_GRACE_S)
+            if ex.outcome is None:
+                await asyncio.wait_for(link.ended.wait(), OBSERVE_CAP_S)
+        except TimeoutError:
+            pass
+        finally:
+            ex.finish(gave_up=self._given_up)
+            if ex.link is not None:
+                self.links.pop(ex.link, None)
+            task = asyncio.current_task()
+            if task is not None:
+                self.active.pop(task, None)
             if not self.active:
                 self._idle.set()
 
@@ -190,7 +346,12 @@ class Server:
             # Two kvgates on one port would split Envoy's streams between them silently.
             ("grpc.so_reuseport", 0),
         ])
-        pb_grpc.add_ExternalProcessorServicer_to_server(self.service, self._grpc)
+        # The generated registration, with a decoder that survives hostile header bytes.
+        self._grpc.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "envoy.service.ext_proc.v3.ExternalProcessor", {
+                "Process": grpc.stream_stream_rpc_method_handler(
+                    self.service.Process, request_deserializer=decode_request,
+                    response_serializer=pb.ProcessingResponse.SerializeToString)}),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         self.grpc_port = self._grpc.add_insecure_port(self._grpc_listen)
         if self.grpc_port == 0:

@@ -183,3 +183,41 @@ def test_attributes_on_later_messages_change_nothing() -> None:
     assert ex.tenant == "acme" and rig.inflight() == 1
     ex.finish()
     assert rig.inflight() == 0
+
+
+def test_header_values_beyond_latin1_are_read_as_their_utf8_bytes() -> None:
+    rig = Rig()
+    ex, resp = body_first(rig, chat(), attrs(tenant="caf\u00e9\u2603", authorization="Bearer \u2603"))
+    assert not resp.HasField("immediate_response") and ex.tenant == "_anonymous"
+    ex.finish()
+    same = Exchange(rig.gate)
+    same.request_headers(headers_msg(extra=[("x-tenant-id", "caf\u00e9\u2603")]))
+    assert same.tenant == ex.tenant
+    same.finish()
+    assert rig.inflight() == 0
+
+
+def test_attributes_that_were_not_utf8_are_refused_with_a_400() -> None:
+    from extproc.server import decode_request
+
+    req = pb.ProcessingRequest()
+    req.request_body.body = chat().encode() if isinstance(chat(), str) else chat()
+    req.request_body.end_of_stream = True
+    req.attributes["envoy.filters.http.ext_proc"].update({ATTR_PATH: "/v1/chat/completions",
+                                                          ATTR_METHOD: "POST",
+                                                          tenant_attribute("x-tenant-id"): "cafe"})
+    wire = req.SerializeToString()
+    assert wire.count(b"cafe") == 1
+    hostile = wire.replace(b"cafe", b"caf\xe9")  # a latin-1 byte, as Envoy copies it
+    try:
+        pb.ProcessingRequest.FromString(hostile)
+        raise AssertionError("protobuf accepted a string that is not UTF-8")
+    except Exception as err:  # the generated parser refuses the whole message
+        assert "DecodeError" in type(err).__name__
+    decoded = decode_request(hostile)
+    assert decoded.request_body.body == req.request_body.body and decoded.request_body.end_of_stream
+    rig = Rig()
+    ex = Exchange(rig.gate)
+    resp = asyncio.run(ex.request_body(decoded.request_body, None, decoded.attributes, None))
+    assert status_of(resp) == 400 and rig.inflight() == 0
+    assert decode_request(wire) == req  # a good message is untouched
