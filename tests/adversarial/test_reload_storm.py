@@ -244,10 +244,6 @@ def test_waiters_of_a_removed_pool_are_refused_and_the_holder_still_releases(rig
 
 # --- findings ------------------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="BUG: exchange.request_body calls admission.acquire for the "
-                   "pool chosen before it awaited (at the request headers, or before counting a "
-                   "large body in the thread pool); a reload in between that removed the pool "
-                   "raises UnknownPoolError out of the stream (internal error, Envoy answers 500)")
 @pytest.mark.parametrize("when", ["between_headers_and_body", "while_counting_a_large_body"])
 def test_a_pool_removed_before_the_decision_gets_a_clean_answer(rig: Rig, when: str) -> None:
     errors = rig.count("kvgate_internal_errors_total")
