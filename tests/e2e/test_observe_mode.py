@@ -1,0 +1,148 @@
+"""End to end, issue 7: the operator option deploy/envoy-observe.yaml.
+
+The response goes to a second ext_proc filter in observability mode (no blocking message
+per streamed chunk); kvgate ties it to the admission stream by a link in the request's
+dynamic metadata. Admission, refusals, usage, release causes and the x-ratelimit-* headers
+must work as with deploy/envoy.yaml; the documented differences are checked too: kvgate
+does not rewrite the request to ask for stream usage, and a disconnect frees the slot
+after Envoy's deferred close (20 ms), well within 100 ms.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import orjson
+import pytest
+from openai import OpenAI
+
+from tests.e2e.stack import Stack
+from tests.support.procs import ROOT, wait_until
+
+pytestmark = pytest.mark.e2e
+
+CONFIG: dict[str, Any] = {
+    "pools": {"default": {"max_concurrency": 2, "tpm": 1_000_000, "context_window": 4096,
+                          "default_max_tokens": 256, "tokenizer": "cl100k_base"}},
+    "limits": {"max_body_bytes": 262144},
+    "server": {"drain_s": 0, "grace_s": 1},
+}
+MESSAGES = [{"role": "user", "content": "Say hello"}]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = Stack(tmp_path_factory.mktemp("observe"), CONFIG,
+              envoy_template=ROOT / "deploy" / "envoy-observe.yaml")
+    s.start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(autouse=True)
+def no_leak(stack: Stack) -> Iterator[None]:
+    yield
+    try:
+        stack.wait_inflight(0, timeout=5)
+    finally:
+        stack.upstream_post("/_fake/reset")
+
+
+def client(stack: Stack) -> OpenAI:
+    return OpenAI(base_url=f"{stack.base_url}/v1", api_key="x", max_retries=0)
+
+
+def released(stack: Stack, cause: str) -> float:
+    return stack.metric("kvgate_releases_total", cause=cause)
+
+
+def test_a_stream_is_admitted_observed_and_released_completed(stack: Stack) -> None:
+    before = released(stack, "completed")
+    chunks = list(client(stack).chat.completions.create(
+        model="fake", messages=MESSAGES, stream=True, max_tokens=5))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "tok0 tok1 tok2 tok3 tok4 "
+    # The request went upstream as sent: kvgate cannot hide a usage chunk here, so it asks for none.
+    forwarded = orjson.loads(stack.upstream_json("/_fake/requests")[-1]["body"])
+    assert "stream_options" not in forwarded
+    wait_until(lambda: released(stack, "completed") == before + 1, timeout=5, what="a completed release")
+
+
+def test_usage_the_client_asked_for_reaches_it(stack: Stack) -> None:
+    chunks = list(client(stack).chat.completions.create(
+        model="fake", messages=MESSAGES, stream=True, max_tokens=3,
+        stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+
+
+def test_non_streamed_answer_carries_ratelimit_headers_from_metadata(stack: Stack) -> None:
+    before = released(stack, "completed")
+    raw = client(stack).chat.completions.with_raw_response.create(
+        model="fake", messages=MESSAGES, max_tokens=4)
+    assert raw.parse().usage.completion_tokens == 4
+    assert raw.headers["x-ratelimit-limit-requests"] == "2"
+    assert int(raw.headers["x-ratelimit-remaining-tokens"]) < 1_000_000
+    assert raw.headers["x-ratelimit-reset-tokens"].endswith("s")
+    wait_until(lambda: released(stack, "completed") == before + 1, timeout=5, what="a completed release")
+
+
+def test_a_disconnect_frees_the_slot_within_100ms(stack: Stack) -> None:
+    stream = client(stack).chat.completions.create(
+        model="fake", messages=MESSAGES, stream=True, max_tokens=3,
+        extra_headers={"x-fake-hold": "gone"})
+    assert next(iter(stream)).choices[0].delta.content == "tok0 "
+    stack.wait_inflight(1)
+    before = released(stack, "client_disconnect")
+    t0 = time.monotonic()
+    stream.close()
+    wait_until(lambda: stack.inflight() == 0, timeout=2, interval=0.002, what="in-flight 0")
+    elapsed = time.monotonic() - t0
+    assert elapsed < 0.1, f"slot freed after {elapsed * 1000:.0f} ms"
+    assert released(stack, "client_disconnect") == before + 1
+
+
+def test_full_slots_refuse_with_429_and_its_headers(stack: Stack) -> None:
+    held = []
+    try:
+        for i in range(2):
+            s = client(stack).chat.completions.create(
+                model="fake", messages=MESSAGES, stream=True, max_tokens=3,
+                extra_headers={"x-fake-hold": f"full-{i}"})
+            next(iter(s))
+            held.append(s)
+        with pytest.raises(openai.RateLimitError) as exc:
+            client(stack).chat.completions.create(model="fake", messages=MESSAGES, max_tokens=3)
+        hs = exc.value.response.headers
+        assert hs["x-kvgate-reason"] == "concurrency"
+        assert hs["x-ratelimit-remaining-requests"] == "0"  # kvgate's own, not doubled
+        assert "," not in hs["x-ratelimit-limit-requests"]
+    finally:
+        for i in range(2):
+            stack.upstream_post(f"/_fake/release/full-{i}")
+        for s in held:
+            list(s)
+
+
+def test_refusals_and_upstream_errors(stack: Stack) -> None:
+    with pytest.raises(openai.BadRequestError) as exc:
+        client(stack).chat.completions.create(model="fake", messages=MESSAGES, max_tokens=5000)
+    assert exc.value.code == "context_length_exceeded"
+    before = released(stack, "upstream_error")
+    with pytest.raises(openai.InternalServerError):
+        client(stack).chat.completions.create(model="fake", messages=MESSAGES, max_tokens=3,
+                                              extra_headers={"x-fake-status": "503"})
+    wait_until(lambda: released(stack, "upstream_error") == before + 1, timeout=5,
+               what="an upstream_error release")
+
+
+def test_other_paths_pass_through(stack: Stack) -> None:
+    assert [m.id for m in client(stack).models.list().data] == ["fake"]
+
+
+def test_nothing_left_behind(stack: Stack) -> None:
+    assert stack.inflight() == 0
+    assert stack.metric("kvgate_kv_inflight_tokens") == 0
+    assert stack.metric("kvgate_releases_total") == stack.metric("kvgate_requests_total", outcome="admitted")
+    assert stack.metric("kvgate_internal_errors_total") == 0
