@@ -209,11 +209,28 @@ _HEAD_END = b"\r\n\r\n"
 _MAX_HEAD = 64 * 1024
 
 
+def _dechunk(buf: bytearray, at: int) -> tuple[bytes, int] | None:
+    """_dechunk reads a chunked body from ``buf[at:]``: (body, end offset), or None if incomplete."""
+    parts = []
+    while True:
+        eol = buf.find(b"\r\n", at)
+        if eol < 0:
+            return None
+        size = int(bytes(buf[at:eol]).split(b";")[0], 16)
+        if size == 0:
+            stop = buf.find(b"\r\n\r\n", eol)  # no trailers are sent here
+            return (b"".join(parts), stop + 4) if stop >= 0 else None
+        if len(buf) < eol + 2 + size + 2:
+            return None
+        parts.append(bytes(buf[eol + 2:eol + 2 + size]))
+        at = eol + 2 + size + 2
+
+
 class FastUpstream(asyncio.Protocol):
     """FastUpstream is one keep-alive HTTP/1.1 connection of the benchmark fake (see the module doc).
 
-    Requests on a connection are answered in order; a body is read by content-length only
-    (the gateway always sends one).
+    Requests on a connection are answered in order; a body comes with a content-length or
+    chunked (as Envoy forwards a body it buffered with request headers skipped).
     """
 
     __slots__ = ("transport", "buf", "busy", "closed")
@@ -246,15 +263,22 @@ class FastUpstream(asyncio.Protocol):
         for line in head[1:]:
             key, _, value = line.partition(":")
             headers[key.strip().lower()] = value.strip()
-        try:
-            length = int(headers.get("content-length", "0"))
-        except ValueError:
-            self._fail(400)
-            return
-        if len(self.buf) < end + 4 + length:
-            return
-        body = bytes(self.buf[end + 4:end + 4 + length])
-        del self.buf[:end + 4 + length]
+        if "chunked" in headers.get("transfer-encoding", ""):
+            # Envoy sends a body it buffered for ext_proc without its content-length.
+            got = _dechunk(self.buf, end + 4)
+            if got is None:
+                return
+            body, stop = got
+        else:
+            try:
+                length = int(headers.get("content-length", "0"))
+            except ValueError:
+                self._fail(400)
+                return
+            if len(self.buf) < end + 4 + length:
+                return
+            body, stop = bytes(self.buf[end + 4:end + 4 + length]), end + 4 + length
+        del self.buf[:stop]
         parts = head[0].split(" ")
         path = parts[1] if len(parts) > 1 else "/"
         self.busy = True

@@ -1,0 +1,36 @@
+"""Smoke test of the hot-path benchmark (make bench-overhead): it runs end to end with tiny
+counts (``--quick``) and writes its report, with every section, the core count and the
+command. The figures of a quick run mean nothing; only that they are there."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.procs import ROOT
+
+pytestmark = pytest.mark.e2e
+
+
+def test_quick_run_writes_the_report(tmp_path: Path) -> None:
+    out = tmp_path / "overhead.md"
+    done = subprocess.run([sys.executable, "bench/bench_overhead.py", "--quick", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    text = out.read_text()
+    cores = len(os.sched_getaffinity(0))
+    assert f"{cores} CPU cores" in text
+    assert "Command: `python bench/bench_overhead.py --quick --out" in text
+    for section in ("## Request path", "## Streaming", "## Highest rate", "## Memory",
+                    "## Release after a client disconnect", "## Targets"):
+        assert section in text, section
+    # every setup at every client count, with a latency
+    for clients in (1, 16, 64):
+        for setup in ("plain", "bare", "kvgate"):
+            assert re.search(rf"^\| {clients} \| {setup} \| \d+ \| \d+\.\d\d \|", text, re.M), (clients, setup)
+    assert re.search(r"^\| kvgate \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$", text, re.M)  # release row
