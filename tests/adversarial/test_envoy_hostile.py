@@ -5,7 +5,8 @@ disconnects at every point of a request, pipelined requests, hostile header byte
 HTTP/2 connections whose streams are reset mid-response. After each test kvgate must
 hold nothing (``/metrics`` in-flight 0), count one release per admission, and log no
 internal error. Every test runs against deploy/envoy.yaml (request headers skipped, facts
-sent as request attributes) and deploy/envoy-four-message.yaml.
+sent as request attributes), deploy/envoy-four-message.yaml and deploy/envoy-observe.yaml
+(the response on a second, observability-mode stream).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from tests.support.procs import LOOPBACK, ROOT, VENV_BIN, wait_until
 pytestmark = pytest.mark.e2e
 
 ENVOY_FILES = {"recommended": ROOT / "deploy" / "envoy.yaml",
-               "four-message": ROOT / "deploy" / "envoy-four-message.yaml"}
+               "four-message": ROOT / "deploy" / "envoy-four-message.yaml",
+               "observe": ROOT / "deploy" / "envoy-observe.yaml"}
 CONFIG: dict[str, Any] = {
     "pools": {"default": {"max_concurrency": 8, "tpm": 10_000_000, "context_window": 4096,
                           "default_max_tokens": 256, "tokenizer": "cl100k_base"},
