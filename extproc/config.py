@@ -106,7 +106,10 @@ class ClassConfig:
     slots per pool no other class may take while this class is below them; ``tpm``:
     a bucket per tenant of the class (None: none); ``max_wait_s``: how long a request
     may wait for capacity (0: refuse at once); ``sheddable``: refused first when the
-    pool is in alarm.
+    pool is in alarm; ``kv_watermark``: ratio in (0, 1] of the pool's effective KV
+    budget up to which requests of this class may fill it (every class's in-flight KV
+    tokens count): below 1, the rest of the budget is kept for classes with a higher
+    watermark (1.0: the whole budget).
     """
 
     name: str
@@ -115,6 +118,7 @@ class ClassConfig:
     tpm: int | None = None
     max_wait_s: float = 0.0
     sheddable: bool = False
+    kv_watermark: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -353,6 +357,7 @@ def _classes(s: _Section) -> dict[str, ClassConfig]:
             tpm=c.integer("tpm", None, optional=True),
             max_wait_s=c.number("max_wait_s", 0.0, low=0.0, high=600.0),
             sheddable=c.boolean("sheddable", False),
+            kv_watermark=c.number("kv_watermark", 1.0, low=0.0, high=1.0, low_open=True),
         )
         c.done()
     if not classes:

@@ -97,6 +97,16 @@ store:
      "tenants.classes", "above pools.default.max_concurrency"),
     (with_(tenants={"classes": {"a": {"guaranteed_slots": -1}}, "default_class": "a"}),
      "tenants.classes.a.guaranteed_slots", ">= 0"),
+    (with_(tenants={"classes": {"a": {"kv_watermark": 0}}, "default_class": "a"}),
+     "tenants.classes.a.kv_watermark", "> 0.0"),
+    (with_(tenants={"classes": {"a": {"kv_watermark": 1.2}}, "default_class": "a"}),
+     "tenants.classes.a.kv_watermark", "<= 1.0"),
+    (with_(tenants={"classes": {"a": {"kv_watermark": "70%"}}, "default_class": "a"}),
+     "tenants.classes.a.kv_watermark", "number"),
+    (with_(tenants={"classes": {"a": {"kv_watermark": True}}, "default_class": "a"}),
+     "tenants.classes.a.kv_watermark", "number"),
+    (with_(tenants={"classes": {"a": {"kv_watermark": float("inf")}}, "default_class": "a"}),
+     "tenants.classes.a.kv_watermark", "finite"),
     (with_(tenants={"tenants": {"t": {"api_key_sha256": "secret"}}}),
      "tenants.tenants.t.api_key_sha256", "64 hex"),
     (with_(store={"redis": {"url": "http://x"}}), "store.redis.url", "redis://"),
@@ -112,6 +122,15 @@ def test_bad_values_name_the_key(data, key, words):
         parse_config(data)
     assert exc.value.key == key
     assert words in exc.value.reason
+
+
+def test_kv_watermark_defaults_to_the_whole_budget_and_reads_a_ratio():
+    cfg = parse_config(with_(tenants={"classes": {"standard": {}, "batch": {"kv_watermark": 0.7},
+                                                  "full": {"kv_watermark": 1}}}))
+    classes = cfg.tenants.classes
+    assert classes["standard"].kv_watermark == 1.0
+    assert classes["batch"].kv_watermark == 0.7
+    assert classes["full"].kv_watermark == 1.0 and isinstance(classes["full"].kv_watermark, float)
 
 
 def test_shared_api_key_is_refused():
