@@ -18,7 +18,7 @@ import math
 from extproc.admission import rules
 from extproc.admission.adaptive import ScaleParams, ScaleTracker
 from extproc.admission.errors import InvalidDemandError, UnknownPoolError
-from extproc.admission.kvbudget import base_kv_budget, effective_kv_budget, reserved_completion
+from extproc.admission.kvbudget import base_kv_budget, effective_kv_budget, kv_ceilings, reserved_completion
 from extproc.admission.slots import effective_guarantees, effective_limit
 from extproc.admission.store.base import (POOL_BUCKET, Budget, BucketSpec, Grant, Plan, PoolLimits,
                                           Refusal, Store, StoreError, SyncStore)
@@ -35,6 +35,9 @@ from extproc.config import ClassConfig, Config, PoolConfig
 SHARED_POLL_S = 0.05
 
 _STOPS = (Budget.SLOTS, Budget.KV, Budget.POOL_TPM)
+# Budgets that do not fit above their size at the current scale: only the scale's recovery
+# lets such a waiter in, and holding others back would not bring that sooner.
+_SCALED = (Budget.KV, Budget.CLASS_KV, Budget.POOL_TPM)
 _UNCACHED = object()
 
 
@@ -109,11 +112,11 @@ class _Pool:
     """_Pool is one pool's runtime: its config, adaptive tracker, cached limits and wait queue."""
 
     __slots__ = ("name", "config", "tracker", "kv_capacity", "limits", "queue", "loop", "timer",
-                 "timer_at", "stop", "blocked_tenants", "draining", "drain_again", "drain_task",
-                 "retry_estimate_s", "guaranteed", "adaptive")
+                 "timer_at", "stop", "blocked_tenants", "blocked_classes", "draining", "drain_again",
+                 "drain_task", "retry_estimate_s", "guaranteed", "kv_watermarks", "adaptive")
 
     def __init__(self, config: PoolConfig, params: ScaleParams, retry_estimate_s: float,
-                 guaranteed: dict[str, int], now: float) -> None:
+                 guaranteed: dict[str, int], kv_watermarks: dict[str, float], now: float) -> None:
         self.name = config.name
         self.config = config
         self.tracker = ScaleTracker(params, now)
@@ -125,14 +128,17 @@ class _Pool:
         self.timer: asyncio.TimerHandle | None = None
         self.timer_at = math.inf
         # What blocked the last walk of the queue: (priority, refusal) of the waiter it
-        # stopped at, and the tenants whose own bucket refused their first waiter.
+        # stopped at, the tenants whose own bucket refused their first waiter, and the
+        # classes whose KV watermark refused their first waiter.
         self.stop: tuple[int, Refusal] | None = None
         self.blocked_tenants: dict[str, Refusal] = {}
+        self.blocked_classes: dict[str, Refusal] = {}
         self.draining = False
         self.drain_again = False
         self.drain_task: asyncio.Task[None] | None = None
         self.retry_estimate_s = retry_estimate_s
         self.guaranteed = guaranteed
+        self.kv_watermarks = kv_watermarks
 
     def limits_at(self, now: float) -> PoolLimits:
         """limits_at is the pool's limits at ``now``'s scale (cached while the scale holds)."""
@@ -147,11 +153,13 @@ class _Pool:
         if cfg.tpm is not None:
             cap = cfg.tpm * scale
             bucket = BucketSpec(key=POOL_BUCKET, capacity=cap, rate=cap / 60.0, base_capacity=float(cfg.tpm))
+        kv = effective_kv_budget(base_kv, scale)
         lim = self.limits = PoolLimits(
             pool=self.name, scale=scale, limit=limit, base_limit=cfg.max_concurrency,
             guarantees=effective_guarantees(self.guaranteed, scale, limit),
-            kv_budget=effective_kv_budget(base_kv, scale), base_kv_budget=base_kv, bucket=bucket,
-            retry_estimate_s=self.retry_estimate_s)
+            kv_budget=kv, base_kv_budget=base_kv,
+            kv_ceilings=kv_ceilings(self.kv_watermarks, kv, base_kv) if self.kv_watermarks else {},
+            bucket=bucket, retry_estimate_s=self.retry_estimate_s)
         return lim
 
 
@@ -175,7 +183,7 @@ class Admission:
 
     def _new_pool(self, pc: PoolConfig, config: Config, now: float) -> _Pool:
         return _Pool(pc, ScaleParams.of(pc, config.adaptive), config.adaptive.poll_interval_s,
-                     self._tenants.guaranteed, now)
+                     self._tenants.guaranteed, self._tenants.kv_watermarks, now)
 
     # --- public API -------------------------------------------------------------
 
@@ -347,6 +355,7 @@ class Admission:
             p.adaptive = params.enabled
             p.retry_estimate_s = config.adaptive.poll_interval_s
             p.guaranteed = self._tenants.guaranteed
+            p.kv_watermarks = self._tenants.kv_watermarks
             p.limits = None
             pools[name] = p
         removed = [p for name, p in self._pools.items() if name not in pools]
@@ -416,17 +425,20 @@ class Admission:
         """_blocked is the refusal of a waiter that ``demand`` may not jump, or None.
 
         Waiters of a higher or the same priority that stopped on a budget everyone
-        needs, and earlier waiters of the same tenant stopped by its bucket, go first.
+        needs, earlier waiters of the same tenant stopped by its bucket, and earlier
+        waiters of the same class stopped by its KV watermark, go first.
         """
         top = p.queue.top_priority()
-        if top is None or (top < cls.priority and demand.tenant not in p.blocked_tenants):
+        if top is None or (top < cls.priority and demand.tenant not in p.blocked_tenants
+                           and demand.class_name not in p.blocked_classes):
             return None
         if self._sync is not None:
             self._kick(p)  # time has passed since the last walk: serve the queue first
         stop = p.stop
         if stop is not None and cls.priority <= stop[0]:
             return stop[1]
-        return p.blocked_tenants.get(demand.tenant)
+        blocker = p.blocked_tenants.get(demand.tenant)
+        return blocker if blocker is not None else p.blocked_classes.get(demand.class_name)
 
     async def _wait(self, p: _Pool, demand: Demand, cls: ClassConfig, plan: Plan,
                     refusal: Refusal, behind: bool, now: float) -> Lease | Rejection:
@@ -515,6 +527,7 @@ class Admission:
         self._expire(p, now)
         p.stop = None
         p.blocked_tenants.clear()
+        p.blocked_classes.clear()
         return bool(p.queue.size)
 
     def _prepare(self, p: _Pool, w: Waiter, now: float) -> Plan | Step:
@@ -549,15 +562,18 @@ class Admission:
     def _note_block(self, p: _Pool, w: Waiter, refusal: Refusal) -> Step:
         """_note_block records what a waiter's refusal blocks for arrivals and the walk (see waitqueue)."""
         b = refusal.budget
-        if b is not Budget.SLOTS and b in _STOPS and refusal.needed > refusal.limit:
-            # Above the budget's scaled size: only the scale's recovery lets it in, and
-            # holding others back would not bring that sooner.
-            return Step.NEXT
+        if b in _SCALED and refusal.needed > refusal.limit:
+            return Step.NEXT  # above the budget's scaled size: see _SCALED
         if b in _STOPS:
             if p.stop is None or w.priority > p.stop[0]:
                 p.stop = (w.priority, refusal)
             return Step.STOP
         if b is Budget.RESERVED_SLOTS:
+            return Step.SKIP_CLASS
+        if b is Budget.CLASS_KV:
+            # Only its own class is held to this watermark: later requests of the class
+            # may not jump it (a large document is not starved by small ones), others may.
+            p.blocked_classes.setdefault(w.demand.class_name, refusal)
             return Step.SKIP_CLASS
         p.blocked_tenants.setdefault(w.demand.tenant, refusal)
         return Step.SKIP_TENANT

@@ -4,11 +4,20 @@ A request holds KV-cache memory for its prompt and every token it generates, for
 as it runs. The sum over admitted, unfinished requests of (prompt + reserved completion)
 is kept within ``kv_budget × scale``: the guard against ten 32k-token requests arriving
 together, which neither slots nor a per-minute bucket stop.
+
+Class watermarks (``kv_watermark`` w < 1, e.g. on a sheddable batch class): a request of
+such a class is admitted only while the pool's in-flight KV tokens, every class counted
+and the request included, stay within ``floor(w × effective KV budget)``; classes with a
+higher watermark may fill the rest. Why: a long-running class that may take the whole
+budget holds it for minutes, and any shrink of the adaptive scale then leaves no room
+for anyone else; below the watermark it can never hold the last ``1 - w`` of it, so
+short requests of other classes still fit while it drains.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 from extproc.admission.slots import scaled_floor
 
@@ -44,6 +53,20 @@ def effective_kv_budget(base: int | None, scale: float) -> int | None:
     if base is None:
         return None
     return scaled_floor(base, scale)
+
+
+def kv_ceilings(watermarks: Mapping[str, float], kv_budget: int | None,
+                base_kv_budget: int | None) -> dict[str, tuple[int, int]]:
+    """kv_ceilings is, per class with a watermark below 1, how far it may fill the KV budget.
+
+    ``watermarks`` maps class names to ratios in (0, 1]; the budgets are the effective
+    and the scale-1.0 KV budgets in tokens. Each class gets ``(floor(w × kv_budget),
+    floor(w × base_kv_budget))`` tokens; nobody gets one without a KV budget.
+    """
+    if kv_budget is None or base_kv_budget is None:
+        return {}
+    return {name: (scaled_floor(kv_budget, w), scaled_floor(base_kv_budget, w))
+            for name, w in watermarks.items() if w < 1.0}
 
 
 def kv_fits(kv_inflight: int, tokens: int, budget: int | None) -> bool:

@@ -4,9 +4,12 @@ Every store applies ``decide`` (the in-memory store calls it; a shared store mir
 in one atomic script), so the rule is written once and tested alone. The order of the
 checks decides which budget a refusal names:
 
-1. never fits (not retryable): tokens above the KV budget or a bucket's capacity at scale 1.0;
+1. never fits (not retryable): tokens above the KV budget, the class's KV ceiling or a
+   bucket's capacity at scale 1.0;
 2. concurrency slots (``slots.slot_refusal``);
-3. in-flight KV tokens;
+3. in-flight KV tokens: the pool's KV budget, then the ceiling of the plan's class
+   (``kv_watermark`` below 1: the class may fill the budget only up to
+   ``floor(w × budget)``, every class's tokens counted; see ``kvbudget``);
 4. the tenant's bucket, then the pool's bucket.
 
 Every budget that refuses is checked, and the refusal's retry delay is the longest of
@@ -49,6 +52,10 @@ def decide(plan: Plan, inflight: int, by_class: Mapping[str, int], kv_inflight: 
     # 1. Never fits: more than a budget holds even at full scale.
     if limits.base_kv_budget is not None and n > limits.base_kv_budget:
         return Refusal(Budget.KV, 0.0, False, n, kv_inflight, limits.base_kv_budget)
+    ceilings = limits.kv_ceilings
+    ceiling = ceilings.get(plan.class_name) if ceilings else None
+    if ceiling is not None and n > ceiling[1]:
+        return Refusal(Budget.CLASS_KV, 0.0, False, n, kv_inflight, ceiling[1])
     if tb is not None and n > tb.base_capacity + FIT_SLACK:
         return Refusal(Budget.TENANT_TPM, 0.0, False, n, 0, tb.base_capacity)
     if pb is not None and n > pb.base_capacity + FIT_SLACK:
@@ -65,6 +72,10 @@ def decide(plan: Plan, inflight: int, by_class: Mapping[str, int], kv_inflight: 
     if kv is not None and kv_inflight + n > kv:
         if first is None:
             first = Refusal(Budget.KV, estimate, True, n, kv_inflight, kv)
+        wait = estimate
+    elif ceiling is not None and kv_inflight + n > ceiling[0]:
+        if first is None:
+            first = Refusal(Budget.CLASS_KV, estimate, True, n, kv_inflight, ceiling[0])
         wait = estimate
     if tb is not None and tenant_tokens is not None and n > tenant_tokens + FIT_SLACK:
         w = _bucket_wait(n, tenant_tokens, tb, estimate)
@@ -99,6 +110,9 @@ def message(refusal: Refusal, plan: Plan) -> str:
     if not refusal.retryable:
         if b is Budget.KV:
             what = f"the in-flight KV-token budget of pool '{pool}' ({int(refusal.limit)} tokens)"
+        elif b is Budget.CLASS_KV:
+            what = (f"the part of the in-flight KV-token budget of pool '{pool}' that class "
+                    f"'{plan.class_name}' may fill ({int(refusal.limit)} tokens)")
         elif b is Budget.TENANT_TPM:
             what = f"the tokens-per-minute limit of tenant '{plan.tenant}' ({int(refusal.limit)} tokens)"
         else:
@@ -116,6 +130,11 @@ def message(refusal: Refusal, plan: Plan) -> str:
         return (f"The in-flight KV-token budget of pool '{pool}' is full: this request needs "
                 f"{int(refusal.needed)} tokens, {int(refusal.used)} of {int(refusal.limit)} are in use. "
                 f"Please retry after {retry}.")
+    if b is Budget.CLASS_KV:
+        return (f"Requests of class '{plan.class_name}' may fill the in-flight KV-token budget of "
+                f"pool '{pool}' only up to {int(refusal.limit)} tokens (the rest is kept for other "
+                f"classes): this request needs {int(refusal.needed)} tokens, {int(refusal.used)} are "
+                f"in use. Please retry after {retry}.")
     whose = f"tenant '{plan.tenant}'" if b is Budget.TENANT_TPM else f"pool '{pool}'"
     return (f"Rate limit reached for tokens per minute (TPM) on {whose}: limit {int(refusal.limit)}, "
             f"available {max(0, int(refusal.used))}, requested {int(refusal.needed)}. "
@@ -133,6 +152,7 @@ _BUDGET_WORDS = {
     Budget.SLOTS: "a concurrency slot",
     Budget.RESERVED_SLOTS: "a concurrency slot",
     Budget.KV: "room in the in-flight KV-token budget",
+    Budget.CLASS_KV: "room in the part of the in-flight KV-token budget their class may fill",
     Budget.POOL_TPM: "tokens of the tokens-per-minute limit",
     Budget.TENANT_TPM: "tokens of the tokens-per-minute limit",
 }

@@ -22,7 +22,7 @@ class Tenants:
     built before a reload that removed its class) resolves to the default class.
     """
 
-    __slots__ = ("config", "classes", "default", "buckets", "guaranteed")
+    __slots__ = ("config", "classes", "default", "buckets", "guaranteed", "kv_watermarks")
 
     def __init__(self, config: TenantsConfig) -> None:
         self.config = config
@@ -32,6 +32,9 @@ class Tenants:
         self.buckets: dict[str, BucketSpec | None] = {}
         self.guaranteed: dict[str, int] = {
             name: c.guaranteed_slots for name, c in config.classes.items() if c.guaranteed_slots > 0}
+        # Class name -> its KV watermark, for the classes held below the whole KV budget.
+        self.kv_watermarks: dict[str, float] = {
+            name: c.kv_watermark for name, c in config.classes.items() if c.kv_watermark < 1.0}
 
     def class_rule(self, class_name: str) -> ClassConfig:
         """class_rule is the configured class ``class_name``, or the default class."""

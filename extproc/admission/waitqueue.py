@@ -5,10 +5,10 @@ yields, what the walk does next (``Step``). The anti-starvation rule lives in th
 steps: a waiter that does not fit on a budget every request needs (slots, KV tokens, the
 pool's bucket) STOPs the walk, so no smaller request of the same or a lower priority
 jumps it; a waiter refused by its own tenant's bucket blocks only its own tenant; a
-waiter refused because the free slots are guaranteed to other classes blocks only its
-own class. A large request therefore waits only for capacity, never behind a stream of
-small ones. One exception: a waiter larger than the KV budget or the pool's bucket *at
-the current scale* (it fits only once the scale recovers) blocks nobody, since holding
+waiter refused because the free slots are guaranteed to other classes, or by its class's
+KV watermark, blocks only its own class. A large request therefore waits only for capacity, never behind a stream of
+small ones. One exception: a waiter larger than the KV budget, its class's KV ceiling or
+the pool's bucket *at the current scale* (it fits only once the scale recovers) blocks nobody, since holding
 the others back would not bring the recovery sooner.
 
 Waiters added or removed while a walk is under way (the walk may suspend on a shared

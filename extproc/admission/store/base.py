@@ -48,13 +48,15 @@ class Budget(StrEnum):
 
     ``slots``: the pool's effective concurrency limit is reached; ``reserved_slots``:
     free slots exist but are kept for other classes' unused guarantees; ``kv``: the
-    in-flight KV-token budget; ``pool_tpm``: the pool's token bucket; ``tenant_tpm``: the
-    tenant's own token bucket.
+    in-flight KV-token budget; ``class_kv``: the part of the KV budget the request's class
+    may fill (its ``kv_watermark``), the rest being kept for other classes; ``pool_tpm``:
+    the pool's token bucket; ``tenant_tpm``: the tenant's own token bucket.
     """
 
     SLOTS = "slots"
     RESERVED_SLOTS = "reserved_slots"
     KV = "kv"
+    CLASS_KV = "class_kv"
     POOL_TPM = "pool_tpm"
     TENANT_TPM = "tenant_tpm"
 
@@ -68,6 +70,7 @@ _REASON = {
     Budget.SLOTS: Reason.CONCURRENCY,
     Budget.RESERVED_SLOTS: Reason.CONCURRENCY,
     Budget.KV: Reason.KV_BUDGET,
+    Budget.CLASS_KV: Reason.KV_BUDGET,
     Budget.POOL_TPM: Reason.TPM,
     Budget.TENANT_TPM: Reason.TPM,
 }
@@ -101,8 +104,11 @@ class PoolLimits:
     scale 1.0; ``guarantees``: effective guaranteed slots per class name (only classes
     with at least one); ``kv_budget``: in-flight KV tokens (None: unbounded);
     ``base_kv_budget``: the KV budget at scale 1.0 (a plan above it can never fit);
-    ``bucket``: the pool's token bucket (None: no pool TPM); ``retry_estimate_s``: the
-    retry delay, in seconds, given for budgets whose release time nobody knows (slots,
+    ``kv_ceilings``: per class name with a KV watermark below 1, the in-flight KV tokens
+    (all classes counted) up to which the class may fill the budget, as (now, at scale
+    1.0): ``(floor(w × kv_budget), floor(w × base_kv_budget))``; empty without a KV
+    budget; ``bucket``: the pool's token bucket (None: no pool TPM); ``retry_estimate_s``:
+    the retry delay, in seconds, given for budgets whose release time nobody knows (slots,
     KV); ``scale``: the adaptive scale these limits were computed at.
     """
 
@@ -113,6 +119,7 @@ class PoolLimits:
     guarantees: Mapping[str, int] = field(default_factory=dict)
     kv_budget: int | None = None
     base_kv_budget: int | None = None
+    kv_ceilings: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     bucket: BucketSpec | None = None
     retry_estimate_s: float = 1.0
 

@@ -59,7 +59,7 @@ from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from extproc.admission.kvbudget import effective_kv_budget
-from extproc.admission.slots import effective_guarantees, effective_limit
+from extproc.admission.slots import effective_guarantees, effective_limit, scaled_floor
 from extproc.admission.store.base import (Budget, BucketSpec, Grant, Plan, PoolLimits, PoolUsage,
                                           Refusal, Store, StoreError)
 from extproc.admission.store.memory import MemoryStore
@@ -261,7 +261,8 @@ end
 
 # KEYS: st lz lh done pool_bucket tenant_bucket (st stands in for a missing bucket)
 # ARGV[1]: "now id ttl class tokens limit kv_budget base_kv estimate p_cap p_rate p_base
-#           t_cap t_rate t_base tenant_expire {class g}..."
+#           t_cap t_rate t_base tenant_expire c_kv c_base_kv {class g}..."
+#           (c_kv, c_base_kv: the class's KV ceiling now and at scale 1.0, '-' for none)
 # Returns "1 inflight b_tok b_cap b_rate|view" (granted; '-' without a bucket),
 # "0 budget retry retryable needed used limit|view" (refused), "2|view" (id cancelled).
 _ADMIT = _PRELUDE + r"""
@@ -273,6 +274,7 @@ local limit, kvb, base_kv, est = tonumber(a[6]), tonumber(a[7]), tonumber(a[8]),
 local pcap, prate, pbase = tonumber(a[10]), tonumber(a[11]), tonumber(a[12])
 local tcap, trate, tbase = tonumber(a[13]), tonumber(a[14]), tonumber(a[15])
 local texp = tonumber(a[16])
+local ckv, cbase = tonumber(a[17]), tonumber(a[18])
 purge(st, lz, lh, done, now)
 if redis.call('ZSCORE', done, id) then return '2' .. view(now, st, pbk, pcap ~= nil) end
 local sv = redis.call('HMGET', st, 'n', 'kv')
@@ -304,6 +306,7 @@ local function refused(r)
 end
 -- rules.decide, step 1: never fits, not even at scale 1.0
 if base_kv and n > base_kv then return refused({'kv', 0, 0, n, kvin, base_kv}) end
+if cbase and n > cbase then return refused({'class_kv', 0, 0, n, kvin, cbase}) end
 if tb and n > tbase + FIT then return refused({'tenant_tpm', 0, 0, n, 0, tbase}) end
 if pb and n > pbase + FIT then return refused({'pool_tpm', 0, 0, n, 0, pbase}) end
 local function wait_for(tokens, cap, rate)
@@ -322,9 +325,9 @@ local wait = 0
 local slots = nil
 if inflight >= limit then
   slots = 'slots'
-elseif #a > 16 then
+elseif #a > 18 then
   local reserved = 0
-  for i = 17, #a - 1, 2 do
+  for i = 19, #a - 1, 2 do
     local name, g = a[i], tonumber(a[i + 1])
     if name ~= cls then
       local free = g - (tonumber(redis.call('HGET', st, 'c:' .. name)) or 0)
@@ -337,9 +340,12 @@ if slots then
   first = {slots, est, 1, 1, inflight, limit}
   wait = est
 end
--- step 3: in-flight KV tokens
+-- step 3: in-flight KV tokens: the pool's budget, then the class's ceiling
 if kvb and kvin + n > kvb then
   if not first then first = {'kv', est, 1, n, kvin, kvb} end
+  wait = est
+elseif ckv and kvin + n > ckv then
+  if not first then first = {'class_kv', est, 1, n, kvin, ckv} end
   wait = est
 end
 -- step 4: the tenant's bucket, then the pool's
@@ -530,9 +536,9 @@ def local_share(plan: Plan, replicas: int) -> Plan:
     """local_share is ``plan`` with this replica's share of every limit: limit / ``replicas``.
 
     Slots: max(1, floor(limit / N)) so that a replica still admits one request at a time;
-    guarantees and the KV budget: floor(x / N) tokens or slots; buckets: capacity and rate
-    / N. Capacities at scale 1.0 stay whole: a request that fits the shared budget is not
-    told it can never fit because of an outage.
+    guarantees, the KV budget and the classes' KV ceilings: floor(x / N) tokens or slots;
+    buckets: capacity and rate / N. Capacities at scale 1.0 stay whole: a request that fits
+    the shared budget is not told it can never fit because of an outage.
     """
     if replicas <= 1:
         return plan
@@ -542,6 +548,8 @@ def local_share(plan: Plan, replicas: int) -> Plan:
     limits = replace(lim, limit=limit,
                      guarantees=effective_guarantees(lim.guarantees, share, limit),
                      kv_budget=effective_kv_budget(lim.kv_budget, share),
+                     kv_ceilings={name: (scaled_floor(now, share), base)
+                                  for name, (now, base) in lim.kv_ceilings.items()},
                      bucket=_share_bucket(lim.bucket, share))
     return Plan(limits, plan.tenant, plan.class_name, plan.tokens,
                 _share_bucket(plan.tenant_bucket, share))
@@ -854,8 +862,10 @@ class RedisStore(Store):
             keys.limits = (lim, limits_arg, guarantees)
             cached = keys.limits
         tenant_arg = "- - -" if tb is None else f"{float(tb.capacity)!r} {float(tb.rate)!r} {float(tb.base_capacity)!r}"
+        ceiling = lim.kv_ceilings.get(plan.class_name) if lim.kv_ceilings else None
+        ceiling_arg = "- -" if ceiling is None else f"{ceiling[0]} {ceiling[1]}"
         arg = (f"{self._now_arg(now)} {lease_id} {self._ttl!r} {plan.class_name} {int(plan.tokens)} "
-               f"{limits_arg} {tenant_arg} {self._tenant_expire!r} {cached[2]}")
+               f"{limits_arg} {tenant_arg} {self._tenant_expire!r} {ceiling_arg} {cached[2]}")
         return ("EVALSHA", ADMIT.sha, 6, keys.st, keys.lz, keys.lh, keys.done, keys.bucket(pb),
                 keys.bucket(tb), arg)
 

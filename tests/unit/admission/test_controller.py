@@ -273,3 +273,36 @@ async def test_guarantees_shrink_with_the_limit(clock: ManualClock, store: Store
     assert [isinstance(x, Lease) for x in gold] == [True, True, True, False]  # 3 + 3 = limit 6
     snap = adm.snapshot("default")
     assert (snap.concurrency_limit, snap.inflight, snap.inflight_by_class) == (6, 6, {"standard": 3, "gold": 3})
+
+
+@pytest.mark.parametrize("watermark, docs, chats", [
+    (1.0, 7, 0),   # batch may fill the whole budget: the shrink leaves nothing for chats
+    (0.7, 5, 6),   # batch stops at 70%: the chats still fit after the same shrink
+])
+async def test_a_batch_kv_watermark_keeps_chats_in_when_the_scale_shrinks(clock: ManualClock, store: Store,
+                                                                          watermark, docs, chats):
+    # The protection benchmark in small: a burst of long documents, then the node's KV
+    # usage climbs into the adaptive band (0.76: scale 0.84) as they are prefilled.
+    cfg = config(pool={"max_concurrency": 48, "kv_budget_tokens": 10_000, "backends": BACKENDS},
+                 tenants=tenants({"online": {"priority": 10},
+                                  "batch": {"priority": -10, "sheddable": True, "kv_watermark": watermark}},
+                                 default_class="online"))
+    adm = Admission(cfg, clock, store)
+    for _ in range(5):
+        adm.update_signals("default", sig(0.1, clock.now()))
+        clock.advance(1)
+    assert adm.snapshot("default").scale == 1.0
+    burst = [await adm.acquire(demand(1200, 100, class_name="batch")) for _ in range(10)]
+    assert sum(isinstance(x, Lease) for x in burst) == docs
+    refused = [x for x in burst if isinstance(x, Rejection)]
+    assert all(x.reason is Reason.KV_BUDGET and x.retryable for x in refused)
+    adm.update_signals("default", sig(0.76, clock.now()))
+    snap = adm.snapshot("default")
+    assert (snap.scale, snap.kv_budget, snap.alarm) == (pytest.approx(0.84), 8400, False)
+    got = [await adm.acquire(demand(200, 100, class_name="online")) for _ in range(8)]
+    assert sum(isinstance(x, Lease) for x in got) == chats
+    assert adm.snapshot("default").kv_inflight == 1300 * docs + 300 * chats
+    # batch is back only below its ceiling at the new scale (0.7 x 8400 = 5880 tokens).
+    if watermark < 1.0:
+        more = await adm.acquire(demand(1, 0, class_name="batch"))
+        assert isinstance(more, Rejection) and "class 'batch'" in more.message

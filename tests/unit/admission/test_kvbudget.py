@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.admission.kvbudget import (KvLedger, base_kv_budget, effective_kv_budget, kv_fits,
-                                        reserved_completion)
+from extproc.admission.kvbudget import (KvLedger, base_kv_budget, effective_kv_budget, kv_ceilings,
+                                        kv_fits, reserved_completion)
 
 
 @pytest.mark.parametrize("prompt, max_tokens, reserved", [
@@ -47,3 +47,13 @@ def test_ledger_refuses_to_free_more_than_held():
     with pytest.raises(ValueError):
         ledger.give(11)
     assert ledger.give(10) == 0
+
+
+def test_kv_ceilings_are_the_watermark_of_the_effective_and_the_base_budget():
+    marks = {"batch": 0.7, "bulk": 0.25, "whole": 1.0}
+    # 0.7 x 10,000 is 6999.999... in floats: the floor is taken within a hair.
+    assert kv_ceilings(marks, 10_000, 10_000) == {"batch": (7000, 7000), "bulk": (2500, 2500)}
+    assert kv_ceilings(marks, 6_000, 10_000) == {"batch": (4200, 7000), "bulk": (1500, 2500)}
+    assert kv_ceilings({"tiny": 0.1}, 5, 9) == {"tiny": (0, 0)}
+    assert kv_ceilings(marks, None, None) == {}  # no KV budget: nothing to fill
+    assert kv_ceilings({}, 10_000, 10_000) == {}

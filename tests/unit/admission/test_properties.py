@@ -1,13 +1,16 @@
 """Hypothesis properties of the admission core, over random sequences of operations.
 
 Invariants: in-flight <= effective limit and KV in-flight <= KV budget at every
-admission; a bucket never holds more than its capacity; a second release changes
-nothing; once every lease is released nothing is held and the buckets were charged
-exactly the settled amounts; a class below its guarantee always gets a slot.
+admission, and <= the class's KV ceiling (watermark x budget) at every admission of a
+class with a watermark; a bucket never holds more than its capacity; a second release
+changes nothing; once every lease is released nothing is held and the buckets were
+charged exactly the settled amounts; a class below its guarantee always gets a slot; the
+part of the KV budget above a class's watermark is always there for the other classes.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from hypothesis import HealthCheck, given, settings
@@ -25,7 +28,7 @@ TENANTS = {"a": "gold", "b": "standard", "c": "batch"}
 
 
 def make_config(base: int, gold: int, tpm: int | None, tenant_tpm: int | None, kv: int | None,
-                backends: bool) -> Config:
+                backends: bool, watermark: float = 1.0) -> Config:
     pool: dict[str, Any] = {"max_concurrency": base, "tpm": tpm, "kv_budget_tokens": kv,
                             "context_window": 4096, "default_max_tokens": 256}
     if backends:
@@ -33,7 +36,8 @@ def make_config(base: int, gold: int, tpm: int | None, tenant_tpm: int | None, k
     return parse_config({
         "pools": {"default": pool},
         "tenants": {"classes": {"standard": {}, "gold": {"guaranteed_slots": gold, "priority": 5},
-                                "batch": {"sheddable": True, "tpm": tenant_tpm}},
+                                "batch": {"sheddable": True, "tpm": tenant_tpm,
+                                          "kv_watermark": watermark}},
                     "tenants": {"a": {"class": "gold", "tpm": tenant_tpm}}},
     })
 
@@ -46,6 +50,7 @@ configs = st.builds(
     tenant_tpm=st.one_of(st.none(), st.integers(300, 5_000)),
     kv=st.one_of(st.none(), st.integers(200, 5_000)),
     backends=st.booleans(),
+    watermark=st.sampled_from([1.0, 0.7, 0.35]) | st.floats(0.01, 1.0),
 )
 
 acquire = st.tuples(st.just("acquire"), st.sampled_from(sorted(TENANTS)), st.integers(0, 1500),
@@ -88,6 +93,8 @@ def test_invariants_hold_through_any_sequence(cfg: Config, script: list[tuple]) 
                 assert snap.inflight <= snap.concurrency_limit
                 if snap.kv_budget is not None:
                     assert snap.kv_inflight <= snap.kv_budget
+                    mark = cfg.tenants.classes[res.demand.class_name].kv_watermark
+                    assert snap.kv_inflight <= math.floor(mark * snap.kv_budget + 1e-9)
                 leases.append(res)
         elif kind == "release" and leases:
             lease = leases.pop(op[1] % len(leases))
@@ -212,3 +219,36 @@ def test_a_class_below_its_guarantee_always_gets_a_slot(base: int, gold: int, si
         elif leases:
             leases.pop(op[1] % len(leases)).release(Outcome.COMPLETED, 0)
         assert adm.snapshot("default").inflight <= base
+
+
+headroom_ops = st.lists(st.one_of(
+    st.tuples(st.just("acquire"), st.sampled_from(["batch", "standard"]), st.integers(0, 3000)),
+    st.tuples(st.just("release"), st.integers(0, 10**6))), max_size=60)
+
+
+@SETTINGS
+@given(budget=st.integers(1, 8000), watermark=st.floats(0.01, 1.0), script=headroom_ops)
+def test_the_budget_above_a_watermark_is_always_there_for_the_others(budget: int, watermark: float,
+                                                                     script: list[tuple]) -> None:
+    # However batch requests came and went, a request of another class fits the KV budget
+    # when it and that class's own in-flight tokens fit in the part above batch's ceiling:
+    # the probe asks for exactly what is left of that part.
+    cfg = parse_config({"pools": {"default": {"max_concurrency": 1000, "kv_budget_tokens": budget,
+                                              "context_window": 4096, "default_max_tokens": 256}},
+                        "tenants": {"classes": {"standard": {}, "batch": {"kv_watermark": watermark}}}})
+    adm = Admission(cfg, ManualClock(0.0))
+    ceiling = math.floor(watermark * budget + 1e-9)
+    leases: list[Lease] = []
+    for op in script:
+        if op[0] == "acquire":
+            res = adm.try_acquire(Demand("default", "t", op[1], op[2], 0))
+            if isinstance(res, Lease):
+                leases.append(res)
+        elif leases:
+            leases.pop(op[1] % len(leases)).release(Outcome.COMPLETED, 0)
+        others = sum(x.demand.tokens for x in leases if x.demand.class_name == "standard")
+        probe = budget - ceiling - others
+        if probe >= 0:
+            got = adm.try_acquire(Demand("default", "t", "standard", probe, 0))
+            assert isinstance(got, Lease), (others, probe, ceiling, got)
+            got.release(Outcome.COMPLETED, 0)

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from extproc.admission import Admission, Lease, Outcome, Rejection
-from extproc.admission.kvbudget import effective_kv_budget
+from extproc.admission.kvbudget import effective_kv_budget, kv_ceilings
 from extproc.admission.slots import effective_guarantees, effective_limit
 from extproc.admission.store.base import Budget, BucketSpec, Grant, Plan, PoolLimits, Refusal
 from extproc.admission.store.memory import MemoryStore
@@ -34,19 +34,23 @@ pytestmark = pytest.mark.redis
 
 T0 = 1000.0
 GUARANTEES = {"gold": 2, "batch": 1}
+WATERMARKS = {"batch": 0.55}
 TENANT_A = BucketSpec("tenant:a", 3000.0, 50.0, 3000.0)
 
 
 def limits(scale: float = 1.0, base: int = 6, pool: str = "p", kv: int | None = 8000,
-           tpm: float | None = 6000.0, guarantees: dict[str, int] | None = None) -> PoolLimits:
+           tpm: float | None = 6000.0, guarantees: dict[str, int] | None = None,
+           watermarks: dict[str, float] | None = None) -> PoolLimits:
     """limits builds a pool's limits at ``scale`` the way the controller does."""
     limit = effective_limit(base, scale)
     bucket = None if tpm is None else BucketSpec("pool", tpm * scale, tpm * scale / 60.0, tpm)
+    kv_budget = effective_kv_budget(kv, scale)
     return PoolLimits(pool=pool, scale=scale, limit=limit, base_limit=base,
                       guarantees=effective_guarantees(GUARANTEES if guarantees is None else guarantees,
                                                       scale, limit),
-                      kv_budget=effective_kv_budget(kv, scale), base_kv_budget=kv, bucket=bucket,
-                      retry_estimate_s=1.0)
+                      kv_budget=kv_budget, base_kv_budget=kv,
+                      kv_ceilings=kv_ceilings(WATERMARKS if watermarks is None else watermarks, kv_budget, kv),
+                      bucket=bucket, retry_estimate_s=1.0)
 
 
 def plan(tokens: int, lim: PoolLimits | None = None, class_name: str = "standard",
@@ -369,6 +373,7 @@ def test_local_share_divides_every_limit_by_the_replicas():
     share = local_share(p, 3)
     lim = share.limits
     assert (lim.limit, dict(lim.guarantees), lim.kv_budget) == (3, {"gold": 1}, 3000)
+    assert dict(lim.kv_ceilings) == {"batch": (1650, 4950)}  # 0.55 x 9000 = 4950, / 3 replicas
     assert (lim.bucket.capacity, lim.bucket.rate) == pytest.approx((2000.0, 2000.0 / 60))
     assert share.tenant_bucket.capacity == pytest.approx(1000.0)
     # what never fits stays what never fits in the whole budget

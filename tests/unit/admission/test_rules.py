@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.admission.rules import decide, message, shed_message
+from extproc.admission.rules import decide, message, queued_message, shed_message
 from extproc.admission.store.base import Budget, BucketSpec, Plan, PoolLimits, Refusal
+from extproc.admission.types import Reason
 
 POOL_TPM = BucketSpec("pool", 6000.0, 100.0, 6000.0)       # 6000 TPM: 100 tokens/s
 TENANT_TPM = BucketSpec("tenant:acme", 600.0, 10.0, 600.0)  # 600 TPM: 10 tokens/s
@@ -77,6 +78,57 @@ def test_reserved_slots_are_their_own_budget():
     r = decide(plan(1, lim), 2, {"standard": 2}, 0, 6000.0, None)
     assert r.budget is Budget.RESERVED_SLOTS
     assert decide(plan(1, lim, class_name="gold"), 2, {"standard": 2}, 0, 6000.0, None) is None
+
+
+# batch may fill the 10,000-token KV budget up to 7,000 tokens (watermark 0.7); at scale
+# 0.6 the budget is 6,000 and the ceiling 4,200.
+WATERMARKED = limits(kv_ceilings={"batch": (7000, 7000)})
+SHRUNK = limits(scale=0.6, kv_budget=6000, kv_ceilings={"batch": (4200, 7000)})
+
+
+@pytest.mark.parametrize("lim, cls, tokens, kv_inflight, budget, retryable, limit", [
+    (WATERMARKED, "batch", 1000, 6000, None, None, None),            # 7000: at the ceiling, in
+    (WATERMARKED, "batch", 1001, 6000, Budget.CLASS_KV, True, 7000),  # one token above it
+    (WATERMARKED, "batch", 7001, 0, Budget.CLASS_KV, False, 7000),    # never fits the class
+    (WATERMARKED, "standard", 4000, 6000, None, None, None),          # others fill the rest
+    (WATERMARKED, "standard", 4001, 6000, Budget.KV, True, 10_000),   # up to the budget only
+    (WATERMARKED, "batch", 4001, 6000, Budget.KV, True, 10_000),      # the pool's budget first
+    (SHRUNK, "batch", 200, 4000, None, None, None),
+    (SHRUNK, "batch", 201, 4000, Budget.CLASS_KV, True, 4200),       # the ceiling shrinks too
+    (SHRUNK, "batch", 5000, 0, Budget.CLASS_KV, True, 4200),         # fits at 1.0: waits
+    (SHRUNK, "standard", 1500, 4000, None, None, None),
+])
+def test_a_class_fills_the_kv_budget_up_to_its_watermark(lim, cls, tokens, kv_inflight, budget,
+                                                         retryable, limit):
+    r = decide(plan(tokens, lim, class_name=cls), 0, {}, kv_inflight, 6000.0, None)
+    if budget is None:
+        assert r is None
+    else:
+        assert (r.budget, r.retryable, r.limit) == (budget, retryable, limit)
+        assert r.used == kv_inflight and r.needed == tokens
+        assert r.budget.reason is Reason.KV_BUDGET
+
+
+def test_the_class_ceiling_keeps_the_longest_wait_and_the_slot_refusal_first():
+    p = plan(500, WATERMARKED, tenant_bucket=TENANT_TPM, class_name="batch")
+    r = decide(p, 4, {"batch": 4}, 6600, 6000.0, 10.0)   # slots, class KV and tenant TPM short
+    assert r.budget is Budget.SLOTS and r.retry_after_s == pytest.approx(49.0)
+    r = decide(p, 0, {}, 6600, 6000.0, 10.0)
+    assert r.budget is Budget.CLASS_KV and r.retry_after_s == pytest.approx(49.0)
+    r = decide(p, 0, {}, 6600, 6000.0, 600.0)
+    assert r.budget is Budget.CLASS_KV and r.retry_after_s == 1.0
+
+
+def test_class_kv_messages_name_the_class_and_its_share():
+    p = plan(1000, WATERMARKED, class_name="batch")
+    text = message(decide(p, 0, {}, 6500, 6000.0, None), p)
+    assert "class 'batch'" in text and "7000 tokens" in text and "6500 are in use" in text
+    assert "retry after 1.0s" in text
+    never = plan(8000, WATERMARKED, class_name="batch")
+    text = message(decide(never, 0, {}, 0, 6000.0, None), never)
+    assert "can never be admitted" in text and "class 'batch'" in text and "(7000 tokens)" in text
+    text = queued_message(Refusal(Budget.CLASS_KV, 1.0, True, 1000, 6500, 7000), p)
+    assert "their class may fill" in text and "6500" not in text
 
 
 def test_decide_changes_nothing():

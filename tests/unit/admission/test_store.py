@@ -117,3 +117,28 @@ async def test_pools_are_separate(store: Store):
     assert isinstance(a, Grant) and isinstance(b, Grant)
     assert store.usage("a", T0).inflight == 1 and store.usage("b", T0).inflight == 1
     assert store.usage("nobody", T0).inflight == 0
+
+
+async def test_a_class_watermark_keeps_the_rest_of_the_kv_budget_for_others(store: Store):
+    # batch may fill the 5000-token budget up to 3500 (watermark 0.7); its own tokens and
+    # everyone else's count toward that fill.
+    lim = limits(limit=10, base_limit=10, kv_ceilings={"batch": (3500, 3500)})
+    online = await store.admit(plan(500, lim, tenant=None), T0)
+    docs = [await store.admit(plan(1500, lim, tenant=None, class_name="batch"), T0) for _ in range(3)]
+    assert isinstance(online, Grant) and [isinstance(d, Grant) for d in docs] == [True, True, False]
+    r = docs[2]
+    assert (r.budget, r.retryable, r.needed, r.used, r.limit) == (Budget.CLASS_KV, True, 1500, 3500, 3500)
+    before = store.usage("p", T0)
+    assert before.kv_inflight == 3500
+    # The last 1500 tokens stay for the classes without a watermark, up to the budget.
+    chats = [await store.admit(plan(500, lim, tenant=None), T0) for _ in range(4)]
+    assert [isinstance(c, Grant) for c in chats] == [True, True, True, False]
+    assert chats[3].budget is Budget.KV and store.usage("p", T0).kv_inflight == 5000
+    never = await store.admit(plan(3501, lim, tenant=None, class_name="batch"), T0)
+    assert (never.budget, never.retryable, never.limit) == (Budget.CLASS_KV, False, 3500)
+    # Chats finishing make room for batch again only once the fill is back below 3500.
+    for c in chats[:3]:
+        store.settle(c, 500, T0)
+    assert isinstance(await store.admit(plan(1, lim, tenant=None, class_name="batch"), T0), Refusal)
+    store.settle(online, 500, T0)
+    assert isinstance(await store.admit(plan(500, lim, tenant=None, class_name="batch"), T0), Grant)

@@ -261,3 +261,40 @@ async def test_not_retryable_never_waits(clock: ManualClock, class_name: str):
     adm = adm_with(clock, None, max_concurrency=1, tpm=1000)
     r = await adm.acquire(demand(2000, class_name=class_name))
     assert isinstance(r, Rejection) and not r.retryable and adm.snapshot("default").waiting == 0
+
+
+async def test_a_waiter_held_by_its_class_kv_watermark_holds_back_only_its_class(clock: ManualClock,
+                                                                                 store: Store):
+    # KV budget 1000; 'bulk' (same priority as 'standard') may fill it up to 500.
+    classes = {"standard": {"max_wait_s": 30}, "bulk": {"max_wait_s": 30, "kv_watermark": 0.5}}
+    adm = Admission(config(pool={"max_concurrency": 10, "kv_budget_tokens": 1000},
+                           tenants=tenants(classes)), clock, store)
+    first = await adm.acquire(demand(400, class_name="bulk"))
+    assert isinstance(first, Lease)
+    big = asyncio.create_task(adm.acquire(demand(300, class_name="bulk")))   # 700 > 500: waits
+    await until(waiting(adm, 1))
+    # Another class of the same priority is not held behind it: the budget has room.
+    chat = await adm.acquire(demand(300))
+    assert isinstance(chat, Lease)
+    # Once the chat ends, a smaller request of the waiter's own class would fit
+    # (400 + 100 <= 500), yet it queues behind the larger one instead of jumping it.
+    chat.release(Outcome.COMPLETED, 1)
+    await quiet(adm)
+    small = asyncio.create_task(adm.acquire(demand(100, class_name="bulk")))
+    await until(waiting(adm, 2))
+    assert not big.done() and not small.done()
+    first.release(Outcome.COMPLETED, 1)
+    await asyncio.wait_for(asyncio.gather(big, small), timeout=10)
+    assert isinstance(big.result(), Lease) and isinstance(small.result(), Lease)
+    assert adm.snapshot("default").kv_inflight == 400
+
+
+async def test_a_request_above_its_class_ceiling_at_scale_one_is_refused_at_once(clock: ManualClock,
+                                                                                 store: Store):
+    classes = {"standard": {"max_wait_s": 30}, "bulk": {"max_wait_s": 30, "kv_watermark": 0.5}}
+    adm = Admission(config(pool={"max_concurrency": 10, "kv_budget_tokens": 1000},
+                           tenants=tenants(classes)), clock, store)
+    r = await adm.acquire(demand(501, class_name="bulk"))
+    assert isinstance(r, Rejection) and r.reason is Reason.KV_BUDGET and not r.retryable
+    assert "class 'bulk'" in r.message and "(500 tokens)" in r.message
+    assert adm.snapshot("default").waiting == 0 and adm.snapshot("default").kv_inflight == 0
