@@ -843,9 +843,9 @@ def _cpus() -> int:
 
 # --- Envoy variants (levers) ------------------------------------------------------------------
 
-VARIANTS = ("recommended", "four-message", "observe", "full-duplex")
+VARIANTS = ("recommended", "four-message", "observe", "full-duplex", "no-response-headers")
 # Variants kvgate does not serve (the bare processor shows what they would be worth).
-BARE_ONLY = ("full-duplex",)
+BARE_ONLY = ("full-duplex", "no-response-headers")
 EXT_PROC_TYPE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
 
 
@@ -858,7 +858,9 @@ def variant_file(variant: str, workdir: Path) -> Path:
     - ``observe``: deploy/envoy-observe.yaml (the response goes to a second ext_proc filter
       in observability mode: never waited for);
     - ``full-duplex``: the response body FULL_DUPLEX_STREAMED (Envoy does not wait for each
-      chunk's answer before sending the next; the processor sends the chunks back).
+      chunk's answer before sending the next; the processor sends the chunks back);
+    - ``no-response-headers``: response headers skipped too (status and x-ratelimit-*
+      headers would have to travel by attributes and dynamic metadata).
     """
     if variant == "recommended":
         return ENVOY_TEMPLATE
@@ -874,6 +876,8 @@ def variant_file(variant: str, workdir: Path) -> Path:
     if variant == "full-duplex":
         mode["response_body_mode"] = "FULL_DUPLEX_STREAMED"
         mode["response_trailer_mode"] = "SEND"  # required by FULL_DUPLEX_STREAMED
+    elif variant == "no-response-headers":
+        mode["response_header_mode"] = "SKIP"
     else:
         raise ValueError(f"unknown variant {variant!r}")
     path = workdir / f"envoy-{variant}.yaml"
