@@ -442,8 +442,10 @@ class Exchange:
         request attributes sent with its first body message (``request_attributes``).
 
         Envoy joins repeated headers with ``,`` (tenant names cannot contain one), so a
-        tenant value with a comma is a repeated tenant header. Without ``request.path``
-        kvgate cannot tell what the request is: it refuses it (fail closed) and says why.
+        tenant value with a comma is a repeated tenant header. Attributes that were not
+        UTF-8 (a client's bad header byte; see server.decode_request) get a 400. Without
+        ``request.path`` kvgate cannot tell what the request is: it refuses it (fail closed)
+        and says why.
         """
         if attributes and UNDECODABLE_ATTRIBUTES in attributes:
             return self._refuse(RequestError(
