@@ -51,6 +51,7 @@ from extproc.errors import ConfigError
 from extproc.exchange import (CONTINUE_REQUEST_TRAILERS, CONTINUE_RESPONSE_TRAILERS, LINK_KEY,
                               METADATA_NAMESPACE, UNDECODABLE_ATTRIBUTES, Exchange, Gate)
 from extproc.metrics import Metrics
+from extproc.tokens import load_tokenizer
 
 log = logging.getLogger("kvgate.server")
 
@@ -318,6 +319,9 @@ class Server:
         self.executor = ThreadPoolExecutor(max_workers=TOKENIZE_THREADS,
                                            thread_name_prefix="kvgate-tokenize")
         self.gate = Gate(config, self.admission, self.metrics, self.clock, self.executor)
+        self._tokenizers_ready = {pc.tokenizer for pc in config.pools.values()}
+        self._reload_generation = 0
+        self._reload_tasks: set[asyncio.Task[None]] = set()
         self.metrics.attach(self.admission, tuple(config.tenants.classes))
         self.service: ExtProcService | None = None
         self.health: HealthServicer | None = None
@@ -391,13 +395,50 @@ class Server:
         """apply_config switches to a new configuration (on the loop thread).
 
         Tokenizers load first: a config that cannot load them is refused whole, and the
-        old one stays in force. Granted leases are untouched.
+        old one stays in force. A tokenizer not loaded yet is read and parsed in a worker
+        thread (hundreds of ms for a Llama 3 rank file, unbounded on a slow volume), so
+        streams keep being served meanwhile; the configuration applies once it is loaded,
+        unless a newer one was applied in between. Granted leases are untouched.
         """
+        self._reload_generation += 1
+        generation = self._reload_generation
+        missing = sorted({pc.tokenizer for pc in config.pools.values()} - self._tokenizers_ready)
+        if not missing:
+            self._apply_now(config)
+            return
+        loop = asyncio.get_running_loop()
+
+        def load() -> None:
+            for spec in missing:
+                load_tokenizer(spec)  # cached per spec: the loop's later call is a lookup
+
+        async def load_then_apply() -> None:
+            try:
+                await loop.run_in_executor(self.executor, load)
+            except ConfigError as err:
+                if generation == self._reload_generation:
+                    self._reload_refused(err)
+                return
+            except Exception as err:  # an unreadable file must not end the reload task unseen
+                if generation == self._reload_generation:
+                    self._reload_refused(err)
+                return
+            if generation == self._reload_generation:
+                self._apply_now(config)
+            else:
+                log.info("a newer configuration arrived while tokenizers loaded; skipping this one")
+
+        task = loop.create_task(load_then_apply())
+        self._reload_tasks.add(task)
+        task.add_done_callback(self._reload_tasks.discard)
+
+    def _apply_now(self, config: Config) -> None:
         try:
             self.gate.reconfigure(config)
         except ConfigError as err:
             self._reload_refused(err)
             return
+        self._tokenizers_ready.update(pc.tokenizer for pc in config.pools.values())
         if config.store != self.config.store or config.server != self.config.server:
             log.warning("store and server settings change only with a restart; "
                         "the rest of the new configuration applies now")
@@ -479,6 +520,8 @@ class Server:
 
     async def close(self) -> None:
         """close stops the helpers and listeners without draining (tests, failed starts)."""
+        for task in list(self._reload_tasks):
+            task.cancel()
         if self._watcher is not None:
             loop = asyncio.get_running_loop()
             self._watcher.remove_sighup(loop)

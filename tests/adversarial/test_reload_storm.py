@@ -290,9 +290,6 @@ def test_a_pool_removed_before_the_decision_gets_a_clean_answer(rig: Rig, when: 
     assert rig.count("kvgate_internal_errors_total") == errors
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: Server.apply_config -> Gate.reconfigure -> load_tokenizer "
-                   "reads and parses a new tokenizer file on the event loop (250-400 ms for Llama 3, "
-                   "unbounded on a slow volume): every stream stalls during a reload")
 def test_a_reload_does_not_read_tokenizer_files_on_the_event_loop(rig: Rig, tmp_path: Path) -> None:
     """The new pool's tokenizer is a FIFO: it is read only when this test writes the ranks,
     which it does once the reader has opened it, after giving the loop 1 s to answer a probe."""

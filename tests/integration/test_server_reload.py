@@ -57,3 +57,28 @@ async def test_reload_adding_backends_starts_the_scraper() -> None:
     finally:
         await srv.close()
         httpd.shutdown()
+
+
+async def test_a_tokenizer_that_cannot_load_refuses_the_reload_and_keeps_the_old_config(
+        tmp_path: Path) -> None:
+    registry = CollectorRegistry()
+    srv = Server(parse_config(BASE), grpc_listen=f"{LOOPBACK}:0", admin_listen=f"{LOOPBACK}:0",
+                 metrics=Metrics(registry))
+    try:
+        await srv.start()
+        before = srv.config
+        broken = {**BASE, "pools": {"default": {"max_concurrency": 3,
+                                                "tokenizer": f"tiktoken:{tmp_path / 'missing.model'}"}}}
+        srv.apply_config(parse_config(broken))  # loads in a worker thread: returns at once
+        for _ in range(200):
+            if registry.get_sample_value("kvgate_config_reload_errors_total"):
+                break
+            await asyncio.sleep(0.01)
+        assert registry.get_sample_value("kvgate_config_reload_errors_total") == 1.0
+        assert srv.config is before
+        assert srv.admission.snapshot("default").concurrency_limit == 10
+        # A later good reload still applies, at once (its tokenizer is loaded already).
+        srv.apply_config(parse_config({**BASE, "pools": {"default": {"max_concurrency": 4}}}))
+        assert srv.admission.snapshot("default").concurrency_limit == 4
+    finally:
+        await srv.close()
