@@ -26,6 +26,7 @@ completed requests per simulated second, over the time until the last one comple
 Writes ``bench/results/protection.md`` and one PNG per policy.
 
     python bench/bench_protection.py [--tiny] [--policies none,kvgate] [--speedup 6] [--seed 1]
+                                     [--batch-kv-watermark 0.7]
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ from tests.support.procs import LOOPBACK, VENV_BIN, Proc, free_port  # noqa: E40
 RESULTS = ROOT / "bench" / "results"
 RATELIMIT_FILTER = ROOT / "bench" / "envoy_local_ratelimit.yaml"
 MODEL = "sim-llama-3-8b"
+# Policy 5's KV watermark of the batch class (see _kvgate_base); --batch-kv-watermark.
+BATCH_KV_WATERMARK = 0.7
 # The chat template's cost of one user message (OpenAI recipe: 3 per message, 1 for the
 # role "user", 3 to prime the reply): a content of n one-token words is an n+7-token prompt.
 CHAT_OVERHEAD = 7
@@ -202,16 +205,21 @@ def build_requests(w: Workload, seed: int) -> list[Req]:
 
 @dataclass(frozen=True, slots=True)
 class Policy:
-    """Policy is one admission setup: a kvgate configuration (or none) and/or Envoy's RPS limit."""
+    """Policy is one admission setup: a kvgate configuration (or none) and/or Envoy's RPS limit.
+
+    ``kvgate`` builds the configuration from the workload, the speedup, the simulator's
+    port and the batch class's KV watermark (a ratio; policies without classes ignore it).
+    """
 
     key: str
     title: str
-    kvgate: Callable[[Workload, float, int], dict[str, Any]] | None = None
+    kvgate: Callable[[Workload, float, int, float], dict[str, Any]] | None = None
     rps: bool = False
 
 
 def _kvgate_base(w: Workload, speedup: float, sim_port: int, *, tpm: bool, backends: bool,
-                 kv_budget: bool, classes: bool) -> dict[str, Any]:
+                 kv_budget: bool, classes: bool,
+                 batch_kv_watermark: float = BATCH_KV_WATERMARK) -> dict[str, Any]:
     """_kvgate_base is a kvgate config for the benchmark; every duration is divided by ``speedup``
     (and TPM multiplied by it) so that kvgate acts at the same simulated instants as on a real node."""
     pool: dict[str, Any] = {"max_concurrency": w.max_concurrency, "context_window": 32768,
@@ -244,7 +252,12 @@ def _kvgate_base(w: Workload, speedup: float, sim_port: int, *, tpm: bool, backe
                 "online": {"priority": 10, "guaranteed_slots": w.max_concurrency // 3,
                            "max_wait_s": 2.0 / speedup},
                 "standard": {"priority": 0},
-                "batch": {"priority": -10, "sheddable": True, "max_wait_s": 10.0 / speedup},
+                # Batch may fill the KV budget only up to its watermark: at 0.7, 0.7 x 0.9 =
+                # 63% of the node's KV, below the 0.70 low watermark, so a burst of 32k
+                # documents alone never shrinks the limits, and the last 30% of the budget
+                # stays free for online chats while the documents run for minutes.
+                "batch": {"priority": -10, "sheddable": True, "max_wait_s": 10.0 / speedup,
+                          "kv_watermark": batch_kv_watermark},
             },
             "tenants": {**{f"online-{i + 1}": {"class": "online"} for i in range(w.online_tenants)},
                         "batch": {"class": "batch"}},
@@ -257,11 +270,12 @@ POLICIES: tuple[Policy, ...] = (
     Policy("none", "1. no admission control"),
     Policy("rps", "2. requests/s limit (Envoy local_ratelimit)", rps=True),
     Policy("slots", "3. kvgate: concurrency slots only",
-           lambda w, s, p: _kvgate_base(w, s, p, tpm=False, backends=False, kv_budget=False, classes=False)),
+           lambda w, s, p, m: _kvgate_base(w, s, p, tpm=False, backends=False, kv_budget=False, classes=False)),
     Policy("seed", "4. kvgate: slots + TPM + adaptive scale",
-           lambda w, s, p: _kvgate_base(w, s, p, tpm=True, backends=True, kv_budget=False, classes=False)),
+           lambda w, s, p, m: _kvgate_base(w, s, p, tpm=True, backends=True, kv_budget=False, classes=False)),
     Policy("kvgate", "5. kvgate in full: + KV budget + tenant classes",
-           lambda w, s, p: _kvgate_base(w, s, p, tpm=True, backends=True, kv_budget=True, classes=True)),
+           lambda w, s, p, m: _kvgate_base(w, s, p, tpm=True, backends=True, kv_budget=True, classes=True,
+                                           batch_kv_watermark=m)),
 )
 
 
@@ -479,7 +493,8 @@ async def drive(run: Run, reqs: list[Req], w: Workload, speedup: float, envoy_po
 
 
 def run_policy(policy: Policy, reqs: list[Req], w: Workload, node: Node, speedup: float,
-               seed: int, overflow: str, workdir: Path, label: str) -> Run:
+               seed: int, overflow: str, workdir: Path, label: str,
+               batch_kv_watermark: float = BATCH_KV_WATERMARK) -> Run:
     """run_policy starts a fresh simulator (+ kvgate) + Envoy, replays the workload, stops them."""
     run = Run(policy)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -493,7 +508,8 @@ def run_policy(policy: Policy, reqs: list[Req], w: Workload, node: Node, speedup
         if policy.kvgate is not None:
             grpc_port, admin_port = free_port(), free_port()
             cfg_path = workdir / "kvgate.yaml"
-            cfg_path.write_text(yaml.safe_dump(policy.kvgate(w, speedup, sim_port), sort_keys=False))
+            kv_cfg = policy.kvgate(w, speedup, sim_port, batch_kv_watermark)
+            cfg_path.write_text(yaml.safe_dump(kv_cfg, sort_keys=False))
             kv = Proc([sys.executable, "-m", "extproc", "serve", "--config", str(cfg_path),
                        "--grpc-listen", f"{LOOPBACK}:{grpc_port}",
                        "--admin-listen", f"{LOOPBACK}:{admin_port}", "--log-level", "warning"],
@@ -647,13 +663,14 @@ def _fmt(x: float | None, digits: int = 2) -> str:
 
 
 def report(runs: list[Run], w: Workload, node: Node, speedup: float, seed: int, overflow: str,
-           wall_s: float, out: Path) -> str:
+           wall_s: float, out: Path, batch_kv_watermark: float = BATCH_KV_WATERMARK) -> str:
     """report writes the markdown table and PNGs to ``out`` and returns the verdict line."""
     sums = {run.policy.key: summarize(run) for run in runs}
     lines = [
         "# Protection benchmark: joint limiting against KV exhaustion",
         "",
-        f"Generated by `python bench/bench_protection.py{' --tiny' if w.name == 'tiny' else ''}` "
+        f"Generated by `python bench/bench_protection.py{' --tiny' if w.name == 'tiny' else ''}"
+        f"{'' if batch_kv_watermark == BATCH_KV_WATERMARK else f' --batch-kv-watermark {batch_kv_watermark:g}'}` "
         f"(`make bench-protection`), workload `{w.name}`, seed {seed}, speedup {speedup:g}x, "
         f"overflow mode `{overflow}`, {len(runs)} policies in {wall_s:.0f} s wall time on "
         f"{os.cpu_count()} cores ({platform.python_implementation()} {platform.python_version()}).",
@@ -694,7 +711,9 @@ def report(runs: list[Run], w: Workload, node: Node, speedup: float, seed: int, 
         f"TPM {w.tpm:,} per minute (the node's prefill throughput), adaptive scale on the node's "
         "KV usage (watermarks 0.70/0.85, down to 0.6) and queue (8 waiting counts as saturated). Policy 5: KV budget 0.9 x the KV capacity the "
         f"node reports; class `online` (priority 10, {w.max_concurrency // 3} guaranteed slots, may wait "
-        "2 s), class `batch` (priority -10, sheddable, may wait 10 s).",
+        f"2 s), class `batch` (priority -10, sheddable, may wait 10 s, `kv_watermark` {batch_kv_watermark:g}: "
+        "admitted only while the KV budget is at most that full, so a document burst leaves the rest to "
+        "online chats).",
         "- Times are simulated seconds; kvgate's time settings are divided by the speedup so it "
         "acts at the same simulated instants. TTFT is measured by the client from the first "
         "attempt (retries included) to the first token. Goodput: prompt + completion tokens of "
@@ -760,6 +779,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--overflow", choices=("preempt", "crash"), default="preempt",
                     help="what the node does when KV blocks run out")
     ap.add_argument("--out", type=Path, default=RESULTS, help="where the report and PNGs go")
+    ap.add_argument("--batch-kv-watermark", type=float, default=BATCH_KV_WATERMARK,
+                    help="policy 5: the batch class's kv_watermark, a ratio in (0, 1] (1: no watermark)")
     ap.add_argument("--raw", type=Path, default=None,
                     help="also write each policy's requests and timeline as JSON to this folder")
     args = ap.parse_args(argv)
@@ -770,6 +791,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown policies {unknown}; choose from {', '.join(known)}")
     if not args.speedup > 0:
         ap.error("--speedup must be > 0")
+    if not 0 < args.batch_kv_watermark <= 1:
+        ap.error("--batch-kv-watermark must be in (0, 1]")
     w = TINY if args.tiny else FULL
     node = Node()
     reqs = build_requests(w, args.seed)
@@ -784,7 +807,7 @@ def main(argv: list[str] | None = None) -> int:
             label = f"{i + 1}/{len(keys)} {key}"
             print(f"- {policy.title}", flush=True)
             run = run_policy(policy, reqs, w, node, args.speedup, args.seed, args.overflow,
-                             Path(tmp) / key, label)
+                             Path(tmp) / key, label, args.batch_kv_watermark)
             s = summarize(run)
             print(f"  [{label}] {run.wall_s:.0f} s: overflow events {s.overflow}, online ok "
                   f"{s.by_class['online']['ok']}/{sum(r.req.klass == 'online' for r in run.results)}, "
@@ -801,7 +824,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.raw is not None:
                 dump_raw(run, args.raw / f"protection_{key}.json")
     verdict = report(runs, w, node, args.speedup, args.seed, args.overflow,
-                     time.monotonic() - started, args.out)
+                     time.monotonic() - started, args.out, args.batch_kv_watermark)
     print(verdict)
     print(f"report: {args.out / 'protection.md'}")
     return 1 if any(r.error for r in runs) else 0
