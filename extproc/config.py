@@ -56,7 +56,8 @@ class PoolConfig:
     ``max_concurrency``: in-flight requests; ``tpm``: tokens per minute (None: no
     bucket); ``kv_budget_tokens``: in-flight KV tokens (None: derived from the
     backends' capacity, or unbounded without backends); ``context_window`` and
-    ``default_max_tokens`` in tokens.
+    ``default_max_tokens`` in tokens; ``enforce_max_tokens``: a request without a
+    completion cap is sent upstream with ``max_tokens`` set to what was reserved.
     """
 
     name: str
@@ -67,6 +68,7 @@ class PoolConfig:
     default_max_tokens: int = 1024
     tokenizer: str = "cl100k_base"
     chat_template: str = "openai"
+    enforce_max_tokens: bool = False
     backends: tuple[BackendConfig, ...] = ()
     signals: SignalsConfig = field(default_factory=SignalsConfig)
 
@@ -334,6 +336,7 @@ def _pool(key: str, name: str, data: Any) -> PoolConfig:
         default_max_tokens=s.integer("default_max_tokens", 1024),
         tokenizer=tokenizer,
         chat_template=s.string("chat_template", "openai", choices=("openai", "llama3", "qwen2", "none")),
+        enforce_max_tokens=s.boolean("enforce_max_tokens", False),
         backends=backends,
         signals=signals,
     )

@@ -601,28 +601,35 @@ class Exchange:
         self.lease = result
         self.state = _ADMITTED
         gate.metrics.request(self.pool_name, self.class_cfg.name, "admitted")
+        cap = reserved // parsed.sequences if pool.config.enforce_max_tokens and parsed.sequences else None
         if self.observe:
-            return self._linked_continue(result)
-        new_body = oai.add_stream_usage(parsed)
+            capped, _ = oai.upstream_body(parsed, cap_max_tokens=cap, stream_usage=False)
+            return self._linked_continue(result, capped)
+        new_body, self.strip_usage = oai.upstream_body(parsed, cap_max_tokens=cap)
         if new_body is None:
             return CONTINUE_REQUEST_BODY
-        # The client streams without asking for usage: ask for it upstream (and hide the
-        # usage chunk from the client). Envoy does not fix content-length for a replaced
-        # body: set it in the same answer or Envoy fails the request with 500.
-        self.strip_usage = True
+        # Ask the upstream for stream usage (the client did not; its usage chunk is then
+        # hidden from the client) and/or cap max_tokens at the reservation. Envoy does not
+        # fix content-length for a replaced body: set it in the same answer or Envoy fails
+        # the request with 500.
         resp = pb.ProcessingResponse()
         common = resp.request_body.response
         set_headers(common.header_mutation, [("content-length", str(len(new_body)))])
         common.body_mutation.body = new_body
         return resp
 
-    def _linked_continue(self, lease: Lease) -> pb.ProcessingResponse:
+    def _linked_continue(self, lease: Lease, new_body: bytes | None = None) -> pb.ProcessingResponse:
         """_linked_continue admits a request whose response is observed on another stream:
         the link and the x-ratelimit-* values go into the request's dynamic metadata, where
-        the observing filter (and Envoy's response_headers_to_add) find them."""
+        the observing filter (and Envoy's response_headers_to_add) find them. ``new_body``
+        (with its content-length) replaces the request body when given."""
         self.link = self.gate.new_link()
         resp = pb.ProcessingResponse()
         resp.request_body.SetInParent()
+        if new_body is not None:
+            common = resp.request_body.response
+            set_headers(common.header_mutation, [("content-length", str(len(new_body)))])
+            common.body_mutation.body = new_body
         fields = resp.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.fields
         fields[LINK_KEY].string_value = self.link
         for key, value in oai.rate_limit_headers(lease.rate):

@@ -349,20 +349,42 @@ def add_stream_usage(req: ParsedRequest) -> bytes | None:
     from the client). vLLM's ``continuous_usage_stats`` is turned off with it, so no other
     chunk changes. Returns None when the body is left as it is.
     """
-    if not req.stream or req.client_wants_usage or req.endpoint is Endpoint.EMBEDDINGS:
-        return None
+    return upstream_body(req)[0]
+
+
+def upstream_body(req: ParsedRequest, *, cap_max_tokens: int | None = None,
+                  stream_usage: bool = True) -> tuple[bytes | None, bool]:
+    """upstream_body is the body to send upstream instead of the client's, and whether the
+    usage chunk it asks for must be hidden from the client: ``(None, False)`` leaves the
+    body as it is.
+
+    Two rewrites: stream usage (see ``add_stream_usage``), and, when ``cap_max_tokens`` is
+    given and the request sets no completion cap, ``max_tokens = cap_max_tokens`` (tokens
+    per sequence: the completion kvgate reserved), so generation cannot outgrow the
+    reservation that the KV budget and the TPM bucket were charged. ``stream_usage=False``
+    skips the first (the response is not seen by this stream, so nothing could hide it).
+    """
+    if req.endpoint is Endpoint.EMBEDDINGS:
+        return None, False
+    add_usage = stream_usage and req.stream and not req.client_wants_usage
+    set_cap = cap_max_tokens is not None and req.max_tokens is None
+    if not add_usage and not set_cap:
+        return None, False
     body = dict(req.body)
-    options = dict(body.get("stream_options") or {})
-    options["include_usage"] = True
-    if options.get("continuous_usage_stats"):
-        options["continuous_usage_stats"] = False
-    body["stream_options"] = options
+    if add_usage:
+        options = dict(body.get("stream_options") or {})
+        options["include_usage"] = True
+        if options.get("continuous_usage_stats"):
+            options["continuous_usage_stats"] = False
+        body["stream_options"] = options
+    if set_cap:
+        body["max_tokens"] = cap_max_tokens
     try:
-        return orjson.dumps(body)
+        return orjson.dumps(body), add_usage
     except orjson.JSONEncodeError:
         # orjson reads 1024 levels but writes only 254: such a body goes upstream as sent,
         # and without a reported usage the whole reservation is charged.
-        return None
+        return None, False
 
 
 # --- responses ---------------------------------------------------------------------

@@ -30,7 +30,7 @@ CONFIG: dict[str, Any] = {
         "default": {"max_concurrency": 2, "tpm": 1_000_000, "context_window": 4096,
                     "default_max_tokens": 256, "tokenizer": "cl100k_base"},
         "small": {"max_concurrency": 1, "context_window": 1024, "default_max_tokens": 64,
-                  "tokenizer": "cl100k_base"},
+                  "tokenizer": "cl100k_base", "enforce_max_tokens": True},
     },
     "limits": {"max_body_bytes": 262144},
     "tenants": {"header": "x-tenant-id", "default_class": "standard",
@@ -254,6 +254,16 @@ def test_route_settings_give_a_second_route_its_own_pool_and_limits(stack: Stack
     finally:
         stack.upstream_post("/_fake/release/small-0")
         list(stream)
+
+
+def test_enforce_max_tokens_sends_the_reservation_upstream(stack: Stack) -> None:
+    small = client(stack, default_headers={"x-route": "small"})
+    small.chat.completions.create(model="fake", messages=MESSAGES)  # no max_tokens
+    forwarded = orjson.loads(stack.upstream_json("/_fake/requests")[-1]["body"])
+    assert forwarded["max_tokens"] == 64  # the small pool's default_max_tokens, reserved
+    client(stack).chat.completions.create(model="fake", messages=MESSAGES)  # default pool: off
+    forwarded = orjson.loads(stack.upstream_json("/_fake/requests")[-1]["body"])
+    assert "max_tokens" not in forwarded
 
 
 def test_upstream_5xx_is_passed_on_and_released_as_upstream_error(stack: Stack) -> None:

@@ -26,7 +26,8 @@ pytestmark = pytest.mark.e2e
 
 CONFIG: dict[str, Any] = {
     "pools": {"default": {"max_concurrency": 2, "tpm": 1_000_000, "context_window": 4096,
-                          "default_max_tokens": 256, "tokenizer": "cl100k_base"}},
+                          "default_max_tokens": 256, "tokenizer": "cl100k_base",
+                          "enforce_max_tokens": True}},
     "limits": {"max_body_bytes": 262144},
     "server": {"drain_s": 0, "grace_s": 1},
 }
@@ -57,6 +58,13 @@ def client(stack: Stack) -> OpenAI:
 
 def released(stack: Stack, cause: str) -> float:
     return stack.metric("kvgate_releases_total", cause=cause)
+
+
+def test_enforce_max_tokens_caps_the_body_without_asking_for_stream_usage(stack: Stack) -> None:
+    list(client(stack).chat.completions.create(model="fake", messages=MESSAGES, stream=True))
+    forwarded = orjson.loads(stack.upstream_json("/_fake/requests")[-1]["body"])
+    assert forwarded["max_tokens"] == 256
+    assert "stream_options" not in forwarded
 
 
 def test_a_stream_is_admitted_observed_and_released_completed(stack: Stack) -> None:

@@ -613,3 +613,49 @@ async def test_a_shared_store_that_cannot_answer_gives_503_and_holds_nothing() -
         assert rig.count("kvgate_store_errors_total") >= 1
     finally:
         await store.close()
+
+
+# --- enforce_max_tokens --------------------------------------------------------------
+
+def _enforcing(**pool: Any) -> Rig:
+    pools = orjson.loads(orjson.dumps(BASE_CONFIG["pools"]))
+    pools["default"].update({"enforce_max_tokens": True, **pool})
+    return Rig({"pools": pools})
+
+
+async def test_enforce_max_tokens_caps_an_uncapped_request_at_its_reservation() -> None:
+    rig = _enforcing()
+    ex, resp = await admit(rig, chat())
+    common = resp.request_body.response
+    sent = orjson.loads(common.body_mutation.body)
+    # no max_tokens: the reservation is min(window - prompt, default_max_tokens) = 256
+    assert ex.lease.demand.completion_tokens == 256
+    assert sent["max_tokens"] == 256
+    assert "stream_options" not in sent  # not streamed: nothing else changes
+    assert set_headers(common)["content-length"] == str(len(common.body_mutation.body))
+    assert ex.strip_usage is False
+
+
+async def test_enforce_max_tokens_divides_the_reservation_over_the_choices_and_keeps_stream_usage() -> None:
+    rig = _enforcing()
+    ex, resp = await admit(rig, chat(n=2, stream=True))
+    sent = orjson.loads(resp.request_body.response.body_mutation.body)
+    assert ex.lease.demand.completion_tokens == 2 * 256
+    assert sent["max_tokens"] == 256 and sent["n"] == 2
+    assert sent["stream_options"] == {"include_usage": True}
+    assert ex.strip_usage is True
+
+
+@pytest.mark.parametrize("cap", [{"max_tokens": 40}, {"max_completion_tokens": 40}])
+async def test_enforce_max_tokens_leaves_a_client_cap_alone(cap: dict[str, int]) -> None:
+    rig = _enforcing()
+    ex, resp = await admit(rig, chat(**cap))
+    assert not resp.request_body.response.HasField("body_mutation")
+    assert ex.lease.demand.completion_tokens == 40
+
+
+async def test_without_enforce_max_tokens_an_uncapped_request_goes_as_sent() -> None:
+    rig = Rig()
+    ex, resp = await admit(rig, chat())
+    assert not resp.request_body.response.HasField("body_mutation")
+    assert ex.lease.demand.completion_tokens == 256
