@@ -7,7 +7,6 @@ took from the pool's bucket and from its tenant's bucket are exactly what it was
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -17,15 +16,6 @@ import pytest
 from extproc.admission import Lease
 from tests.adversarial.support import (TOKEN, Rig, chat, kind, request_body, request_headers,
                                        response_body, response_headers, sse)
-
-
-@pytest.fixture(scope="module")
-def rig() -> Iterator[Rig]:
-    r = Rig()
-    try:
-        yield r
-    finally:
-        r.close()
 
 
 def tokens(rig: Rig) -> tuple[float, float]:

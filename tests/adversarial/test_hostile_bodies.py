@@ -9,7 +9,6 @@ internal error, and the service still answers.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -24,15 +23,6 @@ from tests.adversarial.support import (LoopLag, Rig, chat, kind, request_body, r
 MAX_LOOP_LAG_S = 0.2
 BIG = 4 * 1024 * 1024  # per-route body cap for the megabyte-sized bodies
 DEFAULT_MAX_BODY = 1_048_576  # limits.max_body_bytes when not configured
-
-
-@pytest.fixture(scope="module")
-def rig() -> Iterator[Rig]:
-    r = Rig()
-    try:
-        yield r
-    finally:
-        r.close()
 
 
 def route(**values: Any) -> base_pb2.Metadata:

@@ -13,7 +13,6 @@ empty.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -28,15 +27,6 @@ from tests.adversarial.support import (TOKEN, Rig, chat, kind, request_body, res
 
 EXT_PROC = "envoy.filters.http.ext_proc"
 NONE = processing_mode_pb2.ProcessingMode.NONE
-
-
-@pytest.fixture(scope="module")
-def rig() -> Iterator[Rig]:
-    r = Rig()
-    try:
-        yield r
-    finally:
-        r.close()
 
 
 def admission_message(body: bytes) -> pb.ProcessingRequest:

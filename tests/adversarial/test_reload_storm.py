@@ -14,7 +14,6 @@ import asyncio
 import copy
 import os
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,15 +58,6 @@ CONFIGS = [
                      "tenants": {"gold-1": {"class": "gold"}}}),
 ]
 POOLS_EVER = sorted({p for c in CONFIGS for p in c["pools"]})
-
-
-@pytest.fixture(scope="module")
-def rig() -> Iterator[Rig]:
-    r = Rig()
-    try:
-        yield r
-    finally:
-        r.close()
 
 
 def route(pool: str) -> base_pb2.Metadata:
