@@ -212,10 +212,7 @@ class Admission:
         default pool.
         """
         name = pool or self._config.default_pool
-        p = self._pools.get(name)
-        if p is None:
-            raise UnknownPoolError(name)
-        cfg = p.config
+        cfg = self._pool(name).config
         return Demand(pool=name, tenant=tenant, class_name=self._config.class_of(tenant).name,
                       prompt_tokens=prompt_tokens,
                       completion_tokens=reserved_completion(prompt_tokens, max_tokens,
@@ -229,9 +226,7 @@ class Admission:
         store = self._sync
         if store is None:
             raise TypeError("try_acquire needs an in-process store; use acquire with a shared store")
-        p = self._pools.get(demand.pool)
-        if p is None:
-            raise UnknownPoolError(demand.pool)
+        p = self._pool(demand.pool)
         now = self._clock.now()
         got = self._plan(p, demand, now)
         if type(got) is Rejection:
@@ -253,9 +248,7 @@ class Admission:
         it waits (its client went away) leaves the queue and holds nothing. Raises like
         ``try_acquire`` (but works with every store).
         """
-        p = self._pools.get(demand.pool)
-        if p is None:
-            raise UnknownPoolError(demand.pool)
+        p = self._pool(demand.pool)
         now = self._clock.now()
         got = self._plan(p, demand, now)
         if type(got) is Rejection:
@@ -274,6 +267,13 @@ class Admission:
         elif cls.max_wait_s <= 0:
             return self._rejection(p, refusal, plan, now, behind=True)
         return await self._wait(p, demand, cls, plan, refusal, behind, now)
+
+    def _pool(self, name: str) -> _Pool:
+        """_pool returns the named pool's state; raises UnknownPoolError for an unknown name."""
+        p = self._pools.get(name)
+        if p is None:
+            raise UnknownPoolError(name)
+        return p
 
     def _plan(self, p: _Pool, demand: Demand, now: float) -> tuple[ClassConfig, Plan] | Rejection:
         """_plan checks a demand and builds its plan at ``now``; a Rejection when its class is shed."""
@@ -300,9 +300,7 @@ class Admission:
         sets the derived KV budget. Pools without backends keep scale 1.0. Raises
         ``UnknownPoolError`` for a pool that is not configured.
         """
-        p = self._pools.get(pool)
-        if p is None:
-            raise UnknownPoolError(pool)
+        p = self._pool(pool)
         now = self._clock.now()
         p.tracker.update(signals, now)
         cap = signals.kv_capacity_tokens
@@ -316,9 +314,7 @@ class Admission:
 
     def snapshot(self, pool: str) -> PoolSnapshot:
         """snapshot reports a pool's scale, limits and usage now, for metrics and health pages."""
-        p = self._pools.get(pool)
-        if p is None:
-            raise UnknownPoolError(pool)
+        p = self._pool(pool)
         now = self._clock.now()
         limits = p.limits_at(now)
         usage = self._store.usage(pool, now)
@@ -375,10 +371,7 @@ class Admission:
         if pool is None:
             targets = list(self._pools.values())
         else:
-            one = self._pools.get(pool)
-            if one is None:
-                raise UnknownPoolError(pool)
-            targets = [one]
+            targets = [self._pool(pool)]
         for p in targets:
             if p.queue.size:
                 self._kick(p)
