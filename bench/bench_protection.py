@@ -57,6 +57,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from extproc.config import parse_config  # noqa: E402
 from sim.api import words  # noqa: E402
+from sim.engine import EngineParams  # noqa: E402
 from tests.e2e.stack import envoy_config  # noqa: E402
 from tests.support.procs import LOOPBACK, VENV_BIN, Proc, free_port  # noqa: E402
 
@@ -72,18 +73,12 @@ CHAT_OVERHEAD = 7
 
 # --- the node and the workload ----------------------------------------------------------
 
-@dataclass(frozen=True, slots=True)
-class Node:
-    """Node is the simulated vLLM node: KV capacity and context in tokens, speeds in tokens/s."""
+@dataclass(slots=True)
+class Node(EngineParams):
+    """Node is the simulated vLLM node the benchmark starts: the simulator's engine settings
+    (capacities in tokens, speeds in tokens/s) plus the model's context length (tokens)."""
 
-    kv_capacity_tokens: int = 262_144
     max_model_len: int = 32_768
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    prefill_tokens_per_s: float = 20_000.0
-    decode_tokens_per_s: float = 50.0
-    batch_slowdown: float = 0.01
 
     def argv(self, port: int, speedup: float, seed: int, overflow: str) -> list[str]:
         """argv is the simulator's command line for this node."""
@@ -794,7 +789,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < args.batch_kv_watermark <= 1:
         ap.error("--batch-kv-watermark must be in (0, 1]")
     w = TINY if args.tiny else FULL
-    node = Node()
+    node = Node(kv_capacity_tokens=262_144)
     reqs = build_requests(w, args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"protection benchmark: workload {w.name} ({len(reqs)} requests, "
