@@ -185,6 +185,61 @@ async def _serve_bare_raw(port: int) -> None:
     await server.wait_for_termination()
 
 
+def _unlimited_streams(server: Any) -> None:
+    """_unlimited_streams lifts the h2 default of 100 concurrent streams per connection
+    (grpclib keeps it; Envoy multiplexes every ext_proc stream of a worker on one)."""
+    from h2.settings import SettingCodes
+
+    factory = server._protocol_factory
+
+    def protocol() -> Any:
+        proto = factory()
+        made = proto.connection_made
+
+        def connection_made(transport: Any) -> None:
+            made(transport)
+            proto.connection._connection.update_settings(
+                {SettingCodes.MAX_CONCURRENT_STREAMS: 2**31 - 1})
+            proto.connection.flush()
+        proto.connection_made = connection_made
+        return proto
+    server._protocol_factory = protocol
+
+
+async def _serve_bare_grpclib(port: int) -> None:
+    """_serve_bare_grpclib is _serve_bare on grpclib (gRPC in Python over the h2 state
+    machine, on the event loop) instead of grpcio's C core and its poller thread. The lever
+    "another gRPC server"."""
+    from grpclib.const import Cardinality, Handler
+    from grpclib.server import Server
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+    answers = {
+        "request_headers": pb.ProcessingResponse(request_headers=pb.HeadersResponse()),
+        "request_body": pb.ProcessingResponse(request_body=pb.BodyResponse()),
+        "response_headers": pb.ProcessingResponse(response_headers=pb.HeadersResponse()),
+        "response_body": pb.ProcessingResponse(response_body=pb.BodyResponse()),
+        "request_trailers": pb.ProcessingResponse(request_trailers=pb.TrailersResponse()),
+        "response_trailers": pb.ProcessingResponse(response_trailers=pb.TrailersResponse()),
+    }
+
+    async def process(stream: Any) -> None:
+        recv, send = stream.recv_message, stream.send_message
+        while (req := await recv()) is not None:
+            if not req.observability_mode:
+                await send(answers[req.WhichOneof("request")])
+
+    class Bare:
+        def __mapping__(self) -> dict[str, Any]:  # noqa: PLW3201 (grpclib's protocol)
+            return {"/envoy.service.ext_proc.v3.ExternalProcessor/Process": Handler(
+                process, Cardinality.STREAM_STREAM, pb.ProcessingRequest, pb.ProcessingResponse)}
+
+    server = Server([Bare()])
+    _unlimited_streams(server)
+    await server.start(LOOPBACK, port)
+    await server.wait_closed()
+
+
 # --- the load generator: HTTP/1.1 on a bare asyncio protocol ----------------------------------
 
 _T_SENT = b'"t_sent":'
@@ -899,11 +954,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="Envoy configurations to compare (levers); the first one's bare and "
                          "kvgate setups are the plain names, the others' are suffixed")
     ap.add_argument("--setups", nargs="+", default=list(SETUPS), choices=SETUPS)
-    ap.add_argument("--bare-levers", nargs="+", default=[], choices=("raw", "asyncio"),
+    ap.add_argument("--bare-levers", nargs="+", default=[], choices=("raw", "asyncio", "grpclib"),
                     help="extra bare setups: `raw` reads and writes bytes (no protobuf at all), "
-                         "`asyncio` runs on asyncio's own loop instead of uvloop")
+                         "`asyncio` runs on asyncio's own loop instead of uvloop, `grpclib` "
+                         "serves gRPC with grpclib (pure Python on the loop) instead of grpcio")
     ap.add_argument("--raw", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--asyncio", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--grpclib", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     ap.add_argument("--open-streams", type=int, help="streams held open at once for memory")
     ap.add_argument("--disconnects", type=int, help="disconnects timed for release")
@@ -912,7 +969,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--serve-bare", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.serve_bare:
-        serve = _serve_bare_raw(args.serve_bare) if args.raw else _serve_bare(args.serve_bare)
+        serve = (_serve_bare_raw if args.raw else _serve_bare_grpclib if args.grpclib
+                 else _serve_bare)(args.serve_bare)
         if args.asyncio:
             asyncio.run(serve)
         else:
