@@ -360,7 +360,7 @@ class Exchange:
     __slots__ = ("gate", "state", "endpoint", "pool", "pool_name", "class_cfg", "tenant",
                  "route", "content_type", "body", "max_body", "parsed", "lease", "strip_usage",
                  "tracker", "status", "response_done", "upstream_error", "outcome", "observe",
-                 "link")
+                 "link", "response_unread")
 
     def __init__(self, gate: Gate) -> None:
         self.gate = gate
@@ -385,6 +385,9 @@ class Exchange:
         # The response arrives on another (observability-mode) stream, tied by ``link``.
         self.observe = False
         self.link: str | None = None
+        # Response headers came on this stream, but Envoy sends no response body
+        # (deploy/envoy-reservation.yaml): the completion is charged at the reservation.
+        self.response_unread = False
 
     # --- request headers -------------------------------------------------------------
 
@@ -645,8 +648,11 @@ class Exchange:
 
     # --- response ------------------------------------------------------------------------
 
-    def response_headers(self, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
+    def response_headers(self, msg: pb.HttpHeaders, *, observed: bool = False) -> pb.ProcessingResponse:
         """response_headers notes the upstream status and adds the x-ratelimit-* headers.
+
+        ``observed``: the headers come from the observability-mode stream (their answer is
+        not sent); otherwise from this exchange's own stream.
 
         A response before any admission had no request body (nothing to admit) or was
         answered by Envoy itself: it passes through, except Envoy's own 413 for a body above
@@ -676,6 +682,16 @@ class Exchange:
             elif h.key == "content-type":
                 content_type = h.raw_value.decode("latin-1")
         self.upstream_error = self.status >= 400
+        if self.observe and not observed:
+            # deploy/envoy-reservation.yaml: response headers on the admission stream, whose
+            # response body mode is NONE. No body will follow and no observing stream will
+            # show it: the lease is released when the stream ends,
+            # with the HTTP stream, and the completion charged at the reservation. Not a
+            # mode_override to NONE: Envoy would close the stream at once.
+            self.response_unread = True
+            resp = pb.ProcessingResponse()
+            set_headers(resp.response_headers.response.header_mutation, oai.rate_limit_headers(lease.rate))
+            return resp
         streamed = content_type.startswith("text/event-stream")
         strip = self.strip_usage and streamed and not self.upstream_error
         self.tracker = oai.ResponseTracker(streamed=streamed, strip_usage_chunk=strip)
@@ -715,7 +731,9 @@ class Exchange:
         """finish releases the lease if still held and returns the cause (None if nothing to do).
 
         The cause: upstream_error for an upstream 4xx/5xx; completed once the response's
-        end of stream was seen; timeout when kvgate itself gave up (``gave_up``);
+        end of stream was seen; timeout when kvgate itself gave up (``gave_up``); ended for
+        a response whose body was not read (deploy/envoy-reservation.yaml: complete or cut
+        short, Envoy ends the stream alike, by a half-close or a reset at random);
         client_disconnect otherwise. Completion tokens charged: the reported usage; for a
         stream cut short, the chunks delivered; otherwise (unknown) the whole reservation.
         Idempotent: later calls change nothing.
@@ -730,6 +748,8 @@ class Exchange:
             outcome = Outcome.COMPLETED
         elif gave_up:
             outcome = Outcome.TIMEOUT
+        elif self.response_unread:
+            outcome = Outcome.ENDED
         else:
             outcome = Outcome.CLIENT_DISCONNECT
         self.outcome = outcome
@@ -741,7 +761,7 @@ class Exchange:
         tracker = self.tracker
         if tracker is not None and tracker.completion_tokens is not None:
             return tracker.completion_tokens
-        if tracker is None and self.observe:
+        if tracker is None and (self.observe or self.response_unread):
             return None  # the response was never observed: unknown, charge the reservation
         if outcome in (Outcome.CLIENT_DISCONNECT, Outcome.TIMEOUT) and self.parsed is not None \
                 and self.parsed.stream:

@@ -202,7 +202,8 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
         finally:
             del self.active[task]
             link = self.links.get(ex.link) if ex.link is not None else None
-            if link is not None and ex.outcome is None and not self._given_up:
+            if link is not None and ex.outcome is None and not self._given_up \
+                    and not ex.response_unread:
                 settle = asyncio.get_running_loop().create_task(self._settle(link))
                 self.active[settle] = ex
             else:
@@ -232,7 +233,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
                 if kind == "response_body":
                     ex.response_body(req.response_body)
                 elif kind == "response_headers":
-                    ex.response_headers(req.response_headers)
+                    ex.response_headers(req.response_headers, observed=True)
                 req = await read()
         except asyncio.CancelledError:
             raise

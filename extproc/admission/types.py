@@ -18,6 +18,9 @@ class Outcome(StrEnum):
     CLIENT_DISCONNECT = "client_disconnect"
     UPSTREAM_ERROR = "upstream_error"
     TIMEOUT = "timeout"
+    # The response body was not read (deploy/envoy-reservation.yaml): the stream ended,
+    # completed or cut short.
+    ENDED = "ended"
 
 
 class Reason(StrEnum):

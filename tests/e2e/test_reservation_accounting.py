@@ -1,0 +1,158 @@
+"""End to end, issue 7: the operator option deploy/envoy-reservation.yaml.
+
+The response body mode is NONE: kvgate answers the request body and the response headers,
+and no streamed chunk waits for the processor. The ext_proc stream still ends with the
+HTTP stream, so the lease is released on time; what is given up is the refund (the TPM bucket keeps the whole reservation, prompt +
+``max_tokens``, instead of prompt + the completion the upstream reported) and the release
+cause (``ended``: kvgate cannot tell a complete response from one cut short).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import orjson
+import pytest
+from openai import OpenAI
+
+from tests.e2e.stack import Stack
+from tests.support.procs import ROOT, wait_until
+
+pytestmark = pytest.mark.e2e
+
+TPM = 6000  # refills 100 tokens a second: small beside the 300 a refund would give back
+CONFIG: dict[str, Any] = {
+    "pools": {"default": {"max_concurrency": 2, "tpm": TPM, "context_window": 4096,
+                          "default_max_tokens": 256, "tokenizer": "cl100k_base"}},
+    "limits": {"max_body_bytes": 262144},
+    "server": {"drain_s": 0, "grace_s": 1},
+}
+MESSAGES = [{"role": "user", "content": "Say hello"}]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = Stack(tmp_path_factory.mktemp("reservation"), CONFIG,
+              envoy_template=ROOT / "deploy" / "envoy-reservation.yaml")
+    s.start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(autouse=True)
+def no_leak(stack: Stack) -> Iterator[None]:
+    yield
+    try:
+        stack.wait_inflight(0, timeout=5)
+    finally:
+        stack.upstream_post("/_fake/reset")
+
+
+def client(stack: Stack) -> OpenAI:
+    return OpenAI(base_url=f"{stack.base_url}/v1", api_key="x", max_retries=0)
+
+
+def released(stack: Stack, cause: str) -> float:
+    return stack.metric("kvgate_releases_total", cause=cause)
+
+
+def remaining_tokens(stack: Stack) -> int:
+    """the TPM bucket as a new request sees it (its own charge taken), read from its headers"""
+    raw = client(stack).chat.completions.with_raw_response.create(
+        model="fake", messages=MESSAGES, max_tokens=1)
+    return int(raw.headers["x-ratelimit-remaining-tokens"])
+
+
+def test_a_stream_reaches_the_client_whole_and_is_released_as_ended(stack: Stack) -> None:
+    before = released(stack, "ended")
+    chunks = list(client(stack).chat.completions.create(
+        model="fake", messages=MESSAGES, stream=True, max_tokens=5))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "tok0 tok1 tok2 tok3 tok4 "
+    # Nothing would hide a usage chunk: the upstream is not asked for one.
+    forwarded = orjson.loads(stack.upstream_json("/_fake/requests")[-1]["body"])
+    assert "stream_options" not in forwarded
+    wait_until(lambda: released(stack, "ended") == before + 1, timeout=5, what="an ended release")
+
+
+def test_usage_the_client_asked_for_reaches_it_untouched(stack: Stack) -> None:
+    chunks = list(client(stack).chat.completions.create(
+        model="fake", messages=MESSAGES, stream=True, max_tokens=3,
+        stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+
+
+def test_the_whole_reservation_is_charged_not_the_reported_completion(stack: Stack) -> None:
+    """A 300-token reservation of which the upstream generates 2: the bucket keeps 300.
+
+    Between the two readings the bucket refills at TPM/60 tokens a second, measured;
+    with the refund (usage accounting) the drop would be ~298 tokens smaller.
+    """
+    first = remaining_tokens(stack)
+    t0 = time.monotonic()
+    raw = client(stack).chat.completions.with_raw_response.create(
+        model="fake", messages=MESSAGES, max_tokens=300, extra_headers={"x-fake-tokens": "2"})
+    assert raw.parse().usage.completion_tokens == 2
+    stack.wait_inflight(0)
+    second = remaining_tokens(stack)
+    refill = (time.monotonic() - t0) * TPM / 60
+    assert first - second >= 300 - refill, (first, second, refill)
+
+
+def test_non_streamed_answer_carries_the_ratelimit_headers(stack: Stack) -> None:
+    before = released(stack, "ended")
+    raw = client(stack).chat.completions.with_raw_response.create(
+        model="fake", messages=MESSAGES, max_tokens=4)
+    assert raw.parse().usage.completion_tokens == 4
+    assert raw.headers["x-ratelimit-limit-requests"] == "2"
+    assert int(raw.headers["x-ratelimit-remaining-tokens"]) < TPM
+    wait_until(lambda: released(stack, "ended") == before + 1, timeout=5, what="an ended release")
+
+
+def test_a_disconnect_frees_the_slot_at_once(stack: Stack) -> None:
+    """Released as ``ended``: Envoy ends the stream of a cut response as it ends a complete one."""
+    stream = client(stack).chat.completions.create(
+        model="fake", messages=MESSAGES, stream=True, max_tokens=3,
+        extra_headers={"x-fake-hold": "gone"})
+    assert next(iter(stream)).choices[0].delta.content == "tok0 "
+    stack.wait_inflight(1)
+    before = released(stack, "ended")
+    t0 = time.monotonic()
+    stream.close()
+    wait_until(lambda: stack.inflight() == 0, timeout=2, interval=0.002, what="in-flight 0")
+    elapsed = time.monotonic() - t0
+    assert elapsed < 0.1, f"slot freed after {elapsed * 1000:.0f} ms"
+    assert released(stack, "ended") == before + 1
+
+
+def test_a_held_stream_keeps_its_slot_until_it_ends(stack: Stack) -> None:
+    """The lease is not released when the response headers pass: the ext_proc stream stays
+    open for as long as the HTTP stream, body unread."""
+    held = []
+    try:
+        for i in range(2):
+            s = client(stack).chat.completions.create(
+                model="fake", messages=MESSAGES, stream=True, max_tokens=3,
+                extra_headers={"x-fake-hold": f"full-{i}"})
+            next(iter(s))
+            held.append(s)
+        assert stack.inflight() == 2
+        with pytest.raises(openai.RateLimitError) as exc:
+            client(stack).chat.completions.create(model="fake", messages=MESSAGES, max_tokens=3)
+        assert exc.value.response.headers["x-kvgate-reason"] == "concurrency"
+    finally:
+        for i in range(2):
+            stack.upstream_post(f"/_fake/release/full-{i}")
+        for s in held:
+            list(s)
+
+
+def test_an_upstream_error_is_released_as_one(stack: Stack) -> None:
+    before = released(stack, "upstream_error")
+    with pytest.raises(openai.InternalServerError):
+        client(stack).chat.completions.create(
+            model="fake", messages=MESSAGES, max_tokens=3, extra_headers={"x-fake-status": "503"})
+    wait_until(lambda: released(stack, "upstream_error") == before + 1, timeout=5,
+               what="an upstream_error release")
