@@ -23,7 +23,7 @@ OUTCOMES = ("admitted", "rejected_concurrency", "rejected_tpm", "rejected_kv_bud
             "rejected_shed", "rejected_context_length", "rejected_body_too_large",
             "rejected_invalid", "rejected_store_unavailable")
 # The cause label of kvgate_releases_total.
-CAUSES = ("completed", "client_disconnect", "upstream_error", "timeout")
+CAUSES = ("completed", "client_disconnect", "upstream_error", "timeout", "ended")
 # Decisions take tens of microseconds to a few milliseconds; waits in a class queue longer.
 DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                     0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
