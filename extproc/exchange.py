@@ -358,7 +358,7 @@ class Exchange:
     """
 
     __slots__ = ("gate", "state", "endpoint", "pool", "pool_name", "class_cfg", "tenant",
-                 "route", "content_type", "body", "max_body", "parsed", "lease", "strip_usage",
+                 "route", "content_type", "body", "max_body", "streamed", "lease", "strip_usage",
                  "tracker", "status", "response_done", "upstream_error", "outcome", "observe",
                  "link", "response_unread")
 
@@ -374,7 +374,9 @@ class Exchange:
         self.content_type: str | None = None
         self.body: bytearray | None = None
         self.max_body = 0
-        self.parsed: oai.ParsedRequest | None = None
+        # The request asked for a streamed response. The parsed body itself is not kept:
+        # an in-flight request holds no copy of its prompt.
+        self.streamed = False
         self.lease: Lease | None = None
         self.strip_usage = False
         self.tracker: oai.ResponseTracker | None = None
@@ -563,7 +565,7 @@ class Exchange:
             outcome = ("rejected_context_length" if err.code == "context_length_exceeded"
                        else "rejected_body_too_large" if err.status == 413 else "rejected_invalid")
             return self._refuse(err, outcome)
-        self.parsed = parsed
+        self.streamed = parsed.stream
         demand = Demand(pool=self.pool_name, tenant=self.tenant, class_name=self.class_cfg.name,
                         prompt_tokens=prompt_tokens, completion_tokens=reserved)
         if self.class_cfg.max_wait_s > 0 and send is not None:
@@ -763,8 +765,7 @@ class Exchange:
             return tracker.completion_tokens
         if tracker is None and (self.observe or self.response_unread):
             return None  # the response was never observed: unknown, charge the reservation
-        if outcome in (Outcome.CLIENT_DISCONNECT, Outcome.TIMEOUT) and self.parsed is not None \
-                and self.parsed.stream:
+        if outcome in (Outcome.CLIENT_DISCONNECT, Outcome.TIMEOUT) and self.streamed:
             # What reached the client is what was generated (the upstream is reset within
             # a millisecond of the disconnect).
             return tracker.delivered_chunks if tracker is not None else 0

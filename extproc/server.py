@@ -182,6 +182,8 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
                         self.links[ex.link] = Link(ex)  # before Envoy can send the response
                 elif kind == "response_headers":
                     resp = ex.response_headers(req.response_headers)
+                    if ex.response_unread and ex.link is not None:
+                        self.links.pop(ex.link, None)  # no observing stream will come
                 elif kind == "request_trailers":
                     resp = CONTINUE_REQUEST_TRAILERS
                 elif kind == "response_trailers":
@@ -190,6 +192,9 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
                     resp = None
                 if resp is not None:
                     await write(resp)
+                    resp = None
+                # Not held while waiting: the body message carries the whole prompt.
+                req = None
                 req = await read()
                 if req is eof:
                     return
