@@ -922,9 +922,10 @@ def _cpus() -> int:
 
 # --- Envoy variants (levers) ------------------------------------------------------------------
 
-VARIANTS = ("recommended", "four-message", "observe", "reservation", "full-duplex", "no-response-headers")
+VARIANTS = ("recommended", "four-message", "observe", "reservation", "full-duplex", "no-response-headers",
+            "request-only")
 # Variants kvgate does not serve (the bare processor shows what they would be worth).
-BARE_ONLY = ("full-duplex", "no-response-headers")
+BARE_ONLY = ("full-duplex", "no-response-headers", "request-only")
 EXT_PROC_TYPE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
 
 
@@ -941,7 +942,9 @@ def variant_file(variant: str, workdir: Path) -> Path:
     - ``full-duplex``: the response body FULL_DUPLEX_STREAMED (Envoy does not wait for each
       chunk's answer before sending the next; the processor sends the chunks back);
     - ``no-response-headers``: response headers skipped too (status and x-ratelimit-*
-      headers would have to travel by attributes and dynamic metadata).
+      headers would have to travel by attributes and dynamic metadata);
+    - ``request-only``: the response neither sent nor observed (headers SKIP, body NONE):
+      one blocking message per request, the least any admission can cost.
     """
     if variant == "recommended":
         return ENVOY_TEMPLATE
@@ -959,6 +962,9 @@ def variant_file(variant: str, workdir: Path) -> Path:
         mode["response_trailer_mode"] = "SEND"  # required by FULL_DUPLEX_STREAMED
     elif variant == "no-response-headers":
         mode["response_header_mode"] = "SKIP"
+    elif variant == "request-only":
+        mode["response_header_mode"] = "SKIP"
+        mode["response_body_mode"] = "NONE"
     else:
         raise ValueError(f"unknown variant {variant!r}")
     path = workdir / f"envoy-{variant}.yaml"
