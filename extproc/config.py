@@ -146,13 +146,18 @@ class TenantsConfig:
 
 @dataclass(frozen=True, slots=True)
 class RedisStoreConfig:
-    """RedisStoreConfig is the shared store: leases live ``lease_ttl_s`` seconds unless refreshed."""
+    """RedisStoreConfig is the shared store: leases live ``lease_ttl_s`` seconds unless refreshed.
+
+    ``expected_replicas``: the fewest replicas a local share assumes (a replica that starts
+    while Redis is down has seen no peer).
+    """
 
     url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "kvgate:"
     lease_ttl_s: float = 30.0
     timeout_s: float = 0.05
     on_unavailable: str = "local_share"
+    expected_replicas: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -450,6 +455,7 @@ def _store(data: Any) -> StoreConfig:
         lease_ttl_s=r.number("lease_ttl_s", 30.0, low=1.0, high=3600.0),
         timeout_s=r.number("timeout_s", 0.05, low=0.0, low_open=True, high=10.0),
         on_unavailable=r.string("on_unavailable", "local_share", choices=ON_UNAVAILABLE),
+        expected_replicas=r.integer("expected_replicas", 1, minimum=1),
     )
     r.done()
     s.done()

@@ -18,7 +18,9 @@ Redis unavailable or slower than ``timeout_s``: the store says so loudly (a log 
 each change of mode, ``StoreObserver.store_error`` for every failed round trip,
 ``StoreObserver.store_mode`` on each change) and, with ``on_unavailable: local_share``,
 admits in a local in-memory store with each limit divided by the number of replicas it
-last saw (heartbeats in Redis); with ``fail_closed`` it raises ``StoreUnavailableError``.
+last saw (heartbeats in Redis), or by ``expected_replicas`` when that is more (a replica
+that starts while Redis is down has seen none but itself); with ``fail_closed`` it raises
+``StoreUnavailableError``.
 A probe brings it back to shared mode when Redis answers; grants made locally are settled
 locally, never sent to Redis.
 
@@ -635,6 +637,12 @@ class RedisStore(Store):
         return self._replicas
 
     @property
+    def share_replicas(self) -> int:
+        """share_replicas is what a local share divides the limits by: the replicas last
+        seen, at least ``expected_replicas``."""
+        return max(self._replicas, self.config.expected_replicas)
+
+    @property
     def pending_settles(self) -> int:
         """pending_settles is the number of settles not yet applied in Redis."""
         return len(self._pending)
@@ -699,7 +707,7 @@ class RedisStore(Store):
             return
         self._mode = self.config.on_unavailable
         if self._mode == MODE_LOCAL_SHARE:
-            what = f"admitting locally with 1/{self._replicas} of each limit"
+            what = f"admitting locally with 1/{self.share_replicas} of each limit"
         else:
             what = "refusing every admission"
         log.warning("shared store: Redis at %s unavailable (%s: %s): %s until it answers again",
@@ -839,7 +847,7 @@ class RedisStore(Store):
     def _admit_degraded(self, plan: Plan, now: float) -> Grant | Refusal:
         if self._mode == MODE_FAIL_CLOSED:
             raise StoreUnavailableError(f"Redis at {self._where} does not answer")
-        decision = self._local.admit_now(local_share(plan, self._replicas), now)
+        decision = self._local.admit_now(local_share(plan, self.share_replicas), now)
         if isinstance(decision, Grant):
             decision.id = LOCAL_PREFIX + decision.id
         return decision

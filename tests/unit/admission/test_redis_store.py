@@ -420,6 +420,24 @@ async def test_redis_down_admits_locally_with_the_share_then_recovers(stores, ow
     assert g.inflight == 1 and rs.pending_settles == 0
 
 
+async def test_a_replica_that_starts_with_redis_down_shares_by_the_expected_replicas(stores, own_server, caplog):
+    """It has seen no peer: without expected_replicas it would admit the whole limit alone,
+    and every replica starting in the same outage would do the same."""
+    caplog.set_level(logging.WARNING, logger="kvgate.store")
+    own_server.stop()
+    lim = limits(base=6, kv=None, tpm=None, guarantees={})
+    alone = open_store(stores, cfg(own_server.url, timeout_s=0.2), ManualClock(T0))
+    expecting = open_store(stores, cfg(own_server.url, timeout_s=0.2, expected_replicas=3), ManualClock(T0))
+    assert alone.share_replicas == 1 and expecting.share_replicas == 3
+    granted = {}
+    for name, rs in (("alone", alone), ("expecting", expecting)):
+        got = [await rs.admit(plan(10, lim), T0) for _ in range(7)]
+        assert rs.mode == MODE_LOCAL_SHARE
+        granted[name] = sum(isinstance(g, Grant) for g in got)
+    assert granted == {"alone": 6, "expecting": 2}  # 6 / 3 replicas
+    assert "1/3 of each limit" in caplog.text
+
+
 async def test_fail_closed_refuses_while_redis_is_down(stores, own_server):
     rs = open_store(stores, cfg(own_server.url, timeout_s=1.0, on_unavailable="fail_closed"), ManualClock(T0))
     assert isinstance(await rs.admit(plan(1), T0), Grant)
