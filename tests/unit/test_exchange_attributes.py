@@ -221,3 +221,58 @@ def test_attributes_that_were_not_utf8_are_refused_with_a_400() -> None:
     resp = asyncio.run(ex.request_body(decoded.request_body, None, decoded.attributes, None))
     assert status_of(resp) == 400 and rig.inflight() == 0
     assert decode_request(wire) == req  # a good message is untouched
+
+
+# --- deploy/envoy-reservation.yaml: response headers on the stream, no response body ------
+
+def _no_response_body() -> pb.ProtocolConfiguration:
+    from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
+    return pb.ProtocolConfiguration(request_body_mode=pm.ProcessingMode.BUFFERED,
+                                    response_body_mode=pm.ProcessingMode.NONE)
+
+
+def _charged(rig: Rig, ex: Exchange, before: float) -> float:
+    """what the pool bucket kept for a released exchange (the manual clock never moves)"""
+    assert rig.inflight() == 0
+    available = rig.admission.snapshot("default").tpm_available
+    assert available is not None
+    return before - available
+
+
+def test_response_headers_on_a_stream_without_a_body_charge_the_whole_reservation() -> None:
+    rig = Rig()
+    before = rig.admission.snapshot("default").tpm_available
+    assert before is not None
+    ex = Exchange(rig.gate)
+    asyncio.run(ex.request_body(body_msg(chat(max_tokens=300)), None, attrs(), None, _no_response_body()))
+    assert ex.observe and rig.inflight() == 1
+    resp = ex.response_headers(response_headers_msg(200, "text/event-stream"))
+    names = {h.header.key for h in resp.response_headers.response.header_mutation.set_headers}
+    assert "x-ratelimit-remaining-tokens" in names
+    assert not resp.HasField("mode_override")  # Envoy would close the stream at once
+    assert ex.response_unread and ex.tracker is None and rig.inflight() == 1
+    assert ex.finish().value == "ended"
+    assert rig.count("kvgate_releases_total", cause="ended") == 1
+    assert _charged(rig, ex, before) >= 300
+
+
+def test_the_same_headers_from_an_observing_stream_are_followed_and_refunded() -> None:
+    rig = Rig()
+    before = rig.admission.snapshot("default").tpm_available
+    assert before is not None
+    ex = Exchange(rig.gate)
+    asyncio.run(ex.request_body(body_msg(chat(max_tokens=300)), None, attrs(), None, _no_response_body()))
+    ex.response_headers(response_headers_msg(), observed=True)
+    assert not ex.response_unread and ex.tracker is not None
+    usage = {"usage": {"prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11}}
+    ex.response_body(body_msg(orjson.dumps({"choices": [], **usage})))
+    assert ex.outcome is not None and ex.outcome.value == "completed"
+    assert _charged(rig, ex, before) < 100  # prompt + 2, not the 300 reserved
+
+
+def test_an_upstream_error_without_a_body_is_an_upstream_error() -> None:
+    rig = Rig()
+    ex = Exchange(rig.gate)
+    asyncio.run(ex.request_body(body_msg(chat(max_tokens=30)), None, attrs(), None, _no_response_body()))
+    ex.response_headers(response_headers_msg(503))
+    assert ex.finish().value == "upstream_error"
