@@ -105,6 +105,16 @@ QUICK = Sizes(latency_requests={1: 20, 16: 64, 64: 64}, latency_rounds=1, stream
 
 # --- the bare processor -------------------------------------------------------------------
 
+def _continue_answers() -> dict[str, Any]:
+    """_continue_answers maps each ext_proc message kind to its plain CONTINUE answer."""
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+    return {kind: pb.ProcessingResponse(**{kind: answer()}) for kind, answer in (
+        ("request_headers", pb.HeadersResponse), ("request_body", pb.BodyResponse),
+        ("response_headers", pb.HeadersResponse), ("response_body", pb.BodyResponse),
+        ("request_trailers", pb.TrailersResponse), ("response_trailers", pb.TrailersResponse))}
+
+
 async def _serve_bare(port: int) -> None:
     """_serve_bare answers CONTINUE to every ext_proc message, reading nothing else.
 
@@ -116,14 +126,7 @@ async def _serve_bare(port: int) -> None:
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-    answers = {
-        "request_headers": pb.ProcessingResponse(request_headers=pb.HeadersResponse()),
-        "request_body": pb.ProcessingResponse(request_body=pb.BodyResponse()),
-        "response_headers": pb.ProcessingResponse(response_headers=pb.HeadersResponse()),
-        "response_body": pb.ProcessingResponse(response_body=pb.BodyResponse()),
-        "request_trailers": pb.ProcessingResponse(request_trailers=pb.TrailersResponse()),
-        "response_trailers": pb.ProcessingResponse(response_trailers=pb.TrailersResponse()),
-    }
+    answers = _continue_answers()
     duplex = pm.ProcessingMode.FULL_DUPLEX_STREAMED
 
     class Bare(pb_grpc.ExternalProcessorServicer):
@@ -214,14 +217,7 @@ async def _serve_bare_grpclib(port: int) -> None:
     from grpclib.server import Server
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-    answers = {
-        "request_headers": pb.ProcessingResponse(request_headers=pb.HeadersResponse()),
-        "request_body": pb.ProcessingResponse(request_body=pb.BodyResponse()),
-        "response_headers": pb.ProcessingResponse(response_headers=pb.HeadersResponse()),
-        "response_body": pb.ProcessingResponse(response_body=pb.BodyResponse()),
-        "request_trailers": pb.ProcessingResponse(request_trailers=pb.TrailersResponse()),
-        "response_trailers": pb.ProcessingResponse(response_trailers=pb.TrailersResponse()),
-    }
+    answers = _continue_answers()
 
     async def process(stream: Any) -> None:
         recv, send = stream.recv_message, stream.send_message

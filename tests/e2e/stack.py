@@ -211,3 +211,15 @@ class Stack:
     def log(self, name: str) -> str:
         proc = self.procs.get(name)
         return proc.output() if proc else ""
+
+
+def openai_client(stack: Stack) -> Any:
+    """openai_client is the real openai client pointed at the stack's Envoy, without retries."""
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{stack.base_url}/v1", api_key="x", max_retries=0)
+
+
+def released(stack: Stack, cause: str) -> float:
+    """released is kvgate's count of leases released with ``cause``."""
+    return stack.metric("kvgate_releases_total", cause=cause)

@@ -16,9 +16,9 @@ from typing import Any
 import openai
 import orjson
 import pytest
-from openai import OpenAI
 
-from tests.e2e.stack import Stack
+from tests.e2e.stack import Stack, released
+from tests.e2e.stack import openai_client as client
 from tests.support.procs import ROOT, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -49,14 +49,6 @@ def no_leak(stack: Stack) -> Iterator[None]:
         stack.wait_inflight(0, timeout=5)
     finally:
         stack.upstream_post("/_fake/reset")
-
-
-def client(stack: Stack) -> OpenAI:
-    return OpenAI(base_url=f"{stack.base_url}/v1", api_key="x", max_retries=0)
-
-
-def released(stack: Stack, cause: str) -> float:
-    return stack.metric("kvgate_releases_total", cause=cause)
 
 
 def remaining_tokens(stack: Stack) -> int:
