@@ -687,9 +687,9 @@ class Exchange:
         if self.observe and not observed:
             # deploy/envoy-reservation.yaml: response headers on the admission stream, whose
             # response body mode is NONE. No body will follow and no observing stream will
-            # show it: the lease is released when the stream ends,
-            # with the HTTP stream, and the completion charged at the reservation. Not a
-            # mode_override to NONE: Envoy would close the stream at once.
+            # show it: the lease is released when the stream ends (with the HTTP stream) and
+            # the completion is charged at the reservation. Not a mode_override to NONE:
+            # Envoy would close the stream at once.
             self.response_unread = True
             resp = pb.ProcessingResponse()
             set_headers(resp.response_headers.response.header_mutation, oai.rate_limit_headers(lease.rate))

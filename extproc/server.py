@@ -207,8 +207,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
         finally:
             del self.active[task]
             link = self.links.get(ex.link) if ex.link is not None else None
-            if link is not None and ex.outcome is None and not self._given_up \
-                    and not ex.response_unread:
+            if link is not None and ex.outcome is None and not self._given_up:
                 settle = asyncio.get_running_loop().create_task(self._settle(link))
                 self.active[settle] = ex
             else:
