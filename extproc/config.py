@@ -170,12 +170,17 @@ class StoreConfig:
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
-    """ServerConfig holds listen addresses and shutdown timing (seconds)."""
+    """ServerConfig holds listen addresses and shutdown timing (seconds).
+
+    ``access_log_ttl_s``: how long a request released by Envoy's access log (route key
+    ``release: access_log``) may wait for its entry before it is released anyway.
+    """
 
     grpc_listen: str = "0.0.0.0:50051"
     admin_listen: str = "0.0.0.0:9464"
     drain_s: float = 5.0
     grace_s: float = 30.0
+    access_log_ttl_s: float = 900.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -476,6 +481,7 @@ def _server(data: Any) -> ServerConfig:
         admin_listen=_hostport("server.admin_listen", s.string("admin_listen", "0.0.0.0:9464")),
         drain_s=s.number("drain_s", 5.0, low=0.0, high=600.0),
         grace_s=s.number("grace_s", 30.0, low=0.0, high=3600.0),
+        access_log_ttl_s=s.number("access_log_ttl_s", 900.0, low=1.0, high=86400.0),
     )
     s.done()
     return cfg

@@ -60,7 +60,10 @@ ANONYMOUS_TENANT = "_anonymous"
 # on top of the class's max_wait_s (seconds).
 WAIT_TIMEOUT_MARGIN_S = 1.0
 # Per-route metadata keys (namespace ``kvgate``); anything else counts as "unknown".
-ROUTE_KEYS = ("pool", "tenant_class", "context_window", "max_body_bytes")
+ROUTE_KEYS = ("pool", "tenant_class", "context_window", "max_body_bytes", "release")
+# How an admitted request's end reaches kvgate (route key ``release``): the end of its
+# ext_proc stream, or an entry of Envoy's gRPC access log (deploy/envoy-access-log.yaml).
+RELEASES = ("stream", "access_log")
 # A bad route setting is logged at most once per key in this many seconds.
 ROUTE_LOG_INTERVAL_S = 60.0
 ROUTE_CACHE_ENTRIES = 256
@@ -174,13 +177,14 @@ class PoolRuntime:
 class RouteSettings:
     """RouteSettings are the per-route overrides Envoy sent (None: the file's value).
 
-    ``context_window`` in tokens, ``max_body_bytes`` in bytes.
+    ``context_window`` in tokens, ``max_body_bytes`` in bytes, ``release`` one of RELEASES.
     """
 
     pool: str | None = None
     tenant_class: str | None = None
     context_window: int | None = None
     max_body_bytes: int | None = None
+    release: str | None = None
 
 
 NO_ROUTE_SETTINGS = RouteSettings()
@@ -296,7 +300,12 @@ class Gate:
                 errors.append(("unknown", f"unknown per-route key {key[:64]!r}"))
                 continue
             kind = value.WhichOneof("kind")
-            if key in ("pool", "tenant_class"):
+            if key == "release":
+                if kind != "string_value" or value.string_value not in RELEASES:
+                    errors.append((key, f"release must be one of {', '.join(RELEASES)}"))
+                else:
+                    values[key] = value.string_value
+            elif key in ("pool", "tenant_class"):
                 names = self.config.pools if key == "pool" else self.config.tenants.classes
                 if kind != "string_value":
                     errors.append((key, f"{key} must be a string"))
@@ -720,6 +729,24 @@ class Exchange:
         resp = pb.ProcessingResponse()
         resp.response_body.response.body_mutation.body = replacement
         return resp
+
+    @property
+    def released_by_access_log(self) -> bool:
+        """released_by_access_log: admitted on a route whose end comes by Envoy's access log
+        (route key ``release: access_log``, response neither sent nor observed): the ext_proc
+        stream may end with the request body, and ``ended_by_log`` releases the lease."""
+        return (self.observe and self.lease is not None and self.state == _ADMITTED
+                and self.route.release == "access_log")
+
+    def ended_by_log(self, status: int, cut_short: bool) -> Outcome | None:
+        """ended_by_log releases the lease as Envoy's access log entry of the request tells:
+        the response status (0: none was sent) and whether the stream was cut short (the
+        client went away, an idle timeout). The completion is charged at its reservation:
+        the response was not read."""
+        self.status = status
+        self.upstream_error = status >= 400
+        self.response_done = status != 0 and not cut_short
+        return self.finish()
 
     def _response_end(self) -> None:
         # The response is complete: free the slot now rather than when Envoy gets round

@@ -133,6 +133,11 @@ class Metrics:
         self.internal_errors = Counter("kvgate_internal_errors_total",
                                        "Unexpected errors inside kvgate while handling a stream.",
                                        registry=r)
+        self.access_log_entries = Counter(
+            "kvgate_access_log_entries_total",
+            "Envoy access log entries received: released a parked request, had no lease "
+            "(refused, passed through), or named a lease parked nowhere here.",
+            ["result"], registry=r)
         # Scraper observer metrics.
         self.backend_kv = Gauge("kvgate_backend_kv_cache_usage_ratio",
                                 "KV-cache usage a backend last reported (ratio 0..1).",
@@ -200,6 +205,11 @@ class Metrics:
     def decision_time(self, seconds: float) -> None:
         """decision_time records how long one admission decision took (seconds)."""
         self.decision.observe(seconds)
+
+    def access_log_entry(self, result: str) -> None:
+        """access_log_entry counts one entry of Envoy's access log (``released``,
+        ``no_lease``, ``unmatched``)."""
+        self.access_log_entries.labels(result).inc()
 
     def route_metadata_error(self, key: str) -> None:
         """route_metadata_error counts one ignored per-route setting (``key`` bounded by the caller)."""

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf.message import DecodeError
@@ -140,7 +141,9 @@ class Link:
 class ExtProcService(pb_grpc.ExternalProcessorServicer):
     """ExtProcService serves Envoy's ext_proc streams, one ``Exchange`` per stream.
 
-    ``active`` maps each open stream's task to its exchange, for shutdown.
+    ``active`` maps each open stream's task to its exchange, for shutdown. ``parked`` holds
+    the exchanges whose stream ended with their admission and whose end comes by Envoy's
+    access log (route key ``release: access_log``), by link, with when they were parked.
     """
 
     def __init__(self, gate: Gate, metrics: Metrics) -> None:
@@ -148,6 +151,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
         self._metrics = metrics
         self.active: dict[asyncio.Task[Any], Exchange] = {}
         self.links: dict[str, Link] = {}
+        self.parked: dict[str, tuple[Exchange, float]] = {}
         self._idle = asyncio.Event()
         self._idle.set()
         self._given_up = False
@@ -167,6 +171,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
         self._idle.clear()
         write = context.write
         eof = grpc.aio.EOF
+        handed_over = False  # to the access log: the stream ends, the lease stays
         try:
             while True:
                 kind = req.WhichOneof("request")
@@ -178,8 +183,12 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
                     resp = await ex.request_body(
                         req.request_body, write, req.attributes, req.metadata_context,
                         req.protocol_config if req.HasField("protocol_config") else None)
-                    if ex.link is not None and ex.link not in self.links:
-                        self.links[ex.link] = Link(ex)  # before Envoy can send the response
+                    if ex.link is not None and ex.link not in self.links and ex.link not in self.parked:
+                        # Before Envoy can send the response, or log the request's end.
+                        if ex.released_by_access_log:
+                            self.parked[ex.link] = (ex, self._gate.clock.now())
+                        else:
+                            self.links[ex.link] = Link(ex)
                 elif kind == "response_headers":
                     resp = ex.response_headers(req.response_headers)
                     if ex.response_unread and ex.link is not None:
@@ -193,6 +202,9 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
                 if resp is not None:
                     await write(resp)
                     resp = None
+                if ex.link is not None and ex.link in self.parked:
+                    handed_over = True
+                    return
                 # Not held while waiting: the body message carries the whole prompt.
                 req = None
                 req = await read()
@@ -206,16 +218,19 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
             raise
         finally:
             del self.active[task]
+            if not handed_over and ex.link is not None:
+                self.parked.pop(ex.link, None)  # the answer may not have reached Envoy
             link = self.links.get(ex.link) if ex.link is not None else None
-            if link is not None and ex.outcome is None and not self._given_up:
+            if handed_over:
+                pass
+            elif link is not None and ex.outcome is None and not self._given_up:
                 settle = asyncio.get_running_loop().create_task(self._settle(link))
                 self.active[settle] = ex
             else:
                 ex.finish(gave_up=self._given_up)
                 if ex.link is not None:
                     self.links.pop(ex.link, None)
-            if not self.active:
-                self._idle.set()
+            self._maybe_idle()
 
     async def _observe(self, req: Any, read: Any) -> None:
         """_observe follows an observability-mode stream: the response of a request admitted
@@ -266,11 +281,46 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
             task = asyncio.current_task()
             if task is not None:
                 self.active.pop(task, None)
-            if not self.active:
-                self._idle.set()
+            self._maybe_idle()
+
+    def _maybe_idle(self) -> None:
+        if not self.active and not self.parked:
+            self._idle.set()
+
+    def logged(self, entry: Any) -> str:
+        """logged releases the parked exchange an access log entry of Envoy's tells the end
+        of (an ``HTTPAccessLogEntry``). Returns ``released``; ``no_lease`` for a request
+        admitted without a link (refused, passed through); ``unmatched`` for a link parked
+        nowhere here (released already by the TTL, another kvgate's, or a restart's)."""
+        space = entry.common_properties.metadata.filter_metadata.get(METADATA_NAMESPACE)
+        if space is None or LINK_KEY not in space.fields:
+            return "no_lease"
+        parked = self.parked.pop(space.fields[LINK_KEY].string_value, None)
+        if parked is None:
+            return "unmatched"
+        flags = entry.common_properties.response_flags
+        cut_short = (flags.downstream_connection_termination or flags.stream_idle_timeout
+                     or flags.downstream_protocol_error)
+        parked[0].ended_by_log(entry.response.response_code.value, cut_short)
+        self._maybe_idle()
+        return "released"
+
+    def sweep_parked(self, now: float, ttl_s: float) -> int:
+        """sweep_parked releases, with cause ``timeout``, the exchanges parked for longer
+        than ``ttl_s`` (their log entry was lost: Envoy's buffer overflowed, the log stream
+        broke); returns how many."""
+        stale = [link for link, (_, at) in self.parked.items() if now - at >= ttl_s]
+        for link in stale:
+            self.parked.pop(link)[0].finish(gave_up=True)
+        if stale:
+            log.warning("released %d requests whose access log entry never came within %.0f s",
+                        len(stale), ttl_s)
+            self._maybe_idle()
+        return len(stale)
 
     async def wait_idle(self, timeout: float) -> bool:
-        """wait_idle waits up to ``timeout`` seconds for every stream to end; True if they did."""
+        """wait_idle waits up to ``timeout`` seconds for every stream to end (and every parked
+        request's log entry to come); True if they did."""
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
             return True
@@ -287,7 +337,32 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
         for task, ex in open_streams:
             ex.finish(gave_up=True)
             task.cancel()
-        return len(open_streams)
+        parked = list(self.parked.values())
+        self.parked.clear()
+        for ex, _ in parked:
+            ex.finish(gave_up=True)
+        self._maybe_idle()
+        return len(open_streams) + len(parked)
+
+
+class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
+    """AccessLogReceiver takes Envoy's gRPC access log (deploy/envoy-access-log.yaml): each
+    HTTP entry that carries a parked request's link releases it."""
+
+    def __init__(self, service: ExtProcService, metrics: Metrics) -> None:
+        self._service = service
+        self._metrics = metrics
+
+    async def StreamAccessLogs(self, request_iterator: Any, context: Any) -> als_pb2.StreamAccessLogsResponse:  # noqa: N802
+        logged, count = self._service.logged, self._metrics.access_log_entry
+        async for message in request_iterator:
+            for entry in message.http_logs.log_entry:
+                count(logged(entry))
+        return als_pb2.StreamAccessLogsResponse()
+
+
+# How often parked requests are checked against server.access_log_ttl_s (seconds).
+SWEEP_EVERY_S = 1.0
 
 
 def _split_hostport(value: str) -> tuple[str, int]:
@@ -338,6 +413,7 @@ class Server:
         self.grpc_port = 0
         self.admin_port = 0
         self.released_at_shutdown = 0
+        self._sweeper: asyncio.Task[None] | None = None
 
     # --- start ---------------------------------------------------------------------------
 
@@ -362,6 +438,8 @@ class Server:
                     self.service.Process, request_deserializer=decode_request,
                     response_serializer=pb.ProcessingResponse.SerializeToString)}),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
+        als_pb2_grpc.add_AccessLogServiceServicer_to_server(
+            AccessLogReceiver(self.service, self.metrics), self._grpc)
         self.grpc_port = self._grpc.add_insecure_port(self._grpc_listen)
         if self.grpc_port == 0:
             raise OSError(f"cannot listen for gRPC on {self._grpc_listen}")
@@ -372,6 +450,7 @@ class Server:
         await self._admin.start()
         self.admin_port = self._admin.port
         await self._grpc.start()
+        self._sweeper = loop.create_task(self._sweep_parked())
         self._ensure_scraper(self.config)
         if self._config_path is not None:
             from extproc.reload import ConfigWatcher
@@ -523,10 +602,19 @@ class Server:
         await self.close()
         log.info("kvgate stopped")
 
+    async def _sweep_parked(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_EVERY_S)
+            if self.service is not None:
+                self.service.sweep_parked(self.clock.now(), self.config.server.access_log_ttl_s)
+
     async def close(self) -> None:
         """close stops the helpers and listeners without draining (tests, failed starts)."""
         for task in list(self._reload_tasks):
             task.cancel()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         if self._watcher is not None:
             loop = asyncio.get_running_loop()
             self._watcher.remove_sighup(loop)

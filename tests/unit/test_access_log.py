@@ -1,0 +1,103 @@
+"""Unit tests of the access-log release (deploy/envoy-access-log.yaml) without gRPC:
+an admitted request parked by its link, released by an HTTPAccessLogEntry or by the TTL."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from envoy.data.accesslog.v3 import accesslog_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from extproc.exchange import LINK_KEY, METADATA_NAMESPACE, Exchange
+from extproc.server import ExtProcService
+from tests.unit.test_exchange import Rig, body_msg, chat, route_metadata
+from tests.unit.test_exchange_attributes import attrs
+
+NO_RESPONSE = pb.ProtocolConfiguration(request_body_mode=pm.ProcessingMode.BUFFERED,
+                                       response_body_mode=pm.ProcessingMode.NONE)
+
+
+def park(rig: Rig, service: ExtProcService, release: str = "access_log") -> Exchange:
+    """park admits a request as the Process loop does, and parks it as the loop would."""
+    ex = Exchange(rig.gate)
+    meta = route_metadata(pool="default", release=release)
+    asyncio.run(ex.request_body(body_msg(chat(max_tokens=50)), None, attrs(), meta, NO_RESPONSE))
+    assert ex.link is not None and ex.released_by_access_log
+    service.parked[ex.link] = (ex, rig.clock.now())
+    return ex
+
+
+def entry(link: str | None, status: int = 200, **flags: bool) -> accesslog_pb2.HTTPAccessLogEntry:
+    e = accesslog_pb2.HTTPAccessLogEntry()
+    if link is not None:
+        e.common_properties.metadata.filter_metadata[METADATA_NAMESPACE].fields[LINK_KEY].string_value = link
+    e.response.response_code.value = status
+    for name, value in flags.items():
+        setattr(e.common_properties.response_flags, name, value)
+    return e
+
+
+@pytest.mark.parametrize(("status", "flags", "cause"), [
+    (200, {}, "completed"),
+    (200, {"downstream_connection_termination": True}, "client_disconnect"),
+    (0, {}, "client_disconnect"),
+    (200, {"stream_idle_timeout": True}, "client_disconnect"),
+    (503, {}, "upstream_error"),
+])
+def test_an_entry_releases_its_parked_request_with_the_cause_it_tells(status: int, flags: dict, cause: str) -> None:
+    rig = Rig()
+    service = ExtProcService(rig.gate, rig.metrics)
+    ex = park(rig, service)
+    assert rig.inflight() == 1
+    assert service.logged(entry(ex.link, status, **flags)) == "released"
+    assert rig.inflight() == 0 and not service.parked
+    assert rig.count("kvgate_releases_total", cause=cause) == 1
+    assert service.logged(entry(ex.link)) == "unmatched"  # a second entry changes nothing
+    assert rig.count("kvgate_releases_total") == 1
+
+
+def test_entries_without_a_lease_or_for_another_process_touch_nothing() -> None:
+    rig = Rig()
+    service = ExtProcService(rig.gate, rig.metrics)
+    park(rig, service)
+    assert service.logged(entry(None)) == "no_lease"
+    assert service.logged(entry("not-a-link-of-this-process")) == "unmatched"
+    assert rig.inflight() == 1 and len(service.parked) == 1
+
+
+def test_a_lost_entry_is_released_by_the_ttl_and_only_then() -> None:
+    rig = Rig()
+    service = ExtProcService(rig.gate, rig.metrics)
+    old = park(rig, service)
+    rig.clock.advance(100.0)
+    young = park(rig, service)
+    assert service.sweep_parked(rig.clock.now(), ttl_s=100.5) == 0
+    rig.clock.advance(1.0)
+    assert service.sweep_parked(rig.clock.now(), ttl_s=100.5) == 1
+    assert list(service.parked) == [young.link] and rig.inflight() == 1
+    assert rig.count("kvgate_releases_total", cause="timeout") == 1
+    assert service.logged(entry(old.link)) == "unmatched"
+
+
+def test_give_up_releases_the_parked_requests_too() -> None:
+    rig = Rig()
+    service = ExtProcService(rig.gate, rig.metrics)
+    park(rig, service)
+    park(rig, service)
+    assert service.give_up() == 2
+    assert rig.inflight() == 0 and not service.parked
+
+
+def test_a_route_without_release_access_log_is_not_parked() -> None:
+    rig = Rig()
+    ex = Exchange(rig.gate)
+    asyncio.run(ex.request_body(body_msg(chat(max_tokens=50)), None, attrs(),
+                                route_metadata(pool="default"), NO_RESPONSE))
+    assert ex.link is not None and not ex.released_by_access_log
+    bad = Exchange(rig.gate)
+    asyncio.run(bad.request_body(body_msg(chat(max_tokens=50)), None, attrs(),
+                                 route_metadata(pool="default", release="sometimes"), NO_RESPONSE))
+    assert not bad.released_by_access_log
+    assert rig.count("kvgate_route_metadata_errors_total", key="release") == 1
