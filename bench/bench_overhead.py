@@ -918,8 +918,8 @@ def _cpus() -> int:
 
 # --- Envoy variants (levers) ------------------------------------------------------------------
 
-VARIANTS = ("recommended", "four-message", "observe", "reservation", "full-duplex", "no-response-headers",
-            "request-only")
+VARIANTS = ("recommended", "four-message", "observe", "reservation", "access-log", "full-duplex",
+            "no-response-headers", "request-only")
 # Variants kvgate does not serve (the bare processor shows what they would be worth).
 BARE_ONLY = ("full-duplex", "no-response-headers", "request-only")
 EXT_PROC_TYPE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
@@ -935,6 +935,8 @@ def variant_file(variant: str, workdir: Path) -> Path:
       in observability mode: never waited for);
     - ``reservation``: deploy/envoy-reservation.yaml (the response body is not sent: the
       completion is charged at its reservation);
+    - ``access-log``: deploy/envoy-access-log.yaml (the request body alone; the release
+      comes by Envoy's gRPC access log);
     - ``full-duplex``: the response body FULL_DUPLEX_STREAMED (Envoy does not wait for each
       chunk's answer before sending the next; the processor sends the chunks back);
     - ``no-response-headers``: response headers skipped too (status and x-ratelimit-*
@@ -944,7 +946,7 @@ def variant_file(variant: str, workdir: Path) -> Path:
     """
     if variant == "recommended":
         return ENVOY_TEMPLATE
-    if variant in ("four-message", "observe", "reservation"):
+    if variant in ("four-message", "observe", "reservation", "access-log"):
         return ENVOY_TEMPLATE.parent / f"envoy-{variant}.yaml"
     import yaml
     cfg = yaml.safe_load(ENVOY_TEMPLATE.read_text())
@@ -977,7 +979,8 @@ def main(argv: list[str] | None = None) -> int:
     """main runs the benchmark and writes the report (bench/results/overhead.md by default)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny counts: a smoke test, not a measurement")
-    ap.add_argument("--variants", nargs="+", default=["recommended", "four-message", "observe", "reservation"],
+    ap.add_argument("--variants", nargs="+",
+                    default=["recommended", "four-message", "observe", "reservation", "access-log"],
                     choices=VARIANTS,
                     help="Envoy configurations to compare (levers); the first one's bare and "
                          "kvgate setups are the plain names, the others' are suffixed")

@@ -35,4 +35,5 @@ def test_quick_run_writes_the_report(tmp_path: Path) -> None:
             assert re.search(rf"^\| {clients} \| {setup} \| \d+ \| \d+\.\d\d \|", text, re.M), (clients, setup)
     assert re.search(r"^\| kvgate \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$", text, re.M)  # release row
     # the targets against each Envoy file kvgate serves, the recommended one first
-    assert "| target | goal | kvgate | kvgate four-message | kvgate observe | kvgate reservation |" in text
+    assert ("| target | goal | kvgate | kvgate access-log | kvgate four-message | kvgate observe | "
+            "kvgate reservation |") in text
