@@ -298,9 +298,10 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
         parked = self.parked.pop(space.fields[LINK_KEY].string_value, None)
         if parked is None:
             return "unmatched"
-        flags = entry.common_properties.response_flags
-        cut_short = (flags.downstream_connection_termination or flags.stream_idle_timeout
-                     or flags.downstream_protocol_error)
+        # Cut short: the upstream's response never ended (the client went away, a timeout),
+        # so the generation was aborted. Not Envoy's downstream-termination flag: a client
+        # that closes on the last event of a complete stream sets it too, at random.
+        cut_short = not entry.common_properties.HasField("time_to_last_upstream_rx_byte")
         parked[0].ended_by_log(entry.response.response_code.value, cut_short)
         self._maybe_idle()
         return "released"

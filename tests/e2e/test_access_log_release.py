@@ -70,6 +70,7 @@ def test_a_non_streamed_answer_is_released_completed_with_its_headers(stack: Sta
 
 def test_a_held_stream_keeps_its_slot_with_no_ext_proc_stream_open(stack: Stack) -> None:
     """The point of the option: the lease outlives kvgate's stream, until the log entry."""
+    before = released(stack, "completed")
     held = []
     try:
         for i in range(2):
@@ -87,7 +88,6 @@ def test_a_held_stream_keeps_its_slot_with_no_ext_proc_stream_open(stack: Stack)
     finally:
         for i in range(2):
             stack.upstream_post(f"/_fake/release/full-{i}")
-    before = released(stack, "completed")
     for s in held:
         assert "".join(c.choices[0].delta.content or "" for c in s) == "tok1 tok2 "
     wait_until(lambda: released(stack, "completed") == before + 2, timeout=5, what="two completed releases")

@@ -29,29 +29,36 @@ def park(rig: Rig, service: ExtProcService, release: str = "access_log") -> Exch
     return ex
 
 
-def entry(link: str | None, status: int = 200, **flags: bool) -> accesslog_pb2.HTTPAccessLogEntry:
+def entry(link: str | None, status: int = 200, upstream_done: bool = True,
+          **flags: bool) -> accesslog_pb2.HTTPAccessLogEntry:
     e = accesslog_pb2.HTTPAccessLogEntry()
     if link is not None:
         e.common_properties.metadata.filter_metadata[METADATA_NAMESPACE].fields[LINK_KEY].string_value = link
     e.response.response_code.value = status
+    if upstream_done:
+        e.common_properties.time_to_last_upstream_rx_byte.nanos = 5_000_000
     for name, value in flags.items():
         setattr(e.common_properties.response_flags, name, value)
     return e
 
 
-@pytest.mark.parametrize(("status", "flags", "cause"), [
-    (200, {}, "completed"),
-    (200, {"downstream_connection_termination": True}, "client_disconnect"),
-    (0, {}, "client_disconnect"),
-    (200, {"stream_idle_timeout": True}, "client_disconnect"),
-    (503, {}, "upstream_error"),
+@pytest.mark.parametrize(("status", "upstream_done", "flags", "cause"), [
+    (200, True, {}, "completed"),
+    # a client closing on the last event of a complete stream: Envoy may set the flag
+    (200, True, {"downstream_connection_termination": True}, "completed"),
+    (200, False, {"downstream_connection_termination": True}, "client_disconnect"),
+    (200, False, {"stream_idle_timeout": True}, "client_disconnect"),
+    (0, False, {}, "client_disconnect"),
+    (503, False, {"upstream_connection_failure": True}, "upstream_error"),
+    (503, True, {}, "upstream_error"),
 ])
-def test_an_entry_releases_its_parked_request_with_the_cause_it_tells(status: int, flags: dict, cause: str) -> None:
+def test_an_entry_releases_its_parked_request_with_the_cause_it_tells(
+        status: int, upstream_done: bool, flags: dict, cause: str) -> None:
     rig = Rig()
     service = ExtProcService(rig.gate, rig.metrics)
     ex = park(rig, service)
     assert rig.inflight() == 1
-    assert service.logged(entry(ex.link, status, **flags)) == "released"
+    assert service.logged(entry(ex.link, status, upstream_done, **flags)) == "released"
     assert rig.inflight() == 0 and not service.parked
     assert rig.count("kvgate_releases_total", cause=cause) == 1
     assert service.logged(entry(ex.link)) == "unmatched"  # a second entry changes nothing
