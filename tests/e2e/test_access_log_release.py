@@ -10,13 +10,12 @@ charged at its reservation.
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Iterator
 from typing import Any
 
 import openai
 import pytest
 
+from tests.e2e.options import MESSAGES, bucket_drop, disconnect_release_s, module_stack, no_leak  # noqa: F401
 from tests.e2e.stack import Stack, metadata_route, released
 from tests.e2e.stack import openai_client as client
 from tests.support.procs import LOOPBACK, ROOT, wait_until
@@ -31,26 +30,8 @@ CONFIG: dict[str, Any] = {
     "limits": {"max_body_bytes": 262144},
     "server": {"drain_s": 0, "grace_s": 1},
 }
-MESSAGES = [{"role": "user", "content": "Say hello"}]
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(tmp_path_factory.mktemp("access-log"), CONFIG,
-              envoy_template=ROOT / "deploy" / "envoy-access-log.yaml",
-              routes=[metadata_route(("x-pool", "wide"), {"pool": "wide", "release": "access_log"})])
-    s.start()
-    yield s
-    s.stop()
-
-
-@pytest.fixture(autouse=True)
-def no_leak(stack: Stack) -> Iterator[None]:
-    yield
-    try:
-        stack.wait_inflight(0, timeout=5)
-    finally:
-        stack.upstream_post("/_fake/reset")
+stack = module_stack("access-log", ROOT / "deploy" / "envoy-access-log.yaml", CONFIG,
+                     routes=[metadata_route(("x-pool", "wide"), {"pool": "wide", "release": "access_log"})])
 
 
 def entries(stack: Stack, result: str) -> float:
@@ -94,34 +75,13 @@ def test_a_held_stream_keeps_its_slot_with_no_ext_proc_stream_open(stack: Stack)
 
 
 def test_a_disconnect_is_released_as_one_within_100ms(stack: Stack) -> None:
-    stream = client(stack).chat.completions.create(
-        model="fake", messages=MESSAGES, stream=True, max_tokens=3,
-        extra_headers={"x-fake-hold": "gone"})
-    assert next(iter(stream)).choices[0].delta.content == "tok0 "
-    stack.wait_inflight(1)
-    before = released(stack, "client_disconnect")
-    t0 = time.monotonic()
-    stream.close()
-    wait_until(lambda: stack.inflight() == 0, timeout=2, interval=0.002, what="in-flight 0")
-    elapsed = time.monotonic() - t0
+    elapsed = disconnect_release_s(stack, "client_disconnect")
     assert elapsed < 0.1, f"slot freed after {elapsed * 1000:.0f} ms"
-    assert released(stack, "client_disconnect") == before + 1
 
 
 def test_the_whole_reservation_is_charged(stack: Stack) -> None:
-    def remaining() -> int:
-        raw = client(stack).chat.completions.with_raw_response.create(
-            model="fake", messages=MESSAGES, max_tokens=1)
-        return int(raw.headers["x-ratelimit-remaining-tokens"])
-
-    first = remaining()
-    t0 = time.monotonic()
-    client(stack).chat.completions.create(
-        model="fake", messages=MESSAGES, max_tokens=300, extra_headers={"x-fake-tokens": "2"})
-    stack.wait_inflight(0)
-    second = remaining()
-    refill = (time.monotonic() - t0) * TPM / 60
-    assert first - second >= 300 - refill, (first, second, refill)
+    drop, refill = bucket_drop(stack, TPM, max_tokens=300, generated=2)
+    assert drop >= 300 - refill, (drop, refill)
 
 
 def test_an_upstream_error_and_a_refusal_are_told_apart(stack: Stack) -> None:

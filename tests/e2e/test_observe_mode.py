@@ -10,14 +10,13 @@ after Envoy's deferred close (20 ms), well within 100 ms.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
 from typing import Any
 
 import openai
 import orjson
 import pytest
 
+from tests.e2e.options import MESSAGES, disconnect_release_s, module_stack, no_leak  # noqa: F401
 from tests.e2e.stack import Stack, released
 from tests.e2e.stack import openai_client as client
 from tests.support.procs import ROOT, wait_until
@@ -31,25 +30,7 @@ CONFIG: dict[str, Any] = {
     "limits": {"max_body_bytes": 262144},
     "server": {"drain_s": 0, "grace_s": 1},
 }
-MESSAGES = [{"role": "user", "content": "Say hello"}]
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(tmp_path_factory.mktemp("observe"), CONFIG,
-              envoy_template=ROOT / "deploy" / "envoy-observe.yaml")
-    s.start()
-    yield s
-    s.stop()
-
-
-@pytest.fixture(autouse=True)
-def no_leak(stack: Stack) -> Iterator[None]:
-    yield
-    try:
-        stack.wait_inflight(0, timeout=5)
-    finally:
-        stack.upstream_post("/_fake/reset")
+stack = module_stack("observe", ROOT / "deploy" / "envoy-observe.yaml", CONFIG)
 
 
 def test_enforce_max_tokens_caps_the_body_without_asking_for_stream_usage(stack: Stack) -> None:
@@ -89,18 +70,8 @@ def test_non_streamed_answer_carries_ratelimit_headers_from_metadata(stack: Stac
 
 
 def test_a_disconnect_frees_the_slot_within_100ms(stack: Stack) -> None:
-    stream = client(stack).chat.completions.create(
-        model="fake", messages=MESSAGES, stream=True, max_tokens=3,
-        extra_headers={"x-fake-hold": "gone"})
-    assert next(iter(stream)).choices[0].delta.content == "tok0 "
-    stack.wait_inflight(1)
-    before = released(stack, "client_disconnect")
-    t0 = time.monotonic()
-    stream.close()
-    wait_until(lambda: stack.inflight() == 0, timeout=2, interval=0.002, what="in-flight 0")
-    elapsed = time.monotonic() - t0
+    elapsed = disconnect_release_s(stack, "client_disconnect")
     assert elapsed < 0.1, f"slot freed after {elapsed * 1000:.0f} ms"
-    assert released(stack, "client_disconnect") == before + 1
 
 
 def test_full_slots_refuse_with_429_and_its_headers(stack: Stack) -> None:

@@ -9,14 +9,13 @@ cause (``ended``: kvgate cannot tell a complete response from one cut short).
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
 from typing import Any
 
 import openai
 import orjson
 import pytest
 
+from tests.e2e.options import MESSAGES, bucket_drop, disconnect_release_s, module_stack, no_leak  # noqa: F401
 from tests.e2e.stack import Stack, released
 from tests.e2e.stack import openai_client as client
 from tests.support.procs import ROOT, wait_until
@@ -30,32 +29,7 @@ CONFIG: dict[str, Any] = {
     "limits": {"max_body_bytes": 262144},
     "server": {"drain_s": 0, "grace_s": 1},
 }
-MESSAGES = [{"role": "user", "content": "Say hello"}]
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(tmp_path_factory.mktemp("reservation"), CONFIG,
-              envoy_template=ROOT / "deploy" / "envoy-reservation.yaml")
-    s.start()
-    yield s
-    s.stop()
-
-
-@pytest.fixture(autouse=True)
-def no_leak(stack: Stack) -> Iterator[None]:
-    yield
-    try:
-        stack.wait_inflight(0, timeout=5)
-    finally:
-        stack.upstream_post("/_fake/reset")
-
-
-def remaining_tokens(stack: Stack) -> int:
-    """the TPM bucket as a new request sees it (its own charge taken), read from its headers"""
-    raw = client(stack).chat.completions.with_raw_response.create(
-        model="fake", messages=MESSAGES, max_tokens=1)
-    return int(raw.headers["x-ratelimit-remaining-tokens"])
+stack = module_stack("reservation", ROOT / "deploy" / "envoy-reservation.yaml", CONFIG)
 
 
 def test_a_stream_reaches_the_client_whole_and_is_released_as_ended(stack: Stack) -> None:
@@ -77,20 +51,10 @@ def test_usage_the_client_asked_for_reaches_it_untouched(stack: Stack) -> None:
 
 
 def test_the_whole_reservation_is_charged_not_the_reported_completion(stack: Stack) -> None:
-    """A 300-token reservation of which the upstream generates 2: the bucket keeps 300.
-
-    Between the two readings the bucket refills at TPM/60 tokens a second, measured;
-    with the refund (usage accounting) the drop would be ~298 tokens smaller.
-    """
-    first = remaining_tokens(stack)
-    t0 = time.monotonic()
-    raw = client(stack).chat.completions.with_raw_response.create(
-        model="fake", messages=MESSAGES, max_tokens=300, extra_headers={"x-fake-tokens": "2"})
-    assert raw.parse().usage.completion_tokens == 2
-    stack.wait_inflight(0)
-    second = remaining_tokens(stack)
-    refill = (time.monotonic() - t0) * TPM / 60
-    assert first - second >= 300 - refill, (first, second, refill)
+    """A 300-token reservation of which the upstream generates 2: the bucket keeps 300
+    (with the refund of the usage accounting it would drop ~298 tokens less)."""
+    drop, refill = bucket_drop(stack, TPM, max_tokens=300, generated=2)
+    assert drop >= 300 - refill, (drop, refill)
 
 
 def test_non_streamed_answer_carries_the_ratelimit_headers(stack: Stack) -> None:
@@ -105,18 +69,8 @@ def test_non_streamed_answer_carries_the_ratelimit_headers(stack: Stack) -> None
 
 def test_a_disconnect_frees_the_slot_at_once(stack: Stack) -> None:
     """Released as ``ended``: Envoy ends the stream of a cut response as it ends a complete one."""
-    stream = client(stack).chat.completions.create(
-        model="fake", messages=MESSAGES, stream=True, max_tokens=3,
-        extra_headers={"x-fake-hold": "gone"})
-    assert next(iter(stream)).choices[0].delta.content == "tok0 "
-    stack.wait_inflight(1)
-    before = released(stack, "ended")
-    t0 = time.monotonic()
-    stream.close()
-    wait_until(lambda: stack.inflight() == 0, timeout=2, interval=0.002, what="in-flight 0")
-    elapsed = time.monotonic() - t0
+    elapsed = disconnect_release_s(stack, "ended")
     assert elapsed < 0.1, f"slot freed after {elapsed * 1000:.0f} ms"
-    assert released(stack, "ended") == before + 1
 
 
 def test_a_held_stream_keeps_its_slot_until_it_ends(stack: Stack) -> None:

@@ -1,0 +1,80 @@
+"""Helpers shared by the end-to-end modules of the Envoy options (observe, reservation,
+access-log): one stack per module on the option's file, the leak check after each test,
+and the two measurements every option is held to."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.stack import Stack, openai_client, released
+from tests.support.procs import wait_until
+
+MESSAGES = [{"role": "user", "content": "Say hello"}]
+
+
+def module_stack(name: str, envoy_file: Path, config: dict[str, Any],
+                 routes: Sequence[dict[str, Any]] = ()) -> Callable[..., Iterator[Stack]]:
+    """module_stack is a module-scoped ``stack`` fixture: ``config`` behind ``envoy_file``."""
+
+    @pytest.fixture(scope="module")
+    def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+        s = Stack(tmp_path_factory.mktemp(name), config, envoy_template=envoy_file, routes=routes)
+        s.start()
+        yield s
+        s.stop()
+
+    return stack
+
+
+@pytest.fixture(autouse=True)
+def no_leak(stack: Stack) -> Iterator[None]:
+    """no_leak checks after each test that kvgate holds nothing, then resets the upstream."""
+    yield
+    try:
+        stack.wait_inflight(0, timeout=5)
+    finally:
+        stack.upstream_post("/_fake/reset")
+
+
+def disconnect_release_s(stack: Stack, cause: str) -> float:
+    """disconnect_release_s cuts a held stream after its first chunk and returns the seconds
+    until its slot is free; the release must be counted once with ``cause``."""
+    stream = openai_client(stack).chat.completions.create(
+        model="fake", messages=MESSAGES, stream=True, max_tokens=3,
+        extra_headers={"x-fake-hold": "gone"})
+    assert next(iter(stream)).choices[0].delta.content == "tok0 "
+    stack.wait_inflight(1)
+    before = released(stack, cause)
+    t0 = time.monotonic()
+    stream.close()
+    wait_until(lambda: stack.inflight() == 0, timeout=2, interval=0.002, what="in-flight 0")
+    elapsed = time.monotonic() - t0
+    assert released(stack, cause) == before + 1
+    return elapsed
+
+
+def bucket_drop(stack: Stack, tpm: int, max_tokens: int, generated: int) -> tuple[int, float]:
+    """bucket_drop sends a request reserving ``max_tokens`` of which the upstream generates
+    ``generated``, and returns what the pool's TPM bucket lost meanwhile (read from the
+    x-ratelimit-remaining-tokens of a request before and one after) and the most the
+    bucket can have refilled between the two readings (``tpm``/60 a second, measured)."""
+
+    def remaining() -> int:
+        raw = openai_client(stack).chat.completions.with_raw_response.create(
+            model="fake", messages=MESSAGES, max_tokens=1)
+        return int(raw.headers["x-ratelimit-remaining-tokens"])
+
+    first = remaining()
+    t0 = time.monotonic()
+    done = openai_client(stack).chat.completions.create(
+        model="fake", messages=MESSAGES, max_tokens=max_tokens,
+        extra_headers={"x-fake-tokens": str(generated)})
+    assert done.usage.completion_tokens == generated
+    stack.wait_inflight(0)
+    second = remaining()
+    return first - second, (time.monotonic() - t0) * tpm / 60
