@@ -78,3 +78,26 @@ def bucket_drop(stack: Stack, tpm: int, max_tokens: int, generated: int) -> tupl
     stack.wait_inflight(0)
     second = remaining()
     return first - second, (time.monotonic() - t0) * tpm / 60
+
+
+def stream_passes_untouched(stack: Stack, cause: str) -> None:
+    """stream_passes_untouched streams a 5-token answer and checks that the client got it
+    whole, that the request went upstream without stream_options (no option can hide a
+    usage chunk it would ask for), and that the lease is released once with ``cause``."""
+    import orjson
+
+    before = released(stack, cause)
+    chunks = list(openai_client(stack).chat.completions.create(
+        model="fake", messages=MESSAGES, stream=True, max_tokens=5))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "tok0 tok1 tok2 tok3 tok4 "
+    forwarded = orjson.loads(stack.upstream_json("/_fake/requests")[-1]["body"])
+    assert "stream_options" not in forwarded
+    wait_until(lambda: released(stack, cause) == before + 1, timeout=5, what=f"a {cause} release")
+
+
+def client_usage_arrives(stack: Stack) -> None:
+    """client_usage_arrives checks that a usage chunk the client asked for reaches it."""
+    chunks = list(openai_client(stack).chat.completions.create(
+        model="fake", messages=MESSAGES, stream=True, max_tokens=3,
+        stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3

@@ -16,7 +16,8 @@ import openai
 import orjson
 import pytest
 
-from tests.e2e.options import MESSAGES, disconnect_release_s, module_stack, no_leak  # noqa: F401
+from tests.e2e.options import (MESSAGES, client_usage_arrives, disconnect_release_s,  # noqa: F401
+                               module_stack, no_leak, stream_passes_untouched)
 from tests.e2e.stack import Stack, released
 from tests.e2e.stack import openai_client as client
 from tests.support.procs import ROOT, wait_until
@@ -41,21 +42,11 @@ def test_enforce_max_tokens_caps_the_body_without_asking_for_stream_usage(stack:
 
 
 def test_a_stream_is_admitted_observed_and_released_completed(stack: Stack) -> None:
-    before = released(stack, "completed")
-    chunks = list(client(stack).chat.completions.create(
-        model="fake", messages=MESSAGES, stream=True, max_tokens=5))
-    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "tok0 tok1 tok2 tok3 tok4 "
-    # The request went upstream as sent: kvgate cannot hide a usage chunk here, so it asks for none.
-    forwarded = orjson.loads(stack.upstream_json("/_fake/requests")[-1]["body"])
-    assert "stream_options" not in forwarded
-    wait_until(lambda: released(stack, "completed") == before + 1, timeout=5, what="a completed release")
+    stream_passes_untouched(stack, "completed")
 
 
 def test_usage_the_client_asked_for_reaches_it(stack: Stack) -> None:
-    chunks = list(client(stack).chat.completions.create(
-        model="fake", messages=MESSAGES, stream=True, max_tokens=3,
-        stream_options={"include_usage": True}))
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+    client_usage_arrives(stack)
 
 
 def test_non_streamed_answer_carries_ratelimit_headers_from_metadata(stack: Stack) -> None:

@@ -12,10 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 import openai
-import orjson
 import pytest
 
-from tests.e2e.options import MESSAGES, bucket_drop, disconnect_release_s, module_stack, no_leak  # noqa: F401
+from tests.e2e.options import (MESSAGES, bucket_drop, client_usage_arrives,  # noqa: F401
+                               disconnect_release_s, module_stack, no_leak, stream_passes_untouched)
 from tests.e2e.stack import Stack, released
 from tests.e2e.stack import openai_client as client
 from tests.support.procs import ROOT, wait_until
@@ -33,21 +33,11 @@ stack = module_stack("reservation", ROOT / "deploy" / "envoy-reservation.yaml", 
 
 
 def test_a_stream_reaches_the_client_whole_and_is_released_as_ended(stack: Stack) -> None:
-    before = released(stack, "ended")
-    chunks = list(client(stack).chat.completions.create(
-        model="fake", messages=MESSAGES, stream=True, max_tokens=5))
-    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "tok0 tok1 tok2 tok3 tok4 "
-    # Nothing would hide a usage chunk: the upstream is not asked for one.
-    forwarded = orjson.loads(stack.upstream_json("/_fake/requests")[-1]["body"])
-    assert "stream_options" not in forwarded
-    wait_until(lambda: released(stack, "ended") == before + 1, timeout=5, what="an ended release")
+    stream_passes_untouched(stack, "ended")
 
 
 def test_usage_the_client_asked_for_reaches_it_untouched(stack: Stack) -> None:
-    chunks = list(client(stack).chat.completions.create(
-        model="fake", messages=MESSAGES, stream=True, max_tokens=3,
-        stream_options={"include_usage": True}))
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+    client_usage_arrives(stack)
 
 
 def test_the_whole_reservation_is_charged_not_the_reported_completion(stack: Stack) -> None:
