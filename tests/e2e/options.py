@@ -101,3 +101,47 @@ def client_usage_arrives(stack: Stack) -> None:
         model="fake", messages=MESSAGES, stream=True, max_tokens=3,
         stream_options={"include_usage": True}))
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+
+
+def hold_streams(stack: Stack, count: int, key: str = "full") -> list[Any]:
+    """hold_streams opens ``count`` streams the upstream holds after their first chunk
+    (``x-fake-hold: {key}-{i}``); ``let_go`` lets them finish."""
+    streams = []
+    for i in range(count):
+        s = openai_client(stack).chat.completions.create(
+            model="fake", messages=MESSAGES, stream=True, max_tokens=3,
+            extra_headers={"x-fake-hold": f"{key}-{i}"})
+        assert next(iter(s)).choices[0].delta.content == "tok0 "
+        streams.append(s)
+    return streams
+
+
+def let_go(stack: Stack, count: int, key: str = "full") -> None:
+    """let_go releases the streams ``hold_streams`` opened at the upstream."""
+    for i in range(count):
+        stack.upstream_post(f"/_fake/release/{key}-{i}")
+
+
+def refused_for_concurrency(stack: Stack) -> Any:
+    """refused_for_concurrency sends a request that must be refused with 429 for want of a
+    slot and returns the refusal's headers."""
+    import openai
+
+    with pytest.raises(openai.RateLimitError) as exc:
+        openai_client(stack).chat.completions.create(model="fake", messages=MESSAGES, max_tokens=3)
+    headers = exc.value.response.headers
+    assert headers["x-kvgate-reason"] == "concurrency"
+    return headers
+
+
+def upstream_error_released(stack: Stack) -> None:
+    """upstream_error_released sends a request the upstream answers 503 and waits for its
+    release with cause ``upstream_error``."""
+    import openai
+
+    before = released(stack, "upstream_error")
+    with pytest.raises(openai.InternalServerError):
+        openai_client(stack).chat.completions.create(
+            model="fake", messages=MESSAGES, max_tokens=3, extra_headers={"x-fake-status": "503"})
+    wait_until(lambda: released(stack, "upstream_error") == before + 1, timeout=5,
+               what="an upstream_error release")

@@ -15,7 +15,9 @@ from typing import Any
 import openai
 import pytest
 
-from tests.e2e.options import MESSAGES, bucket_drop, disconnect_release_s, module_stack, no_leak  # noqa: F401
+from tests.e2e.options import (MESSAGES, bucket_drop, disconnect_release_s, hold_streams,  # noqa: F401
+                               let_go, module_stack, no_leak, refused_for_concurrency,
+                               upstream_error_released)
 from tests.e2e.stack import Stack, metadata_route, released
 from tests.e2e.stack import openai_client as client
 from tests.support.procs import LOOPBACK, ROOT, wait_until
@@ -54,21 +56,13 @@ def test_a_held_stream_keeps_its_slot_with_no_ext_proc_stream_open(stack: Stack)
     before = released(stack, "completed")
     held = []
     try:
-        for i in range(2):
-            s = client(stack).chat.completions.create(
-                model="fake", messages=MESSAGES, stream=True, max_tokens=3,
-                extra_headers={"x-fake-hold": f"full-{i}"})
-            assert next(iter(s)).choices[0].delta.content == "tok0 "
-            held.append(s)
+        held = hold_streams(stack, 2)
         assert stack.inflight() == 2
         wait_until(lambda: stack.metric("kvgate_streams_active") == 0, timeout=5,
                    what="kvgate's ext_proc streams closed")
-        with pytest.raises(openai.RateLimitError) as exc:
-            client(stack).chat.completions.create(model="fake", messages=MESSAGES, max_tokens=3)
-        assert exc.value.response.headers["x-kvgate-reason"] == "concurrency"
+        refused_for_concurrency(stack)
     finally:
-        for i in range(2):
-            stack.upstream_post(f"/_fake/release/full-{i}")
+        let_go(stack, 2)
     for s in held:
         assert "".join(c.choices[0].delta.content or "" for c in s) == "tok1 tok2 "
     wait_until(lambda: released(stack, "completed") == before + 2, timeout=5, what="two completed releases")
@@ -85,12 +79,8 @@ def test_the_whole_reservation_is_charged(stack: Stack) -> None:
 
 
 def test_an_upstream_error_and_a_refusal_are_told_apart(stack: Stack) -> None:
-    before, no_lease = released(stack, "upstream_error"), entries(stack, "no_lease")
-    with pytest.raises(openai.InternalServerError):
-        client(stack).chat.completions.create(
-            model="fake", messages=MESSAGES, max_tokens=3, extra_headers={"x-fake-status": "503"})
-    wait_until(lambda: released(stack, "upstream_error") == before + 1, timeout=5,
-               what="an upstream_error release")
+    no_lease = entries(stack, "no_lease")
+    upstream_error_released(stack)
     with pytest.raises(openai.BadRequestError):  # refused by kvgate: no lease, no link
         client(stack).chat.completions.create(model="fake", messages=MESSAGES, max_tokens=5000)
     wait_until(lambda: entries(stack, "no_lease") == no_lease + 1, timeout=5,

@@ -17,7 +17,8 @@ import orjson
 import pytest
 
 from tests.e2e.options import (MESSAGES, client_usage_arrives, disconnect_release_s,  # noqa: F401
-                               module_stack, no_leak, stream_passes_untouched)
+                               hold_streams, let_go, module_stack, no_leak, refused_for_concurrency,
+                               stream_passes_untouched, upstream_error_released)
 from tests.e2e.stack import Stack, released
 from tests.e2e.stack import openai_client as client
 from tests.support.procs import ROOT, wait_until
@@ -68,21 +69,12 @@ def test_a_disconnect_frees_the_slot_within_100ms(stack: Stack) -> None:
 def test_full_slots_refuse_with_429_and_its_headers(stack: Stack) -> None:
     held = []
     try:
-        for i in range(2):
-            s = client(stack).chat.completions.create(
-                model="fake", messages=MESSAGES, stream=True, max_tokens=3,
-                extra_headers={"x-fake-hold": f"full-{i}"})
-            next(iter(s))
-            held.append(s)
-        with pytest.raises(openai.RateLimitError) as exc:
-            client(stack).chat.completions.create(model="fake", messages=MESSAGES, max_tokens=3)
-        hs = exc.value.response.headers
-        assert hs["x-kvgate-reason"] == "concurrency"
+        held = hold_streams(stack, 2)
+        hs = refused_for_concurrency(stack)
         assert hs["x-ratelimit-remaining-requests"] == "0"  # kvgate's own, not doubled
         assert "," not in hs["x-ratelimit-limit-requests"]
     finally:
-        for i in range(2):
-            stack.upstream_post(f"/_fake/release/full-{i}")
+        let_go(stack, 2)
         for s in held:
             list(s)
 
@@ -91,12 +83,7 @@ def test_refusals_and_upstream_errors(stack: Stack) -> None:
     with pytest.raises(openai.BadRequestError) as exc:
         client(stack).chat.completions.create(model="fake", messages=MESSAGES, max_tokens=5000)
     assert exc.value.code == "context_length_exceeded"
-    before = released(stack, "upstream_error")
-    with pytest.raises(openai.InternalServerError):
-        client(stack).chat.completions.create(model="fake", messages=MESSAGES, max_tokens=3,
-                                              extra_headers={"x-fake-status": "503"})
-    wait_until(lambda: released(stack, "upstream_error") == before + 1, timeout=5,
-               what="an upstream_error release")
+    upstream_error_released(stack)
 
 
 def test_other_paths_pass_through(stack: Stack) -> None:

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import openai
 import pytest
 
 from tests.e2e.options import (MESSAGES, bucket_drop, client_usage_arrives,  # noqa: F401
-                               disconnect_release_s, module_stack, no_leak, stream_passes_untouched)
+                               disconnect_release_s, hold_streams, let_go, module_stack, no_leak,
+                               refused_for_concurrency, stream_passes_untouched,
+                               upstream_error_released)
 from tests.e2e.stack import Stack, released
 from tests.e2e.stack import openai_client as client
 from tests.support.procs import ROOT, wait_until
@@ -68,27 +69,14 @@ def test_a_held_stream_keeps_its_slot_until_it_ends(stack: Stack) -> None:
     open for as long as the HTTP stream, body unread."""
     held = []
     try:
-        for i in range(2):
-            s = client(stack).chat.completions.create(
-                model="fake", messages=MESSAGES, stream=True, max_tokens=3,
-                extra_headers={"x-fake-hold": f"full-{i}"})
-            next(iter(s))
-            held.append(s)
+        held = hold_streams(stack, 2)
         assert stack.inflight() == 2
-        with pytest.raises(openai.RateLimitError) as exc:
-            client(stack).chat.completions.create(model="fake", messages=MESSAGES, max_tokens=3)
-        assert exc.value.response.headers["x-kvgate-reason"] == "concurrency"
+        refused_for_concurrency(stack)
     finally:
-        for i in range(2):
-            stack.upstream_post(f"/_fake/release/full-{i}")
+        let_go(stack, 2)
         for s in held:
             list(s)
 
 
 def test_an_upstream_error_is_released_as_one(stack: Stack) -> None:
-    before = released(stack, "upstream_error")
-    with pytest.raises(openai.InternalServerError):
-        client(stack).chat.completions.create(
-            model="fake", messages=MESSAGES, max_tokens=3, extra_headers={"x-fake-status": "503"})
-    wait_until(lambda: released(stack, "upstream_error") == before + 1, timeout=5,
-               what="an upstream_error release")
+    upstream_error_released(stack)
