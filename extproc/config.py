@@ -19,6 +19,8 @@ from extproc.errors import ConfigError
 
 ENGINES = ("vllm", "sglang", "tgi", "dcgm")
 AGGREGATES = ("max", "mean")
+GROWTHS = ("worst_case", "learned")
+_ADDRESS = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.-]{0,252}):([0-9]{1,5})$")
 ON_UNAVAILABLE = ("local_share", "fail_closed")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -26,12 +28,37 @@ _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 @dataclass(frozen=True, slots=True)
 class BackendConfig:
-    """BackendConfig is one inference node's (or GPU exporter's) metrics endpoint."""
+    """BackendConfig is one inference node's (or GPU exporter's) metrics endpoint.
+
+    ``address`` (``HOST:PORT``) is where the node's requests go when kvgate picks the node
+    for each request (None: Envoy routes, kvgate admits at the pool level);
+    ``kv_capacity_tokens`` overrides the KV capacity the node reports (tokens).
+    """
 
     name: str
     metrics_url: str
     engine: str = "vllm"
     model_name: str | None = None
+    address: str | None = None
+    kv_capacity_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PickingConfig:
+    """PickingConfig says how kvgate judges a node's room when it picks nodes.
+
+    ``growth``: how many more tokens a running request is expected to generate:
+    ``worst_case`` (its whole remaining reservation) or ``learned`` (the ``quantile`` of
+    the completion lengths settled in its pool and class that are above what it has
+    generated, never above its reservation, and the worst case until ``min_samples``
+    were settled); ``reserve_fraction``: share of each node's KV capacity kept free
+    (block rounding, reports a few milliseconds off kvgate's own view).
+    """
+
+    growth: str = "learned"
+    quantile: float = 0.9
+    min_samples: int = 20
+    reserve_fraction: float = 0.02
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +98,12 @@ class PoolConfig:
     enforce_max_tokens: bool = False
     backends: tuple[BackendConfig, ...] = ()
     signals: SignalsConfig = field(default_factory=SignalsConfig)
+    picking: PickingConfig = field(default_factory=PickingConfig)
+
+    @property
+    def picks(self) -> bool:
+        """picks is True when kvgate picks the node of each request: every backend has an address."""
+        return bool(self.backends) and all(b.address is not None for b in self.backends)
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,11 +340,34 @@ def _backend(key: str, data: Any) -> BackendConfig:
     url = s.string("metrics_url", None)
     if not url.startswith(("http://", "https://")):
         raise ConfigError(s.path("metrics_url"), f"must be an http:// or https:// URL, got {url!r}")
+    address = s.string("address", None, optional=True)
+    if address is not None:
+        m = _ADDRESS.match(address)
+        if m is None or not 0 < int(m.group(1)) < 65536:
+            raise ConfigError(s.path("address"), f"must be HOST:PORT (the node's inference endpoint), "
+                              f"got {address!r}")
     b = BackendConfig(name=name, metrics_url=url,
                       engine=s.string("engine", "vllm", choices=ENGINES),
-                      model_name=s.string("model_name", None, optional=True))
+                      model_name=s.string("model_name", None, optional=True),
+                      address=address,
+                      kv_capacity_tokens=s.integer("kv_capacity_tokens", None, optional=True))
     s.done()
+    if b.address is not None and b.engine == "dcgm":
+        raise ConfigError(s.path("address"), "a dcgm exporter serves no requests: give the address "
+                          "on the inference node's backend")
     return b
+
+
+def _picking(s: _Section) -> PickingConfig:
+    growth = s.string("growth", "learned", choices=GROWTHS)
+    picking = PickingConfig(
+        growth=growth,
+        quantile=s.number("quantile", 0.9, low=0.0, high=1.0, low_open=True),
+        min_samples=s.integer("min_samples", 20, minimum=1),
+        reserve_fraction=s.number("reserve_fraction", 0.02, low=0.0, high=0.5),
+    )
+    s.done()
+    return picking
 
 
 def _pool(key: str, name: str, data: Any) -> PoolConfig:
@@ -334,6 +390,20 @@ def _pool(key: str, name: str, data: Any) -> PoolConfig:
         kv_budget_fraction=sig.number("kv_budget_fraction", 0.9, low=0.0, high=1.0, low_open=True),
     )
     sig.done()
+    with_address = [b for b in backends if b.address is not None]
+    if with_address and len(with_address) != len(backends):
+        missing = next(i for i, b in enumerate(backends) if b.address is None)
+        raise ConfigError(f"{s.path('backends')}[{missing}].address",
+                          "is required when another backend of the pool has one: kvgate picks "
+                          "a node for every request only when it knows every node's address")
+    addresses: set[str] = set()
+    for i, b in enumerate(with_address):
+        if b.address in addresses:
+            raise ConfigError(f"{s.path('backends')}[{i}].address", f"duplicate address {b.address!r}")
+        addresses.add(b.address)  # type: ignore[arg-type]
+    picking = _picking(s.section("picking"))
+    if s.has("picking") and not with_address:
+        raise ConfigError(s.path("picking"), "needs every backend of the pool to have an address")
     tokenizer = s.string("tokenizer", "cl100k_base")
     if tokenizer.startswith(("tiktoken:", "hf:")) and not tokenizer.split(":", 1)[1]:
         raise ConfigError(s.path("tokenizer"), "needs a path after the prefix")
@@ -349,6 +419,7 @@ def _pool(key: str, name: str, data: Any) -> PoolConfig:
         enforce_max_tokens=s.boolean("enforce_max_tokens", False),
         backends=backends,
         signals=signals,
+        picking=picking,
     )
     s.done()
     if pool.default_max_tokens >= pool.context_window:

@@ -19,6 +19,7 @@ from extproc.admission import rules
 from extproc.admission.adaptive import ScaleParams, ScaleTracker
 from extproc.admission.errors import InvalidDemandError, UnknownPoolError
 from extproc.admission.kvbudget import base_kv_budget, effective_kv_budget, kv_ceilings, reserved_completion
+from extproc.admission.nodes import Charge, NodeReport, NodeSnapshot, PoolNodes
 from extproc.admission.slots import effective_guarantees, effective_limit
 from extproc.admission.store.base import (POOL_BUCKET, Budget, BucketSpec, Grant, Plan, PoolLimits,
                                           Refusal, Store, StoreError, SyncStore)
@@ -34,7 +35,7 @@ from extproc.config import ClassConfig, Config, PoolConfig
 # slots or KV are re-tried this often (seconds).
 SHARED_POLL_S = 0.05
 
-_STOPS = (Budget.SLOTS, Budget.KV, Budget.POOL_TPM)
+_STOPS = (Budget.SLOTS, Budget.KV, Budget.POOL_TPM, Budget.NODE_KV)
 # Budgets that do not fit above their size at the current scale: only the scale's recovery
 # lets such a waiter in, and holding others back would not bring that sooner.
 _SCALED = (Budget.KV, Budget.CLASS_KV, Budget.POOL_TPM)
@@ -48,7 +49,7 @@ class Lease:
     whether it was released; ``outcome`` is how it ended (None while held).
     """
 
-    __slots__ = ("_adm", "_grant", "demand", "released", "outcome", "_max_completion")
+    __slots__ = ("_adm", "_grant", "demand", "released", "outcome", "_max_completion", "_charge")
 
     def __init__(self, adm: Admission, grant: Grant, demand: Demand, max_completion: int) -> None:
         self._adm = adm
@@ -59,6 +60,18 @@ class Lease:
         # n choices (or a batch of prompts) reserve and generate up to n x max_tokens,
         # which can exceed one context window.
         self._max_completion = max(max_completion, demand.completion_tokens)
+        self._charge: Charge | None = grant.node
+
+    @property
+    def node(self) -> str | None:
+        """node is the address (``HOST:PORT``) of the node picked for the request (None: not picked)."""
+        return None if self._charge is None else self._charge.address
+
+    def progress(self, generated_tokens: int) -> None:
+        """progress tells a picked node's ledger how many tokens the request has generated so far."""
+        c = self._charge
+        if c is not None and not self.released:
+            self._adm._progress(self.demand.pool, c, generated_tokens)
 
     @property
     def id(self) -> str:
@@ -96,12 +109,14 @@ class Lease:
         self.released = True
         self.outcome = outcome
         d = self.demand
+        known: int | None = None
         if type(completion_tokens) is int and completion_tokens >= 0:
-            c = completion_tokens if completion_tokens < self._max_completion else self._max_completion
-            charged = d.prompt_tokens + c
+            known = completion_tokens if completion_tokens < self._max_completion else self._max_completion
+            charged = d.prompt_tokens + known
         else:
             charged = d.prompt_tokens + d.completion_tokens
-        self._adm._settle(self._grant, charged)
+        self._adm._settle(self._grant, charged, known if outcome is Outcome.COMPLETED else None,
+                          outcome is Outcome.COMPLETED)
         return True
 
     def __repr__(self) -> str:
@@ -113,7 +128,7 @@ class _Pool:
 
     __slots__ = ("name", "config", "tracker", "kv_capacity", "limits", "queue", "loop", "timer",
                  "timer_at", "stop", "blocked_tenants", "blocked_classes", "draining", "drain_again",
-                 "drain_task", "retry_estimate_s", "guaranteed", "kv_watermarks", "adaptive")
+                 "drain_task", "retry_estimate_s", "guaranteed", "kv_watermarks", "adaptive", "nodes")
 
     def __init__(self, config: PoolConfig, params: ScaleParams, retry_estimate_s: float,
                  guaranteed: dict[str, int], kv_watermarks: dict[str, float], now: float) -> None:
@@ -139,6 +154,9 @@ class _Pool:
         self.retry_estimate_s = retry_estimate_s
         self.guaranteed = guaranteed
         self.kv_watermarks = kv_watermarks
+        # Per-node ledgers when the pool picks nodes; its KV is then guarded per node, not
+        # by a pool-wide budget.
+        self.nodes: PoolNodes | None = None
 
     def limits_at(self, now: float) -> PoolLimits:
         """limits_at is the pool's limits at ``now``'s scale (cached while the scale holds)."""
@@ -148,7 +166,8 @@ class _Pool:
             return lim
         cfg = self.config
         limit = effective_limit(cfg.max_concurrency, scale)
-        base_kv = base_kv_budget(cfg.kv_budget_tokens, self.kv_capacity, cfg.signals.kv_budget_fraction)
+        base_kv = None if self.nodes is not None else \
+            base_kv_budget(cfg.kv_budget_tokens, self.kv_capacity, cfg.signals.kv_budget_fraction)
         bucket = None
         if cfg.tpm is not None:
             cap = cfg.tpm * scale
@@ -182,8 +201,11 @@ class Admission:
             name: self._new_pool(pc, config, now) for name, pc in config.pools.items()}
 
     def _new_pool(self, pc: PoolConfig, config: Config, now: float) -> _Pool:
-        return _Pool(pc, ScaleParams.of(pc, config.adaptive), config.adaptive.poll_interval_s,
-                     self._tenants.guaranteed, self._tenants.kv_watermarks, now)
+        p = _Pool(pc, ScaleParams.of(pc, config.adaptive), config.adaptive.poll_interval_s,
+                  self._tenants.guaranteed, self._tenants.kv_watermarks, now)
+        if pc.picks:
+            p.nodes = PoolNodes(pc, config.adaptive.stale_after_s)
+        return p
 
     # --- public API -------------------------------------------------------------
 
@@ -236,7 +258,7 @@ class Admission:
             blocker = self._blocked(p, demand, cls)
             if blocker is not None:
                 return self._rejection(p, blocker, plan, now, behind=True)
-        res = store.admit_now(plan, now)
+        res = self._admit_now(p, demand, plan, now)
         if type(res) is Grant:
             return Lease(self, res, demand, p.config.context_window)
         return self._rejection(p, res, plan, now)  # type: ignore[arg-type]
@@ -257,8 +279,8 @@ class Admission:
         refusal = self._blocked(p, demand, cls) if p.queue.size else None
         behind = refusal is not None
         if refusal is None:
-            store = self._sync
-            res = store.admit_now(plan, now) if store is not None else await self._store.admit(plan, now)
+            res = self._admit_now(p, demand, plan, now) if self._sync is not None else \
+                await self._admit(p, demand, plan, now)
             if type(res) is Grant:
                 return Lease(self, res, demand, p.config.context_window)
             refusal = res  # type: ignore[assignment]
@@ -312,6 +334,33 @@ class Admission:
                 self._shed_waiters(p, now)
             self._kick(p)
 
+    def mark_nodes(self, mark: int) -> None:
+        """mark_nodes starts a scrape round in every picking pool (``nodes.PoolNodes.mark``).
+
+        ``mark`` is an increasing id that the round's ``report_node`` calls carry.
+        """
+        for p in self._pools.values():
+            if p.nodes is not None:
+                p.nodes.mark(mark)
+
+    def report_node(self, pool: str, backend: str, report: NodeReport) -> None:
+        """report_node hands in one node's scrape of a picking pool (on the event-loop thread).
+
+        Room may have come back: the pool's waiters are re-tried. Reports for pools that
+        do not pick, and for backends no longer configured, are ignored. Raises
+        ``UnknownPoolError`` for a pool that is not configured.
+        """
+        p = self._pool(pool)
+        if p.nodes is None or not p.nodes.report(backend, report):
+            return
+        if p.queue.size:
+            self._kick(p)
+
+    def nodes(self, pool: str) -> tuple[NodeSnapshot, ...]:
+        """nodes reports the nodes of a picking pool now (empty for a pool that does not pick)."""
+        p = self._pool(pool)
+        return () if p.nodes is None else p.nodes.snapshot(self._clock.now())
+
     def snapshot(self, pool: str) -> PoolSnapshot:
         """snapshot reports a pool's scale, limits and usage now, for metrics and health pages."""
         p = self._pool(pool)
@@ -352,6 +401,13 @@ class Admission:
             p.retry_estimate_s = config.adaptive.poll_interval_s
             p.guaranteed = self._tenants.guaranteed
             p.kv_watermarks = self._tenants.kv_watermarks
+            if pc.picks:
+                if p.nodes is None:
+                    p.nodes = PoolNodes(pc, config.adaptive.stale_after_s)
+                else:
+                    p.nodes.reconfigure(pc, config.adaptive.stale_after_s)
+            else:
+                p.nodes = None  # charges held keep their node ledger until released
             p.limits = None
             pools[name] = p
         removed = [p for name, p in self._pools.items() if name not in pools]
@@ -384,11 +440,96 @@ class Admission:
 
     # --- internals --------------------------------------------------------------
 
-    def _settle(self, grant: Grant, charged: int) -> None:
-        self._store.settle(grant, charged, self._clock.now())
+    def _settle(self, grant: Grant, charged: int, completion: int | None = None,
+                completed: bool = False) -> None:
+        now = self._clock.now()
+        self._store.settle(grant, charged, now)
         p = self._pools.get(grant.plan.limits.pool)
+        charge = grant.node
+        if charge is not None:
+            # The pool may have been reloaded since: the charge's node ledger is its own.
+            owner = p.nodes if p is not None and p.nodes is not None else None
+            if owner is not None:
+                owner.release(charge, completion, completed, now)
+            else:
+                charge.held = False
+                charge.node.charges.discard(charge)
         if p is not None and p.queue.size:
             self._kick(p)
+
+    def _undo(self, grant: Grant, now: float) -> None:
+        """_undo takes back a grant nobody received: the store's charge and the node's."""
+        self._store.settle(grant, 0, now)
+        charge = grant.node
+        if charge is not None and charge.held:
+            charge.held = False
+            charge.node.charges.discard(charge)
+
+    def _node_refusal(self, p: _Pool, demand: Demand, cls: ClassConfig,
+                      now: float) -> Charge | Refusal:
+        """_node_refusal charges a node for ``demand`` (a picking pool), or says why none fits."""
+        nodes = p.nodes
+        assert nodes is not None
+        pt, ct = demand.prompt_tokens, demand.completion_tokens
+        largest = nodes.never_fits(cls.name, pt, ct)
+        if largest is not None:
+            return Refusal(Budget.NODE_KV, 0.0, False, nodes.hold(pt, ct, 0, cls.name), 0, largest)
+        got = nodes.pick(cls.name, pt, ct, cls.kv_watermark, now)
+        if isinstance(got, Charge):
+            return got
+        wait = nodes.retry_after(got.need, now, p.retry_estimate_s)
+        budget = Budget.CLASS_KV if got.by_watermark else Budget.NODE_KV
+        return Refusal(budget, wait, True, got.need, got.best_room or 0, got.best_room or 0)
+
+    def _admit_now(self, p: _Pool, demand: Demand, plan: Plan, now: float) -> Grant | Refusal:
+        """_admit_now is the in-process store's admission, with a node picked first in a picking pool."""
+        store = self._sync
+        assert store is not None
+        if p.nodes is None:
+            return store.admit_now(plan, now)
+        cls = self._tenants.class_rule(plan.class_name)
+        charge = self._node_refusal(p, demand, cls, now)
+        if type(charge) is Refusal:
+            return charge
+        res = store.admit_now(plan, now)
+        self._attach(res, charge)  # type: ignore[arg-type]
+        return res
+
+    async def _admit(self, p: _Pool, demand: Demand, plan: Plan, now: float) -> Grant | Refusal:
+        """_admit is ``_admit_now`` for a store that answers asynchronously.
+
+        The node is charged before the store is asked (so that no other request takes the
+        same room meanwhile) and uncharged when the store refuses or fails.
+        """
+        if p.nodes is None:
+            return await self._store.admit(plan, now)
+        cls = self._tenants.class_rule(plan.class_name)
+        charge = self._node_refusal(p, demand, cls, now)
+        if type(charge) is Refusal:
+            return charge
+        try:
+            res = await self._store.admit(plan, now)
+        except BaseException:
+            self._attach(None, charge)  # type: ignore[arg-type]
+            raise
+        self._attach(res, charge)  # type: ignore[arg-type]
+        return res
+
+    @staticmethod
+    def _attach(res: Grant | Refusal | None, charge: Charge) -> None:
+        if type(res) is Grant:
+            res.node = charge
+        else:  # refused by the store: the node's charge goes back untouched
+            charge.held = False
+            charge.node.charges.discard(charge)
+            charge.node.picks -= 1
+
+    def _progress(self, pool: str, charge: Charge, generated: int) -> None:
+        p = self._pools.get(pool)
+        if p is not None and p.nodes is not None:
+            p.nodes.progress(charge, generated, self._clock.now())
+        elif charge.first_at is None and generated > 0:
+            charge.first_at = self._clock.now()
 
     def _rate(self, p: _Pool, limits: PoolLimits, now: float) -> RateInfo:
         usage = self._store.usage(p.name, now)
@@ -541,7 +682,7 @@ class Admission:
     def _served(self, p: _Pool, w: Waiter, plan: Plan, res: Grant | Refusal, now: float) -> Step:
         if type(res) is Grant:
             if not w.queued or w.future.done():
-                self._store.settle(res, 0, now)  # its requester left while the store answered
+                self._undo(res, now)  # its requester left while the store answered
                 return Step.NEXT
             self._resolve(p, w, Lease(self, res, w.demand, p.config.context_window))
             return Step.NEXT
@@ -583,7 +724,7 @@ class Admission:
                 while True:
                     plan = self._prepare(p, w, now)
                     step = plan if isinstance(plan, Step) else \
-                        self._served(p, w, plan, store.admit_now(plan, now), now)
+                        self._served(p, w, plan, self._admit_now(p, w.demand, plan, now), now)
                     w = walk.send(step)
             except StopIteration:
                 pass
@@ -607,7 +748,7 @@ class Admission:
                                 step = plan
                             else:
                                 try:
-                                    res = await self._store.admit(plan, now)
+                                    res = await self._admit(p, w.demand, plan, now)
                                 except StoreError:
                                     # A shared store that fails closed cannot answer: the
                                     # waiters keep waiting (bounded by their deadlines) and

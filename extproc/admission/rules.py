@@ -14,12 +14,23 @@ checks decides which budget a refusal names:
 
 Every budget that refuses is checked, and the refusal's retry delay is the longest of
 theirs: a client that waits that long is not refused again by another budget at once.
+
+A pool that picks nodes adds a per-node rule, checked before the store's (``pick_node``):
+a node fits a request when, with C its capacity and r the reserve,
+
+    foreign + sum(hold of kvgate's requests on it) + hold(new) <= floor(C x (1 - r))
+
+where ``foreign`` is the KV the node reported that kvgate did not admit (``nodes``), and a
+request's hold is its prompt + tokens generated so far + the growth still to come
+(``node_hold``). A class with a KV watermark w < 1 fits only within floor(w x that).
 """
 
 from __future__ import annotations
 
+import bisect
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from extproc.admission.bucket import FIT_SLACK, wait_for
 from extproc.admission.slots import slot_refusal
@@ -115,6 +126,9 @@ def message(refusal: Refusal, plan: Plan) -> str:
                     f"'{plan.class_name}' may fill ({int(refusal.limit)} tokens)")
         elif b is Budget.TENANT_TPM:
             what = f"the tokens-per-minute limit of tenant '{plan.tenant}' ({int(refusal.limit)} tokens)"
+        elif b is Budget.NODE_KV:
+            what = (f"the KV cache kvgate fills on the largest node of pool '{pool}' "
+                    f"({int(refusal.limit)} tokens)")
         else:
             what = f"the tokens-per-minute limit of pool '{pool}' ({int(refusal.limit)} tokens)"
         return (f"This request needs {int(refusal.needed)} tokens (prompt + max_tokens), more than "
@@ -130,6 +144,10 @@ def message(refusal: Refusal, plan: Plan) -> str:
         return (f"The in-flight KV-token budget of pool '{pool}' is full: this request needs "
                 f"{int(refusal.needed)} tokens, {int(refusal.used)} of {int(refusal.limit)} are in use. "
                 f"Please retry after {retry}.")
+    if b is Budget.NODE_KV:
+        return (f"No node of pool '{pool}' has room in its KV cache for this request now: it "
+                f"needs {int(refusal.needed)} tokens, the node with the most room has "
+                f"{max(0, int(refusal.used))} free. Please retry after {retry}.")
     if b is Budget.CLASS_KV:
         return (f"Requests of class '{plan.class_name}' may fill the in-flight KV-token budget of "
                 f"pool '{pool}' only up to {int(refusal.limit)} tokens (the rest is kept for other "
@@ -155,6 +173,7 @@ _BUDGET_WORDS = {
     Budget.CLASS_KV: "room in the part of the in-flight KV-token budget their class may fill",
     Budget.POOL_TPM: "tokens of the tokens-per-minute limit",
     Budget.TENANT_TPM: "tokens of the tokens-per-minute limit",
+    Budget.NODE_KV: "a node with room in its KV cache",
 }
 
 
@@ -169,3 +188,101 @@ def queued_message(refusal: Refusal, plan: Plan) -> str:
     return (f"Requests queued earlier on {whose} are waiting for {_BUDGET_WORDS[refusal.budget]}, "
             f"and this request may not go ahead of them. Please retry after "
             f"{_seconds(refusal.retry_after_s)}.")
+
+
+# --- nodes ------------------------------------------------------------------------------
+
+def expected_growth(reserved: int, generated: int, lengths: Sequence[int] | None,
+                    quantile: float) -> int:
+    """expected_growth is how many more tokens a request is expected to generate.
+
+    ``reserved`` is its completion reservation and ``generated`` what it produced so far
+    (tokens). With ``lengths`` None (the worst case, or nothing learned yet) it is the rest
+    of the reservation. Otherwise ``lengths`` are settled completion lengths of its class,
+    sorted: among those above ``generated`` (requests that ran at least as long), the
+    ``quantile`` one, minus ``generated``; never above the rest of the reservation. A
+    request longer than every length learned gets the worst case: nothing says when it
+    stops.
+    """
+    left = reserved - generated
+    if left <= 0:
+        return 0
+    if lengths is None:
+        return left
+    first = bisect.bisect_right(lengths, generated)
+    above = len(lengths) - first
+    if above == 0:
+        return left
+    k = first + min(above - 1, max(0, math.ceil(quantile * above) - 1))
+    return min(left, lengths[k] - generated)
+
+
+def node_hold(prompt: int, reserved: int, generated: int, lengths: Sequence[int] | None,
+              quantile: float) -> int:
+    """node_hold is the KV tokens a request is expected to hold on its node at most.
+
+    prompt + generated so far + ``expected_growth``; at most prompt + reserved.
+    """
+    return prompt + generated + expected_growth(reserved, generated, lengths, quantile)
+
+
+def effective_capacity(capacity: int, reserve_fraction: float) -> int:
+    """effective_capacity is the part of a node's KV capacity kvgate fills: floor(C x (1 - r))."""
+    return max(0, math.floor(capacity * (1.0 - reserve_fraction)))
+
+
+def node_headroom(capacity: int, reserve_fraction: float, foreign: int, held: int) -> int:
+    """node_headroom is the room left on a node for one more request, in tokens (may be < 0).
+
+    ``foreign``: KV the node holds that kvgate did not admit; ``held``: what kvgate's own
+    requests there are expected to hold at most (sum of ``node_hold``).
+    """
+    return effective_capacity(capacity, reserve_fraction) - foreign - held
+
+
+@dataclass(slots=True)
+class NodePass:
+    """NodePass is the result of ``pick_node``: the chosen node, and why the others were not.
+
+    ``chosen`` is None when no node fits; ``passed`` lists (node, reason) with reason
+    ``no_room`` or ``class_watermark``; ``best_room`` is the most room any candidate has
+    (tokens, None without candidates); ``by_watermark`` is True when some node had room but
+    not within the class's watermark.
+    """
+
+    chosen: str | None
+    passed: list[tuple[str, str]] = field(default_factory=list)
+    best_room: int | None = None
+    need: int = 0
+    by_watermark: bool = False
+
+
+def pick_node(candidates: Sequence[tuple[str, int | None, int, int]], need: int,
+              reserve_fraction: float, watermark: float) -> NodePass:
+    """pick_node picks, among candidate nodes, the one with the most room that fits ``need``.
+
+    Each candidate is (name, capacity, foreign, held) in tokens, in a stable order (ties
+    go to the first, so callers order by preference). A node fits when ``need`` is within
+    its headroom and, for a ``watermark`` w < 1, within floor(w x effective capacity) -
+    foreign - held. Nothing is changed.
+    """
+    verdict = NodePass(chosen=None, need=need)
+    best: int | None = None
+    for name, capacity, foreign, held in candidates:
+        if capacity is None:
+            continue
+        room = node_headroom(capacity, reserve_fraction, foreign, held)
+        if verdict.best_room is None or room > verdict.best_room:
+            verdict.best_room = room
+        if need > room:
+            verdict.passed.append((name, "no_room"))
+            continue
+        if watermark < 1.0:
+            ceiling = math.floor(watermark * effective_capacity(capacity, reserve_fraction))
+            if foreign + held + need > ceiling:
+                verdict.passed.append((name, "class_watermark"))
+                verdict.by_watermark = True
+                continue
+        if best is None or room > best:
+            best, verdict.chosen = room, name
+    return verdict

@@ -30,6 +30,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from extproc.admission.types import Reason
 from extproc.errors import KvgateError
@@ -50,7 +51,8 @@ class Budget(StrEnum):
     free slots exist but are kept for other classes' unused guarantees; ``kv``: the
     in-flight KV-token budget; ``class_kv``: the part of the KV budget the request's class
     may fill (its ``kv_watermark``), the rest being kept for other classes; ``pool_tpm``:
-    the pool's token bucket; ``tenant_tpm``: the tenant's own token bucket.
+    the pool's token bucket; ``tenant_tpm``: the tenant's own token bucket; ``node_kv``:
+    no node of a pool that picks nodes has room for the request's KV (``rules.pick_node``).
     """
 
     SLOTS = "slots"
@@ -59,6 +61,7 @@ class Budget(StrEnum):
     CLASS_KV = "class_kv"
     POOL_TPM = "pool_tpm"
     TENANT_TPM = "tenant_tpm"
+    NODE_KV = "node_kv"
 
     @property
     def reason(self) -> Reason:
@@ -73,6 +76,7 @@ _REASON = {
     Budget.CLASS_KV: Reason.KV_BUDGET,
     Budget.POOL_TPM: Reason.TPM,
     Budget.TENANT_TPM: Reason.TPM,
+    Budget.NODE_KV: Reason.KV_BUDGET,
 }
 
 
@@ -151,6 +155,8 @@ class Grant:
     """Grant is an admitted plan, as the store recorded it; ``settle`` takes it back.
 
     ``id`` is unique within the store (a shared store makes it unique across replicas);
+    ``node`` is the node charge taken with it in a pool that picks nodes (the controller
+    sets it; stores ignore it);
     ``inflight`` is the pool's in-flight count just after this admission;
     ``bucket_tokens``/``bucket_capacity``/``bucket_rate`` describe the binding bucket
     (the one with fewer tokens left: tenant or pool) just after the charge, in tokens and
@@ -163,6 +169,7 @@ class Grant:
     bucket_tokens: float | None = None
     bucket_capacity: float | None = None
     bucket_rate: float | None = None
+    node: Any = None
 
 
 @dataclass(frozen=True, slots=True)

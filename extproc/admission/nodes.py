@@ -1,0 +1,431 @@
+"""nodes: what kvgate knows of each node of a pool that picks nodes, and the charges it holds there.
+
+A pool picks nodes when every backend has an ``address`` (``PoolConfig.picks``). Each
+node then has a ledger: its KV capacity (configured, or as reported), its last report
+(KV usage, when it was read) and the requests kvgate admitted to it, each a ``Charge``
+(prompt, reserved completion, tokens generated so far as seen on the response stream).
+``rules.node_hold`` and ``rules.node_headroom`` turn that into the node's room;
+``PoolNodes.pick`` charges the node with the most room that fits a request.
+
+Counting a request once, before and after the node reports it. A scrape round starts
+with ``mark``: every node's charges whose first token has been seen are, from then on,
+certainly in the node's KV cache when the node renders its metrics, so the report that
+follows the mark carries them. ``report`` subtracts their footprint at the mark from the
+reported usage: what is left is KV that kvgate did not admit (``foreign``), and kvgate's
+own requests are then counted once, by their footprint now and growth to come. A charge
+admitted after the mark, or with no first token yet, is not subtracted (it may be missing
+from the report): if the node did hold it, it is counted twice until the next report,
+which errs on the safe side. A charge released before its report arrives is not
+subtracted either, for the same reason. A report without a mark (the loop was too busy
+to take one) subtracts nothing.
+
+Everything runs on the event-loop thread; times are seconds on the admission clock.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from extproc.admission import rules
+from extproc.config import BackendConfig, PickingConfig, PoolConfig
+
+# Completion lengths remembered per class to learn the growth to expect.
+LENGTH_SAMPLES = 1000
+# Hold times remembered per pool to estimate when room comes back (seconds).
+HOLD_SAMPLES = 200
+
+
+class NodeState(StrEnum):
+    """NodeState is whether a node may be picked: the ``state`` of its snapshot.
+
+    ``pending``: never reported (just configured or discovered); ``up``: fresh report;
+    ``stale``: no report for ``stale_after_s``; ``down``: its last scrape was refused
+    (nothing listens): not picked until it answers again.
+    """
+
+    PENDING = "pending"
+    UP = "up"
+    STALE = "stale"
+    DOWN = "down"
+
+
+class PassedOver(StrEnum):
+    """PassedOver is why a node was not picked for a request (a counted label)."""
+
+    PENDING = "pending"
+    STALE = "stale"
+    DOWN = "down"
+    NO_CAPACITY = "no_capacity"
+    NO_ROOM = "no_room"
+    CLASS_WATERMARK = "class_watermark"
+
+
+@dataclass(frozen=True, slots=True)
+class NodeReport:
+    """NodeReport is what one scrape of a node says, as the signal layer hands it in.
+
+    ``kv_usage``: KV-cache usage ratio in [0, 1] (None: no usable sample this round);
+    ``capacity_tokens``: the KV capacity the node reports (None: not reported); ``at``: the
+    instant (s) the sample was read; ``refused``: the scrape's connection was refused;
+    ``mark``: the id of the mark taken before the scrape (None: none was taken).
+    """
+
+    kv_usage: float | None
+    capacity_tokens: int | None
+    at: float
+    refused: bool = False
+    mark: int | None = None
+
+
+class Charge:
+    """Charge is one admitted request's hold on one node, until it is released.
+
+    ``prompt`` and ``reserved`` (completion) are tokens; ``generated`` is the tokens seen
+    on the response stream so far; ``first_at`` the instant its first token was seen.
+    """
+
+    __slots__ = ("node", "class_name", "prompt", "reserved", "generated", "first_at",
+                 "admitted_at", "held")
+
+    def __init__(self, node: Node, class_name: str, prompt: int, reserved: int, now: float) -> None:
+        self.node = node
+        self.class_name = class_name
+        self.prompt = prompt
+        self.reserved = reserved
+        self.generated = 0
+        self.first_at: float | None = None
+        self.admitted_at = now
+        self.held = True
+
+    @property
+    def address(self) -> str:
+        """address is the node's inference endpoint (``HOST:PORT``), where the request goes."""
+        return self.node.address
+
+    @property
+    def footprint(self) -> int:
+        """footprint is the KV tokens the request holds on the node now: prompt + generated."""
+        return self.prompt + self.generated
+
+
+class Node:
+    """Node is one node's ledger: capacity, last report, foreign KV and kvgate's charges."""
+
+    __slots__ = ("name", "address", "configured_capacity", "reported_capacity", "usage",
+                 "report_at", "refused", "foreign", "charges", "marks", "picks", "passed_over")
+
+    def __init__(self, backend: BackendConfig) -> None:
+        self.name = backend.name
+        self.address: str = backend.address or ""
+        self.configured_capacity = backend.kv_capacity_tokens
+        self.reported_capacity: int | None = None
+        self.usage: float | None = None
+        self.report_at: float | None = None
+        self.refused = False
+        self.foreign = 0
+        self.charges: set[Charge] = set()
+        # mark id -> footprint at the mark of each charge certainly in the node's cache.
+        self.marks: dict[int, dict[Charge, int]] = {}
+        self.picks = 0
+        self.passed_over: dict[PassedOver, int] = {}
+
+    @property
+    def capacity(self) -> int | None:
+        """capacity is the node's KV capacity in tokens: configured, else reported (None: unknown)."""
+        return self.configured_capacity if self.configured_capacity is not None else self.reported_capacity
+
+    def state(self, now: float, stale_after_s: float) -> NodeState:
+        """state is whether the node may be picked at ``now`` (see ``NodeState``)."""
+        if self.report_at is None:
+            return NodeState.PENDING
+        if self.refused:
+            return NodeState.DOWN
+        if now - self.report_at >= stale_after_s:
+            return NodeState.STALE
+        return NodeState.UP
+
+    def mark(self, mark: int) -> None:
+        """mark records the charges certainly in the node's cache at this instant (see module doc)."""
+        self.marks[mark] = {c: c.footprint for c in self.charges if c.first_at is not None}
+        while len(self.marks) > 4:  # reports lost or never taken: keep the newest few
+            del self.marks[next(iter(self.marks))]
+
+    def report(self, r: NodeReport) -> None:
+        """report takes one scrape's result; a round without a usable sample keeps the last one."""
+        seen = self.marks.pop(r.mark, None) if r.mark is not None else None
+        if r.mark is not None:
+            for m in [m for m in self.marks if m < r.mark]:
+                del self.marks[m]
+        self.refused = r.refused
+        if r.kv_usage is None or not math.isfinite(r.kv_usage):
+            return
+        if r.capacity_tokens is not None:
+            self.reported_capacity = r.capacity_tokens
+        scale = self.reported_capacity if self.reported_capacity is not None else self.configured_capacity
+        self.usage = min(1.0, max(0.0, r.kv_usage))
+        self.report_at = r.at
+        if scale is None:
+            self.foreign = 0
+            return
+        used = math.ceil(self.usage * scale)
+        ours = sum(fp for c, fp in seen.items() if c.held) if seen else 0
+        self.foreign = max(0, used - ours)
+
+    def pass_over(self, why: PassedOver) -> None:
+        self.passed_over[why] = self.passed_over.get(why, 0) + 1
+
+
+class Lengths:
+    """Lengths keeps the latest completion lengths (tokens) of one class, sorted."""
+
+    __slots__ = ("_order", "sorted")
+
+    def __init__(self) -> None:
+        self._order: deque[int] = deque()
+        self.sorted: list[int] = []
+
+    def add(self, n: int) -> None:
+        """add remembers one settled completion length, forgetting the oldest beyond LENGTH_SAMPLES."""
+        self._order.append(n)
+        bisect.insort(self.sorted, n)
+        if len(self._order) > LENGTH_SAMPLES:
+            old = self._order.popleft()
+            del self.sorted[bisect.bisect_left(self.sorted, old)]
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSnapshot:
+    """NodeSnapshot is one node's state for metrics: tokens, room and counts.
+
+    ``inflight_tokens``: footprint now of kvgate's requests on it; ``held_tokens``: what
+    they are expected to hold at most (footprint + growth to come); ``headroom_tokens``:
+    room left for a new request (None: unknown capacity or report); ``foreign_tokens``: KV
+    the node reported that kvgate did not admit; ``picks`` and ``passed_over`` are
+    cumulative counts.
+    """
+
+    name: str
+    address: str
+    state: NodeState
+    requests: int
+    inflight_tokens: int
+    held_tokens: int
+    foreign_tokens: int
+    capacity_tokens: int | None
+    headroom_tokens: int | None
+    kv_usage: float | None
+    picks: int
+    passed_over: dict[str, int] = field(default_factory=dict)
+
+
+class PoolNodes:
+    """PoolNodes holds the nodes of one picking pool and picks one for each request.
+
+    ``stale_after_s``: a node without a report for this long is not picked (seconds).
+    """
+
+    def __init__(self, config: PoolConfig, stale_after_s: float) -> None:
+        self.nodes: dict[str, Node] = {}
+        self.picking: PickingConfig = config.picking
+        self.stale_after_s = stale_after_s
+        self.lengths: dict[str, Lengths] = {}
+        self.holds: deque[float] = deque(maxlen=HOLD_SAMPLES)
+        self.reconfigure(config, stale_after_s)
+
+    def reconfigure(self, config: PoolConfig, stale_after_s: float) -> None:
+        """reconfigure follows a reload: unchanged nodes keep their ledger, new ones start pending.
+
+        A node removed by the reload is no longer picked; its charges stay valid and are
+        released as their requests end.
+        """
+        self.picking = config.picking
+        self.stale_after_s = stale_after_s
+        nodes: dict[str, Node] = {}
+        for b in config.backends:
+            old = self.nodes.get(b.name)
+            if old is not None and old.address == b.address:
+                old.configured_capacity = b.kv_capacity_tokens
+                nodes[b.name] = old
+            else:
+                nodes[b.name] = Node(b)
+        self.nodes = nodes
+
+    # --- reports -------------------------------------------------------------------
+
+    def mark(self, mark: int) -> None:
+        """mark starts a scrape round: see the module doc."""
+        for n in self.nodes.values():
+            n.mark(mark)
+
+    def report(self, name: str, r: NodeReport) -> bool:
+        """report hands one node's scrape in; False for a node not configured (any more)."""
+        n = self.nodes.get(name)
+        if n is None:
+            return False
+        n.report(r)
+        return True
+
+    # --- the rule ------------------------------------------------------------------
+
+    def _growth_lengths(self, class_name: str) -> list[int] | None:
+        if self.picking.growth == "worst_case":
+            return None
+        known = self.lengths.get(class_name)
+        if known is None or len(known.sorted) < self.picking.min_samples:
+            return None
+        return known.sorted
+
+    def hold(self, prompt: int, reserved: int, generated: int, class_name: str) -> int:
+        """hold is what a request is expected to hold on its node at most, in tokens."""
+        return rules.node_hold(prompt, reserved, generated, self._growth_lengths(class_name),
+                               self.picking.quantile)
+
+    def held(self, n: Node) -> int:
+        """held is the tokens kvgate's charges on ``n`` are expected to hold at most."""
+        cache: dict[str, list[int] | None] = {}
+        q = self.picking.quantile
+        total = 0
+        for c in n.charges:
+            lengths = cache.get(c.class_name, ())
+            if lengths == ():
+                lengths = cache[c.class_name] = self._growth_lengths(c.class_name)
+            total += rules.node_hold(c.prompt, c.reserved, c.generated, lengths, q)  # type: ignore[arg-type]
+        return total
+
+    def headroom(self, n: Node) -> int | None:
+        """headroom is the room left on ``n`` for a new request (tokens; None: capacity unknown)."""
+        cap = n.capacity
+        if cap is None:
+            return None
+        return rules.node_headroom(cap, self.picking.reserve_fraction, n.foreign, self.held(n))
+
+    def pick(self, class_name: str, prompt: int, reserved: int, watermark: float,
+             now: float) -> Charge | rules.NodePass:
+        """pick charges the node with the most room that fits the request, or says why none does.
+
+        ``watermark`` is the class's ``kv_watermark`` (the share of a node's capacity up to
+        which requests of the class may fill it). Nodes that are pending, stale or down are
+        never picked. Ties go to the node with fewer of kvgate's requests, then by name.
+        """
+        need = self.hold(prompt, reserved, 0, class_name)
+        candidates: list[tuple[str, int | None, int, int]] = []
+        for n in sorted(self.nodes.values(), key=lambda n: (len(n.charges), n.name)):
+            state = n.state(now, self.stale_after_s)
+            if state is not NodeState.UP:
+                n.pass_over(PassedOver(state.value))
+                continue
+            cap = n.capacity
+            if cap is None:
+                n.pass_over(PassedOver.NO_CAPACITY)
+                continue
+            held = self.held(n)
+            candidates.append((n.name, cap, n.foreign, held))
+        verdict = rules.pick_node(candidates, need, self.picking.reserve_fraction, watermark)
+        for name, why in verdict.passed:
+            self.nodes[name].pass_over(PassedOver(why))
+        if verdict.chosen is None:
+            return verdict
+        n = self.nodes[verdict.chosen]
+        charge = Charge(n, class_name, prompt, reserved, now)
+        n.charges.add(charge)
+        n.picks += 1
+        return charge
+
+    def never_fits(self, class_name: str, prompt: int, reserved: int) -> int | None:
+        """never_fits is the largest node capacity (tokens) when the request is above it, else None.
+
+        Only nodes of known capacity count; with none known nothing is said yet.
+        """
+        caps = [n.capacity for n in self.nodes.values() if n.capacity is not None]
+        if not caps:
+            return None
+        largest = max(rules.effective_capacity(c, self.picking.reserve_fraction) for c in caps)
+        need = self.hold(prompt, reserved, 0, class_name)
+        return largest if need > largest else None
+
+    # --- the requests ----------------------------------------------------------------
+
+    def progress(self, charge: Charge, generated: int, now: float) -> None:
+        """progress records the tokens a request has generated so far (seen on its stream)."""
+        if not charge.held:
+            return
+        if charge.first_at is None and generated > 0:
+            charge.first_at = now
+        if generated > charge.generated:
+            charge.generated = generated
+
+    def release(self, charge: Charge, completion_tokens: int | None, completed: bool,
+                now: float) -> bool:
+        """release frees a charge once (False if it was already freed).
+
+        A completed request with a known completion count teaches its class's lengths,
+        and its hold time teaches when room comes back.
+        """
+        if not charge.held:
+            return False
+        charge.held = False
+        charge.node.charges.discard(charge)
+        if completed:
+            self.holds.append(max(0.0, now - charge.admitted_at))
+            if completion_tokens is not None and completion_tokens >= 0:
+                self.lengths.setdefault(charge.class_name, Lengths()).add(completion_tokens)
+        return True
+
+    def retry_after(self, need: int, now: float, fallback_s: float) -> float:
+        """retry_after estimates when some node has room for ``need`` tokens (seconds).
+
+        Each running request is expected to end at the median hold time of the pool's
+        completed requests (a request older than that, soon: a tenth of it); the first
+        node whose expected releases cover its shortfall gives the delay. ``fallback_s``
+        without completed requests to learn from.
+        """
+        if not self.holds:
+            return fallback_s
+        typical = sorted(self.holds)[len(self.holds) // 2]
+        best = math.inf
+        for n in self.nodes.values():
+            if n.state(now, self.stale_after_s) is not NodeState.UP:
+                continue
+            room = self.headroom(n)
+            if room is None:
+                continue
+            ends = sorted((max(typical * 0.1, typical - (now - c.admitted_at)),
+                           self.hold(c.prompt, c.reserved, c.generated, c.class_name))
+                          for c in n.charges)
+            short = need - room
+            t = 0.0
+            for t, freed in ends:
+                if short <= 0:
+                    break
+                short -= freed
+            if short <= 0:
+                best = min(best, t)
+        if best == math.inf:
+            return max(fallback_s, typical)
+        return max(0.05, best)
+
+    def snapshot(self, now: float) -> tuple[NodeSnapshot, ...]:
+        """snapshot reports every node for metrics and health pages."""
+        out = []
+        for n in self.nodes.values():
+            out.append(NodeSnapshot(
+                name=n.name, address=n.address, state=n.state(now, self.stale_after_s),
+                requests=len(n.charges), inflight_tokens=sum(c.footprint for c in n.charges),
+                held_tokens=self.held(n), foreign_tokens=n.foreign, capacity_tokens=n.capacity,
+                headroom_tokens=self.headroom(n) if n.report_at is not None else None,
+                kv_usage=n.usage, picks=n.picks,
+                passed_over={k.value: v for k, v in n.passed_over.items()}))
+        return tuple(out)
+
+    def any_address(self, now: float, skip: Iterable[str] = ()) -> str | None:
+        """any_address is an up node's address for a request kvgate does not admit (None: no node up)."""
+        up = [n for n in self.nodes.values()
+              if n.name not in skip and n.state(now, self.stale_after_s) is NodeState.UP]
+        if not up:
+            return None
+        return min(up, key=lambda n: (len(n.charges), n.name)).address

@@ -1,0 +1,302 @@
+"""The per-node rule and ledgers of a pool that picks nodes, at fixed instants of a manual clock."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from extproc.admission import Admission, Demand, Lease, Outcome, Reason, Rejection
+from extproc.admission import rules
+from extproc.admission.nodes import Charge, NodeReport, NodeState, PoolNodes
+from extproc.clock import ManualClock
+from extproc.config import ConfigError
+from tests.unit.admission.helpers import T0, config
+
+CAP = 100_000
+
+
+def nodes_pool(n: int = 3, growth: str = "worst_case", reserve: float = 0.0, **picking) -> dict:
+    return {
+        "max_concurrency": 1000,
+        "backends": [{"name": f"n{i}", "metrics_url": f"http://127.0.0.1:9/{i}",
+                      "address": f"127.0.0.1:{8001 + i}", "kv_capacity_tokens": CAP}
+                     for i in range(n)],
+        "picking": {"growth": growth, "reserve_fraction": reserve, **picking},
+    }
+
+
+def report(adm: Admission, clock: ManualClock, usage: dict[str, float], mark: int | None = None,
+           refused: tuple[str, ...] = ()) -> None:
+    for name, u in usage.items():
+        adm.report_node("default", name, NodeReport(kv_usage=u, capacity_tokens=CAP, at=clock.now(),
+                                                    refused=name in refused, mark=mark))
+
+
+def demand(prompt: int, completion: int, class_name: str = "standard") -> Demand:
+    return Demand(pool="default", tenant="t", class_name=class_name, prompt_tokens=prompt,
+                  completion_tokens=completion)
+
+
+# --- the pure rule ------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("reserved", "generated", "lengths", "q", "want"), [
+    (1000, 0, None, 0.9, 1000),                       # worst case: the whole reservation
+    (1000, 400, None, 0.9, 600),
+    (1000, 1000, None, 0.9, 0),
+    (1000, 0, [10, 20, 30, 40, 50, 60, 70, 80, 90, 100], 0.9, 90),
+    (1000, 0, [10, 20, 30, 40, 50, 60, 70, 80, 90, 100], 1.0, 100),
+    (1000, 55, [10, 20, 30, 40, 50, 60, 70, 80, 90, 100], 0.5, 25),   # above 55: 60..100, median 80
+    (1000, 100, [10, 20, 30, 40, 50, 60, 70, 80, 90, 100], 0.9, 900),  # longer than all: worst case
+    (50, 0, [100, 200, 300], 0.9, 50),               # never above the reservation
+])
+def test_expected_growth(reserved, generated, lengths, q, want):
+    assert rules.expected_growth(reserved, generated, lengths, q) == want
+
+
+def test_pick_node_takes_the_most_room_and_says_why_others_were_passed():
+    cands = [("a", CAP, 90_000, 0), ("b", CAP, 0, 50_000), ("c", CAP, 0, 10_000)]
+    v = rules.pick_node(cands, 20_000, 0.0, 1.0)
+    assert v.chosen == "c" and v.passed == [("a", "no_room")] and v.best_room == 90_000
+    v = rules.pick_node(cands, 95_000, 0.0, 1.0)
+    assert v.chosen is None and {n for n, _ in v.passed} == {"a", "b", "c"}
+    # A class that may fill 50% of a node: b (50k held) is out by its watermark, c fits.
+    v = rules.pick_node(cands, 30_000, 0.0, 0.5)
+    assert v.chosen == "c" and ("b", "class_watermark") in v.passed
+
+
+# --- counting a request once, before and after the node reports it -------------------------
+
+def test_a_request_counts_once_before_and_after_it_is_in_the_report():
+    clock = ManualClock(T0)
+    adm = Admission(config(pool=nodes_pool(1)), clock)
+    report(adm, clock, {"n0": 0.10})                       # 10k foreign, nothing of ours
+    (node,) = adm.nodes("default")
+    assert node.foreign_tokens == 10_000 and node.headroom_tokens == 90_000
+    lease = adm.try_acquire(demand(20_000, 10_000))
+    assert isinstance(lease, Lease) and lease.node == "127.0.0.1:8001"
+    assert adm.nodes("default")[0].headroom_tokens == 60_000   # counted before any report
+    lease.progress(1)                                       # first token: surely in the cache now
+    clock.advance(1)
+    adm.mark_nodes(1)
+    report(adm, clock, {"n0": 0.30 + 1e-5}, mark=1)         # the node now shows it (20k + 1)
+    node = adm.nodes("default")[0]
+    assert node.foreign_tokens == 10_000                    # ...and it is not counted twice
+    assert node.headroom_tokens == 60_000
+    # Without a mark the report subtracts nothing: the request is counted twice (safe side).
+    clock.advance(1)
+    report(adm, clock, {"n0": 0.30 + 1e-5})
+    assert adm.nodes("default")[0].foreign_tokens == 30_001
+
+
+def test_a_request_without_its_first_token_at_the_mark_is_not_subtracted():
+    clock = ManualClock(T0)
+    adm = Admission(config(pool=nodes_pool(1)), clock)
+    report(adm, clock, {"n0": 0.0})
+    lease = adm.try_acquire(demand(20_000, 0))
+    assert isinstance(lease, Lease)
+    adm.mark_nodes(1)
+    lease.progress(1)                                       # after the mark: maybe not in the report
+    report(adm, clock, {"n0": 0.2}, mark=1)
+    assert adm.nodes("default")[0].foreign_tokens == 20_000
+
+
+def test_a_request_released_before_its_report_arrives_is_not_subtracted():
+    clock = ManualClock(T0)
+    adm = Admission(config(pool=nodes_pool(1)), clock)
+    report(adm, clock, {"n0": 0.1})
+    lease = adm.try_acquire(demand(20_000, 0))
+    lease.progress(1)
+    adm.mark_nodes(1)
+    lease.release(Outcome.COMPLETED, 1)                     # gone, maybe before the node rendered
+    report(adm, clock, {"n0": 0.1}, mark=1)                 # it had: nothing to subtract
+    assert adm.nodes("default")[0].foreign_tokens == 10_000
+
+
+@settings(max_examples=150, deadline=None)
+@example(foreign=10_000, ops=[("admit", 20_000, 0), ("first", 0, 0), ("mark", 0, 0), ("end", 0, 0),
+                              ("render", 0, 0), ("apply", 0, 0)])
+@example(foreign=10_000, ops=[("admit", 20_000, 0), ("mark", 0, 0), ("first", 0, 0),
+                              ("render", 0, 0), ("apply", 0, 0)])
+@given(foreign=st.integers(0, 60_000),
+       ops=st.lists(st.tuples(st.sampled_from(["admit", "first", "gen", "end", "mark", "render",
+                                               "apply"]),
+                              st.integers(1, 40_000), st.integers(0, 30_000)), max_size=60))
+def test_worst_case_growth_never_admits_past_capacity(foreign, ops):
+    """With the node's own KV constant, what it holds plus every admitted request's worst
+    case stays within its capacity, whatever the order of admissions, first tokens, ends,
+    marks, renderings of its metrics and their arrival."""
+    clock = ManualClock(T0)
+    adm = Admission(config(pool=nodes_pool(1)), clock)
+    leases: list[Lease] = []
+    in_engine: set[int] = set()          # requests whose KV the engine holds
+    generated: dict[int, int] = {}
+
+    def engine_usage() -> float:
+        used = foreign + sum(leases[i].demand.prompt_tokens + generated[i] for i in in_engine)
+        return min(1.0, used / CAP)
+
+    report(adm, clock, {"n0": engine_usage()})
+    mark = 0
+    rendered: tuple[float, int] | None = None
+    for op, a, b in ops:
+        clock.advance(0.01)
+        live = [i for i, x in enumerate(leases) if not x.released]
+        if op == "admit":
+            got = adm.try_acquire(demand(a, b))
+            if isinstance(got, Lease):
+                leases.append(got)
+                generated[len(leases) - 1] = 0
+                held = foreign + sum(x.demand.prompt_tokens + x.demand.completion_tokens
+                                     for x in leases if not x.released)
+                assert held <= CAP
+        elif op == "first" and live:
+            i = live[a % len(live)]
+            in_engine.add(i)
+            generated[i] = max(generated[i], 1)
+            leases[i].progress(generated[i])
+        elif op == "gen" and live:
+            i = live[a % len(live)]
+            if i in in_engine:
+                generated[i] = min(leases[i].demand.completion_tokens, generated[i] + b)
+                leases[i].progress(generated[i])
+        elif op == "end" and live:
+            i = live[a % len(live)]
+            in_engine.discard(i)
+            leases[i].release(Outcome.COMPLETED, generated[i])
+        elif op == "mark":
+            mark += 1
+            adm.mark_nodes(mark)
+            rendered = None
+        elif op == "render" and mark:
+            rendered = (engine_usage(), mark)
+        elif op == "apply" and rendered is not None:
+            report(adm, clock, {"n0": rendered[0]}, mark=rendered[1])
+            rendered = None
+        assert adm.nodes("default")[0].foreign_tokens >= foreign or mark == 0 or math.isclose(
+            adm.nodes("default")[0].foreign_tokens, foreign, abs_tol=1)
+
+
+# --- picking through the controller -----------------------------------------------------------
+
+def test_requests_spread_over_the_nodes_with_room_and_wait_for_one_when_none_has():
+    clock = ManualClock(T0)
+    adm = Admission(config(pool=nodes_pool(3)), clock)
+    report(adm, clock, {"n0": 0.0, "n1": 0.0, "n2": 0.0})
+    got = [adm.try_acquire(demand(29_000, 1_000)) for _ in range(9)]
+    assert all(isinstance(x, Lease) for x in got)
+    assert sorted(x.node for x in got) == ["127.0.0.1:8001"] * 3 + ["127.0.0.1:8002"] * 3 + \
+        ["127.0.0.1:8003"] * 3
+    r = adm.try_acquire(demand(29_000, 1_000))
+    assert isinstance(r, Rejection) and r.reason is Reason.KV_BUDGET and r.retryable
+    assert "No node of pool 'default' has room" in r.message
+    got[4].release(Outcome.COMPLETED, 1_000)
+    again = adm.try_acquire(demand(29_000, 1_000))
+    assert isinstance(again, Lease) and again.node == got[4].node
+
+
+def test_kv_the_node_holds_for_others_keeps_requests_away_from_it():
+    clock = ManualClock(T0)
+    adm = Admission(config(pool=nodes_pool(3)), clock)
+    report(adm, clock, {"n0": 0.92, "n1": 0.0, "n2": 0.0})
+    got = [adm.try_acquire(demand(20_000, 1_000)) for _ in range(8)]
+    assert all(isinstance(x, Lease) for x in got)
+    assert "127.0.0.1:8001" not in {x.node for x in got}
+    snaps = {n.name: n for n in adm.nodes("default")}
+    assert snaps["n0"].passed_over["no_room"] == 8 and snaps["n0"].picks == 0
+
+
+def test_a_stale_pending_or_refused_node_is_not_picked():
+    clock = ManualClock(T0)
+    adm = Admission(config(pool=nodes_pool(3)), clock)
+    report(adm, clock, {"n0": 0.0, "n1": 0.0})                 # n2 never reported: pending
+    clock.advance(2.0)
+    report(adm, clock, {"n1": 0.0}, refused=("n1",))          # n1 refuses connections: down
+    states = {n.name: n.state for n in adm.nodes("default")}
+    assert states == {"n0": NodeState.UP, "n1": NodeState.DOWN, "n2": NodeState.PENDING}
+    assert adm.try_acquire(demand(1_000, 100)).node == "127.0.0.1:8001"
+    clock.advance(1.5)                                         # n0's report is 3.5 s old: stale
+    r = adm.try_acquire(demand(1_000, 100))
+    assert isinstance(r, Rejection) and r.retryable
+
+
+def test_a_request_larger_than_every_node_never_fits():
+    clock = ManualClock(T0)
+    adm = Admission(config(pool=nodes_pool(2, reserve=0.1)), clock)
+    report(adm, clock, {"n0": 0.0, "n1": 0.0})
+    r = adm.try_acquire(demand(85_000, 6_000))
+    assert isinstance(r, Rejection) and not r.retryable and "largest node" in r.message
+
+
+def test_release_frees_the_node_once_and_learned_growth_admits_more_than_the_worst_case():
+    clock = ManualClock(T0)
+    adm = Admission(config(pool=nodes_pool(1, growth="learned", min_samples=5, quantile=0.9)), clock)
+    report(adm, clock, {"n0": 0.0})
+    for _ in range(5):  # five chats that stopped at 100 tokens of their 4,000
+        lease = adm.try_acquire(demand(1_000, 4_000))
+        assert isinstance(lease, Lease)
+        assert lease.release(Outcome.COMPLETED, 100) and not lease.release(Outcome.COMPLETED, 100)
+    assert adm.nodes("default")[0].requests == 0
+    got = [adm.try_acquire(demand(1_000, 4_000)) for _ in range(60)]
+    admitted = sum(isinstance(x, Lease) for x in got)
+    assert admitted == 60                                   # 60 x 1,100 fits; 60 x 5,000 would not
+    worst = Admission(config(pool=nodes_pool(1)), clock)
+    report(worst, clock, {"n0": 0.0})
+    assert sum(isinstance(worst.try_acquire(demand(1_000, 4_000)), Lease) for _ in range(60)) == 20
+
+
+async def test_a_waiter_gets_the_node_that_frees_first():
+    clock = ManualClock(T0)
+    adm = Admission(config(pool=nodes_pool(1), tenants={
+        "classes": {"standard": {"max_wait_s": 5.0}}}), clock)
+    report(adm, clock, {"n0": 0.0})
+    first = adm.try_acquire(demand(60_000, 10_000))
+    assert isinstance(first, Lease)
+    import asyncio
+    task = asyncio.ensure_future(adm.acquire(demand(50_000, 10_000)))
+    await asyncio.sleep(0)
+    assert not task.done()
+    first.release(Outcome.COMPLETED, 10)
+    got = await task
+    assert isinstance(got, Lease) and got.node == "127.0.0.1:8001"
+
+
+def test_retry_after_comes_from_when_room_is_expected_back():
+    clock = ManualClock(T0)
+    adm = Admission(config(pool=nodes_pool(1)), clock)
+    report(adm, clock, {"n0": 0.0})
+    for _ in range(4):                      # requests that each held their node for 8 s
+        x = adm.try_acquire(demand(10_000, 1_000))
+        clock.advance(8.0)
+        report(adm, clock, {"n0": 0.0})
+        x.release(Outcome.COMPLETED, 10)
+    held = [adm.try_acquire(demand(40_000, 5_000)) for _ in range(2)]
+    assert all(isinstance(x, Lease) for x in held)
+    clock.advance(3.0)
+    report(adm, clock, {"n0": 0.0})
+    r = adm.try_acquire(demand(40_000, 5_000))
+    assert isinstance(r, Rejection)
+    assert 4.0 <= r.retry_after_s <= 6.0    # the two are 3 s into a typical 8 s
+
+
+def test_config_needs_an_address_on_every_backend_or_none():
+    pool = nodes_pool(2)
+    del pool["backends"][1]["address"]
+    with pytest.raises(ConfigError, match=r"backends\[1\]\.address"):
+        config(pool=pool)
+    pool = nodes_pool(1)
+    pool["backends"][0]["address"] = "not an address"
+    with pytest.raises(ConfigError, match="HOST:PORT"):
+        config(pool=pool)
+
+
+def test_a_charge_is_the_request_on_its_node():
+    pool = PoolNodes(config(pool=nodes_pool(1)).pools["default"], 3.0)
+    pool.report("n0", NodeReport(kv_usage=0.0, capacity_tokens=CAP, at=T0))
+    c = pool.pick("standard", 100, 50, 1.0, T0)
+    assert isinstance(c, Charge) and c.address == "127.0.0.1:8001" and c.footprint == 100
+    pool.progress(c, 7, T0 + 1)
+    assert c.footprint == 107 and c.first_at == T0 + 1
+    assert pool.release(c, 7, True, T0 + 2) and not pool.release(c, 7, True, T0 + 3)
