@@ -16,6 +16,14 @@ carries no response at all (its protocol says response body NONE): the exchange 
 the request's dynamic metadata, and never rewrites the response (so it never asks the
 upstream for stream usage it could not hide).
 
+A pool that picks nodes (every backend has an ``address``) is served only with request
+headers sent and the body BUFFERED (deploy/envoy-endpoint-picker.yaml): Envoy then holds
+the request until kvgate has answered its body, so the answer can name the node the way
+the Gateway API Inference Extension's endpoint picker does (request header
+``x-gateway-destination-endpoint`` and dynamic metadata ``envoy.lb``, with the route
+cache cleared), and a refused request never opens an upstream request. The tokens seen
+on the response stream tell the node's ledger how far the request has got.
+
 A ``Gate`` is what every exchange shares: the configuration, each pool's tokenizer and
 chat template, the API-key table, the admission core, the metrics and a small thread
 pool for tokenizing large bodies off the event loop.
@@ -80,6 +88,9 @@ ATTR_AUTHORIZATION = "request.headers['authorization']"
 # Set by the server's decoder (never by Envoy) when the attributes were not valid UTF-8
 # (Envoy copies header bytes into protobuf strings) and had to be dropped to decode the rest.
 UNDECODABLE_ATTRIBUTES = "kvgate.undecodable_attributes"
+# How a picked node is named to Envoy (the endpoint picker protocol's names).
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+LB_NAMESPACE = "envoy.lb"
 
 
 def tenant_attribute(header: str) -> str:
@@ -342,6 +353,15 @@ class Gate:
                         "{key=%r} counts every occurrence)", message, key)
 
 
+def _name_node(resp: pb.ProcessingResponse, common: Any, address: str) -> None:
+    """_name_node steers the request to ``address`` (``HOST:PORT``) the way the endpoint picker
+    protocol does: the destination header, the same value in ``envoy.lb`` dynamic metadata,
+    and the route cache cleared so Envoy routes by them."""
+    set_headers(common.header_mutation, [(DESTINATION_HEADER, address)])
+    common.clear_route_cache = True
+    resp.dynamic_metadata.fields[LB_NAMESPACE].struct_value.fields[DESTINATION_HEADER].string_value = address
+
+
 # --- one request -------------------------------------------------------------------
 
 def _evaluate(endpoint: oai.Endpoint, body: bytes, content_type: str | None,
@@ -435,7 +455,7 @@ class Exchange:
         if refusal is not None:
             return refusal
         if self.state == _PASS:
-            return PASS_THROUGH
+            return self._pass_through_picked() or PASS_THROUGH
         if content_length is not None:
             try:
                 declared = int(content_length)
@@ -536,6 +556,12 @@ class Exchange:
                 return first
             if self.state == _PASS:
                 return PASS_THROUGH_BODY
+            if self.pool is not None and self.pool.config.picks:
+                return self._misconfigured(
+                    f"pool {self.pool_name!r} picks its nodes (its backends have addresses), but "
+                    "Envoy skips the request headers, so they went upstream before kvgate could "
+                    "name the node: use deploy/envoy-endpoint-picker.yaml (request headers SEND, "
+                    "request body BUFFERED)")
             self.state = _BODY
             self.body = bytearray()
         if self.state != _BODY:
@@ -620,7 +646,8 @@ class Exchange:
             capped, _ = oai.upstream_body(parsed, cap_max_tokens=cap, stream_usage=False)
             return self._linked_continue(result, capped)
         new_body, self.strip_usage = oai.upstream_body(parsed, cap_max_tokens=cap)
-        if new_body is None:
+        node = result.node
+        if new_body is None and node is None:
             return CONTINUE_REQUEST_BODY
         # Ask the upstream for stream usage (the client did not; its usage chunk is then
         # hidden from the client) and/or cap max_tokens at the reservation. Envoy does not
@@ -628,8 +655,30 @@ class Exchange:
         # the request with 500.
         resp = pb.ProcessingResponse()
         common = resp.request_body.response
-        set_headers(common.header_mutation, [("content-length", str(len(new_body)))])
-        common.body_mutation.body = new_body
+        if new_body is not None:
+            set_headers(common.header_mutation, [("content-length", str(len(new_body)))])
+            common.body_mutation.body = new_body
+        if node is not None:
+            _name_node(resp, common, node)
+        return resp
+
+    def _pass_through_picked(self) -> pb.ProcessingResponse | None:
+        """_pass_through_picked lets a request kvgate does not admit go to an up node of a picking
+        pool (uncharged): Envoy routes by the node kvgate names, so even these need one. None
+        when the pool does not pick; a 503 when no node is up."""
+        pool = self.gate.pools.get(self.pool_name or self.gate.config.default_pool)
+        if pool is None or not pool.config.picks:
+            return None
+        address = self.gate.admission.any_node(pool.config.name)
+        if address is None:
+            self.state = _DONE
+            return immediate(503, [("content-type", _JSON), ("retry-after", "1"),
+                                   ("x-kvgate-reason", "no_node")],
+                             oai.error_body("No node of this pool answers its metrics now. Retry "
+                                            "shortly.", error_type="server_error", code="no_node"),
+                             "kvgate_no_node")
+        resp = pb.ProcessingResponse(mode_override=_NOTHING_MORE)
+        _name_node(resp, resp.request_headers.response, address)
         return resp
 
     def _linked_continue(self, lease: Lease, new_body: bytes | None = None) -> pb.ProcessingResponse:
@@ -722,6 +771,9 @@ class Exchange:
         if tracker is None:
             return CONTINUE_RESPONSE_BODY
         replacement = tracker.feed(msg.body, msg.end_of_stream)
+        lease = self.lease
+        if lease is not None and lease.node is not None and tracker.delivered_chunks:
+            lease.progress(tracker.delivered_chunks)
         if msg.end_of_stream:
             self._response_end()
         if replacement is None:

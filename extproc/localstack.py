@@ -61,7 +61,8 @@ def render_envoy(template: dict[str, Any], *, listen: int, admin: int, grpc: int
     """render_envoy points a copy of an Envoy bootstrap at loopback ports.
 
     Every listener binds 127.0.0.1:``listen``; the ext_proc cluster reaches kvgate on
-    ``grpc``; every other cluster reaches the simulator on ``upstream``.
+    ``grpc``; every other cluster reaches the simulator on ``upstream``, except an
+    ORIGINAL_DST cluster (deploy/envoy-endpoint-picker.yaml), which goes where kvgate says.
     """
     cfg = yaml.safe_load(yaml.safe_dump(template))
     if "admin" in cfg:
@@ -69,6 +70,8 @@ def render_envoy(template: dict[str, Any], *, listen: int, admin: int, grpc: int
     for listener in cfg.get("static_resources", {}).get("listeners", []):
         listener["address"] = {"socket_address": {"address": LOOPBACK, "port_value": listen}}
     for cluster in cfg.get("static_resources", {}).get("clusters", []):
+        if cluster.get("type") == "ORIGINAL_DST":
+            continue
         port = grpc if is_processor_cluster(cluster) else upstream
         cluster["type"] = "STATIC"
         cluster.pop("dns_lookup_family", None)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from extproc.admission.types import PoolSnapshot
@@ -37,6 +37,8 @@ class SnapshotSource(Protocol):
     def pools(self) -> tuple[str, ...]: ...
 
     def snapshot(self, pool: str) -> PoolSnapshot: ...
+
+    def nodes(self, pool: str) -> tuple[Any, ...]: ...
 
 
 class _AdmissionCollector:
@@ -73,6 +75,7 @@ class _AdmissionCollector:
         alarm = GaugeMetricFamily("kvgate_pool_alarm",
                                   "1 when the pool is at or above the high watermark or its signals are stale.",
                                   labels=["pool"])
+        node_families = _node_families()
         source = self._source()
         if source is not None:
             classes = tuple(self._classes())
@@ -91,7 +94,59 @@ class _AdmissionCollector:
                 if snap.kv_budget is not None:
                     kv_budget.add_metric([pool], snap.kv_budget)
                 alarm.add_metric([pool], 1.0 if snap.alarm else 0.0)
+                _add_nodes(node_families, pool, source.nodes(pool))
         yield from (inflight, limit, scale, tpm, kv, kv_budget, alarm)
+        yield from node_families.values()
+
+
+def _node_families() -> dict[str, Metric]:
+    labels = ["pool", "backend"]
+    return {
+        "inflight": GaugeMetricFamily(
+            "kvgate_backend_kv_inflight_tokens",
+            "KV tokens kvgate's admitted requests hold on the node now (prompt + generated), "
+            "in pools that pick nodes.", labels=labels),
+        "held": GaugeMetricFamily(
+            "kvgate_backend_kv_expected_tokens",
+            "KV tokens kvgate's requests on the node are expected to hold at most (with the "
+            "growth still to come).", labels=labels),
+        "foreign": GaugeMetricFamily(
+            "kvgate_backend_kv_foreign_tokens",
+            "KV tokens the node reported that kvgate did not admit.", labels=labels),
+        "headroom": GaugeMetricFamily(
+            "kvgate_backend_kv_headroom_tokens",
+            "KV tokens left on the node for a new request (absent before its first report).",
+            labels=labels),
+        "capacity": GaugeMetricFamily(
+            "kvgate_backend_kv_capacity_tokens",
+            "The node's KV capacity in tokens, configured or reported.", labels=labels),
+        "pickable": GaugeMetricFamily(
+            "kvgate_backend_pickable",
+            "1 when the node may be picked (fresh report, answering), 0 when pending, stale "
+            "or down.", labels=labels),
+        "picks": CounterMetricFamily(
+            "kvgate_backend_picks", "Requests kvgate sent to the node.", labels=labels),
+        "passed": CounterMetricFamily(
+            "kvgate_backend_passed_over",
+            "Times the node was not picked for a request, by reason.", labels=[*labels, "reason"]),
+    }
+
+
+def _add_nodes(families: dict[str, Metric], pool: str, nodes: tuple[Any, ...]) -> None:
+    from extproc.admission.nodes import PassedOver  # the core's enum of reasons
+    for n in nodes:
+        key = [pool, n.name]
+        families["inflight"].add_metric(key, n.inflight_tokens)
+        families["held"].add_metric(key, n.held_tokens)
+        families["foreign"].add_metric(key, n.foreign_tokens)
+        if n.headroom_tokens is not None:
+            families["headroom"].add_metric(key, n.headroom_tokens)
+        if n.capacity_tokens is not None:
+            families["capacity"].add_metric(key, n.capacity_tokens)
+        families["pickable"].add_metric(key, 1.0 if n.state == "up" else 0.0)
+        families["picks"].add_metric(key, n.picks)
+        for reason in PassedOver:
+            families["passed"].add_metric([*key, reason.value], n.passed_over.get(reason.value, 0))
 
 
 class Metrics:

@@ -31,6 +31,7 @@ import asyncio
 import gc
 import logging
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -371,6 +372,44 @@ def _split_hostport(value: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+class _LoopNodeSink:
+    """_LoopNodeSink hands the scraper's per-node results to the admission core on its loop.
+
+    ``mark`` blocks the scraper's thread until the loop has taken the mark (bounded by
+    the scraper's ``MARK_TIMEOUT_S``): the round's scrapes must start after it.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, admission: Admission) -> None:
+        self._loop = loop
+        self._admission = admission
+
+    def mark(self, mark: int) -> bool:
+        from extproc.signals.scraper import MARK_TIMEOUT_S
+        done = threading.Event()
+
+        def take() -> None:
+            self._admission.mark_nodes(mark)
+            done.set()
+
+        try:
+            self._loop.call_soon_threadsafe(take)
+        except RuntimeError:  # the loop is closed: the service is stopping
+            return False
+        return done.wait(MARK_TIMEOUT_S)
+
+    def report(self, pool: str, backend: str, report: Any) -> None:
+        def deliver() -> None:
+            try:
+                self._admission.report_node(pool, backend, report)
+            except UnknownPoolError:
+                pass  # removed by a reload meanwhile
+
+        try:
+            self._loop.call_soon_threadsafe(deliver)
+        except RuntimeError:
+            pass
+
+
 class Server:
     """Server is one kvgate process: every part wired together, started and stopped in order.
 
@@ -556,7 +595,8 @@ class Server:
         def publish(pool: str, signals: Any) -> None:
             loop.call_soon_threadsafe(deliver, pool, signals)
 
-        self._scraper = Scraper(config, publish, self.metrics, self.clock)
+        self._scraper = Scraper(config, publish, self.metrics, self.clock,
+                                nodes=_LoopNodeSink(loop, admission))
         self._scraper.start()
 
     def _reload_refused(self, err: Exception) -> None:

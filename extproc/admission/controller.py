@@ -356,6 +356,13 @@ class Admission:
         if p.queue.size:
             self._kick(p)
 
+    def any_node(self, pool: str) -> str | None:
+        """any_node is the address of an up node of a picking pool, for a request kvgate does not
+        admit (the one with fewest of kvgate's requests); None when none is up or the pool
+        does not pick."""
+        p = self._pools.get(pool)
+        return None if p is None or p.nodes is None else p.nodes.any_address(self._clock.now())
+
     def nodes(self, pool: str) -> tuple[NodeSnapshot, ...]:
         """nodes reports the nodes of a picking pool now (empty for a pool that does not pick)."""
         p = self._pool(pool)

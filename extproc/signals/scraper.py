@@ -8,6 +8,12 @@ included, so the admission core can shrink. Rounds repeat every ``poll_interval_
 dedicated thread that never touches the event loop: the server's ``publish`` hands the
 signals over with ``loop.call_soon_threadsafe``.
 
+Pools that pick nodes also get each node's own result (``NodeSink.report``), and a round
+that scrapes them begins with ``NodeSink.mark`` (see ``extproc.admission.nodes``): the
+mark must be taken before any node renders the metrics this round reads, so the round
+waits for it (at most ``MARK_TIMEOUT_S``; a mark not taken in time is not claimed by the
+round's reports).
+
 Nothing a backend sends can stop the thread: every failure is counted by reason through
 the observer and logged at most once per ``log_every_s`` per backend.
 """
@@ -18,9 +24,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
+from extproc.admission.nodes import NodeReport
 from extproc.admission.types import PoolSignals
 from extproc.clock import Clock
 from extproc.config import BackendConfig, Config
@@ -38,6 +46,20 @@ Publish = Callable[[str, PoolSignals], None]
 # deadline is enforced inside fetch, this only covers thread wake-up.
 _GRACE_S = 0.05
 _MAX_WORKERS = 128
+# How long a round waits for the event loop to take its mark (seconds).
+MARK_TIMEOUT_S = 0.2
+
+
+class NodeSink(Protocol):
+    """NodeSink receives the per-node results of pools that pick nodes (on the scraper's thread)."""
+
+    def mark(self, mark: int) -> bool:
+        """mark takes the round's mark before any scrape starts; False when it could not in time."""
+        ...
+
+    def report(self, pool: str, backend: str, report: NodeReport) -> None:
+        """report hands in one node's result of the round."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,8 +133,10 @@ class Scraper:
     """
 
     def __init__(self, config: Config, publish: Publish, observer: ScrapeObserver, clock: Clock,
-                 *, log_every_s: float = 60.0) -> None:
+                 *, log_every_s: float = 60.0, nodes: NodeSink | None = None) -> None:
         self._publish = publish
+        self._sink = nodes
+        self._rounds = 0
         self._observer = observer
         self._clock = clock
         self._log_every_s = log_every_s
@@ -175,6 +199,13 @@ class Scraper:
                 config, nodes = self._config, self._nodes
             a = config.adaptive
             executor = self._pool_executor(len(nodes))
+            self._rounds += 1
+            mark: int | None = None
+            if self._sink is not None and any(p.picks for p in config.pools.values()):
+                try:
+                    mark = self._rounds if self._sink.mark(self._rounds) else None
+                except Exception:
+                    log.exception("taking the round's mark failed")
             fresh: set[int] = set()
             for node in nodes.values():
                 if node.inflight is None:
@@ -198,6 +229,10 @@ class Scraper:
                     result = _Result(None, ScrapeFailure(ScrapeError.TIMEOUT, "scrape overran its deadline"),
                                      a.scrape_timeout_s)
                 self._record(node, result, now)
+                if self._sink is not None:
+                    pc = config.pools.get(node.pool)
+                    if pc is not None and pc.picks:
+                        self._report_node(node, result, now, mark)
             out: dict[str, PoolSignals] = {}
             for pool in config.pools.values():
                 if not pool.backends:
@@ -247,6 +282,19 @@ class Scraper:
                 log.warning("backend %s/%s stopped answering; its last sample counts until it is "
                             "stale", pool, name)
         node.up = ok
+
+    def _report_node(self, node: _Node, result: _Result, now: float, mark: int | None) -> None:
+        sample = result.sample
+        ok = sample is not None and sample.usable
+        failure = result.failure
+        report = NodeReport(kv_usage=sample.kv_usage if ok else None,  # type: ignore[union-attr]
+                            capacity_tokens=sample.kv_capacity_tokens if ok else None,  # type: ignore[union-attr]
+                            at=now, refused=failure is not None and failure.reason is ScrapeError.CONNECT,
+                            mark=mark)
+        try:
+            self._sink.report(node.pool, node.backend.name, report)  # type: ignore[union-attr]
+        except Exception:
+            log.exception("reporting node %s/%s failed", node.pool, node.backend.name)
 
     def _report_pool(self, pool: str, signals: PoolSignals, stale_after_s: float) -> None:
         self._observe("pool_stale", pool, signals.stale)

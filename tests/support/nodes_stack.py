@@ -1,0 +1,184 @@
+"""nodes_stack: several simulated inference nodes, kvgate picking among them, and the real Envoy.
+
+For the end-to-end tests of per-node admission and for ``bench/``: ``NodesStack`` starts
+``n`` simulators (``python -m sim``) on free loopback ports, kvgate configured with one
+pool whose backends are those nodes (each with its ``address`` when ``picking``), and
+Envoy from an Envoy file of ``deploy/`` pointed at loopback (by default
+deploy/envoy-endpoint-picker.yaml, whose ORIGINAL_DST cluster goes where kvgate says;
+deploy/envoy.yaml's inference cluster is then given every node, round robin).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from extproc.localstack import render_envoy
+from tests.support.procs import LOOPBACK, ROOT, VENV_BIN, Proc, free_port
+
+PICKER_ENVOY = ROOT / "deploy" / "envoy-endpoint-picker.yaml"
+POOL_ENVOY = ROOT / "deploy" / "envoy.yaml"
+MODEL = "sim-llama-3-8b"
+
+
+def _endpoint(port: int) -> dict[str, Any]:
+    return {"endpoint": {"address": {"socket_address": {"address": LOOPBACK, "port_value": port}}}}
+
+
+class NodesStack:
+    """NodesStack is ``nodes`` simulators, kvgate and Envoy, each a child process.
+
+    ``kv_capacity_tokens`` is every node's KV cache; ``sim_args`` go to every simulator;
+    ``pool`` updates kvgate's pool settings; ``config`` updates the rest of kvgate's file.
+    """
+
+    def __init__(self, workdir: Path, *, nodes: int = 3, kv_capacity_tokens: int = 100_000,
+                 picking: bool = True, envoy_template: Path | None = None,
+                 sim_args: Sequence[str] = (), pool: dict[str, Any] | None = None,
+                 config: dict[str, Any] | None = None, lb_policy: str | None = None) -> None:
+        self.workdir = workdir
+        self.picking = picking
+        self.envoy_template = envoy_template or (PICKER_ENVOY if picking else POOL_ENVOY)
+        self.kv_capacity_tokens = kv_capacity_tokens
+        self.sim_args = list(sim_args)
+        self.pool = pool or {}
+        self.extra = config or {}
+        self.lb_policy = lb_policy
+        self.node_ports = [free_port() for _ in range(nodes)]
+        self.grpc_port = free_port()
+        self.admin_port = free_port()
+        self.envoy_port = free_port()
+        self.procs: dict[str, Proc] = {}
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.envoy_port}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.admin_port}"
+
+    def node_url(self, i: int) -> str:
+        return f"http://{LOOPBACK}:{self.node_ports[i]}"
+
+    def node_name(self, i: int) -> str:
+        return f"node-{i}"
+
+    def address(self, i: int) -> str:
+        return f"{LOOPBACK}:{self.node_ports[i]}"
+
+    def kvgate_config(self) -> dict[str, Any]:
+        backends = []
+        for i, port in enumerate(self.node_ports):
+            b: dict[str, Any] = {"name": self.node_name(i), "engine": "vllm",
+                                 "metrics_url": f"http://{LOOPBACK}:{port}/metrics"}
+            if self.picking:
+                b["address"] = self.address(i)
+            backends.append(b)
+        pool: dict[str, Any] = {"max_concurrency": 256, "context_window": 32768,
+                                "default_max_tokens": 1024, "backends": backends,
+                                "signals": {"aggregate": "max", "waiting_threshold": 64}}
+        pool.update(self.pool)
+        cfg: dict[str, Any] = {
+            "pools": {"default": pool},
+            "adaptive": {"poll_interval_s": 0.25, "stale_after_s": 1.5, "scrape_timeout_s": 0.25},
+            "tenants": {"classes": {"standard": {"max_wait_s": 30.0}}},
+        }
+        cfg.update(self.extra)
+        return cfg
+
+    def start(self) -> NodesStack:
+        """start launches the nodes, kvgate and Envoy, each waited for on its port."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        py = sys.executable
+        try:
+            for i, port in enumerate(self.node_ports):
+                self._spawn(self.node_name(i), [
+                    py, "-m", "sim", "--listen", f"{LOOPBACK}:{port}", "--model", MODEL,
+                    "--max-model-len", "32768", "--kv-capacity-tokens", str(self.kv_capacity_tokens),
+                    "--seed", str(i), *self.sim_args])
+            for i, port in enumerate(self.node_ports):
+                self.procs[self.node_name(i)].wait_port(port)
+            path = self.workdir / "kvgate.yaml"
+            path.write_text(yaml.safe_dump(self.kvgate_config(), sort_keys=False))
+            kv = self._spawn("kvgate", [py, "-m", "extproc", "serve", "--config", str(path),
+                                        "--grpc-listen", f"{LOOPBACK}:{self.grpc_port}",
+                                        "--admin-listen", f"{LOOPBACK}:{self.admin_port}",
+                                        "--log-level", "info"])
+            kv.wait_port(self.admin_port)
+            kv.wait_port(self.grpc_port)
+            envoy_yaml = self.workdir / "envoy.yaml"
+            envoy_yaml.write_text(yaml.safe_dump(self.envoy_config(), sort_keys=False))
+            self._spawn("envoy", [str(VENV_BIN / "envoy"), "-c", str(envoy_yaml), "--log-level",
+                                  "warn", "--disable-hot-restart", "--concurrency", "1"]
+                        ).wait_port(self.envoy_port)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def envoy_config(self) -> dict[str, Any]:
+        """envoy_config is the Envoy file pointed at loopback; a round-robin upstream gets every node."""
+        cfg = render_envoy(yaml.safe_load(self.envoy_template.read_text()), listen=self.envoy_port,
+                           admin=0, grpc=self.grpc_port, upstream=self.node_ports[0])
+        cfg.pop("admin", None)
+        for cluster in cfg["static_resources"]["clusters"]:
+            if cluster["name"] == "kvgate" or cluster.get("type") == "ORIGINAL_DST":
+                continue
+            cluster["load_assignment"] = {"cluster_name": cluster["name"], "endpoints": [
+                {"lb_endpoints": [_endpoint(p) for p in self.node_ports]}]}
+            if self.lb_policy:
+                cluster["lb_policy"] = self.lb_policy
+        return cfg
+
+    def _spawn(self, name: str, argv: list[str]) -> Proc:
+        proc = Proc(argv, self.workdir / f"{name}.log")
+        self.procs[name] = proc
+        return proc
+
+    def stop(self) -> None:
+        """stop ends Envoy first, then kvgate and the nodes."""
+        for name in ["envoy", "kvgate", *(self.node_name(i) for i in range(len(self.node_ports)))]:
+            proc = self.procs.pop(name, None)
+            if proc is not None:
+                proc.stop()
+
+    # --- looking inside -------------------------------------------------------------------
+
+    def node_state(self, i: int) -> dict[str, Any]:
+        """node_state is simulator ``i``'s /sim/state (preemptions, usage, running, ...)."""
+        with urllib.request.urlopen(f"{self.node_url(i)}/sim/state", timeout=5) as resp:
+            return json.loads(resp.read())
+
+    def node_config(self, i: int, changes: dict[str, Any]) -> None:
+        """node_config changes simulator ``i``'s runtime parameters (e.g. background_kv_tokens)."""
+        req = urllib.request.Request(f"{self.node_url(i)}/sim/config", data=json.dumps(changes).encode())
+        with urllib.request.urlopen(req, timeout=5):
+            pass
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """metrics reads kvgate's /metrics: {(sample name, sorted labels): value}."""
+        with urllib.request.urlopen(f"{self.admin_url}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        return out
+
+    def metric(self, name: str, **labels: str) -> float:
+        """metric sums the samples of ``name`` whose labels include ``labels`` (0 if none)."""
+        want = set(labels.items())
+        return sum(v for (n, ls), v in self.metrics().items() if n == name and want <= set(ls))
+
+    def per_node(self, name: str, **labels: str) -> dict[str, float]:
+        """per_node is ``name``'s value per backend label."""
+        return {self.node_name(i): self.metric(name, backend=self.node_name(i), **labels)
+                for i in range(len(self.node_ports))}
