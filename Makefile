@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-unit test-e2e bench bench-admission bench-overhead bench-protection bench-redis bench-scrape bench-tokens check-config clean
+.PHONY: install run test test-unit test-e2e bench bench-admission bench-overhead bench-picker bench-protection bench-redis bench-scrape bench-tokens check-config clean
 
 install: $(STAMP)
 
@@ -35,6 +35,9 @@ bench-admission: install
 bench-overhead: install
 	$(PY) bench/bench_overhead.py
 
+bench-picker: install
+	$(PY) bench/bench_picker.py
+
 bench-protection: install
 	$(PY) bench/bench_protection.py
 
@@ -47,7 +50,7 @@ bench-scrape: install
 bench-tokens: install
 	$(PY) bench/bench_tokens.py
 
-bench: bench-admission bench-scrape bench-tokens bench-overhead bench-protection bench-redis
+bench: bench-admission bench-scrape bench-tokens bench-overhead bench-picker bench-protection bench-redis
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

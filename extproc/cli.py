@@ -70,6 +70,9 @@ def _run_serve(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"error: {err.key}: {err.reason}", file=sys.stderr)
         return EXIT_CONFIG
+    from extproc.config import warnings
+    for line in warnings(config):
+        logging.getLogger("kvgate").warning("%s", line)
     from prometheus_client import disable_created_metrics
 
     from extproc.server import serve
@@ -97,6 +100,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ConfigError as err:
             print(f"error: {err.key}: {err.reason}", file=sys.stderr)
             return EXIT_CONFIG
+        from extproc.config import load_config, warnings
+        for line in warnings(load_config(args.file)):
+            print(f"warning: {line}")
         print(f"{args.file}: ok")
         return EXIT_OK
     if args.command == "serve":

@@ -239,6 +239,21 @@ class Config:
         return self.tenants.classes[name]
 
 
+def warnings(config: Config) -> list[str]:
+    """warnings lists what a valid configuration does that an operator should know, one line each."""
+    out = []
+    if config.store.kind == "redis":
+        for name, pool in config.pools.items():
+            if pool.picks:
+                out.append(
+                    f"pools.{name}: picks nodes with the Redis store: slots and tokens per minute "
+                    "are shared across replicas, but each replica counts only its own requests on "
+                    "each node (plus what the node reports): two replicas may fill the same room "
+                    "between two scrapes. Run one replica per pool that picks, or keep "
+                    "picking.reserve_fraction above what one replica admits per scrape interval.")
+    return out
+
+
 # --- reading helpers -------------------------------------------------------------
 
 class _Section:

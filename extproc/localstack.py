@@ -1,8 +1,11 @@
-"""localstack: `make run` — the simulator, kvgate and Envoy on loopback, stopped on Ctrl-C.
+"""localstack: `make run` — three simulated nodes, kvgate and Envoy on loopback, stopped on Ctrl-C.
 
-The stack uses the repository's own files: ``deploy/envoy.yaml`` (ports and upstream
-addresses rewritten for loopback) and ``deploy/local/kvgate.yaml`` (a kvgate config that
-scrapes the simulator). Generated files go to ``run/`` (ignored by git).
+The stack uses the repository's own files: ``deploy/envoy-endpoint-picker.yaml`` (kvgate
+picks the node of every request; ports rewritten for loopback) and
+``deploy/local/kvgate.yaml`` (one pool whose backends are the simulated nodes, each with
+its address). ``--pool-level`` runs the pool-level setup instead: ``deploy/envoy.yaml``,
+Envoy's round robin over the nodes, kvgate without the addresses. Generated files go to
+``run/`` (ignored by git).
 """
 
 from __future__ import annotations
@@ -81,13 +84,34 @@ def render_envoy(template: dict[str, Any], *, listen: int, admin: int, grpc: int
     return cfg
 
 
-def render_kvgate(path: Path, *, sim_port: int) -> dict[str, Any]:
-    """render_kvgate reads the local kvgate config and points its backends at the simulator."""
+def render_kvgate(path: Path, *, sim_ports: list[int], picking: bool = True) -> dict[str, Any]:
+    """render_kvgate reads the local kvgate config and points its backends at the simulators.
+
+    Backend i gets simulator i's metrics and (``picking``) its address; without
+    ``picking`` the addresses are left out, so kvgate admits at the pool level.
+    """
     data = yaml.safe_load(path.read_text())
     for pool in data.get("pools", {}).values():
-        for backend in pool.get("backends", []) or []:
-            backend["metrics_url"] = f"http://{LOOPBACK}:{sim_port}/metrics"
+        backends = pool.get("backends", []) or []
+        for backend, port in zip(backends, sim_ports):
+            backend["metrics_url"] = f"http://{LOOPBACK}:{port}/metrics"
+            if picking:
+                backend["address"] = f"{LOOPBACK}:{port}"
+            else:
+                backend.pop("address", None)
+        del backends[len(sim_ports):]
+        if not picking:
+            pool.pop("picking", None)
     return data
+
+
+def spread_upstream(cfg: dict[str, Any], ports: list[int]) -> None:
+    """spread_upstream gives every inference cluster of a rendered Envoy config all ``ports``."""
+    for cluster in cfg.get("static_resources", {}).get("clusters", []):
+        if is_processor_cluster(cluster) or cluster.get("type") == "ORIGINAL_DST":
+            continue
+        cluster["load_assignment"] = {"cluster_name": cluster["name"], "endpoints": [
+            {"lb_endpoints": [_endpoint(p) for p in ports]}]}
 
 
 class Stack:
@@ -133,15 +157,24 @@ class Stack:
         return None
 
 
-def banner(envoy: int, admin: int, sim: int, envoy_admin: int, model: str) -> str:
+def banner(envoy: int, admin: int, sims: list[int], envoy_admin: int, model: str,
+           picking: bool = True) -> str:
     """banner is what `make run` prints: where to send requests and where to look."""
     base = f"http://{LOOPBACK}:{envoy}"
+    sim = sims[0]
+    nodes = "\n".join(f"  node-{i} (simulated vLLM)     http://{LOOPBACK}:{p}/metrics"
+                      + ("   (POST /sim/config to add pressure)" if i == 0 else "")
+                      for i, p in enumerate(sims))
+    how = ("kvgate picks the node of every request (deploy/envoy-endpoint-picker.yaml)" if picking
+           else "Envoy's round robin picks the node, kvgate guards the pool (deploy/envoy.yaml)")
+    watch = ("kvgate_backend_(kv_foreign_tokens|kv_headroom_tokens|picks_total)" if picking
+             else "kvgate_(admission_scale|concurrency_limit)")
     return f"""
-kvgate local stack is up (Ctrl-C stops everything)
+kvgate local stack is up (Ctrl-C stops everything): {how}
 
   Envoy (send requests here)   {base}/v1
   kvgate metrics               http://{LOOPBACK}:{admin}/metrics   (also /healthz, /readyz)
-  simulator (vLLM-compatible)  http://{LOOPBACK}:{sim}/metrics     (POST /sim/config to add pressure)
+{nodes}
   Envoy admin                  http://{LOOPBACK}:{envoy_admin}/
 
 Try it:
@@ -157,11 +190,28 @@ Try it:
                                          messages=[{{"role": "user", "content": "Hello"}}])
   print(reply.choices[0].message.content, reply.usage)
 
-Drive the node into KV pressure and watch the limit shrink:
+Fill node-0's KV cache with traffic kvgate did not admit, and watch kvgate see it
+(and, picking, send new requests to the other nodes):
 
   curl -s {LOOPBACK}:{sim}/sim/config -d '{{"background_kv_tokens": 120000}}'
-  curl -s {LOOPBACK}:{admin}/metrics | grep -E '^kvgate_(admission_scale|concurrency_limit)'
+  curl -s {LOOPBACK}:{admin}/metrics | grep -E '^{watch}'
 """
+
+
+def _wait_nodes_up(admin: int, nodes: int, timeout: float = 10.0) -> None:
+    """_wait_nodes_up waits until kvgate has read every node once (before that it picks none)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://{LOOPBACK}:{admin}/metrics", timeout=2) as resp:
+                text = resp.read().decode()
+            up = sum(1 for line in text.splitlines()
+                     if line.startswith("kvgate_backend_pickable{") and line.endswith(" 1.0"))
+            if up >= nodes:
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,6 +220,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--envoy-port", type=int, default=int(os.environ.get("KVGATE_PORT", 8080)))
     ap.add_argument("--check", action="store_true",
                     help="start the stack, send the printed request once, stop (for tests)")
+    ap.add_argument("--nodes", type=int, default=3, choices=range(1, 9), metavar="N",
+                    help="simulated nodes (default 3)")
+    ap.add_argument("--pool-level", action="store_true",
+                    help="Envoy's round robin picks the node and kvgate guards the pool "
+                         "(deploy/envoy.yaml) instead of kvgate picking")
     args = ap.parse_args(argv)
 
     run_dir = ROOT / "run"
@@ -184,15 +239,24 @@ def main(argv: list[str] | None = None) -> int:
     envoy_admin = pick_port(9901)
     grpc = pick_port(50051)
     admin = pick_port(9464)
-    sim = pick_port(8000)
+    sims: list[int] = []
+    for i in range(args.nodes):
+        port = pick_port(8000 + i)
+        while port in sims:
+            port = pick_port(0)
+        sims.append(port)
+    sim = sims[0]
     model = "sim-llama-3-8b"
+    picking = not args.pool_level
 
-    kv_cfg = render_kvgate(ROOT / "deploy/local/kvgate.yaml", sim_port=sim)
+    kv_cfg = render_kvgate(ROOT / "deploy/local/kvgate.yaml", sim_ports=sims, picking=picking)
     kv_path = run_dir / "kvgate.yaml"
     kv_path.write_text(yaml.safe_dump(kv_cfg, sort_keys=False))
     load_config(kv_path)  # fail here, with the key named, rather than in a child's log
-    envoy_cfg = render_envoy(yaml.safe_load((ROOT / "deploy/envoy.yaml").read_text()),
+    envoy_file = "deploy/envoy-endpoint-picker.yaml" if picking else "deploy/envoy.yaml"
+    envoy_cfg = render_envoy(yaml.safe_load((ROOT / envoy_file).read_text()),
                              listen=envoy, admin=envoy_admin, grpc=grpc, upstream=sim)
+    spread_upstream(envoy_cfg, sims)
     envoy_path = run_dir / "envoy.yaml"
     envoy_path.write_text(yaml.safe_dump(envoy_cfg, sort_keys=False))
 
@@ -207,15 +271,19 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        stack.start("sim", [py, "-m", "sim", "--listen", f"{LOOPBACK}:{sim}", "--model", model,
-                            "--max-model-len", "32768", "--kv-capacity-tokens", "131072",
-                            "--speedup", "1"], sim)
+        for i, port in enumerate(sims):
+            stack.start(f"node-{i}", [py, "-m", "sim", "--listen", f"{LOOPBACK}:{port}",
+                                      "--model", model, "--max-model-len", "32768",
+                                      "--kv-capacity-tokens", "131072", "--seed", str(i),
+                                      "--speedup", "1"], port)
         stack.start("kvgate", [py, "-m", "extproc", "serve", "--config", str(kv_path),
                                "--grpc-listen", f"{LOOPBACK}:{grpc}",
                                "--admin-listen", f"{LOOPBACK}:{admin}"], admin)
         stack.start("envoy", [envoy_bin, "-c", str(envoy_path), "--log-level", "warn",
                               "--base-id", str(os.getpid() % 60000)], envoy)
-        print(banner(envoy, admin, sim, envoy_admin, model), flush=True)
+        if picking:
+            _wait_nodes_up(admin, len(sims))
+        print(banner(envoy, admin, sims, envoy_admin, model, picking), flush=True)
         if args.check:
             body = (b'{"model": "%s", "max_tokens": 16, "messages": '
                     b'[{"role": "user", "content": "Hello"}]}' % model.encode())

@@ -300,3 +300,11 @@ def test_a_charge_is_the_request_on_its_node():
     pool.progress(c, 7, T0 + 1)
     assert c.footprint == 107 and c.first_at == T0 + 1
     assert pool.release(c, 7, True, T0 + 2) and not pool.release(c, 7, True, T0 + 3)
+
+
+def test_picking_with_the_redis_store_is_said_loudly():
+    from extproc.config import warnings
+    cfg = config(pool=nodes_pool(1), store={"redis": {"url": "redis://127.0.0.1:1/0"}})
+    (line,) = warnings(cfg)
+    assert "pools.default: picks nodes with the Redis store" in line
+    assert warnings(config(pool=nodes_pool(1))) == []
