@@ -44,6 +44,34 @@ class BackendConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class DiscoveryConfig:
+    """DiscoveryConfig finds a pool's nodes in DNS: every A record of ``dns`` is a node.
+
+    For a Kubernetes headless Service: each pod's IP, with the inference server on
+    ``port`` and its metrics on ``metrics_path`` (same port); ``engine`` and
+    ``model_name`` as for a backend; names are re-resolved every ``interval_s`` seconds.
+    """
+
+    dns: str
+    port: int
+    metrics_path: str = "/metrics"
+    engine: str = "vllm"
+    model_name: str | None = None
+    interval_s: float = 5.0
+
+    def backends(self, ips: list[str]) -> tuple[BackendConfig, ...]:
+        """backends are the nodes at ``ips``, named and addressed ``IP:PORT``, in a stable order."""
+        out = []
+        for ip in sorted(set(ips)):
+            host = f"[{ip}]" if ":" in ip else ip
+            address = f"{host}:{self.port}"
+            out.append(BackendConfig(name=address.replace("[", "").replace("]", "").replace(":", "_"),
+                                     metrics_url=f"http://{address}{self.metrics_path}",
+                                     engine=self.engine, model_name=self.model_name, address=address))
+        return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
 class PickingConfig:
     """PickingConfig says how kvgate judges a node's room when it picks nodes.
 
@@ -99,10 +127,14 @@ class PoolConfig:
     backends: tuple[BackendConfig, ...] = ()
     signals: SignalsConfig = field(default_factory=SignalsConfig)
     picking: PickingConfig = field(default_factory=PickingConfig)
+    discovery: DiscoveryConfig | None = None
 
     @property
     def picks(self) -> bool:
-        """picks is True when kvgate picks the node of each request: every backend has an address."""
+        """picks is True when kvgate picks the node of each request: every backend has an
+        address, or the nodes are discovered in DNS (addresses by construction)."""
+        if self.discovery is not None:
+            return True
         return bool(self.backends) and all(b.address is not None for b in self.backends)
 
 
@@ -373,6 +405,30 @@ def _backend(key: str, data: Any) -> BackendConfig:
     return b
 
 
+_DNS_NAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                       r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$")
+
+
+def _discovery(s: _Section) -> DiscoveryConfig:
+    name = s.string("dns", None)
+    if not _DNS_NAME.match(name):
+        raise ConfigError(s.path("dns"), f"must be a DNS name (a headless Service's), got {name!r}")
+    port = s.integer("port", None)
+    if port > 65535:  # type: ignore[operator]
+        raise ConfigError(s.path("port"), f"must be a TCP port, got {port}")
+    path = s.string("metrics_path", "/metrics")
+    if not path.startswith("/"):  # type: ignore[union-attr]
+        raise ConfigError(s.path("metrics_path"), f"must start with '/', got {path!r}")
+    engine = s.string("engine", "vllm", choices=ENGINES)
+    if engine == "dcgm":
+        raise ConfigError(s.path("engine"), "discovered nodes serve requests: dcgm is no inference engine")
+    d = DiscoveryConfig(dns=name, port=port, metrics_path=path, engine=engine,  # type: ignore[arg-type]
+                        model_name=s.string("model_name", None, optional=True),
+                        interval_s=s.number("interval_s", 5.0, low=0.5, high=3600.0))
+    s.done()
+    return d
+
+
 def _picking(s: _Section) -> PickingConfig:
     growth = s.string("growth", "learned", choices=GROWTHS)
     picking = PickingConfig(
@@ -416,8 +472,11 @@ def _pool(key: str, name: str, data: Any) -> PoolConfig:
         if b.address in addresses:
             raise ConfigError(f"{s.path('backends')}[{i}].address", f"duplicate address {b.address!r}")
         addresses.add(b.address)  # type: ignore[arg-type]
+    discovery = _discovery(s.section("discovery")) if s.has("discovery") else None
+    if discovery is not None and backends:
+        raise ConfigError(s.path("discovery"), "a pool lists its backends or discovers them, not both")
     picking = _picking(s.section("picking"))
-    if s.has("picking") and not with_address:
+    if s.has("picking") and not with_address and discovery is None:
         raise ConfigError(s.path("picking"), "needs every backend of the pool to have an address")
     tokenizer = s.string("tokenizer", "cl100k_base")
     if tokenizer.startswith(("tiktoken:", "hf:")) and not tokenizer.split(":", 1)[1]:
@@ -435,6 +494,7 @@ def _pool(key: str, name: str, data: Any) -> PoolConfig:
         backends=backends,
         signals=signals,
         picking=picking,
+        discovery=discovery,
     )
     s.done()
     if pool.default_max_tokens >= pool.context_window:

@@ -448,6 +448,9 @@ class Server:
         self._grpc: grpc.aio.Server | None = None
         self._admin: AdminServer | None = None
         self._scraper: Any = None
+        self._discovery: Any = None
+        # Backends found in DNS per discovery pool, laid over every configuration applied.
+        self._discovered: dict[str, tuple[Any, ...]] = {}
         self._watcher: Any = None
         self._stop_requested: asyncio.Event | None = None
         self.grpc_port = 0
@@ -492,6 +495,7 @@ class Server:
         await self._grpc.start()
         self._sweeper = loop.create_task(self._sweep_parked())
         self._ensure_scraper(self.config)
+        self._ensure_discovery(self.config)
         if self._config_path is not None:
             from extproc.reload import ConfigWatcher
             self._watcher = ConfigWatcher(self._config_path, self.apply_config,
@@ -566,15 +570,60 @@ class Server:
         if config.store != self.config.store or config.server != self.config.server:
             log.warning("store and server settings change only with a restart; "
                         "the rest of the new configuration applies now")
-        self.admission.reconfigure(config)
-        if self._scraper is not None:
-            self._scraper.reconfigure(config)
-        else:
-            self._ensure_scraper(config)  # a reload may add the first backends
+        if self._discovery is not None:
+            self._discovery.reconfigure(config)
+        self._discovered = {p: b for p, b in self._discovered.items()
+                            if p in config.pools and config.pools[p].discovery is not None}
+        self._ensure_discovery(config)
+        config = self._with_discovered(config)
+        self._apply_nodes(config)
         self.metrics.set_classes(tuple(config.tenants.classes))
         self.config = config
         self.metrics.reload_ok(time.time())
         log.info("configuration reloaded: pools %s", ", ".join(config.pools))
+
+    def _apply_nodes(self, config: Config) -> None:
+        """_apply_nodes hands a configuration's pools and nodes to the admission core and scraper."""
+        self.admission.reconfigure(config)
+        if self._scraper is not None:
+            self._scraper.reconfigure(config)
+        else:
+            self._ensure_scraper(config)  # a reload (or discovery) may add the first backends
+
+    def _with_discovered(self, config: Config) -> Config:
+        """_with_discovered is ``config`` with each discovery pool's backends as found in DNS."""
+        if not self._discovered:
+            return config
+        import dataclasses
+        pools = dict(config.pools)
+        for name, backends in self._discovered.items():
+            if name in pools:
+                pools[name] = dataclasses.replace(pools[name], backends=backends)
+        return dataclasses.replace(config, pools=pools)
+
+    def _ensure_discovery(self, config: Config) -> None:
+        """_ensure_discovery starts the DNS discovery thread once some pool discovers its nodes."""
+        if self._discovery is not None or not self._scrape:
+            return
+        if not any(p.discovery is not None for p in config.pools.values()):
+            return
+        from extproc.signals.discovery import Discovery
+        loop = asyncio.get_running_loop()
+
+        def apply(pool: str, backends: tuple[Any, ...]) -> None:
+            pc = self.config.pools.get(pool)
+            if pc is None or pc.discovery is None:
+                return  # a reload removed it meanwhile
+            self._discovered[pool] = backends
+            config = self._with_discovered(self.config)
+            self._apply_nodes(config)
+            self.config = config
+
+        def changed(pool: str, backends: tuple[Any, ...]) -> None:
+            loop.call_soon_threadsafe(apply, pool, backends)
+
+        self._discovery = Discovery(config, changed)
+        self._discovery.start()
 
     def _ensure_scraper(self, config: Config) -> None:
         """_ensure_scraper starts the scraper thread once some pool has backends."""
@@ -661,6 +710,9 @@ class Server:
             self._watcher.remove_sighup(loop)
             await loop.run_in_executor(None, self._watcher.stop)
             self._watcher = None
+        if self._discovery is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._discovery.stop)
+            self._discovery = None
         if self._scraper is not None:
             # stop joins the thread, which may be inside a scrape: keep the loop free meanwhile
             await asyncio.get_running_loop().run_in_executor(None, self._scraper.stop)

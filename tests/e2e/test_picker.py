@@ -135,3 +135,15 @@ def test_a_killed_node_stops_being_picked_and_its_requests_are_released_once(sta
     after = stack.per_node("kvgate_backend_picks_total")
     assert after[victim] == picks[victim]
     assert i in (0, 1, 2)
+
+
+def test_a_node_found_by_dns_discovery_is_picked(tmp_path_factory: pytest.TempPathFactory):
+    s = NodesStack(tmp_path_factory.mktemp("discovery"), nodes=1, kv_capacity_tokens=50_000,
+                   discover=True, sim_args=["--speedup", "20"]).start()
+    try:
+        wait_until(lambda: s.metric("kvgate_backend_pickable", backend=s.node_name(0)) == 1,
+                   timeout=10, what="the discovered node up")
+        assert chat(s, "hi", 4) == 4
+        assert s.metric("kvgate_backend_picks_total", backend=s.node_name(0)) == 1
+    finally:
+        s.stop()

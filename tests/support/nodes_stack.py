@@ -42,7 +42,8 @@ class NodesStack:
     def __init__(self, workdir: Path, *, nodes: int = 3, kv_capacity_tokens: int = 100_000,
                  picking: bool = True, envoy_template: Path | None = None,
                  sim_args: Sequence[str] = (), pool: dict[str, Any] | None = None,
-                 config: dict[str, Any] | None = None, lb_policy: str | None = None) -> None:
+                 config: dict[str, Any] | None = None, lb_policy: str | None = None,
+                 discover: bool = False) -> None:
         self.workdir = workdir
         self.picking = picking
         self.envoy_template = envoy_template or (PICKER_ENVOY if picking else POOL_ENVOY)
@@ -51,6 +52,7 @@ class NodesStack:
         self.pool = pool or {}
         self.extra = config or {}
         self.lb_policy = lb_policy
+        self.discover = discover  # one node, found by kvgate's DNS discovery of "localhost"
         self.node_ports = [free_port() for _ in range(nodes)]
         self.grpc_port = free_port()
         self.admin_port = free_port()
@@ -69,6 +71,8 @@ class NodesStack:
         return f"http://{LOOPBACK}:{self.node_ports[i]}"
 
     def node_name(self, i: int) -> str:
+        if self.discover:
+            return f"{LOOPBACK}_{self.node_ports[i]}"  # as discovery names a node
         return f"node-{i}"
 
     def address(self, i: int) -> str:
@@ -85,6 +89,9 @@ class NodesStack:
         pool: dict[str, Any] = {"max_concurrency": 256, "context_window": 32768,
                                 "default_max_tokens": 1024, "backends": backends,
                                 "signals": {"aggregate": "max", "waiting_threshold": 64}}
+        if self.discover:
+            del pool["backends"]
+            pool["discovery"] = {"dns": "localhost", "port": self.node_ports[0], "interval_s": 0.5}
         pool.update(self.pool)
         cfg: dict[str, Any] = {
             "pools": {"default": pool},
