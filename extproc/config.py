@@ -410,23 +410,29 @@ _DNS_NAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9]
 
 
 def _discovery(s: _Section) -> DiscoveryConfig:
-    name = s.string("dns", None)
+    # Every value is checked for its type before any is required, so an error names the
+    # key that is wrong rather than one that is missing.
+    name = s.string("dns", None, optional=True)
+    port = s.integer("port", None, optional=True)
+    path = s.string("metrics_path", "/metrics")
+    engine = s.string("engine", "vllm", choices=ENGINES)
+    model_name = s.string("model_name", None, optional=True)
+    interval_s = s.number("interval_s", 5.0, low=0.5, high=3600.0)
+    s.done()
+    if name is None:
+        raise ConfigError(s.path("dns"), "is required")
     if not _DNS_NAME.match(name):
         raise ConfigError(s.path("dns"), f"must be a DNS name (a headless Service's), got {name!r}")
-    port = s.integer("port", None)
-    if port > 65535:  # type: ignore[operator]
+    if port is None:
+        raise ConfigError(s.path("port"), "is required")
+    if port > 65535:
         raise ConfigError(s.path("port"), f"must be a TCP port, got {port}")
-    path = s.string("metrics_path", "/metrics")
     if not path.startswith("/"):  # type: ignore[union-attr]
         raise ConfigError(s.path("metrics_path"), f"must start with '/', got {path!r}")
-    engine = s.string("engine", "vllm", choices=ENGINES)
     if engine == "dcgm":
         raise ConfigError(s.path("engine"), "discovered nodes serve requests: dcgm is no inference engine")
-    d = DiscoveryConfig(dns=name, port=port, metrics_path=path, engine=engine,  # type: ignore[arg-type]
-                        model_name=s.string("model_name", None, optional=True),
-                        interval_s=s.number("interval_s", 5.0, low=0.5, high=3600.0))
-    s.done()
-    return d
+    return DiscoveryConfig(dns=name, port=port, metrics_path=path, engine=engine,  # type: ignore[arg-type]
+                           model_name=model_name, interval_s=interval_s)
 
 
 def _picking(s: _Section) -> PickingConfig:

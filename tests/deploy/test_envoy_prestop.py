@@ -78,10 +78,12 @@ class Router:
         filters = http_filters(boot)
         filters[:] = [f for f in filters if f["name"] != "envoy.filters.http.ext_proc"]
         for cluster in boot["static_resources"]["clusters"]:
-            if cluster["name"] == "inference":
-                cluster["type"] = "STATIC"
-                cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"] = {
-                    "socket_address": {"address": "127.0.0.1", "port_value": upstream_port}}
+            if cluster["name"] != "kvgate":  # without kvgate, nothing names a node: a fixed one
+                cluster.pop("original_dst_lb_config", None)
+                cluster.update(type="STATIC", lb_policy="ROUND_ROBIN", load_assignment={
+                    "cluster_name": cluster["name"], "endpoints": [{"lb_endpoints": [{"endpoint": {
+                        "address": {"socket_address": {"address": "127.0.0.1",
+                                                       "port_value": upstream_port}}}}]}]})
         path = tmp / "envoy.yaml"
         path.write_text(yaml.safe_dump(boot))
         self.prestop = tmp / "prestop.sh"

@@ -91,7 +91,7 @@ def test_kustomization_names_every_manifest_of_its_directory(directory: Path) ->
 def test_core_objects_deserialize_into_typed_models_without_unknown_fields() -> None:
     objs = resources(K8S) + [o for o in resources(ISTIO) if o["apiVersion"] == "v1"]
     kinds = sorted(o["kind"] for o in objs)
-    assert kinds == ["ConfigMap", "ConfigMap", "ConfigMap", "Deployment", "Service"]
+    assert kinds == ["ConfigMap", "ConfigMap", "ConfigMap", "Deployment", "Service", "Service"]
     for obj in objs:
         assert typed_problems(obj, model_name(obj)) == [], obj["metadata"]["name"]
 
@@ -152,8 +152,10 @@ def cluster_problems(bootstrap: dict[str, Any]) -> list[str]:
     """
     clusters = bootstrap["static_resources"]["clusters"]
     defined = {c["name"] for c in clusters}
+    # An ORIGINAL_DST cluster has no endpoints of its own: it goes where the request says.
     problems = [f"cluster {c['name']}: load_assignment names {c['load_assignment']['cluster_name']}"
-                for c in clusters if c["load_assignment"]["cluster_name"] != c["name"]]
+                for c in clusters if c.get("type") != "ORIGINAL_DST"
+                and c["load_assignment"]["cluster_name"] != c["name"]]
     for key, value, parent in walk(bootstrap["static_resources"]["listeners"]):
         if key == "cluster" and isinstance(value, str) and value not in defined:
             problems.append(f"route to unknown cluster {value!r}")
@@ -174,8 +176,8 @@ def test_envoy_bootstrap_names_only_defined_clusters() -> None:
     assert cluster_problems(broken) == ["gRPC service on unknown cluster 'kvgat'"]
 
 
-def test_ext_proc_settings_are_those_of_deploy_envoy_yaml() -> None:
-    reference = yaml.safe_load((ROOT / "deploy" / "envoy.yaml").read_text())
+def test_ext_proc_settings_are_those_of_the_endpoint_picker_file() -> None:
+    reference = yaml.safe_load((ROOT / "deploy" / "envoy-endpoint-picker.yaml").read_text())
     ref_filter = next(f for f in http_filters(reference) if f["name"] == "envoy.filters.http.ext_proc")
     ours = next(f for f in http_filters(envoy_bootstrap()) if f["name"] == "envoy.filters.http.ext_proc")
     assert ours == ref_filter
@@ -183,9 +185,11 @@ def test_ext_proc_settings_are_those_of_deploy_envoy_yaml() -> None:
 
 def test_http_filter_order() -> None:
     names = [f["name"] for f in http_filters(envoy_bootstrap())]
-    # Probes answered before kvgate; set_metadata before ext_proc; router last.
-    assert names == ["envoy.filters.http.health_check", "envoy.filters.http.set_metadata",
-                     "envoy.filters.http.ext_proc", "envoy.filters.http.router"]
+    # Probes answered before kvgate; client-sent destination headers removed before
+    # kvgate; set_metadata before ext_proc; router last.
+    assert names == ["envoy.filters.http.health_check", "envoy.filters.http.header_mutation",
+                     "envoy.filters.http.set_metadata", "envoy.filters.http.ext_proc",
+                     "envoy.filters.http.router"]
 
 
 def test_per_route_settings_name_real_keys_pools_and_classes(tmp_path: Path) -> None:
@@ -198,7 +202,7 @@ def test_per_route_settings_name_real_keys_pools_and_classes(tmp_path: Path) -> 
                 if key == "typed_per_filter_config"
                 for entry in value["envoy.filters.http.set_metadata"]["metadata"]
                 if entry["metadata_namespace"] == "kvgate"]
-    assert len(settings) >= 2
+    assert len(settings) >= 1
     for value in settings:
         assert set(value) <= set(ROUTE_KEYS)
         assert value.get("pool", config.default_pool) in config.pools
@@ -247,11 +251,22 @@ def test_selectors_match_the_pod() -> None:
     dep = one(objs, "Deployment")
     labels = dep["spec"]["template"]["metadata"]["labels"]
     assert dep["spec"]["selector"]["matchLabels"].items() <= labels.items()
-    svc = one(objs, "Service")
+    svc = one(objs, "Service", "llm-router")
     assert svc["spec"]["selector"].items() <= labels.items()
     port_names = {p["name"] for c in dep["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])}
     for port in svc["spec"]["ports"]:
         assert port["targetPort"] in port_names
+
+
+def test_kvgate_discovers_the_pods_of_the_headless_vllm_service(tmp_path: Path) -> None:
+    objs = resources(K8S)
+    svc = one(objs, "Service", "vllm")
+    assert svc["spec"]["clusterIP"] == "None" and not svc["spec"]["publishNotReadyAddresses"]
+    cm = one(objs, "ConfigMap", "kvgate-config")
+    (tmp_path / "k.yaml").write_text(cm["data"]["kvgate.yaml"])
+    pool = load_config(tmp_path / "k.yaml").pools["default"]
+    assert pool.picks and pool.discovery is not None
+    assert (pool.discovery.dns, pool.discovery.port) == (svc["metadata"]["name"], svc["spec"]["ports"][0]["port"])
 
 
 def test_volumes_and_mounts_agree() -> None:

@@ -1,6 +1,7 @@
 """The router pod of deploy/k8s, run here: the ConfigMaps' Envoy bootstrap and kvgate file,
-the Deployment's command lines, with loopback ports instead of the pod's. Requests from the
-real openai client go through the real Envoy and kvgate to a fake vLLM."""
+the Deployment's command lines, with loopback ports instead of the pod's and the vLLM
+Service's name replaced by `localhost`. Requests from the real openai client go through the
+real Envoy and kvgate, which finds the node in DNS and picks it, to a simulated vLLM."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.e2e
 
 
 class Pod:
-    """Pod runs the fake upstream, kvgate and Envoy as the Deployment describes them."""
+    """Pod runs a simulated vLLM node, kvgate and Envoy as the Deployment describes them."""
 
     def __init__(self, tmp: Path) -> None:
         objs = resources(K8S)
@@ -32,8 +33,8 @@ class Pod:
 
         kv = yaml.safe_load(one(objs, "ConfigMap", "kvgate-config")["data"]["kvgate.yaml"])
         for pool in kv["pools"].values():
-            for backend in pool.get("backends", []):
-                backend["metrics_url"] = f"http://127.0.0.1:{self.upstream}/metrics"
+            pool["discovery"].update(dns="localhost", port=self.upstream, interval_s=0.5)
+        kv["adaptive"].update(poll_interval_s=0.25, scrape_timeout_s=0.25)
         kv["server"].update(drain_s=0, grace_s=2)  # tests stop at once
         kv_path = tmp / "kvgate.yaml"
         kv_path.write_text(yaml.safe_dump(kv))
@@ -42,16 +43,16 @@ class Pod:
         boot["admin"]["address"]["socket_address"]["port_value"] = self.envoy_admin
         boot["static_resources"]["listeners"][0]["address"]["socket_address"] = {
             "address": "127.0.0.1", "port_value": self.listen}
-        ports = {"kvgate": self.grpc, "inference": self.upstream}
         for cluster in boot["static_resources"]["clusters"]:
-            cluster["type"] = "STATIC"
-            cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"] = {
-                "socket_address": {"address": "127.0.0.1", "port_value": ports[cluster["name"]]}}
+            if cluster["name"] == "kvgate":  # the node's cluster goes where kvgate says
+                cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"] = {
+                    "socket_address": {"address": "127.0.0.1", "port_value": self.grpc}}
         boot_path = tmp / "envoy.yaml"
         boot_path.write_text(yaml.safe_dump(boot))
 
-        self.start([sys.executable, "-m", "tests.support.upstream", "--port", str(self.upstream)],
-                   tmp / "upstream.log", self.upstream)
+        self.start([sys.executable, "-m", "sim", "--listen", f"127.0.0.1:{self.upstream}",
+                    "--model", "m", "--max-model-len", "32768", "--kv-capacity-tokens", "100000",
+                    "--speedup", "20"], tmp / "node.log", self.upstream)
         args = list(kvgate_ctr["args"])
         args[args.index(flag(args, "--config"))] = str(kv_path)
         args[args.index(flag(args, "--grpc-listen"))] = f"127.0.0.1:{self.grpc}"
@@ -86,26 +87,19 @@ def requests_of_class(metrics: str, cls: str) -> float:
                if line.startswith("kvgate_requests_total{") and f'class="{cls}"' in line)
 
 
-def test_router_pod_admits_through_envoy_and_applies_per_route_settings(pod: Pod) -> None:
+def test_router_pod_finds_the_node_in_dns_picks_it_and_answers_probes_itself(pod: Pod) -> None:
+    node = f"127.0.0.1_{pod.upstream}"
+    wait_until(lambda: f'kvgate_backend_pickable{{backend="{node}",pool="default"}} 1.0' in pod.metrics(),
+               timeout=20, what="the discovered node pickable")
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{pod.listen}/v1", api_key="unused", max_retries=0)
     reply = client.chat.completions.create(model="m", max_tokens=8,
                                            messages=[{"role": "user", "content": "Hello"}])
-    assert reply.usage is not None and reply.usage.completion_tokens > 0
-    assert requests_of_class(pod.metrics(), "standard") == 1
-    # The route matched by `x-tier: batch` sets tenant_class batch, a sheddable class. The
-    # fake upstream has no /metrics, so the pool's signals are missing, which counts as
-    # saturated: the same request is refused on that route and admitted on the other.
-    wait_until(lambda: 'kvgate_pool_signals_stale{pool="default"} 1.0' in pod.metrics(),
-               timeout=20, what="the pool's signals reported stale")
-    with pytest.raises(openai.RateLimitError) as refused:
-        client.chat.completions.create(model="m", max_tokens=8, extra_headers={"x-tier": "batch"},
-                                       messages=[{"role": "user", "content": "Hello"}])
-    assert refused.value.response.headers["x-kvgate-reason"] == "shed"
+    assert reply.usage is not None and reply.usage.completion_tokens == 8
     metrics = pod.metrics()
-    assert requests_of_class(metrics, "batch") == 1
     assert requests_of_class(metrics, "standard") == 1
+    assert f'kvgate_backend_picks_total{{backend="{node}",pool="default"}} 1.0' in metrics
     assert "kvgate_route_metadata_errors_total{" not in metrics
     # Envoy's readiness path is answered by Envoy itself, never counted by kvgate.
     ready = urllib.request.urlopen(f"http://127.0.0.1:{pod.listen}/envoy-ready", timeout=5)
     assert ready.status == 200
-    assert requests_of_class(pod.metrics(), "standard") + requests_of_class(pod.metrics(), "batch") == 2
+    assert requests_of_class(pod.metrics(), "standard") == 1
