@@ -20,6 +20,7 @@ from extproc.admission.adaptive import ScaleParams, ScaleTracker
 from extproc.admission.errors import InvalidDemandError, UnknownPoolError
 from extproc.admission.kvbudget import base_kv_budget, effective_kv_budget, kv_ceilings, reserved_completion
 from extproc.admission.nodes import Charge, NodeReport, NodeSnapshot, PoolNodes
+from extproc.admission.retry import HoldTimes, expected_wait
 from extproc.admission.slots import effective_guarantees, effective_limit
 from extproc.admission.store.base import (POOL_BUCKET, Budget, BucketSpec, Grant, Plan, PoolLimits,
                                           Refusal, Store, StoreError, SyncStore)
@@ -40,6 +41,8 @@ _STOPS = (Budget.SLOTS, Budget.KV, Budget.POOL_TPM, Budget.NODE_KV)
 # lets such a waiter in, and holding others back would not bring that sooner.
 _SCALED = (Budget.KV, Budget.CLASS_KV, Budget.POOL_TPM)
 _UNCACHED = object()
+# Budgets that come back when leases are released: their retry hint is learned.
+_RELEASED = (Budget.SLOTS, Budget.RESERVED_SLOTS, Budget.KV, Budget.CLASS_KV)
 
 
 class Lease:
@@ -49,7 +52,8 @@ class Lease:
     whether it was released; ``outcome`` is how it ended (None while held).
     """
 
-    __slots__ = ("_adm", "_grant", "demand", "released", "outcome", "_max_completion", "_charge")
+    __slots__ = ("_adm", "_grant", "demand", "released", "outcome", "_max_completion", "_charge",
+                 "admitted_at")
 
     def __init__(self, adm: Admission, grant: Grant, demand: Demand, max_completion: int) -> None:
         self._adm = adm
@@ -61,6 +65,7 @@ class Lease:
         # which can exceed one context window.
         self._max_completion = max(max_completion, demand.completion_tokens)
         self._charge: Charge | None = grant.node
+        self.admitted_at = adm._admitted(self)
 
     @property
     def node(self) -> str | None:
@@ -116,7 +121,7 @@ class Lease:
         else:
             charged = d.prompt_tokens + d.completion_tokens
         self._adm._settle(self._grant, charged, known if outcome is Outcome.COMPLETED else None,
-                          outcome is Outcome.COMPLETED)
+                          outcome is Outcome.COMPLETED, self)
         return True
 
     def __repr__(self) -> str:
@@ -128,7 +133,8 @@ class _Pool:
 
     __slots__ = ("name", "config", "tracker", "kv_capacity", "limits", "queue", "loop", "timer",
                  "timer_at", "stop", "blocked_tenants", "blocked_classes", "draining", "drain_again",
-                 "drain_task", "retry_estimate_s", "guaranteed", "kv_watermarks", "adaptive", "nodes")
+                 "drain_task", "retry_estimate_s", "guaranteed", "kv_watermarks", "adaptive", "nodes",
+                 "live", "holds")
 
     def __init__(self, config: PoolConfig, params: ScaleParams, retry_estimate_s: float,
                  guaranteed: dict[str, int], kv_watermarks: dict[str, float], now: float) -> None:
@@ -157,6 +163,9 @@ class _Pool:
         # Per-node ledgers when the pool picks nodes; its KV is then guarded per node, not
         # by a pool-wide budget.
         self.nodes: PoolNodes | None = None
+        # Leases held now, and how long completed ones held: when slots and KV come back.
+        self.live: dict[Lease, None] = {}
+        self.holds = HoldTimes()
 
     def limits_at(self, now: float) -> PoolLimits:
         """limits_at is the pool's limits at ``now``'s scale (cached while the scale holds)."""
@@ -447,11 +456,21 @@ class Admission:
 
     # --- internals --------------------------------------------------------------
 
+    def _admitted(self, lease: Lease) -> float:
+        """_admitted registers a new lease with its pool; returns the instant of admission."""
+        now = self._clock.now()
+        p = self._pools.get(lease.demand.pool)
+        if p is not None:
+            p.live[lease] = None
+        return now
+
     def _settle(self, grant: Grant, charged: int, completion: int | None = None,
-                completed: bool = False) -> None:
+                completed: bool = False, lease: Lease | None = None) -> None:
         now = self._clock.now()
         self._store.settle(grant, charged, now)
         p = self._pools.get(grant.plan.limits.pool)
+        if p is not None and lease is not None and p.live.pop(lease, 0) is None and completed:
+            p.holds.add(now - lease.admitted_at)
         charge = grant.node
         if charge is not None:
             # The pool may have been reloaded since: the charge's node ledger is its own.
@@ -552,9 +571,36 @@ class Admission:
     def _rejection(self, p: _Pool, refusal: Refusal, plan: Plan, now: float,
                    behind: bool = False) -> Rejection:
         """_rejection words a refusal; ``behind``: the refusal is that of a waiter queued ahead."""
+        refusal = self._expected(p, refusal, plan, now)
         text = rules.queued_message(refusal, plan) if behind else rules.message(refusal, plan)
         return Rejection(reason=refusal.budget.reason, retry_after_s=refusal.retry_after_s,
                          retryable=refusal.retryable, message=text, rate=self._rate(p, plan.limits, now))
+
+    def _expected(self, p: _Pool, refusal: Refusal, plan: Plan, now: float) -> Refusal:
+        """_expected gives a slots or pool-KV refusal the delay until its budget is expected back.
+
+        ``retry.expected_wait`` over the pool's leases (their ages and holds) at the pool's
+        median hold time; a longer delay from a token bucket stays (``rules.decide`` gave
+        the longest). Unchanged before any request completed, and for other budgets.
+        """
+        b = refusal.budget
+        if not refusal.retryable or b not in _RELEASED:
+            return refusal
+        typical = p.holds.median()
+        if typical is None:
+            return refusal
+        if b in (Budget.SLOTS, Budget.RESERVED_SLOTS):
+            holders = ((now - x.admitted_at, 1.0) for x in p.live)
+            short = 1.0
+        else:
+            holders = ((now - x.admitted_at, float(x.demand.tokens)) for x in p.live)
+            short = refusal.needed + refusal.used - refusal.limit
+        wait = expected_wait(holders, short, typical)
+        if wait is None:
+            return refusal
+        if refusal.retry_after_s > plan.limits.retry_estimate_s:  # a bucket's exact, longer wait
+            wait = max(wait, refusal.retry_after_s)
+        return Refusal(b, wait, True, refusal.needed, refusal.used, refusal.limit)
 
     def _shed(self, p: _Pool, cls: ClassConfig, limits: PoolLimits) -> Rejection:
         wait = p.retry_estimate_s
@@ -607,7 +653,7 @@ class Admission:
         if not lease.released:
             lease.released = True
             lease.outcome = Outcome.CLIENT_DISCONNECT
-            self._settle(lease._grant, 0)
+            self._settle(lease._grant, 0, None, False, lease)
 
     def _resolve(self, p: _Pool, w: Waiter, result: Lease | Rejection) -> None:
         p.queue.remove(w)

@@ -32,12 +32,11 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from extproc.admission import rules
+from extproc.admission.retry import MAX_WAIT_S, HoldTimes, expected_wait
 from extproc.config import BackendConfig, PickingConfig, PoolConfig
 
 # Completion lengths remembered per class to learn the growth to expect.
 LENGTH_SAMPLES = 1000
-# Hold times remembered per pool to estimate when room comes back (seconds).
-HOLD_SAMPLES = 200
 
 
 class NodeState(StrEnum):
@@ -234,7 +233,7 @@ class PoolNodes:
         self.picking: PickingConfig = config.picking
         self.stale_after_s = stale_after_s
         self.lengths: dict[str, Lengths] = {}
-        self.holds: deque[float] = deque(maxlen=HOLD_SAMPLES)
+        self.holds = HoldTimes()
         self.reconfigure(config, stale_after_s)
 
     def reconfigure(self, config: PoolConfig, stale_after_s: float) -> None:
@@ -371,7 +370,7 @@ class PoolNodes:
         charge.held = False
         charge.node.charges.discard(charge)
         if completed:
-            self.holds.append(max(0.0, now - charge.admitted_at))
+            self.holds.add(now - charge.admitted_at)
             if completion_tokens is not None and completion_tokens >= 0:
                 self.lengths.setdefault(charge.class_name, Lengths()).add(completion_tokens)
         return True
@@ -379,35 +378,26 @@ class PoolNodes:
     def retry_after(self, need: int, now: float, fallback_s: float) -> float:
         """retry_after estimates when some node has room for ``need`` tokens (seconds).
 
-        Each running request is expected to end at the median hold time of the pool's
-        completed requests (a request older than that, soon: a tenth of it); the first
-        node whose expected releases cover its shortfall gives the delay. ``fallback_s``
-        without completed requests to learn from.
+        ``retry.expected_wait`` per up node, over the requests kvgate holds there; the
+        soonest wins. ``fallback_s`` before any request completed; the longest hint when
+        no release would make room (KV held by others must shrink first).
         """
-        if not self.holds:
+        typical = self.holds.median()
+        if typical is None:
             return fallback_s
-        typical = sorted(self.holds)[len(self.holds) // 2]
-        best = math.inf
+        best: float | None = None
         for n in self.nodes.values():
             if n.state(now, self.stale_after_s) is not NodeState.UP:
                 continue
             room = self.headroom(n)
             if room is None:
                 continue
-            ends = sorted((max(typical * 0.1, typical - (now - c.admitted_at)),
-                           self.hold(c.prompt, c.reserved, c.generated, c.class_name))
-                          for c in n.charges)
-            short = need - room
-            t = 0.0
-            for t, freed in ends:
-                if short <= 0:
-                    break
-                short -= freed
-            if short <= 0:
-                best = min(best, t)
-        if best == math.inf:
-            return max(fallback_s, typical)
-        return max(0.05, best)
+            t = expected_wait(((now - c.admitted_at, self.hold(c.prompt, c.reserved, c.generated,
+                                                                c.class_name)) for c in n.charges),
+                              need - room, typical)
+            if t is not None and (best is None or t < best):
+                best = t
+        return best if best is not None else min(MAX_WAIT_S, max(fallback_s, typical))
 
     def snapshot(self, now: float) -> tuple[NodeSnapshot, ...]:
         """snapshot reports every node for metrics and health pages."""

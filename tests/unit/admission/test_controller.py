@@ -306,3 +306,27 @@ async def test_a_batch_kv_watermark_keeps_chats_in_when_the_scale_shrinks(clock:
     if watermark < 1.0:
         more = await adm.acquire(demand(1, 0, class_name="batch"))
         assert isinstance(more, Rejection) and "class 'batch'" in more.message
+
+
+def test_the_retry_hint_comes_from_when_a_slot_is_expected_back(clock: ManualClock):
+    adm = Admission(config(), clock)
+    for _ in range(3):                          # requests that each held a slot for 6 s
+        x = adm.try_acquire(demand())
+        clock.advance(6.0)
+        x.release(Outcome.COMPLETED, 10)
+    held = [adm.try_acquire(demand()) for _ in range(4)]
+    clock.advance(2.0)
+    r = adm.try_acquire(demand())
+    assert isinstance(r, Rejection) and r.reason is Reason.CONCURRENCY
+    assert r.retry_after_s == pytest.approx(4.0)  # the oldest holders are 2 s into a typical 6 s
+    assert "retry after 4.0s" in r.message
+    held[0].release(Outcome.CLIENT_DISCONNECT)    # a disconnect is no hold time to learn from
+    assert isinstance(adm.try_acquire(demand()), Lease)
+    assert len(adm._pools["default"].live) == 4 and len(adm._pools["default"].holds._samples) == 3
+
+
+def test_without_completed_requests_the_retry_hint_is_the_poll_interval(clock: ManualClock):
+    adm = Admission(config(), clock)
+    [adm.try_acquire(demand()) for _ in range(4)]
+    r = adm.try_acquire(demand())
+    assert isinstance(r, Rejection) and r.retry_after_s == 1.0

@@ -1,0 +1,56 @@
+"""retry: when capacity is expected back, from how long requests hold it.
+
+A refused request's ``retry-after`` should be long enough that a client honouring it
+usually gets in, and no longer. For budgets freed by releases (slots, in-flight KV, a
+node's room), ``HoldTimes`` learns how long completed requests held their lease, and
+``expected_wait`` walks the requests in flight in the order they are expected to end:
+each is expected to end at the median hold time (one already older than that: soon, a
+tenth of it), and the wait is the instant at which enough has been freed. Pure, times in
+seconds.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+HOLD_SAMPLES = 200
+# The retry hint stays within these bounds (seconds): never 0, never longer than a client
+# would wait (openai-python ignores a retry-after above 60 s).
+MIN_WAIT_S = 0.05
+MAX_WAIT_S = 60.0
+
+
+class HoldTimes:
+    """HoldTimes keeps the hold times (seconds) of the latest completed requests of one pool."""
+
+    __slots__ = ("_samples",)
+
+    def __init__(self) -> None:
+        self._samples: deque[float] = deque(maxlen=HOLD_SAMPLES)
+
+    def add(self, seconds: float) -> None:
+        """add remembers one completed request's hold time."""
+        self._samples.append(max(0.0, seconds))
+
+    def median(self) -> float | None:
+        """median is the typical hold time (None before any request completed)."""
+        if not self._samples:
+            return None
+        return sorted(self._samples)[len(self._samples) // 2]
+
+
+def expected_wait(holders: Iterable[tuple[float, float]], short: float, typical: float) -> float | None:
+    """expected_wait is the seconds until ``short`` units are expected to be freed (None: never).
+
+    ``holders`` are (age in seconds, units it holds) of the requests in flight;
+    ``typical`` the median hold time. ``short`` <= 0 needs no wait.
+    """
+    if short <= 0:
+        return MIN_WAIT_S
+    ends = sorted((max(typical * 0.1, typical - age), units) for age, units in holders)
+    for t, units in ends:
+        short -= units
+        if short <= 0:
+            return min(MAX_WAIT_S, max(MIN_WAIT_S, t))
+    return None
