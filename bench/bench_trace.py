@@ -814,7 +814,8 @@ class Summary:
 
 
 def kv_for_requests(row: dict[str, Any]) -> float:
-    """kv_for_requests is the share of the KV left free by the background load that requests hold, over the nodes of a sample."""
+    """kv_for_requests is the share of the KV blocks left by the background load that requests hold
+    in a sample, over the nodes (a ratio)."""
     nodes = row["nodes"]
     room = sum(n["total_blocks"] - n["background_blocks"] for n in nodes)
     return sum(n["used_blocks"] for n in nodes) / room if room > 0 else 1.0
@@ -894,7 +895,8 @@ def plot(run: Run, path: Path) -> None:
 
 
 def plot_summary(runs: list[Run], sums: dict[str, Summary], path: Path) -> None:
-    """plot_summary draws the policies side by side: goodput share of the oracle, preemptions, online TTFT within 2 s."""
+    """plot_summary draws the policies side by side: goodput share of the oracle, preemptions,
+    share of online requests with a first token within 2 s."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -965,7 +967,7 @@ def report(runs: list[Run], sc: Scenario, node: Node, trace: Path, rows: int, re
               f"- Trace: `{trace}` (Azure LLM inference trace 2023, conversation, as processed by the "
               "Vidur project; CC-BY-4.0 / MIT, see `bench/traces/README.md`), trace seconds "
               f"{sc.start_s:g}-{sc.start_s + sc.window_s:g}: {rows} requests, compressed {sc.compress:g}x "
-              f"into {sc.duration_s:g} simulated s. Prompts are built to the trace's token counts "
+              f"into {sc.duration_s:.1f} simulated s. Prompts are built to the trace's token counts "
               "(cl100k words + the OpenAI chat template's 7 tokens; shorter prompts are padded to 8); each "
               f"request carries its trace output length in `{OUTPUT_TOKENS_HEADER}`, so the node stops there "
               "(`finish_reason: stop`) unless max_tokens comes first. kvgate does not read that header.",
@@ -992,9 +994,12 @@ def report(runs: list[Run], sc: Scenario, node: Node, trace: Path, rows: int, re
               "- Oracle (policy 4): knows each request's true output and each node's true KV; admits a "
               "request to the node with the most room once prompt + true output fits there (keeping room "
               f"for the background load from {ORACLE_LEAD_S:g} s before it comes, since it knows when); online first; "
-              "never refuses. Routed through the same Envoy, by a header matched to one cluster per node.",
+              "never refuses. It lets a small request pass a large one that does not fit yet: it maximizes "
+              "goodput, not tail latency (hence its TTFT p99). Routed through the same Envoy, by a header "
+              "matched to one cluster per node.",
               "- KV utilization: mean, over the samples taken while some arrived request was not running on a "
-              "node, of the KV blocks requests held / the blocks the background load left them (three nodes). Goodput: prompt + "
+              "node, of the KV blocks requests held / the blocks the background load left them (three nodes). "
+              "Goodput: prompt + "
               "completion tokens of completed requests per simulated second, until the last completion. "
               "TTFT from the first attempt (retries and queueing included); the 2 s share counts every "
               "online request, refused ones as misses.",
