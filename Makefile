@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-unit test-e2e bench bench-admission bench-overhead bench-picker bench-protection bench-redis bench-scrape bench-tokens check-config clean
+.PHONY: install run test test-unit test-e2e bench bench-admission bench-overhead bench-picker bench-protection bench-redis bench-scrape bench-tokens bench-trace check-config clean
 
 install: $(STAMP)
 
@@ -41,6 +41,13 @@ bench-picker: install
 bench-protection: install
 	$(PY) bench/bench_protection.py
 
+# The full trace sits beside a clone (../shared/traces); the committed slice holds the
+# benchmark's default window, so a fresh clone replays the same requests.
+TRACE ?= $(firstword $(wildcard ../shared/traces/azure-conv-2023.csv) bench/traces/azure-conv-2023-slice.csv)
+
+bench-trace: install
+	$(PY) bench/bench_trace.py --trace $(TRACE)
+
 bench-redis: install
 	$(PY) bench/bench_redis.py
 
@@ -50,7 +57,7 @@ bench-scrape: install
 bench-tokens: install
 	$(PY) bench/bench_tokens.py
 
-bench: bench-admission bench-scrape bench-tokens bench-overhead bench-picker bench-protection bench-redis
+bench: bench-admission bench-scrape bench-tokens bench-overhead bench-picker bench-protection bench-trace bench-redis
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

@@ -29,6 +29,12 @@ _WORDS = (" the of and to in is that it for on with as was at by be this from or
           "work should because through").split()
 WORDS = tuple(" " + w for w in _WORDS)
 
+# A request header that says how many tokens the model will generate before it stops
+# (its end-of-sequence token), so a benchmark can replay a trace's true output lengths.
+# Only the simulator reads it: a gateway cannot know when a model will stop.
+OUTPUT_TOKENS_HEADER = "x-sim-output-tokens"
+_OUTPUT_TOKENS_DIGITS = 18
+
 
 class ApiError(Exception):
     """ApiError is a request the simulator refuses, answered as vLLM does.
@@ -181,6 +187,23 @@ def parse_request(raw: bytes, *, chat: bool, served_model: str) -> CompletionReq
                                 "one of those (one prompt per request)", param="prompt")
     return CompletionRequest(chat=chat, model=model, texts=tuple(texts), fixed_tokens=fixed,
                              max_tokens=max_tokens, stream=stream, include_usage=include_usage)
+
+
+def parse_output_tokens(values: Sequence[str]) -> int | None:
+    """parse_output_tokens reads the ``x-sim-output-tokens`` header's values: the output length in tokens.
+
+    None when the header is absent. Raises ``ApiError`` (400) for a repeated header or a
+    value that is not a whole number >= 1 (at most 18 digits).
+    """
+    if not values:
+        return None
+    if len(values) > 1:
+        raise ApiError(400, f"{OUTPUT_TOKENS_HEADER} must be sent once, got {len(values)} values")
+    value = values[0].strip()
+    if not (value.isascii() and value.isdigit()) or len(value) > _OUTPUT_TOKENS_DIGITS or int(value) < 1:
+        raise ApiError(400, f"{OUTPUT_TOKENS_HEADER} must be a whole number of tokens >= 1, "
+                            f"got {value[:40]!r}")
+    return int(value)
 
 
 def count_prompt(req: CompletionRequest, encode: Callable[[str], Sequence[int]]) -> int:

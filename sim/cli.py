@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "newest request (vLLM) or crash, failing every running request")
     p.add_argument("--output-lengths", choices=OUTPUT_LENGTHS, default="max",
                    help="max: generate exactly max_tokens (reproducible); uniform: draw a length in "
-                        "[1, max_tokens] per request from the seed")
+                        "[1, max_tokens] per request from the seed; a request's header "
+                        "x-sim-output-tokens: N overrides both (min(N, max_tokens) tokens, then stop)")
     p.add_argument("--default-max-tokens", type=_positive_int, default=256, metavar="N",
                    help="output length when a request sets no max_tokens (default 256)")
     p.add_argument("--stream-interval", type=_positive_int, default=1, metavar="N",

@@ -21,7 +21,8 @@ import orjson
 from aiohttp import web
 
 from extproc.clock import Clock, MonotonicClock
-from sim.api import ApiError, CompletionRequest, Responder, check_context, count_prompt, parse_request, words
+from sim.api import (OUTPUT_TOKENS_HEADER, ApiError, CompletionRequest, Responder, check_context, count_prompt,
+                     parse_output_tokens, parse_request, words)
 from sim.engine import Engine, EngineParams, EngineStats, EventKind
 from sim.metrics import CONTENT_TYPE, make_registry, render
 
@@ -39,7 +40,8 @@ class SimSettings:
 
     ``max_model_len`` in tokens; ``speedup`` simulated seconds per real second;
     ``output_lengths``: ``max`` generates exactly max_tokens (vLLM with ignore_eos),
-    ``uniform`` draws a length in [1, max_tokens] per request from ``seed``;
+    ``uniform`` draws a length in [1, max_tokens] per request from ``seed``; a request
+    with the header ``x-sim-output-tokens: N`` generates min(N, max_tokens) instead;
     ``default_max_tokens`` caps output when a request sets no max_tokens (vLLM would
     use the rest of the context); ``stream_interval`` is how many tokens a stream
     buffers before it writes (the first token goes at once); ``tick_s`` the shortest
@@ -295,13 +297,18 @@ class SimServer:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._completion(request, chat=False)
 
-    def _target(self, n: int, max_tokens: int) -> int:
+    def _target(self, n: int, max_tokens: int, stop_at: int | None = None) -> int:
+        if stop_at is not None:
+            # The model "emits its end-of-sequence token" after stop_at tokens, unless the
+            # cap comes first: finish_reason follows (stop below the cap, length at it).
+            return min(stop_at, max_tokens)
         if self.settings.output_lengths == "max":
             return max_tokens
         # One generator per request number: the draw does not depend on arrival interleaving.
         return random.Random(f"{self.settings.seed}:{n}").randint(1, max_tokens)
 
-    async def _read(self, request: web.Request, chat: bool) -> tuple[CompletionRequest, int]:
+    async def _read(self, request: web.Request, chat: bool) -> tuple[CompletionRequest, int, int | None]:
+        stop_at = parse_output_tokens(request.headers.getall(OUTPUT_TOKENS_HEADER, ()))
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
@@ -314,11 +321,11 @@ class SimServer:
         if prompt < 1:
             raise ApiError(400, "the prompt is empty", param="messages" if chat else "prompt")
         check_context(prompt, req.max_tokens, self.settings.max_model_len)
-        return req, prompt
+        return req, prompt, stop_at
 
     async def _completion(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
-            req, prompt = await self._read(request, chat)
+            req, prompt, stop_at = await self._read(request, chat)
         except ApiError as err:
             return self._error(err)
         max_tokens = req.max_tokens
@@ -326,7 +333,7 @@ class SimServer:
             max_tokens = min(self.settings.default_max_tokens, self.settings.max_model_len - prompt)
         n = self._requests
         self._requests += 1
-        h = self.driver.submit(prompt, self._target(n, max_tokens), max_tokens)
+        h = self.driver.submit(prompt, self._target(n, max_tokens, stop_at), max_tokens)
         responder = Responder(req, f"{'chatcmpl' if chat else 'cmpl'}-sim{self.settings.seed}-{n:010d}")
         try:
             if req.stream:

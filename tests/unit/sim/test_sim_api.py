@@ -6,7 +6,7 @@ import orjson
 import pytest
 import tiktoken
 
-from sim.api import ApiError, Responder, check_context, count_prompt, parse_request, words
+from sim.api import ApiError, Responder, check_context, count_prompt, parse_output_tokens, parse_request, words
 from sim.server import parse_runtime_config
 
 
@@ -130,3 +130,21 @@ def test_uniform_output_lengths_are_drawn_from_the_seed():
     assert drawn == targets(3) and drawn != targets(4)
     assert all(1 <= t <= 50 for t in drawn) and len(set(drawn)) > 20
     assert set(targets(3, "max")) == {50}
+
+
+@pytest.mark.parametrize("values, expected", [
+    ((), None), (("1",),  1), (("129",), 129), ((" 40 ",), 40),
+    (("999999999999999999",), 999_999_999_999_999_999),  # clamped to max_tokens by the server
+])
+def test_output_tokens_header_is_read_as_a_token_count(values, expected):
+    assert parse_output_tokens(values) == expected
+
+
+@pytest.mark.parametrize("values", [
+    ("0",), ("-3",), ("1.5",), ("",), ("ten",), ("1e3",), ("\u0661\u0662",),  # Arabic-Indic digits
+    ("1" * 19,), ("5", "6"),
+])
+def test_output_tokens_header_refuses_anything_but_one_whole_number(values):
+    with pytest.raises(ApiError) as info:
+        parse_output_tokens(values)
+    assert info.value.status == 400 and "x-sim-output-tokens" in info.value.message
