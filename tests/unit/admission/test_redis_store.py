@@ -28,7 +28,7 @@ from extproc.admission.store.redis import (LOCAL_PREFIX, MODE_FAIL_CLOSED, MODE_
                                            REFRESH, RedisStore, StoreUnavailableError, local_share)
 from extproc.clock import ManualClock
 from extproc.config import RedisStoreConfig, parse_config
-from tests.support.redis_server import RedisServer, redis_server_binary
+from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis
 
@@ -81,9 +81,7 @@ def cfg(url: str, prefix: str | None = None, **kw) -> RedisStoreConfig:
 
 @pytest.fixture
 def own_server() -> Iterator[RedisServer]:
-    """own_server is a redis-server this test alone may stop, pause or restart."""
-    if redis_server_binary() is None:
-        pytest.skip("redis-server is not installed")
+    """own_server is a Redis server this test alone may stop, pause or restart."""
     with RedisServer() as server:
         yield server
 
