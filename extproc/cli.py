@@ -1,7 +1,8 @@
 """cli: the ``kvgate`` command (also ``python -m extproc``).
 
     kvgate serve --config FILE [--grpc-listen HOST:PORT] [--admin-listen HOST:PORT] [--log-level LEVEL]
-    kvgate check-config FILE
+    kvgate check-config FILE [--envoy ENVOY.yaml]
+    kvgate envoy-filter --config FILE [--mode MODE] [--bootstrap [--listen HOST:PORT] [--upstream HOST:PORT]]
     kvgate sim ARGS...            (the vLLM-compatible simulator; see ``kvgate sim --help``)
 
 Exit codes: 0 success, 2 bad configuration or usage, 1 anything else.
@@ -44,6 +45,19 @@ def _parser() -> argparse.ArgumentParser:
                        choices=("debug", "info", "warning", "error"), help="default: info")
     check = sub.add_parser("check-config", help="validate a configuration file and its tokenizers")
     check.add_argument("file", metavar="FILE")
+    check.add_argument("--envoy", metavar="ENVOY.yaml",
+                       help="also report every value of this Envoy file that disagrees with FILE")
+    from extproc.envoyconf import DEFAULT_MODE, MODES
+    ef = sub.add_parser("envoy-filter", help="print the Envoy ext_proc filter and cluster for a configuration")
+    ef.add_argument("--config", required=True, metavar="FILE", help="kvgate YAML configuration")
+    ef.add_argument("--mode", choices=MODES, default=DEFAULT_MODE,
+                    help=f"which Envoy file of deploy/ to follow (default: {DEFAULT_MODE})")
+    ef.add_argument("--bootstrap", action="store_true",
+                    help="print a whole Envoy file (listener, routes, clusters), not only the pieces")
+    ef.add_argument("--listen", type=_hostport, default="0.0.0.0:8080", metavar="HOST:PORT",
+                    help="with --bootstrap: Envoy's listener (default 0.0.0.0:8080)")
+    ef.add_argument("--upstream", type=_hostport, default="inference:8000", metavar="HOST:PORT",
+                    help="with --bootstrap: the inference server (default inference:8000)")
     sub.add_parser("sim", help="run the vLLM-compatible simulator (arguments go to it)",
                    add_help=False)
     return ap
@@ -84,6 +98,39 @@ def _run_serve(args: argparse.Namespace) -> int:
                         config_path=args.config))
 
 
+def _check_envoy(config: Config, path: str, envoy_path: str) -> int:
+    import yaml
+
+    from extproc.envoyconf import check_envoy
+    try:
+        with open(envoy_path, encoding="utf-8") as f:
+            doc = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as err:
+        print(f"error: --envoy: cannot read {envoy_path}: {err}", file=sys.stderr)
+        return EXIT_CONFIG
+    found = check_envoy(config, doc)
+    for d in found:
+        print(f"error: {d.key}: {d.reason} (envoy: {d.where})", file=sys.stderr)
+    if found:
+        print(f"{envoy_path}: {len(found)} disagreement(s) with {path}", file=sys.stderr)
+        return EXIT_CONFIG
+    print(f"{path}: ok; {envoy_path} agrees with it")
+    return EXIT_OK
+
+
+def _envoy_filter(args: argparse.Namespace) -> int:
+    from extproc.envoyconf import envoy_bootstrap, envoy_filter, render
+    try:
+        config = load_config(args.config)
+    except ConfigError as err:
+        print(f"error: {err.key}: {err.reason}", file=sys.stderr)
+        return EXIT_CONFIG
+    doc = (envoy_bootstrap(config, args.mode, listen=args.listen, upstream=args.upstream)
+           if args.bootstrap else envoy_filter(config, args.mode))
+    sys.stdout.write(render(doc, args.config, args.mode))
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """main runs one kvgate command and returns its exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -93,12 +140,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "check-config":
         try:
-            check_config(args.file)
+            config = check_config(args.file)
         except ConfigError as err:
             print(f"error: {err.key}: {err.reason}", file=sys.stderr)
             return EXIT_CONFIG
+        if args.envoy:
+            return _check_envoy(config, args.file, args.envoy)
         print(f"{args.file}: ok")
         return EXIT_OK
+    if args.command == "envoy-filter":
+        return _envoy_filter(args)
     if args.command == "serve":
         try:
             return _run_serve(args)

@@ -174,6 +174,9 @@ class ServerConfig:
 
     ``access_log_ttl_s``: how long a request released by Envoy's access log (route key
     ``release: access_log``) may wait for its entry before it is released anyway.
+    ``envoy_message_timeout_s``: the ext_proc filter's base ``message_timeout`` (what
+    ``kvgate envoy-filter`` writes and ``check-config --envoy`` expects); a request waiting in
+    a queue whose stream is reset after about that long tells kvgate its override was ignored.
     """
 
     grpc_listen: str = "0.0.0.0:50051"
@@ -181,6 +184,7 @@ class ServerConfig:
     drain_s: float = 5.0
     grace_s: float = 30.0
     access_log_ttl_s: float = 900.0
+    envoy_message_timeout_s: float = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -482,6 +486,7 @@ def _server(data: Any) -> ServerConfig:
         drain_s=s.number("drain_s", 5.0, low=0.0, high=600.0),
         grace_s=s.number("grace_s", 30.0, low=0.0, high=3600.0),
         access_log_ttl_s=s.number("access_log_ttl_s", 900.0, low=1.0, high=86400.0),
+        envoy_message_timeout_s=s.number("envoy_message_timeout_s", 2.0, low=0.01, high=3600.0),
     )
     s.done()
     return cfg

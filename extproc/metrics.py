@@ -119,6 +119,11 @@ class Metrics:
             "kvgate_route_metadata_errors_total",
             "Per-route kvgate metadata entries that were unknown or invalid and were ignored.",
             ["key"], registry=r)
+        self.overrides_ignored = Counter(
+            "kvgate_envoy_override_ignored_total",
+            "Waiting requests whose ext_proc stream Envoy reset at its base message_timeout: "
+            "the override asked for was above Envoy's max_message_timeout (each got a 504).",
+            ["class"], registry=r)
         self.streams = Gauge("kvgate_streams_active", "ext_proc gRPC streams open now.", registry=r)
         self.ready = Gauge("kvgate_ready", "1 while kvgate accepts traffic, 0 while draining.",
                            registry=r)
@@ -210,6 +215,10 @@ class Metrics:
         """access_log_entry counts one entry of Envoy's access log (``released``,
         ``no_lease``, ``unmatched``)."""
         self.access_log_entries.labels(result).inc()
+
+    def override_ignored(self, class_name: str) -> None:
+        """override_ignored counts one waiting request cut at Envoy's base message timeout."""
+        self.overrides_ignored.labels(class_name).inc()
 
     def route_metadata_error(self, key: str) -> None:
         """route_metadata_error counts one ignored per-route setting (``key`` bounded by the caller)."""
