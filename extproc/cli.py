@@ -101,10 +101,11 @@ def _run_serve(args: argparse.Namespace) -> int:
 def _check_envoy(config: Config, path: str, envoy_path: str) -> int:
     import yaml
 
+    from extproc import yamlload
     from extproc.envoyconf import check_envoy
     try:
         with open(envoy_path, encoding="utf-8") as f:
-            doc = yaml.safe_load(f)
+            doc = yamlload.load(f.read())
     except (OSError, yaml.YAMLError) as err:
         print(f"error: --envoy: cannot read {envoy_path}: {err}", file=sys.stderr)
         return EXIT_CONFIG

@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from extproc import yamlload
 from extproc.errors import ConfigError
 
 ENGINES = ("vllm", "sglang", "tgi", "dcgm")
@@ -382,11 +383,23 @@ def _classes(s: _Section) -> dict[str, ClassConfig]:
     return classes
 
 
+# An HTTP field name (RFC 9110 token), lower-cased as Envoy passes header names on.
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9a-z]+")
+
+
 def _tenants(data: Any) -> TenantsConfig:
     s = _Section("tenants", data)
     header = s.string("header", "x-tenant-id").lower()
+    if not _HEADER_NAME.fullmatch(header):
+        raise ConfigError("tenants.header", f"must be an HTTP header name (letters, digits and "
+                                            f"!#$%&'*+-.^_`|~, no spaces or colons), got {header!r}")
     classes = _classes(s)
-    default_class = s.string("default_class", "standard" if "standard" in classes else None)
+    if "default_class" not in s.data and "standard" not in classes:
+        raise ConfigError("tenants.default_class",
+                          f"is required: no class is named 'standard' (the default class); set "
+                          f"default_class to one of {', '.join(sorted(classes)) or '(none defined)'}, "
+                          f"or add a class named 'standard'")
+    default_class = s.string("default_class", "standard")
     if default_class not in classes:
         raise ConfigError("tenants.default_class", f"names no class in tenants.classes: {default_class!r}")
     raw = s.section("tenants")
@@ -536,7 +549,9 @@ def load_config(path: str | Path) -> Config:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(str(p), f"cannot read: {exc}") from None
     try:
-        data = yaml.safe_load(text)
+        data = yamlload.load(text)
+    except yamlload.DuplicateKeyError as exc:
+        raise ConfigError(str(p), f"line {exc.line}: {exc}: remove one") from None
     except yaml.YAMLError as exc:
         raise ConfigError(str(p), f"is not valid YAML: {exc}") from None
     return parse_config(data)
