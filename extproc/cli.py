@@ -1,6 +1,7 @@
 """cli: the ``kvgate`` command (also ``python -m extproc``).
 
     kvgate serve --config FILE [--grpc-listen HOST:PORT] [--admin-listen HOST:PORT] [--log-level LEVEL]
+                 [--log-format text|json]
     kvgate check-config FILE [--envoy ENVOY.yaml]
     kvgate envoy-filter --config FILE [--mode MODE] [--bootstrap [--listen HOST:PORT] [--upstream HOST:PORT]]
     kvgate sim ARGS...            (the vLLM-compatible simulator; see ``kvgate sim --help``)
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 from collections.abc import Sequence
 
@@ -43,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
                             "(default: server.admin_listen, 0.0.0.0:9464)")
     serve.add_argument("--log-level", default="info",
                        choices=("debug", "info", "warning", "error"), help="default: info")
+    serve.add_argument("--log-format", default="text", choices=("text", "json"),
+                       help="text (default) or json: one JSON object a line, for log pipelines; "
+                            "times in UTC either way")
     check = sub.add_parser("check-config", help="validate a configuration file and its tokenizers")
     check.add_argument("file", metavar="FILE")
     check.add_argument("--envoy", metavar="ENVOY.yaml",
@@ -77,8 +80,8 @@ def check_config(path: str) -> Config:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from extproc.logfmt import configure
+    configure(args.log_level, args.log_format)
     try:
         config = check_config(args.config)
     except ConfigError as err:
