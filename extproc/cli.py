@@ -4,6 +4,7 @@
                  [--log-format text|json]
     kvgate check-config FILE [--envoy ENVOY.yaml]
     kvgate envoy-filter --config FILE [--mode MODE] [--bootstrap [--listen HOST:PORT] [--upstream HOST:PORT]]
+    kvgate health [--address HOST:PORT] [--timeout SECONDS]
     kvgate sim ARGS...            (the vLLM-compatible simulator; see ``kvgate sim --help``)
 
 Exit codes: 0 success, 2 bad configuration or usage, 1 anything else.
@@ -61,6 +62,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="with --bootstrap: Envoy's listener (default 0.0.0.0:8080)")
     ef.add_argument("--upstream", type=_hostport, default="inference:8000", metavar="HOST:PORT",
                     help="with --bootstrap: the inference server (default inference:8000)")
+    health = sub.add_parser("health", help="ask a running kvgate's gRPC health service; exit 0 when SERVING")
+    health.add_argument("--address", type=_hostport, default="127.0.0.1:50051", metavar="HOST:PORT",
+                        help="kvgate's ext_proc gRPC address (default 127.0.0.1:50051)")
+    health.add_argument("--timeout", type=float, default=3.0, metavar="SECONDS", help="default: 3")
     sub.add_parser("sim", help="run the vLLM-compatible simulator (arguments go to it)",
                    add_help=False)
     return ap
@@ -122,6 +127,25 @@ def _check_envoy(config: Config, path: str, envoy_path: str) -> int:
     return EXIT_OK
 
 
+def _health(address: str, timeout_s: float) -> int:
+    """_health asks the gRPC health service at ``address`` about the whole server (service "");
+    0 when it answers SERVING, 1 otherwise (not serving, draining, unreachable). For a
+    container's HEALTHCHECK: the ext_proc port itself, not only the admin port."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
+                                                             timeout=timeout_s)
+        except grpc.RpcError as err:
+            print(f"{address}: {err.code().name}", file=sys.stderr)
+            return EXIT_FAILURE
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    print(f"{address}: {status}")
+    return EXIT_OK if resp.status == health_pb2.HealthCheckResponse.SERVING else EXIT_FAILURE
+
+
 def _envoy_filter(args: argparse.Namespace) -> int:
     from extproc.envoyconf import envoy_bootstrap, envoy_filter, render
     try:
@@ -154,6 +178,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK
     if args.command == "envoy-filter":
         return _envoy_filter(args)
+    if args.command == "health":
+        return _health(args.address, args.timeout)
     if args.command == "serve":
         try:
             return _run_serve(args)

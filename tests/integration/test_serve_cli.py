@@ -1,9 +1,11 @@
-"""`kvgate serve --log-format json`: one JSON object a line, times in UTC, for log pipelines."""
+"""`kvgate serve` as a process: `--log-format json` (one JSON object a line, times in UTC, for
+log pipelines) and `kvgate health` (the container's HEALTHCHECK) against it."""
 
 from __future__ import annotations
 
 import logging
 import signal
+import subprocess
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -41,7 +43,12 @@ def test_the_text_format_is_in_utc_too() -> None:
     assert UtcTextFormatter(TEXT_FORMAT).format(record()) == "2026-05-28T20:26:40.250Z WARNING kvgate.test: hello world"
 
 
-def test_kvgate_serve_logs_json_lines(tmp_path: Path) -> None:
+def health(port: int) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "extproc", "health", "--address", f"{LOOPBACK}:{port}",
+                           "--timeout", "5"], capture_output=True, text=True, timeout=60)
+
+
+def test_kvgate_serve_logs_json_lines_and_answers_health(tmp_path: Path) -> None:
     config = tmp_path / "kvgate.yaml"
     config.write_text(yaml.safe_dump({"pools": {"default": {"max_concurrency": 2}},
                                       "server": {"drain_s": 0, "grace_s": 0}}))
@@ -53,10 +60,14 @@ def test_kvgate_serve_logs_json_lines(tmp_path: Path) -> None:
         proc.wait_port(grpc_port)
         # Its SIGTERM handler is in place once it has said where it serves.
         wait_until(lambda: "kvgate serving" in proc.output(), timeout=20.0, what="kvgate's serving line")
+        up = health(grpc_port)
+        assert up.returncode == 0 and "SERVING" in up.stdout, up.stderr
         proc.signal(signal.SIGTERM)
         assert proc.popen.wait(timeout=30) == 0
     finally:
         proc.stop()
+    down = health(grpc_port)
+    assert down.returncode == 1 and "UNAVAILABLE" in down.stderr
     lines = [orjson.loads(line) for line in proc.log_path.read_text().splitlines() if line.strip()]
     assert lines, "kvgate logged nothing"
     now = datetime.now(timezone.utc)
