@@ -9,13 +9,16 @@ configured pool and class names, outcome and cause enums, known route-metadata k
 
 from __future__ import annotations
 
+import importlib.metadata
+import platform
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from extproc.admission.store.redis import ERROR_REASONS as STORE_ERROR_REASONS
 from extproc.admission.types import PoolSnapshot
 
 # The outcome label of kvgate_requests_total (the issue's list, in this order).
@@ -24,6 +27,8 @@ OUTCOMES = ("admitted", "rejected_concurrency", "rejected_tpm", "rejected_kv_bud
             "rejected_invalid", "rejected_store_unavailable")
 # The cause label of kvgate_releases_total.
 CAUSES = ("completed", "client_disconnect", "upstream_error", "timeout", "ended")
+# The result label of kvgate_access_log_entries_total (ExtProcService.logged).
+ACCESS_LOG_RESULTS = ("released", "no_lease", "unmatched")
 # Decisions take tens of microseconds to a few milliseconds; waits in a class queue longer.
 DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                     0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -94,6 +99,14 @@ class _AdmissionCollector:
         yield from (inflight, limit, scale, tpm, kv, kv_budget, alarm)
 
 
+def _version() -> str:
+    """_version is the installed kvgate distribution's version, or "unknown" from a bare checkout."""
+    try:
+        return importlib.metadata.version("kvgate")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 class Metrics:
     """Metrics owns kvgate's registry and the counters the service updates.
 
@@ -106,6 +119,10 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)  # process_*: CPU, memory, open files, start time
+        self.build_info = Gauge("kvgate_build_info", "Always 1; the labels say which kvgate runs.",
+                                ["version", "python"], registry=r)
+        self.build_info.labels(_version(), platform.python_version()).set(1)
         self.requests = Counter("kvgate_requests_total",
                                 "Admission decisions on LLM requests, by outcome.",
                                 ["pool", "class", "outcome"], registry=r)
@@ -184,10 +201,33 @@ class Metrics:
         """
         self._source = source
         self._classes = tuple(classes)
+        self._zero_series()
 
     def set_classes(self, classes: Sequence[str]) -> None:
         """set_classes updates the configured class names after a reload."""
         self._classes = tuple(classes)
+        self._zero_series()
+
+    def _zero_series(self) -> None:
+        """_zero_series creates every labelled counter series whose label values are known
+        (configured pools and classes, outcome, cause and reason enums) at 0, so that rates
+        and alerts see a series before its first event rather than none."""
+        pools = self._source.pools if self._source is not None else ()
+        for pool in pools:
+            for cls in self._classes:
+                for outcome in OUTCOMES:
+                    key = (pool, cls, outcome)
+                    if key not in self._request_children:
+                        self._request_children[key] = self.requests.labels(pool, cls, outcome)
+            for cause in CAUSES:
+                if (pool, cause) not in self._release_children:
+                    self._release_children[(pool, cause)] = self.releases.labels(pool, cause)
+        for cls in self._classes:
+            self.overrides_ignored.labels(cls)
+        for reason in STORE_ERROR_REASONS:
+            self.store_errors.labels(reason)
+        for result in ACCESS_LOG_RESULTS:
+            self.access_log_entries.labels(result)
 
     # --- hot path ----------------------------------------------------------------
 
