@@ -619,7 +619,7 @@ class Exchange:
                              "kvgate_pool_reconfigured")
         except StoreError as err:
             # The shared store cannot answer and is set to fail closed: retry shortly.
-            gate.metrics.decision_time(gate.clock.now() - started)
+            gate.metrics.decision_time(self.pool_name, gate.clock.now() - started)
             self.state = _DONE
             gate.metrics.request(self.pool_name, self.class_cfg.name, "rejected_store_unavailable")
             log.warning("refusing a request: %s", err)
@@ -629,7 +629,7 @@ class Exchange:
                              oai.error_body(f"Admission is unavailable: {err}. Retry shortly.",
                                             error_type="server_error", code="store_unavailable"),
                              "kvgate_store_unavailable")
-        gate.metrics.decision_time(gate.clock.now() - started)
+        gate.metrics.decision_time(self.pool_name, gate.clock.now() - started)
         if isinstance(result, Rejection):
             self.state = _DONE
             gate.metrics.request(self.pool_name, self.class_cfg.name,

@@ -131,7 +131,7 @@ class Metrics:
                                 ["pool", "cause"], registry=r)
         self.decision = Histogram("kvgate_decision_seconds",
                                   "Time from the request body's arrival to the admission answer (seconds).",
-                                  buckets=DECISION_BUCKETS, registry=r)
+                                  labelnames=["pool"], buckets=DECISION_BUCKETS, registry=r)
         self.route_metadata_errors = Counter(
             "kvgate_route_metadata_errors_total",
             "Per-route kvgate metadata entries that were unknown or invalid and were ignored.",
@@ -174,7 +174,7 @@ class Metrics:
                                      ["pool", "backend", "reason"], registry=r)
         self.scrape_seconds = Histogram("kvgate_backend_scrape_seconds",
                                         "Duration of one backend metrics scrape (seconds).",
-                                        buckets=SCRAPE_BUCKETS, registry=r)
+                                        labelnames=["pool"], buckets=SCRAPE_BUCKETS, registry=r)
         self.pool_stale_gauge = Gauge("kvgate_pool_signals_stale",
                                       "1 while the pool's backend signals are missing or too old.",
                                       ["pool"], registry=r)
@@ -188,6 +188,7 @@ class Metrics:
         self._store_modes: set[str] = set()
         self._request_children: dict[tuple[str, str, str], Any] = {}
         self._release_children: dict[tuple[str, str], Any] = {}
+        self._decision_children: dict[str, Any] = {}
         self._source: SnapshotSource | None = None
         self._classes: Sequence[str] = ()
         self.registry.register(_AdmissionCollector(lambda: self._source, lambda: self._classes))
@@ -247,9 +248,12 @@ class Metrics:
             child = self._release_children[key] = self.releases.labels(pool, cause)
         child.inc()
 
-    def decision_time(self, seconds: float) -> None:
-        """decision_time records how long one admission decision took (seconds)."""
-        self.decision.observe(seconds)
+    def decision_time(self, pool: str, seconds: float) -> None:
+        """decision_time records how long one admission decision of ``pool`` took (seconds)."""
+        child = self._decision_children.get(pool)
+        if child is None:
+            child = self._decision_children[pool] = self.decision.labels(pool)
+        child.observe(seconds)
 
     def access_log_entry(self, result: str) -> None:
         """access_log_entry counts one entry of Envoy's access log (``released``,
@@ -279,7 +283,7 @@ class Metrics:
 
     def scrape_done(self, pool: str, backend: str, seconds: float, ok: bool) -> None:
         """scrape_done records one scrape's duration (seconds) and whether it succeeded."""
-        self.scrape_seconds.observe(seconds)
+        self.scrape_seconds.labels(pool).observe(seconds)
         self.backend_up.labels(pool, backend).set(1.0 if ok else 0.0)
 
     def scrape_error(self, pool: str, backend: str, reason: str) -> None:

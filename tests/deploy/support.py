@@ -130,7 +130,7 @@ def exported_metrics() -> dict[str, set[str]]:
     m.attach(Source(), ["c"])
     m.request("p", "c", OUTCOMES[0])
     m.release("p", CAUSES[0])
-    m.decision_time(0.001)
+    m.decision_time("p", 0.001)
     m.route_metadata_error("pool")
     m.reload_ok(0.0)
     m.reload_failed()
