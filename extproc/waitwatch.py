@@ -14,8 +14,8 @@ from __future__ import annotations
 # How far from the base timeout a reset still counts as cut there (seconds, and a ratio of
 # the base): the reset reaches kvgate a little after Envoy fires it, later on a busy machine.
 EARLY_S = 0.05
-LATE_S = 0.25
-LATE_RATIO = 0.25
+LATE_S = 0.5
+LATE_RATIO = 0.5
 
 
 def cut_at_base_timeout(waited_s: float, base_s: float, asked_s: float) -> bool:

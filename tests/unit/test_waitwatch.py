@@ -19,7 +19,7 @@ from tests.unit.test_exchange import BASE_CONFIG, Rig, admit, body_msg, chat, he
     (1.97, 2.0, 11.0, True),    # the reset seen a little before its body's arrival time + 2 s
     (2.7, 2.0, 11.0, True),     # seen late on a busy machine
     (0.8, 2.0, 11.0, False),    # a client that gave up early
-    (3.5, 2.0, 11.0, False),    # a client that gave up later
+    (4.0, 2.0, 11.0, False),    # a client that gave up later
     (2.0, 2.0, 2.5, False),     # the override barely reaches past the base: cannot tell
     (0.5, 0.5, 6.0, True),
 ])
