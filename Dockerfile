@@ -13,7 +13,7 @@ ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY extproc ./extproc
 COPY sim ./sim
 # "fast" adds uvloop; "hf" adds HF tokenizers for `tokenizer: hf:/path/tokenizer.json`;
@@ -22,6 +22,11 @@ RUN pip wheel --wheel-dir /wheels ".[fast,hf,llama3]"
 
 # Run: a virtual environment with those wheels only; no compiler, no sources, no wheels.
 FROM ${PYTHON_IMAGE}
+LABEL org.opencontainers.image.title="kvgate" \
+      org.opencontainers.image.description="Envoy external processor that admits LLM requests by concurrency, tokens per minute and in-flight KV tokens" \
+      org.opencontainers.image.version="0.1.0" \
+      org.opencontainers.image.licenses="Apache-2.0" \
+      org.opencontainers.image.source="https://github.com/kvgate/kvgate"
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 \
     PATH=/opt/venv/bin:$PATH
@@ -35,5 +40,9 @@ RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
 USER 10001:10001
 # 50051: ext_proc gRPC (bind it to loopback in a pod); 9464: /metrics, /healthz, /readyz.
 EXPOSE 50051 9464
+# gRPC health of the ext_proc port (the one Envoy needs); Kubernetes ignores HEALTHCHECK and
+# uses the manifests' probes instead. The default listen address is 0.0.0.0:50051.
+HEALTHCHECK --interval=10s --timeout=4s --start-period=20s --retries=3 \
+    CMD ["kvgate", "health", "--address", "127.0.0.1:50051", "--timeout", "3"]
 ENTRYPOINT ["kvgate"]
 CMD ["serve", "--config", "/etc/kvgate/kvgate.yaml"]

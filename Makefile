@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Benchmarks write here (ignored by git), so a checkout stays clean after one; to update the
+# committed reports: make bench-admission BENCH_OUT=bench/results
+BENCH_OUT ?= bench/results/local
 
 .PHONY: install run test test-unit test-e2e bench bench-admission bench-overhead bench-picker bench-protection bench-redis bench-scrape bench-tokens bench-trace check-config clean
 
@@ -30,16 +33,19 @@ check-config: install
 	$(PY) -m extproc check-config deploy/kvgate.yaml
 
 bench-admission: install
-	$(PY) bench/bench_admission.py
+	mkdir -p $(BENCH_OUT)
+	$(PY) bench/bench_admission.py --out $(BENCH_OUT)/admission.md
 
 bench-overhead: install
-	$(PY) bench/bench_overhead.py
+	mkdir -p $(BENCH_OUT)
+	$(PY) bench/bench_overhead.py --out $(BENCH_OUT)/overhead.md
 
 bench-picker: install
 	$(PY) bench/bench_picker.py
 
 bench-protection: install
-	$(PY) bench/bench_protection.py
+	mkdir -p $(BENCH_OUT)
+	$(PY) bench/bench_protection.py --out $(BENCH_OUT)
 
 # The full trace sits beside a clone (../shared/traces); the committed slice holds the
 # benchmark's default window, so a fresh clone replays the same requests.
@@ -49,13 +55,16 @@ bench-trace: install
 	$(PY) bench/bench_trace.py --trace $(TRACE)
 
 bench-redis: install
-	$(PY) bench/bench_redis.py
+	mkdir -p $(BENCH_OUT)
+	$(PY) bench/bench_redis.py --out $(BENCH_OUT)/redis.md
 
 bench-scrape: install
-	$(PY) bench/bench_scrape.py
+	mkdir -p $(BENCH_OUT)
+	$(PY) bench/bench_scrape.py --out $(BENCH_OUT)/scrape.md
 
 bench-tokens: install
-	$(PY) bench/bench_tokens.py
+	mkdir -p $(BENCH_OUT)
+	$(PY) bench/bench_tokens.py --out $(BENCH_OUT)/tokens.md
 
 bench: bench-admission bench-scrape bench-tokens bench-overhead bench-picker bench-protection bench-trace bench-redis
 

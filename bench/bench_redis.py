@@ -47,7 +47,7 @@ from extproc.admission import Admission, Demand, Lease, Outcome  # noqa: E402
 from extproc.admission.store.redis import LOCAL_PREFIX, RedisStore  # noqa: E402
 from extproc.clock import MonotonicClock  # noqa: E402
 from extproc.config import Config, parse_config  # noqa: E402
-from tests.support.redis_server import RedisServer  # noqa: E402
+from tests.support.redis_server import RedisServer, server_version  # noqa: E402
 
 TARGET_PER_S = 1000
 RESULTS = ROOT / "bench" / "results" / "redis.md"
@@ -240,7 +240,8 @@ def main() -> int:
                 raise RuntimeError(f"replica process failed ({p.returncode})")
             many.append(json.loads(out.strip().splitlines()[-1]))
         assert held(url) == (0, 0), f"leaked after {args.replicas} replicas: {held(url)}"
-        redis_version = redis_sync.Redis.from_url(url).info("server")["redis_version"]
+        # The binary's own banner: Valkey answers INFO with a Redis-compatible redis_version.
+        redis_version = server_version(server.binary)
 
     load = os.getloadavg()
     med_mem, med_redis = statistics.median(lat_mem), statistics.median(lat_redis)
@@ -254,7 +255,7 @@ def main() -> int:
         f"Command: `{cmd}` (also `make bench-redis`). Date: "
         f"{datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}.",
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs shared by redis-server, the benchmark "
-        f"and everything else running; Python {platform.python_version()}, redis-server {redis_version}, "
+        f"and everything else running; Python {platform.python_version()}, {redis_version}, "
         f"redis-py without hiredis, uvloop. Load average at the end: {load[0]:.2f} (1 min), {load[1]:.2f} (5 min).",
         "",
         "An admission is `await Admission.acquire` + `Lease.release` on one pool with every budget "

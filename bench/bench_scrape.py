@@ -79,6 +79,7 @@ def main() -> None:
     ap.add_argument("--backends", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--out", type=Path, default=RESULTS / "scrape.md", help="where to write the report")
     args = ap.parse_args()
 
     body = SAMPLE.read_bytes()
@@ -145,8 +146,8 @@ Goal: a round well under the poll interval: {"met" if p99 < 0.25 * POLL_INTERVAL
 Machine: {platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} CPUs
 ({platform.machine()}), shared with other work while it ran: figures are upper bounds.
 """
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "scrape.md").write_text(report, encoding="utf-8")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(report, encoding="utf-8")
     print(report)
 
 

@@ -1,7 +1,10 @@
 """cli: the ``kvgate`` command (also ``python -m extproc``).
 
     kvgate serve --config FILE [--grpc-listen HOST:PORT] [--admin-listen HOST:PORT] [--log-level LEVEL]
-    kvgate check-config FILE
+                 [--log-format text|json]
+    kvgate check-config FILE [--envoy ENVOY.yaml]
+    kvgate envoy-filter --config FILE [--mode MODE] [--bootstrap [--listen HOST:PORT] [--upstream HOST:PORT]]
+    kvgate health [--address HOST:PORT] [--timeout SECONDS]
     kvgate sim ARGS...            (the vLLM-compatible simulator; see ``kvgate sim --help``)
 
 Exit codes: 0 success, 2 bad configuration or usage, 1 anything else.
@@ -11,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 from collections.abc import Sequence
 
@@ -42,8 +44,28 @@ def _parser() -> argparse.ArgumentParser:
                             "(default: server.admin_listen, 0.0.0.0:9464)")
     serve.add_argument("--log-level", default="info",
                        choices=("debug", "info", "warning", "error"), help="default: info")
+    serve.add_argument("--log-format", default="text", choices=("text", "json"),
+                       help="text (default) or json: one JSON object a line, for log pipelines; "
+                            "times in UTC either way")
     check = sub.add_parser("check-config", help="validate a configuration file and its tokenizers")
     check.add_argument("file", metavar="FILE")
+    check.add_argument("--envoy", metavar="ENVOY.yaml",
+                       help="also report every value of this Envoy file that disagrees with FILE")
+    from extproc.envoyconf import DEFAULT_MODE, MODES
+    ef = sub.add_parser("envoy-filter", help="print the Envoy ext_proc filter and cluster for a configuration")
+    ef.add_argument("--config", required=True, metavar="FILE", help="kvgate YAML configuration")
+    ef.add_argument("--mode", choices=MODES, default=DEFAULT_MODE,
+                    help=f"which Envoy file of deploy/ to follow (default: {DEFAULT_MODE})")
+    ef.add_argument("--bootstrap", action="store_true",
+                    help="print a whole Envoy file (listener, routes, clusters), not only the pieces")
+    ef.add_argument("--listen", type=_hostport, default="0.0.0.0:8080", metavar="HOST:PORT",
+                    help="with --bootstrap: Envoy's listener (default 0.0.0.0:8080)")
+    ef.add_argument("--upstream", type=_hostport, default="inference:8000", metavar="HOST:PORT",
+                    help="with --bootstrap: the inference server (default inference:8000)")
+    health = sub.add_parser("health", help="ask a running kvgate's gRPC health service; exit 0 when SERVING")
+    health.add_argument("--address", type=_hostport, default="127.0.0.1:50051", metavar="HOST:PORT",
+                        help="kvgate's ext_proc gRPC address (default 127.0.0.1:50051)")
+    health.add_argument("--timeout", type=float, default=3.0, metavar="SECONDS", help="default: 3")
     sub.add_parser("sim", help="run the vLLM-compatible simulator (arguments go to it)",
                    add_help=False)
     return ap
@@ -63,8 +85,8 @@ def check_config(path: str) -> Config:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from extproc.logfmt import configure
+    configure(args.log_level, args.log_format)
     try:
         config = check_config(args.config)
     except ConfigError as err:
@@ -87,6 +109,59 @@ def _run_serve(args: argparse.Namespace) -> int:
                         config_path=args.config))
 
 
+def _check_envoy(config: Config, path: str, envoy_path: str) -> int:
+    import yaml
+
+    from extproc import yamlload
+    from extproc.envoyconf import check_envoy
+    try:
+        with open(envoy_path, encoding="utf-8") as f:
+            doc = yamlload.load(f.read())
+    except (OSError, yaml.YAMLError) as err:
+        print(f"error: --envoy: cannot read {envoy_path}: {err}", file=sys.stderr)
+        return EXIT_CONFIG
+    found = check_envoy(config, doc)
+    for d in found:
+        print(f"error: {d.key}: {d.reason} (envoy: {d.where})", file=sys.stderr)
+    if found:
+        print(f"{envoy_path}: {len(found)} disagreement(s) with {path}", file=sys.stderr)
+        return EXIT_CONFIG
+    print(f"{path}: ok; {envoy_path} agrees with it")
+    return EXIT_OK
+
+
+def _health(address: str, timeout_s: float) -> int:
+    """_health asks the gRPC health service at ``address`` about the whole server (service "");
+    0 when it answers SERVING, 1 otherwise (not serving, draining, unreachable). For a
+    container's HEALTHCHECK: the ext_proc port itself, not only the admin port."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
+                                                             timeout=timeout_s)
+        except grpc.RpcError as err:
+            print(f"{address}: {err.code().name}", file=sys.stderr)
+            return EXIT_FAILURE
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    print(f"{address}: {status}")
+    return EXIT_OK if resp.status == health_pb2.HealthCheckResponse.SERVING else EXIT_FAILURE
+
+
+def _envoy_filter(args: argparse.Namespace) -> int:
+    from extproc.envoyconf import envoy_bootstrap, envoy_filter, render
+    try:
+        config = load_config(args.config)
+    except ConfigError as err:
+        print(f"error: {err.key}: {err.reason}", file=sys.stderr)
+        return EXIT_CONFIG
+    doc = (envoy_bootstrap(config, args.mode, listen=args.listen, upstream=args.upstream)
+           if args.bootstrap else envoy_filter(config, args.mode))
+    sys.stdout.write(render(doc, args.config, args.mode))
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """main runs one kvgate command and returns its exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -96,15 +171,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "check-config":
         try:
-            check_config(args.file)
+            config = check_config(args.file)
         except ConfigError as err:
             print(f"error: {err.key}: {err.reason}", file=sys.stderr)
             return EXIT_CONFIG
-        from extproc.config import load_config, warnings
-        for line in warnings(load_config(args.file)):
+        from extproc.config import warnings
+        for line in warnings(config):
             print(f"warning: {line}")
+        if args.envoy:
+            return _check_envoy(config, args.file, args.envoy)
         print(f"{args.file}: ok")
         return EXIT_OK
+    if args.command == "envoy-filter":
+        return _envoy_filter(args)
+    if args.command == "health":
+        return _health(args.address, args.timeout)
     if args.command == "serve":
         try:
             return _run_serve(args)

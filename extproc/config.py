@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from extproc import yamlload
 from extproc.errors import ConfigError
 
 ENGINES = ("vllm", "sglang", "tgi", "dcgm")
@@ -239,6 +240,9 @@ class ServerConfig:
 
     ``access_log_ttl_s``: how long a request released by Envoy's access log (route key
     ``release: access_log``) may wait for its entry before it is released anyway.
+    ``envoy_message_timeout_s``: the ext_proc filter's base ``message_timeout`` (what
+    ``kvgate envoy-filter`` writes and ``check-config --envoy`` expects); a request waiting in
+    a queue whose stream is reset after about that long tells kvgate its override was ignored.
     """
 
     grpc_listen: str = "0.0.0.0:50051"
@@ -246,6 +250,7 @@ class ServerConfig:
     drain_s: float = 5.0
     grace_s: float = 30.0
     access_log_ttl_s: float = 900.0
+    envoy_message_timeout_s: float = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -530,11 +535,23 @@ def _classes(s: _Section) -> dict[str, ClassConfig]:
     return classes
 
 
+# An HTTP field name (RFC 9110 token), lower-cased as Envoy passes header names on.
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9a-z]+")
+
+
 def _tenants(data: Any) -> TenantsConfig:
     s = _Section("tenants", data)
     header = s.string("header", "x-tenant-id").lower()
+    if not _HEADER_NAME.fullmatch(header):
+        raise ConfigError("tenants.header", f"must be an HTTP header name (letters, digits and "
+                                            f"!#$%&'*+-.^_`|~, no spaces or colons), got {header!r}")
     classes = _classes(s)
-    default_class = s.string("default_class", "standard" if "standard" in classes else None)
+    if "default_class" not in s.data and "standard" not in classes:
+        raise ConfigError("tenants.default_class",
+                          f"is required: no class is named 'standard' (the default class); set "
+                          f"default_class to one of {', '.join(sorted(classes)) or '(none defined)'}, "
+                          f"or add a class named 'standard'")
+    default_class = s.string("default_class", "standard")
     if default_class not in classes:
         raise ConfigError("tenants.default_class", f"names no class in tenants.classes: {default_class!r}")
     raw = s.section("tenants")
@@ -634,6 +651,7 @@ def _server(data: Any) -> ServerConfig:
         drain_s=s.number("drain_s", 5.0, low=0.0, high=600.0),
         grace_s=s.number("grace_s", 30.0, low=0.0, high=3600.0),
         access_log_ttl_s=s.number("access_log_ttl_s", 900.0, low=1.0, high=86400.0),
+        envoy_message_timeout_s=s.number("envoy_message_timeout_s", 2.0, low=0.01, high=3600.0),
     )
     s.done()
     return cfg
@@ -683,7 +701,9 @@ def load_config(path: str | Path) -> Config:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(str(p), f"cannot read: {exc}") from None
     try:
-        data = yaml.safe_load(text)
+        data = yamlload.load(text)
+    except yamlload.DuplicateKeyError as exc:
+        raise ConfigError(str(p), f"line {exc.line}: {exc}: remove one") from None
     except yaml.YAMLError as exc:
         raise ConfigError(str(p), f"is not valid YAML: {exc}") from None
     return parse_config(data)

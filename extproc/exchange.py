@@ -55,6 +55,7 @@ from extproc.config import ClassConfig, Config, PoolConfig
 from extproc.errors import ConfigError, RequestError
 from extproc.metrics import Metrics
 from extproc.tokens import TEMPLATES, load_tokenizer
+from extproc.waitwatch import cut_at_base_timeout
 
 log = logging.getLogger("kvgate.exchange")
 
@@ -216,6 +217,7 @@ class Gate:
         self.executor = executor
         self.offload_bytes = offload_bytes
         self._route_logged: dict[str, float] = {}
+        self._cut_logged = False
         self._routes: dict[bytes, tuple[RouteSettings, tuple[tuple[str, str], ...]]] = {}
         self._link_prefix = secrets.token_hex(6)
         self._links = itertools.count(1)
@@ -342,6 +344,23 @@ class Gate:
         if last is None or now - last >= ROUTE_LOG_INTERVAL_S:
             self._route_logged["_misconfigured"] = now
             log.error("refusing requests: %s", message)
+
+    def wait_cut(self, class_name: str, asked_s: float, waited_s: float) -> None:
+        """wait_cut hears that a waiting request's stream ended after ``waited_s`` seconds,
+        having asked Envoy for an ``asked_s`` message timeout. When Envoy's base timeout cut
+        it (``waitwatch``), it is counted in ``kvgate_envoy_override_ignored_total`` and said
+        once per process, loudly: every waiting request of the class gets a 504."""
+        base = self.config.server.envoy_message_timeout_s
+        if not cut_at_base_timeout(waited_s, base, asked_s):
+            return
+        self.metrics.override_ignored(class_name)
+        if not self._cut_logged:
+            self._cut_logged = True
+            log.error("Envoy ignored kvgate's message-timeout override: a request of class %r that "
+                      "asked for %.1f s to wait was cut after %.2f s (server.envoy_message_timeout_s "
+                      "%.1f s); Envoy's max_message_timeout is below it, so every waiting request "
+                      "gets a 504. Raise max_message_timeout (kvgate check-config FILE --envoy "
+                      "ENVOY.yaml names it)", class_name, asked_s, waited_s, base)
 
     def _route_error(self, key: str, message: str) -> None:
         self.metrics.route_metadata_error(key)
@@ -607,6 +626,11 @@ class Exchange:
             await send(self._wait_timeout(self.class_cfg.max_wait_s))
         try:
             result = await gate.admission.acquire(demand)
+        except asyncio.CancelledError:  # the stream ended while the request waited
+            if self.class_cfg.max_wait_s > 0 and send is not None:
+                gate.wait_cut(self.class_cfg.name, self.class_cfg.max_wait_s + WAIT_TIMEOUT_MARGIN_S,
+                              gate.clock.now() - started)
+            raise
         except UnknownPoolError:
             # A reload removed the pool between the choice (headers, or before counting off
             # the loop) and now: nothing was taken; the client's retry meets the new config.
@@ -621,7 +645,7 @@ class Exchange:
                              "kvgate_pool_reconfigured")
         except StoreError as err:
             # The shared store cannot answer and is set to fail closed: retry shortly.
-            gate.metrics.decision_time(gate.clock.now() - started)
+            gate.metrics.decision_time(self.pool_name, gate.clock.now() - started)
             self.state = _DONE
             gate.metrics.request(self.pool_name, self.class_cfg.name, "rejected_store_unavailable")
             log.warning("refusing a request: %s", err)
@@ -631,7 +655,7 @@ class Exchange:
                              oai.error_body(f"Admission is unavailable: {err}. Retry shortly.",
                                             error_type="server_error", code="store_unavailable"),
                              "kvgate_store_unavailable")
-        gate.metrics.decision_time(gate.clock.now() - started)
+        gate.metrics.decision_time(self.pool_name, gate.clock.now() - started)
         if isinstance(result, Rejection):
             self.state = _DONE
             gate.metrics.request(self.pool_name, self.class_cfg.name,

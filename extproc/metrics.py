@@ -9,13 +9,16 @@ configured pool and class names, outcome and cause enums, known route-metadata k
 
 from __future__ import annotations
 
+import importlib.metadata
+import platform
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from extproc.admission.store.redis import ERROR_REASONS as STORE_ERROR_REASONS
 from extproc.admission.types import PoolSnapshot
 
 # The outcome label of kvgate_requests_total (the issue's list, in this order).
@@ -24,6 +27,8 @@ OUTCOMES = ("admitted", "rejected_concurrency", "rejected_tpm", "rejected_kv_bud
             "rejected_invalid", "rejected_store_unavailable")
 # The cause label of kvgate_releases_total.
 CAUSES = ("completed", "client_disconnect", "upstream_error", "timeout", "ended")
+# The result label of kvgate_access_log_entries_total (ExtProcService.logged).
+ACCESS_LOG_RESULTS = ("released", "no_lease", "unmatched")
 # Decisions take tens of microseconds to a few milliseconds; waits in a class queue longer.
 DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                     0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -149,6 +154,14 @@ def _add_nodes(families: dict[str, Metric], pool: str, nodes: tuple[Any, ...]) -
             families["passed"].add_metric([*key, reason.value], n.passed_over.get(reason.value, 0))
 
 
+def _version() -> str:
+    """_version is the installed kvgate distribution's version, or "unknown" from a bare checkout."""
+    try:
+        return importlib.metadata.version("kvgate")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 class Metrics:
     """Metrics owns kvgate's registry and the counters the service updates.
 
@@ -161,6 +174,10 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)  # process_*: CPU, memory, open files, start time
+        self.build_info = Gauge("kvgate_build_info", "Always 1; the labels say which kvgate runs.",
+                                ["version", "python"], registry=r)
+        self.build_info.labels(_version(), platform.python_version()).set(1)
         self.requests = Counter("kvgate_requests_total",
                                 "Admission decisions on LLM requests, by outcome.",
                                 ["pool", "class", "outcome"], registry=r)
@@ -169,11 +186,16 @@ class Metrics:
                                 ["pool", "cause"], registry=r)
         self.decision = Histogram("kvgate_decision_seconds",
                                   "Time from the request body's arrival to the admission answer (seconds).",
-                                  buckets=DECISION_BUCKETS, registry=r)
+                                  labelnames=["pool"], buckets=DECISION_BUCKETS, registry=r)
         self.route_metadata_errors = Counter(
             "kvgate_route_metadata_errors_total",
             "Per-route kvgate metadata entries that were unknown or invalid and were ignored.",
             ["key"], registry=r)
+        self.overrides_ignored = Counter(
+            "kvgate_envoy_override_ignored_total",
+            "Waiting requests whose ext_proc stream Envoy reset at its base message_timeout: "
+            "the override asked for was above Envoy's max_message_timeout (each got a 504).",
+            ["class"], registry=r)
         self.streams = Gauge("kvgate_streams_active", "ext_proc gRPC streams open now.", registry=r)
         self.ready = Gauge("kvgate_ready", "1 while kvgate accepts traffic, 0 while draining.",
                            registry=r)
@@ -207,7 +229,7 @@ class Metrics:
                                      ["pool", "backend", "reason"], registry=r)
         self.scrape_seconds = Histogram("kvgate_backend_scrape_seconds",
                                         "Duration of one backend metrics scrape (seconds).",
-                                        buckets=SCRAPE_BUCKETS, registry=r)
+                                        labelnames=["pool"], buckets=SCRAPE_BUCKETS, registry=r)
         self.pool_stale_gauge = Gauge("kvgate_pool_signals_stale",
                                       "1 while the pool's backend signals are missing or too old.",
                                       ["pool"], registry=r)
@@ -221,6 +243,7 @@ class Metrics:
         self._store_modes: set[str] = set()
         self._request_children: dict[tuple[str, str, str], Any] = {}
         self._release_children: dict[tuple[str, str], Any] = {}
+        self._decision_children: dict[str, Any] = {}
         self._source: SnapshotSource | None = None
         self._classes: Sequence[str] = ()
         self.registry.register(_AdmissionCollector(lambda: self._source, lambda: self._classes))
@@ -234,10 +257,33 @@ class Metrics:
         """
         self._source = source
         self._classes = tuple(classes)
+        self._zero_series()
 
     def set_classes(self, classes: Sequence[str]) -> None:
         """set_classes updates the configured class names after a reload."""
         self._classes = tuple(classes)
+        self._zero_series()
+
+    def _zero_series(self) -> None:
+        """_zero_series creates every labelled counter series whose label values are known
+        (configured pools and classes, outcome, cause and reason enums) at 0, so that rates
+        and alerts see a series before its first event rather than none."""
+        pools = self._source.pools if self._source is not None else ()
+        for pool in pools:
+            for cls in self._classes:
+                for outcome in OUTCOMES:
+                    key = (pool, cls, outcome)
+                    if key not in self._request_children:
+                        self._request_children[key] = self.requests.labels(pool, cls, outcome)
+            for cause in CAUSES:
+                if (pool, cause) not in self._release_children:
+                    self._release_children[(pool, cause)] = self.releases.labels(pool, cause)
+        for cls in self._classes:
+            self.overrides_ignored.labels(cls)
+        for reason in STORE_ERROR_REASONS:
+            self.store_errors.labels(reason)
+        for result in ACCESS_LOG_RESULTS:
+            self.access_log_entries.labels(result)
 
     # --- hot path ----------------------------------------------------------------
 
@@ -257,14 +303,21 @@ class Metrics:
             child = self._release_children[key] = self.releases.labels(pool, cause)
         child.inc()
 
-    def decision_time(self, seconds: float) -> None:
-        """decision_time records how long one admission decision took (seconds)."""
-        self.decision.observe(seconds)
+    def decision_time(self, pool: str, seconds: float) -> None:
+        """decision_time records how long one admission decision of ``pool`` took (seconds)."""
+        child = self._decision_children.get(pool)
+        if child is None:
+            child = self._decision_children[pool] = self.decision.labels(pool)
+        child.observe(seconds)
 
     def access_log_entry(self, result: str) -> None:
         """access_log_entry counts one entry of Envoy's access log (``released``,
         ``no_lease``, ``unmatched``)."""
         self.access_log_entries.labels(result).inc()
+
+    def override_ignored(self, class_name: str) -> None:
+        """override_ignored counts one waiting request cut at Envoy's base message timeout."""
+        self.overrides_ignored.labels(class_name).inc()
 
     def route_metadata_error(self, key: str) -> None:
         """route_metadata_error counts one ignored per-route setting (``key`` bounded by the caller)."""
@@ -285,7 +338,7 @@ class Metrics:
 
     def scrape_done(self, pool: str, backend: str, seconds: float, ok: bool) -> None:
         """scrape_done records one scrape's duration (seconds) and whether it succeeded."""
-        self.scrape_seconds.observe(seconds)
+        self.scrape_seconds.labels(pool).observe(seconds)
         self.backend_up.labels(pool, backend).set(1.0 if ok else 0.0)
 
     def scrape_error(self, pool: str, backend: str, reason: str) -> None:

@@ -567,9 +567,15 @@ class Server:
             self._reload_refused(err)
             return
         self._tokenizers_ready.update(pc.tokenizer for pc in config.pools.values())
-        if config.store != self.config.store or config.server != self.config.server:
-            log.warning("store and server settings change only with a restart; "
-                        "the rest of the new configuration applies now")
+        # Bound or connected at start; every other key (drain_s, grace_s, ... included) is
+        # read where it is used, so it applies now.
+        fixed = [key for key, old, new in (
+            ("store", self.config.store, config.store),
+            ("server.grpc_listen", self.config.server.grpc_listen, config.server.grpc_listen),
+            ("server.admin_listen", self.config.server.admin_listen, config.server.admin_listen)) if old != new]
+        if fixed:
+            log.warning("%s change only with a restart; the rest of the new configuration applies now",
+                        ", ".join(fixed))
         if self._discovery is not None:
             self._discovery.reconfigure(config)
         self._discovered = {p: b for p, b in self._discovered.items()

@@ -14,8 +14,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 ISTIO = K8S / "istio"
-# Files in deploy/k8s/istio/ that are not kustomize resources (applied with kubectl patch).
-NOT_RESOURCES = {ISTIO / "ingressgateway-patch.yaml"}
+# Files of deploy/k8s that are not kustomize resources: the Istio patch (applied with kubectl
+# patch) and the PrometheusRule (a kind only clusters with the Prometheus Operator know).
+NOT_RESOURCES = {ISTIO / "ingressgateway-patch.yaml", K8S / "prometheusrule.yaml"}
 
 
 def envoy_binary() -> str:
@@ -137,7 +138,7 @@ def exported_metrics() -> dict[str, set[str]]:
     m.attach(Source(), ["c"])
     m.request("p", "c", OUTCOMES[0])
     m.release("p", CAUSES[0])
-    m.decision_time(0.001)
+    m.decision_time("p", 0.001)
     m.route_metadata_error("pool")
     m.reload_ok(0.0)
     m.reload_failed()

@@ -136,3 +136,26 @@ def test_the_panels_operators_need_are_there() -> None:
     panel_with("histogram_quantile", "kvgate_decision_seconds_bucket")     # decision latency
     panel_with("kvgate_kv_inflight_tokens", "kvgate_kv_budget_tokens")
     panel_with("kvgate_config_reload_errors_total")
+
+
+def test_template_variables_carry_a_valid_current_value() -> None:
+    variables = {v["name"]: v for v in dashboard()["templating"]["list"]}
+    assert variables["datasource"]["current"]["value"]  # a datasource to start on
+    pool = variables["pool"]
+    # "All" is selectable (includeAll), so $__all is a valid start; multi-value wants a list.
+    assert pool["includeAll"] and pool["multi"] and pool["current"]["value"] == ["$__all"]
+
+
+def test_every_series_with_a_pool_label_follows_the_pool_selector(exported: dict[str, set[str]]) -> None:
+    """A panel that shows a metric labelled by pool filters it by $pool: choosing a pool
+    changes every panel, the latency and scrape ones included."""
+    unfiltered = []
+    for title, expr in all_queries():
+        if expr.startswith("label_values("):
+            continue
+        for name, braces in re.findall(r"\b(kvgate_[a-z_]+)(\{[^}]*\})?", expr):
+            family = re.sub(r"_(bucket|sum|count)$", "", name)
+            labels = exported.get(name) or exported.get(family) or set()
+            if "pool" in labels and 'pool=~"$pool"' not in (braces or ""):
+                unfiltered.append(f"{title}: {name}")
+    assert unfiltered == []

@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -75,6 +76,18 @@ def test_base_image_is_pinned_and_the_runtime_is_non_root() -> None:
     assert ("ENTRYPOINT", '["kvgate"]') in ins
 
 
+def test_the_image_carries_oci_labels_and_a_grpc_health_check() -> None:
+    ins = instructions()
+    labels = dict(re.findall(r'(org\.opencontainers\.image\.[a-z]+)="([^"]*)"',
+                             " ".join(a for w, a in ins if w == "LABEL")))
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert labels["org.opencontainers.image.version"] == project["version"]
+    assert labels["org.opencontainers.image.licenses"] == project["license"]
+    assert {"org.opencontainers.image.title", "org.opencontainers.image.source"} <= set(labels)
+    (check,) = [a for w, a in ins if w == "HEALTHCHECK"]
+    assert '"kvgate", "health"' in check and "127.0.0.1:50051" in check
+
+
 def test_copied_files_exist_and_are_not_ignored() -> None:
     sources = copy_sources()
     assert {"pyproject.toml", "extproc"} <= set(sources)
@@ -112,3 +125,5 @@ def test_the_copied_files_build_a_complete_wheel(tmp_path: Path) -> None:
     assert modules and [m for m in modules if m not in names] == []
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "kvgate = extproc.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    # setuptools >= 77 ships the license file named by `license-files` in the wheel.
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), sorted(n for n in names if "dist-info" in n)

@@ -13,15 +13,13 @@ from tests.e2e.options import MESSAGES, no_leak  # noqa: F401
 from tests.e2e.stack import Stack, openai_client, released
 from tests.e2e.test_replicas import PREFIX, held_in_redis
 from tests.support.procs import ROOT, wait_until
-from tests.support.redis_server import RedisServer, redis_server_binary
+from tests.support.redis_server import RedisServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis]
 
 
 @pytest.fixture(scope="module")
 def redis_srv() -> Iterator[RedisServer]:
-    if redis_server_binary() is None:
-        pytest.skip("redis-server is not installed (.ci/run installs Debian's redis-server)")
     with RedisServer() as server:
         yield server
 

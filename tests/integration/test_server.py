@@ -239,9 +239,7 @@ async def test_health_service_and_admin_endpoints(server: Server) -> None:
 
 @pytest.mark.redis
 async def test_a_redis_store_is_wired_in_and_settled(tmp_path: Path) -> None:
-    from tests.support.redis_server import RedisServer, redis_server_binary
-    if redis_server_binary() is None:
-        pytest.fail("redis-server is missing (.ci/run installs it)")
+    from tests.support.redis_server import RedisServer
     redis = RedisServer(tmp_path).start()
     try:
         cfg = {**CONFIG, "store": {"redis": {"url": redis.url, "key_prefix": "it:"}}}

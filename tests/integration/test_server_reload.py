@@ -82,3 +82,21 @@ async def test_a_tokenizer_that_cannot_load_refuses_the_reload_and_keeps_the_old
         assert srv.admission.snapshot("default").concurrency_limit == 4
     finally:
         await srv.close()
+
+
+async def test_a_reload_applies_server_timing_and_names_only_what_waits_for_a_restart(caplog) -> None:
+    srv = Server(parse_config(BASE), grpc_listen=f"{LOOPBACK}:0", admin_listen=f"{LOOPBACK}:0",
+                 metrics=Metrics(CollectorRegistry()), scrape=False)
+    try:
+        await srv.start()
+        with caplog.at_level("WARNING", logger="kvgate.server"):
+            srv.apply_config(parse_config({**BASE, "server": {"drain_s": 0.5, "grace_s": 2.0}}))
+            assert srv.config.server.drain_s == 0.5 and srv.config.server.grace_s == 2.0
+            assert not [r for r in caplog.records if "restart" in r.getMessage()]
+            srv.apply_config(parse_config({**BASE, "server": {"grpc_listen": "127.0.0.1:1", "drain_s": 0.25},
+                                           "store": {"redis": {"url": "redis://127.0.0.1:1/0"}}}))
+        (said,) = [r.getMessage() for r in caplog.records if "restart" in r.getMessage()]
+        assert said.startswith("store, server.grpc_listen change only with a restart")
+        assert srv.config.server.drain_s == 0.25
+    finally:
+        await srv.shutdown()

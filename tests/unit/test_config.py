@@ -151,3 +151,33 @@ def test_unreadable_and_broken_files(tmp_path):
     binary.write_bytes(b"\xff\xfe\x00garbage")
     with pytest.raises(ConfigError):
         load_config(binary)
+
+
+# --- gaps found from outside (issue 16) ------------------------------------------------
+
+def test_a_key_given_twice_is_an_error_naming_both_lines(tmp_path):
+    path = tmp_path / "twice.yaml"
+    path.write_text("pools:\n  default:\n    max_concurrency: 8\n    tpm: 1000\n    max_concurrency: 64\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert "'max_concurrency' appears twice" in err.value.reason and "lines 3 and 5" in err.value.reason
+    # The same key in two different mappings is fine.
+    path.write_text("pools:\n  a: {max_concurrency: 8}\n  b: {max_concurrency: 8}\ndefault_pool: a\n")
+    assert load_config(path).pools["b"].max_concurrency == 8
+
+
+@pytest.mark.parametrize("header", ["x tenant", "x-tenant:", "", "x-t\u00e9nant", "x-tenant\n"])
+def test_a_tenant_header_that_is_no_header_name_is_an_error(header):
+    with pytest.raises(ConfigError) as err:
+        parse_config({"pools": {"default": {}}, "tenants": {"header": header}})
+    assert err.value.key == "tenants.header"
+
+
+def test_a_missing_default_class_says_what_to_do():
+    with pytest.raises(ConfigError) as err:
+        parse_config({"pools": {"default": {}}, "tenants": {"classes": {"online": {}, "batch": {}}}})
+    assert err.value.key == "tenants.default_class"
+    assert "no class is named 'standard'" in err.value.reason and "batch, online" in err.value.reason
+    cfg = parse_config({"pools": {"default": {}},
+                        "tenants": {"default_class": "online", "classes": {"online": {}, "batch": {}}}})
+    assert cfg.tenants.default_class == "online"

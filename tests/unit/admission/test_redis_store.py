@@ -28,7 +28,7 @@ from extproc.admission.store.redis import (LOCAL_PREFIX, MODE_FAIL_CLOSED, MODE_
                                            REFRESH, RedisStore, StoreUnavailableError, local_share)
 from extproc.clock import ManualClock
 from extproc.config import RedisStoreConfig, parse_config
-from tests.support.redis_server import RedisServer, redis_server_binary
+from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis
 
@@ -81,9 +81,7 @@ def cfg(url: str, prefix: str | None = None, **kw) -> RedisStoreConfig:
 
 @pytest.fixture
 def own_server() -> Iterator[RedisServer]:
-    """own_server is a redis-server this test alone may stop, pause or restart."""
-    if redis_server_binary() is None:
-        pytest.skip("redis-server is not installed")
+    """own_server is a Redis server this test alone may stop, pause or restart."""
     with RedisServer() as server:
         yield server
 
@@ -463,13 +461,17 @@ async def test_a_stalled_redis_times_out_and_the_lost_admission_is_cancelled(sto
         loop = asyncio.get_running_loop()
         started = loop.time()
         lost = await rs.admit(plan(1, lim), T0)  # sent, then no answer
-        assert loop.time() - started < 3.0  # timeout_s, not forever
+        assert loop.time() - started < 10.0  # timeout_s (0.5 s), not forever, on a busy machine too
         assert seen.errors[0] == "timeout" and rs.mode == MODE_LOCAL_SHARE
         assert isinstance(lost, Grant) and lost.id.startswith(LOCAL_PREFIX)
         rs.settle(held, 1, T0)
     finally:
         own_server.resume()
-    assert await rs.probe()
+    # A resumed server first works through what piled up while it was stopped: on a loaded
+    # machine one probe may still miss its 0.5 s. Wait for the condition, not for a time.
+    deadline = loop.time() + 20.0
+    while not await rs.probe():
+        assert loop.time() < deadline, "the resumed Redis never answered a probe"
     # Whether or not Redis ran the timed-out admission, neither it nor `held` holds a slot.
     r = redis_sync.Redis.from_url(own_server.url)
     assert int(r.hget(f"{rs.config.key_prefix}{{p}}:st", "n") or 0) == 0

@@ -1,0 +1,538 @@
+"""envoyconf: the Envoy side of a kvgate configuration, written from it and checked against it.
+
+About six values of an Envoy file must agree with kvgate's own file: the tenant header among
+the ext_proc ``request_attributes``, the address of the kvgate cluster, the message timeouts
+against every class's ``max_wait_s``, the listener's buffer limit and the 413 route against
+``limits.max_body_bytes``, and the ``kvgate`` metadata of each route. ``envoy_filter`` writes
+them from a ``Config`` (``kvgate envoy-filter``); ``check_envoy`` reads an Envoy file and
+names every disagreement by the kvgate key it breaks (``kvgate check-config --envoy``).
+
+A mode names one of the Envoy files in ``deploy/`` (how a request's end reaches kvgate):
+
+==============  =======================  ====================================================
+mode            file                     what Envoy sends kvgate
+==============  =======================  ====================================================
+three-message   ``envoy.yaml``           body (with request attributes), response headers, body
+four-message    ``envoy-four-message``   request headers too
+reservation     ``envoy-reservation``    no response body: the reservation is charged in full
+observe         ``envoy-observe``        the response on a second, observability-mode filter
+access-log      ``envoy-access-log``     no response: the access-log entry releases the lease
+==============  =======================  ====================================================
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from extproc.config import Config
+from extproc.exchange import METADATA_NAMESPACE, RELEASES, ROUTE_KEYS, WAIT_TIMEOUT_MARGIN_S
+
+MODES = ("three-message", "four-message", "reservation", "observe", "access-log")
+DEFAULT_MODE = "three-message"
+# The shortest max_message_timeout written (seconds): room for a class added by a reload.
+MIN_MAX_MESSAGE_TIMEOUT_S = 60
+# Envoy's default per_connection_buffer_limit_bytes (bytes), when a listener sets none.
+ENVOY_DEFAULT_BUFFER_BYTES = 1_048_576
+# The buffer written is at least this (bytes), and 4 times max_body_bytes: headers and
+# a pipelined request share the connection's buffer with the body.
+MIN_BUFFER_BYTES = 4_194_304
+CLUSTER = "kvgate"
+EXT_PROC_TYPE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
+SET_METADATA_TYPE = "type.googleapis.com/envoy.extensions.filters.http.set_metadata.v3.Config"
+HCM_TYPE = ("type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."
+            "HttpConnectionManager")
+_RATE_HEADERS = ("x-ratelimit-limit-requests", "x-ratelimit-remaining-requests",
+                 "x-ratelimit-reset-requests", "x-ratelimit-limit-tokens",
+                 "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens")
+_JSON_REFUSAL = [{"header": {"key": "content-type", "value": "application/json"}},
+                 {"header": {"key": "x-should-retry", "value": "false"}}]
+
+
+def _seconds(value: float) -> str:
+    """_seconds writes a duration (seconds) as Envoy's YAML string, e.g. ``2s`` or ``0.25s``."""
+    return f"{int(value)}s" if float(value).is_integer() else f"{value:g}s"
+
+
+def _split(hostport: str) -> tuple[str, int]:
+    host, _, port = hostport.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _kvgate_address(config: Config) -> tuple[str, int]:
+    """_kvgate_address is where Envoy reaches kvgate: its gRPC address, loopback for a wildcard."""
+    host, port = _split(config.server.grpc_listen)
+    return ("127.0.0.1" if host in ("", "0.0.0.0", "::") else host), port
+
+
+def needed_max_message_timeout_s(config: Config) -> float:
+    """needed_max_message_timeout_s is the largest override kvgate asks for (seconds), 0 if none.
+
+    A class that waits (``max_wait_s > 0``) extends the message timeout to max_wait_s plus
+    ``WAIT_TIMEOUT_MARGIN_S``; Envoy ignores an override above its ``max_message_timeout``.
+    """
+    waits = [c.max_wait_s for c in config.tenants.classes.values() if c.max_wait_s > 0]
+    return max(waits) + WAIT_TIMEOUT_MARGIN_S if waits else 0.0
+
+
+def buffer_limit_bytes(config: Config) -> int:
+    """buffer_limit_bytes is the listener buffer written for ``limits.max_body_bytes`` (bytes)."""
+    return max(MIN_BUFFER_BYTES, 4 * config.limits.max_body_bytes)
+
+
+def request_attributes(config: Config) -> list[str]:
+    """request_attributes is what kvgate reads of the request headers when Envoy skips them."""
+    return ["request.path", "request.method", "request.headers['content-type']",
+            "request.headers['authorization']", f"request.headers['{config.tenants.header}']"]
+
+
+def _ext_proc(config: Config, mode: str) -> dict[str, Any]:
+    skip_headers = mode != "four-message"
+    response_body = {"three-message": "STREAMED", "four-message": "STREAMED"}.get(mode, "NONE")
+    response_headers = "SKIP" if mode in ("observe", "access-log") else "SEND"
+    cfg: dict[str, Any] = {
+        "@type": EXT_PROC_TYPE,
+        "grpc_service": {"envoy_grpc": {"cluster_name": CLUSTER}},
+        "failure_mode_allow": False,
+        "message_timeout": _seconds(config.server.envoy_message_timeout_s),
+        "max_message_timeout": _seconds(max(MIN_MAX_MESSAGE_TIMEOUT_S,
+                                            math.ceil(needed_max_message_timeout_s(config)))),
+        "processing_mode": {
+            "request_header_mode": "SKIP" if skip_headers else "SEND",
+            "request_body_mode": "BUFFERED",
+            "response_header_mode": response_headers,
+            "response_body_mode": response_body,
+            "request_trailer_mode": "SKIP",
+            "response_trailer_mode": "SKIP",
+        },
+    }
+    if skip_headers:
+        cfg["request_attributes"] = request_attributes(config)
+    if mode in ("three-message", "four-message", "reservation"):
+        cfg["allow_mode_override"] = True
+    options: dict[str, Any] = {"forwarding_namespaces": {"untyped": [METADATA_NAMESPACE]}}
+    if mode in ("observe", "access-log"):
+        options["receiving_namespaces"] = {"untyped": [METADATA_NAMESPACE]}
+    cfg["metadata_options"] = options
+    return cfg
+
+
+def _http_filters(config: Config, mode: str) -> list[dict[str, Any]]:
+    filters = [
+        {"name": "envoy.filters.http.set_metadata", "typed_config": {"@type": SET_METADATA_TYPE}},
+        {"name": "envoy.filters.http.ext_proc", "typed_config": _ext_proc(config, mode)},
+    ]
+    if mode == "observe":
+        filters.append({"name": "kvgate.observe", "typed_config": {
+            "@type": EXT_PROC_TYPE,
+            "grpc_service": {"envoy_grpc": {"cluster_name": CLUSTER}},
+            "observability_mode": True,
+            "deferred_close_timeout": "0.02s",
+            "failure_mode_allow": True,
+            "stat_prefix": "kvgate_observe",
+            "processing_mode": {"request_header_mode": "SKIP", "request_body_mode": "NONE",
+                                "response_header_mode": "SEND", "response_body_mode": "STREAMED",
+                                "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"},
+            # The link to the lease, written by the admission filter, reaches kvgate here.
+            "metadata_options": {"forwarding_namespaces": {"untyped": [METADATA_NAMESPACE]}},
+        }})
+    filters.append({"name": "envoy.filters.http.router", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}})
+    return filters
+
+
+def _kvgate_cluster(config: Config) -> dict[str, Any]:
+    host, port = _kvgate_address(config)
+    breakers = {"thresholds": [{"max_connections": 100000, "max_pending_requests": 100000,
+                                "max_requests": 100000}]}
+    return {
+        "name": CLUSTER,
+        "type": "STATIC",
+        "connect_timeout": "0.25s",
+        "circuit_breakers": breakers,
+        "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            "explicit_http_config": {"http2_protocol_options": {
+                "connection_keepalive": {"interval": "30s", "timeout": "5s"}}}}},
+        "load_assignment": {"cluster_name": CLUSTER, "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}]}]},
+    }
+
+
+def _routes(config: Config, mode: str, upstream_cluster: str) -> list[dict[str, Any]]:
+    routes: list[dict[str, Any]] = []
+    if mode != "four-message":
+        # kvgate first hears of a request with its whole body: refuse what it would refuse
+        # anyway before the body is read.
+        routes.append({
+            "name": "body-too-large",
+            "match": {"prefix": "/", "headers": [{"name": "content-length", "range_match": {
+                "start": config.limits.max_body_bytes + 1, "end": 9223372036854775807}}]},
+            "direct_response": {"status": 413, "body": {"inline_string": (
+                '{"error":{"message":"The request body is above this endpoint\'s limit.",'
+                '"type":"invalid_request_error","param":null,"code":"request_too_large"}}')}},
+            "response_headers_to_add": _JSON_REFUSAL,
+        })
+        routes.append({
+            "name": "no-body",
+            "match": {"safe_regex": {"regex": "/v1/(chat/completions|completions|embeddings)/*"},
+                      "headers": [{"name": ":method", "string_match": {"exact": "POST"}},
+                                  {"name": "content-length", "range_match": {"start": 0, "end": 1}}]},
+            "direct_response": {"status": 400, "body": {"inline_string": (
+                '{"error":{"message":"the request has no body; send a JSON object",'
+                '"type":"invalid_request_error","param":null,"code":null}}')}},
+            "response_headers_to_add": _JSON_REFUSAL,
+        })
+    value: dict[str, Any] = {"pool": config.default_pool}
+    if mode == "access-log":
+        value["release"] = "access_log"
+    routes.append({
+        "match": {"prefix": "/"},
+        "route": {"cluster": upstream_cluster, "timeout": "0s"},
+        "typed_per_filter_config": {"envoy.filters.http.set_metadata": {
+            "@type": SET_METADATA_TYPE,
+            "metadata": [{"metadata_namespace": METADATA_NAMESPACE, "value": value}]}},
+    })
+    return routes
+
+
+def _access_log() -> list[dict[str, Any]]:
+    return [{"name": "envoy.access_loggers.http_grpc", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
+        "common_config": {"log_name": CLUSTER, "transport_api_version": "V3",
+                          "grpc_service": {"envoy_grpc": {"cluster_name": CLUSTER}},
+                          "buffer_flush_interval": "0.005s", "buffer_size_bytes": 16777216}}}]
+
+
+def envoy_filter(config: Config, mode: str = DEFAULT_MODE) -> dict[str, Any]:
+    """envoy_filter is what an Envoy file needs for ``config`` in ``mode``, as pieces to place.
+
+    Keys: ``http_filters`` (the HTTP connection manager's filters, in order), ``clusters``
+    (the kvgate cluster), ``routes`` (for the virtual host: the refusals Envoy answers itself
+    and the default route with its ``kvgate`` metadata), ``per_connection_buffer_limit_bytes``
+    (for the listener), and where the mode needs them ``access_log`` (for the connection
+    manager) and ``response_headers_to_add`` (for the virtual host). Raises ValueError for
+    an unknown mode.
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}: expected one of {', '.join(MODES)}")
+    out: dict[str, Any] = {
+        "per_connection_buffer_limit_bytes": buffer_limit_bytes(config),
+        "http_filters": _http_filters(config, mode),
+        "routes": _routes(config, mode, "inference"),
+        "clusters": [_kvgate_cluster(config)],
+    }
+    if mode == "access-log":
+        out["access_log"] = _access_log()
+    if mode in ("observe", "access-log"):
+        out["response_headers_to_add"] = [
+            {"header": {"key": h, "value": f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{h})%"}}
+            for h in _RATE_HEADERS]
+    return out
+
+
+def envoy_bootstrap(config: Config, mode: str = DEFAULT_MODE, *, listen: str = "0.0.0.0:8080",
+                    upstream: str = "inference:8000", admin: str = "127.0.0.1:9901") -> dict[str, Any]:
+    """envoy_bootstrap is a whole Envoy file around ``envoy_filter``: one listener on ``listen``
+    in front of the inference server ``upstream`` (HOST:PORT), admin on ``admin``."""
+    piece = envoy_filter(config, mode)
+    lhost, lport = _split(listen)
+    uhost, uport = _split(upstream)
+    ahost, aport = _split(admin)
+    vhost: dict[str, Any] = {"name": "inference", "domains": ["*"], "routes": piece["routes"]}
+    if "response_headers_to_add" in piece:
+        vhost["response_headers_to_add"] = piece["response_headers_to_add"]
+    hcm: dict[str, Any] = {"@type": HCM_TYPE, "stat_prefix": "inference"}
+    if "access_log" in piece:
+        hcm["access_log"] = piece["access_log"]
+    hcm.update({"request_timeout": "0s", "stream_idle_timeout": "300s",
+                "route_config": {"name": "inference", "virtual_hosts": [vhost]},
+                "http_filters": piece["http_filters"]})
+    inference = {
+        "name": "inference", "type": "STRICT_DNS", "connect_timeout": "1s",
+        "circuit_breakers": {"thresholds": [{"max_connections": 100000, "max_pending_requests": 100000,
+                                             "max_requests": 100000}]},
+        "load_assignment": {"cluster_name": "inference", "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": {"socket_address": {"address": uhost, "port_value": uport}}}}]}]},
+    }
+    return {
+        "admin": {"address": {"socket_address": {"address": ahost, "port_value": aport}}},
+        "static_resources": {
+            "listeners": [{
+                "name": "inference",
+                "address": {"socket_address": {"address": lhost, "port_value": lport}},
+                "per_connection_buffer_limit_bytes": piece["per_connection_buffer_limit_bytes"],
+                "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                                                "typed_config": hcm}]}],
+            }],
+            "clusters": [inference, *piece["clusters"]],
+        },
+    }
+
+
+def render(doc: dict[str, Any], source: str, mode: str) -> str:
+    """render writes ``doc`` as YAML under a comment naming the kvgate file and mode it came from."""
+    head = (f"# Written by `kvgate envoy-filter --config {source} --mode {mode}`: the values that must\n"
+            f"# agree with {source} come from it; check a hand-edited file with\n"
+            f"# `kvgate check-config {source} --envoy FILE`.\n")
+    return head + yaml.safe_dump(doc, sort_keys=False, default_flow_style=False, width=100)
+
+
+# --- check ---------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Disagreement:
+    """Disagreement is one value of an Envoy file that does not match kvgate's configuration.
+
+    ``key``: the kvgate key it breaks; ``where``: the place in the Envoy file; ``reason``:
+    what is wrong and what to do.
+    """
+
+    key: str
+    where: str
+    reason: str
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)s\s*$")
+
+
+def _duration_s(value: Any) -> float | None:
+    """_duration_s reads an Envoy duration (``"2s"``, ``{seconds, nanos}``) in seconds; None if absent or odd."""
+    if isinstance(value, str):
+        m = _DURATION.match(value)
+        return float(m.group(1)) if m else None
+    if isinstance(value, dict):
+        try:
+            return float(value.get("seconds", 0)) + float(value.get("nanos", 0)) / 1e9
+        except (TypeError, ValueError):
+            return None
+    return None
+
+
+def _items(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _connection_managers(doc: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """_connection_managers yields (where, listener, HCM config) for every static listener."""
+    for i, listener in enumerate(_items(_dict(doc.get("static_resources")).get("listeners"))):
+        listener = _dict(listener)
+        name = listener.get("name", i)
+        for j, chain in enumerate(_items(listener.get("filter_chains"))):
+            for k, f in enumerate(_items(_dict(chain).get("filters"))):
+                tc = _dict(_dict(f).get("typed_config"))
+                if str(tc.get("@type", "")).endswith("HttpConnectionManager"):
+                    yield f"listeners[{name}].filter_chains[{j}].filters[{k}]", listener, tc
+
+
+def _cluster_addresses(doc: dict[str, Any], name: str) -> list[tuple[str, int]] | None:
+    for c in _items(_dict(doc.get("static_resources")).get("clusters")):
+        c = _dict(c)
+        if c.get("name") == name:
+            out = []
+            for eps in _items(_dict(c.get("load_assignment")).get("endpoints")):
+                for lb in _items(_dict(eps).get("lb_endpoints")):
+                    sa = _dict(_dict(_dict(_dict(lb).get("endpoint")).get("address")).get("socket_address"))
+                    if "port_value" in sa:
+                        out.append((str(sa.get("address", "")), int(sa["port_value"])))
+            return out
+    return None
+
+
+def _check_grpc(config: Config, doc: dict[str, Any], where: str, ext: dict[str, Any]) -> list[Disagreement]:
+    want_host, want_port = _kvgate_address(config)
+    wildcard = _split(config.server.grpc_listen)[0] in ("", "0.0.0.0", "::")
+    grpc = _dict(ext.get("grpc_service"))
+    if "google_grpc" in grpc:
+        target = str(_dict(grpc["google_grpc"]).get("target_uri", ""))
+        addrs = [_split(target)] if re.match(r"^[^:]*:\d+$", target) else []
+        place = f"{where}.grpc_service.google_grpc.target_uri"
+    else:
+        cluster = _dict(grpc.get("envoy_grpc")).get("cluster_name")
+        found = _cluster_addresses(doc, str(cluster))
+        if found is None:
+            return [Disagreement("server.grpc_listen", f"{where}.grpc_service",
+                                 f"the ext_proc filter names cluster {cluster!r}, which the file does "
+                                 f"not define (envoy --mode validate does not notice)")]
+        addrs = found
+        place = f"clusters[{cluster}]"
+    if not addrs or any(port != want_port or (not wildcard and host != want_host) for host, port in addrs):
+        shown = ", ".join(f"{h}:{p}" for h, p in addrs) or "no address"
+        return [Disagreement("server.grpc_listen", place,
+                             f"kvgate listens on {config.server.grpc_listen}, Envoy sends to {shown}")]
+    return []
+
+
+def _check_timeouts(config: Config, where: str, ext: dict[str, Any]) -> list[Disagreement]:
+    out = []
+    base = _duration_s(ext.get("message_timeout", "0.2s"))
+    if base is None or not math.isclose(base, config.server.envoy_message_timeout_s, abs_tol=1e-6):
+        out.append(Disagreement("server.envoy_message_timeout_s", f"{where}.message_timeout",
+                                f"Envoy's message_timeout is {ext.get('message_timeout', '0.2s (default)')}, "
+                                f"kvgate expects {_seconds(config.server.envoy_message_timeout_s)} "
+                                f"(it watches for waits cut off there)"))
+    ceiling = _duration_s(ext.get("max_message_timeout", "0s")) or 0.0
+    for name, cls in sorted(config.tenants.classes.items()):
+        need = cls.max_wait_s + WAIT_TIMEOUT_MARGIN_S
+        if cls.max_wait_s > 0 and need > ceiling + 1e-9:
+            out.append(Disagreement(
+                f"tenants.classes.{name}.max_wait_s", f"{where}.max_message_timeout",
+                f"a waiting request of class {name!r} asks Envoy for a {_seconds(need)} message "
+                f"timeout (max_wait_s + {_seconds(WAIT_TIMEOUT_MARGIN_S)}), above max_message_timeout "
+                f"{_seconds(ceiling)}: Envoy ignores it and every wait ends in a 504 after "
+                f"{ext.get('message_timeout', '0.2s')}; set max_message_timeout to at least {_seconds(math.ceil(need))}"))
+    return out
+
+
+def _check_attributes(config: Config, where: str, ext: dict[str, Any]) -> list[Disagreement]:
+    mode = _dict(ext.get("processing_mode"))
+    if mode.get("request_header_mode", "SEND") != "SKIP":
+        return []
+    have = {str(a).replace('"', "'") for a in _items(ext.get("request_attributes"))}
+    out = []
+    tenant = f"request.headers['{config.tenants.header}']"
+    if tenant not in have:
+        out.append(Disagreement("tenants.header", f"{where}.request_attributes",
+                                f"request headers are skipped and {tenant} is not among the request "
+                                f"attributes: kvgate never sees the tenant"))
+    if "request.path" not in have:
+        out.append(Disagreement("pools", f"{where}.request_attributes",
+                                "request headers are skipped and request.path is not among the request "
+                                "attributes: kvgate cannot tell an LLM endpoint from anything else"))
+    if any(t.api_key_sha256 for t in config.tenants.tenants.values()) and \
+            "request.headers['authorization']" not in have:
+        out.append(Disagreement("tenants.tenants", f"{where}.request_attributes",
+                                "tenants are known by API key but request.headers['authorization'] is "
+                                "not among the request attributes"))
+    return out
+
+
+def _check_body(config: Config, where: str, listener: dict[str, Any], hcm: dict[str, Any],
+                ext: dict[str, Any]) -> list[Disagreement]:
+    out = []
+    cap = config.limits.max_body_bytes
+    if _dict(ext.get("processing_mode")).get("request_body_mode", "NONE") == "BUFFERED":
+        limit = int(listener.get("per_connection_buffer_limit_bytes", ENVOY_DEFAULT_BUFFER_BYTES))
+        if limit <= cap:
+            out.append(Disagreement("limits.max_body_bytes", f"{where} listener per_connection_buffer_limit_bytes",
+                                    f"Envoy buffers at most {limit} bytes, not above max_body_bytes {cap}: "
+                                    f"bodies near the cap get Envoy's bare 413; set it to {buffer_limit_bytes(config)}"))
+    for vi, vh in enumerate(_items(_dict(hcm.get("route_config")).get("virtual_hosts"))):
+        for ri, route in enumerate(_items(_dict(vh).get("routes"))):
+            route = _dict(route)
+            if _dict(route.get("direct_response")).get("status") != 413:
+                continue
+            for h in _items(_dict(route.get("match")).get("headers")):
+                h = _dict(h)
+                start = _dict(h.get("range_match")).get("start")
+                if str(h.get("name", "")).lower() == "content-length" and start is not None \
+                        and int(start) != cap + 1:
+                    out.append(Disagreement("limits.max_body_bytes",
+                                            f"{where}.route_config.virtual_hosts[{vi}].routes[{ri}]",
+                                            f"Envoy answers 413 from content-length {start}, kvgate's cap "
+                                            f"is {cap}: make the range start {cap + 1}"))
+    return out
+
+
+def _route_metadata(hcm: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """_route_metadata yields (where, value) for each ``kvgate`` entry a route or virtual host sets."""
+    for vi, vh in enumerate(_items(_dict(hcm.get("route_config")).get("virtual_hosts"))):
+        vh = _dict(vh)
+        places = [(f"virtual_hosts[{vi}]", vh)]
+        places += [(f"virtual_hosts[{vi}].routes[{ri}]", _dict(r)) for ri, r in enumerate(_items(vh.get("routes")))]
+        for place, holder in places:
+            per = _dict(_dict(holder.get("typed_per_filter_config")).get("envoy.filters.http.set_metadata"))
+            for mi, entry in enumerate(_items(per.get("metadata"))):
+                entry = _dict(entry)
+                if entry.get("metadata_namespace") == METADATA_NAMESPACE:
+                    yield f"{place}.typed_per_filter_config.set_metadata[{mi}]", _dict(entry.get("value"))
+
+
+def _check_routes(config: Config, where: str, hcm: dict[str, Any], filters: list[Any],
+                  ext_index: int, ext: dict[str, Any]) -> list[Disagreement]:
+    out = []
+    entries = list(_route_metadata(hcm))
+    for place, value in entries:
+        at = f"{where}.route_config.{place}"
+        for key, v in value.items():
+            if key not in ROUTE_KEYS:
+                out.append(Disagreement("pools", at, f"unknown per-route key {key!r} (kvgate reads "
+                                                     f"{', '.join(ROUTE_KEYS)}): it is ignored"))
+            elif key == "pool" and v not in config.pools:
+                out.append(Disagreement("pools", at, f"route pool {v!r} is not a configured pool "
+                                                     f"({', '.join(sorted(config.pools))})"))
+            elif key == "tenant_class" and v not in config.tenants.classes:
+                out.append(Disagreement("tenants.classes", at, f"route tenant_class {v!r} is not a configured "
+                                                               f"class ({', '.join(sorted(config.tenants.classes))})"))
+            elif key == "release" and v not in RELEASES:
+                out.append(Disagreement("server.access_log_ttl_s", at,
+                                        f"release {v!r}: expected one of {', '.join(RELEASES)}"))
+            elif key in ("context_window", "max_body_bytes") and not (
+                    isinstance(v, int | float) and not isinstance(v, bool) and v > 0 and float(v).is_integer()):
+                out.append(Disagreement(f"limits.{key}" if key == "max_body_bytes" else "pools", at,
+                                        f"{key} must be a whole number above 0, got {v!r}"))
+            elif key == "release" and v == "access_log" and not _logs_to_kvgate(hcm, ext):
+                out.append(Disagreement("server.access_log_ttl_s", at,
+                                        "release: access_log, but no gRPC access log of this connection "
+                                        "manager goes to the kvgate cluster: every such lease waits for "
+                                        "access_log_ttl_s"))
+    if entries:
+        names = [str(_dict(f).get("name", "")) for f in filters]
+        first_set = next((i for i, n in enumerate(names) if n == "envoy.filters.http.set_metadata"), None)
+        if first_set is None or first_set > ext_index:
+            out.append(Disagreement("pools", f"{where}.http_filters",
+                                    "routes set kvgate metadata but no set_metadata filter runs before "
+                                    "ext_proc: kvgate never sees it"))
+        forwarded = _items(_dict(_dict(ext.get("metadata_options")).get("forwarding_namespaces")).get("untyped"))
+        if METADATA_NAMESPACE not in forwarded:
+            out.append(Disagreement("pools", f"{where}.http_filters[{ext_index}].metadata_options",
+                                    f"routes set kvgate metadata but forwarding_namespaces.untyped lacks "
+                                    f"{METADATA_NAMESPACE!r}: kvgate never sees it"))
+    return out
+
+
+def _logs_to_kvgate(hcm: dict[str, Any], ext: dict[str, Any]) -> bool:
+    cluster = _dict(_dict(ext.get("grpc_service")).get("envoy_grpc")).get("cluster_name")
+    for log in _items(hcm.get("access_log")):
+        common = _dict(_dict(_dict(log).get("typed_config")).get("common_config"))
+        if _dict(_dict(common.get("grpc_service")).get("envoy_grpc")).get("cluster_name") == cluster:
+            return True
+    return False
+
+
+def check_envoy(config: Config, doc: Any) -> list[Disagreement]:
+    """check_envoy lists every value of the Envoy file ``doc`` (decoded YAML) that disagrees with ``config``.
+
+    An Envoy file with no ext_proc filter at all is one disagreement. Each admission filter
+    (an ext_proc filter not in observability mode) of every static listener is checked.
+    """
+    if not isinstance(doc, dict):
+        return [Disagreement("-", "(top)", "the Envoy file is not a YAML mapping")]
+    out: list[Disagreement] = []
+    seen = False
+    for where, listener, hcm in _connection_managers(doc):
+        filters = _items(hcm.get("http_filters"))
+        for i, f in enumerate(filters):
+            ext = _dict(_dict(f).get("typed_config"))
+            if ext.get("@type") != EXT_PROC_TYPE or ext.get("observability_mode"):
+                continue
+            seen = True
+            at = f"{where}.http_filters[{i}]"
+            out += _check_grpc(config, doc, at, ext)
+            out += _check_timeouts(config, at, ext)
+            out += _check_attributes(config, at, ext)
+            out += _check_body(config, where, listener, hcm, ext)
+            out += _check_routes(config, where, hcm, filters, i, ext)
+    if not seen:
+        out.append(Disagreement("-", "static_resources.listeners",
+                                "no ext_proc filter (outside observability mode) in any listener"))
+    return out

@@ -1,0 +1,196 @@
+"""`kvgate envoy-filter` and `kvgate check-config --envoy`: the Envoy file written from kvgate's
+configuration validates with the real Envoy, matches the shipped files, and every value an
+operator can get wrong by hand is reported by the kvgate key it breaks."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from extproc.config import load_config, parse_config
+from extproc.envoyconf import MODES, check_envoy, envoy_bootstrap, envoy_filter
+from tests.deploy.support import K8S, ROOT, docs, envoy_binary, envoy_validate
+
+KVGATE = ROOT / "deploy" / "kvgate.yaml"
+SHIPPED = {"three-message": "envoy.yaml", "four-message": "envoy-four-message.yaml",
+           "reservation": "envoy-reservation.yaml", "observe": "envoy-observe.yaml",
+           "access-log": "envoy-access-log.yaml"}
+
+
+def kvgate(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "extproc", *args], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_printed_file_validates_with_envoy_and_is_the_shipped_one(mode: str, tmp_path: Path) -> None:
+    out = kvgate("envoy-filter", "--config", str(KVGATE), "--mode", mode, "--bootstrap")
+    assert out.returncode == 0, out.stderr
+    path = tmp_path / "envoy.yaml"
+    path.write_text(out.stdout)
+    checked = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path), "--log-level", "error",
+                              "--disable-hot-restart"], capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    # The shipped file for the mode is the written one plus comments: one source of truth.
+    assert yaml.safe_load(out.stdout) == yaml.safe_load((ROOT / "deploy" / SHIPPED[mode]).read_text())
+
+
+@pytest.mark.parametrize("mode", ["three-message", "access-log"])
+def test_the_pieces_fit_into_an_operators_own_file(mode: str, tmp_path: Path) -> None:
+    """Without --bootstrap: the pieces, placed by hand into a listener of one's own."""
+    out = kvgate("envoy-filter", "--config", str(KVGATE), "--mode", mode)
+    assert out.returncode == 0, out.stderr
+    piece = yaml.safe_load(out.stdout)
+    hcm: dict[str, Any] = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."
+                 "HttpConnectionManager",
+        "stat_prefix": "mine", "http_filters": piece["http_filters"],
+        "route_config": {"virtual_hosts": [{"name": "mine", "domains": ["*"], "routes": piece["routes"],
+                                            **({"response_headers_to_add": piece["response_headers_to_add"]}
+                                               if "response_headers_to_add" in piece else {})}]}}
+    if "access_log" in piece:
+        hcm["access_log"] = piece["access_log"]
+    mine = {"static_resources": {
+        "listeners": [{"name": "mine", "address": {"socket_address": {"address": "127.0.0.1", "port_value": 10000}},
+                       "per_connection_buffer_limit_bytes": piece["per_connection_buffer_limit_bytes"],
+                       "filter_chains": [{"filters": [{"name": "hcm", "typed_config": hcm}]}]}],
+        "clusters": [*piece["clusters"], {"name": "inference", "type": "STATIC", "load_assignment": {
+            "cluster_name": "inference", "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {
+                "socket_address": {"address": "127.0.0.1", "port_value": 8000}}}}]}]}}]}}
+    checked = envoy_validate(mine, tmp_path)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert check_envoy(load_config(KVGATE), mine) == []
+
+
+def test_the_values_follow_the_kvgate_file() -> None:
+    data = yaml.safe_load(KVGATE.read_text())
+    data["tenants"]["header"] = "x-team"
+    data["tenants"]["classes"]["interactive"]["max_wait_s"] = 90.0
+    data["server"]["grpc_listen"] = "127.0.0.1:6001"
+    data["limits"]["max_body_bytes"] = 2_000_000
+    config = parse_config(data)
+    piece = envoy_filter(config)
+    ext = piece["http_filters"][1]["typed_config"]
+    assert "request.headers['x-team']" in ext["request_attributes"]
+    assert ext["max_message_timeout"] == "91s"  # 90 s of waiting + kvgate's 1 s margin
+    assert piece["per_connection_buffer_limit_bytes"] == 8_000_000
+    assert piece["routes"][0]["match"]["headers"][0]["range_match"]["start"] == 2_000_001
+    address = piece["clusters"][0]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+    assert address["socket_address"] == {"address": "127.0.0.1", "port_value": 6001}
+    assert check_envoy(config, envoy_bootstrap(config)) == []
+
+
+def test_every_shipped_envoy_file_agrees_with_the_shipped_kvgate_file() -> None:
+    config = load_config(KVGATE)
+    for envoy_file in SHIPPED.values():
+        assert check_envoy(config, yaml.safe_load((ROOT / "deploy" / envoy_file).read_text())) == [], envoy_file
+    out = kvgate("check-config", str(KVGATE), "--envoy", str(ROOT / "deploy" / "envoy.yaml"))
+    assert out.returncode == 0 and "agrees" in out.stdout, out.stderr
+
+
+def test_the_kubernetes_envoy_file_agrees_with_the_kubernetes_kvgate_file() -> None:
+    envoy = yaml.safe_load(docs(K8S / "envoy-config.yaml")[0]["data"]["envoy.yaml"])
+    kv = yaml.safe_load(docs(K8S / "kvgate-config.yaml")[0]["data"]["kvgate.yaml"])
+    assert check_envoy(parse_config(kv), envoy) == []
+
+
+def shipped(name: str = "envoy.yaml") -> dict[str, Any]:
+    return yaml.safe_load((ROOT / "deploy" / name).read_text())
+
+
+def hcm_of(doc: dict[str, Any]) -> dict[str, Any]:
+    return doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+
+
+def ext_of(doc: dict[str, Any]) -> dict[str, Any]:
+    return next(f["typed_config"] for f in hcm_of(doc)["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
+
+
+def _tenant_header(doc: dict, cfg: dict) -> None:
+    cfg["tenants"]["header"] = "x-org"
+
+
+def _grpc_port(doc: dict, cfg: dict) -> None:
+    cfg["server"]["grpc_listen"] = "0.0.0.0:50052"
+
+
+def _cluster_name(doc: dict, cfg: dict) -> None:
+    ext_of(doc)["grpc_service"]["envoy_grpc"]["cluster_name"] = "kvgat"
+
+
+def _long_wait(doc: dict, cfg: dict) -> None:
+    cfg["tenants"]["classes"]["interactive"]["max_wait_s"] = 120.0  # Envoy's ceiling is 60 s
+
+
+def _base_timeout(doc: dict, cfg: dict) -> None:
+    ext_of(doc)["message_timeout"] = "0.2s"
+
+
+def _bigger_bodies(doc: dict, cfg: dict) -> None:
+    cfg["limits"]["max_body_bytes"] = 8 * 1024 * 1024
+
+
+def _route_pool(doc: dict, cfg: dict) -> None:
+    hcm_of(doc)["route_config"]["virtual_hosts"][0]["routes"][-1]["typed_per_filter_config"][
+        "envoy.filters.http.set_metadata"]["metadata"][0]["value"] = {"pool": "llama", "tier": "gold"}
+
+
+def _no_set_metadata(doc: dict, cfg: dict) -> None:
+    hcm_of(doc)["http_filters"].pop(0)
+
+
+def _no_forwarding(doc: dict, cfg: dict) -> None:
+    del ext_of(doc)["metadata_options"]
+
+
+def _no_access_log(doc: dict, cfg: dict) -> None:
+    del hcm_of(doc)["access_log"]
+
+
+# (what breaks, the Envoy file it starts from, the kvgate keys reported)
+BREAKS = [
+    (_tenant_header, "envoy.yaml", ["tenants.header"]),
+    (_grpc_port, "envoy.yaml", ["server.grpc_listen"]),
+    (_cluster_name, "envoy.yaml", ["server.grpc_listen"]),
+    (_long_wait, "envoy.yaml", ["tenants.classes.interactive.max_wait_s"]),
+    (_base_timeout, "envoy.yaml", ["server.envoy_message_timeout_s"]),
+    (_bigger_bodies, "envoy.yaml", ["limits.max_body_bytes", "limits.max_body_bytes"]),
+    (_bigger_bodies, "envoy-four-message.yaml", ["limits.max_body_bytes"]),  # no 413 route there
+    (_route_pool, "envoy.yaml", ["pools", "pools"]),
+    (_no_set_metadata, "envoy.yaml", ["pools"]),
+    (_no_forwarding, "envoy.yaml", ["pools"]),
+    (_no_access_log, "envoy-access-log.yaml", ["server.access_log_ttl_s"]),
+]
+
+
+@pytest.mark.parametrize(("brk", "start", "keys"), BREAKS, ids=[f"{b[0].__name__[1:]}-{b[1]}" for b in BREAKS])
+def test_each_disagreement_is_reported_by_its_kvgate_key(brk, start: str, keys: list[str]) -> None:
+    doc = copy.deepcopy(shipped(start))
+    cfg = yaml.safe_load(KVGATE.read_text())
+    brk(doc, cfg)
+    found = check_envoy(parse_config(cfg), doc)
+    assert sorted(d.key for d in found) == sorted(keys), found
+    assert all(d.where and d.reason for d in found)
+
+
+def test_the_504_that_bit_twice_is_named_with_what_to_set(tmp_path: Path) -> None:
+    cfg = yaml.safe_load(KVGATE.read_text())
+    cfg["tenants"]["classes"]["interactive"]["max_wait_s"] = 120.0
+    (tmp_path / "kvgate.yaml").write_text(yaml.safe_dump(cfg))
+    out = kvgate("check-config", str(tmp_path / "kvgate.yaml"), "--envoy", str(ROOT / "deploy" / "envoy.yaml"))
+    assert out.returncode == 2
+    assert "error: tenants.classes.interactive.max_wait_s:" in out.stderr
+    assert "504" in out.stderr and "at least 121s" in out.stderr
+
+
+def test_an_envoy_file_without_ext_proc_or_unreadable_is_an_error(tmp_path: Path) -> None:
+    assert [d.key for d in check_envoy(load_config(KVGATE), {"static_resources": {}})] == ["-"]
+    (tmp_path / "bad.yaml").write_text("static_resources: [unclosed\n")
+    out = kvgate("check-config", str(KVGATE), "--envoy", str(tmp_path / "bad.yaml"))
+    assert out.returncode == 2 and "cannot read" in out.stderr
