@@ -17,6 +17,7 @@ four-message    ``envoy-four-message``   request headers too
 reservation     ``envoy-reservation``    no response body: the reservation is charged in full
 observe         ``envoy-observe``        the response on a second, observability-mode filter
 access-log      ``envoy-access-log``     no response: the access-log entry releases the lease
+endpoint-picker ``envoy-endpoint-picker`` request headers too, held until kvgate names the node
 ==============  =======================  ====================================================
 """
 
@@ -33,7 +34,13 @@ import yaml
 from extproc.config import Config
 from extproc.exchange import METADATA_NAMESPACE, RELEASES, ROUTE_KEYS, WAIT_TIMEOUT_MARGIN_S
 
-MODES = ("three-message", "four-message", "reservation", "observe", "access-log")
+MODES = ("three-message", "four-message", "reservation", "observe", "access-log", "endpoint-picker")
+# Modes in which kvgate sees the request headers (and so decides before Envoy routes).
+_HEADERS_SENT = ("four-message", "endpoint-picker")
+HEADER_MUTATION_TYPE = "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation"
+# Headers only kvgate may set in the endpoint-picker mode: client-sent copies are removed.
+PICKER_HEADERS = ("x-gateway-destination-endpoint", "x-gateway-destination-endpoint-served",
+                  "x-gateway-destination-endpoint-subset")
 DEFAULT_MODE = "three-message"
 # The shortest max_message_timeout written (seconds): room for a class added by a reload.
 MIN_MAX_MESSAGE_TIMEOUT_S = 60
@@ -92,8 +99,9 @@ def request_attributes(config: Config) -> list[str]:
 
 
 def _ext_proc(config: Config, mode: str) -> dict[str, Any]:
-    skip_headers = mode != "four-message"
-    response_body = {"three-message": "STREAMED", "four-message": "STREAMED"}.get(mode, "NONE")
+    skip_headers = mode not in _HEADERS_SENT
+    response_body = {"three-message": "STREAMED", "four-message": "STREAMED",
+                     "endpoint-picker": "STREAMED"}.get(mode, "NONE")
     response_headers = "SKIP" if mode in ("observe", "access-log") else "SEND"
     cfg: dict[str, Any] = {
         "@type": EXT_PROC_TYPE,
@@ -113,8 +121,10 @@ def _ext_proc(config: Config, mode: str) -> dict[str, Any]:
     }
     if skip_headers:
         cfg["request_attributes"] = request_attributes(config)
-    if mode in ("three-message", "four-message", "reservation"):
+    if mode in ("three-message", "four-message", "reservation", "endpoint-picker"):
         cfg["allow_mode_override"] = True
+    if mode == "endpoint-picker":  # kvgate's answer sets the destination and clears the route
+        cfg["mutation_rules"] = {"allow_all_routing": True}
     options: dict[str, Any] = {"forwarding_namespaces": {"untyped": [METADATA_NAMESPACE]}}
     if mode in ("observe", "access-log"):
         options["receiving_namespaces"] = {"untyped": [METADATA_NAMESPACE]}
@@ -123,7 +133,11 @@ def _ext_proc(config: Config, mode: str) -> dict[str, Any]:
 
 
 def _http_filters(config: Config, mode: str) -> list[dict[str, Any]]:
-    filters = [
+    filters = [] if mode != "endpoint-picker" else [
+        {"name": "envoy.filters.http.header_mutation", "typed_config": {
+            "@type": HEADER_MUTATION_TYPE,
+            "mutations": {"request_mutations": [{"remove": h} for h in PICKER_HEADERS]}}}]
+    filters += [
         {"name": "envoy.filters.http.set_metadata", "typed_config": {"@type": SET_METADATA_TYPE}},
         {"name": "envoy.filters.http.ext_proc", "typed_config": _ext_proc(config, mode)},
     ]
@@ -166,7 +180,7 @@ def _kvgate_cluster(config: Config) -> dict[str, Any]:
 
 def _routes(config: Config, mode: str, upstream_cluster: str) -> list[dict[str, Any]]:
     routes: list[dict[str, Any]] = []
-    if mode != "four-message":
+    if mode not in _HEADERS_SENT:
         # kvgate first hears of a request with its whole body: refuse what it would refuse
         # anyway before the body is read.
         routes.append({
@@ -224,7 +238,7 @@ def envoy_filter(config: Config, mode: str = DEFAULT_MODE) -> dict[str, Any]:
     out: dict[str, Any] = {
         "per_connection_buffer_limit_bytes": buffer_limit_bytes(config),
         "http_filters": _http_filters(config, mode),
-        "routes": _routes(config, mode, "inference"),
+        "routes": _routes(config, mode, "nodes" if mode == "endpoint-picker" else "inference"),
         "clusters": [_kvgate_cluster(config)],
     }
     if mode == "access-log":
@@ -250,16 +264,26 @@ def envoy_bootstrap(config: Config, mode: str = DEFAULT_MODE, *, listen: str = "
     hcm: dict[str, Any] = {"@type": HCM_TYPE, "stat_prefix": "inference"}
     if "access_log" in piece:
         hcm["access_log"] = piece["access_log"]
-    hcm.update({"request_timeout": "0s", "stream_idle_timeout": "300s",
-                "route_config": {"name": "inference", "virtual_hosts": [vhost]},
+    hcm.update({"request_timeout": "0s", "stream_idle_timeout": "300s"})
+    if mode == "endpoint-picker":
+        hcm.update({"normalize_path": True, "merge_slashes": True})
+    hcm.update({"route_config": {"name": "inference", "virtual_hosts": [vhost]},
                 "http_filters": piece["http_filters"]})
-    inference = {
+    inference: dict[str, Any] = {
         "name": "inference", "type": "STRICT_DNS", "connect_timeout": "1s",
         "circuit_breakers": {"thresholds": [{"max_connections": 100000, "max_pending_requests": 100000,
                                              "max_requests": 100000}]},
         "load_assignment": {"cluster_name": "inference", "endpoints": [{"lb_endpoints": [
             {"endpoint": {"address": {"socket_address": {"address": uhost, "port_value": uport}}}}]}]},
     }
+    if mode == "endpoint-picker":  # any node kvgate names, by the header only kvgate sets
+        inference = {
+            "name": "nodes", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED",
+            "connect_timeout": "1s",
+            "original_dst_lb_config": {"use_http_header": True,
+                                       "http_header_name": PICKER_HEADERS[0]},
+            "circuit_breakers": inference["circuit_breakers"],
+        }
     return {
         "admin": {"address": {"socket_address": {"address": ahost, "port_value": aport}}},
         "static_resources": {
