@@ -10,7 +10,7 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_VERSION ?= 0.32.0
 
-.PHONY: install run test test-unit test-e2e bench bench-admission bench-overhead bench-protection bench-redis bench-scrape bench-tokens bench-vllm install-vllm check-config clean
+.PHONY: install run test test-unit test-e2e test-vllm bench bench-admission bench-overhead bench-protection bench-redis bench-scrape bench-tokens bench-vllm install-vllm check-config clean
 
 install: $(STAMP)
 
@@ -64,6 +64,10 @@ $(VLLM_STAMP):
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_PY) -c 'import vllm.entrypoints.openai.api_server'
 	touch $(VLLM_STAMP)
+
+# The end-to-end test against the real engine (make test runs it too once .venv-vllm exists).
+test-vllm: install install-vllm
+	$(PY) -m pytest -q -m vllm tests/e2e/test_vllm_engine.py
 
 bench-vllm: install install-vllm
 	$(PY) bench/bench_vllm.py --vllm-python $(VLLM_PY)

@@ -453,9 +453,10 @@ async def sample(engine: Engine, t0: float, out: Outcome, period_s: float = 0.25
             try:
                 async with session.get(f"{engine.url}/metrics") as resp:
                     m = parse_metrics(await resp.text())
-                usage = m.get("vllm:kv_cache_usage_perc", 0.0)
-                out.series.append((time.monotonic() - t0, usage))
-                out.peak_kv = max(out.peak_kv, usage)
+                usage = m.get("vllm:kv_cache_usage_perc")
+                if usage is not None:  # a missing gauge is no reading of 0
+                    out.series.append((time.monotonic() - t0, usage))
+                    out.peak_kv = max(out.peak_kv, usage)
                 out.peak_running = max(out.peak_running, m.get("vllm:num_requests_running", 0.0))
                 out.peak_waiting = max(out.peak_waiting, m.get("vllm:num_requests_waiting", 0.0))
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
@@ -562,7 +563,8 @@ def plot(outcomes: list[Outcome], path: Path, flags: EngineFlags) -> None:
     fig, ax = plt.subplots(figsize=(8, 3.6))
     for o in outcomes:
         if o.run == 1 and o.series:
-            ax.plot([t for t, _ in o.series], [u for _, u in o.series], label=o.row)
+            ax.plot([t for t, _ in o.series], [u for _, u in o.series],
+                    label=f"{o.row}: {o.preemptions:g} preemptions")
     ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
     ax.set_xlabel("seconds from the burst (the frozen check included)")
     ax.set_ylabel("vllm:kv_cache_usage_perc")
@@ -648,7 +650,8 @@ def report(outcomes: list[Outcome], skipped: dict[str, str], flags: EngineFlags,
     lines += [
         "",
         "Values are min-max over the runs (one value where all runs agree). Elapsed: first request "
-        "sent to last answer, with the seconds the engine was frozen for the check taken out.",
+        "sent to last answer, with the seconds the engine was frozen for the check taken out. "
+        "kvgate refusals: its 429s (the class wait ran out), each retried by the client.",
         "",
         "## kvgate's reading of vLLM's metrics, engine frozen",
         "",
@@ -667,7 +670,7 @@ def report(outcomes: list[Outcome], skipped: dict[str, str], flags: EngineFlags,
                          f"| {c.kvgate_waiting:g} | {c.vllm_running:g} | {'yes' if c.equal else 'NO'} |")
     lines += ["", "## Every run", "",
               "| run | row | preemptions | completed | failed | admitted | refusals | elapsed s | frozen s "
-              "| peak KV | kvgate KV budget | kvgate in flight after | notes |",
+              "| peak KV | kvgate KV budget after | kvgate in flight after | notes |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for o in outcomes:
         gatekeeping = o.row != "direct"
@@ -679,6 +682,9 @@ def report(outcomes: list[Outcome], skipped: dict[str, str], flags: EngineFlags,
             f"| {o.run} | {o.row} | {o.preemptions:g} | {o.completed} | {o.failed} | - | - "
             f"| {o.elapsed_s:.1f} | {o.frozen_s:.1f} | {o.peak_kv:.3f} | - | - | {'; '.join(o.errors)[:300]} |")
     lines += ["", "![vLLM KV usage over time](vllm_kv.png)", "",
+              "kvgate KV budget after: `kvgate_kv_budget_tokens` once vLLM is idle again, the derived "
+              "budget times the adaptive scale (still below 1 after a burst that drove KV usage above "
+              "the high watermark).", "",
               f"Whole benchmark: {wall_s:.0f} s.", ""]
     (out_dir / "vllm.md").write_text("\n".join(lines))
     plot(outcomes, out_dir / "vllm_kv.png", flags)
