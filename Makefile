@@ -9,6 +9,8 @@ VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_VERSION ?= 0.32.0
+# e.g. BENCH_VLLM_ARGS="--runs 3 --rows direct,kvgate"
+BENCH_VLLM_ARGS ?=
 
 .PHONY: install run test test-unit test-e2e test-vllm bench bench-admission bench-overhead bench-protection bench-redis bench-scrape bench-tokens bench-vllm install-vllm check-config clean
 
@@ -70,7 +72,7 @@ test-vllm: install install-vllm
 	$(PY) -m pytest -q -m vllm tests/e2e/test_vllm_engine.py
 
 bench-vllm: install install-vllm
-	$(PY) bench/bench_vllm.py --vllm-python $(VLLM_PY)
+	$(PY) bench/bench_vllm.py --vllm-python $(VLLM_PY) $(BENCH_VLLM_ARGS)
 
 bench: bench-admission bench-scrape bench-tokens bench-overhead bench-protection bench-redis
 
