@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.localstack import render_envoy
+from tests.support.kvmetrics import KvgateMetrics
 from tests.support.procs import LOOPBACK, ROOT, VENV_BIN, Proc, free_port, wait_until
 
 ENVOY_TEMPLATE = ROOT / "deploy" / "envoy.yaml"
@@ -82,7 +82,7 @@ def _is_ext_proc(http_filter: dict[str, Any]) -> bool:
         "ext_proc.v3.ExternalProcessor")
 
 
-class Stack:
+class Stack(KvgateMetrics):
     """Stack is one fake upstream, one processor and one Envoy, each a child process.
 
     ``kvgate_config`` is the kvgate configuration as a mapping (written to a file in
@@ -173,20 +173,6 @@ class Stack:
 
     # --- looking inside -------------------------------------------------------------------
 
-    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        """metrics reads kvgate's /metrics: {(sample name, sorted labels): value}."""
-        with urllib.request.urlopen(f"{self.admin_url}/metrics", timeout=5) as resp:
-            text = resp.read().decode()
-        out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-        return out
-
-    def metric(self, name: str, **labels: str) -> float:
-        """metric sums the samples of ``name`` whose labels include ``labels`` (0 if none)."""
-        want = set(labels.items())
-        return sum(v for (n, ls), v in self.metrics().items() if n == name and want <= set(ls))
 
     def inflight(self) -> float:
         """inflight is kvgate's admitted, unreleased requests over all pools and classes."""

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.localstack import render_envoy
+from tests.support.kvmetrics import KvgateMetrics
 from tests.support.procs import LOOPBACK, ROOT, VENV_BIN, Proc, free_port
 
 PICKER_ENVOY = ROOT / "deploy" / "envoy-endpoint-picker.yaml"
@@ -32,7 +32,7 @@ def _endpoint(port: int) -> dict[str, Any]:
     return {"endpoint": {"address": {"socket_address": {"address": LOOPBACK, "port_value": port}}}}
 
 
-class NodesStack:
+class NodesStack(KvgateMetrics):
     """NodesStack is ``nodes`` simulators, kvgate and Envoy, each a child process.
 
     ``kv_capacity_tokens`` is every node's KV cache; ``sim_args`` go to every simulator;
@@ -170,20 +170,6 @@ class NodesStack:
         with urllib.request.urlopen(req, timeout=5):
             pass
 
-    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        """metrics reads kvgate's /metrics: {(sample name, sorted labels): value}."""
-        with urllib.request.urlopen(f"{self.admin_url}/metrics", timeout=5) as resp:
-            text = resp.read().decode()
-        out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-        return out
-
-    def metric(self, name: str, **labels: str) -> float:
-        """metric sums the samples of ``name`` whose labels include ``labels`` (0 if none)."""
-        want = set(labels.items())
-        return sum(v for (n, ls), v in self.metrics().items() if n == name and want <= set(ls))
 
     def per_node(self, name: str, **labels: str) -> dict[str, float]:
         """per_node is ``name``'s value per backend label."""
