@@ -89,10 +89,6 @@ class TokenBucket:
         self.tokens = tokens if tokens < self.capacity else self.capacity
         return self.tokens
 
-    def reset_s(self, now: float) -> float:
-        """reset_s is the time, in seconds from ``now``, until the bucket is full again."""
-        return (self.capacity - self.refill(now)) / self.rate
-
 
 def wait_for(n: float, tokens: float, capacity: float, rate: float) -> float:
     """wait_for is the exact wait, in seconds, until ``n`` tokens fit in a bucket now holding ``tokens``.

@@ -16,6 +16,13 @@ limit. Admitted requests are never revoked: while a shrink leaves more slots in 
 the new limit (or than the limit minus the others' unused guarantees) allows, nobody is
 admitted, not even a class below its guarantee, until enough requests finish; from then on
 every class below its (shrunken) guarantee gets its slots again.
+
+Guarantees are held for their class, never lent: unlike partitioned limiters that let
+other partitions borrow an idle guarantee and take it back later, a slot lent to a batch
+request cannot be taken back from it while it runs (its KV stays on the node for
+minutes), so the class it was guaranteed to would find no slot exactly when it needs
+one. KV safety and the guarantee's promise come first; idle guaranteed slots are the
+price.
 """
 
 from __future__ import annotations
