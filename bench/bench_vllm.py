@@ -677,7 +677,8 @@ def report(outcomes: list[Outcome], skipped: dict[str, str], flags: EngineFlags,
         lines.append(
             f"| {o.run} | {o.row} | {o.preemptions:g} | {o.completed} | {o.failed} "
             f"| {o.admitted:g} | {o.refusals:g} | {o.elapsed_s:.1f} | {o.frozen_s:.1f} | {o.peak_kv:.3f} "
-            f"| {o.kvgate_budget:g} | {o.kvgate_inflight_after:g} | {'; '.join(o.errors)[:300]} |"
+            f"| {'off (per node)' if o.kvgate_budget is None else format(o.kvgate_budget, 'g')} "
+            f"| {o.kvgate_inflight_after:g} | {'; '.join(o.errors)[:300]} |"
             if gatekeeping else
             f"| {o.run} | {o.row} | {o.preemptions:g} | {o.completed} | {o.failed} | - | - "
             f"| {o.elapsed_s:.1f} | {o.frozen_s:.1f} | {o.peak_kv:.3f} | - | - | {'; '.join(o.errors)[:300]} |")
