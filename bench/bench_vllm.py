@@ -9,7 +9,8 @@ all of it), is sent, in each run, side by side:
 
 1. ``direct``: straight to vLLM, which admits them all and preempts as they outgrow its cache;
 2. ``kvgate``: through the real Envoy (``deploy/envoy.yaml``) and kvgate at the pool level,
-   the backend scraped from vLLM's ``/metrics``;
+   the backend scraped from vLLM's ``/metrics``, its KV budget derived as 0.9 x the capacity
+   vLLM reports (the default); ``kvgate-budget-1.0``: the same at 1.0 x;
 3. ``picker-learned`` and ``picker-worst_case``: through ``deploy/envoy-endpoint-picker.yaml``,
    with kvgate picking the node (the pool's backend has an ``address``); skipped, with the
    reason printed, while that Envoy file is not in the repository.
