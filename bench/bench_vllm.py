@@ -9,7 +9,8 @@ all of it), is sent, in each run, side by side:
 
 1. ``direct``: straight to vLLM, which admits them all and preempts as they outgrow its cache;
 2. ``kvgate``: through the real Envoy (``deploy/envoy.yaml``) and kvgate at the pool level,
-   the backend scraped from vLLM's ``/metrics``;
+   the backend scraped from vLLM's ``/metrics``, its KV budget derived as 0.9 x the capacity
+   vLLM reports (the default); ``kvgate-budget-1.0``: the same at 1.0 x;
 3. ``picker-learned`` and ``picker-worst_case``: through ``deploy/envoy-endpoint-picker.yaml``,
    with kvgate picking the node (the pool's backend has an ``address``); skipped, with the
    reason printed, while that Envoy file is not in the repository.
@@ -646,7 +647,8 @@ def report(outcomes: list[Outcome], skipped: dict[str, str], flags: EngineFlags,
             f"| {spread([o.elapsed_s for o in os_], 1)} | {spread([o.peak_kv for o in os_], 3)} "
             f"| {spread([o.peak_running for o in os_])} | {spread([o.peak_waiting for o in os_])} |")
     for key, why in skipped.items():
-        lines.append(f"| {key}: skipped | {why} | | | | | | |")
+        lines.append(f"| {key}: {'not run' if why.startswith('did not start') else 'skipped'} "
+                     f"| {why} | | | | | | |")
     lines += [
         "",
         "Values are min-max over the runs (one value where all runs agree). Elapsed: first request "
@@ -707,7 +709,11 @@ def build_model(vllm_python: Path, model_dir: Path) -> None:
                    env={**os.environ, **ENGINE_ENV}, timeout=600)
 
 
-async def bench(args: argparse.Namespace, keys: list[str], workdir: Path) -> tuple[list[Outcome], dict[str, str], float, EngineFlags]:
+async def bench(args: argparse.Namespace, keys: list[str], workdir: Path
+                ) -> tuple[list[Outcome], dict[str, str], dict[str, str], float, EngineFlags]:
+    """bench builds the model, starts vLLM and a kvgate + Envoy per gated row, and runs every
+    row ``args.runs`` times; returns the outcomes, the rows skipped and those that did not
+    start (each with its reason), vLLM's start-up seconds and its flags."""
     flags, burst = EngineFlags(), Burst(requests=args.requests)
     model_dir = args.model_dir
     build_model(args.vllm_python, model_dir)
@@ -718,6 +724,7 @@ async def bench(args: argparse.Namespace, keys: list[str], workdir: Path) -> tup
     rows = [r for r in rows if r.key not in skipped]
     for key, why in skipped.items():
         print(f"- {key}: skipped: {why}", flush=True)
+    failed: dict[str, str] = {}
     engine = Engine(args.vllm_python, model_dir, flags, workdir)
     outcomes: list[Outcome] = []
     gates: dict[str, Gate] = {}
@@ -727,7 +734,13 @@ async def bench(args: argparse.Namespace, keys: list[str], workdir: Path) -> tup
         # The pool-level kvgate also reads the engine during the direct burst, for the check.
         for r in rows:
             if r.envoy is not None:
-                gates[r.key] = await asyncio.to_thread(Gate(r, engine, tokenizer_path, workdir).start, engine)
+                try:
+                    gates[r.key] = await asyncio.to_thread(
+                        lambda r=r: Gate(r, engine, tokenizer_path, workdir).start(engine))
+                except Exception as exc:  # noqa: BLE001 - one row's setup must not lose the others
+                    failed[r.key] = f"did not start: {type(exc).__name__}: {exc}".replace("\n", " ")[:400]
+                    print(f"- {r.key}: {failed[r.key]}", flush=True)
+        rows = [r for r in rows if r.key not in failed]
         checker_for_direct = gates.get("kvgate") or next(iter(gates.values()), None)
         for run in range(1, args.runs + 1):
             texts = prompts(tok, burst, seed=run)
@@ -750,11 +763,12 @@ async def bench(args: argparse.Namespace, keys: list[str], workdir: Path) -> tup
         for g in gates.values():
             g.stop()
         engine.stop()
-    return outcomes, skipped, startup_s, flags
+    return outcomes, skipped, failed, startup_s, flags
 
 
 def main(argv: list[str] | None = None) -> int:
-    """main runs the rows for ``--runs`` runs and writes the report; 1 if the protection failed."""
+    """main runs the rows for ``--runs`` runs and writes the report; 1 if the protection failed,
+    a reading differed or a row did not start."""
     raw_argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm" / "bin" / "python",
@@ -780,16 +794,16 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-vllm-") as tmp:
-        outcomes, skipped, startup_s, flags = asyncio.run(bench(args, keys, Path(tmp)))
+        outcomes, skipped, failed, startup_s, flags = asyncio.run(bench(args, keys, Path(tmp)))
     vers = versions(args.vllm_python)
     shown = ["bench/bench_vllm.py", *[a.replace(str(ROOT) + os.sep, "") for a in raw_argv]]
-    verdict = report(outcomes, skipped, flags, Burst(requests=args.requests), args.runs, shown, vers,
+    verdict = report(outcomes, {**skipped, **failed}, flags, Burst(requests=args.requests), args.runs, shown, vers,
                      startup_s, time.monotonic() - started, args.out)
     print(verdict)
     print(f"report: {args.out / 'vllm.md'}")
     gated_preempted = any(o.preemptions > 0 for o in outcomes if o.row != "direct")
     unequal = any(o.check is not None and not o.check.equal for o in outcomes)
-    return 1 if gated_preempted or unequal else 0
+    return 1 if gated_preempted or unequal or failed else 0
 
 
 if __name__ == "__main__":
