@@ -29,6 +29,7 @@ run: install
 	$(PY) -m extproc.localstack
 
 test: install
+	$(PY) -m mypy
 	$(PY) -m pytest -q
 
 test-unit: install

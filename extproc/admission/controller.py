@@ -285,18 +285,20 @@ class Admission:
         if type(got) is Rejection:
             return got
         cls, plan = got  # type: ignore[misc]
-        refusal = self._blocked(p, demand, cls) if p.queue.size else None
-        behind = refusal is not None
-        if refusal is None:
+        blocker = self._blocked(p, demand, cls) if p.queue.size else None
+        behind = blocker is not None
+        if blocker is None:
             res = self._admit_now(p, demand, plan, now) if self._sync is not None else \
                 await self._admit(p, demand, plan, now)
-            if type(res) is Grant:
+            if isinstance(res, Grant):
                 return Lease(self, res, demand, p.config.context_window)
-            refusal = res  # type: ignore[assignment]
+            refusal: Refusal = res
             if not refusal.retryable or cls.max_wait_s <= 0:
                 return self._rejection(p, refusal, plan, now)
         elif cls.max_wait_s <= 0:
-            return self._rejection(p, refusal, plan, now, behind=True)
+            return self._rejection(p, blocker, plan, now, behind=True)
+        else:
+            refusal = blocker
         return await self._wait(p, demand, cls, plan, refusal, behind, now)
 
     def _pool(self, name: str) -> _Pool:
@@ -391,7 +393,7 @@ class Admission:
             pool=pool, scale=limits.scale, concurrency_limit=limits.limit, inflight=usage.inflight,
             inflight_by_class={k: v for k, v in usage.by_class.items() if v},
             tpm_capacity=None if bucket is None else int(bucket.capacity),
-            tpm_available=None if bucket is None else min(available, bucket.capacity),
+            tpm_available=None if bucket is None or available is None else min(available, bucket.capacity),
             kv_inflight=usage.kv_inflight, kv_budget=limits.kv_budget, alarm=p.tracker.alarm,
             waiting=p.queue.size)
 

@@ -293,7 +293,7 @@ class PoolNodes:
             lengths = cache.get(c.class_name, ())
             if lengths == ():
                 lengths = cache[c.class_name] = self._growth_lengths(c.class_name)
-            total += rules.node_hold(c.prompt, c.reserved, c.generated, lengths, q)  # type: ignore[arg-type]
+            total += rules.node_hold(c.prompt, c.reserved, c.generated, lengths, q)
         return total
 
     def headroom(self, n: Node) -> int | None:

@@ -115,7 +115,7 @@ class WaitQueue:
     def _delete(self, w: Waiter) -> None:
         level = self._levels.get(w.priority)
         fifo = None if level is None else level.get(w.demand.class_name)
-        if fifo is None or fifo.pop(w.seq, None) is None:
+        if level is None or fifo is None or fifo.pop(w.seq, None) is None:
             return
         if not fifo:
             del level[w.demand.class_name]
