@@ -247,8 +247,11 @@ class Gate:
         """tenant_of names the configured tenant of a request, or ANONYMOUS_TENANT.
 
         An API key (``authorization: Bearer KEY``) whose SHA-256 is configured wins over
-        the tenant header: a key is a credential, the header only a claim. More than one
-        tenant header is refused (RequestError): which one counts would be a guess.
+        the tenant header: a key is a credential, the header only a claim. A tenant that
+        has keys is reachable only with one of them: a header naming it without its key is
+        refused (RequestError 401 ``invalid_api_key``), so that nobody takes its class or
+        drains its bucket by writing its name. More than one tenant header is refused
+        (RequestError 400): which one counts would be a guess.
         """
         if len(header_values) > 1:
             raise RequestError(f"the {self.config.tenants.header} header is given "
@@ -262,7 +265,13 @@ class Gate:
                     return owner
         if header_values:
             name = header_values[0].decode("latin-1").strip()
-            if name in self.config.tenants.tenants:
+            known = self.config.tenants.tenants.get(name)
+            if known is not None:
+                if known.api_key_sha256:
+                    # The name is not echoed: it is the client's input.
+                    raise RequestError("This tenant requires one of its API keys "
+                                       "(authorization: Bearer KEY); the key given is missing "
+                                       "or not one of them.", status=401, code="invalid_api_key")
                 return name
         return ANONYMOUS_TENANT
 
@@ -508,7 +517,8 @@ class Exchange:
             self.tenant = gate.tenant_of(tenant_values, authorization)
         except RequestError as err:
             self.class_cfg = config.tenants.classes[config.tenants.default_class]
-            return self._refuse(err, "rejected_invalid")
+            return self._refuse(err, "rejected_unauthenticated" if err.status == 401
+                                else "rejected_invalid")
         self.class_cfg = (config.tenants.classes[route.tenant_class] if route.tenant_class
                           else config.class_of(self.tenant))
         return None

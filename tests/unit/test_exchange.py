@@ -411,6 +411,29 @@ async def test_tenant_from_header_and_from_hashed_api_key() -> None:
         ex.finish()
 
 
+async def test_a_tenant_with_keys_is_not_reachable_by_its_name_alone() -> None:
+    rig = Rig()
+    for extra in ([("x-tenant-id", "gold-1")],
+                  [("x-tenant-id", "gold-1"), ("authorization", "Bearer wrong-key")]):
+        ex = Exchange(rig.gate)
+        resp = ex.request_headers(headers_msg(extra=extra))
+        imm = resp.immediate_response
+        assert imm.status.code == 401, extra
+        assert orjson.loads(imm.body)["error"]["code"] == "invalid_api_key"
+        assert set_headers(imm)["x-kvgate-reason"] == "unauthenticated"
+        ex.finish()
+    assert rig.count("kvgate_requests_total", outcome="rejected_unauthenticated") == 2
+    assert rig.inflight() == 0
+    # with its key the claim is the tenant's; a keyless tenant's name is still enough
+    ok, _ = await admit(rig, extra=[("x-tenant-id", "gold-1"),
+                                    ("authorization", f"Bearer {API_KEY}")])
+    assert ok.lease.demand.class_name == "gold"
+    plain, _ = await admit(rig, extra=[("x-tenant-id", "acme")])
+    assert plain.lease.demand.tenant == "acme"
+    for ex in (ok, plain):
+        ex.finish()
+
+
 async def test_route_metadata_picks_pool_class_and_context_window() -> None:
     rig = Rig()
     md = route_metadata(pool="small", tenant_class="gold", context_window=512.0)
