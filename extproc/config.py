@@ -176,7 +176,7 @@ class ServerConfig:
     ``release: access_log``) may wait for its entry before it is released anyway.
     """
 
-    grpc_listen: str = "0.0.0.0:50051"
+    grpc_listen: str = "127.0.0.1:50051"
     admin_listen: str = "0.0.0.0:9464"
     drain_s: float = 5.0
     grace_s: float = 30.0
@@ -477,7 +477,7 @@ def _hostport(key: str, value: str) -> str:
 def _server(data: Any) -> ServerConfig:
     s = _Section("server", data)
     cfg = ServerConfig(
-        grpc_listen=_hostport("server.grpc_listen", s.string("grpc_listen", "0.0.0.0:50051")),
+        grpc_listen=_hostport("server.grpc_listen", s.string("grpc_listen", "127.0.0.1:50051")),
         admin_listen=_hostport("server.admin_listen", s.string("admin_listen", "0.0.0.0:9464")),
         drain_s=s.number("drain_s", 5.0, low=0.0, high=600.0),
         grace_s=s.number("grace_s", 30.0, low=0.0, high=3600.0),

@@ -360,6 +360,17 @@ def _evaluate(endpoint: oai.Endpoint, body: bytes, content_type: str | None,
     return parsed, oai.count_prompt_tokens(parsed, pool.tokenizer, pool.template)
 
 
+def _attribute_values(attributes: Any) -> dict[str, str]:
+    """_attribute_values flattens Envoy's request attributes (name -> string value)."""
+    values: dict[str, str] = {}
+    if attributes:
+        for struct in attributes.values():
+            for key, value in struct.fields.items():
+                if value.WhichOneof("kind") == "string_value":
+                    values[key] = value.string_value
+    return values
+
+
 _REASON_OUTCOME = {"concurrency": "rejected_concurrency", "tpm": "rejected_tpm",
                    "kv_budget": "rejected_kv_budget", "shed": "rejected_shed"}
 
@@ -474,12 +485,7 @@ class Exchange:
             return self._refuse(RequestError(
                 "a request header (the tenant header, authorization or content-type) is not "
                 "valid UTF-8"), "rejected_invalid")
-        values: dict[str, str] = {}
-        if attributes:
-            for struct in attributes.values():
-                for key, value in struct.fields.items():
-                    if value.WhichOneof("kind") == "string_value":
-                        values[key] = value.string_value
+        values = _attribute_values(attributes)
         path = values.get(ATTR_PATH)
         if path is None:
             return self._misconfigured(
@@ -488,13 +494,32 @@ class Exchange:
                 "ext_proc filter's request_attributes (see deploy/envoy.yaml)")
         self.content_type = values.get(ATTR_CONTENT_TYPE)
         authorization = values.get(ATTR_AUTHORIZATION)
+        return self._begin(path, values.get(ATTR_METHOD) == "POST",
+                           None if authorization is None else authorization.encode(),
+                           self._tenant_values(values), metadata)
+
+    def _tenant_values(self, values: dict[str, str]) -> list[bytes]:
         tenant = values.get(tenant_attribute(self.gate.config.tenants.header))
         # Envoy copied the header's bytes, which were UTF-8 (the message decoded): the same
         # bytes the header itself would have given.
-        tenant_values = [] if tenant is None else [v.encode() for v in tenant.split(",")]
-        return self._begin(path, values.get(ATTR_METHOD) == "POST",
-                           None if authorization is None else authorization.encode(),
-                           tenant_values, metadata)
+        return [] if tenant is None else [v.encode() for v in tenant.split(",")]
+
+    def _class_from_attributes(self, attributes: Any, metadata: Any) -> None:
+        """_class_from_attributes sets the pool and class of a request refused before kvgate
+        saw its body (Envoy's own 413), so that it is counted where it belongs; an identity
+        that would have been refused leaves the default class."""
+        gate = self.gate
+        values = _attribute_values(attributes)
+        route = gate.route_settings(metadata)
+        self.pool_name = route.pool or gate.config.default_pool
+        authorization = values.get(ATTR_AUTHORIZATION)
+        try:
+            tenant = gate.tenant_of(self._tenant_values(values),
+                                    None if authorization is None else authorization.encode())
+        except RequestError:
+            return
+        self.class_cfg = (gate.config.tenants.classes[route.tenant_class] if route.tenant_class
+                          else gate.config.class_of(tenant))
 
     def _begin(self, path: str, post: bool, authorization: bytes | None,
                tenant_values: list[bytes], metadata: Any) -> pb.ProcessingResponse | None:
@@ -669,11 +694,14 @@ class Exchange:
 
     # --- response ------------------------------------------------------------------------
 
-    def response_headers(self, msg: pb.HttpHeaders, *, observed: bool = False) -> pb.ProcessingResponse:
+    def response_headers(self, msg: pb.HttpHeaders, *, observed: bool = False,
+                         attributes: Any = None, metadata: Any = None) -> pb.ProcessingResponse:
         """response_headers notes the upstream status and adds the x-ratelimit-* headers.
 
         ``observed``: the headers come from the observability-mode stream (their answer is
-        not sent); otherwise from this exchange's own stream.
+        not sent); otherwise from this exchange's own stream. ``attributes`` and
+        ``metadata`` come with a stream's first message: they name the tenant of a request
+        Envoy refused before kvgate saw it.
 
         A response before any admission had no request body (nothing to admit) or was
         answered by Envoy itself: it passes through, except Envoy's own 413 for a body above
@@ -687,6 +715,8 @@ class Exchange:
             self.state = _PASS
             for h in msg.headers.headers:
                 if h.key == ":status" and h.raw_value == b"413":
+                    if first and attributes and UNDECODABLE_ATTRIBUTES not in attributes:
+                        self._class_from_attributes(attributes, metadata)
                     return self._refuse(RequestError(
                         "The request body is above this endpoint's limit.", status=413,
                         code="request_too_large"), "rejected_body_too_large")

@@ -190,7 +190,8 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
                         else:
                             self.links[ex.link] = Link(ex)
                 elif kind == "response_headers":
-                    resp = ex.response_headers(req.response_headers)
+                    resp = ex.response_headers(req.response_headers, attributes=req.attributes,
+                                               metadata=req.metadata_context)
                     if ex.response_unread and ex.link is not None:
                         self.links.pop(ex.link, None)  # no observing stream will come
                 elif kind == "request_trailers":

@@ -28,6 +28,14 @@ def test_defaults_fill_in():
     assert cfg.class_of("anyone").name == "standard"
 
 
+def test_grpc_binds_loopback_by_default_and_in_the_shipped_example():
+    # Anyone who can open ext_proc streams can hold admission slots: only Envoy, beside it.
+    from pathlib import Path
+    assert parse_config(MINIMAL).server.grpc_listen == "127.0.0.1:50051"
+    example = Path(__file__).parents[2] / "deploy" / "kvgate.yaml"
+    assert load_config(example).server.grpc_listen.startswith("127.0.0.1:")
+
+
 def test_the_documented_example_loads(tmp_path):
     path = tmp_path / "kvgate.yaml"
     path.write_text("""

@@ -175,6 +175,18 @@ def test_envoys_own_413_gets_kvgates_shape_before_or_after_request_headers() -> 
     assert rig.inflight() == 0
 
 
+def test_envoys_own_413_is_counted_under_the_tenants_class() -> None:
+    rig = Rig()
+    ex = Exchange(rig.gate)
+    resp = ex.response_headers(response_headers_msg(413, "text/plain"),
+                               attributes=attrs(authorization=f"Bearer {API_KEY}"))
+    assert status_of(resp) == 413
+    assert rig.count("kvgate_requests_total", outcome="rejected_body_too_large",
+                     **{"class": "gold"}) == 1
+    assert rig.count("kvgate_requests_total", outcome="rejected_body_too_large",
+                     **{"class": "standard"}) == 0
+
+
 def test_attributes_on_later_messages_change_nothing() -> None:
     rig = Rig()
     ex = Exchange(rig.gate)
