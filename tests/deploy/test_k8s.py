@@ -183,9 +183,11 @@ def test_ext_proc_settings_are_those_of_deploy_envoy_yaml() -> None:
 
 def test_http_filter_order() -> None:
     names = [f["name"] for f in http_filters(envoy_bootstrap())]
-    # Probes answered before kvgate; set_metadata before ext_proc; router last.
-    assert names == ["envoy.filters.http.health_check", "envoy.filters.http.set_metadata",
-                     "envoy.filters.http.ext_proc", "envoy.filters.http.router"]
+    # Client-sent identity stripped first; probes answered before kvgate; set_metadata
+    # before ext_proc; the buffer holds the request until kvgate decided; router last.
+    assert names == ["envoy.filters.http.header_mutation", "envoy.filters.http.health_check",
+                     "envoy.filters.http.set_metadata", "envoy.filters.http.ext_proc",
+                     "envoy.filters.http.buffer", "envoy.filters.http.router"]
 
 
 def test_per_route_settings_name_real_keys_pools_and_classes(tmp_path: Path) -> None:
@@ -196,7 +198,7 @@ def test_per_route_settings_name_real_keys_pools_and_classes(tmp_path: Path) -> 
     config = load_config(tmp_path / "k.yaml")
     settings = [entry["value"] for key, value, _ in walk(envoy_bootstrap())
                 if key == "typed_per_filter_config"
-                for entry in value["envoy.filters.http.set_metadata"]["metadata"]
+                for entry in value.get("envoy.filters.http.set_metadata", {}).get("metadata", [])
                 if entry["metadata_namespace"] == "kvgate"]
     assert len(settings) >= 2
     for value in settings:
