@@ -66,6 +66,10 @@ ROUTE_KEYS = ("pool", "tenant_class", "context_window", "max_body_bytes", "relea
 RELEASES = ("stream", "access_log")
 # A bad route setting is logged at most once per key in this many seconds.
 ROUTE_LOG_INTERVAL_S = 60.0
+# The tenant header never seen: said once this many requests in a row lacked it, then at
+# most once per TENANT_HEADER_LOG_INTERVAL_S (seconds) while it stays unseen.
+TENANT_HEADER_UNSEEN_AFTER = 100
+TENANT_HEADER_LOG_INTERVAL_S = 600.0
 ROUTE_CACHE_ENTRIES = 256
 METADATA_NAMESPACE = "kvgate"
 # Dynamic metadata key (namespace ``kvgate``) of the token that ties a request's response,
@@ -211,6 +215,11 @@ class Gate:
         self.config = config
         self.pools: dict[str, PoolRuntime] = {}
         self.api_keys: dict[str, str] = {}
+        # Tenants only the tenant header can name (no API key), and how many requests in a
+        # row came without that header (None once one carried it).
+        self._header_tenants = False
+        self._header_missing: int | None = 0
+        self._header_logged: float | None = None
         self._apply(config)
 
     def reconfigure(self, config: Config) -> None:
@@ -231,6 +240,9 @@ class Gate:
             pools[name] = PoolRuntime(pc, tokenizer, TEMPLATES[pc.chat_template])
         api_keys = {digest: t.name for t in config.tenants.tenants.values()
                     for digest in t.api_key_sha256}
+        if config.tenants.header != self.config.tenants.header or not self._header_tenants:
+            self._header_missing, self._header_logged = 0, None
+        self._header_tenants = any(not t.api_key_sha256 for t in config.tenants.tenants.values())
         self.config, self.pools, self.api_keys = config, pools, api_keys
         self._routes = {}  # pool and class names may have changed
 
@@ -263,7 +275,10 @@ class Gate:
                 owner = self.api_keys.get(hashlib.sha256(key.strip()).hexdigest())
                 if owner is not None:
                     return owner
-        if header_values:
+        if not header_values:
+            self._tenant_header_missing()
+        else:
+            self._header_missing = None
             name = header_values[0].decode("latin-1").strip()
             known = self.config.tenants.tenants.get(name)
             if known is not None:
@@ -274,6 +289,43 @@ class Gate:
                                        "or not one of them.", status=401, code="invalid_api_key")
                 return name
         return ANONYMOUS_TENANT
+
+    def _tenant_header_missing(self) -> None:
+        """_tenant_header_missing notes a request without the tenant header (and without a
+        tenant's key). When tenants exist that only that header can name and no request has
+        ever carried it, the header Envoy sends is most likely not ``tenants.header``: every
+        request falls into the default class, which deserves a word."""
+        if not self._header_tenants:
+            return  # every tenant has keys: requests without the header are the norm
+        self.metrics.tenant_header_unseen.labels("absent").inc()
+        missing = self._header_missing
+        if missing is None:
+            return
+        self._header_missing = missing = missing + 1
+        now = self.clock.now()
+        if missing >= TENANT_HEADER_UNSEEN_AFTER and (
+                self._header_logged is None or now - self._header_logged >= TENANT_HEADER_LOG_INTERVAL_S):
+            self._header_logged = now
+            log.warning("none of the last %d requests carried the tenant header %r, and "
+                        "tenants are configured that only it can name: every request is in "
+                        "the default class. Check that Envoy sends this header (the "
+                        "request_attributes entry, or the filter that sets it) under the "
+                        "name tenants.header gives (kvgate_tenant_header_unseen_total)",
+                        missing, self.config.tenants.header)
+
+    def other_header_attributes(self, names: list[str]) -> None:
+        """other_header_attributes notes request-header attributes Envoy sent that kvgate
+        does not read (``names``): a request_attributes list naming another tenant header
+        than ``tenants.header``. Counted per request, logged at most once a minute."""
+        self.metrics.tenant_header_unseen.labels("other_header").inc()
+        now = self.clock.now()
+        last = self._route_logged.get("_other_header")
+        if last is None or now - last >= ROUTE_LOG_INTERVAL_S:
+            self._route_logged["_other_header"] = now
+            log.error("Envoy sends the request attribute(s) %s, which kvgate does not read; "
+                      "kvgate's tenant header is %r (tenants.header). Make the two the same, "
+                      "or every request falls into the default class",
+                      ", ".join(repr(n[:80]) for n in names[:4]), self.config.tenants.header)
 
     # --- per-route settings --------------------------------------------------------
 
@@ -486,6 +538,10 @@ class Exchange:
                 "a request header (the tenant header, authorization or content-type) is not "
                 "valid UTF-8"), "rejected_invalid")
         values = _attribute_values(attributes)
+        known = (ATTR_CONTENT_TYPE, ATTR_AUTHORIZATION, tenant_attribute(self.gate.config.tenants.header))
+        others = [k for k in values if k.startswith("request.headers[") and k not in known]
+        if others:
+            self.gate.other_header_attributes(others)
         path = values.get(ATTR_PATH)
         if path is None:
             return self._misconfigured(

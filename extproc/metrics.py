@@ -119,6 +119,12 @@ class Metrics:
             "kvgate_route_metadata_errors_total",
             "Per-route kvgate metadata entries that were unknown or invalid and were ignored.",
             ["key"], registry=r)
+        self.tenant_header_unseen = Counter(
+            "kvgate_tenant_header_unseen_total",
+            "Requests without the configured tenant header (and without a tenant's API key) "
+            "while tenants are configured that only that header can name; with reason "
+            "other_header, Envoy sent another request header kvgate does not read.",
+            ["reason"], registry=r)
         self.streams = Gauge("kvgate_streams_active", "ext_proc gRPC streams open now.", registry=r)
         self.ready = Gauge("kvgate_ready", "1 while kvgate accepts traffic, 0 while draining.",
                            registry=r)

@@ -288,3 +288,48 @@ def test_an_upstream_error_without_a_body_is_an_upstream_error() -> None:
     asyncio.run(ex.request_body(body_msg(chat(max_tokens=30)), None, attrs(), None, _no_response_body()))
     ex.response_headers(response_headers_msg(503))
     assert ex.finish().value == "upstream_error"
+
+
+def test_a_tenant_attribute_under_another_name_is_counted_and_logged(caplog) -> None:
+    rig = Rig({"tenants": {"header": "x-org", "default_class": "standard",
+                           "classes": {"standard": {}, "gold": {}},
+                           "tenants": {"acme": {"class": "gold"}}}})
+    for _ in range(3):
+        ex, _ = body_first(rig, chat(max_tokens=2), attrs(tenant="acme"))  # request.headers['x-tenant-id']
+        assert ex.class_cfg.name == "standard"
+        ex.finish()
+    assert rig.count("kvgate_tenant_header_unseen_total", reason="other_header") == 3
+    lines = [r for r in caplog.records if "does not read" in r.getMessage()]
+    assert len(lines) == 1 and "x-org" in lines[0].getMessage()
+
+
+def test_a_tenant_header_never_seen_is_said_once_when_only_it_names_tenants(caplog) -> None:
+    from extproc.exchange import TENANT_HEADER_UNSEEN_AFTER
+
+    rig = Rig()  # acme has no key: only the header can name it
+    for _ in range(TENANT_HEADER_UNSEEN_AFTER + 5):
+        ex, _ = body_first(rig, chat(max_tokens=1), attrs())
+        ex.finish()
+    assert rig.count("kvgate_tenant_header_unseen_total", reason="absent") == TENANT_HEADER_UNSEEN_AFTER + 5
+    lines = [r for r in caplog.records if "carried the tenant header" in r.getMessage()]
+    assert len(lines) == 1
+    # Once a request carries it, the warning has no reason to come back.
+    ex, _ = body_first(rig, chat(max_tokens=1), attrs(tenant="acme"))
+    ex.finish()
+    rig.clock.advance(3600)
+    for _ in range(TENANT_HEADER_UNSEEN_AFTER + 5):
+        ex, _ = body_first(rig, chat(max_tokens=1), attrs())
+        ex.finish()
+    assert len([r for r in caplog.records if "carried the tenant header" in r.getMessage()]) == 1
+
+
+def test_without_header_only_tenants_a_missing_header_is_the_norm(caplog) -> None:
+    rig = Rig({"tenants": {"header": "x-tenant-id", "default_class": "standard",
+                           "classes": {"standard": {}, "gold": {}},
+                           "tenants": {"gold-1": {"class": "gold", "api_key_sha256": [
+                               __import__("hashlib").sha256(API_KEY.encode()).hexdigest()]}}}})
+    for _ in range(150):
+        ex, _ = body_first(rig, chat(max_tokens=1), attrs())
+        ex.finish()
+    assert rig.count("kvgate_tenant_header_unseen_total") == 0
+    assert not [r for r in caplog.records if "tenant header" in r.getMessage()]
