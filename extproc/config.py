@@ -73,11 +73,26 @@ class PoolConfig:
     signals: SignalsConfig = field(default_factory=SignalsConfig)
 
 
+UNKNOWN_PATHS = ("refuse", "pass")
+# Endpoints of vLLM, SGLang and TGI that generate nothing: listing models, health, version,
+# the engines' own metrics.
+DEFAULT_PASS_PATHS = ("/v1/models", "/v1/models/*", "/health", "/health_generate", "/ping",
+                      "/version", "/metrics", "/info")
+
+
 @dataclass(frozen=True, slots=True)
 class LimitsConfig:
-    """LimitsConfig holds request-level caps: ``max_body_bytes`` is the largest request body."""
+    """LimitsConfig holds request-level caps: ``max_body_bytes`` is the largest request body.
+
+    Paths: the admitted ones (chat, completions, embeddings, responses, POST only) are
+    decided; ``pass_paths`` (exact, or a prefix ending in ``*``) go through unchecked, as
+    the engines' endpoints that generate nothing; any other path or method is refused
+    (``unknown_paths: refuse``, 404 or 405) or passed through (``pass``).
+    """
 
     max_body_bytes: int = 1_048_576
+    unknown_paths: str = "refuse"
+    pass_paths: tuple[str, ...] = DEFAULT_PASS_PATHS
 
 
 @dataclass(frozen=True, slots=True)
@@ -504,7 +519,14 @@ def parse_config(data: Any) -> Config:
     if default_pool not in pools:
         raise ConfigError("default_pool", f"names no pool in pools: {default_pool!r}")
     limits_s = root.section("limits")
-    limits = LimitsConfig(max_body_bytes=limits_s.integer("max_body_bytes", 1_048_576, minimum=64))
+    pass_raw = limits_s.raw("pass_paths", list(DEFAULT_PASS_PATHS))
+    if not isinstance(pass_raw, list) or not all(isinstance(p, str) and p.startswith("/")
+                                                 for p in pass_raw):
+        raise ConfigError(limits_s.path("pass_paths"),
+                          "must be a list of paths starting with '/' (a trailing '*' makes a prefix)")
+    limits = LimitsConfig(max_body_bytes=limits_s.integer("max_body_bytes", 1_048_576, minimum=64),
+                          unknown_paths=limits_s.string("unknown_paths", "refuse", choices=UNKNOWN_PATHS),
+                          pass_paths=tuple(pass_raw))
     limits_s.done()
     tenants = _tenants(root.raw("tenants"))
     for pool in pools.values():

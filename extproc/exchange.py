@@ -585,10 +585,14 @@ class Exchange:
         """
         gate = self.gate
         config = gate.config
-        endpoint = oai.endpoint_for_path(path) if post else None
-        if endpoint is None:
-            self.state = _PASS
-            return None
+        endpoint = oai.endpoint_for_path(path)
+        if endpoint is None or not post:
+            limits = config.limits
+            if limits.unknown_paths == "pass" or oai.path_passes(oai.normalise_path(path),
+                                                                   limits.pass_paths):
+                self.state = _PASS
+                return None
+            return self._refuse_path(path, endpoint is not None)
         self.endpoint = endpoint
         self.route = route = gate.route_settings(metadata)
         self.pool_name = route.pool or config.default_pool
@@ -906,6 +910,20 @@ class Exchange:
         if not any(k == "x-kvgate-reason" for k, _ in headers):
             headers = [*headers, ("x-kvgate-reason", outcome.removeprefix("rejected_"))]
         return immediate(status, headers, payload, f"kvgate_{outcome}")
+
+    def _refuse_path(self, path: str, admitted_path: bool) -> pb.ProcessingResponse:
+        """_refuse_path answers a path kvgate neither admits nor lets through (404), or an
+        admitted path with another method than POST (405): on an inference route nothing
+        reaches the GPUs unadmitted (``limits.unknown_paths``)."""
+        self.pool_name = self.gate.config.default_pool
+        shown = path[:100].encode("ascii", "backslashreplace").decode()
+        if admitted_path:
+            err = RequestError(f"{shown} accepts POST only.", status=405, code="method_not_allowed")
+        else:
+            err = RequestError(f"Unknown request URL: {shown}. This gateway serves "
+                               "/v1/chat/completions, /v1/completions, /v1/embeddings and "
+                               "/v1/responses.", status=404, code="unknown_url")
+        return self._refuse(err, "rejected_path")
 
     def _misconfigured(self, message: str) -> pb.ProcessingResponse:
         self.state = _DONE

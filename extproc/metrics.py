@@ -21,7 +21,8 @@ from extproc.admission.types import PoolSnapshot
 # The outcome label of kvgate_requests_total (the list, in this order).
 OUTCOMES = ("admitted", "rejected_concurrency", "rejected_tpm", "rejected_kv_budget",
             "rejected_shed", "rejected_context_length", "rejected_body_too_large",
-            "rejected_invalid", "rejected_store_unavailable", "rejected_unauthenticated")
+            "rejected_invalid", "rejected_store_unavailable", "rejected_unauthenticated",
+            "rejected_path")
 # The cause label of kvgate_releases_total.
 CAUSES = ("completed", "client_disconnect", "upstream_error", "timeout", "ended")
 # Decisions take tens of microseconds to a few milliseconds; waits in a class queue longer.
