@@ -130,6 +130,17 @@ def test_a_refused_request_never_opens_an_upstream_request(stack: Stack) -> None
     assert stack.envoy_stat(UPSTREAM_REQUESTS) == before + 1  # the admitted one only
 
 
+@pytest.mark.parametrize("method,path,status", [("POST", "/V1/chat/completions", 404),
+                                                ("POST", "/generate", 404),
+                                                ("PUT", "/v1/chat/completions", 405)])
+def test_unknown_paths_and_methods_with_a_body_are_refused_not_passed(
+        stack: Stack, method: str, path: str, status: int) -> None:
+    before = stack.envoy_stat(UPSTREAM_REQUESTS)
+    got, _, payload = send(stack, path=path, method=method)
+    assert got == status, payload[:200]
+    assert stack.envoy_stat(UPSTREAM_REQUESTS) == before
+
+
 def test_envoy_starts_with_a_connection_limit(stack: Stack) -> None:
     # Envoy warns at start when no global_downstream_max_connections monitor is set.
     assert "no configured limit to the number of allowed active downstream connections" \
