@@ -190,3 +190,22 @@ def test_a_slow_upload_is_cut_by_the_request_timeout(tmp_path: Path) -> None:
         wait_until(lambda: s.inflight() == 0, timeout=5, what="nothing admitted")
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("name", [*FILES, "envoy-jwt.yaml"])
+def test_every_shipped_file_carries_the_blocks(name: str, tmp_path: Path) -> None:
+    """The blocks each shipped file must carry (the files run above, and the JWT example,
+    whose requests need a token, tested in test_jwt_tenant.py)."""
+    cfg = yaml.safe_load(template(name, tmp_path).read_text())
+    monitors = [m["name"] for m in cfg["overload_manager"]["resource_monitors"]]
+    assert "envoy.resource_monitors.global_downstream_max_connections" in monitors
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    assert hcm["normalize_path"] is True and hcm["merge_slashes"] is True
+    assert hcm["request_timeout"] not in ("0s", 0) and hcm["request_headers_timeout"]
+    filters = [f["name"] for f in hcm["http_filters"]]
+    assert filters[0] == "envoy.filters.http.header_mutation"
+    strip = hcm["http_filters"][0]["typed_config"]["mutations"]["request_mutations"]
+    assert {"remove": "x-tenant-id"} in strip
+    ext_proc = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
+    assert ext_proc["typed_config"]["status_on_error"] == {"code": "ServiceUnavailable"}
+    assert filters[-2:] == ["envoy.filters.http.buffer", "envoy.filters.http.router"]
