@@ -348,7 +348,18 @@ def _pool(key: str, name: str, data: Any) -> PoolConfig:
         waiting_threshold=sig.integer("waiting_threshold", 8, minimum=1),
         kv_budget_fraction=sig.number("kv_budget_fraction", 0.9, low=0.0, high=1.0, low_open=True),
     )
+    framebuffer_only = sig.boolean("framebuffer_only", False)
     sig.done()
+    if backends and all(b.engine == "dcgm" for b in backends) and not framebuffer_only:
+        # vLLM reserves gpu_memory_utilization (0.9 by default) of the framebuffer at start,
+        # SGLang its mem_fraction_static, TGI its KV cache: with DCGM alone such a node
+        # reads as saturated from its first second, whatever its load.
+        raise ConfigError(s.path("backends"),
+                          "every backend is dcgm: GPU framebuffer use is no KV signal for "
+                          "vLLM, SGLang or TGI, which reserve most of the memory at start "
+                          "(the pool would always read as saturated). Add the engine's own "
+                          "metrics (engine: vllm, sglang or tgi), or set "
+                          "signals.framebuffer_only: true if this engine allocates on demand")
     tokenizer = s.string("tokenizer", "cl100k_base")
     if tokenizer.startswith(("tiktoken:", "hf:")) and not tokenizer.split(":", 1)[1]:
         raise ConfigError(s.path("tokenizer"), "needs a path after the prefix")

@@ -36,6 +36,16 @@ def test_grpc_binds_loopback_by_default_and_in_the_shipped_example():
     assert load_config(example).server.grpc_listen.startswith("127.0.0.1:")
 
 
+def test_a_pool_read_from_dcgm_alone_is_refused_unless_said_on_purpose():
+    gpu = {"name": "g", "metrics_url": "http://127.0.0.1:9400/metrics", "engine": "dcgm"}
+    with pytest.raises(ConfigError) as info:
+        parse_config({"pools": {"default": {"backends": [gpu]}}})
+    assert info.value.key == "pools.default.backends" and "reserve" in info.value.reason
+    ok = parse_config({"pools": {"default": {"backends": [gpu],
+                                             "signals": {"framebuffer_only": True}}}})
+    assert ok.pool("default").backends[0].engine == "dcgm"
+
+
 def test_the_documented_example_loads(tmp_path):
     path = tmp_path / "kvgate.yaml"
     path.write_text("""
