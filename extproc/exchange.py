@@ -838,13 +838,15 @@ class Exchange:
         return (self.observe and self.lease is not None and self.state == _ADMITTED
                 and self.route.release == "access_log")
 
-    def ended_by_log(self, status: int, cut_short: bool) -> Outcome | None:
+    def ended_by_log(self, status: int, cut_short: bool,
+                     upstream_failed: bool = False) -> Outcome | None:
         """ended_by_log releases the lease as Envoy's access log entry of the request tells:
-        the response status (0: none was sent) and whether the stream was cut short (the
-        client went away, an idle timeout). The completion is charged at its reservation:
-        the response was not read."""
+        the response status (0: none was sent), whether the stream was cut short (the
+        client went away, an idle timeout) and whether the upstream failed (reset or closed
+        its connection): a stream cut short by the upstream is an upstream_error. The
+        completion is charged at its reservation: the response was not read."""
         self.status = status
-        self.upstream_error = status >= 400
+        self.upstream_error = status >= 400 or (cut_short and upstream_failed)
         self.response_done = status != 0 and not cut_short
         return self.finish()
 
