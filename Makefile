@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-unit test-e2e bench bench-admission bench-overhead bench-protection bench-redis bench-scrape bench-tokens check-config clean
+.PHONY: install run test test-unit test-e2e bench bench-admission bench-overhead bench-protection bench-redis bench-scrape bench-tokens bench-loop-lag check-config clean
 
 install: $(STAMP)
 
@@ -46,6 +46,9 @@ bench-scrape: install
 
 bench-tokens: install
 	$(PY) bench/bench_tokens.py
+
+bench-loop-lag: install
+	$(PY) bench/bench_loop_lag.py
 
 bench: bench-admission bench-scrape bench-tokens bench-overhead bench-protection bench-redis
 

@@ -208,4 +208,6 @@ def test_every_shipped_file_carries_the_blocks(name: str, tmp_path: Path) -> Non
     assert {"remove": "x-tenant-id"} in strip
     ext_proc = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
     assert ext_proc["typed_config"]["status_on_error"] == {"code": "ServiceUnavailable"}
+    # Long enough for a CPU-starved node's scheduling stalls (the reason is in the file).
+    assert ext_proc["typed_config"]["message_timeout"] == "5s"
     assert filters[-2:] == ["envoy.filters.http.buffer", "envoy.filters.http.router"]
