@@ -15,7 +15,7 @@ VLLM_VERSION ?= 0.32.0
 # e.g. BENCH_VLLM_ARGS="--runs 3 --rows direct,kvgate"
 BENCH_VLLM_ARGS ?=
 
-.PHONY: install run test test-unit test-e2e test-vllm bench bench-admission bench-overhead bench-picker bench-protection bench-redis bench-scrape bench-tokens bench-trace bench-vllm install-vllm check-config clean
+.PHONY: install run test test-unit test-e2e test-vllm bench bench-admission bench-overhead bench-picker bench-protection bench-redis bench-scrape bench-tokens bench-trace bench-vllm bench-loop-lag install-vllm check-config clean
 
 install: $(STAMP)
 
@@ -97,7 +97,11 @@ bench-vllm: install install-vllm
 	mkdir -p $(BENCH_OUT)
 	$(PY) bench/bench_vllm.py --vllm-python $(VLLM_PY) --out $(BENCH_OUT) $(BENCH_VLLM_ARGS)
 
-bench: bench-admission bench-scrape bench-tokens bench-overhead bench-picker bench-protection bench-trace bench-redis
+bench-loop-lag: install
+	mkdir -p $(BENCH_OUT)
+	$(PY) bench/bench_loop_lag.py --out $(BENCH_OUT)/loop-lag.md
+
+bench: bench-admission bench-scrape bench-tokens bench-overhead bench-picker bench-protection bench-trace bench-redis bench-loop-lag
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

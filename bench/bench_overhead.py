@@ -919,7 +919,7 @@ def _cpus() -> int:
 # --- Envoy variants (levers) ------------------------------------------------------------------
 
 VARIANTS = ("recommended", "four-message", "observe", "reservation", "access-log", "full-duplex",
-            "no-response-headers", "request-only")
+            "no-response-headers", "request-only", "no-buffer")
 # Variants kvgate does not serve (the bare processor shows what they would be worth).
 BARE_ONLY = ("full-duplex", "no-response-headers", "request-only")
 EXT_PROC_TYPE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
@@ -942,7 +942,10 @@ def variant_file(variant: str, workdir: Path) -> Path:
     - ``no-response-headers``: response headers skipped too (status and x-ratelimit-*
       headers would have to travel by attributes and dynamic metadata);
     - ``request-only``: the response neither sent nor observed (headers SKIP, body NONE):
-      one blocking message per request, the least any admission can cost.
+      one blocking message per request, the least any admission can cost;
+    - ``no-buffer``: deploy/envoy.yaml without its buffer filter, as it was before issue
+      15 (the upstream request opened before kvgate decides): what holding the request
+      until the decision costs.
     """
     if variant == "recommended":
         return ENVOY_TEMPLATE
@@ -963,6 +966,10 @@ def variant_file(variant: str, workdir: Path) -> Path:
     elif variant == "request-only":
         mode["response_header_mode"] = "SKIP"
         mode["response_body_mode"] = "NONE"
+    elif variant == "no-buffer":
+        hcm["http_filters"] = [f for f in filters if f["name"] != "envoy.filters.http.buffer"]
+        for route in hcm["route_config"]["virtual_hosts"][0]["routes"]:
+            route.get("typed_per_filter_config", {}).pop("envoy.filters.http.buffer", None)
     else:
         raise ValueError(f"unknown variant {variant!r}")
     path = workdir / f"envoy-{variant}.yaml"

@@ -39,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the ext_proc service")
     serve.add_argument("--config", required=True, metavar="FILE", help="kvgate YAML configuration")
     serve.add_argument("--grpc-listen", type=_hostport, metavar="HOST:PORT",
-                       help="ext_proc gRPC address (default: server.grpc_listen, 0.0.0.0:50051)")
+                       help="ext_proc gRPC address (default: server.grpc_listen, 127.0.0.1:50051)")
     serve.add_argument("--admin-listen", type=_hostport, metavar="HOST:PORT",
                        help="admin HTTP address for /metrics /healthz /readyz "
                             "(default: server.admin_listen, 0.0.0.0:9464)")

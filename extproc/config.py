@@ -139,11 +139,26 @@ class PoolConfig:
         return bool(self.backends) and all(b.address is not None for b in self.backends)
 
 
+UNKNOWN_PATHS = ("refuse", "pass")
+# Endpoints of vLLM, SGLang and TGI that generate nothing: listing models, health, version,
+# the engines' own metrics.
+DEFAULT_PASS_PATHS = ("/v1/models", "/v1/models/*", "/health", "/health_generate", "/ping",
+                      "/version", "/metrics", "/info")
+
+
 @dataclass(frozen=True, slots=True)
 class LimitsConfig:
-    """LimitsConfig holds request-level caps: ``max_body_bytes`` is the largest request body."""
+    """LimitsConfig holds request-level caps: ``max_body_bytes`` is the largest request body.
+
+    Paths: the admitted ones (chat, completions, embeddings, responses, POST only) are
+    decided; ``pass_paths`` (exact, or a prefix ending in ``*``) go through unchecked, as
+    the engines' endpoints that generate nothing; any other path or method is refused
+    (``unknown_paths: refuse``, 404 or 405) or passed through (``pass``).
+    """
 
     max_body_bytes: int = 1_048_576
+    unknown_paths: str = "refuse"
+    pass_paths: tuple[str, ...] = DEFAULT_PASS_PATHS
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,7 +260,7 @@ class ServerConfig:
     a queue whose stream is reset after about that long tells kvgate its override was ignored.
     """
 
-    grpc_listen: str = "0.0.0.0:50051"
+    grpc_listen: str = "127.0.0.1:50051"
     admin_listen: str = "0.0.0.0:9464"
     drain_s: float = 5.0
     grace_s: float = 30.0
@@ -471,6 +486,7 @@ def _pool(key: str, name: str, data: Any) -> PoolConfig:
         waiting_threshold=sig.integer("waiting_threshold", 8, minimum=1),
         kv_budget_fraction=sig.number("kv_budget_fraction", 0.9, low=0.0, high=1.0, low_open=True),
     )
+    framebuffer_only = sig.boolean("framebuffer_only", False)
     sig.done()
     with_address = [b for b in backends if b.address is not None]
     if with_address and len(with_address) != len(backends):
@@ -489,6 +505,16 @@ def _pool(key: str, name: str, data: Any) -> PoolConfig:
     picking = _picking(s.section("picking"))
     if s.has("picking") and not with_address and discovery is None:
         raise ConfigError(s.path("picking"), "needs every backend of the pool to have an address")
+    if backends and all(b.engine == "dcgm" for b in backends) and not framebuffer_only:
+        # vLLM reserves gpu_memory_utilization (0.9 by default) of the framebuffer at start,
+        # SGLang its mem_fraction_static, TGI its KV cache: with DCGM alone such a node
+        # reads as saturated from its first second, whatever its load.
+        raise ConfigError(s.path("backends"),
+                          "every backend is dcgm: GPU framebuffer use is no KV signal for "
+                          "vLLM, SGLang or TGI, which reserve most of the memory at start "
+                          "(the pool would always read as saturated). Add the engine's own "
+                          "metrics (engine: vllm, sglang or tgi), or set "
+                          "signals.framebuffer_only: true if this engine allocates on demand")
     tokenizer = s.string("tokenizer", "cl100k_base")
     if tokenizer.startswith(("tiktoken:", "hf:")) and not tokenizer.split(":", 1)[1]:
         raise ConfigError(s.path("tokenizer"), "needs a path after the prefix")
@@ -646,7 +672,7 @@ def _hostport(key: str, value: str) -> str:
 def _server(data: Any) -> ServerConfig:
     s = _Section("server", data)
     cfg = ServerConfig(
-        grpc_listen=_hostport("server.grpc_listen", s.string("grpc_listen", "0.0.0.0:50051")),
+        grpc_listen=_hostport("server.grpc_listen", s.string("grpc_listen", "127.0.0.1:50051")),
         admin_listen=_hostport("server.admin_listen", s.string("admin_listen", "0.0.0.0:9464")),
         drain_s=s.number("drain_s", 5.0, low=0.0, high=600.0),
         grace_s=s.number("grace_s", 30.0, low=0.0, high=3600.0),
@@ -674,7 +700,14 @@ def parse_config(data: Any) -> Config:
     if default_pool not in pools:
         raise ConfigError("default_pool", f"names no pool in pools: {default_pool!r}")
     limits_s = root.section("limits")
-    limits = LimitsConfig(max_body_bytes=limits_s.integer("max_body_bytes", 1_048_576, minimum=64))
+    pass_raw = limits_s.raw("pass_paths", list(DEFAULT_PASS_PATHS))
+    if not isinstance(pass_raw, list) or not all(isinstance(p, str) and p.startswith("/")
+                                                 for p in pass_raw):
+        raise ConfigError(limits_s.path("pass_paths"),
+                          "must be a list of paths starting with '/' (a trailing '*' makes a prefix)")
+    limits = LimitsConfig(max_body_bytes=limits_s.integer("max_body_bytes", 1_048_576, minimum=64),
+                          unknown_paths=limits_s.string("unknown_paths", "refuse", choices=UNKNOWN_PATHS),
+                          pass_paths=tuple(pass_raw))
     limits_s.done()
     tenants = _tenants(root.raw("tenants"))
     for pool in pools.values():

@@ -75,6 +75,10 @@ ROUTE_KEYS = ("pool", "tenant_class", "context_window", "max_body_bytes", "relea
 RELEASES = ("stream", "access_log")
 # A bad route setting is logged at most once per key in this many seconds.
 ROUTE_LOG_INTERVAL_S = 60.0
+# The tenant header never seen: said once this many requests in a row lacked it, then at
+# most once per TENANT_HEADER_LOG_INTERVAL_S (seconds) while it stays unseen.
+TENANT_HEADER_UNSEEN_AFTER = 100
+TENANT_HEADER_LOG_INTERVAL_S = 600.0
 ROUTE_CACHE_ENTRIES = 256
 METADATA_NAMESPACE = "kvgate"
 # Dynamic metadata key (namespace ``kvgate``) of the token that ties a request's response,
@@ -224,6 +228,11 @@ class Gate:
         self.config = config
         self.pools: dict[str, PoolRuntime] = {}
         self.api_keys: dict[str, str] = {}
+        # Tenants only the tenant header can name (no API key), and how many requests in a
+        # row came without that header (None once one carried it).
+        self._header_tenants = False
+        self._header_missing: int | None = 0
+        self._header_logged: float | None = None
         self._apply(config)
 
     def reconfigure(self, config: Config) -> None:
@@ -244,6 +253,9 @@ class Gate:
             pools[name] = PoolRuntime(pc, tokenizer, TEMPLATES[pc.chat_template])
         api_keys = {digest: t.name for t in config.tenants.tenants.values()
                     for digest in t.api_key_sha256}
+        if config.tenants.header != self.config.tenants.header or not self._header_tenants:
+            self._header_missing, self._header_logged = 0, None
+        self._header_tenants = any(not t.api_key_sha256 for t in config.tenants.tenants.values())
         self.config, self.pools, self.api_keys = config, pools, api_keys
         self._routes = {}  # pool and class names may have changed
 
@@ -260,8 +272,11 @@ class Gate:
         """tenant_of names the configured tenant of a request, or ANONYMOUS_TENANT.
 
         An API key (``authorization: Bearer KEY``) whose SHA-256 is configured wins over
-        the tenant header: a key is a credential, the header only a claim. More than one
-        tenant header is refused (RequestError): which one counts would be a guess.
+        the tenant header: a key is a credential, the header only a claim. A tenant that
+        has keys is reachable only with one of them: a header naming it without its key is
+        refused (RequestError 401 ``invalid_api_key``), so that nobody takes its class or
+        drains its bucket by writing its name. More than one tenant header is refused
+        (RequestError 400): which one counts would be a guess.
         """
         if len(header_values) > 1:
             raise RequestError(f"the {self.config.tenants.header} header is given "
@@ -273,11 +288,57 @@ class Gate:
                 owner = self.api_keys.get(hashlib.sha256(key.strip()).hexdigest())
                 if owner is not None:
                     return owner
-        if header_values:
+        if not header_values:
+            self._tenant_header_missing()
+        else:
+            self._header_missing = None
             name = header_values[0].decode("latin-1").strip()
-            if name in self.config.tenants.tenants:
+            known = self.config.tenants.tenants.get(name)
+            if known is not None:
+                if known.api_key_sha256:
+                    # The name is not echoed: it is the client's input.
+                    raise RequestError("This tenant requires one of its API keys "
+                                       "(authorization: Bearer KEY); the key given is missing "
+                                       "or not one of them.", status=401, code="invalid_api_key")
                 return name
         return ANONYMOUS_TENANT
+
+    def _tenant_header_missing(self) -> None:
+        """_tenant_header_missing notes a request without the tenant header (and without a
+        tenant's key). When tenants exist that only that header can name and no request has
+        ever carried it, the header Envoy sends is most likely not ``tenants.header``: every
+        request falls into the default class, which deserves a word."""
+        if not self._header_tenants:
+            return  # every tenant has keys: requests without the header are the norm
+        self.metrics.tenant_header_unseen.labels("absent").inc()
+        missing = self._header_missing
+        if missing is None:
+            return
+        self._header_missing = missing = missing + 1
+        now = self.clock.now()
+        if missing >= TENANT_HEADER_UNSEEN_AFTER and (
+                self._header_logged is None or now - self._header_logged >= TENANT_HEADER_LOG_INTERVAL_S):
+            self._header_logged = now
+            log.warning("none of the last %d requests carried the tenant header %r, and "
+                        "tenants are configured that only it can name: every request is in "
+                        "the default class. Check that Envoy sends this header (the "
+                        "request_attributes entry, or the filter that sets it) under the "
+                        "name tenants.header gives (kvgate_tenant_header_unseen_total)",
+                        missing, self.config.tenants.header)
+
+    def other_header_attributes(self, names: list[str]) -> None:
+        """other_header_attributes notes request-header attributes Envoy sent that kvgate
+        does not read (``names``): a request_attributes list naming another tenant header
+        than ``tenants.header``. Counted per request, logged at most once a minute."""
+        self.metrics.tenant_header_unseen.labels("other_header").inc()
+        now = self.clock.now()
+        last = self._route_logged.get("_other_header")
+        if last is None or now - last >= ROUTE_LOG_INTERVAL_S:
+            self._route_logged["_other_header"] = now
+            log.error("Envoy sends the request attribute(s) %s, which kvgate does not read; "
+                      "kvgate's tenant header is %r (tenants.header). Make the two the same, "
+                      "or every request falls into the default class",
+                      ", ".join(repr(n[:80]) for n in names[:4]), self.config.tenants.header)
 
     # --- per-route settings --------------------------------------------------------
 
@@ -388,6 +449,17 @@ def _evaluate(endpoint: oai.Endpoint, body: bytes, content_type: str | None,
     """_evaluate parses a body and counts its prompt tokens (may run in a worker thread)."""
     parsed = oai.parse_request(endpoint, body, content_type)
     return parsed, oai.count_prompt_tokens(parsed, pool.tokenizer, pool.template)
+
+
+def _attribute_values(attributes: Any) -> dict[str, str]:
+    """_attribute_values flattens Envoy's request attributes (name -> string value)."""
+    values: dict[str, str] = {}
+    if attributes:
+        for struct in attributes.values():
+            for key, value in struct.fields.items():
+                if value.WhichOneof("kind") == "string_value":
+                    values[key] = value.string_value
+    return values
 
 
 _REASON_OUTCOME = {"concurrency": "rejected_concurrency", "tpm": "rejected_tpm",
@@ -504,12 +576,11 @@ class Exchange:
             return self._refuse(RequestError(
                 "a request header (the tenant header, authorization or content-type) is not "
                 "valid UTF-8"), "rejected_invalid")
-        values: dict[str, str] = {}
-        if attributes:
-            for struct in attributes.values():
-                for key, value in struct.fields.items():
-                    if value.WhichOneof("kind") == "string_value":
-                        values[key] = value.string_value
+        values = _attribute_values(attributes)
+        known = (ATTR_CONTENT_TYPE, ATTR_AUTHORIZATION, tenant_attribute(self.gate.config.tenants.header))
+        others = [k for k in values if k.startswith("request.headers[") and k not in known]
+        if others:
+            self.gate.other_header_attributes(others)
         path = values.get(ATTR_PATH)
         if path is None:
             return self._misconfigured(
@@ -518,13 +589,32 @@ class Exchange:
                 "ext_proc filter's request_attributes (see deploy/envoy.yaml)")
         self.content_type = values.get(ATTR_CONTENT_TYPE)
         authorization = values.get(ATTR_AUTHORIZATION)
+        return self._begin(path, values.get(ATTR_METHOD) == "POST",
+                           None if authorization is None else authorization.encode(),
+                           self._tenant_values(values), metadata)
+
+    def _tenant_values(self, values: dict[str, str]) -> list[bytes]:
         tenant = values.get(tenant_attribute(self.gate.config.tenants.header))
         # Envoy copied the header's bytes, which were UTF-8 (the message decoded): the same
         # bytes the header itself would have given.
-        tenant_values = [] if tenant is None else [v.encode() for v in tenant.split(",")]
-        return self._begin(path, values.get(ATTR_METHOD) == "POST",
-                           None if authorization is None else authorization.encode(),
-                           tenant_values, metadata)
+        return [] if tenant is None else [v.encode() for v in tenant.split(",")]
+
+    def _class_from_attributes(self, attributes: Any, metadata: Any) -> None:
+        """_class_from_attributes sets the pool and class of a request refused before kvgate
+        saw its body (Envoy's own 413), so that it is counted where it belongs; an identity
+        that would have been refused leaves the default class."""
+        gate = self.gate
+        values = _attribute_values(attributes)
+        route = gate.route_settings(metadata)
+        self.pool_name = route.pool or gate.config.default_pool
+        authorization = values.get(ATTR_AUTHORIZATION)
+        try:
+            tenant = gate.tenant_of(self._tenant_values(values),
+                                    None if authorization is None else authorization.encode())
+        except RequestError:
+            return
+        self.class_cfg = (gate.config.tenants.classes[route.tenant_class] if route.tenant_class
+                          else gate.config.class_of(tenant))
 
     def _begin(self, path: str, post: bool, authorization: bytes | None,
                tenant_values: list[bytes], metadata: Any) -> pb.ProcessingResponse | None:
@@ -534,10 +624,14 @@ class Exchange:
         """
         gate = self.gate
         config = gate.config
-        endpoint = oai.endpoint_for_path(path) if post else None
-        if endpoint is None:
-            self.state = _PASS
-            return None
+        endpoint = oai.endpoint_for_path(path)
+        if endpoint is None or not post:
+            limits = config.limits
+            if limits.unknown_paths == "pass" or oai.path_passes(oai.normalise_path(path),
+                                                                   limits.pass_paths):
+                self.state = _PASS
+                return None
+            return self._refuse_path(path, endpoint is not None)
         self.endpoint = endpoint
         self.route = route = gate.route_settings(metadata)
         self.pool_name = route.pool or config.default_pool
@@ -547,7 +641,8 @@ class Exchange:
             self.tenant = gate.tenant_of(tenant_values, authorization)
         except RequestError as err:
             self.class_cfg = config.tenants.classes[config.tenants.default_class]
-            return self._refuse(err, "rejected_invalid")
+            return self._refuse(err, "rejected_unauthenticated" if err.status == 401
+                                else "rejected_invalid")
         self.class_cfg = (config.tenants.classes[route.tenant_class] if route.tenant_class
                           else config.class_of(self.tenant))
         return None
@@ -732,11 +827,14 @@ class Exchange:
 
     # --- response ------------------------------------------------------------------------
 
-    def response_headers(self, msg: pb.HttpHeaders, *, observed: bool = False) -> pb.ProcessingResponse:
+    def response_headers(self, msg: pb.HttpHeaders, *, observed: bool = False,
+                         attributes: Any = None, metadata: Any = None) -> pb.ProcessingResponse:
         """response_headers notes the upstream status and adds the x-ratelimit-* headers.
 
         ``observed``: the headers come from the observability-mode stream (their answer is
-        not sent); otherwise from this exchange's own stream.
+        not sent); otherwise from this exchange's own stream. ``attributes`` and
+        ``metadata`` come with a stream's first message: they name the tenant of a request
+        Envoy refused before kvgate saw it.
 
         A response before any admission had no request body (nothing to admit) or was
         answered by Envoy itself: it passes through, except Envoy's own 413 for a body above
@@ -750,6 +848,8 @@ class Exchange:
             self.state = _PASS
             for h in msg.headers.headers:
                 if h.key == ":status" and h.raw_value == b"413":
+                    if first and attributes and UNDECODABLE_ATTRIBUTES not in attributes:
+                        self._class_from_attributes(attributes, metadata)
                     return self._refuse(RequestError(
                         "The request body is above this endpoint's limit.", status=413,
                         code="request_too_large"), "rejected_body_too_large")
@@ -814,13 +914,15 @@ class Exchange:
         return (self.observe and self.lease is not None and self.state == _ADMITTED
                 and self.route.release == "access_log")
 
-    def ended_by_log(self, status: int, cut_short: bool) -> Outcome | None:
+    def ended_by_log(self, status: int, cut_short: bool,
+                     upstream_failed: bool = False) -> Outcome | None:
         """ended_by_log releases the lease as Envoy's access log entry of the request tells:
-        the response status (0: none was sent) and whether the stream was cut short (the
-        client went away, an idle timeout). The completion is charged at its reservation:
-        the response was not read."""
+        the response status (0: none was sent), whether the stream was cut short (the
+        client went away, an idle timeout) and whether the upstream failed (reset or closed
+        its connection): a stream cut short by the upstream is an upstream_error. The
+        completion is charged at its reservation: the response was not read."""
         self.status = status
-        self.upstream_error = status >= 400
+        self.upstream_error = status >= 400 or (cut_short and upstream_failed)
         self.response_done = status != 0 and not cut_short
         return self.finish()
 
@@ -886,6 +988,20 @@ class Exchange:
         if not any(k == "x-kvgate-reason" for k, _ in headers):
             headers = [*headers, ("x-kvgate-reason", outcome.removeprefix("rejected_"))]
         return immediate(status, headers, payload, f"kvgate_{outcome}")
+
+    def _refuse_path(self, path: str, admitted_path: bool) -> pb.ProcessingResponse:
+        """_refuse_path answers a path kvgate neither admits nor lets through (404), or an
+        admitted path with another method than POST (405): on an inference route nothing
+        reaches the GPUs unadmitted (``limits.unknown_paths``)."""
+        self.pool_name = self.gate.config.default_pool
+        shown = path[:100].encode("ascii", "backslashreplace").decode()
+        if admitted_path:
+            err = RequestError(f"{shown} accepts POST only.", status=405, code="method_not_allowed")
+        else:
+            err = RequestError(f"Unknown request URL: {shown}. This gateway serves "
+                               "/v1/chat/completions, /v1/completions, /v1/embeddings and "
+                               "/v1/responses.", status=404, code="unknown_url")
+        return self._refuse(err, "rejected_path")
 
     def _misconfigured(self, message: str) -> pb.ProcessingResponse:
         self.state = _DONE

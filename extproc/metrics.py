@@ -24,7 +24,8 @@ from extproc.admission.types import PoolSnapshot
 # The outcome label of kvgate_requests_total (the list, in this order).
 OUTCOMES = ("admitted", "rejected_concurrency", "rejected_tpm", "rejected_kv_budget",
             "rejected_shed", "rejected_context_length", "rejected_body_too_large",
-            "rejected_invalid", "rejected_store_unavailable")
+            "rejected_invalid", "rejected_store_unavailable", "rejected_unauthenticated",
+            "rejected_path")
 # The cause label of kvgate_releases_total.
 CAUSES = ("completed", "client_disconnect", "upstream_error", "timeout", "ended")
 # The result label of kvgate_access_log_entries_total (ExtProcService.logged).
@@ -196,6 +197,12 @@ class Metrics:
             "Waiting requests whose ext_proc stream Envoy reset at its base message_timeout: "
             "the override asked for was above Envoy's max_message_timeout (each got a 504).",
             ["class"], registry=r)
+        self.tenant_header_unseen = Counter(
+            "kvgate_tenant_header_unseen_total",
+            "Requests without the configured tenant header (and without a tenant's API key) "
+            "while tenants are configured that only that header can name; with reason "
+            "other_header, Envoy sent another request header kvgate does not read.",
+            ["reason"], registry=r)
         self.streams = Gauge("kvgate_streams_active", "ext_proc gRPC streams open now.", registry=r)
         self.ready = Gauge("kvgate_ready", "1 while kvgate accepts traffic, 0 while draining.",
                            registry=r)

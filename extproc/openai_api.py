@@ -47,39 +47,58 @@ class Endpoint(StrEnum):
     CHAT = "chat"
     COMPLETIONS = "completions"
     EMBEDDINGS = "embeddings"
+    RESPONSES = "responses"  # the OpenAI Responses API: generates like chat
 
 
 _PATHS = {
     "/v1/chat/completions": Endpoint.CHAT,
     "/v1/completions": Endpoint.COMPLETIONS,
     "/v1/embeddings": Endpoint.EMBEDDINGS,
+    "/v1/responses": Endpoint.RESPONSES,
 }
 _SLASHES = re.compile(r"/{2,}")
 
 
-def endpoint_for_path(path: str) -> Endpoint | None:
-    """endpoint_for_path maps a request path (query allowed) to its Endpoint, or None.
-
-    The path is normalised as the inference server's router sees it (percent-decoding,
-    repeated and trailing slashes), so ``/v1//chat/%63ompletions/`` cannot slip past
-    admission to a server that routes it to chat completions.
-    """
+def normalise_path(path: str) -> str:
+    """normalise_path is a request path as the inference server's router sees it: without
+    query or fragment, percent-decoded, repeated and trailing slashes dropped."""
     end = len(path)
     for sep in ("?", "#"):
         i = path.find(sep)
         if 0 <= i < end:
             end = i
     p = path[:end]
-    hit = _PATHS.get(p)
-    if hit is not None:
-        return hit
+    if p in _PATHS:
+        return p
     if "%" in p:
         p = unquote(p, errors="strict") if _valid_escapes(p) else p
     if "//" in p:
         p = _SLASHES.sub("/", p)
     if len(p) > 1 and p.endswith("/"):
         p = p.rstrip("/")
-    return _PATHS.get(p)
+    return p
+
+
+def endpoint_for_path(path: str) -> Endpoint | None:
+    """endpoint_for_path maps a request path (query allowed) to its Endpoint, or None.
+
+    The path is normalised first (``normalise_path``), so ``/v1//chat/%63ompletions/``
+    cannot slip past admission to a server that routes it to chat completions.
+    """
+    hit = _PATHS.get(path)
+    return hit if hit is not None else _PATHS.get(normalise_path(path))
+
+
+def path_passes(path: str, patterns: tuple[str, ...]) -> bool:
+    """path_passes tells whether a normalised path matches one of ``patterns``: an exact
+    path, or a prefix when the pattern ends with ``*``."""
+    for pattern in patterns:
+        if pattern.endswith("*"):
+            if path.startswith(pattern[:-1]):
+                return True
+        elif path == pattern:
+            return True
+    return False
 
 
 def _valid_escapes(p: str) -> bool:
@@ -229,6 +248,8 @@ def parse_request(endpoint: Endpoint, body: bytes, content_type: str | None) -> 
         return ParsedRequest(endpoint=endpoint, model=model, stream=False, client_wants_usage=False,
                              max_tokens=0, n=1, body=obj, prompts=shape.prompts, prompt=shape)
 
+    if endpoint is Endpoint.RESPONSES:
+        return _parse_responses(obj, model)
     stream = _opt_bool(obj, "stream")
     options = obj.get("stream_options")
     include_usage = False
@@ -260,6 +281,54 @@ def parse_request(endpoint: Endpoint, body: bytes, content_type: str | None) -> 
                          client_wants_usage=stream and include_usage, max_tokens=max_tokens,
                          n=n, body=obj, best_of=best_of, prompts=shape.prompts, prompt=shape,
                          suffix=suffix or None)
+
+
+# Keys of Responses API input items whose strings are labels, not text the model reads.
+_RESPONSES_LABELS = frozenset({"type", "role", "id", "status", "call_id", "detail", "format"})
+
+
+def _parse_responses(obj: dict[str, Any], model: str | None) -> ParsedRequest:
+    """_parse_responses validates a Responses API body (``input``, ``instructions``,
+    ``max_output_tokens``, ``stream``). The prompt counted is every text string of
+    ``input`` and ``instructions`` (messages, content parts, tool outputs), labels left
+    out: a bound that errs on the high side of the model's chat template."""
+    if "input" not in obj:
+        raise _bad("Missing required parameter: 'input'.", "input", code="missing_required_parameter")
+    texts: list[str] = []
+    instructions = obj.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise _bad("Invalid type for 'instructions': expected a string, but got "
+                       f"{_json_type(instructions)}.", "instructions")
+        texts.append(instructions)
+    items = obj["input"]
+    if isinstance(items, str):
+        texts.append(items)
+    elif isinstance(items, list) and items:
+        _strings(items, texts)
+    else:
+        raise _bad("Invalid type for 'input': expected a string or a non-empty array of items.",
+                   "input")
+    max_tokens = _opt_int(obj, "max_output_tokens", minimum=1, maximum=MAX_TOKENS_LIMIT)
+    stream = _opt_bool(obj, "stream")
+    shape = PromptShape(["\n".join(texts)], [], 1)
+    return ParsedRequest(endpoint=Endpoint.RESPONSES, model=model, stream=stream,
+                         client_wants_usage=stream, max_tokens=max_tokens, n=1, body=obj,
+                         prompt=shape)
+
+
+def _strings(node: Any, out: list[str]) -> None:
+    """_strings appends the text strings under ``node`` to ``out`` (depth is bounded by
+    the JSON parser's own limit)."""
+    if isinstance(node, str):
+        out.append(node)
+    elif isinstance(node, list):
+        for x in node:
+            _strings(x, out)
+    elif isinstance(node, dict):
+        for key, x in node.items():
+            if key not in _RESPONSES_LABELS:
+                _strings(x, out)
 
 
 def count_prompt_tokens(req: ParsedRequest, tokenizer: Tokenizer, template: ChatTemplate) -> int:
@@ -366,11 +435,18 @@ def upstream_body(req: ParsedRequest, *, cap_max_tokens: int | None = None,
     """
     if req.endpoint is Endpoint.EMBEDDINGS:
         return None, False
+    # A Responses stream always reports usage (its response.completed event).
     add_usage = stream_usage and req.stream and not req.client_wants_usage
     set_cap = cap_max_tokens is not None and req.max_tokens is None
     if not add_usage and not set_cap:
         return None, False
     body = dict(req.body)
+    if req.endpoint is Endpoint.RESPONSES:
+        body["max_output_tokens"] = cap_max_tokens
+        try:
+            return orjson.dumps(body), False
+        except orjson.JSONEncodeError:
+            return None, False
     if add_usage:
         options = dict(body.get("stream_options") or {})
         options["include_usage"] = True
@@ -465,6 +541,9 @@ class ResponseTracker:
             return False
         prompt = _usage_int(usage.get("prompt_tokens"))
         completion = _usage_int(usage.get("completion_tokens"))
+        if prompt is None and completion is None:  # the Responses API's names
+            prompt = _usage_int(usage.get("input_tokens"))
+            completion = _usage_int(usage.get("output_tokens"))
         if completion is None and prompt is not None:
             total = _usage_int(usage.get("total_tokens"))
             if total is not None and total >= prompt:  # embeddings report no completion
@@ -554,6 +633,9 @@ class ResponseTracker:
         if not isinstance(obj, dict):
             return True
         has_usage = self._take_usage(obj.get("usage"))
+        response = obj.get("response")
+        if not has_usage and isinstance(response, dict):  # Responses: response.completed
+            self._take_usage(response.get("usage"))
         choices = obj.get("choices")
         if isinstance(choices, list):
             if choices:

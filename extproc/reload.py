@@ -7,6 +7,11 @@ Kubernetes updates a mounted ConfigMap by swapping a ``..data`` symlink, which l
 path's own mtime and inode of the link unchanged and may even move mtimes backwards.
 
 Delivery rules:
+- a new content is read only once it is *settled*: seen with the same fingerprint by two
+  checks at least ``settle_s`` apart. A plain file rewritten in place passes through
+  truncated states that may be valid YAML and a valid configuration (a file cut after the
+  pools drops every class and tenant); a ConfigMap update (an atomic symlink swap) or a
+  write-then-rename never shows one, and is merely delivered a poll later;
 - a valid new content -> ``on_config(Config)`` once;
 - an invalid content (unreadable, not YAML, a bad key) -> ``on_error(ConfigError)`` once,
   and the configuration in force stays what it was: nothing is delivered;
@@ -38,6 +43,8 @@ log = logging.getLogger(__name__)
 
 MAX_CONFIG_BYTES = 4 * 1024 * 1024
 """MAX_CONFIG_BYTES is the largest configuration file read (bytes): a bigger one is refused."""
+SETTLE_S = 0.5
+"""SETTLE_S is how long (seconds) a new content must stay unchanged before it is read."""
 
 _T = TypeVar("_T")
 
@@ -49,7 +56,9 @@ class ConfigWatcher:
     ``ConfigError``. With ``loop`` given, both run on that event loop's thread (through
     ``call_soon_threadsafe``); without it, on the thread that read the file (the watcher
     thread, or the caller of ``check_now``). ``poll_s`` is the polling period in seconds,
-    measured on ``clock``.
+    measured on ``clock``; ``settle_s`` how long a new content must stay the same before
+    it is read (seconds; 0 reads it at the first check). A forced check (SIGHUP) does not
+    wait: the operator says the file is complete.
 
     Typical use by the server::
 
@@ -62,13 +71,19 @@ class ConfigWatcher:
 
     __slots__ = ("_path", "_on_config", "_on_error", "_clock", "_poll_s", "_loop",
                  "_lock", "_applied", "_refused", "_next_due", "_thread", "_wake",
-                 "_stopping", "_forced", "loaded_at", "refused_at")
+                 "_stopping", "_forced", "loaded_at", "refused_at", "_settle_s", "_pending")
 
     def __init__(self, path: str | Path, on_config: Callable[[Config], None],
                  on_error: Callable[[Exception], None], clock: Clock, poll_s: float = 1.0,
-                 *, loop: asyncio.AbstractEventLoop | None = None) -> None:
+                 *, loop: asyncio.AbstractEventLoop | None = None,
+                 settle_s: float = SETTLE_S) -> None:
         if not poll_s > 0:
             raise ValueError(f"poll_s must be > 0 seconds, got {poll_s!r}")
+        if not settle_s >= 0:
+            raise ValueError(f"settle_s must be >= 0 seconds, got {settle_s!r}")
+        self._settle_s = float(settle_s)
+        # (fingerprint, first seen at) of a new content not yet settled.
+        self._pending: tuple[str, float] | None = None
         self._path = Path(path)
         self._on_config = on_config
         self._on_error = on_error
@@ -129,6 +144,15 @@ class ConfigWatcher:
                 return False
             if not force and fingerprint == self._refused:
                 return False
+            if not force and self._settle_s > 0:
+                pending = self._pending
+                if pending is None or pending[0] != fingerprint:
+                    self._pending = (fingerprint, now)
+                    self._next_due = now + min(self._settle_s, self._poll_s)
+                    return False
+                if now - pending[1] < self._settle_s:
+                    return False
+            self._pending = None
             try:
                 config = self._load(fingerprint)
             except _Changed:

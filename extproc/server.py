@@ -191,7 +191,8 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
                         else:
                             self.links[ex.link] = Link(ex)
                 elif kind == "response_headers":
-                    resp = ex.response_headers(req.response_headers)
+                    resp = ex.response_headers(req.response_headers, attributes=req.attributes,
+                                               metadata=req.metadata_context)
                     if ex.response_unread and ex.link is not None:
                         self.links.pop(ex.link, None)  # no observing stream will come
                 elif kind == "request_trailers":
@@ -302,8 +303,15 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
         # Cut short: the upstream's response never ended (the client went away, a timeout),
         # so the generation was aborted. Not Envoy's downstream-termination flag: a client
         # that closes on the last event of a complete stream sets it too, at random.
-        cut_short = not entry.common_properties.HasField("time_to_last_upstream_rx_byte")
-        parked[0].ended_by_log(entry.response.response_code.value, cut_short)
+        common = entry.common_properties
+        cut_short = not common.HasField("time_to_last_upstream_rx_byte")
+        flags = common.response_flags
+        # The upstream went away mid-response (it crashed, its connection broke): not the
+        # client's doing, though the client's stream ends cut short the same way.
+        # (a chunked HTTP/1 body broken off reads as a protocol error).
+        upstream_failed = (flags.upstream_remote_reset or flags.upstream_connection_termination
+                           or flags.upstream_connection_failure or flags.upstream_protocol_error)
+        parked[0].ended_by_log(entry.response.response_code.value, cut_short, upstream_failed)
         self._maybe_idle()
         return "released"
 

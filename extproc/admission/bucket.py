@@ -46,13 +46,33 @@ class TokenBucket:
             self.t = now
         return self.tokens
 
+    def peek(self, now: float) -> float:
+        """peek is the tokens ``refill(now)`` would return, leaving the bucket as it is.
+
+        Readers (metrics, usage reports) peek: a refill written by a reader would cap the
+        idle time at the current capacity before ``set_limits`` could credit it.
+        """
+        dt = now - self.t
+        if dt <= 0:
+            return self.tokens
+        tokens = self.tokens + dt * self.rate
+        return tokens if tokens < self.capacity else self.capacity
+
     def set_limits(self, capacity: float, rate: float, now: float) -> float:
         """set_limits refills at the old rate up to ``now``, then applies the new capacity and rate.
 
-        A smaller capacity takes the excess tokens away at once; a larger one adds none
-        (they come with the refill). Returns the tokens.
+        The limits reach the bucket with the next request, not when they changed: the time
+        elapsed since ``t`` is credited at the old rate (the lower one when the limits
+        rise) up to the larger of the two capacities, so a bucket left shrunk by a
+        pressure period and then idle is not held at the small size until it refills
+        again. A smaller capacity takes the excess tokens away at once. Returns the tokens.
         """
-        self.refill(now)
+        dt = now - self.t
+        if dt > 0:
+            top = capacity if capacity > self.capacity else self.capacity
+            tokens = self.tokens + dt * self.rate
+            self.tokens = tokens if tokens < top else top
+            self.t = now
         if capacity != self.capacity or rate != self.rate:
             if not capacity > 0 or not rate > 0:
                 raise ValueError(f"a bucket needs a capacity and rate above 0, got {capacity}, {rate}")

@@ -2,7 +2,7 @@
 
 Names: ``DCGM_FI_DEV_FB_USED`` and ``DCGM_FI_DEV_FB_FREE`` (MiB), one series per GPU
 (labels ``gpu``, ``UUID``, ``modelName``, and ``Hostname`` or, in newer exporters,
-``hostname``). Per GPU, usage = used / (used + free); the node's usage is the fullest
+``hostname``), or per MIG instance (``GPU_I_ID``, ``GPU_I_PROFILE``). Per GPU, usage = used / (used + free); the node's usage is the fullest
 GPU's, since one full GPU stalls the whole tensor-parallel group. DCGM knows nothing of
 requests or KV tokens: queues and capacity stay None.
 
@@ -23,7 +23,12 @@ WANTED = frozenset({FB_USED, FB_FREE})
 
 
 def _gpu_key(s: Series) -> str:
-    return s.labels.get("UUID") or s.labels.get("gpu", "")
+    """_gpu_key names one GPU, or one MIG instance of it: with MIG, instances share their
+    GPU's ``UUID`` and differ by ``GPU_I_ID`` (keyed by the UUID alone, the last instance
+    listed would hide the others, and a full one could read as idle)."""
+    gpu = s.labels.get("UUID") or s.labels.get("gpu", "")
+    instance = s.labels.get("GPU_I_ID")
+    return gpu if not instance else f"{gpu}/{instance}"
 
 
 def extract(index: Index, model_name: str | None) -> NodeSample:

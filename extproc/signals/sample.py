@@ -77,9 +77,10 @@ class NodeSample:
 class Findings:
     """Findings checks values read from an exposition and records what was wrong with them.
 
-    Rules (the issue's "none is read as idle"): NaN or negative usage is unreadable
-    (None, so the node counts as failed; clamping a negative value to 0 would read a
-    broken node as idle); usage above 1 (or +Inf) is clamped to 1, i.e. saturated.
+    Rules (the issue's "none is read as idle"): NaN, infinite or negative usage is
+    unreadable (None, so the node counts as failed and goes stale like any broken node;
+    clamping a negative value to 0 would read it as idle, and +Inf is no more a reading
+    than NaN); a finite usage above 1 is clamped to 1, i.e. saturated.
     Counts that are NaN, infinite or negative are unknown (None); huge ones are clamped.
     Every such value is recorded as ``bad_value``.
     """
@@ -98,9 +99,10 @@ class Findings:
         self.add(ScrapeError.MISSING_METRICS, detail)
 
     def ratio(self, value: float, what: str) -> float | None:
-        """ratio checks a usage ratio: [0, 1] passes, > 1 clamps to 1, NaN or < 0 gives None."""
-        if math.isnan(value):
-            self.add(ScrapeError.BAD_VALUE, f"{what} is NaN")
+        """ratio checks a usage ratio: [0, 1] passes, finite > 1 clamps to 1, NaN, ±Inf or
+        < 0 gives None."""
+        if not math.isfinite(value):
+            self.add(ScrapeError.BAD_VALUE, f"{what} is {value}")
             return None
         if value < 0.0:
             self.add(ScrapeError.BAD_VALUE, f"{what} is negative ({value})")

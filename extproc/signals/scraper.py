@@ -42,6 +42,13 @@ log = logging.getLogger(__name__)
 
 Publish = Callable[[str, PoolSignals], None]
 
+# One body is read (parsed, extracted) at a time, by whichever worker holds this lock; the
+# fetches stay concurrent. Reading is pure Python and regex work under the GIL (~1-8 ms
+# for a 17-73 KB vLLM exposition): sixteen workers reading at once each take the GIL in
+# turn, and the event loop thread, which needs it after every I/O, waits behind all of
+# them. Under CPU contention that pushed the loop's lag to hundreds of milliseconds
+# (bench/results/loop-lag.md): with reads serialized, the loop competes with one reader.
+_READ_LOCK = threading.Lock()
 # Extra wait (seconds) past scrape_timeout_s for workers to hand back their result: the
 # deadline is enforced inside fetch, this only covers thread wake-up.
 _GRACE_S = 0.05
@@ -113,7 +120,8 @@ def _scrape(backend: BackendConfig, timeout_s: float, max_bytes: int) -> _Result
     t0 = time.perf_counter()
     try:
         body = fetch(backend.metrics_url, timeout_s, max_bytes)
-        sample = read(backend.engine, body, backend.model_name)
+        with _READ_LOCK:
+            sample = read(backend.engine, body, backend.model_name)
         return _Result(sample, None, time.perf_counter() - t0)
     except ScrapeFailure as exc:
         return _Result(None, exc, time.perf_counter() - t0)

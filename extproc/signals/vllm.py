@@ -6,7 +6,10 @@ read only when the new name is absent), ``vllm:num_requests_waiting``,
 (labels ``kv_cache_size_tokens`` or ``num_gpu_blocks`` and ``block_size``).
 
 A data-parallel node exports one series per ``engine`` label value: usage is their mean
-(each engine owns an equal share of the node's KV cache), queues and capacity are summed.
+(each engine owns an equal share of the node's KV cache), queues are summed. Capacity:
+``kv_cache_size_tokens`` is per engine and summed; ``num_gpu_blocks`` (releases without
+``kv_cache_size_tokens``) is already the front end's sum over the engines, printed on every
+engine's line, so it is read once (the largest line), not added up again.
 When ``model_name`` is configured only series of that model count; without it, every
 series on the node does.
 """
@@ -44,16 +47,19 @@ def _sum_counts(f: Findings, series: list[Series], what: str) -> int | None:
 
 
 def _capacity(f: Findings, series: list[Series]) -> int | None:
-    total: int | None = None
+    """_capacity is the node's KV capacity in tokens from its cache_config_info lines."""
+    per_engine: int | None = None  # sum of kv_cache_size_tokens over the engines
+    node_total: int | None = None  # num_gpu_blocks * block_size: the node's total already
     for s in series:
         tokens = f.tokens(s.labels.get("kv_cache_size_tokens"), f"{CACHE_INFO} kv_cache_size_tokens")
-        if tokens is None:
-            blocks = f.tokens(s.labels.get("num_gpu_blocks"), f"{CACHE_INFO} num_gpu_blocks")
-            block_size = f.tokens(s.labels.get("block_size"), f"{CACHE_INFO} block_size")
-            if blocks is not None and block_size is not None:
-                tokens = blocks * block_size
         if tokens is not None:
-            total = (total or 0) + tokens
+            per_engine = (per_engine or 0) + tokens
+            continue
+        blocks = f.tokens(s.labels.get("num_gpu_blocks"), f"{CACHE_INFO} num_gpu_blocks")
+        block_size = f.tokens(s.labels.get("block_size"), f"{CACHE_INFO} block_size")
+        if blocks is not None and block_size is not None:
+            node_total = max(node_total or 0, blocks * block_size)
+    total = per_engine if per_engine is not None else node_total
     return None if total is None else min(total, MAX_TOKENS)
 
 

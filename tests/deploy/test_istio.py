@@ -35,10 +35,18 @@ def test_envoyfilter_structure() -> None:
         assert p["match"]["context"] == "GATEWAY"
     filters = patches("HTTP_FILTER")
     assert [f["patch"]["value"]["name"] for f in filters] == [
-        "envoy.filters.http.set_metadata", "envoy.filters.http.ext_proc"]
-    for f in filters:
+        "envoy.filters.http.set_metadata", "envoy.filters.http.ext_proc",
+        "envoy.filters.http.buffer", "envoy.filters.http.header_mutation"]
+    for f in filters[:3]:
         assert f["patch"]["operation"] == "INSERT_BEFORE"
         assert f["match"]["listener"]["filterChain"]["filter"] == {"name": HCM, "subFilter": {"name": ROUTER}}
+    # The stripping runs before every other filter, Istio's jwt_authn included.
+    assert filters[3]["patch"]["operation"] == "INSERT_FIRST"
+    assert filters[3]["match"]["listener"]["filterChain"]["filter"] == {"name": HCM}
+    reference = yaml.safe_load((ROOT / "deploy" / "envoy.yaml").read_text())
+    for name in ("envoy.filters.http.header_mutation", "envoy.filters.http.buffer"):
+        ref = next(f for f in http_filters(reference) if f["name"] == name)
+        assert next(f["patch"]["value"] for f in filters if f["patch"]["value"]["name"] == name) == ref
     (cluster,) = patches("CLUSTER")
     assert cluster["patch"]["operation"] == "ADD"
     value = cluster["patch"]["value"]
@@ -60,7 +68,8 @@ def test_ext_proc_settings_are_those_of_deploy_envoy_yaml() -> None:
 def gateway_bootstrap(filter_patches: list[dict[str, Any]], cluster: dict[str, Any],
                       route_config: dict[str, Any]) -> dict[str, Any]:
     """gateway_bootstrap places the EnvoyFilter's pieces in a minimal gateway-like bootstrap."""
-    filters = [p["patch"]["value"] for p in filter_patches]
+    filters = [p["patch"]["value"] for p in filter_patches if p["patch"]["operation"] == "INSERT_FIRST"]
+    filters += [p["patch"]["value"] for p in filter_patches if p["patch"]["operation"] != "INSERT_FIRST"]
     filters.append({"name": ROUTER, "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}})
     route = {"name": "llm-batch", "match": {"prefix": "/"},

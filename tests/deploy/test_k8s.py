@@ -185,9 +185,10 @@ def test_ext_proc_settings_are_those_of_the_endpoint_picker_file() -> None:
 
 def test_http_filter_order() -> None:
     names = [f["name"] for f in http_filters(envoy_bootstrap())]
-    # Probes answered before kvgate; client-sent destination headers removed before
-    # kvgate; set_metadata before ext_proc; router last.
-    assert names == ["envoy.filters.http.health_check", "envoy.filters.http.header_mutation",
+    # Client-sent identity and destination headers stripped first; probes answered before
+    # kvgate; set_metadata before ext_proc; router last (kvgate sees the request headers, so
+    # Envoy holds the request until it has decided: no buffer filter needed).
+    assert names == ["envoy.filters.http.header_mutation", "envoy.filters.http.health_check",
                      "envoy.filters.http.set_metadata", "envoy.filters.http.ext_proc",
                      "envoy.filters.http.router"]
 
@@ -200,7 +201,7 @@ def test_per_route_settings_name_real_keys_pools_and_classes(tmp_path: Path) -> 
     config = load_config(tmp_path / "k.yaml")
     settings = [entry["value"] for key, value, _ in walk(envoy_bootstrap())
                 if key == "typed_per_filter_config"
-                for entry in value["envoy.filters.http.set_metadata"]["metadata"]
+                for entry in value.get("envoy.filters.http.set_metadata", {}).get("metadata", [])
                 if entry["metadata_namespace"] == "kvgate"]
     assert len(settings) >= 1
     for value in settings:

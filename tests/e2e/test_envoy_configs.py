@@ -8,6 +8,7 @@ deploy/envoy-four-message.yaml sends them. Each test here runs against both (the
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import socket
 from collections.abc import Iterator
@@ -21,13 +22,15 @@ from tests.support.procs import LOOPBACK
 
 pytestmark = pytest.mark.e2e
 
+ACME_KEY = "sk-acme-e2e"
 CONFIG: dict[str, Any] = {
     "pools": {"default": {"max_concurrency": 4, "context_window": 4096, "default_max_tokens": 64,
                           "tokenizer": "cl100k_base"}},
     "limits": {"max_body_bytes": 65536},
     "tenants": {"header": "x-tenant-id", "default_class": "standard",
                 "classes": {"standard": {}, "gold": {}},
-                "tenants": {"acme": {"class": "gold"}}},
+                "tenants": {"acme": {"class": "gold",
+                                     "api_key_sha256": [hashlib.sha256(ACME_KEY.encode()).hexdigest()]}}},
     "server": {"drain_s": 0, "grace_s": 1},
 }
 # Above Envoy's per_connection_buffer_limit_bytes (4 MiB) in both files.
@@ -68,12 +71,16 @@ def test_a_body_above_envoys_own_buffer_gets_kvgates_413(stack: Stack) -> None:
     assert stack.metric("kvgate_requests_total", outcome="rejected_body_too_large") == refused + 1
 
 
-def test_the_tenant_header_decides_the_class(stack: Stack) -> None:
+def test_the_api_key_decides_the_class_and_the_clients_tenant_header_does_not(stack: Stack) -> None:
     body = orjson.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
-    before = stack.metric("kvgate_requests_total", **{"class": "gold", "outcome": "admitted"})
-    status, _, _ = post(stack, body, {"x-tenant-id": "acme"})
+    gold = {"class": "gold", "outcome": "admitted"}
+    before = stack.metric("kvgate_requests_total", **gold)
+    status, _, _ = post(stack, body, {"x-tenant-id": "acme"})   # stripped by Envoy
     assert status == 200
-    assert stack.metric("kvgate_requests_total", **{"class": "gold", "outcome": "admitted"}) == before + 1
+    assert stack.metric("kvgate_requests_total", **gold) == before
+    status, _, _ = post(stack, body, {"authorization": f"Bearer {ACME_KEY}"})
+    assert status == 200
+    assert stack.metric("kvgate_requests_total", **gold) == before + 1
 
 
 def test_a_declared_length_above_the_cap_is_refused_before_the_body(stack: Stack) -> None:

@@ -230,6 +230,36 @@ def test_each_engine_served_over_http_reaches_its_pool(new_scraper, servers):
     assert sorted(rec.stale) == [("llama", False), ("qwen", False)]
 
 
+def test_bodies_are_read_one_at_a_time_while_fetched_together(new_scraper, servers, monkeypatch):
+    """Reading holds the GIL: concurrent reads would keep the event loop waiting behind
+    every worker. Each read here lingers 0.05 s, so overlapping
+    reads, if allowed, would be seen."""
+    import extproc.signals.scraper as scraper_mod
+
+    real_read, inside, most = scraper_mod.read, [0], [0]
+    guard = threading.Lock()
+    never = threading.Event()
+
+    def read(engine, body, model):
+        with guard:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        never.wait(0.05)
+        with guard:
+            inside[0] -= 1
+        return real_read(engine, body, model)
+
+    monkeypatch.setattr(scraper_mod, "read", read)
+    nodes = [serve(servers, Behavior(sample("vllm_v1.prom"))) for _ in range(4)]
+    cfg = make_config({"p": [{"name": f"n{i}", "metrics_url": n.url, "engine": "vllm"}
+                             for i, n in enumerate(nodes)]}, poll=2.0, timeout=1.5)
+    rec = Recorder()
+    out = new_scraper(cfg, Published(), rec, ManualClock(100.0)).poll_once()
+    assert len(rec.done) == 4 and all(ok for _, _, ok in rec.done)
+    assert not out["p"].stale
+    assert most[0] == 1
+
+
 def test_mean_aggregate_is_selectable(new_scraper, servers):
     a = serve(servers, Behavior(vllm_body(0.2)))
     b = serve(servers, Behavior(vllm_body(0.6)))

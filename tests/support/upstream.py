@@ -11,7 +11,9 @@ Behaviour per request is chosen with request headers, so one process serves ever
 - ``x-fake-delay-ms: D``: pause before each streamed chunk, in milliseconds (default 0);
 - ``x-fake-status: S``: answer status S (4xx/5xx) with an OpenAI-shaped error body;
 - ``x-fake-hold: KEY``: send the first streamed chunk, then wait (at most 60 s) until
-  ``POST /_fake/release/KEY`` (or the client goes away) before sending the rest.
+  ``POST /_fake/release/KEY`` (or the client goes away) before sending the rest;
+- ``x-fake-die-after: N``: a streamed answer stops after N chunks with its connection
+  aborted, as a server that crashes mid-generation.
 
 ``GET /_fake/requests`` returns the last requests received (path, headers, body) so tests
 can check what the gateway forwarded; ``GET /_fake/stats`` returns counters (``started``,
@@ -181,10 +183,16 @@ class FakeUpstream:
                 return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": fin}
             return {"index": 0, "text": f"tok{i} ", "logprobs": None, "finish_reason": fin}
 
+        die_after = int(request.headers.get("x-fake-die-after", "-1"))
         try:
             for i in range(tokens):
                 if delay:
                     await asyncio.sleep(delay)
+                if i == die_after:
+                    assert request.transport is not None
+                    request.transport.abort()
+                    self.stats["aborted"] += 1
+                    return resp
                 await resp.write(chunk([piece(i, i == tokens - 1)]))
                 if i == 0 and hold:
                     event = self.holds.setdefault(hold, asyncio.Event())

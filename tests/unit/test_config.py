@@ -28,6 +28,24 @@ def test_defaults_fill_in():
     assert cfg.class_of("anyone").name == "standard"
 
 
+def test_grpc_binds_loopback_by_default_and_in_the_shipped_example():
+    # Anyone who can open ext_proc streams can hold admission slots: only Envoy, beside it.
+    from pathlib import Path
+    assert parse_config(MINIMAL).server.grpc_listen == "127.0.0.1:50051"
+    example = Path(__file__).parents[2] / "deploy" / "kvgate.yaml"
+    assert load_config(example).server.grpc_listen.startswith("127.0.0.1:")
+
+
+def test_a_pool_read_from_dcgm_alone_is_refused_unless_said_on_purpose():
+    gpu = {"name": "g", "metrics_url": "http://127.0.0.1:9400/metrics", "engine": "dcgm"}
+    with pytest.raises(ConfigError) as info:
+        parse_config({"pools": {"default": {"backends": [gpu]}}})
+    assert info.value.key == "pools.default.backends" and "reserve" in info.value.reason
+    ok = parse_config({"pools": {"default": {"backends": [gpu],
+                                             "signals": {"framebuffer_only": True}}}})
+    assert ok.pool("default").backends[0].engine == "dcgm"
+
+
 def test_the_documented_example_loads(tmp_path):
     path = tmp_path / "kvgate.yaml"
     path.write_text("""

@@ -207,10 +207,12 @@ async def test_stream_that_asks_for_usage_is_left_alone() -> None:
     assert ex.outcome.value == "completed"
 
 
-@pytest.mark.parametrize("path,method", [("/v1/models", "GET"), ("/health", "GET"),
-                                         ("/v1/chat/completions", "GET"), ("/v2/other", "POST")])
-async def test_other_paths_and_methods_pass_through_without_admission(path: str, method: str) -> None:
-    rig = Rig()
+@pytest.mark.parametrize("path,method,unknown", [
+    ("/v1/models", "GET", "refuse"), ("/health", "GET", "refuse"), ("/v1/models/m?x=1", "GET", "refuse"),
+    ("/v1/chat/completions", "GET", "pass"), ("/v2/other", "POST", "pass")])
+async def test_other_paths_and_methods_pass_through_without_admission(path: str, method: str,
+                                                                        unknown: str) -> None:
+    rig = Rig({"limits": {"max_body_bytes": 65536, "unknown_paths": unknown}})
     ex = Exchange(rig.gate)
     assert ex.request_headers(headers_msg(path, method=method)) is PASS_THROUGH
     # Envoy without allow_mode_override still sends the rest: answered with CONTINUE.
@@ -218,6 +220,73 @@ async def test_other_paths_and_methods_pass_through_without_admission(path: str,
     assert ex.response_headers(response_headers_msg()).WhichOneof("response") == "response_headers"
     assert ex.finish() is None
     assert rig.count("kvgate_requests_total") == 0
+
+
+@pytest.mark.parametrize("path,method,status", [
+    ("/V1/chat/completions", "POST", 404), ("/generate", "POST", 404), ("/invocations", "POST", 404),
+    ("/v1/chat/completions", "PUT", 405), ("/v1/responses", "GET", 405), ("/tokenize", "POST", 404)])
+async def test_unknown_paths_and_methods_are_refused_by_default(path: str, method: str,
+                                                                 status: int) -> None:
+    rig = Rig()
+    ex = Exchange(rig.gate)
+    imm = ex.request_headers(headers_msg(path, method=method)).immediate_response
+    assert imm.status.code == status
+    err = orjson.loads(imm.body)["error"]
+    assert err["code"] == ("unknown_url" if status == 404 else "method_not_allowed")
+    assert set_headers(imm)["x-kvgate-reason"] == "path"
+    ex.finish()
+    assert rig.count("kvgate_requests_total", outcome="rejected_path") == 1
+    assert rig.inflight() == 0
+
+
+async def test_the_responses_api_is_admitted_like_chat_and_settled_from_its_usage() -> None:
+    pools = orjson.loads(orjson.dumps(BASE_CONFIG["pools"]))
+    pools["default"]["enforce_max_tokens"] = True
+    rig = Rig({"pools": pools})
+    ex = Exchange(rig.gate)
+    ex.request_headers(headers_msg("/v1/responses"))
+    body = orjson.dumps({"model": "m", "instructions": "Be brief.",
+                         "input": [{"role": "user", "content": [{"type": "input_text",
+                                                                  "text": "word " * 200}]}]})
+    resp = await ex.request_body(body_msg(body))
+    assert rig.inflight() == 1
+    demand = ex.lease.demand
+    assert demand.prompt_tokens >= 200
+    # no cap given, the pool enforces one: the reservation goes upstream as max_output_tokens
+    sent = orjson.loads(resp.request_body.response.body_mutation.body)
+    assert sent["max_output_tokens"] == 256 and "max_tokens" not in sent
+    ex.response_headers(response_headers_msg())
+    ex.response_body(body_msg(orjson.dumps({"object": "response", "output": [],
+                                            "usage": {"input_tokens": 210, "output_tokens": 7,
+                                                      "total_tokens": 217}})))
+    assert rig.inflight() == 0
+    assert ex.tracker.completion_tokens == 7
+
+
+async def test_a_streamed_response_reads_usage_from_response_completed() -> None:
+    rig = Rig()
+    ex = Exchange(rig.gate)
+    ex.request_headers(headers_msg("/v1/responses"))
+    await ex.request_body(body_msg(orjson.dumps({"input": "hi", "stream": True,
+                                                 "max_output_tokens": 50})))
+    ex.response_headers(response_headers_msg(content_type="text/event-stream"))
+    events = (b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","delta":"x"}\n\n'
+              b'event: response.completed\ndata: {"type":"response.completed","response":'
+              b'{"usage":{"input_tokens":3,"output_tokens":4,"total_tokens":7}}}\n\n')
+    ex.response_body(body_msg(events))
+    assert ex.tracker.completion_tokens == 4 and rig.inflight() == 0
+
+
+@pytest.mark.parametrize("body,param", [({"model": "m"}, "input"), ({"input": 5}, "input"),
+                                        ({"input": []}, "input"),
+                                        ({"input": "x", "instructions": 1}, "instructions"),
+                                        ({"input": "x", "max_output_tokens": 0}, "max_output_tokens")])
+async def test_a_bad_responses_body_is_a_400_naming_the_field(body: dict, param: str) -> None:
+    rig = Rig()
+    ex = Exchange(rig.gate)
+    ex.request_headers(headers_msg("/v1/responses"))
+    imm = (await ex.request_body(body_msg(orjson.dumps(body)))).immediate_response
+    assert imm.status.code == 400 and orjson.loads(imm.body)["error"]["param"] == param
 
 
 # --- refusals ------------------------------------------------------------------------------
@@ -408,6 +477,29 @@ async def test_tenant_from_header_and_from_hashed_api_key() -> None:
                                          ("x-tenant-id", "someone-else")])
     assert unknown.lease.demand.tenant == ANONYMOUS_TENANT
     for ex in (by_header, unknown):
+        ex.finish()
+
+
+async def test_a_tenant_with_keys_is_not_reachable_by_its_name_alone() -> None:
+    rig = Rig()
+    for extra in ([("x-tenant-id", "gold-1")],
+                  [("x-tenant-id", "gold-1"), ("authorization", "Bearer wrong-key")]):
+        ex = Exchange(rig.gate)
+        resp = ex.request_headers(headers_msg(extra=extra))
+        imm = resp.immediate_response
+        assert imm.status.code == 401, extra
+        assert orjson.loads(imm.body)["error"]["code"] == "invalid_api_key"
+        assert set_headers(imm)["x-kvgate-reason"] == "unauthenticated"
+        ex.finish()
+    assert rig.count("kvgate_requests_total", outcome="rejected_unauthenticated") == 2
+    assert rig.inflight() == 0
+    # with its key the claim is the tenant's; a keyless tenant's name is still enough
+    ok, _ = await admit(rig, extra=[("x-tenant-id", "gold-1"),
+                                    ("authorization", f"Bearer {API_KEY}")])
+    assert ok.lease.demand.class_name == "gold"
+    plain, _ = await admit(rig, extra=[("x-tenant-id", "acme")])
+    assert plain.lease.demand.tenant == "acme"
+    for ex in (ok, plain):
         ex.finish()
 
 

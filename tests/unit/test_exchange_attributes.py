@@ -131,12 +131,16 @@ def test_route_settings_come_with_the_body() -> None:
 
 def test_paths_not_admitted_pass_through_at_the_body() -> None:
     rig = Rig()
-    for path, method in (("/v1/models", "POST"), ("/v1/chat/completions", "GET"),
-                         ("/tokenize", "POST")):
+    for path, method in (("/v1/models", "POST"), ("/version", "GET")):
         ex, resp = body_first(rig, b"{}", attrs(path, method))
         assert resp == PASS_THROUGH_BODY
         assert ex.response_headers(response_headers_msg()).WhichOneof("response") == "response_headers"
     assert rig.count("kvgate_requests_total") == 0
+    # What kvgate does not know is refused, as with request headers.
+    for path, method, status in (("/v1/chat/completions", "PUT", 405), ("/tokenize", "POST", 404)):
+        _, resp = body_first(rig, b"{}", attrs(path, method))
+        assert status_of(resp) == status
+    assert rig.count("kvgate_requests_total", outcome="rejected_path") == 2
 
 
 def test_without_request_path_kvgate_refuses_and_says_why(caplog: Any) -> None:
@@ -173,6 +177,18 @@ def test_envoys_own_413_gets_kvgates_shape_before_or_after_request_headers() -> 
         assert err["type"] == "invalid_request_error" and err["code"] == "request_too_large"
     assert rig.count("kvgate_requests_total", outcome="rejected_body_too_large") == 2
     assert rig.inflight() == 0
+
+
+def test_envoys_own_413_is_counted_under_the_tenants_class() -> None:
+    rig = Rig()
+    ex = Exchange(rig.gate)
+    resp = ex.response_headers(response_headers_msg(413, "text/plain"),
+                               attributes=attrs(authorization=f"Bearer {API_KEY}"))
+    assert status_of(resp) == 413
+    assert rig.count("kvgate_requests_total", outcome="rejected_body_too_large",
+                     **{"class": "gold"}) == 1
+    assert rig.count("kvgate_requests_total", outcome="rejected_body_too_large",
+                     **{"class": "standard"}) == 0
 
 
 def test_attributes_on_later_messages_change_nothing() -> None:
@@ -276,3 +292,48 @@ def test_an_upstream_error_without_a_body_is_an_upstream_error() -> None:
     asyncio.run(ex.request_body(body_msg(chat(max_tokens=30)), None, attrs(), None, _no_response_body()))
     ex.response_headers(response_headers_msg(503))
     assert ex.finish().value == "upstream_error"
+
+
+def test_a_tenant_attribute_under_another_name_is_counted_and_logged(caplog) -> None:
+    rig = Rig({"tenants": {"header": "x-org", "default_class": "standard",
+                           "classes": {"standard": {}, "gold": {}},
+                           "tenants": {"acme": {"class": "gold"}}}})
+    for _ in range(3):
+        ex, _ = body_first(rig, chat(max_tokens=2), attrs(tenant="acme"))  # request.headers['x-tenant-id']
+        assert ex.class_cfg.name == "standard"
+        ex.finish()
+    assert rig.count("kvgate_tenant_header_unseen_total", reason="other_header") == 3
+    lines = [r for r in caplog.records if "does not read" in r.getMessage()]
+    assert len(lines) == 1 and "x-org" in lines[0].getMessage()
+
+
+def test_a_tenant_header_never_seen_is_said_once_when_only_it_names_tenants(caplog) -> None:
+    from extproc.exchange import TENANT_HEADER_UNSEEN_AFTER
+
+    rig = Rig()  # acme has no key: only the header can name it
+    for _ in range(TENANT_HEADER_UNSEEN_AFTER + 5):
+        ex, _ = body_first(rig, chat(max_tokens=1), attrs())
+        ex.finish()
+    assert rig.count("kvgate_tenant_header_unseen_total", reason="absent") == TENANT_HEADER_UNSEEN_AFTER + 5
+    lines = [r for r in caplog.records if "carried the tenant header" in r.getMessage()]
+    assert len(lines) == 1
+    # Once a request carries it, the warning has no reason to come back.
+    ex, _ = body_first(rig, chat(max_tokens=1), attrs(tenant="acme"))
+    ex.finish()
+    rig.clock.advance(3600)
+    for _ in range(TENANT_HEADER_UNSEEN_AFTER + 5):
+        ex, _ = body_first(rig, chat(max_tokens=1), attrs())
+        ex.finish()
+    assert len([r for r in caplog.records if "carried the tenant header" in r.getMessage()]) == 1
+
+
+def test_without_header_only_tenants_a_missing_header_is_the_norm(caplog) -> None:
+    rig = Rig({"tenants": {"header": "x-tenant-id", "default_class": "standard",
+                           "classes": {"standard": {}, "gold": {}},
+                           "tenants": {"gold-1": {"class": "gold", "api_key_sha256": [
+                               __import__("hashlib").sha256(API_KEY.encode()).hexdigest()]}}}})
+    for _ in range(150):
+        ex, _ = body_first(rig, chat(max_tokens=1), attrs())
+        ex.finish()
+    assert rig.count("kvgate_tenant_header_unseen_total") == 0
+    assert not [r for r in caplog.records if "tenant header" in r.getMessage()]

@@ -53,8 +53,40 @@ def cfg_file(tmp_path: Path) -> Path:
 
 
 def make(path: Path, rec: Recorder, clock=None, poll_s: float = 1.0, **kw) -> ConfigWatcher:
+    # Delivery at the first check unless a test is about settling.
+    kw.setdefault("settle_s", 0.0)
     return ConfigWatcher(path, rec.on_config, rec.on_error, clock or ManualClock(100.0),
                          poll_s, **kw)
+
+
+def test_a_file_caught_mid_write_is_not_read_until_it_stays_the_same(cfg_file: Path) -> None:
+    clock = ManualClock(100.0)
+    rec = Recorder()
+    w = make(cfg_file, rec, clock=clock, settle_s=0.5)
+    w.load_initial()
+    full = config_text(9, tpm=1000) + "tenants:\n  default_class: standard\n"
+    # A writer in the middle of rewriting the file in place: what is there so far is a
+    # valid configuration without the tenants section.
+    cut = full[: full.index("tenants:")]
+    cfg_file.write_text(cut)
+    assert w.check_now() is False
+    clock.advance(0.3)
+    cfg_file.write_text(full)             # the write completes before it settled
+    assert w.check_now() is False
+    clock.advance(0.3)
+    assert w.check_now() is False         # seen 0.3 s ago: not settled yet
+    clock.advance(0.2)
+    assert w.check_now() is True          # unchanged for 0.5 s: read
+    assert rec.concurrencies() == [9] and rec.configs[0].tenants.default_class == "standard"
+    assert rec.errors == []
+
+
+def test_sighup_reads_at_once(cfg_file: Path) -> None:
+    rec = Recorder()
+    w = make(cfg_file, rec, settle_s=0.5)
+    w.load_initial()
+    cfg_file.write_text(config_text(4))
+    assert w.check_now(force=True) is True and rec.concurrencies() == [4]
 
 
 def test_initial_load_then_unchanged_content_delivers_nothing(cfg_file: Path) -> None:
@@ -247,7 +279,7 @@ def test_a_failing_callback_does_not_stop_later_deliveries(cfg_file: Path) -> No
         if len(seen) == 1:
             raise RuntimeError("server could not apply it")
 
-    w = ConfigWatcher(cfg_file, on_config, lambda exc: None, ManualClock())
+    w = ConfigWatcher(cfg_file, on_config, lambda exc: None, ManualClock(), settle_s=0.0)
     w.load_initial()
     cfg_file.write_text(config_text(3))
     assert w.check_now() is True

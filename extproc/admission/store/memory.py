@@ -116,10 +116,10 @@ class MemoryStore(SyncStore):
         b = st.buckets.get(POOL_BUCKET)
         return PoolUsage(inflight=st.slots.inflight, by_class=dict(st.slots.by_class),
                          kv_inflight=st.kv.inflight,
-                         bucket_tokens=None if b is None else b.refill(now))
+                         bucket_tokens=None if b is None else b.peek(now))
 
     def bucket_state(self, pool: str, key: str, now: float) -> tuple[float, float] | None:
         """bucket_state is a bucket's (tokens, capacity) at ``now`` (s), or None when it does not exist yet."""
         st = self._pools.get(pool)
         b = None if st is None else st.buckets.get(key)
-        return None if b is None else (b.refill(now), b.capacity)
+        return None if b is None else (b.peek(now), b.capacity)

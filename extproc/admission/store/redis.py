@@ -190,16 +190,19 @@ local function purge(st, lz, lh, done, now)
   end
   redis.call('ZREMRANGEBYSCORE', done, '-inf', now)
 end
--- bucket_load is TokenBucket(cap, rate, now) for a new bucket, else refill(now) at the
--- stored rate followed by set_limits(cap, rate): a shrink clamps, a rise adds nothing.
+-- bucket_load is TokenBucket(cap, rate, now) for a new bucket, else set_limits(cap, rate,
+-- now): the elapsed time refilled at the stored rate up to the larger capacity, then a
+-- shrink clamps.
 local function bucket_load(key, cap, rate, now)
   local v = redis.call('HMGET', key, 'tok', 't', 'cap', 'rate')
   if not v[1] then return {cap, now, cap, rate} end
   local tok, t, bcap, brate = tonumber(v[1]), tonumber(v[2]), tonumber(v[3]), tonumber(v[4])
   local dt = now - t
   if dt > 0 then
+    local top = bcap
+    if cap > bcap then top = cap end
     tok = tok + dt * brate
-    if not (tok < bcap) then tok = bcap end
+    if not (tok < top) then tok = top end
     t = now
   end
   if cap ~= bcap or rate ~= brate then

@@ -75,6 +75,15 @@ def test_shrink_takes_tokens_away_and_rise_adds_none():
     assert b.refill(T0 + 2) == pytest.approx(276)
 
 
+def test_a_rise_after_idle_time_credits_the_idle_time_past_the_old_capacity():
+    b = bucket()
+    b.set_limits(360, 6, T0)          # a pressure period: the bucket shrinks
+    b.take(360, T0)
+    # Idle for 100 s; the limits rise back, and reach the bucket with the next request.
+    b.set_limits(600, 10, T0 + 100)
+    assert b.tokens == 600            # 100 s at the old 6 tokens/s: full, not held at 360
+
+
 def test_earlier_instant_refills_nothing():
     b = bucket()
     b.take(600, T0)

@@ -91,6 +91,16 @@ async def test_a_shrunken_capacity_takes_tokens_away(store: Store):
     assert store.usage("p", T0).bucket_tokens == 2900
 
 
+async def test_a_bucket_left_shrunk_and_idle_is_full_when_the_limits_rise(store: Store):
+    small = limits(scale=0.5, limit=1, bucket=BucketSpec("pool", 3000.0, 50.0, 6000.0))
+    g = await store.admit(plan(3000, small, tenant=None), T0)
+    store.settle(g, 3000, T0)
+    # 120 s idle at 50 tokens/s refill 6000: the risen bucket is full at the next request
+    g = await store.admit(plan(6000, limits(kv_budget=6000, base_kv_budget=6000), tenant=None),
+                          T0 + 120)
+    assert isinstance(g, Grant), g
+
+
 async def test_guarantees_are_kept_for_their_class(store: Store):
     lim = limits(guarantees={"gold": 1})
     a = await store.admit(plan(1, lim, tenant=None), T0)

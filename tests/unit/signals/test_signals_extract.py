@@ -119,14 +119,14 @@ def _vllm(usage: str, waiting: str = "0") -> bytes:
             'vllm:num_requests_running{engine="0",model_name="m"} 1\n').encode()
 
 
-@pytest.mark.parametrize("value", ["NaN", "-0.3", "-Inf"])
+@pytest.mark.parametrize("value", ["NaN", "-0.3", "-Inf", "+Inf"])
 def test_unreadable_usage_makes_the_sample_unusable_never_idle(value):
     s = read("vllm", _vllm(value))
     assert s.kv_usage is None and not s.usable
     assert reasons(s) == [ScrapeError.BAD_VALUE]
 
 
-@pytest.mark.parametrize("value", ["1.7", "+Inf"])
+@pytest.mark.parametrize("value", ["1.7", "1e300"])
 def test_usage_above_one_is_clamped_to_saturated(value):
     s = read("vllm", _vllm(value))
     assert s.kv_usage == pytest.approx((1.0 + 0.2) / 2)
@@ -138,6 +138,29 @@ def test_unreadable_queue_is_unknown_not_zero(value):
     s = read("vllm", _vllm("0.4", waiting=value))
     assert s.waiting is None and s.usable
     assert reasons(s) == [ScrapeError.BAD_VALUE]
+
+
+def test_vllm_dp_num_gpu_blocks_is_the_front_ends_total_not_added_again():
+    # Releases without kv_cache_size_tokens: every engine's line carries the sum over the
+    # engines (here 3 engines, 3 x 1000 blocks of 16 tokens).
+    lines = [f'vllm:kv_cache_usage_perc{{engine="{e}",model_name="m"}} 0.1' for e in range(3)]
+    lines += [f'vllm:cache_config_info{{block_size="16",engine="{e}",model_name="m",'
+              f'num_gpu_blocks="3000"}} 1.0' for e in range(3)]
+    s = read("vllm", ("\n".join(lines) + "\n").encode())
+    assert s.kv_capacity_tokens == 3000 * 16
+    assert ScrapeError.BAD_VALUE not in reasons(s)
+
+
+def test_dcgm_mig_instances_of_one_gpu_are_read_apart():
+    uuid = 'UUID="GPU-6f2a1c3e-8d4b-4a17-9b0e-2c5d7e9f1a30",gpu="0"'
+    lines = []
+    # a full instance listed first, an idle one last: the node is as full as the fullest
+    for inst, (used, free) in enumerate([(9800, 200), (100, 9900)], start=1):
+        lab = f'{uuid},GPU_I_ID="{inst}",GPU_I_PROFILE="3g.40gb"'
+        lines += [f"DCGM_FI_DEV_FB_USED{{{lab}}} {used}", f"DCGM_FI_DEV_FB_FREE{{{lab}}} {free}"]
+    s = read("dcgm", ("\n".join(lines) + "\n").encode())
+    assert s.kv_usage == pytest.approx(0.98)
+    assert s.problems == ()
 
 
 def test_huge_queue_is_clamped():
