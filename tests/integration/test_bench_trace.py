@@ -17,8 +17,9 @@ import pytest
 import tiktoken
 
 from bench.bench_protection import CHAT_OVERHEAD
-from bench.bench_trace import (NODE, POLICIES, TINY, TRACE_SLICE, Background, Oracle, Req, Scenario,
-                               build_requests, envoy_for, kvgate_config, read_trace, skip_reason)
+from bench.bench_trace import (NODE, POLICIES, TINY, TRACE_SLICE, Background, Oracle, Req, Run, Scenario,
+                               build_requests, envoy_for, kvgate_config, preemptions_at_arrival, read_trace,
+                               skip_reason)
 from tests.deploy.support import envoy_validate
 from tests.support.procs import ROOT
 
@@ -242,3 +243,17 @@ def test_tiny_replay_runs_the_policies_and_writes_the_report(tmp_path):
     assert all(r["status"] == "ok" for r in raws["oracle"]["requests"])
     assert max(row.get("kvgate", {}).get("kvgate_inflight_requests", 0)
                for row in raws["pool-rr"]["timeline"]) > 0            # traffic went through kvgate
+
+
+def test_background_load_rises_in_steps_and_its_preemptions_are_told_apart():
+    bg = Background(node=2, tokens=16_000, start_s=10.0, end_s=30.0, ramp_s=4.0)
+    assert bg.steps() == [(10.0, 4000), (11.0, 8000), (12.0, 12000), (13.0, 16000), (30.0, 0)]
+    assert Background(node=0, tokens=5, start_s=1.0, end_s=2.0).steps() == [(1.0, 5), (2.0, 0)]
+    run = Run(POLICY["none"])
+
+    def row(t: float, *preemptions: int) -> dict:
+        return {"t": t, "nodes": [{"preemptions": p} for p in preemptions]}
+    run.timeline = [row(5.0, 0, 0, 0), row(9.0, 2, 0, 0), row(11.0, 2, 0, 3), row(16.5, 2, 1, 4),
+                    row(17.5, 2, 1, 9), row(40.0, 5, 1, 9)]
+    # 3 at t=11 and 2 at t=16.5 fall within the rise (10-14 s) + 3 s; the rest do not
+    assert preemptions_at_arrival(run, bg) == 5
