@@ -216,7 +216,7 @@ TINY = Scenario(
     max_tokens_mix=MAX_TOKENS_MIX,
     bursts=(Burst(at=1.0, count=2, prompt=(6000, 8000), output=(20, 40)),),
     batch_max_tokens=64,
-    background=Background(node=2, tokens=16_384, start_s=0.5, end_s=3.0),
+    background=Background(node=2, tokens=16_384, start_s=0.5, end_s=4.0),
     drain_s=6.0)
 
 # One node: 32k KV tokens (a small GPU's worth at this scale), a 16k context.
@@ -511,6 +511,7 @@ class Run:
     results: list[Result] = field(default_factory=list)
     timeline: list[dict[str, Any]] = field(default_factory=list)
     preemptions: list[int] = field(default_factory=list)
+    background: list[tuple[float, int]] = field(default_factory=list)  # (simulated s, tokens) applied
     wall_s: float = 0.0
     error: str | None = None
     skipped: str | None = None
@@ -660,14 +661,16 @@ async def _sample(session: aiohttp.ClientSession, client: Client, sim_urls: Sequ
 
 
 async def _background(session: aiohttp.ClientSession, client: Client, sim_urls: Sequence[str],
-                      bg: Background) -> None:
-    """_background puts the unadmitted load on its node for its window, then takes it away."""
+                      bg: Background, applied: list[tuple[float, int]]) -> None:
+    """_background puts the unadmitted load on its node for its window, then takes it away;
+    ``applied`` gets (simulated s, tokens) as the node confirms each setting."""
     url = f"{sim_urls[bg.node]}/sim/config"
     for at, tokens in bg.steps():
         await asyncio.sleep(max(0.0, (at - client.sim_now()) / client.speedup))
         async with session.post(url, data=orjson.dumps({"background_kv_tokens": tokens})) as resp:
             if resp.status != 200:
                 raise RuntimeError(f"the node refused its background load: {await resp.text()}")
+            applied.append((client.sim_now(), (await resp.json(loads=orjson.loads))["background_kv_tokens"]))
 
 
 async def drive(run: Run, reqs: list[Req], sc: Scenario, speedup: float, envoy_port: int,
@@ -684,7 +687,8 @@ async def drive(run: Run, reqs: list[Req], sc: Scenario, speedup: float, envoy_p
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         sampler = asyncio.create_task(_sample(session, client, sim_urls, admin_url, run.timeline,
                                               0.5 / speedup, client.oracle))
-        background = asyncio.create_task(_background(session, client, sim_urls, sc.background))
+        background = asyncio.create_task(_background(session, client, sim_urls, sc.background,
+                                                     run.background))
         try:
             limit = (sc.duration_s + sc.drain_s) / speedup + 60.0
             await asyncio.wait_for(asyncio.gather(*(client.send(session, r) for r in run.results)),
@@ -1088,7 +1092,7 @@ def dump_raw(run: Run, path: Path) -> None:
                  "usage": [r.prompt_tokens, r.completion_tokens], "finish_reason": r.finish_reason}
                 for r in run.results]
     path.write_bytes(orjson.dumps({"policy": run.policy.key, "preemptions": run.preemptions,
-                                   "error": run.error, "skipped": run.skipped,
+                                   "error": run.error, "skipped": run.skipped, "background": run.background,
                                    "requests": requests, "timeline": run.timeline}))
 
 
