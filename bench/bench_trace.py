@@ -143,15 +143,30 @@ class Burst:
     output: tuple[int, int]
 
 
+RAMP_STEPS = 4
+
+
 @dataclass(frozen=True, slots=True)
 class Background:
     """Background is load on node ``node`` that no gateway admitted: ``tokens`` KV tokens
-    held from ``start_s`` to ``end_s`` (simulated seconds)."""
+    from ``start_s`` (reached ``ramp_s`` later) to ``end_s`` (simulated seconds)."""
 
     node: int
     tokens: int
     start_s: float
     end_s: float
+    ramp_s: float = 0.0
+
+    def steps(self) -> list[tuple[float, int]]:
+        """steps are the (simulated s, background tokens) settings in order: the load rises in
+        ``RAMP_STEPS`` equal steps over ``ramp_s`` (at once when 0) and leaves at ``end_s``."""
+        n = RAMP_STEPS if self.ramp_s > 0 else 1
+        rise = [(self.start_s + self.ramp_s * i / n, self.tokens * (i + 1) // n) for i in range(n)]
+        return [*rise, (self.end_s, 0)]
+
+    def arriving(self, t: float, settle_s: float = 3.0) -> bool:
+        """arriving tells whether ``t`` (simulated s) falls while the load rises or ``settle_s`` after."""
+        return self.start_s <= t <= self.start_s + self.ramp_s + settle_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,7 +207,8 @@ FULL = Scenario(
     bursts=(Burst(at=15.0, count=4, prompt=(8000, 12000), output=(200, 500)),
             Burst(at=50.0, count=4, prompt=(8000, 12000), output=(200, 500))),
     batch_max_tokens=512,
-    background=Background(node=2, tokens=16_384, start_s=25.0, end_s=55.0),
+    # Load that no gateway admitted grows as its own requests do: over 4 s, not in one jump.
+    background=Background(node=2, tokens=16_384, start_s=25.0, end_s=55.0, ramp_s=4.0),
     drain_s=40.0)
 
 TINY = Scenario(
@@ -200,7 +216,7 @@ TINY = Scenario(
     max_tokens_mix=MAX_TOKENS_MIX,
     bursts=(Burst(at=1.0, count=2, prompt=(6000, 8000), output=(20, 40)),),
     batch_max_tokens=64,
-    background=Background(node=2, tokens=16_384, start_s=0.5, end_s=3.0),
+    background=Background(node=2, tokens=16_384, start_s=0.5, end_s=4.0),
     drain_s=6.0)
 
 # One node: 32k KV tokens (a small GPU's worth at this scale), a 16k context.
@@ -495,6 +511,7 @@ class Run:
     results: list[Result] = field(default_factory=list)
     timeline: list[dict[str, Any]] = field(default_factory=list)
     preemptions: list[int] = field(default_factory=list)
+    background: list[tuple[float, int]] = field(default_factory=list)  # (simulated s, tokens) applied
     wall_s: float = 0.0
     error: str | None = None
     skipped: str | None = None
@@ -644,14 +661,16 @@ async def _sample(session: aiohttp.ClientSession, client: Client, sim_urls: Sequ
 
 
 async def _background(session: aiohttp.ClientSession, client: Client, sim_urls: Sequence[str],
-                      bg: Background) -> None:
-    """_background puts the unadmitted load on its node for its window, then takes it away."""
+                      bg: Background, applied: list[tuple[float, int]]) -> None:
+    """_background puts the unadmitted load on its node for its window, then takes it away;
+    ``applied`` gets (simulated s, tokens) as the node confirms each setting."""
     url = f"{sim_urls[bg.node]}/sim/config"
-    for at, tokens in ((bg.start_s, bg.tokens), (bg.end_s, 0)):
+    for at, tokens in bg.steps():
         await asyncio.sleep(max(0.0, (at - client.sim_now()) / client.speedup))
         async with session.post(url, data=orjson.dumps({"background_kv_tokens": tokens})) as resp:
             if resp.status != 200:
                 raise RuntimeError(f"the node refused its background load: {await resp.text()}")
+            applied.append((client.sim_now(), (await resp.json(loads=orjson.loads))["background_kv_tokens"]))
 
 
 async def drive(run: Run, reqs: list[Req], sc: Scenario, speedup: float, envoy_port: int,
@@ -668,7 +687,8 @@ async def drive(run: Run, reqs: list[Req], sc: Scenario, speedup: float, envoy_p
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         sampler = asyncio.create_task(_sample(session, client, sim_urls, admin_url, run.timeline,
                                               0.5 / speedup, client.oracle))
-        background = asyncio.create_task(_background(session, client, sim_urls, sc.background))
+        background = asyncio.create_task(_background(session, client, sim_urls, sc.background,
+                                                     run.background))
         try:
             limit = (sc.duration_s + sc.drain_s) / speedup + 60.0
             await asyncio.wait_for(asyncio.gather(*(client.send(session, r) for r in run.results)),
@@ -804,6 +824,7 @@ class Summary:
     """
 
     preemptions: tuple[int, ...]
+    at_arrival: int
     by_class: dict[str, dict[str, int]]
     ttft_p50: float | None
     ttft_p99: float | None
@@ -821,7 +842,19 @@ def kv_for_requests(row: dict[str, Any]) -> float:
     return sum(n["used_blocks"] for n in nodes) / room if room > 0 else 1.0
 
 
-def summarize(run: Run) -> Summary:
+def preemptions_at_arrival(run: Run, bg: Background) -> int:
+    """preemptions_at_arrival counts the preemptions (all nodes) the timeline saw while ``bg`` arrived."""
+    count = 0
+    prev: list[int] | None = None
+    for row in run.timeline:
+        now = [n["preemptions"] for n in row["nodes"]]
+        if prev is not None and bg.arriving(row["t"]):
+            count += sum(b - a for a, b in zip(prev, now))
+        prev = now
+    return count
+
+
+def summarize(run: Run, background: Background) -> Summary:
     """summarize turns a run's results and timeline into its row of the table."""
     by_class: dict[str, dict[str, int]] = {}
     for klass in ("online", "batch"):
@@ -841,7 +874,8 @@ def summarize(run: Run) -> Summary:
     starved = [row for row in run.timeline
                if row["open_online"] + row["open_batch"] > sum(n["running"] for n in row["nodes"])]
     util = (sum(kv_for_requests(row) for row in starved) / len(starved)) if starved else None
-    return Summary(preemptions=tuple(run.preemptions), by_class=by_class,
+    return Summary(preemptions=tuple(run.preemptions), at_arrival=preemptions_at_arrival(run, background),
+                   by_class=by_class,
                    ttft_p50=_pct(ttfts, 0.50), ttft_p99=_pct(ttfts, 0.99), under_target=under,
                    kv_utilization=util, goodput=tokens / span, span_s=span)
 
@@ -930,7 +964,7 @@ def report(runs: list[Run], sc: Scenario, node: Node, trace: Path, rows: int, re
            speedup: float, seed: int, wall_s: float, out: Path, command: str) -> list[str]:
     """report writes ``trace.md`` to ``out`` and returns its verdict lines."""
     ran = [r for r in runs if r.skipped is None]
-    sums = {r.policy.key: summarize(r) for r in ran}
+    sums = {r.policy.key: summarize(r, sc.background) for r in ran}
     oracle = sums.get("oracle")
     lines = [
         "# Trace replay: Azure LLM inference trace 2023 (conversation) over three nodes",
@@ -939,7 +973,7 @@ def report(runs: list[Run], sc: Scenario, node: Node, trace: Path, rows: int, re
         f"speedup {speedup:g}x, {len(ran)} policies run in {wall_s:.0f} s wall time on "
         f"{os.cpu_count()} cores ({platform.python_implementation()} {platform.python_version()}).",
         "",
-        "| policy | preemptions (node 0 / 1 / 2 = total) | KV utilization while demand waits "
+        "| policy | preemptions: node 0 / 1 / 2 = total (as the background arrived) | KV utilization while demand waits "
         "| goodput (tok/s) | share of the oracle's | online TTFT p50 / p99 (s) | online TTFT <= 2 s "
         "| online ok / refused / error | batch ok / refused / error | 429s seen (online, batch) |",
         "|---|---|---:|---:|---:|---|---:|---|---|---|",
@@ -952,7 +986,7 @@ def report(runs: list[Run], sc: Scenario, node: Node, trace: Path, rows: int, re
         o, b = s.by_class["online"], s.by_class["batch"]
         share = _pct_fmt(s.goodput / oracle.goodput) if oracle and oracle.goodput > 0 else "n/a"
         name = run.policy.title + (f" (**error**: {run.error})" if run.error else "")
-        pre = " / ".join(str(p) for p in s.preemptions) + f" = {sum(s.preemptions)}"
+        pre = " / ".join(str(p) for p in s.preemptions) + f" = {sum(s.preemptions)} ({s.at_arrival})"
         lines.append(f"| {name} | {pre} | {_pct_fmt(s.kv_utilization)} | {s.goodput:,.0f} | {share} "
                      f"| {_fmt(s.ttft_p50)} / {_fmt(s.ttft_p99)} | {_pct_fmt(s.under_target)} "
                      f"| {o['ok']} / {o['refused']} / {o['error']} | {b['ok']} / {b['refused']} / {b['error']} "
@@ -985,7 +1019,9 @@ def report(runs: list[Run], sc: Scenario, node: Node, trace: Path, rows: int, re
               f"{node.max_num_batched_tokens} tokens/step, prefill {node.prefill_tokens_per_s:,.0f} tok/s, decode "
               f"{node.decode_tokens_per_s:g} tok/s per sequence (+{node.batch_slowdown:.0%} per extra sequence). "
               f"Node {bg.node} holds {bg.tokens:,} tokens of background load (not admitted by any gateway) from "
-              f"t={bg.start_s:g} s to t={bg.end_s:g} s.",
+              f"t={bg.start_s:g} s to t={bg.end_s:g} s"
+              + (f", rising in {RAMP_STEPS} steps over {bg.ramp_s:g} s" if bg.ramp_s > 0 else "")
+              + "; preemptions in parentheses are those seen while it rose and 3 s after.",
               "- kvgate (policies 2, 3, 5, 6): the three nodes as backends, KV budget 0.9 x their reported "
               "capacity, adaptive scale on the fullest node (watermarks 0.70/0.85), classes `online` "
               "(priority 10, may wait 2 s) and `batch` (priority -10, sheddable, may wait 10 s, "
@@ -1033,7 +1069,7 @@ def verdicts(runs: list[Run], sums: dict[str, Summary]) -> list[str]:
         s = sums[run.policy.key]
         total = sum(s.preemptions)
         share = s.goodput / oracle.goodput if oracle and oracle.goodput > 0 else None
-        text = f"- {run.policy.title}: {total} preemptions"
+        text = f"- {run.policy.title}: {total} preemptions ({s.at_arrival} as the background load arrived)"
         if share is not None and run.policy.key != "oracle":
             text += f", goodput {share:.0%} of the oracle's"
         if run.policy.key == "picker-learned":
@@ -1056,7 +1092,7 @@ def dump_raw(run: Run, path: Path) -> None:
                  "usage": [r.prompt_tokens, r.completion_tokens], "finish_reason": r.finish_reason}
                 for r in run.results]
     path.write_bytes(orjson.dumps({"policy": run.policy.key, "preemptions": run.preemptions,
-                                   "error": run.error, "skipped": run.skipped,
+                                   "error": run.error, "skipped": run.skipped, "background": run.background,
                                    "requests": requests, "timeline": run.timeline}))
 
 
@@ -1102,7 +1138,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"the trace has no request in trace seconds {sc.start_s:g}-{sc.start_s + sc.window_s:g}")
     reqs = build_requests(rows, sc, args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
-    print(f"trace benchmark: scenario {sc.name} ({len(reqs)} requests, {sc.duration_s:g} s simulated), "
+    print(f"trace benchmark: scenario {sc.name} ({len(reqs)} requests, {sc.duration_s:.1f} s simulated), "
           f"speedup {args.speedup:g}x, policies {', '.join(keys)}", flush=True)
     started = time.monotonic()
     runs = []
@@ -1115,7 +1151,7 @@ def main(argv: list[str] | None = None) -> int:
             if run.skipped is not None:
                 print(f"  [{label}] {run.skipped}", flush=True)
             else:
-                s = summarize(run)
+                s = summarize(run, sc.background)
                 print(f"  [{label}] {run.wall_s:.0f} s: preemptions {list(s.preemptions)}, online ok "
                       f"{s.by_class['online']['ok']}/{s.by_class['online']['n']}, batch ok "
                       f"{s.by_class['batch']['ok']}/{s.by_class['batch']['n']}, TTFT p99 {_fmt(s.ttft_p99)} s, "
