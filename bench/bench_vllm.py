@@ -596,6 +596,14 @@ def versions(vllm_python: Path) -> dict[str, str]:
     return out
 
 
+def _relative(arg: str) -> str:
+    """_relative writes a path inside the repository relative to it (reports name no machine's paths)."""
+    try:
+        return str(Path(arg).resolve().relative_to(ROOT))
+    except ValueError:
+        return Path(arg).name if arg.startswith("/") else arg
+
+
 def report(outcomes: list[Outcome], skipped: dict[str, str], flags: EngineFlags, burst: Burst,
            runs: int, argv: list[str], vers: dict[str, str], startup_s: float, wall_s: float,
            out_dir: Path) -> str:
@@ -613,7 +621,7 @@ def report(outcomes: list[Outcome], skipped: dict[str, str], flags: EngineFlags,
     lines = [
         "# The real vLLM engine: a burst straight to it vs through Envoy + kvgate",
         "",
-        f"Command: `make bench-vllm` (here: `{' '.join(shlex.quote(a) for a in argv)}`), "
+        f"Command: `make bench-vllm` (here: `{' '.join(shlex.quote(_relative(a)) for a in argv)}`), "
         f"{runs} runs, {time.strftime('%Y-%m-%d', time.gmtime())}.",
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores shared with other work, no GPU. "
