@@ -45,7 +45,7 @@ def kvgate_config(url: str) -> dict[str, Any]:
         # timeout_s is generous: this test is about sharing, not about how fast a busy
         # 2-core machine answers; a stopped Redis is refused at once anyway.
         "store": {"redis": {"url": url, "key_prefix": PREFIX, "lease_ttl_s": LEASE_TTL_S,
-                            "timeout_s": 0.5, "on_unavailable": "local_share"}},
+                            "timeout_s": 2.0, "on_unavailable": "local_share"}},
         "server": {"drain_s": 0, "grace_s": 1},
     }
 
@@ -181,7 +181,9 @@ def test_the_global_limit_holds_across_both_replicas(replicas: tuple[Stack, Stac
     held = open_all([((a, b)[i % 2], f"spread-{i}") for i in range(N + K)])
     try:
         admitted = [h for h in held if h.admitted]
-        assert len(admitted) == N, [repr(h.error) for h in held]
+        # A replica whose Redis round trip timed out admits from its local share: then the
+        # machine was too slow for timeout_s, which the modes say, not the rule.
+        assert len(admitted) == N, ([repr(h.error) for h in held], mode(a), mode(b))
         assert all(refused_for(h, "concurrency") for h in held if not h.admitted)
         assert held_in_redis(redis_srv)[0] == N
     finally:
