@@ -265,7 +265,7 @@ class ServerConfig:
     drain_s: float = 5.0
     grace_s: float = 30.0
     access_log_ttl_s: float = 900.0
-    envoy_message_timeout_s: float = 2.0
+    envoy_message_timeout_s: float = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -677,7 +677,7 @@ def _server(data: Any) -> ServerConfig:
         drain_s=s.number("drain_s", 5.0, low=0.0, high=600.0),
         grace_s=s.number("grace_s", 30.0, low=0.0, high=3600.0),
         access_log_ttl_s=s.number("access_log_ttl_s", 900.0, low=1.0, high=86400.0),
-        envoy_message_timeout_s=s.number("envoy_message_timeout_s", 2.0, low=0.01, high=3600.0),
+        envoy_message_timeout_s=s.number("envoy_message_timeout_s", 5.0, low=0.01, high=3600.0),
     )
     s.done()
     return cfg

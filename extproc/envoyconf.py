@@ -1,9 +1,10 @@
 """envoyconf: the Envoy side of a kvgate configuration, written from it and checked against it.
 
-About six values of an Envoy file must agree with kvgate's own file: the tenant header among
-the ext_proc ``request_attributes``, the address of the kvgate cluster, the message timeouts
-against every class's ``max_wait_s``, the listener's buffer limit and the 413 route against
-``limits.max_body_bytes``, and the ``kvgate`` metadata of each route. ``envoy_filter`` writes
+About seven values of an Envoy file must agree with kvgate's own file: the tenant header among
+the ext_proc ``request_attributes`` and in the header_mutation that strips client-sent copies,
+the address of the kvgate cluster, the message timeouts against every class's ``max_wait_s``,
+the listener's buffer limit and the 413 route against ``limits.max_body_bytes``, and the
+``kvgate`` metadata of each route. ``envoy_filter`` writes
 them from a ``Config`` (``kvgate envoy-filter``); ``check_envoy`` reads an Envoy file and
 names every disagreement by the kvgate key it breaks (``kvgate check-config --envoy``).
 
@@ -38,9 +39,25 @@ MODES = ("three-message", "four-message", "reservation", "observe", "access-log"
 # Modes in which kvgate sees the request headers (and so decides before Envoy routes).
 _HEADERS_SENT = ("four-message", "endpoint-picker")
 HEADER_MUTATION_TYPE = "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation"
+BUFFER_TYPE = "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer"
+BUFFER_PER_ROUTE_TYPE = "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.BufferPerRoute"
 # Headers only kvgate may set in the endpoint-picker mode: client-sent copies are removed.
 PICKER_HEADERS = ("x-gateway-destination-endpoint", "x-gateway-destination-endpoint-served",
                   "x-gateway-destination-endpoint-subset")
+# Header families a client must never send: kvgate's own and the endpoint picker's (every mode
+# strips both, so a file moved to another mode stays safe).
+INTERNAL_HEADER_PREFIXES = ("x-kvgate-", PICKER_HEADERS[0])
+# Envoy's downstream connection limit (connections): past it new connections are refused.
+MAX_DOWNSTREAM_CONNECTIONS = 10_000
+# Time a client has to send its request headers (seconds).
+REQUEST_HEADERS_TIMEOUT_S = 10
+# request_timeout is max_message_timeout (the longest wait kvgate may ask for) plus this much
+# for the upload itself (seconds): 120 s for the 60 s ceiling.
+UPLOAD_ALLOWANCE_S = 60
+# No byte in either direction for this long ends a stream; an idle keep-alive connection too (seconds).
+IDLE_TIMEOUT_S = 300
+GATEWAY_UNAVAILABLE_BODY = ('{"error":{"message":"The admission gateway is unavailable; retry shortly.",'
+                            '"type":"server_error","param":null,"code":"gateway_unavailable"}}')
 DEFAULT_MODE = "three-message"
 # The shortest max_message_timeout written (seconds): room for a class added by a reload.
 MIN_MAX_MESSAGE_TIMEOUT_S = 60
@@ -87,6 +104,19 @@ def needed_max_message_timeout_s(config: Config) -> float:
     return max(waits) + WAIT_TIMEOUT_MARGIN_S if waits else 0.0
 
 
+def max_message_timeout_s(config: Config) -> int:
+    """max_message_timeout_s is the ext_proc ``max_message_timeout`` written (whole seconds):
+    room for every class's wait, at least ``MIN_MAX_MESSAGE_TIMEOUT_S``."""
+    return max(MIN_MAX_MESSAGE_TIMEOUT_S, math.ceil(needed_max_message_timeout_s(config)))
+
+
+def request_timeout_s(config: Config) -> int:
+    """request_timeout_s is the connection manager's ``request_timeout`` (whole seconds): the
+    longest queue wait kvgate may ask for plus ``UPLOAD_ALLOWANCE_S`` for sending the request.
+    Envoy stops this clock once the request has gone upstream, so it never cuts a generation."""
+    return max_message_timeout_s(config) + UPLOAD_ALLOWANCE_S
+
+
 def buffer_limit_bytes(config: Config) -> int:
     """buffer_limit_bytes is the listener buffer written for ``limits.max_body_bytes`` (bytes)."""
     return max(MIN_BUFFER_BYTES, 4 * config.limits.max_body_bytes)
@@ -107,9 +137,9 @@ def _ext_proc(config: Config, mode: str) -> dict[str, Any]:
         "@type": EXT_PROC_TYPE,
         "grpc_service": {"envoy_grpc": {"cluster_name": CLUSTER}},
         "failure_mode_allow": False,
+        "status_on_error": {"code": "ServiceUnavailable"},
         "message_timeout": _seconds(config.server.envoy_message_timeout_s),
-        "max_message_timeout": _seconds(max(MIN_MAX_MESSAGE_TIMEOUT_S,
-                                            math.ceil(needed_max_message_timeout_s(config)))),
+        "max_message_timeout": _seconds(max_message_timeout_s(config)),
         "processing_mode": {
             "request_header_mode": "SKIP" if skip_headers else "SEND",
             "request_body_mode": "BUFFERED",
@@ -132,12 +162,17 @@ def _ext_proc(config: Config, mode: str) -> dict[str, Any]:
     return cfg
 
 
+def header_strip(config: Config) -> list[dict[str, Any]]:
+    """header_strip is the request mutations of the first filter: the client's copy of the tenant
+    header, then every header of kvgate's and the endpoint picker's families, removed."""
+    return [{"remove": config.tenants.header},
+            *({"remove_on_match": {"key_matcher": {"prefix": p}}} for p in INTERNAL_HEADER_PREFIXES)]
+
+
 def _http_filters(config: Config, mode: str) -> list[dict[str, Any]]:
-    filters = [] if mode != "endpoint-picker" else [
+    filters: list[dict[str, Any]] = [
         {"name": "envoy.filters.http.header_mutation", "typed_config": {
-            "@type": HEADER_MUTATION_TYPE,
-            "mutations": {"request_mutations": [{"remove": h} for h in PICKER_HEADERS]}}}]
-    filters += [
+            "@type": HEADER_MUTATION_TYPE, "mutations": {"request_mutations": header_strip(config)}}},
         {"name": "envoy.filters.http.set_metadata", "typed_config": {"@type": SET_METADATA_TYPE}},
         {"name": "envoy.filters.http.ext_proc", "typed_config": _ext_proc(config, mode)},
     ]
@@ -155,6 +190,11 @@ def _http_filters(config: Config, mode: str) -> list[dict[str, Any]]:
             # The link to the lease, written by the admission filter, reaches kvgate here.
             "metadata_options": {"forwarding_namespaces": {"untyped": [METADATA_NAMESPACE]}},
         }})
+    # Every mode: with request headers skipped ext_proc lets them go upstream at once, so a
+    # refused request would open an upstream request; where they are sent Envoy holds them
+    # anyway and the buffer costs no round trip (one shape for every file).
+    filters.append({"name": "envoy.filters.http.buffer", "typed_config": {
+        "@type": BUFFER_TYPE, "max_request_bytes": buffer_limit_bytes(config)}})
     filters.append({"name": "envoy.filters.http.router", "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}})
     return filters
@@ -190,6 +230,9 @@ def _routes(config: Config, mode: str, upstream_cluster: str) -> list[dict[str, 
             "direct_response": {"status": 413, "body": {"inline_string": (
                 '{"error":{"message":"The request body is above this endpoint\'s limit.",'
                 '"type":"invalid_request_error","param":null,"code":"request_too_large"}}')}},
+            # Answered at once: the buffer filter would hold it until the body is read.
+            "typed_per_filter_config": {"envoy.filters.http.buffer": {
+                "@type": BUFFER_PER_ROUTE_TYPE, "disabled": True}},
             "response_headers_to_add": _JSON_REFUSAL,
         })
         routes.append({
@@ -250,6 +293,19 @@ def envoy_filter(config: Config, mode: str = DEFAULT_MODE) -> dict[str, Any]:
     return out
 
 
+def _local_reply() -> dict[str, Any]:
+    """_local_reply gives Envoy's own answers when kvgate fails (details ``ext_proc_error...``)
+    OpenAI's error body, so SDKs retry them; kvgate's refusals (``kvgate_...``) are untouched."""
+    return {"mappers": [{
+        "filter": {"extension_filter": {
+            "name": "envoy.access_loggers.extension_filters.cel",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
+                "expression": "response.code_details.startsWith('ext_proc_error')"}}},
+        "body_format_override": {"text_format_source": {"inline_string": GATEWAY_UNAVAILABLE_BODY},
+                                 "content_type": "application/json"}}]}
+
+
 def envoy_bootstrap(config: Config, mode: str = DEFAULT_MODE, *, listen: str = "0.0.0.0:8080",
                     upstream: str = "inference:8000", admin: str = "127.0.0.1:9901") -> dict[str, Any]:
     """envoy_bootstrap is a whole Envoy file around ``envoy_filter``: one listener on ``listen``
@@ -264,11 +320,18 @@ def envoy_bootstrap(config: Config, mode: str = DEFAULT_MODE, *, listen: str = "
     hcm: dict[str, Any] = {"@type": HCM_TYPE, "stat_prefix": "inference"}
     if "access_log" in piece:
         hcm["access_log"] = piece["access_log"]
-    hcm.update({"request_timeout": "0s", "stream_idle_timeout": "300s"})
-    if mode == "endpoint-picker":
-        hcm.update({"normalize_path": True, "merge_slashes": True})
-    hcm.update({"route_config": {"name": "inference", "virtual_hosts": [vhost]},
-                "http_filters": piece["http_filters"]})
+    hcm.update({
+        "normalize_path": True, "merge_slashes": True,
+        "path_with_escaped_slashes_action": "UNESCAPE_AND_FORWARD",
+        "request_headers_timeout": _seconds(REQUEST_HEADERS_TIMEOUT_S),
+        "request_timeout": _seconds(request_timeout_s(config)),
+        "stream_idle_timeout": _seconds(IDLE_TIMEOUT_S),
+        "common_http_protocol_options": {"idle_timeout": _seconds(IDLE_TIMEOUT_S),
+                                         "headers_with_underscores_action": "DROP_HEADER"},
+        "local_reply_config": _local_reply(),
+        "route_config": {"name": "inference", "virtual_hosts": [vhost]},
+        "http_filters": piece["http_filters"],
+    })
     inference: dict[str, Any] = {
         "name": "inference", "type": "STRICT_DNS", "connect_timeout": "1s",
         "circuit_breakers": {"thresholds": [{"max_connections": 100000, "max_pending_requests": 100000,
@@ -286,6 +349,12 @@ def envoy_bootstrap(config: Config, mode: str = DEFAULT_MODE, *, listen: str = "
         }
     return {
         "admin": {"address": {"socket_address": {"address": ahost, "port_value": aport}}},
+        "overload_manager": {"resource_monitors": [{
+            "name": "envoy.resource_monitors.global_downstream_max_connections",
+            "typed_config": {
+                "@type": ("type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections."
+                          "v3.DownstreamConnectionsConfig"),
+                "max_active_downstream_connections": MAX_DOWNSTREAM_CONNECTIONS}}]},
         "static_resources": {
             "listeners": [{
                 "name": "inference",
@@ -467,6 +536,26 @@ def _check_body(config: Config, where: str, listener: dict[str, Any], hcm: dict[
     return out
 
 
+def _check_strip(config: Config, where: str, filters: list[Any], ext_index: int) -> list[Disagreement]:
+    """_check_strip names a tenant header that a client could send itself: no header_mutation
+    filter before ext_proc removes ``tenants.header`` (a ``remove`` of it, or a prefix match)."""
+    header = config.tenants.header.lower()
+    for f in filters[:ext_index]:
+        tc = _dict(_dict(f).get("typed_config"))
+        if tc.get("@type") != HEADER_MUTATION_TYPE:
+            continue
+        for m in _items(_dict(_dict(tc.get("mutations"))).get("request_mutations")):
+            m = _dict(m)
+            prefix = _dict(_dict(m.get("remove_on_match")).get("key_matcher")).get("prefix")
+            if str(m.get("remove", "")).lower() == header or \
+                    (isinstance(prefix, str) and prefix and header.startswith(prefix.lower())):
+                return []
+    return [Disagreement("tenants.header", f"{where}.http_filters",
+                         f"no header_mutation filter before ext_proc removes {config.tenants.header!r}: "
+                         f"any client can name its own tenant; add `remove: {config.tenants.header}` "
+                         f"to the first filter (a verified source sets it after that filter)")]
+
+
 def _route_metadata(hcm: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
     """_route_metadata yields (where, value) for each ``kvgate`` entry a route or virtual host sets."""
     for vi, vh in enumerate(_items(_dict(hcm.get("route_config")).get("virtual_hosts"))):
@@ -556,6 +645,7 @@ def check_envoy(config: Config, doc: Any) -> list[Disagreement]:
             out += _check_attributes(config, at, ext)
             out += _check_body(config, where, listener, hcm, ext)
             out += _check_routes(config, where, hcm, filters, i, ext)
+            out += _check_strip(config, where, filters, i)
     if not seen:
         out.append(Disagreement("-", "static_resources.listeners",
                                 "no ext_proc filter (outside observability mode) in any listener"))

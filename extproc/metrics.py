@@ -30,6 +30,8 @@ OUTCOMES = ("admitted", "rejected_concurrency", "rejected_tpm", "rejected_kv_bud
 CAUSES = ("completed", "client_disconnect", "upstream_error", "timeout", "ended")
 # The result label of kvgate_access_log_entries_total (ExtProcService.logged).
 ACCESS_LOG_RESULTS = ("released", "no_lease", "unmatched")
+# The reason label of kvgate_tenant_header_unseen_total (see the exchange's tenant lookup).
+TENANT_HEADER_UNSEEN_REASONS = ("absent", "other_header")
 # Decisions take tens of microseconds to a few milliseconds; waits in a class queue longer.
 DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                     0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -291,6 +293,8 @@ class Metrics:
             self.store_errors.labels(reason)
         for result in ACCESS_LOG_RESULTS:
             self.access_log_entries.labels(result)
+        for reason in TENANT_HEADER_UNSEEN_REASONS:
+            self.tenant_header_unseen.labels(reason)
 
     # --- hot path ----------------------------------------------------------------
 

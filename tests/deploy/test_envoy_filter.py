@@ -76,14 +76,22 @@ def test_the_values_follow_the_kvgate_file() -> None:
     data["limits"]["max_body_bytes"] = 2_000_000
     config = parse_config(data)
     piece = envoy_filter(config)
-    ext = piece["http_filters"][1]["typed_config"]
+    filters = {f["name"]: f["typed_config"] for f in piece["http_filters"]}
+    ext = filters["envoy.filters.http.ext_proc"]
     assert "request.headers['x-team']" in ext["request_attributes"]
+    assert filters["envoy.filters.http.header_mutation"]["mutations"]["request_mutations"][0] == {
+        "remove": "x-team"}
+    assert filters["envoy.filters.http.buffer"]["max_request_bytes"] == 8_000_000
     assert ext["max_message_timeout"] == "91s"  # 90 s of waiting + kvgate's 1 s margin
     assert piece["per_connection_buffer_limit_bytes"] == 8_000_000
     assert piece["routes"][0]["match"]["headers"][0]["range_match"]["start"] == 2_000_001
     address = piece["clusters"][0]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
     assert address["socket_address"] == {"address": "127.0.0.1", "port_value": 6001}
-    assert check_envoy(config, envoy_bootstrap(config)) == []
+    boot = envoy_bootstrap(config)
+    # The upload's 60 s on top of the longest wait kvgate may ask for: a waiting request is
+    # not cut by request_timeout before its class's max_wait_s.
+    assert hcm_of(boot)["request_timeout"] == "151s"
+    assert check_envoy(config, boot) == []
 
 
 def test_every_shipped_envoy_file_agrees_with_the_shipped_kvgate_file() -> None:
@@ -142,7 +150,26 @@ def _route_pool(doc: dict, cfg: dict) -> None:
 
 
 def _no_set_metadata(doc: dict, cfg: dict) -> None:
-    hcm_of(doc)["http_filters"].pop(0)
+    hcm_of(doc)["http_filters"][:] = [f for f in hcm_of(doc)["http_filters"]
+                                      if f["name"] != "envoy.filters.http.set_metadata"]
+
+
+def _mutations(doc: dict) -> list:
+    strip = next(f for f in hcm_of(doc)["http_filters"] if f["name"] == "envoy.filters.http.header_mutation")
+    return strip["typed_config"]["mutations"]["request_mutations"]
+
+
+def _no_tenant_strip(doc: dict, cfg: dict) -> None:
+    _mutations(doc).pop(0)
+
+
+def _strip_names_another_header(doc: dict, cfg: dict) -> None:
+    _mutations(doc)[0] = {"remove": "x-tenant"}
+
+
+def _strip_after_ext_proc(doc: dict, cfg: dict) -> None:
+    filters = hcm_of(doc)["http_filters"]
+    filters.insert(-2, filters.pop(0))  # still there, but ext_proc reads the client's copy first
 
 
 def _no_forwarding(doc: dict, cfg: dict) -> None:
@@ -155,7 +182,7 @@ def _no_access_log(doc: dict, cfg: dict) -> None:
 
 # (what breaks, the Envoy file it starts from, the kvgate keys reported)
 BREAKS = [
-    (_tenant_header, "envoy.yaml", ["tenants.header"]),
+    (_tenant_header, "envoy.yaml", ["tenants.header", "tenants.header"]),  # attributes, strip
     (_grpc_port, "envoy.yaml", ["server.grpc_listen"]),
     (_cluster_name, "envoy.yaml", ["server.grpc_listen"]),
     (_long_wait, "envoy.yaml", ["tenants.classes.interactive.max_wait_s"]),
@@ -166,6 +193,10 @@ BREAKS = [
     (_no_set_metadata, "envoy.yaml", ["pools"]),
     (_no_forwarding, "envoy.yaml", ["pools"]),
     (_no_access_log, "envoy-access-log.yaml", ["server.access_log_ttl_s"]),
+    (_no_tenant_strip, "envoy.yaml", ["tenants.header"]),
+    (_no_tenant_strip, "envoy-endpoint-picker.yaml", ["tenants.header"]),
+    (_strip_names_another_header, "envoy-four-message.yaml", ["tenants.header"]),
+    (_strip_after_ext_proc, "envoy.yaml", ["tenants.header"]),
 ]
 
 

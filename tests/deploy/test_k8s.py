@@ -186,11 +186,21 @@ def test_ext_proc_settings_are_those_of_the_endpoint_picker_file() -> None:
 def test_http_filter_order() -> None:
     names = [f["name"] for f in http_filters(envoy_bootstrap())]
     # Client-sent identity and destination headers stripped first; probes answered before
-    # kvgate; set_metadata before ext_proc; router last (kvgate sees the request headers, so
-    # Envoy holds the request until it has decided: no buffer filter needed).
+    # kvgate; set_metadata before ext_proc; the buffer before the router, as in every shipped
+    # file (kvgate sees the request headers, so Envoy holds the request anyway: no round trip).
     assert names == ["envoy.filters.http.header_mutation", "envoy.filters.http.health_check",
                      "envoy.filters.http.set_metadata", "envoy.filters.http.ext_proc",
-                     "envoy.filters.http.router"]
+                     "envoy.filters.http.buffer", "envoy.filters.http.router"]
+
+
+def test_the_bootstrap_is_the_endpoint_picker_file_with_the_probe_filter() -> None:
+    """Every hardening block of the picker file (limits, timeouts, stripping, the 503 body)
+    is in the pod's bootstrap too: the two differ by the health_check filter only."""
+    reference = yaml.safe_load((ROOT / "deploy" / "envoy-endpoint-picker.yaml").read_text())
+    ours = copy.deepcopy(envoy_bootstrap())
+    filters = http_filters(ours)
+    filters[:] = [f for f in filters if f["name"] != "envoy.filters.http.health_check"]
+    assert ours == reference
 
 
 def test_per_route_settings_name_real_keys_pools_and_classes(tmp_path: Path) -> None:

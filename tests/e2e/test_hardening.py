@@ -46,13 +46,28 @@ UPSTREAM_REQUESTS = "cluster.inference.upstream_rq_total"
 
 
 def template(name: str, tmp: Path) -> Path:
-    """template is the Envoy bootstrap of a shipped file (a ConfigMap's is written out)."""
+    """template is the Envoy bootstrap of a shipped file (a ConfigMap's is written out).
+
+    The router pod's bootstrap picks nodes (an ORIGINAL_DST cluster that goes where kvgate
+    says): here its filters run in front of the one fake upstream instead, its node cluster
+    made the plain ``inference`` cluster (picking is tested in test_picker.py and
+    tests/deploy/test_router_pod.py)."""
     path = DEPLOY / name
     if not name.startswith("k8s/"):
         return path
     (cm,) = [d for d in yaml.safe_load_all(path.read_text()) if d and d.get("kind") == "ConfigMap"]
+    cfg = yaml.safe_load(cm["data"]["envoy.yaml"])
+    picked = {c["name"] for c in cfg["static_resources"]["clusters"] if c.get("type") == "ORIGINAL_DST"}
+    cfg["static_resources"]["clusters"] = [
+        {"name": "inference", "type": "STATIC", "connect_timeout": "1s"} if c["name"] in picked else c
+        for c in cfg["static_resources"]["clusters"]]
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    for vhost in hcm["route_config"]["virtual_hosts"]:
+        for route in vhost["routes"]:
+            if route.get("route", {}).get("cluster") in picked:
+                route["route"]["cluster"] = "inference"
     out = tmp / "k8s-envoy.yaml"
-    out.write_text(cm["data"]["envoy.yaml"])
+    out.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return out
 
 
@@ -192,10 +207,11 @@ def test_a_slow_upload_is_cut_by_the_request_timeout(tmp_path: Path) -> None:
         s.stop()
 
 
-@pytest.mark.parametrize("name", [*FILES, "envoy-jwt.yaml"])
+@pytest.mark.parametrize("name", [*FILES, "envoy-jwt.yaml", "envoy-endpoint-picker.yaml"])
 def test_every_shipped_file_carries_the_blocks(name: str, tmp_path: Path) -> None:
-    """The blocks each shipped file must carry (the files run above, and the JWT example,
-    whose requests need a token, tested in test_jwt_tenant.py)."""
+    """The blocks each shipped file must carry (the files run above, the JWT example, whose
+    requests need a token, tested in test_jwt_tenant.py, and the endpoint-picker file, run
+    above inside the router pod's bootstrap and in test_picker.py)."""
     cfg = yaml.safe_load(template(name, tmp_path).read_text())
     monitors = [m["name"] for m in cfg["overload_manager"]["resource_monitors"]]
     assert "envoy.resource_monitors.global_downstream_max_connections" in monitors

@@ -43,7 +43,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     (workdir / "envoy-template.yaml").write_text(yaml.safe_dump(envoy, sort_keys=False))
     found = check_envoy(parse_config(CONFIG), envoy)
     assert [d.key for d in found] == ["tenants.classes.patient.max_wait_s"]  # said beforehand
-    s = Stack(workdir / "stack", CONFIG, envoy_template=workdir / "envoy-template.yaml")
+    # The written file strips the client's tenant header; the test sends it as a verified
+    # source in front would.
+    s = Stack(workdir / "stack", CONFIG, envoy_template=workdir / "envoy-template.yaml",
+              tenant_header_from_client=True)
     s.start()
     yield s
     s.stop()

@@ -9,7 +9,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from extproc.admission import Admission
 from extproc.clock import ManualClock
 from extproc.config import parse_config
-from extproc.metrics import ACCESS_LOG_RESULTS, CAUSES, OUTCOMES, STORE_ERROR_REASONS, Metrics
+from extproc.metrics import (ACCESS_LOG_RESULTS, CAUSES, OUTCOMES, STORE_ERROR_REASONS,
+                             TENANT_HEADER_UNSEEN_REASONS, Metrics)
 
 CONFIG = {"pools": {"a": {"max_concurrency": 2}, "b": {"max_concurrency": 2}}, "default_pool": "a",
           "tenants": {"classes": {"standard": {}, "gold": {"priority": 10}}}}
@@ -52,6 +53,14 @@ def test_every_known_counter_series_is_there_at_zero_before_any_event() -> None:
         assert got[("kvgate_access_log_entries_total", frozenset({"result": result}.items()))] == 0.0
     for cls in ("standard", "gold"):
         assert got[("kvgate_envoy_override_ignored_total", frozenset({"class": cls}.items()))] == 0.0
+    for reason in TENANT_HEADER_UNSEEN_REASONS:
+        assert got[("kvgate_tenant_header_unseen_total", frozenset({"reason": reason}.items()))] == 0.0
+
+
+def test_the_refusals_of_identity_and_paths_are_known_outcomes() -> None:
+    """A client without a valid key and a path kvgate does not know are refusals of their own,
+    so the loop above gives each its series at zero."""
+    assert {"rejected_unauthenticated", "rejected_path"} <= set(OUTCOMES)
 
 
 def test_a_class_added_by_a_reload_gets_its_series_and_counting_still_adds_up() -> None:

@@ -28,11 +28,12 @@ def test_a_cut_is_a_wait_ended_at_the_base_timeout_well_before_the_override(wait
 
 
 def patient_rig() -> Rig:
-    """patient_rig: class ``patient`` waits up to 10 s (asks Envoy for 11 s); 2 slots."""
+    """patient_rig: class ``patient`` waits up to 10 s (asks Envoy for 11 s); 2 slots; Envoy's
+    base message timeout 2 s."""
     tenants = {**BASE_CONFIG["tenants"], "classes": {**BASE_CONFIG["tenants"]["classes"],
                                                      "patient": {"max_wait_s": 10.0}},
                "tenants": {"slow": {"class": "patient"}}}
-    return Rig({"tenants": tenants})
+    return Rig({"tenants": tenants, "server": {"envoy_message_timeout_s": 2.0}})
 
 
 async def cut_after(rig: Rig, seconds: float) -> None:
