@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from extproc.localstack import render_envoy
-from tests.support.kvmetrics import KvgateMetrics
+from tests.support.kvmetrics import LoopbackStack
 from tests.support.procs import LOOPBACK, ROOT, VENV_BIN, Proc, free_port, wait_until
 
 ENVOY_TEMPLATE = ROOT / "deploy" / "envoy.yaml"
@@ -95,7 +95,7 @@ def _is_ext_proc(http_filter: dict[str, Any]) -> bool:
         "ext_proc.v3.ExternalProcessor")
 
 
-class Stack(KvgateMetrics):
+class Stack(LoopbackStack):
     """Stack is one fake upstream, one processor and one Envoy, each a child process.
 
     ``kvgate_config`` is the kvgate configuration as a mapping (written to a file in
@@ -107,6 +107,7 @@ class Stack(KvgateMetrics):
                  routes: Sequence[dict[str, Any]] = (), envoy_concurrency: int = 1,
                  envoy_template: Path = ENVOY_TEMPLATE, upstream_args: Sequence[str] = (),
                  envoy_admin: bool = False, tenant_header_from_client: bool = False) -> None:
+        super().__init__()
         self.workdir = workdir
         self.envoy_admin_port = free_port() if envoy_admin else None
         self.tenant_header_from_client = tenant_header_from_client
@@ -117,22 +118,10 @@ class Stack(KvgateMetrics):
         self.envoy_template = envoy_template
         self.upstream_args = list(upstream_args)
         self.upstream_port = free_port()
-        self.grpc_port = free_port()
-        self.admin_port = free_port()
-        self.envoy_port = free_port()
-        self.procs: dict[str, Proc] = {}
-
-    @property
-    def base_url(self) -> str:
-        return f"http://{LOOPBACK}:{self.envoy_port}"
 
     @property
     def upstream_url(self) -> str:
         return f"http://{LOOPBACK}:{self.upstream_port}"
-
-    @property
-    def admin_url(self) -> str:
-        return f"http://{LOOPBACK}:{self.admin_port}"
 
     @property
     def config_path(self) -> Path:

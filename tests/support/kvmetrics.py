@@ -1,10 +1,13 @@
-"""kvmetrics: reading a running kvgate's /metrics, for the stacks of the tests and benchmarks."""
+"""kvmetrics: what the stacks of the tests and benchmarks share: their loopback ports and
+reading the running kvgate's /metrics."""
 
 from __future__ import annotations
 
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support.procs import LOOPBACK, Proc, free_port
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -28,3 +31,24 @@ class KvgateMetrics:
         """metric sums the samples of ``name`` whose labels include ``labels`` (0 if none)."""
         want = set(labels.items())
         return sum(v for (n, ls), v in self.metrics().items() if n == name and want <= set(ls))
+
+
+class LoopbackStack(KvgateMetrics):
+    """LoopbackStack holds the free loopback ports of kvgate (gRPC, admin) and Envoy, and the
+    child processes of a stack by name."""
+
+    def __init__(self) -> None:
+        self.grpc_port = free_port()
+        self.admin_port = free_port()
+        self.envoy_port = free_port()
+        self.procs: dict[str, Proc] = {}
+
+    @property
+    def base_url(self) -> str:
+        """base_url is Envoy's listener, where requests go."""
+        return f"http://{LOOPBACK}:{self.envoy_port}"
+
+    @property
+    def admin_url(self) -> str:  # type: ignore[override]
+        """admin_url is kvgate's admin server (/metrics)."""
+        return f"http://{LOOPBACK}:{self.admin_port}"

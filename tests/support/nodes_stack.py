@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from extproc.localstack import render_envoy
-from tests.support.kvmetrics import KvgateMetrics
+from tests.support.kvmetrics import LoopbackStack
 from tests.support.procs import LOOPBACK, ROOT, VENV_BIN, Proc, free_port
 
 PICKER_ENVOY = ROOT / "deploy" / "envoy-endpoint-picker.yaml"
@@ -32,7 +32,7 @@ def _endpoint(port: int) -> dict[str, Any]:
     return {"endpoint": {"address": {"socket_address": {"address": LOOPBACK, "port_value": port}}}}
 
 
-class NodesStack(KvgateMetrics):
+class NodesStack(LoopbackStack):
     """NodesStack is ``nodes`` simulators, kvgate and Envoy, each a child process.
 
     ``kv_capacity_tokens`` is every node's KV cache; ``sim_args`` go to every simulator;
@@ -44,6 +44,7 @@ class NodesStack(KvgateMetrics):
                  sim_args: Sequence[str] = (), pool: dict[str, Any] | None = None,
                  config: dict[str, Any] | None = None, lb_policy: str | None = None,
                  discover: bool = False) -> None:
+        super().__init__()
         self.workdir = workdir
         self.picking = picking
         self.envoy_template = envoy_template or (PICKER_ENVOY if picking else POOL_ENVOY)
@@ -54,18 +55,6 @@ class NodesStack(KvgateMetrics):
         self.lb_policy = lb_policy
         self.discover = discover  # one node, found by kvgate's DNS discovery of "localhost"
         self.node_ports = [free_port() for _ in range(nodes)]
-        self.grpc_port = free_port()
-        self.admin_port = free_port()
-        self.envoy_port = free_port()
-        self.procs: dict[str, Proc] = {}
-
-    @property
-    def base_url(self) -> str:
-        return f"http://{LOOPBACK}:{self.envoy_port}"
-
-    @property
-    def admin_url(self) -> str:
-        return f"http://{LOOPBACK}:{self.admin_port}"
 
     def node_url(self, i: int) -> str:
         return f"http://{LOOPBACK}:{self.node_ports[i]}"
