@@ -234,6 +234,7 @@ class PoolNodes:
         self.stale_after_s = stale_after_s
         self.lengths: dict[str, Lengths] = {}
         self.holds = HoldTimes()
+        self._turn = 0  # rotates the order in which equal nodes are offered
         self.reconfigure(config, stale_after_s)
 
     def reconfigure(self, config: PoolConfig, stale_after_s: float) -> None:
@@ -309,11 +310,15 @@ class PoolNodes:
 
         ``watermark`` is the class's ``kv_watermark`` (the share of a node's capacity up to
         which requests of the class may fill it). Nodes that are pending, stale or down are
-        never picked. Ties go to the node with fewer of kvgate's requests, then by name.
+        never picked. Ties go to the node with fewer of kvgate's requests, then to the next
+        in turn (so equal idle nodes share light traffic instead of the first taking it all).
         """
         need = self.hold(prompt, reserved, 0, class_name)
         candidates: list[tuple[str, int | None, int, int]] = []
-        for n in sorted(self.nodes.values(), key=lambda n: (len(n.charges), n.name)):
+        order = list(self.nodes.values())
+        turn = self._turn % len(order) if order else 0
+        self._turn += 1
+        for n in sorted(order[turn:] + order[:turn], key=lambda n: len(n.charges)):
             state = n.state(now, self.stale_after_s)
             if state is not NodeState.UP:
                 n.pass_over(PassedOver(state.value))

@@ -308,3 +308,15 @@ def test_picking_with_the_redis_store_is_said_loudly():
     (line,) = warnings(cfg)
     assert "pools.default: picks nodes with the Redis store" in line
     assert warnings(config(pool=nodes_pool(1))) == []
+
+
+def test_equal_idle_nodes_share_light_traffic():
+    clock = ManualClock(T0)
+    adm = Admission(config(pool=nodes_pool(3)), clock)
+    report(adm, clock, {"n0": 0.0, "n1": 0.0, "n2": 0.0})
+    seen = []
+    for _ in range(6):  # one request at a time, each done before the next
+        lease = adm.try_acquire(demand(100, 10))
+        seen.append(lease.node)
+        lease.release(Outcome.COMPLETED, 10)
+    assert sorted(seen) == sorted(["127.0.0.1:8001", "127.0.0.1:8002", "127.0.0.1:8003"] * 2)
