@@ -95,6 +95,19 @@ def _is_ext_proc(http_filter: dict[str, Any]) -> bool:
         "ext_proc.v3.ExternalProcessor")
 
 
+def _stops_at_once(config: dict[str, Any] | None) -> dict[str, Any] | None:
+    """_stops_at_once is ``config`` with ``server.drain_s`` 0 unless the test set it: a stack is
+    stopped when its module ends, and kvgate's 5 s drain would only make every module 5 s
+    longer (tests of draining set their own)."""
+    if config is None:
+        return None
+    out = dict(config)
+    server = dict(out.get("server") or {})
+    server.setdefault("drain_s", 0)
+    out["server"] = server
+    return out
+
+
 class Stack(LoopbackStack):
     """Stack is one fake upstream, one processor and one Envoy, each a child process.
 
@@ -137,7 +150,8 @@ class Stack(LoopbackStack):
             up.wait_port(self.upstream_port)
             grpc: int | None = None
             if self.processor == "kvgate":
-                self.config_path.write_text(yaml.safe_dump(self.kvgate_config, sort_keys=False))
+                self.config_path.write_text(yaml.safe_dump(_stops_at_once(self.kvgate_config),
+                                                           sort_keys=False))
                 kv = self._spawn("kvgate", [py, "-m", "extproc", "serve", "--config",
                                             str(self.config_path), "--grpc-listen",
                                             f"{LOOPBACK}:{self.grpc_port}", "--admin-listen",

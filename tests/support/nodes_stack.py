@@ -86,6 +86,8 @@ class NodesStack(LoopbackStack):
             "pools": {"default": pool},
             "adaptive": {"poll_interval_s": 0.25, "stale_after_s": 1.5, "scrape_timeout_s": 0.25},
             "tenants": {"classes": {"standard": {"max_wait_s": 30.0}}},
+            # Stopped at once when the test or benchmark is done: nothing to drain for.
+            "server": {"drain_s": 0, "grace_s": 2},
         }
         cfg.update(self.extra)
         return cfg
