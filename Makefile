@@ -28,9 +28,14 @@ $(STAMP): pyproject.toml
 run: install
 	$(PY) -m extproc.localstack
 
+# Two test processes: most tests wait on Envoy, kvgate and the upstream, so one process
+# leaves a core idle. Each file's tests stay in one process (its module fixtures start one
+# stack). TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= 2
+
 test: install
 	$(PY) -m mypy
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-unit: install
 	$(PY) -m pytest -q tests/unit
