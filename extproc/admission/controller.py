@@ -19,7 +19,7 @@ from extproc.admission import rules
 from extproc.admission.adaptive import ScaleParams, ScaleTracker
 from extproc.admission.errors import InvalidDemandError, UnknownPoolError
 from extproc.admission.kvbudget import base_kv_budget, effective_kv_budget, kv_ceilings, reserved_completion
-from extproc.admission.nodes import Charge, NodeReport, NodeSnapshot, PoolNodes
+from extproc.admission.nodes import Charge, NodeReport, NodeSnapshot, PassedOver, PoolNodes
 from extproc.admission.retry import HoldTimes, expected_wait
 from extproc.admission.slots import effective_guarantees, effective_limit
 from extproc.admission.store.base import (POOL_BUCKET, Budget, BucketSpec, Grant, Plan, PoolLimits,
@@ -561,6 +561,8 @@ class Admission:
         if type(res) is Refusal:
             if res.budget is Budget.NODE_KV or (res.budget is Budget.CLASS_KV and res.needed == ask.need
                                                 and plan.limits.kv_budget is None):
+                nodes.passed_over_all(ask, PassedOver.NO_ROOM if res.budget is Budget.NODE_KV
+                                      else PassedOver.CLASS_WATERMARK)
                 wait = nodes.retry_after(ask.need, now, p.retry_estimate_s)
                 return Refusal(res.budget, wait, True, res.needed, res.used, res.limit)
             return res

@@ -367,6 +367,14 @@ class PoolNodes:
         return NodeAsk(candidates_of(rows), self.hold(prompt, reserved, 0, class_name),
                        self.picking.reserve_fraction, watermark)
 
+    def passed_over_all(self, ask: NodeAsk, why: PassedOver) -> None:
+        """passed_over_all counts every candidate of ``ask`` as passed over for ``why`` (a shared
+        store refused them all)."""
+        for name, _cap, _foreign, _own in ask.candidates:
+            n = self.nodes.get(name)
+            if n is not None:
+                n.pass_over(why)
+
     def charge(self, name: str, class_name: str, prompt: int, reserved: int,
                now: float) -> Charge | None:
         """charge records a request a shared store admitted to node ``name`` (None: the node is
