@@ -17,12 +17,23 @@ expired is never refunded twice, and a tombstoned lease is never re-taken.
 Redis unavailable or slower than ``timeout_s``: the store says so loudly (a log line on
 each change of mode, ``StoreObserver.store_error`` for every failed round trip,
 ``StoreObserver.store_mode`` on each change) and, with ``on_unavailable: local_share``,
-admits in a local in-memory store with each limit divided by the number of replicas it
-last saw (heartbeats in Redis), or by ``expected_replicas`` when that is more (a replica
-that starts while Redis is down has seen none but itself); with ``fail_closed`` it raises
-``StoreUnavailableError``.
-A probe brings it back to shared mode when Redis answers; grants made locally are settled
-locally, never sent to Redis.
+admits in a local in-memory store within this replica's share (``local_share``: each limit
+divided by the number of replicas it last saw through heartbeats in Redis, or by
+``expected_replicas`` when that is more, less what it still holds of the shared budget;
+each node's room likewise, ``shared_nodes.pick_share``); a replica that never saw the
+count and has no ``expected_replicas`` fails closed, as ``fail_closed`` always does
+(``StoreUnavailableError``). Grants made locally are settled locally, never sent to Redis.
+
+Hysteresis: a failed round trip degrades at once (no answer is no decision), but shared
+mode comes back only once Redis has answered every probe for ``recover_s``: RECOVER_S,
+doubled each time the store degrades again within FLAP_WINDOW_S of a return, up to
+RECOVER_MAX_S. A flapping Redis thus changes the mode at most once per ``recover_s``.
+
+Pools that pick nodes: a plan's ``nodes`` (``shared_nodes.NodeAsk``) makes the admit
+script pick the node over every replica's holds (``shared_nodes.pick_shared``) and charge
+it with the lease, which records its node and hold: settles, refreshes (carrying the hold
+the controller now expects, ``Grant.node_hold``) and the purge of expired leases move
+each node's total with them.
 
 Key layout (``P`` = ``key_prefix``; ``{pool}`` is a hash tag, so that a pool's keys share
 one Redis Cluster slot and one script may touch them all):
@@ -30,7 +41,8 @@ one Redis Cluster slot and one script may touch them all):
 =========================  ======  ==========================================================
 ``P{pool}:st``             hash    ``n`` slots in use, ``kv`` in-flight KV tokens, ``c:<class>`` slots per class
 ``P{pool}:lz``             zset    lease id -> expiry (s, store time)
-``P{pool}:lh``             hash    lease id -> ``<class>\\t<tokens>``: what the lease holds
+``P{pool}:lh``             hash    lease id -> ``<class>\\t<tokens>[\\t<node>\\t<hold>]``: what the lease holds
+``P{pool}:nk``             hash    node name -> tokens every live lease holds on it (picking pools)
 ``P{pool}:done``           zset    settled lease id -> when its tombstone may go (s)
 ``P{pool}:b:<bucket key>`` hash    a token bucket: ``tok`` tokens, ``t`` instant, ``cap`` tokens, ``rate`` tokens/s
 ``Preplicas``              zset    replica id -> heartbeat expiry (s)
