@@ -165,6 +165,27 @@ async def test_a_refresh_moves_a_leases_node_hold_to_its_current_estimate(redis_
         await rs.close()
 
 
+async def test_a_restarted_redis_gets_the_live_node_holds_again_and_no_settled_one():
+    clock = ManualClock(T0)
+    server = RedisServer().start()
+    rs = RedisStore(cfg(server.url), clock=clock)
+    try:
+        ask = NodeAsk((("n0", CAP, 0, 0), ("n1", CAP, 0, 0)), 3000, 0.0, 1.0)
+        live, settled = await rs.admit(node_plan(ask), T0), await rs.admit(node_plan(ask), T0)
+        assert isinstance(live, Grant) and isinstance(settled, Grant) and live.picked != settled.picked
+        server.restart()  # empty, as a crashed Redis without persistence
+        rs.settle(settled, 1, T0)
+        live.node_hold = 2500
+        assert await rs.refresh()
+        await rs.flush()
+        r = redis_sync.Redis.from_url(server.url)
+        holds = {k.decode(): int(v) for k, v in r.hgetall(f"{rs.config.key_prefix}{{p}}:nk").items()}
+        assert {k: v for k, v in holds.items() if v} == {live.picked: 2500}
+    finally:
+        await rs.close()
+        server.close()
+
+
 # --- through the controller: two replicas, three nodes ------------------------------------------
 
 def picking_config() -> object:
