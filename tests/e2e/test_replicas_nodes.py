@@ -53,13 +53,14 @@ def replicas(redis_srv: RedisServer, tmp_path_factory: pytest.TempPathFactory) -
     pool = {"picking": {"growth": "worst_case", "reserve_fraction": 0.02}}
     a = NodesStack(tmp_path_factory.mktemp("replica-a"), nodes=3, kv_capacity_tokens=CAP,
                    pool=pool, config=config(redis_srv.url), sim_args=["--speedup", "2"])
-    stacks = [a]
+    b = NodesStack(tmp_path_factory.mktemp("replica-b"), kv_capacity_tokens=CAP, pool=pool,
+                   config=config(redis_srv.url), nodes_of=a)
+    stacks = [a, b]
     try:
-        a.start()
-        b = NodesStack(tmp_path_factory.mktemp("replica-b"), kv_capacity_tokens=CAP, pool=pool,
-                       config=config(redis_srv.url), nodes_of=a)
-        stacks.append(b)
-        b.start()
+        # Both at once: B's kvgate finds the nodes pending until A's simulators listen.
+        with ThreadPoolExecutor(2) as starters:
+            for started in [starters.submit(s.start) for s in stacks]:
+                started.result()
         for s in stacks:
             wait_until(lambda s=s: sum(s.per_node("kvgate_backend_pickable").values()) == 3,
                        timeout=10, what="three nodes up")
