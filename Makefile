@@ -105,7 +105,7 @@ bench-loop-lag: install
 	mkdir -p $(BENCH_OUT)
 	$(PY) bench/bench_loop_lag.py --out $(BENCH_OUT)/loop-lag.md
 
-bench: bench-admission bench-scrape bench-tokens bench-overhead bench-picker bench-protection bench-trace bench-redis bench-loop-lag
+bench: bench-admission bench-scrape bench-tokens bench-overhead bench-picker bench-protection bench-trace bench-redis bench-redis-timeout bench-loop-lag
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

@@ -559,8 +559,8 @@ class Admission:
         res = await self._store.admit(Plan(plan.limits, plan.tenant, plan.class_name, plan.tokens,
                                            plan.tenant_bucket, ask), now)
         if type(res) is Refusal:
-            if res.budget is Budget.NODE_KV or (res.budget is Budget.CLASS_KV and res.needed == ask.need
-                                                and plan.limits.kv_budget is None):
+            # A picking pool has no pool-wide KV budget, so its KV refusals are the node rule's.
+            if res.budget is Budget.NODE_KV or res.budget is Budget.CLASS_KV:
                 nodes.passed_over_all(ask, PassedOver.NO_ROOM if res.budget is Budget.NODE_KV
                                       else PassedOver.CLASS_WATERMARK)
                 wait = nodes.retry_after(ask.need, now, p.retry_estimate_s)
