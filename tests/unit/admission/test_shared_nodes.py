@@ -100,9 +100,18 @@ def test_the_lua_script_picks_like_the_python_rule(redis_server: RedisServer, op
     asyncio.run(run())
 
 
-def test_the_script_computes_the_effective_capacity_on_the_same_double():
-    """floor(C x (1 - r)) at a reserve whose product is not exact: both sides round the same."""
-    assert rules.effective_capacity(10_000, 1 / 3) == 6666
+async def test_the_script_computes_the_effective_capacity_on_the_same_double(redis_server):
+    """floor(C x (1 - r)) at a reserve whose product is not exact: the script rounds as Python."""
+    rs = RedisStore(cfg(redis_server.url), clock=ManualClock(T0))
+    try:
+        eff = rules.effective_capacity(10_000, 1 / 3)
+        assert eff == 6666
+        over = await rs.admit(node_plan(NodeAsk((("n0", 10_000, 0, 0),), eff + 1, 1 / 3, 1.0)), T0)
+        assert isinstance(over, Refusal) and over.used == eff
+        fits = await rs.admit(node_plan(NodeAsk((("n0", 10_000, 0, 0),), eff, 1 / 3, 1.0)), T0)
+        assert isinstance(fits, Grant) and fits.picked == "n0"
+    finally:
+        await rs.close()
 
 
 # --- two replicas, one node's room --------------------------------------------------------------
