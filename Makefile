@@ -15,7 +15,7 @@ VLLM_VERSION ?= 0.32.0
 # e.g. BENCH_VLLM_ARGS="--runs 3 --rows direct,kvgate"
 BENCH_VLLM_ARGS ?=
 
-.PHONY: install run test test-under-load test-unit test-e2e test-vllm bench bench-admission bench-overhead bench-picker bench-protection bench-redis bench-scrape bench-tokens bench-trace bench-vllm bench-loop-lag install-vllm check-config clean
+.PHONY: install run test test-under-load test-unit test-e2e test-vllm bench bench-admission bench-overhead bench-picker bench-protection bench-redis bench-redis-timeout bench-scrape bench-tokens bench-trace bench-vllm bench-loop-lag install-vllm check-config clean
 
 install: $(STAMP)
 
@@ -81,6 +81,10 @@ bench-redis: install
 	mkdir -p $(BENCH_OUT)
 	$(PY) bench/bench_redis.py --out $(BENCH_OUT)/redis.md
 
+bench-redis-timeout: install
+	mkdir -p $(BENCH_OUT)
+	$(PY) bench/bench_redis_timeout.py --out $(BENCH_OUT)/redis-timeout.md
+
 bench-scrape: install
 	mkdir -p $(BENCH_OUT)
 	$(PY) bench/bench_scrape.py --out $(BENCH_OUT)/scrape.md
@@ -113,7 +117,7 @@ bench-loop-lag: install
 	mkdir -p $(BENCH_OUT)
 	$(PY) bench/bench_loop_lag.py --out $(BENCH_OUT)/loop-lag.md
 
-bench: bench-admission bench-scrape bench-tokens bench-overhead bench-picker bench-protection bench-trace bench-redis bench-loop-lag
+bench: bench-admission bench-scrape bench-tokens bench-overhead bench-picker bench-protection bench-trace bench-redis bench-redis-timeout bench-loop-lag
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

@@ -231,20 +231,31 @@ class TenantsConfig:
     tenants: Mapping[str, TenantConfig] = field(default_factory=dict)
 
 
+REDIS_TIMEOUT_S = 1.0
+"""REDIS_TIMEOUT_S is the default limit of one Redis round trip (s). Measured with every core
+loaded (``bench/results/redis-timeout.md``): 94 % of round trips took over 50 ms (the old
+default), 2.9 % over 0.5 s and 1.6 % over 1 s, none over 0.25 s idle. A trip costs
+throughput (the local share), not safety, and only the requests in flight when Redis
+really stops wait this long; it stays well under the Envoy message timeout (5 s)."""
+
+
 @dataclass(frozen=True, slots=True)
 class RedisStoreConfig:
     """RedisStoreConfig is the shared store: leases live ``lease_ttl_s`` seconds unless refreshed.
 
     ``expected_replicas``: the fewest replicas a local share assumes (a replica that starts
-    while Redis is down has seen no peer).
+    while Redis is down has seen no peer); None (unset): a replica that has never reached
+    Redis fails closed, whatever ``on_unavailable`` says, since no share is known safe.
+    ``timeout_s``: one round trip's limit; its default is measured under load
+    (``bench/results/redis-timeout.md``).
     """
 
     url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "kvgate:"
     lease_ttl_s: float = 30.0
-    timeout_s: float = 0.05
+    timeout_s: float = REDIS_TIMEOUT_S
     on_unavailable: str = "local_share"
-    expected_replicas: int = 1
+    expected_replicas: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,16 +310,12 @@ class Config:
 
 def warnings(config: Config) -> list[str]:
     """warnings lists what a valid configuration does that an operator should know, one line each."""
-    out = []
-    if config.store.kind == "redis":
-        for name, pool in config.pools.items():
-            if pool.picks:
-                out.append(
-                    f"pools.{name}: picks nodes with the Redis store: slots and tokens per minute "
-                    "are shared across replicas, but each replica counts only its own requests on "
-                    "each node (plus what the node reports): two replicas may fill the same room "
-                    "between two scrapes. Run one replica per pool that picks, or keep "
-                    "picking.reserve_fraction above what one replica admits per scrape interval.")
+    out: list[str] = []
+    r = config.store.redis
+    if r is not None and r.on_unavailable == "local_share" and r.expected_replicas is None:
+        out.append("store.redis: on_unavailable is local_share but expected_replicas is not set: "
+                   "a replica that has never reached Redis does not know its share and fails "
+                   "closed until Redis answers (set expected_replicas to the replica count)")
     return out
 
 
@@ -661,9 +668,9 @@ def _store(data: Any) -> StoreConfig:
         url=url,
         key_prefix=r.string("key_prefix", "kvgate:"),
         lease_ttl_s=r.number("lease_ttl_s", 30.0, low=1.0, high=3600.0),
-        timeout_s=r.number("timeout_s", 0.05, low=0.0, low_open=True, high=10.0),
+        timeout_s=r.number("timeout_s", REDIS_TIMEOUT_S, low=0.0, low_open=True, high=10.0),
         on_unavailable=r.string("on_unavailable", "local_share", choices=ON_UNAVAILABLE),
-        expected_replicas=r.integer("expected_replicas", 1, minimum=1),
+        expected_replicas=r.integer("expected_replicas", None, minimum=1, optional=True),
     )
     r.done()
     s.done()

@@ -19,7 +19,7 @@ from extproc.admission import rules
 from extproc.admission.adaptive import ScaleParams, ScaleTracker
 from extproc.admission.errors import InvalidDemandError, UnknownPoolError
 from extproc.admission.kvbudget import base_kv_budget, effective_kv_budget, kv_ceilings, reserved_completion
-from extproc.admission.nodes import Charge, NodeReport, NodeSnapshot, PoolNodes
+from extproc.admission.nodes import Charge, NodeReport, NodeSnapshot, PassedOver, PoolNodes
 from extproc.admission.retry import HoldTimes, expected_wait
 from extproc.admission.slots import effective_guarantees, effective_limit
 from extproc.admission.store.base import (POOL_BUCKET, Budget, BucketSpec, Grant, Plan, PoolLimits,
@@ -76,7 +76,7 @@ class Lease:
         """progress tells a picked node's ledger how many tokens the request has generated so far."""
         c = self._charge
         if c is not None and not self.released:
-            self._adm._progress(self.demand.pool, c, generated_tokens)
+            self._adm._progress(self.demand.pool, c, generated_tokens, self._grant)
 
     @property
     def id(self) -> str:
@@ -532,6 +532,8 @@ class Admission:
         if p.nodes is None:
             return await self._store.admit(plan, now)
         cls = self._tenants.class_rule(plan.class_name)
+        if self._store.shares_nodes:
+            return await self._admit_shared_node(p, demand, plan, cls, now)
         charge = self._node_refusal(p, demand, cls, now)
         if type(charge) is Refusal:
             return charge
@@ -543,6 +545,32 @@ class Admission:
         self._attach(res, charge)  # type: ignore[arg-type]
         return res
 
+    async def _admit_shared_node(self, p: _Pool, demand: Demand, plan: Plan, cls: ClassConfig,
+                                 now: float) -> Grant | Refusal:
+        """_admit_shared_node lets a store that shares the nodes' ledger pick the node with the
+        pool's budgets, in one round trip, then records the request in this replica's ledger."""
+        nodes = p.nodes
+        assert nodes is not None
+        pt, ct = demand.prompt_tokens, demand.completion_tokens
+        largest = nodes.never_fits(cls.name, pt, ct)
+        if largest is not None:
+            return Refusal(Budget.NODE_KV, 0.0, False, nodes.hold(pt, ct, 0, cls.name), 0, largest)
+        ask = nodes.ask(cls.name, pt, ct, cls.kv_watermark, now)
+        res = await self._store.admit(Plan(plan.limits, plan.tenant, plan.class_name, plan.tokens,
+                                           plan.tenant_bucket, ask), now)
+        if type(res) is Refusal:
+            # A picking pool has no pool-wide KV budget, so its KV refusals are the node rule's.
+            if res.budget is Budget.NODE_KV or res.budget is Budget.CLASS_KV:
+                nodes.passed_over_all(ask, PassedOver.NO_ROOM if res.budget is Budget.NODE_KV
+                                      else PassedOver.CLASS_WATERMARK)
+                wait = nodes.retry_after(ask.need, now, p.retry_estimate_s)
+                return Refusal(res.budget, wait, True, res.needed, res.used, res.limit)
+            return res
+        grant: Grant = res  # type: ignore[assignment]
+        if grant.picked is not None:
+            grant.node = nodes.charge(grant.picked, cls.name, pt, ct, now)
+        return grant
+
     @staticmethod
     def _attach(res: Grant | Refusal | None, charge: Charge) -> None:
         if type(res) is Grant:
@@ -552,10 +580,14 @@ class Admission:
             charge.node.charges.discard(charge)
             charge.node.picks -= 1
 
-    def _progress(self, pool: str, charge: Charge, generated: int) -> None:
+    def _progress(self, pool: str, charge: Charge, generated: int, grant: Grant) -> None:
         p = self._pools.get(pool)
         if p is not None and p.nodes is not None:
             p.nodes.progress(charge, generated, self._clock.now())
+            if grant.picked is not None:
+                # What a shared store holds on the node follows at its next lease refresh.
+                grant.node_hold = p.nodes.hold(charge.prompt, charge.reserved, charge.generated,
+                                               charge.class_name)
         elif charge.first_at is None and generated > 0:
             charge.first_at = self._clock.now()
 

@@ -33,6 +33,7 @@ from enum import StrEnum
 
 from extproc.admission import rules
 from extproc.admission.retry import MAX_WAIT_S, HoldTimes, expected_wait
+from extproc.admission.shared_nodes import NodeAsk, candidates_of
 from extproc.config import BackendConfig, PickingConfig, PoolConfig
 
 # Completion lengths remembered per class to learn the growth to expect.
@@ -339,6 +340,52 @@ class PoolNodes:
         n.charges.add(charge)
         n.picks += 1
         return charge
+
+    def ask(self, class_name: str, prompt: int, reserved: int, watermark: float,
+            now: float) -> NodeAsk:
+        """ask is the per-node question for a store that shares the nodes' ledger.
+
+        The same candidates as ``pick`` (up nodes of known capacity, in the same order
+        of preference), each with this replica's foreign KV and own holds; the store
+        applies the rule over every replica's holds. Nodes left out are counted as
+        passed over here.
+        """
+        rows: list[tuple[str, int, int, int]] = []
+        order = list(self.nodes.values())
+        turn = self._turn % len(order) if order else 0
+        self._turn += 1
+        for n in sorted(order[turn:] + order[:turn], key=lambda n: len(n.charges)):
+            state = n.state(now, self.stale_after_s)
+            if state is not NodeState.UP:
+                n.pass_over(PassedOver(state.value))
+                continue
+            cap = n.capacity
+            if cap is None:
+                n.pass_over(PassedOver.NO_CAPACITY)
+                continue
+            rows.append((n.name, cap, n.foreign, self.held(n)))
+        return NodeAsk(candidates_of(rows), self.hold(prompt, reserved, 0, class_name),
+                       self.picking.reserve_fraction, watermark)
+
+    def passed_over_all(self, ask: NodeAsk, why: PassedOver) -> None:
+        """passed_over_all counts every candidate of ``ask`` as passed over for ``why`` (a shared
+        store refused them all)."""
+        for name, _cap, _foreign, _own in ask.candidates:
+            n = self.nodes.get(name)
+            if n is not None:
+                n.pass_over(why)
+
+    def charge(self, name: str, class_name: str, prompt: int, reserved: int,
+               now: float) -> Charge | None:
+        """charge records a request a shared store admitted to node ``name`` (None: the node is
+        no longer configured; the store's hold there ends with the lease)."""
+        n = self.nodes.get(name)
+        if n is None:
+            return None
+        c = Charge(n, class_name, prompt, reserved, now)
+        n.charges.add(c)
+        n.picks += 1
+        return c
 
     def never_fits(self, class_name: str, prompt: int, reserved: int) -> int | None:
         """never_fits is the largest node capacity (tokens) when the request is above it, else None.

@@ -37,13 +37,16 @@ class NodesStack(LoopbackStack):
 
     ``kv_capacity_tokens`` is every node's KV cache; ``sim_args`` go to every simulator;
     ``pool`` updates kvgate's pool settings; ``config`` updates the rest of kvgate's file.
+    ``nodes_of``: another stack whose nodes this one's kvgate and Envoy use (a second
+    gateway replica in front of the same nodes); they are then neither started nor
+    stopped here.
     """
 
     def __init__(self, workdir: Path, *, nodes: int = 3, kv_capacity_tokens: int = 100_000,
                  picking: bool = True, envoy_template: Path | None = None,
                  sim_args: Sequence[str] = (), pool: dict[str, Any] | None = None,
                  config: dict[str, Any] | None = None, lb_policy: str | None = None,
-                 discover: bool = False) -> None:
+                 discover: bool = False, nodes_of: NodesStack | None = None) -> None:
         super().__init__()
         self.workdir = workdir
         self.picking = picking
@@ -54,7 +57,9 @@ class NodesStack(LoopbackStack):
         self.extra = config or {}
         self.lb_policy = lb_policy
         self.discover = discover  # one node, found by kvgate's DNS discovery of "localhost"
-        self.node_ports = [free_port() for _ in range(nodes)]
+        self.own_nodes = nodes_of is None
+        self.node_ports = list(nodes_of.node_ports) if nodes_of is not None else \
+            [free_port() for _ in range(nodes)]
 
     def node_url(self, i: int) -> str:
         return f"http://{LOOPBACK}:{self.node_ports[i]}"
@@ -97,12 +102,12 @@ class NodesStack(LoopbackStack):
         self.workdir.mkdir(parents=True, exist_ok=True)
         py = sys.executable
         try:
-            for i, port in enumerate(self.node_ports):
+            for i, port in enumerate(self.node_ports if self.own_nodes else ()):
                 self._spawn(self.node_name(i), [
                     py, "-m", "sim", "--listen", f"{LOOPBACK}:{port}", "--model", MODEL,
                     "--max-model-len", "32768", "--kv-capacity-tokens", str(self.kv_capacity_tokens),
                     "--seed", str(i), *self.sim_args])
-            for i, port in enumerate(self.node_ports):
+            for i, port in enumerate(self.node_ports if self.own_nodes else ()):
                 self.procs[self.node_name(i)].wait_port(port)
             path = self.workdir / "kvgate.yaml"
             path.write_text(yaml.safe_dump(self.kvgate_config(), sort_keys=False))

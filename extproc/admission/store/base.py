@@ -133,7 +133,9 @@ class Plan:
     """Plan is one admission to decide: who asks, how many tokens, under which limits.
 
     ``tokens`` is prompt + reserved completion (what the KV budget and the buckets are
-    charged at admission); ``tenant_bucket`` is the tenant's own bucket (None: none).
+    charged at admission); ``tenant_bucket`` is the tenant's own bucket (None: none);
+    ``nodes`` is the per-node question (``shared_nodes.NodeAsk``) a store that shares the
+    nodes' ledger answers with the pool's budgets (None: no node to pick there).
     Treat it as immutable; it is not frozen only because one is built per request on
     the hot path, and a frozen dataclass costs three times as much to build.
     """
@@ -143,6 +145,7 @@ class Plan:
     class_name: str
     tokens: int
     tenant_bucket: BucketSpec | None = None
+    nodes: Any = None
 
     @property
     def pool(self) -> str:
@@ -156,7 +159,9 @@ class Grant:
 
     ``id`` is unique within the store (a shared store makes it unique across replicas);
     ``node`` is the node charge taken with it in a pool that picks nodes (the controller
-    sets it; stores ignore it);
+    sets it); ``picked`` is the node a store that shares the nodes' ledger picked (None:
+    the plan asked no node), and ``node_hold`` the hold (tokens) the store charged there,
+    kept current by the controller as the request generates;
     ``inflight`` is the pool's in-flight count just after this admission;
     ``bucket_tokens``/``bucket_capacity``/``bucket_rate`` describe the binding bucket
     (the one with fewer tokens left: tenant or pool) just after the charge, in tokens and
@@ -170,6 +175,8 @@ class Grant:
     bucket_capacity: float | None = None
     bucket_rate: float | None = None
     node: Any = None
+    picked: str | None = None
+    node_hold: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,10 +217,13 @@ class Store(ABC):
     """Store holds the budgets of every pool and applies the admission rule atomically.
 
     ``shared`` is True when other processes change the same state (then the controller
-    cannot learn of releases by itself and re-tries its waiters on a timer).
+    cannot learn of releases by itself and re-tries its waiters on a timer);
+    ``shares_nodes`` is True when the store also picks nodes over every replica's holds
+    (a plan's ``nodes``), answering ``Grant.picked`` or a ``node_kv`` refusal.
     """
 
     shared: bool = False
+    shares_nodes: bool = False
 
     @abstractmethod
     async def admit(self, plan: Plan, now: float) -> Grant | Refusal:

@@ -17,12 +17,23 @@ expired is never refunded twice, and a tombstoned lease is never re-taken.
 Redis unavailable or slower than ``timeout_s``: the store says so loudly (a log line on
 each change of mode, ``StoreObserver.store_error`` for every failed round trip,
 ``StoreObserver.store_mode`` on each change) and, with ``on_unavailable: local_share``,
-admits in a local in-memory store with each limit divided by the number of replicas it
-last saw (heartbeats in Redis), or by ``expected_replicas`` when that is more (a replica
-that starts while Redis is down has seen none but itself); with ``fail_closed`` it raises
-``StoreUnavailableError``.
-A probe brings it back to shared mode when Redis answers; grants made locally are settled
-locally, never sent to Redis.
+admits in a local in-memory store within this replica's share (``local_share``: each limit
+divided by the number of replicas it last saw through heartbeats in Redis, or by
+``expected_replicas`` when that is more, less what it still holds of the shared budget;
+each node's room likewise, ``shared_nodes.pick_share``); a replica that never saw the
+count and has no ``expected_replicas`` fails closed, as ``fail_closed`` always does
+(``StoreUnavailableError``). Grants made locally are settled locally, never sent to Redis.
+
+Hysteresis: a failed round trip degrades at once (no answer is no decision), but shared
+mode comes back only once Redis has answered every probe for ``recover_s``: RECOVER_S,
+doubled each time the store degrades again within FLAP_WINDOW_S of a return, up to
+RECOVER_MAX_S. A flapping Redis thus changes the mode at most once per ``recover_s``.
+
+Pools that pick nodes: a plan's ``nodes`` (``shared_nodes.NodeAsk``) makes the admit
+script pick the node over every replica's holds (``shared_nodes.pick_shared``) and charge
+it with the lease, which records its node and hold: settles, refreshes (carrying the hold
+the controller now expects, ``Grant.node_hold``) and the purge of expired leases move
+each node's total with them.
 
 Key layout (``P`` = ``key_prefix``; ``{pool}`` is a hash tag, so that a pool's keys share
 one Redis Cluster slot and one script may touch them all):
@@ -30,7 +41,8 @@ one Redis Cluster slot and one script may touch them all):
 =========================  ======  ==========================================================
 ``P{pool}:st``             hash    ``n`` slots in use, ``kv`` in-flight KV tokens, ``c:<class>`` slots per class
 ``P{pool}:lz``             zset    lease id -> expiry (s, store time)
-``P{pool}:lh``             hash    lease id -> ``<class>\\t<tokens>``: what the lease holds
+``P{pool}:lh``             hash    lease id -> ``<class>\\t<tokens>[\\t<node>\\t<hold>]``: what the lease holds
+``P{pool}:nk``             hash    node name -> tokens every live lease holds on it (picking pools)
 ``P{pool}:done``           zset    settled lease id -> when its tombstone may go (s)
 ``P{pool}:b:<bucket key>`` hash    a token bucket: ``tok`` tokens, ``t`` instant, ``cap`` tokens, ``rate`` tokens/s
 ``Preplicas``              zset    replica id -> heartbeat expiry (s)
@@ -61,7 +73,8 @@ from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from extproc.admission.kvbudget import effective_kv_budget
-from extproc.admission.slots import effective_guarantees, effective_limit, scaled_floor
+from extproc.admission.shared_nodes import node_arg, pick_share
+from extproc.admission.slots import effective_guarantees, scaled_floor
 from extproc.admission.store.base import (Budget, BucketSpec, Grant, Plan, PoolLimits, PoolUsage,
                                           Refusal, Store, StoreError)
 from extproc.admission.store.memory import MemoryStore
@@ -98,6 +111,13 @@ _MAX_PENDING = 100_000
 _REFRESH_CHUNK = 500
 # Connections per replica: enough for concurrent admissions without one per request.
 _MAX_CONNECTIONS = 32
+
+RECOVER_S = 1.0
+"""RECOVER_S is how long (s) Redis must answer every probe before a degraded store returns
+to shared mode; it doubles each time the store degrades again within FLAP_WINDOW_S of a
+return, up to RECOVER_MAX_S."""
+RECOVER_MAX_S = 30.0
+FLAP_WINDOW_S = 30.0
 
 
 class StoreObserver(Protocol):
@@ -166,24 +186,30 @@ local function now_of(arg)
 end
 -- Lua's tostring keeps 14 digits; %.17g round-trips a double exactly.
 local function fmt(x) return string.format('%.17g', x) end
-local function untake(st, rec)
-  local tab = string.find(rec, '\t', 1, true)
-  local cls = string.sub(rec, 1, tab - 1)
-  local tok = tonumber(string.sub(rec, tab + 1))
+-- rec_fields splits a lease record: class, tokens, and node and node hold ('-' and 0 when
+-- the pool does not pick nodes).
+local function rec_fields(rec)
+  local f = {}
+  for w in string.gmatch(rec, '[^\t]+') do f[#f + 1] = w end
+  return f[1], tonumber(f[2]), f[3] or '-', tonumber(f[4]) or 0
+end
+local function untake(st, nk, rec)
+  local cls, tok, node, hold = rec_fields(rec)
   redis.call('HINCRBY', st, 'n', -1)
   redis.call('HINCRBY', st, 'c:' .. cls, -1)
   -- 0 - tok, not -tok: Lua writes -0 as "-0", which HINCRBY refuses
   redis.call('HINCRBY', st, 'kv', 0 - tok)
+  if node ~= '-' and hold ~= 0 then redis.call('HINCRBY', nk, node, 0 - hold) end
   return tok
 end
 -- purge returns the slots and KV tokens of leases whose expiry has passed (their replica
 -- stopped refreshing them: it died) and forgets tombstones that served their time.
-local function purge(st, lz, lh, done, now)
+local function purge(st, lz, lh, done, nk, now)
   local ids = redis.call('ZRANGEBYSCORE', lz, '-inf', now, 'LIMIT', 0, 256)
   for i = 1, #ids do
     local rec = redis.call('HGET', lh, ids[i])
     if rec then
-      untake(st, rec)
+      untake(st, nk, rec)
       redis.call('HDEL', lh, ids[i])
     end
     redis.call('ZREM', lz, ids[i])
@@ -264,14 +290,16 @@ local function view(now, st, pbk, has_pb)
 end
 """
 
-# KEYS: st lz lh done pool_bucket tenant_bucket (st stands in for a missing bucket)
+# KEYS: st lz lh done pool_bucket tenant_bucket nk (st stands in for a missing bucket)
 # ARGV[1]: "now id ttl class tokens limit kv_budget base_kv estimate p_cap p_rate p_base
 #           t_cap t_rate t_base tenant_expire c_kv c_base_kv {class g}..."
 #           (c_kv, c_base_kv: the class's KV ceiling now and at scale 1.0, '-' for none)
-# Returns "1 inflight b_tok b_cap b_rate|view" (granted; '-' without a bucket),
-# "0 budget retry retryable needed used limit|view" (refused), "2|view" (id cancelled).
+# ARGV[2]: '-' (the pool does not pick nodes) or shared_nodes.node_arg: "need reserve
+#          watermark {name capacity foreign}..."
+# Returns "1 inflight b_tok b_cap b_rate node|view" (granted; '-' without a bucket or a
+# node), "0 budget retry retryable needed used limit|view" (refused), "2|view" (id cancelled).
 _ADMIT = _PRELUDE + r"""
-local st, lz, lh, done, pbk, tbk = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local st, lz, lh, done, pbk, tbk, nk = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 local a = args(ARGV[1])
 local now = now_of(a[1])
 local id, ttl, cls, n = a[2], tonumber(a[3]), a[4], tonumber(a[5])
@@ -280,7 +308,7 @@ local pcap, prate, pbase = tonumber(a[10]), tonumber(a[11]), tonumber(a[12])
 local tcap, trate, tbase = tonumber(a[13]), tonumber(a[14]), tonumber(a[15])
 local texp = tonumber(a[16])
 local ckv, cbase = tonumber(a[17]), tonumber(a[18])
-purge(st, lz, lh, done, now)
+purge(st, lz, lh, done, nk, now)
 if redis.call('ZSCORE', done, id) then return '2' .. view(now, st, pbk, pcap ~= nil) end
 local sv = redis.call('HMGET', st, 'n', 'kv')
 local inflight, kvin = tonumber(sv[1]) or 0, tonumber(sv[2]) or 0
@@ -291,23 +319,55 @@ local function save()
   if pb then bucket_save(pbk, pb, -1) end
   if tb then bucket_save(tbk, tb, texp) end
 end
-local function granted(nin)
+local function granted(nin, node)
   local b = pb
   if tb and (b == nil or tb[1] < b[1]) then b = tb end
   local head = '1 ' .. nin
   if b then head = head .. ' ' .. fmt(b[1]) .. ' ' .. fmt(b[3]) .. ' ' .. fmt(b[4])
   else head = head .. ' - - -' end
-  return head .. view(now, st, pbk, pb ~= nil)
+  return head .. ' ' .. node .. view(now, st, pbk, pb ~= nil)
 end
-if redis.call('HEXISTS', lh, id) == 1 then
+local held_rec = redis.call('HGET', lh, id)
+if held_rec then
   -- a retried round trip whose first attempt was applied: the grant stands, once
   save()
-  return granted(inflight)
+  local _, _, node = rec_fields(held_rec)
+  return granted(inflight, node)
 end
 local function refused(r)
   save()
   return '0 ' .. r[1] .. ' ' .. fmt(r[2]) .. ' ' .. r[3] .. ' ' .. fmt(r[4]) .. ' ' .. fmt(r[5]) .. ' '
     .. fmt(r[6]) .. view(now, st, pbk, pb ~= nil)
+end
+-- shared_nodes.pick_shared (rules.pick_node over every replica's holds): checked before
+-- the pool's budgets, as the controller does with an in-process store
+local node, hold = '-', 0
+if ARGV[2] ~= '-' then
+  local q = args(ARGV[2])
+  local need, reserve, wm = tonumber(q[1]), tonumber(q[2]), tonumber(q[3])
+  local best, best_room, by_wm = nil, nil, false
+  for i = 4, #q - 2, 3 do
+    local name, cap, foreign = q[i], tonumber(q[i + 1]), tonumber(q[i + 2])
+    local held = tonumber(redis.call('HGET', nk, name)) or 0
+    local eff = math.floor(cap * (1.0 - reserve))
+    if eff < 0 then eff = 0 end
+    local room = eff - foreign - held
+    if best_room == nil or room > best_room then best_room = room end
+    if need > room then
+      -- no room
+    elseif wm < 1.0 and foreign + held + need > math.floor(wm * eff) then
+      by_wm = true
+    elseif best == nil or room > best then
+      best, node = room, name
+    end
+  end
+  if node == '-' then
+    local r = best_room or 0
+    local budget = 'node_kv'
+    if by_wm then budget = 'class_kv' end
+    return refused({budget, est, 1, need, r, r})
+  end
+  hold = need
 end
 -- rules.decide, step 1: never fits, not even at scale 1.0
 if base_kv and n > base_kv then return refused({'kv', 0, 0, n, kvin, base_kv}) end
@@ -371,31 +431,36 @@ end
 local nin = redis.call('HINCRBY', st, 'n', 1)
 redis.call('HINCRBY', st, 'c:' .. cls, 1)
 redis.call('HINCRBY', st, 'kv', n)
-redis.call('HSET', lh, id, cls .. '\t' .. a[5])
+if node ~= '-' then
+  redis.call('HINCRBY', nk, node, hold)
+  redis.call('HSET', lh, id, cls .. '\t' .. a[5] .. '\t' .. node .. '\t' .. hold)
+else
+  redis.call('HSET', lh, id, cls .. '\t' .. a[5])
+end
 redis.call('ZADD', lz, now + ttl, id)
 if pb then pb[1] = pb[1] - n end
 if tb then tb[1] = tb[1] - n end
 save()
-return granted(nin)
+return granted(nin, node)
 """
 
-# KEYS: st lz lh done pool_bucket tenant_bucket
+# KEYS: st lz lh done pool_bucket tenant_bucket nk
 # ARGV[1]: "now id charged ttl p_cap p_rate t_cap t_rate tenant_expire"
 # Returns "1|view" when this call released the lease, "0|view" when nothing was held.
 _SETTLE = _PRELUDE + r"""
-local st, lz, lh, done, pbk, tbk = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local st, lz, lh, done, pbk, tbk, nk = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 local a = args(ARGV[1])
 local now = now_of(a[1])
 local id, charged, ttl = a[2], tonumber(a[3]), tonumber(a[4])
 local pcap, prate, tcap, trate, texp = tonumber(a[5]), tonumber(a[6]), tonumber(a[7]), tonumber(a[8]), tonumber(a[9])
-purge(st, lz, lh, done, now)
+purge(st, lz, lh, done, nk, now)
 -- the tombstone keeps a refresh or a late admit already on the wire from bringing it back
 redis.call('ZADD', done, now + ttl, id)
 local rec = redis.call('HGET', lh, id)
 if not rec then return '0' .. view(now, st, pbk, pcap ~= nil) end
 redis.call('HDEL', lh, id)
 redis.call('ZREM', lz, id)
-local tok = untake(st, rec)
+local tok = untake(st, nk, rec)
 local refund = tok - charged
 if refund ~= 0 then
   if pcap then bucket_give(pbk, refund, pcap, prate, now, -1) end
@@ -404,29 +469,41 @@ end
 return '1' .. view(now, st, pbk, pcap ~= nil)
 """
 
-# KEYS: st lz lh done pool_bucket
-# ARGV: now ttl has_pool_bucket {id class tokens}...
-# Extends this replica's live leases; re-takes those Redis lost (a restart) unless settled.
-# Returns "restored|view".
+# KEYS: st lz lh done pool_bucket nk
+# ARGV: now ttl has_pool_bucket {id class tokens node hold}...  (node '-': none)
+# Extends this replica's live leases and moves each one's node hold to the one given
+# (the growth estimate changes as tokens are generated); re-takes those Redis lost (a
+# restart) unless settled. Returns "restored|view".
 _REFRESH = _PRELUDE + r"""
-local st, lz, lh, done, pbk = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local st, lz, lh, done, pbk, nk = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local now = now_of(ARGV[1])
 local exp = now + tonumber(ARGV[2])
 local restored = 0
-for i = 4, #ARGV, 3 do
-  local id = ARGV[i]
+for i = 4, #ARGV - 4, 5 do
+  local id, cls, tok, node, hold = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], tonumber(ARGV[i + 4])
+  local rec = cls .. '\t' .. tok
+  if node ~= '-' then rec = rec .. '\t' .. node .. '\t' .. hold end
   if redis.call('ZSCORE', lz, id) then
     redis.call('ZADD', lz, exp, id)
+    local old = redis.call('HGET', lh, id)
+    if old and node ~= '-' then
+      local _, _, old_node, old_hold = rec_fields(old)
+      if old_node == node and old_hold ~= hold then
+        redis.call('HINCRBY', nk, node, hold - old_hold)
+        redis.call('HSET', lh, id, rec)
+      end
+    end
   elseif not redis.call('ZSCORE', done, id) then
     redis.call('ZADD', lz, exp, id)
-    redis.call('HSET', lh, id, ARGV[i + 1] .. '\t' .. ARGV[i + 2])
+    redis.call('HSET', lh, id, rec)
     redis.call('HINCRBY', st, 'n', 1)
-    redis.call('HINCRBY', st, 'c:' .. ARGV[i + 1], 1)
-    redis.call('HINCRBY', st, 'kv', tonumber(ARGV[i + 2]))
+    redis.call('HINCRBY', st, 'c:' .. cls, 1)
+    redis.call('HINCRBY', st, 'kv', tonumber(tok))
+    if node ~= '-' then redis.call('HINCRBY', nk, node, hold) end
     restored = restored + 1
   end
 end
-purge(st, lz, lh, done, now)
+purge(st, lz, lh, done, nk, now)
 return restored .. view(now, st, pbk, ARGV[3] == '1')
 """
 
@@ -466,11 +543,12 @@ _SCRIPTS = (ADMIT, SETTLE, REFRESH, HEARTBEAT)
 class _Keys:
     """_Keys are one pool's Redis keys (see the module's key layout)."""
 
-    __slots__ = ("st", "lz", "lh", "done", "bucket_prefix", "pool_bucket", "limits")
+    __slots__ = ("st", "lz", "lh", "done", "nk", "bucket_prefix", "pool_bucket", "limits")
 
     def __init__(self, prefix: str, pool: str) -> None:
         base = f"{prefix}{{{pool}}}:"
         self.st = base + "st"
+        self.nk = base + "nk"
         self.lz = base + "lz"
         self.lh = base + "lh"
         self.done = base + "done"
@@ -537,27 +615,34 @@ class _Settled:
         self.now = now
 
 
-def local_share(plan: Plan, replicas: int) -> Plan:
-    """local_share is ``plan`` with this replica's share of every limit: limit / ``replicas``.
+def local_share(plan: Plan, replicas: int, held: tuple[int, int] = (0, 0)) -> Plan:
+    """local_share is ``plan`` with this replica's share of every limit: limit / ``replicas``,
+    less what this replica still holds of the shared budget.
 
-    Slots: max(1, floor(limit / N)) so that a replica still admits one request at a time;
-    guarantees, the KV budget and the classes' KV ceilings: floor(x / N) tokens or slots;
-    buckets: capacity and rate / N. Capacities at scale 1.0 stay whole: a request that fits
-    the shared budget is not told it can never fit because of an outage.
+    ``held`` is (slots, KV tokens) of this replica's shared grants not yet settled: they
+    count against its share, because they are still in the shared budget's total.
+    Slots: floor(limit / N) - held slots, which may be 0 (with more replicas than slots
+    a replica admits nothing alone: N replicas admitting one each would pass the limit);
+    guarantees, the KV budget and the classes' KV ceilings: floor(x / N) tokens or slots,
+    the KV ones less the held tokens; buckets: capacity and rate / N. Capacities at scale
+    1.0 stay whole: a request that fits the shared budget is not told it can never fit
+    because of an outage.
     """
-    if replicas <= 1:
+    if replicas <= 1 and held == (0, 0):
         return plan
-    share = 1.0 / replicas
+    share = 1.0 / max(1, replicas)
+    slots_held, kv_held = held
     lim = plan.limits
-    limit = effective_limit(lim.limit, share)
+    limit = max(0, scaled_floor(lim.limit, share) - slots_held)
+    kv = effective_kv_budget(lim.kv_budget, share)
     limits = replace(lim, limit=limit,
                      guarantees=effective_guarantees(lim.guarantees, share, limit),
-                     kv_budget=effective_kv_budget(lim.kv_budget, share),
-                     kv_ceilings={name: (scaled_floor(now, share), base)
+                     kv_budget=None if kv is None else max(0, kv - kv_held),
+                     kv_ceilings={name: (max(0, scaled_floor(now, share) - kv_held), base)
                                   for name, (now, base) in lim.kv_ceilings.items()},
                      bucket=_share_bucket(lim.bucket, share))
     return Plan(limits, plan.tenant, plan.class_name, plan.tokens,
-                _share_bucket(plan.tenant_bucket, share))
+                _share_bucket(plan.tenant_bucket, share), plan.nodes)
 
 
 def _share_bucket(spec: BucketSpec | None, share: float) -> BucketSpec | None:
@@ -584,6 +669,7 @@ class RedisStore(Store):
     """
 
     shared = True
+    shares_nodes = True
 
     def __init__(self, config: RedisStoreConfig, *, observer: StoreObserver | None = None,
                  clock: Clock | None = None, replica_id: str | None = None,
@@ -621,6 +707,12 @@ class RedisStore(Store):
         self._local = MemoryStore()
         self._mode = MODE_SHARED
         self._replicas = 1
+        self._replicas_seen = False
+        # Hysteresis (see ``probe``): how long Redis must answer before shared mode comes
+        # back (s), since when it has answered, and since when the store is shared again.
+        self._recover_s = RECOVER_S
+        self._answering_since: float | None = None
+        self._shared_since: float | None = None
         self._next = 0
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
@@ -640,10 +732,15 @@ class RedisStore(Store):
         return self._replicas
 
     @property
+    def recover_s(self) -> float:
+        """recover_s is how long Redis must answer every probe before shared mode returns (s)."""
+        return self._recover_s
+
+    @property
     def share_replicas(self) -> int:
         """share_replicas is what a local share divides the limits by: the replicas last
         seen, at least ``expected_replicas``."""
-        return max(self._replicas, self.config.expected_replicas)
+        return max(self._replicas, self.config.expected_replicas or 1)
 
     @property
     def pending_settles(self) -> int:
@@ -708,6 +805,13 @@ class RedisStore(Store):
         self._observer.store_error(failure.reason)
         if self._mode != MODE_SHARED:
             return
+        now = self._caller_now()
+        since = self._shared_since
+        # A store that fails again soon after it came back is flapping: it must answer
+        # twice as long before the next return.
+        self._recover_s = (min(RECOVER_MAX_S, 2.0 * self._recover_s)
+                           if since is not None and now - since < FLAP_WINDOW_S else RECOVER_S)
+        self._answering_since = None
         self._mode = self.config.on_unavailable
         if self._mode == MODE_LOCAL_SHARE:
             what = f"admitting locally with 1/{self.share_replicas} of each limit"
@@ -720,8 +824,10 @@ class RedisStore(Store):
             self._wake.set()
 
     async def probe(self) -> bool:
-        """probe asks Redis whether it is back; if so, applies queued settles, re-takes live leases
-        and returns to shared mode. Returns True when the store is in shared mode afterwards."""
+        """probe asks Redis whether it is back; if so, applies queued settles and re-takes live
+        leases, and returns to shared mode once Redis has answered every probe for
+        ``recover_s`` (the hysteresis rule, see the module doc). Returns True when the
+        store is in shared mode afterwards."""
         if self._mode == MODE_SHARED:
             return True
         try:
@@ -729,8 +835,15 @@ class RedisStore(Store):
             await self._refresh_round_trip()
         except _Failure as f:
             self._observer.store_error(f.reason)
+            self._answering_since = None
+            return False
+        now = self._caller_now()
+        if self._answering_since is None:
+            self._answering_since = now
+        if now - self._answering_since < self._recover_s:
             return False
         previous = self._mode
+        self._shared_since = now
         self._mode = MODE_SHARED
         log.warning("shared store: Redis at %s answers again: back to shared mode (was %s, %d replicas seen)",
                     self._where, previous, self._replicas)
@@ -848,11 +961,31 @@ class RedisStore(Store):
             return self._admit_degraded(plan, now)
 
     def _admit_degraded(self, plan: Plan, now: float) -> Grant | Refusal:
+        """_admit_degraded decides in this replica alone, within its share (``local_share``,
+        ``shared_nodes.pick_share``); fails closed when the share is unknown."""
         if self._mode == MODE_FAIL_CLOSED:
             raise StoreUnavailableError(f"Redis at {self._where} does not answer")
-        decision = self._local.admit_now(local_share(plan, self.share_replicas), now)
+        if not self._replicas_seen and self.config.expected_replicas is None:
+            # Never heard how many replicas share the budget: any share could be too large.
+            raise StoreUnavailableError(f"Redis at {self._where} does not answer and the number of "
+                                        "replicas is unknown (set store.redis.expected_replicas)")
+        n = self.share_replicas
+        live = self._live.get(plan.limits.pool, {})
+        local = local_share(plan, n, (len(live), sum(g.plan.tokens for g in live.values())))
+        picked: str | None = None
+        if plan.nodes is not None:
+            verdict = pick_share(plan.nodes, n)
+            if verdict.chosen is None:
+                room = verdict.best_room or 0
+                budget = Budget.CLASS_KV if verdict.by_watermark else Budget.NODE_KV
+                return Refusal(budget, plan.limits.retry_estimate_s, True, plan.nodes.need, room, room)
+            picked = verdict.chosen
+        decision = self._local.admit_now(local, now)
         if isinstance(decision, Grant):
             decision.id = LOCAL_PREFIX + decision.id
+            if picked is not None:
+                decision.picked = picked
+                decision.node_hold = plan.nodes.need
         return decision
 
     def _admit_cmd(self, plan: Plan, keys: _Keys, lease_id: str, now: float) -> tuple[Any, ...]:
@@ -877,8 +1010,9 @@ class RedisStore(Store):
         ceiling_arg = "- -" if ceiling is None else f"{ceiling[0]} {ceiling[1]}"
         arg = (f"{self._now_arg(now)} {lease_id} {self._ttl!r} {plan.class_name} {int(plan.tokens)} "
                f"{limits_arg} {tenant_arg} {self._tenant_expire!r} {ceiling_arg} {cached[2]}")
-        return ("EVALSHA", ADMIT.sha, 6, keys.st, keys.lz, keys.lh, keys.done, keys.bucket(pb),
-                keys.bucket(tb), arg)
+        nodes = "-" if plan.nodes is None else node_arg(plan.nodes)
+        return ("EVALSHA", ADMIT.sha, 7, keys.st, keys.lz, keys.lh, keys.done, keys.bucket(pb),
+                keys.bucket(tb), keys.nk, arg, nodes)
 
     def _read_admit(self, plan: Plan, lease_id: str, reply: bytes, now: float) -> Grant | Refusal:
         head, _, view = reply.partition(b"|")
@@ -891,6 +1025,11 @@ class RedisStore(Store):
                 grant.bucket_tokens = float(r[2])
                 grant.bucket_capacity = float(r[3])
                 grant.bucket_rate = float(r[4])
+            if plan.nodes is not None:
+                if r[5] == b"-":
+                    raise ValueError("admit picked no node for a plan that asked one")
+                grant.picked = r[5].decode()
+                grant.node_hold = plan.nodes.need
             self._live.setdefault(plan.limits.pool, {})[lease_id] = grant
             return grant
         if code == 0:
@@ -950,8 +1089,8 @@ class RedisStore(Store):
         tenant_arg = "- -" if tb is None else f"{float(tb.capacity)!r} {float(tb.rate)!r}"
         arg = (f"{self._now_arg(now)} {lease_id} {int(charged)} {self._ttl!r} {pool_arg} {tenant_arg} "
                f"{self._tenant_expire!r}")
-        return ("EVALSHA", SETTLE.sha, 6, keys.st, keys.lz, keys.lh, keys.done, keys.bucket(pb),
-                keys.bucket(tb), arg)
+        return ("EVALSHA", SETTLE.sha, 7, keys.st, keys.lz, keys.lh, keys.done, keys.bucket(pb),
+                keys.bucket(tb), keys.nk, arg)
 
     def _queue(self, pending: _Pending) -> None:
         self._pending.append(pending)
@@ -1048,16 +1187,18 @@ class RedisStore(Store):
             leases = list(self._live.get(pool, {}).values())
             chunks = [leases[i:i + _REFRESH_CHUNK] for i in range(0, len(leases), _REFRESH_CHUNK)] or [[]]
             for chunk in chunks:
-                cmd: list[Any] = ["EVALSHA", REFRESH.sha, 5, keys.st, keys.lz, keys.lh, keys.done,
-                                  keys.pool_bucket or keys.st, now_arg, self._ttl,
+                cmd: list[Any] = ["EVALSHA", REFRESH.sha, 6, keys.st, keys.lz, keys.lh, keys.done,
+                                  keys.pool_bucket or keys.st, keys.nk, now_arg, self._ttl,
                                   "1" if keys.pool_bucket else "0"]
                 for g in chunk:
-                    cmd.extend((g.id, g.plan.class_name, g.plan.tokens))
+                    cmd.extend((g.id, g.plan.class_name, g.plan.tokens, g.picked or "-",
+                                int(g.node_hold)))
                 cmds.append(tuple(cmd))
                 pools.append(pool)
         results = await self._round_trip(cmds)
         try:
             self._replicas = max(1, int(results[0]))
+            self._replicas_seen = True
             restored = 0
             for pool, r in zip(pools, results[1:]):
                 head, _, view = r.partition(b"|")

@@ -302,11 +302,14 @@ def test_a_charge_is_the_request_on_its_node():
     assert pool.release(c, 7, True, T0 + 2) and not pool.release(c, 7, True, T0 + 3)
 
 
-def test_picking_with_the_redis_store_is_said_loudly():
+def test_a_local_share_without_a_replica_count_is_said_loudly():
+    """Picking with the Redis store shares the nodes now: only an unknown share is warned of."""
     from extproc.config import warnings
     cfg = config(pool=nodes_pool(1), store={"redis": {"url": "redis://127.0.0.1:1/0"}})
     (line,) = warnings(cfg)
-    assert "pools.default: picks nodes with the Redis store" in line
+    assert line.startswith("store.redis: on_unavailable is local_share but expected_replicas is not set")
+    assert warnings(config(pool=nodes_pool(1), store={"redis": {"url": "redis://127.0.0.1:1/0",
+                                                                 "expected_replicas": 2}})) == []
     assert warnings(config(pool=nodes_pool(1))) == []
 
 

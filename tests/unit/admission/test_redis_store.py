@@ -25,7 +25,8 @@ from extproc.admission.slots import effective_guarantees, effective_limit
 from extproc.admission.store.base import Budget, BucketSpec, Grant, Plan, PoolLimits, Refusal
 from extproc.admission.store.memory import MemoryStore
 from extproc.admission.store.redis import (LOCAL_PREFIX, MODE_FAIL_CLOSED, MODE_LOCAL_SHARE, MODE_SHARED,
-                                           REFRESH, RedisStore, StoreUnavailableError, local_share)
+                                           RECOVER_S, REFRESH, RedisStore, StoreUnavailableError,
+                                           local_share)
 from extproc.clock import ManualClock
 from extproc.config import RedisStoreConfig, parse_config
 from tests.support.redis_server import RedisServer
@@ -377,7 +378,13 @@ def test_local_share_divides_every_limit_by_the_replicas():
     # what never fits stays what never fits in the whole budget
     assert (lim.base_kv_budget, lim.bucket.base_capacity, share.tenant_bucket.base_capacity) == (9000, 6000, 3000)
     assert local_share(p, 1) is p
-    assert local_share(Plan(limits(base=2, guarantees={}), "a", "standard", 1), 5).limits.limit == 1
+    # five replicas admitting one each would pass a limit of 2: alone, a replica admits none
+    assert local_share(Plan(limits(base=2, guarantees={}), "a", "standard", 1), 5).limits.limit == 0
+    # what this replica still holds of the shared budget counts against its share
+    held = local_share(p, 3, (2, 1000)).limits
+    assert (held.limit, held.kv_budget, dict(held.kv_ceilings)) == (1, 2000, {"batch": (650, 4950)})
+    assert local_share(p, 3, (5, 4000)).limits.limit == 0 and local_share(p, 3, (5, 4000)).limits.kv_budget == 0
+    assert local_share(p, 1, (1, 10)).limits.limit == 9
 
 
 async def test_redis_down_admits_locally_with_the_share_then_recovers(stores, own_server, caplog):
@@ -397,21 +404,25 @@ async def test_redis_down_admits_locally_with_the_share_then_recovers(stores, ow
     own_server.stop()
     a = await rs.admit(plan(10, lim), T0)
     b = await rs.admit(plan(10, lim), T0)
-    c = await rs.admit(plan(10, lim), T0)
     assert rs.mode == MODE_LOCAL_SHARE and seen.modes == [MODE_SHARED, MODE_LOCAL_SHARE]
     assert seen.errors and set(seen.errors) <= {"connection", "timeout"}
     assert "unavailable" in caplog.text and "1/2 of each limit" in caplog.text
-    assert isinstance(a, Grant) and a.id.startswith(LOCAL_PREFIX) and isinstance(b, Grant)
-    assert isinstance(c, Refusal) and c.budget is Budget.SLOTS and c.limit == 2  # 4 / 2 replicas
-    rs.settle(shared, 10, T0)  # a shared grant's settle waits for Redis
+    assert isinstance(a, Grant) and a.id.startswith(LOCAL_PREFIX)
+    # 4 / 2 replicas = 2, less the shared grant this replica still holds
+    assert isinstance(b, Refusal) and b.budget is Budget.SLOTS and b.limit == 1
+    rs.settle(shared, 10, T0)  # a shared grant's settle waits for Redis, its slot is ours again
+    c = await rs.admit(plan(10, lim), T0)
+    assert isinstance(c, Grant) and c.id.startswith(LOCAL_PREFIX)
     rs.settle(a, 10, T0)       # local grants settle locally
     assert rs.usage("p", T0).inflight == 1
     assert not await rs.probe()  # still down
     own_server.start()
+    assert not await rs.probe()  # answers, but not yet for RECOVER_S
+    clock.advance(RECOVER_S)
     assert await rs.probe()
     assert rs.mode == MODE_SHARED and seen.modes[-1] == MODE_SHARED
     assert "answers again" in caplog.text
-    rs.settle(b, 10, T0)
+    rs.settle(c, 10, T0)
     g = await rs.admit(plan(10, lim), T0)
     assert isinstance(g, Grant) and not g.id.startswith(LOCAL_PREFIX)
     # The restarted Redis is empty: the old shared grant's late settle released nothing.
@@ -420,13 +431,17 @@ async def test_redis_down_admits_locally_with_the_share_then_recovers(stores, ow
 
 async def test_a_replica_that_starts_with_redis_down_shares_by_the_expected_replicas(stores, own_server, caplog):
     """It has seen no peer: without expected_replicas it would admit the whole limit alone,
-    and every replica starting in the same outage would do the same."""
+    and every replica starting in the same outage would do the same; so it fails closed."""
     caplog.set_level(logging.WARNING, logger="kvgate.store")
     own_server.stop()
     lim = limits(base=6, kv=None, tpm=None, guarantees={})
-    alone = open_store(stores, cfg(own_server.url, timeout_s=0.2), ManualClock(T0))
+    unknown = open_store(stores, cfg(own_server.url, timeout_s=0.2), ManualClock(T0))
+    alone = open_store(stores, cfg(own_server.url, timeout_s=0.2, expected_replicas=1), ManualClock(T0))
     expecting = open_store(stores, cfg(own_server.url, timeout_s=0.2, expected_replicas=3), ManualClock(T0))
     assert alone.share_replicas == 1 and expecting.share_replicas == 3
+    with pytest.raises(StoreUnavailableError, match="number of replicas is unknown"):
+        await unknown.admit(plan(10, lim), T0)
+    assert unknown.mode == MODE_LOCAL_SHARE
     granted = {}
     for name, rs in (("alone", alone), ("expecting", expecting)):
         got = [await rs.admit(plan(10, lim), T0) for _ in range(7)]
@@ -446,6 +461,8 @@ async def test_fail_closed_refuses_while_redis_is_down(stores, own_server):
     with pytest.raises(StoreUnavailableError):
         await rs.admit(plan(1), T0)
     own_server.start()
+    assert not await rs.probe()
+    rs._clock.advance(RECOVER_S)
     assert await rs.probe()
     assert isinstance(await rs.admit(plan(1), T0), Grant)
 
@@ -453,7 +470,7 @@ async def test_fail_closed_refuses_while_redis_is_down(stores, own_server):
 async def test_a_stalled_redis_times_out_and_the_lost_admission_is_cancelled(stores, own_server):
     clock = ManualClock(T0)
     seen = Recorder()
-    rs = open_store(stores, cfg(own_server.url, timeout_s=0.5), clock, observer=seen)
+    rs = open_store(stores, cfg(own_server.url, timeout_s=0.5, expected_replicas=1), clock, observer=seen)
     lim = limits(base=3, kv=None, tpm=None, guarantees={})
     held = await rs.admit(plan(1, lim), T0)
     own_server.pause()
@@ -472,6 +489,7 @@ async def test_a_stalled_redis_times_out_and_the_lost_admission_is_cancelled(sto
     deadline = loop.time() + 20.0
     while not await rs.probe():
         assert loop.time() < deadline, "the resumed Redis never answered a probe"
+        clock.advance(RECOVER_S / 2)  # the next probe, half the hysteresis later
     # Whether or not Redis ran the timed-out admission, neither it nor `held` holds a slot.
     r = redis_sync.Redis.from_url(own_server.url)
     assert int(r.hget(f"{rs.config.key_prefix}{{p}}:st", "n") or 0) == 0
@@ -480,7 +498,7 @@ async def test_a_stalled_redis_times_out_and_the_lost_admission_is_cancelled(sto
 
 async def test_a_corrupted_state_degrades_loudly_and_leaks_nothing(stores, redis_server):
     seen = Recorder()
-    rs = open_store(stores, cfg(redis_server.url), ManualClock(T0), observer=seen)
+    rs = open_store(stores, cfg(redis_server.url, expected_replicas=1), ManualClock(T0), observer=seen)
     lim = limits(base=3, kv=None, tpm=None, guarantees={})
     r = redis_sync.Redis.from_url(redis_server.url)
     r.hset(f"{rs.config.key_prefix}{{p}}:st", "n", "not a number")
