@@ -20,7 +20,8 @@ from tests.deploy.support import K8S, ROOT, docs, envoy_binary, envoy_validate
 KVGATE = ROOT / "deploy" / "kvgate.yaml"
 SHIPPED = {"three-message": "envoy.yaml", "four-message": "envoy-four-message.yaml",
            "reservation": "envoy-reservation.yaml", "observe": "envoy-observe.yaml",
-           "access-log": "envoy-access-log.yaml", "endpoint-picker": "envoy-endpoint-picker.yaml"}
+           "access-log": "envoy-access-log.yaml", "endpoint-picker": "envoy-endpoint-picker.yaml",
+           "inference-pool": "envoy-inference-pool.yaml"}
 
 
 def kvgate(*args: str) -> subprocess.CompletedProcess[str]:
