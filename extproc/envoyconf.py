@@ -188,10 +188,18 @@ def _ext_proc(config: Config, mode: str) -> dict[str, Any]:
     return cfg
 
 
+def identity_headers(config: Config) -> list[str]:
+    """identity_headers is every request header kvgate reads as a tenant or class claim: the
+    tenant header, then the fairness and objective headers when they are read."""
+    t = config.tenants
+    return [h for h in (t.header, t.fairness_header, t.objective_header) if h]
+
+
 def header_strip(config: Config) -> list[dict[str, Any]]:
-    """header_strip is the request mutations of the first filter: the client's copy of the tenant
-    header, then every header of kvgate's and the endpoint picker's families, removed."""
-    return [{"remove": config.tenants.header},
+    """header_strip is the request mutations of the first filter: the client's copies of the
+    headers that name a tenant or a class, then every header of kvgate's and the endpoint
+    picker's families, removed."""
+    return [*({"remove": h} for h in identity_headers(config)),
             *({"remove_on_match": {"key_matcher": {"prefix": p}}} for p in INTERNAL_HEADER_PREFIXES)]
 
 
@@ -579,9 +587,11 @@ def _check_body(config: Config, where: str, listener: dict[str, Any], hcm: dict[
 
 
 def _check_strip(config: Config, where: str, filters: list[Any], ext_index: int) -> list[Disagreement]:
-    """_check_strip names a tenant header that a client could send itself: no header_mutation
-    filter before ext_proc removes ``tenants.header`` (a ``remove`` of it, or a prefix match)."""
-    header = config.tenants.header.lower()
+    """_check_strip names each header kvgate reads as a tenant or class claim that a client could
+    send itself: no header_mutation filter before ext_proc removes it (a ``remove`` of it, or
+    a prefix match)."""
+    removed: list[str] = []
+    prefixes: list[str] = []
     for f in filters[:ext_index]:
         tc = _dict(_dict(f).get("typed_config"))
         if tc.get("@type") != HEADER_MUTATION_TYPE:
@@ -589,13 +599,20 @@ def _check_strip(config: Config, where: str, filters: list[Any], ext_index: int)
         for m in _items(_dict(_dict(tc.get("mutations"))).get("request_mutations")):
             m = _dict(m)
             prefix = _dict(_dict(m.get("remove_on_match")).get("key_matcher")).get("prefix")
-            if str(m.get("remove", "")).lower() == header or \
-                    (isinstance(prefix, str) and prefix and header.startswith(prefix.lower())):
-                return []
-    return [Disagreement("tenants.header", f"{where}.http_filters",
-                         f"no header_mutation filter before ext_proc removes {config.tenants.header!r}: "
-                         f"any client can name its own tenant; add `remove: {config.tenants.header}` "
-                         f"to the first filter (a verified source sets it after that filter)")]
+            removed.append(str(m.get("remove", "")).lower())
+            if isinstance(prefix, str) and prefix:
+                prefixes.append(prefix.lower())
+    keys = {config.tenants.header: "tenants.header", config.tenants.fairness_header: "tenants.fairness_header",
+            config.tenants.objective_header: "tenants.objective_header"}
+    out = []
+    for header in identity_headers(config):
+        if header in removed or any(header.startswith(p) for p in prefixes):
+            continue
+        out.append(Disagreement(keys[header], f"{where}.http_filters",
+                                f"no header_mutation filter before ext_proc removes {header!r}: any "
+                                f"client can name its own tenant or class; add `remove: {header}` to "
+                                f"the first filter (a verified source sets it after that filter)"))
+    return out
 
 
 def _route_metadata(hcm: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:

@@ -278,7 +278,8 @@ class Gate:
 
     # --- identity ----------------------------------------------------------------
 
-    def tenant_of(self, header_values: list[bytes], authorization: bytes | None) -> str:
+    def tenant_of(self, header_values: list[bytes], authorization: bytes | None,
+                  fairness_values: list[bytes] | tuple[()] = ()) -> str:
         """tenant_of names the configured tenant of a request, or ANONYMOUS_TENANT.
 
         An API key (``authorization: Bearer KEY``) whose SHA-256 is configured wins over
@@ -286,12 +287,16 @@ class Gate:
         has keys is reachable only with one of them: a header naming it without its key is
         refused (RequestError 401 ``invalid_api_key``), so that nobody takes its class or
         drains its bucket by writing its name. More than one tenant header is refused
-        (RequestError 400): which one counts would be a guess.
+        (RequestError 400): which one counts would be a guess. The fairness header
+        (``tenants.fairness_header``, ``fairness_values``) names the tenant when the tenant
+        header is absent, under the same rules.
         """
-        if len(header_values) > 1:
-            raise RequestError(f"the {self.config.tenants.header} header is given "
-                               f"{len(header_values)} times; send it once",
-                               param=self.config.tenants.header)
+        tenants = self.config.tenants
+        for name, values in ((tenants.header, header_values), (tenants.fairness_header, fairness_values)):
+            if len(values) > 1:
+                raise RequestError(f"the {name} header is given {len(values)} times; send it once",
+                                   param=name)
+        header_values = header_values or fairness_values
         if authorization is not None and self.api_keys:
             scheme, _, key = authorization.strip().partition(b" ")
             if scheme.lower() == b"bearer" and key:
@@ -335,6 +340,27 @@ class Gate:
                         "request_attributes entry, or the filter that sets it) under the "
                         "name tenants.header gives (kvgate_tenant_header_unseen_total)",
                         missing, self.config.tenants.header)
+
+    def class_named(self, objective_values: list[bytes]) -> ClassConfig | None:
+        """class_named is the class the objective header (``tenants.objective_header``) names,
+        or None when it is absent or names no configured class (then said at most once a
+        minute: the request keeps its tenant's class). Given twice: RequestError 400."""
+        if not objective_values:
+            return None
+        name = self.config.tenants.objective_header
+        if len(objective_values) > 1:
+            raise RequestError(f"the {name} header is given {len(objective_values)} times; send "
+                               "it once", param=name)
+        value = objective_values[0].decode("latin-1").strip()
+        found = self.config.tenants.classes.get(value)
+        if found is None:
+            now = self.clock.now()
+            last = self._route_logged.get("_objective")
+            if last is None or now - last >= ROUTE_LOG_INTERVAL_S:
+                self._route_logged["_objective"] = now
+                log.warning("a request's %s header names no class of tenants.classes (%s): it "
+                            "keeps its tenant's class", name, ", ".join(sorted(self.config.tenants.classes)))
+        return found
 
     def other_header_attributes(self, names: list[str]) -> None:
         """other_header_attributes notes request-header attributes Envoy sent that kvgate
@@ -562,6 +588,10 @@ class Exchange:
         content_length: bytes | None = None
         authorization: bytes | None = None
         tenant_values: list[bytes] = []
+        fairness_header = self.gate.config.tenants.fairness_header
+        objective_header = self.gate.config.tenants.objective_header
+        fairness_values: list[bytes] = []
+        objective_values: list[bytes] = []
         for h in msg.headers.headers:
             key = h.key
             if key == ":path":
@@ -576,8 +606,12 @@ class Exchange:
                 authorization = h.raw_value
             elif key == tenant_header:
                 tenant_values.append(h.raw_value)
+            elif key == fairness_header:
+                fairness_values.append(h.raw_value)
+            elif key == objective_header:
+                objective_values.append(h.raw_value)
         refusal = self._begin(path.decode("latin-1"), method == b"POST", authorization,
-                              tenant_values, metadata)
+                              tenant_values, metadata, fairness_values, objective_values)
         if refusal is not None:
             return refusal
         if self.state == _PASS:
@@ -614,7 +648,9 @@ class Exchange:
                 "a request header (the tenant header, authorization or content-type) is not "
                 "valid UTF-8"), "rejected_invalid")
         values = _attribute_values(attributes)
-        known = (ATTR_CONTENT_TYPE, ATTR_AUTHORIZATION, tenant_attribute(self.gate.config.tenants.header))
+        tenants = self.gate.config.tenants
+        known = (ATTR_CONTENT_TYPE, ATTR_AUTHORIZATION, tenant_attribute(tenants.header),
+                 *(tenant_attribute(h) for h in (tenants.fairness_header, tenants.objective_header) if h))
         others = [k for k in values if k.startswith("request.headers[") and k not in known]
         if others:
             self.gate.other_header_attributes(others)
@@ -628,10 +664,20 @@ class Exchange:
         authorization = values.get(ATTR_AUTHORIZATION)
         return self._begin(path, values.get(ATTR_METHOD) == "POST",
                            None if authorization is None else authorization.encode(),
-                           self._tenant_values(values), metadata)
+                           self._tenant_values(values), metadata,
+                           self._header_values(values, tenants.fairness_header),
+                           self._header_values(values, tenants.objective_header))
 
     def _tenant_values(self, values: dict[str, str]) -> list[bytes]:
-        tenant = values.get(tenant_attribute(self.gate.config.tenants.header))
+        return self._header_values(values, self.gate.config.tenants.header)
+
+    @staticmethod
+    def _header_values(values: dict[str, str], header: str | None) -> list[bytes]:
+        """_header_values is the values of request header ``header`` among the request
+        attributes, one per repeated header ([] for None: a header kvgate does not read)."""
+        if header is None:
+            return []
+        tenant = values.get(tenant_attribute(header))
         # Envoy copied the header's bytes, which were UTF-8 (the message decoded): the same
         # bytes the header itself would have given.
         return [] if tenant is None else [v.encode() for v in tenant.split(",")]
@@ -654,10 +700,12 @@ class Exchange:
                           else gate.config.class_of(tenant))
 
     def _begin(self, path: str, post: bool, authorization: bytes | None,
-               tenant_values: list[bytes], metadata: Any) -> pb.ProcessingResponse | None:
+               tenant_values: list[bytes], metadata: Any, fairness_values: list[bytes] | None = None,
+               objective_values: list[bytes] | None = None) -> pb.ProcessingResponse | None:
         """_begin picks endpoint, pool, tenant and class; returns a refusal or None.
 
-        A path kvgate does not admit leaves the state _PASS.
+        A path kvgate does not admit leaves the state _PASS. The class: the route's, else
+        the one the objective header names, else the tenant's.
         """
         gate = self.gate
         config = gate.config
@@ -675,13 +723,14 @@ class Exchange:
         self.pool = gate.pools[self.pool_name]
         self.max_body = route.max_body_bytes or config.limits.max_body_bytes
         try:
-            self.tenant = gate.tenant_of(tenant_values, authorization)
+            self.tenant = gate.tenant_of(tenant_values, authorization, fairness_values or ())
+            objective = None if route.tenant_class else gate.class_named(objective_values or [])
         except RequestError as err:
             self.class_cfg = config.tenants.classes[config.tenants.default_class]
             return self._refuse(err, "rejected_unauthenticated" if err.status == 401
                                 else "rejected_invalid")
         self.class_cfg = (config.tenants.classes[route.tenant_class] if route.tenant_class
-                          else config.class_of(self.tenant))
+                          else objective or config.class_of(self.tenant))
         return None
 
     # --- request body ------------------------------------------------------------------
@@ -855,7 +904,7 @@ class Exchange:
                                   cls.name if cls is not None else self.gate.config.tenants.default_class,
                                   "rejected_no_endpoint")
         return immediate(503, [("content-type", _JSON), ("retry-after", "1"),
-                               ("x-kvgate-reason", "no_eligible_endpoint")],
+                               ("x-kvgate-reason", "no_endpoint")],
                          oai.error_body("None of the endpoints this request may go to can take it "
                                         "now. Retry shortly.", error_type="server_error",
                                         code="no_eligible_endpoint"),

@@ -23,12 +23,16 @@ pytestmark = pytest.mark.e2e
 POOL_ENVOY = ROOT / "deploy" / "envoy-inference-pool.yaml"
 ROUTE_HEADER = "x-test-route"
 OVERRIDE_FILTER = "test.fallback"
+VERIFIED_FILTER = "test.verified"
+OBJECTIVE = "x-llm-d-inference-objective"
 
 
 class PoolStack(NodesStack):
     """PoolStack is the nodes stack under deploy/envoy-inference-pool.yaml, with test routes:
     ``two`` hints nodes 0 and 1, ``nowhere`` hints an address of no node, ``empty`` an empty
-    hint, and ``fallback`` hints node 0 but sends the request to node 2 after kvgate."""
+    hint, ``fallback`` hints node 0 but sends the request to node 2 after kvgate, and
+    ``verified`` sets the objective header after the client's copy was stripped (as an
+    authentication filter would)."""
 
     def envoy_config(self) -> dict[str, Any]:
         cfg = super().envoy_config()
@@ -37,10 +41,12 @@ class PoolStack(NodesStack):
         at = next(i for i, f in enumerate(filters) if f["name"] == "envoy.filters.http.ext_proc")
         filters.insert(at + 1, {"name": OVERRIDE_FILTER, "typed_config": {
             "@type": HEADER_MUTATION_TYPE, "mutations": {}}})
+        filters.insert(at, {"name": VERIFIED_FILTER, "typed_config": {
+            "@type": HEADER_MUTATION_TYPE, "mutations": {}}})
         vhost = hcm["route_config"]["virtual_hosts"][0]
         default = vhost["routes"][-1]
         hinted = {"two": [self.address(0), self.address(1)], "nowhere": ["127.0.0.1:1"],
-                  "empty": [], "fallback": [self.address(0)]}
+                  "empty": [], "fallback": [self.address(0)], "verified": [self.address(1)]}
         routes = []
         for name, hint in hinted.items():
             route = {**default, "name": name,
@@ -55,6 +61,12 @@ class PoolStack(NodesStack):
                     "mutations": {"request_mutations": [{"append": {
                         "header": {"key": epp.DESTINATION_KEY, "value": self.address(2)},
                         "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}}]}}
+            if name == "verified":
+                per[VERIFIED_FILTER] = {
+                    "@type": HEADER_MUTATION_TYPE + "PerRoute",
+                    "mutations": {"request_mutations": [{"append": {
+                        "header": {"key": OBJECTIVE, "value": "batch"},
+                        "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}}]}}
             route["typed_per_filter_config"] = per
             routes.append(route)
         vhost["routes"][-1:-1] = routes
@@ -65,7 +77,8 @@ class PoolStack(NodesStack):
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PoolStack]:
     s = PoolStack(tmp_path_factory.mktemp("inference-pool"), nodes=3, kv_capacity_tokens=100_000,
                   envoy_template=POOL_ENVOY, sim_args=["--speedup", "4"],
-                  pool={"picking": {"growth": "worst_case", "reserve_fraction": 0.02}}).start()
+                  pool={"picking": {"growth": "worst_case", "reserve_fraction": 0.02}},
+                  config={"tenants": {"classes": {"standard": {"max_wait_s": 30.0}, "batch": {}}}}).start()
     wait_until(lambda: sum(s.per_node("kvgate_backend_pickable").values()) == 3, timeout=10,
                what="three nodes up")
     yield s
@@ -135,3 +148,18 @@ def test_the_node_that_served_is_the_one_charged(stack):
     assert sum(1 for _ in chunks) > 0
     idle(stack)
     assert stack.metric("kvgate_served_unknown_endpoint_total") == 0
+
+
+def test_the_objective_header_counts_only_as_envoy_sets_it(stack):
+    def batch() -> float:
+        return stack.metric("kvgate_requests_total", outcome="admitted", **{"class": "batch"})
+
+    before = batch()
+    ask = {"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+    # A client's own copy is removed by the first filter: the request stays in its class.
+    client(stack, "two").chat.completions.create(**ask, extra_headers={OBJECTIVE: "batch"})
+    assert batch() == before
+    # Set by a filter after the stripping one (a verified source): honoured.
+    client(stack, "verified").chat.completions.create(**ask)
+    assert batch() == before + 1
+    idle(stack)
