@@ -253,3 +253,18 @@ async def test_a_path_kvgate_does_not_admit_is_routed_and_its_bodies_passed_back
     ex = Exchange(rig.gate)
     resp = ex.request_headers(headers_msg("/v1/models", method="GET"), hint(["10.1.1.1:1"]), DUPLEX)
     assert resp.immediate_response.status.code == 503
+
+
+async def test_the_hint_holds_with_a_buffered_body_too():
+    # deploy/envoy-endpoint-picker.yaml (body BUFFERED) under a gateway that sets a hint.
+    from tests.unit.test_exchange_picking import node_of
+    rig = picking_rig(usage=(0.5, 0.0))
+    ex = Exchange(rig.gate)
+    assert ex.request_headers(headers_msg(), hint([N0])).HasField("request_headers")
+    resp = await ex.request_body(body_msg(chat(max_tokens=100)))
+    assert node_of(resp)[0] == N0
+    ex.finish()
+    ex = Exchange(rig.gate)
+    ex.request_headers(headers_msg(), hint([]))
+    resp = await ex.request_body(body_msg(chat(max_tokens=100)))
+    assert resp.immediate_response.status.code == 503 and rig.inflight() == 0
