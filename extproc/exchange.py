@@ -46,7 +46,7 @@ import itertools
 import logging
 import math
 import secrets
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
@@ -279,7 +279,7 @@ class Gate:
     # --- identity ----------------------------------------------------------------
 
     def tenant_of(self, header_values: list[bytes], authorization: bytes | None,
-                  fairness_values: list[bytes] | tuple[()] = ()) -> str:
+                  fairness_values: Sequence[bytes] = ()) -> str:
         """tenant_of names the configured tenant of a request, or ANONYMOUS_TENANT.
 
         An API key (``authorization: Bearer KEY``) whose SHA-256 is configured wins over
@@ -296,7 +296,7 @@ class Gate:
             if len(values) > 1:
                 raise RequestError(f"the {name} header is given {len(values)} times; send it once",
                                    param=name)
-        header_values = header_values or fairness_values
+        header_values = list(header_values or fairness_values)
         if authorization is not None and self.api_keys:
             scheme, _, key = authorization.strip().partition(b" ")
             if scheme.lower() == b"bearer" and key:
