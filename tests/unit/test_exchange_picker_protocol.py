@@ -5,6 +5,7 @@ endpoint that served. Nothing is held after any of it."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -13,6 +14,8 @@ from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from extproc import picker_protocol as epp
 from extproc.exchange import Exchange
@@ -268,3 +271,50 @@ async def test_the_hint_holds_with_a_buffered_body_too():
     ex.request_headers(headers_msg(), hint([]))
     resp = await ex.request_body(body_msg(chat(max_tokens=100)))
     assert resp.immediate_response.status.code == 503 and rig.inflight() == 0
+
+
+# --- invariant -------------------------------------------------------------------------------
+
+
+_HINTS = st.one_of(st.none(), st.lists(st.sampled_from([N0, N1, "127.0.0.1", "10.0.0.1:1", "", "x:y"]),
+                                       max_size=3))
+_STEPS = st.lists(st.sampled_from(["chunk", "last", "trailers", "rh", "rh_moved", "rh_unknown",
+                                   "sse", "eos", "finish"]), max_size=10)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(_HINTS, st.integers(min_value=1, max_value=6), _STEPS)
+def test_in_full_duplex_every_stream_ends_with_nothing_held(hint_value, parts, steps):
+    """Whatever the hint, the chunking and the order of what follows (even nonsense), after
+    finish no node holds a charge, nothing is in flight, and a released lease stays released."""
+
+    async def run() -> None:
+        rig = picking_rig(usage=(0.2, 0.1))
+        body = chat("split me " * 10, max_tokens=50, stream=True)
+        step = -(-len(body) // parts)
+        pieces = [body[at:at + step] for at in range(0, len(body), step)]
+        ex = Exchange(rig.gate)
+        ex.request_headers(headers_msg(), None if hint_value is None else hint(hint_value), DUPLEX)
+        for s in steps:
+            if s == "chunk" and pieces:
+                await ex.request_body(body_msg(pieces.pop(0), eos=False))
+            elif s == "last":
+                await ex.request_body(body_msg(b"".join(pieces), eos=True))
+                pieces = []
+            elif s == "trailers":
+                ex.request_trailers()
+            elif s.startswith("rh"):
+                md = {"rh": None, "rh_moved": served(N1), "rh_unknown": served("10.0.0.9:9")}[s]
+                ex.response_headers(response_headers_msg(content_type="text/event-stream"), metadata=md)
+            elif s == "sse":
+                ex.response_body(body_msg(sse(token_chunk(1), done=False), eos=False))
+            elif s == "eos":
+                ex.response_body(body_msg(b"", eos=True))
+            elif s == "finish":
+                ex.finish()
+        ex.finish()
+        assert ex.finish() is None
+        assert rig.inflight() == 0
+        assert all(n.requests == 0 and n.inflight_tokens == 0 for n in rig.admission.nodes("default"))
+
+    asyncio.run(run())
