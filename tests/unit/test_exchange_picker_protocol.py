@@ -289,7 +289,7 @@ def test_in_full_duplex_every_stream_ends_with_nothing_held(hint_value, parts, s
     finish no node holds a charge, nothing is in flight, and a released lease stays released."""
 
     async def run() -> None:
-        rig = picking_rig(usage=(0.2, 0.1))
+        rig = picking_rig(usage=(0.1, 0.2))  # n0 is picked unless the hint leaves it out
         body = chat("split me " * 10, max_tokens=50, stream=True)
         step = -(-len(body) // parts)
         pieces = [body[at:at + step] for at in range(0, len(body), step)]
