@@ -15,7 +15,7 @@ VLLM_VERSION ?= 0.32.0
 # e.g. BENCH_VLLM_ARGS="--runs 3 --rows direct,kvgate"
 BENCH_VLLM_ARGS ?=
 
-.PHONY: install run test test-unit test-e2e test-vllm bench bench-admission bench-overhead bench-picker bench-protection bench-redis bench-scrape bench-tokens bench-trace bench-vllm bench-loop-lag install-vllm check-config clean
+.PHONY: install run test test-under-load test-unit test-e2e test-vllm bench bench-admission bench-overhead bench-picker bench-protection bench-redis bench-scrape bench-tokens bench-trace bench-vllm bench-loop-lag install-vllm check-config clean
 
 install: $(STAMP)
 
@@ -28,9 +28,21 @@ $(STAMP): pyproject.toml
 run: install
 	$(PY) -m extproc.localstack
 
+# Two test processes: most tests wait on Envoy, kvgate and the upstream, so one process
+# leaves a core idle. Each file's tests stay in one process (its module fixtures start one
+# stack). TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= 2
+
 test: install
 	$(PY) -m mypy
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
+# The suite RUNS times with BURNERS processes spinning on the CPU (tests that depend on
+# time fail here first); the table goes to bench/results/test-under-load.md.
+RUNS ?= 5
+BURNERS ?= 2
+test-under-load: install
+	$(PY) tests/under_load.py --runs $(RUNS) --burners $(BURNERS) --workers $(TEST_WORKERS) --out $(BENCH_OUT)/test-under-load.md
 
 test-unit: install
 	$(PY) -m pytest -q tests/unit

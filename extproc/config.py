@@ -105,6 +105,8 @@ class SignalsConfig:
     kv_budget_fraction: float = 0.9
 
 
+SIGNALS_DEFAULTS = SignalsConfig()
+
 @dataclass(frozen=True, slots=True)
 class PoolConfig:
     """PoolConfig holds the base limits of one pool (nodes serving one model).
@@ -180,6 +182,10 @@ class AdaptiveConfig:
     stale_after_s: float = 3.0
     max_scrape_bytes: int = 4 * 1024 * 1024
 
+
+# The defaults of the sections, owned by their dataclasses: the parser and the admission
+# core read them here instead of repeating the numbers.
+ADAPTIVE_DEFAULTS = AdaptiveConfig()
 
 @dataclass(frozen=True, slots=True)
 class ClassConfig:
@@ -495,9 +501,10 @@ def _pool(key: str, name: str, data: Any) -> PoolConfig:
         seen.add(b.name)
     sig = s.section("signals")
     signals = SignalsConfig(
-        aggregate=sig.string("aggregate", "max", choices=AGGREGATES),
-        waiting_threshold=sig.integer("waiting_threshold", 8, minimum=1),
-        kv_budget_fraction=sig.number("kv_budget_fraction", 0.9, low=0.0, high=1.0, low_open=True),
+        aggregate=sig.string("aggregate", SIGNALS_DEFAULTS.aggregate, choices=AGGREGATES),
+        waiting_threshold=sig.integer("waiting_threshold", SIGNALS_DEFAULTS.waiting_threshold, minimum=1),
+        kv_budget_fraction=sig.number("kv_budget_fraction", SIGNALS_DEFAULTS.kv_budget_fraction,
+                                      low=0.0, high=1.0, low_open=True),
     )
     framebuffer_only = sig.boolean("framebuffer_only", False)
     sig.done()
@@ -639,15 +646,16 @@ def _tenants(data: Any) -> TenantsConfig:
 
 def _adaptive(data: Any) -> AdaptiveConfig:
     s = _Section("adaptive", data)
+    d = ADAPTIVE_DEFAULTS
     a = AdaptiveConfig(
-        high_watermark=s.number("high_watermark", 0.85, low=0.0, high=1.0, low_open=True),
-        low_watermark=s.number("low_watermark", 0.70, low=0.0, high=1.0),
-        min_scale=s.number("min_scale", 0.6, low=0.0, high=1.0, low_open=True),
-        recovery_per_s=s.number("recovery_per_s", 0.1, low=0.0, low_open=True),
-        poll_interval_s=s.number("poll_interval_s", 1.0, low=0.01, high=60.0),
-        scrape_timeout_s=s.number("scrape_timeout_s", 0.5, low=0.001, high=60.0),
-        stale_after_s=s.number("stale_after_s", 3.0, low=0.0, low_open=True),
-        max_scrape_bytes=s.integer("max_scrape_bytes", 4 * 1024 * 1024, minimum=1024),
+        high_watermark=s.number("high_watermark", d.high_watermark, low=0.0, high=1.0, low_open=True),
+        low_watermark=s.number("low_watermark", d.low_watermark, low=0.0, high=1.0),
+        min_scale=s.number("min_scale", d.min_scale, low=0.0, high=1.0, low_open=True),
+        recovery_per_s=s.number("recovery_per_s", d.recovery_per_s, low=0.0, low_open=True),
+        poll_interval_s=s.number("poll_interval_s", d.poll_interval_s, low=0.01, high=60.0),
+        scrape_timeout_s=s.number("scrape_timeout_s", d.scrape_timeout_s, low=0.001, high=60.0),
+        stale_after_s=s.number("stale_after_s", d.stale_after_s, low=0.0, low_open=True),
+        max_scrape_bytes=s.integer("max_scrape_bytes", d.max_scrape_bytes, minimum=1024),
     )
     s.done()
     if a.low_watermark >= a.high_watermark:

@@ -800,7 +800,7 @@ class Exchange:
             else:
                 parsed, prompt_tokens = _evaluate(self.endpoint, raw, self.content_type, pool)
             window = self.route.context_window or pool.config.context_window
-            reserved = oai.reserved_completion(parsed, prompt_tokens, window,
+            reserved = oai.request_reservation(parsed, prompt_tokens, window,
                                                pool.config.default_max_tokens)
             oai.check_context(parsed, prompt_tokens, reserved, window)
         except RequestError as err:

@@ -19,15 +19,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from extproc.admission.store.redis import ERROR_REASONS as STORE_ERROR_REASONS
-from extproc.admission.types import PoolSnapshot
+from extproc.admission.types import Outcome, PoolSnapshot
 
 # The outcome label of kvgate_requests_total (the list, in this order).
 OUTCOMES = ("admitted", "rejected_concurrency", "rejected_tpm", "rejected_kv_budget",
             "rejected_shed", "rejected_context_length", "rejected_body_too_large",
             "rejected_invalid", "rejected_store_unavailable", "rejected_unauthenticated",
             "rejected_path", "rejected_no_endpoint")
-# The cause label of kvgate_releases_total.
-CAUSES = ("completed", "client_disconnect", "upstream_error", "timeout", "ended")
+# The cause label of kvgate_releases_total: the admission core's Outcome, in its order.
+CAUSES = tuple(cause.value for cause in Outcome)
 # The result label of kvgate_access_log_entries_total (ExtProcService.logged).
 ACCESS_LOG_RESULTS = ("released", "no_lease", "unmatched")
 # The reason label of kvgate_tenant_header_unseen_total (see the exchange's tenant lookup).

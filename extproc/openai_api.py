@@ -21,6 +21,7 @@ from urllib.parse import unquote
 
 import orjson
 
+from extproc.admission.kvbudget import reserved_completion
 from extproc.admission.types import RateInfo, Reason, Rejection
 from extproc.errors import RequestError
 from extproc.tokens import (
@@ -365,25 +366,18 @@ def prompt_upper_bound(req: ParsedRequest, template: ChatTemplate) -> int:
     return req.prompt.upper_bound() + suffix
 
 
-def _completion_per_sequence(req: ParsedRequest, prompt_tokens: int, context_window: int,
-                             default_max_tokens: int) -> int:
+def request_reservation(req: ParsedRequest, prompt_tokens: int, context_window: int,
+                        default_max_tokens: int) -> int:
+    """request_reservation is the completion tokens to reserve for a whole request (tokens).
+
+    Per generated sequence, the admission core's rule (``kvbudget.reserved_completion``)
+    against the longest prompt of the request; times the sequences the server generates
+    (n or best_of, per prompt). Embeddings reserve 0.
+    """
     if req.endpoint is Endpoint.EMBEDDINGS:
         return 0
-    if req.max_tokens is not None:
-        return req.max_tokens
     longest = req.max_prompt_tokens if req.max_prompt_tokens is not None else prompt_tokens
-    return max(0, min(context_window - longest, default_max_tokens))
-
-
-def reserved_completion(req: ParsedRequest, prompt_tokens: int, context_window: int,
-                        default_max_tokens: int) -> int:
-    """reserved_completion is the completion tokens to reserve for a request (tokens).
-
-    Per generated sequence: the explicit max_tokens, else what is left of the context
-    window after the prompt, capped at ``default_max_tokens``; times the sequences the
-    server generates (n or best_of, per prompt). Embeddings reserve 0.
-    """
-    return _completion_per_sequence(req, prompt_tokens, context_window, default_max_tokens) * req.sequences
+    return reserved_completion(longest, req.max_tokens, context_window, default_max_tokens) * req.sequences
 
 
 def check_context(req: ParsedRequest, prompt_tokens: int, reserved: int, context_window: int) -> None:

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 
 from extproc.admission.types import PoolSignals
-from extproc.config import AdaptiveConfig, PoolConfig
+from extproc.config import ADAPTIVE_DEFAULTS, SIGNALS_DEFAULTS, AdaptiveConfig, PoolConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,12 +26,12 @@ class ScaleParams:
     """
 
     enabled: bool
-    high_watermark: float = 0.85
-    low_watermark: float = 0.70
-    min_scale: float = 0.6
-    recovery_per_s: float = 0.1
-    waiting_threshold: int = 8
-    stale_after_s: float = 3.0
+    high_watermark: float = ADAPTIVE_DEFAULTS.high_watermark
+    low_watermark: float = ADAPTIVE_DEFAULTS.low_watermark
+    min_scale: float = ADAPTIVE_DEFAULTS.min_scale
+    recovery_per_s: float = ADAPTIVE_DEFAULTS.recovery_per_s
+    waiting_threshold: int = SIGNALS_DEFAULTS.waiting_threshold
+    stale_after_s: float = ADAPTIVE_DEFAULTS.stale_after_s
 
     @classmethod
     def of(cls, pool: PoolConfig, adaptive: AdaptiveConfig) -> ScaleParams:

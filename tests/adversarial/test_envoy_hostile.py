@@ -296,9 +296,9 @@ def test_a_queued_request_whose_client_leaves_is_never_admitted(stack: Stack, le
             buf += holder.recv(65536)
         waiter = connect(stack)
         waiter.sendall(post(CHAT, b"x-route: tiny\r\nx-tenant-id: patient-1\r\n"))
-        wait_until(lambda: stack.metric("kvgate_streams_active") == 2, timeout=5, what="a queued request")
+        wait_until(lambda: stack.metric("kvgate_streams_active") == 2, timeout=15, what="a queued request")
         waiter.close()
-        wait_until(lambda: stack.metric("kvgate_streams_active") == 1, timeout=5, what="the waiter gone")
+        wait_until(lambda: stack.metric("kvgate_streams_active") == 1, timeout=15, what="the waiter gone")
         stack.upstream_post("/_fake/release/tiny-holder")
         while b"[DONE]" not in buf:
             buf += holder.recv(65536)
@@ -335,10 +335,10 @@ def test_http2_streams_reset_mid_response_and_a_dropped_connection_are_released(
         assert h2.pump(lambda: {1, 7} <= h2.ended and all(b"tok0" in h2.data.get(i, b"") for i in (3, 5, 9)))
         assert b"tok2" in h2.data[1]
         assert b'"invalid_request_error"' in h2.data[7]
-        wait_until(lambda: stack.inflight() == 3, timeout=5, what="three held streams")
+        wait_until(lambda: stack.inflight() == 3, timeout=15, what="three held streams")
         h2.cancel(3)
         h2.cancel(5)
-        wait_until(lambda: stack.inflight() == 1, timeout=5, what="two reset streams released")
+        wait_until(lambda: stack.inflight() == 1, timeout=15, what="two reset streams released")
     finally:
         h2.close()  # stream 9 still open: the connection just goes away
     ledger.settled()

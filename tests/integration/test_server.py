@@ -346,12 +346,12 @@ async def test_sighup_reloads_the_config_and_bad_files_keep_the_old_one(tmp_path
         kv.config_path.write_text(yaml.safe_dump(new))
         kv.proc.signal(signal.SIGHUP)
         wait_until(lambda: metric(kv.admin_port, "kvgate_concurrency_limit", pool="default") == 7,
-                   timeout=5, what="reloaded limit")
+                   timeout=15, what="reloaded limit")
         assert metric(kv.admin_port, "kvgate_config_reload_total") >= 2
         kv.config_path.write_text("pools: {default: {max_concurrency: -1}}\n")
         kv.proc.signal(signal.SIGHUP)
         wait_until(lambda: metric(kv.admin_port, "kvgate_config_reload_errors_total") == 1,
-                   timeout=5, what="refused reload")
+                   timeout=15, what="refused reload")
         assert metric(kv.admin_port, "kvgate_concurrency_limit", pool="default") == 7
     finally:
         assert kv.proc.stop() == 0

@@ -28,7 +28,7 @@ from extproc.openai_api import (
     rate_limit_headers,
     rejection_response,
     request_error_response,
-    reserved_completion,
+    request_reservation,
 )
 from extproc.tokens import TEMPLATES, count_chat, load_tokenizer
 
@@ -217,22 +217,22 @@ def test_token_id_prompts_count_as_given() -> None:
     ({}, 5000, 4096, 1024, 0),                  # nothing left (the context check refuses it)
     ({"n": 2}, 3500, 4096, 1024, 2 * 596),
 ])
-def test_reserved_completion_for_chat(fields: dict, prompt: int, window: int, default: int,
+def test_request_reservation_for_chat(fields: dict, prompt: int, window: int, default: int,
                                       expected: int) -> None:
     req = parse_request(Endpoint.CHAT, chat(**fields), JSON)
-    assert reserved_completion(req, prompt, window, default) == expected
+    assert request_reservation(req, prompt, window, default) == expected
 
 
-def test_reserved_completion_for_batches_best_of_and_embeddings() -> None:
+def test_request_reservation_for_batches_best_of_and_embeddings() -> None:
     batch = parse_request(Endpoint.COMPLETIONS, orjson.dumps({"prompt": ["a", "b"], "max_tokens": 10,
                                                               "n": 2, "best_of": 4}), JSON)
-    assert reserved_completion(batch, 10, 4096, 1024) == 10 * 4 * 2
+    assert request_reservation(batch, 10, 4096, 1024) == 10 * 4 * 2
     emb = parse_request(Endpoint.EMBEDDINGS, b'{"input": "hello"}', JSON)
-    assert reserved_completion(emb, 5, 4096, 1024) == 0
+    assert request_reservation(emb, 5, 4096, 1024) == 0
 
 
 def _ctx_error(req: ParsedRequest, prompt: int, window: int, default: int = 1024) -> RequestError | None:
-    reserved = reserved_completion(req, prompt, window, default)
+    reserved = request_reservation(req, prompt, window, default)
     try:
         check_context(req, prompt, reserved, window)
     except RequestError as err:
