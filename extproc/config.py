@@ -220,11 +220,24 @@ class TenantConfig:
     api_key_sha256: tuple[str, ...] = ()
 
 
+# The fairness and objective headers of llm-d's endpoint picker (the Gateway API Inference
+# Extension's own picker names them x-gateway-inference-fairness-id / -objective).
+FAIRNESS_HEADER = "x-llm-d-inference-fairness-id"
+OBJECTIVE_HEADER = "x-llm-d-inference-objective"
+
+
 @dataclass(frozen=True, slots=True)
 class TenantsConfig:
-    """TenantsConfig says how a request's tenant is found and which classes exist."""
+    """TenantsConfig says how a request's tenant is found and which classes exist.
+
+    ``fairness_header`` and ``objective_header``: the endpoint picker ecosystem's headers
+    (llm-d's names by default), read as a tenant name when the tenant header is absent and
+    as a class name; None: not read. Trusted like the tenant header: only as Envoy sets them.
+    """
 
     header: str = "x-tenant-id"
+    fairness_header: str | None = FAIRNESS_HEADER
+    objective_header: str | None = OBJECTIVE_HEADER
     default_class: str = "standard"
     classes: Mapping[str, ClassConfig] = field(
         default_factory=lambda: {"standard": ClassConfig(name="standard")})
@@ -585,6 +598,18 @@ def _tenants(data: Any) -> TenantsConfig:
     if not _HEADER_NAME.fullmatch(header):
         raise ConfigError("tenants.header", f"must be an HTTP header name (letters, digits and "
                                             f"!#$%&'*+-.^_`|~, no spaces or colons), got {header!r}")
+    seen = {header: "header"}
+    optional_headers: dict[str, str | None] = {}
+    for key, default in (("fairness_header", FAIRNESS_HEADER), ("objective_header", OBJECTIVE_HEADER)):
+        name = s.string(key, default, optional=True)
+        if name is not None:
+            name = name.lower()
+            if not _HEADER_NAME.fullmatch(name):
+                raise ConfigError(f"tenants.{key}", f"must be an HTTP header name or null, got {name!r}")
+            if name in seen:
+                raise ConfigError(f"tenants.{key}", f"is the same header as tenants.{seen[name]} ({name!r})")
+            seen[name] = key
+        optional_headers[key] = name
     classes = _classes(s)
     if "default_class" not in s.data and "standard" not in classes:
         raise ConfigError("tenants.default_class",
@@ -622,7 +647,8 @@ def _tenants(data: Any) -> TenantsConfig:
                                       api_key_sha256=tuple(keys))
         t.done()
     s.done()
-    return TenantsConfig(header=header, default_class=default_class, classes=classes, tenants=tenants)
+    return TenantsConfig(header=header, default_class=default_class, classes=classes, tenants=tenants,
+                         **optional_headers)
 
 
 def _adaptive(data: Any) -> AdaptiveConfig:

@@ -19,7 +19,14 @@ reservation     ``envoy-reservation``    no response body: the reservation is ch
 observe         ``envoy-observe``        the response on a second, observability-mode filter
 access-log      ``envoy-access-log``     no response: the access-log entry releases the lease
 endpoint-picker ``envoy-endpoint-picker`` request headers too, held until kvgate names the node
+inference-pool  ``envoy-inference-pool``  as an InferencePool's picker: bodies FULL_DUPLEX_STREAMED
 ==============  =======================  ====================================================
+
+``inference-pool`` is the ext_proc filter the way gateways that implement the Gateway API
+Inference Extension configure it for an InferencePool's endpoint picker (processing modes,
+trailers sent; docs/endpoint-picker-protocol.md), plus what plain Envoy needs to tell the
+picker which endpoint served (a response rule that copies the upstream address into the
+protocol's ``envoy.lb`` metadata).
 """
 
 from __future__ import annotations
@@ -34,10 +41,16 @@ import yaml
 
 from extproc.config import Config
 from extproc.exchange import METADATA_NAMESPACE, RELEASES, ROUTE_KEYS, WAIT_TIMEOUT_MARGIN_S
+from extproc.picker_protocol import LB_NAMESPACE, SERVED_KEY, SUBSET_NAMESPACE
 
-MODES = ("three-message", "four-message", "reservation", "observe", "access-log", "endpoint-picker")
+MODES = ("three-message", "four-message", "reservation", "observe", "access-log", "endpoint-picker",
+         "inference-pool")
 # Modes in which kvgate sees the request headers (and so decides before Envoy routes).
-_HEADERS_SENT = ("four-message", "endpoint-picker")
+_HEADERS_SENT = ("four-message", "endpoint-picker", "inference-pool")
+# Modes in which kvgate names the node and Envoy's ORIGINAL_DST cluster goes there.
+_PICKED = ("endpoint-picker", "inference-pool")
+HEADER_TO_METADATA_TYPE = ("type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3."
+                           "Config")
 HEADER_MUTATION_TYPE = "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation"
 BUFFER_TYPE = "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer"
 BUFFER_PER_ROUTE_TYPE = "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.BufferPerRoute"
@@ -128,6 +141,14 @@ def request_attributes(config: Config) -> list[str]:
             "request.headers['authorization']", f"request.headers['{config.tenants.header}']"]
 
 
+def _inference_pool_modes() -> dict[str, str]:
+    """_inference_pool_modes is the processing mode InferencePool gateways give the picker's
+    filter: headers, both bodies FULL_DUPLEX_STREAMED and trailers, all sent."""
+    return {"request_header_mode": "SEND", "response_header_mode": "SEND",
+            "request_body_mode": "FULL_DUPLEX_STREAMED", "response_body_mode": "FULL_DUPLEX_STREAMED",
+            "request_trailer_mode": "SEND", "response_trailer_mode": "SEND"}
+
+
 def _ext_proc(config: Config, mode: str) -> dict[str, Any]:
     skip_headers = mode not in _HEADERS_SENT
     response_body = {"three-message": "STREAMED", "four-message": "STREAMED",
@@ -149,23 +170,36 @@ def _ext_proc(config: Config, mode: str) -> dict[str, Any]:
             "response_trailer_mode": "SKIP",
         },
     }
+    if mode == "inference-pool":
+        cfg["processing_mode"] = _inference_pool_modes()
     if skip_headers:
         cfg["request_attributes"] = request_attributes(config)
     if mode in ("three-message", "four-message", "reservation", "endpoint-picker"):
         cfg["allow_mode_override"] = True
     if mode == "endpoint-picker":  # kvgate's answer sets the destination and clears the route
         cfg["mutation_rules"] = {"allow_all_routing": True}
-    options: dict[str, Any] = {"forwarding_namespaces": {"untyped": [METADATA_NAMESPACE]}}
+    forwarded = [METADATA_NAMESPACE]
+    if mode == "inference-pool":  # the subset hint (request) and the endpoint served (response)
+        forwarded += [SUBSET_NAMESPACE, LB_NAMESPACE]
+    options: dict[str, Any] = {"forwarding_namespaces": {"untyped": forwarded}}
     if mode in ("observe", "access-log"):
         options["receiving_namespaces"] = {"untyped": [METADATA_NAMESPACE]}
     cfg["metadata_options"] = options
     return cfg
 
 
+def identity_headers(config: Config) -> list[str]:
+    """identity_headers is every request header kvgate reads as a tenant or class claim: the
+    tenant header, then the fairness and objective headers when they are read."""
+    t = config.tenants
+    return [h for h in (t.header, t.fairness_header, t.objective_header) if h]
+
+
 def header_strip(config: Config) -> list[dict[str, Any]]:
-    """header_strip is the request mutations of the first filter: the client's copy of the tenant
-    header, then every header of kvgate's and the endpoint picker's families, removed."""
-    return [{"remove": config.tenants.header},
+    """header_strip is the request mutations of the first filter: the client's copies of the
+    headers that name a tenant or a class, then every header of kvgate's and the endpoint
+    picker's families, removed."""
+    return [*({"remove": h} for h in identity_headers(config)),
             *({"remove_on_match": {"key_matcher": {"prefix": p}}} for p in INTERNAL_HEADER_PREFIXES)]
 
 
@@ -190,11 +224,22 @@ def _http_filters(config: Config, mode: str) -> list[dict[str, Any]]:
             # The link to the lease, written by the admission filter, reaches kvgate here.
             "metadata_options": {"forwarding_namespaces": {"untyped": [METADATA_NAMESPACE]}},
         }})
-    # Every mode: with request headers skipped ext_proc lets them go upstream at once, so a
-    # refused request would open an upstream request; where they are sent Envoy holds them
-    # anyway and the buffer costs no round trip (one shape for every file).
-    filters.append({"name": "envoy.filters.http.buffer", "typed_config": {
-        "@type": BUFFER_TYPE, "max_request_bytes": buffer_limit_bytes(config)}})
+    if mode == "inference-pool":
+        # After ext_proc, so first on the way back: the address the router connected to
+        # (added to the response by the route) becomes the protocol's served endpoint in
+        # envoy.lb, which ext_proc then forwards with the response headers; the header
+        # itself never reaches the client.
+        filters.append({"name": "envoy.filters.http.header_to_metadata", "typed_config": {
+            "@type": HEADER_TO_METADATA_TYPE,
+            "response_rules": [{"header": SERVED_KEY, "remove": True, "on_header_present": {
+                "metadata_namespace": LB_NAMESPACE, "key": SERVED_KEY, "type": "STRING"}}]}})
+    else:
+        # With request headers skipped ext_proc lets them go upstream at once, so a refused
+        # request would open an upstream request; where they are sent Envoy holds them anyway
+        # and the buffer costs no round trip. Not with FULL_DUPLEX_STREAMED bodies: kvgate
+        # holds the request there itself, and a buffer would hold every streamed chunk.
+        filters.append({"name": "envoy.filters.http.buffer", "typed_config": {
+            "@type": BUFFER_TYPE, "max_request_bytes": buffer_limit_bytes(config)}})
     filters.append({"name": "envoy.filters.http.router", "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}})
     return filters
@@ -248,13 +293,18 @@ def _routes(config: Config, mode: str, upstream_cluster: str) -> list[dict[str, 
     value: dict[str, Any] = {"pool": config.default_pool}
     if mode == "access-log":
         value["release"] = "access_log"
-    routes.append({
+    route: dict[str, Any] = {
         "match": {"prefix": "/"},
         "route": {"cluster": upstream_cluster, "timeout": "0s"},
         "typed_per_filter_config": {"envoy.filters.http.set_metadata": {
             "@type": SET_METADATA_TYPE,
             "metadata": [{"metadata_namespace": METADATA_NAMESPACE, "value": value}]}},
-    })
+    }
+    if mode == "inference-pool":  # read back by the header_to_metadata filter (_http_filters)
+        route["response_headers_to_add"] = [{
+            "header": {"key": SERVED_KEY, "value": "%UPSTREAM_REMOTE_ADDRESS%"},
+            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
+    routes.append(route)
     return routes
 
 
@@ -281,7 +331,7 @@ def envoy_filter(config: Config, mode: str = DEFAULT_MODE) -> dict[str, Any]:
     out: dict[str, Any] = {
         "per_connection_buffer_limit_bytes": buffer_limit_bytes(config),
         "http_filters": _http_filters(config, mode),
-        "routes": _routes(config, mode, "nodes" if mode == "endpoint-picker" else "inference"),
+        "routes": _routes(config, mode, "nodes" if mode in _PICKED else "inference"),
         "clusters": [_kvgate_cluster(config)],
     }
     if mode == "access-log":
@@ -339,7 +389,7 @@ def envoy_bootstrap(config: Config, mode: str = DEFAULT_MODE, *, listen: str = "
         "load_assignment": {"cluster_name": "inference", "endpoints": [{"lb_endpoints": [
             {"endpoint": {"address": {"socket_address": {"address": uhost, "port_value": uport}}}}]}]},
     }
-    if mode == "endpoint-picker":  # any node kvgate names, by the header only kvgate sets
+    if mode in _PICKED:  # any node kvgate names, by the header only kvgate sets
         inference = {
             "name": "nodes", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED",
             "connect_timeout": "1s",
@@ -537,9 +587,11 @@ def _check_body(config: Config, where: str, listener: dict[str, Any], hcm: dict[
 
 
 def _check_strip(config: Config, where: str, filters: list[Any], ext_index: int) -> list[Disagreement]:
-    """_check_strip names a tenant header that a client could send itself: no header_mutation
-    filter before ext_proc removes ``tenants.header`` (a ``remove`` of it, or a prefix match)."""
-    header = config.tenants.header.lower()
+    """_check_strip names each header kvgate reads as a tenant or class claim that a client could
+    send itself: no header_mutation filter before ext_proc removes it (a ``remove`` of it, or
+    a prefix match)."""
+    removed: list[str] = []
+    prefixes: list[str] = []
     for f in filters[:ext_index]:
         tc = _dict(_dict(f).get("typed_config"))
         if tc.get("@type") != HEADER_MUTATION_TYPE:
@@ -547,13 +599,20 @@ def _check_strip(config: Config, where: str, filters: list[Any], ext_index: int)
         for m in _items(_dict(_dict(tc.get("mutations"))).get("request_mutations")):
             m = _dict(m)
             prefix = _dict(_dict(m.get("remove_on_match")).get("key_matcher")).get("prefix")
-            if str(m.get("remove", "")).lower() == header or \
-                    (isinstance(prefix, str) and prefix and header.startswith(prefix.lower())):
-                return []
-    return [Disagreement("tenants.header", f"{where}.http_filters",
-                         f"no header_mutation filter before ext_proc removes {config.tenants.header!r}: "
-                         f"any client can name its own tenant; add `remove: {config.tenants.header}` "
-                         f"to the first filter (a verified source sets it after that filter)")]
+            removed.append(str(m.get("remove", "")).lower())
+            if isinstance(prefix, str) and prefix:
+                prefixes.append(prefix.lower())
+    keys = {config.tenants.header: "tenants.header", config.tenants.fairness_header: "tenants.fairness_header",
+            config.tenants.objective_header: "tenants.objective_header"}
+    out = []
+    for header in identity_headers(config):
+        if header in removed or any(header.startswith(p) for p in prefixes):
+            continue
+        out.append(Disagreement(keys[header], f"{where}.http_filters",
+                                f"no header_mutation filter before ext_proc removes {header!r}: any "
+                                f"client can name its own tenant or class; add `remove: {header}` to "
+                                f"the first filter (a verified source sets it after that filter)"))
+    return out
 
 
 def _route_metadata(hcm: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:

@@ -24,6 +24,15 @@ the Gateway API Inference Extension's endpoint picker does (request header
 cache cleared), and a refused request never opens an upstream request. The tokens seen
 on the response stream tell the node's ledger how far the request has got.
 
+The same pool is served as an ``InferencePool``'s endpoint picker, in the modes the
+picker protocol fixes (deploy/envoy-inference-pool.yaml; ``picker_protocol``): both bodies
+FULL_DUPLEX_STREAMED. The answer to the request headers is then owed until the body's
+end: kvgate collects the body, decides, and answers in the protocol's order, the headers
+(naming the node) and then the body as streamed chunks; response chunks are passed back
+as they come, read on the way for usage and tokens. A subset hint restricts the nodes
+kvgate may pick (503 when none of them may be picked), and the endpoint the proxy says
+served the request takes the request's node charge when it is not the one picked.
+
 A ``Gate`` is what every exchange shares: the configuration, each pool's tokenizer and
 chat template, the API-key table, the admission core, the metrics and a small thread
 pool for tokenizing large bodies off the event loop.
@@ -37,7 +46,7 @@ import itertools
 import logging
 import math
 import secrets
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +57,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import duration_pb2
 
 from extproc import openai_api as oai
+from extproc import picker_protocol as epp
 from extproc.admission import (Admission, Demand, Lease, Outcome, Rejection, StoreError,
                                UnknownPoolError)
 from extproc.clock import Clock
@@ -268,7 +278,8 @@ class Gate:
 
     # --- identity ----------------------------------------------------------------
 
-    def tenant_of(self, header_values: list[bytes], authorization: bytes | None) -> str:
+    def tenant_of(self, header_values: list[bytes], authorization: bytes | None,
+                  fairness_values: Sequence[bytes] = ()) -> str:
         """tenant_of names the configured tenant of a request, or ANONYMOUS_TENANT.
 
         An API key (``authorization: Bearer KEY``) whose SHA-256 is configured wins over
@@ -276,12 +287,16 @@ class Gate:
         has keys is reachable only with one of them: a header naming it without its key is
         refused (RequestError 401 ``invalid_api_key``), so that nobody takes its class or
         drains its bucket by writing its name. More than one tenant header is refused
-        (RequestError 400): which one counts would be a guess.
+        (RequestError 400): which one counts would be a guess. The fairness header
+        (``tenants.fairness_header``, ``fairness_values``) names the tenant when the tenant
+        header is absent, under the same rules.
         """
-        if len(header_values) > 1:
-            raise RequestError(f"the {self.config.tenants.header} header is given "
-                               f"{len(header_values)} times; send it once",
-                               param=self.config.tenants.header)
+        tenants = self.config.tenants
+        for name, values in ((tenants.header, header_values), (tenants.fairness_header, fairness_values)):
+            if len(values) > 1:
+                raise RequestError(f"the {name} header is given {len(values)} times; send it once",
+                                   param=name)
+        header_values = list(header_values or fairness_values)
         if authorization is not None and self.api_keys:
             scheme, _, key = authorization.strip().partition(b" ")
             if scheme.lower() == b"bearer" and key:
@@ -325,6 +340,27 @@ class Gate:
                         "request_attributes entry, or the filter that sets it) under the "
                         "name tenants.header gives (kvgate_tenant_header_unseen_total)",
                         missing, self.config.tenants.header)
+
+    def class_named(self, objective_values: list[bytes]) -> ClassConfig | None:
+        """class_named is the class the objective header (``tenants.objective_header``) names,
+        or None when it is absent or names no configured class (then said at most once a
+        minute: the request keeps its tenant's class). Given twice: RequestError 400."""
+        if not objective_values:
+            return None
+        name = self.config.tenants.objective_header
+        if len(objective_values) > 1:
+            raise RequestError(f"the {name} header is given {len(objective_values)} times; send "
+                               "it once", param=name)
+        value = objective_values[0].decode("latin-1").strip()
+        found = self.config.tenants.classes.get(value)
+        if found is None:
+            now = self.clock.now()
+            last = self._route_logged.get("_objective")
+            if last is None or now - last >= ROUTE_LOG_INTERVAL_S:
+                self._route_logged["_objective"] = now
+                log.warning("a request's %s header names no class of tenants.classes (%s): it "
+                            "keeps its tenant's class", name, ", ".join(sorted(self.config.tenants.classes)))
+        return found
 
     def other_header_attributes(self, names: list[str]) -> None:
         """other_header_attributes notes request-header attributes Envoy sent that kvgate
@@ -406,6 +442,20 @@ class Gate:
             self._route_logged["_misconfigured"] = now
             log.error("refusing requests: %s", message)
 
+    def served_elsewhere(self, pool: str, address: str) -> None:
+        """served_elsewhere hears that the proxy named an endpoint that is no node of ``pool`` as
+        the one that served a request: the charge stays on the node picked. Counted in
+        ``kvgate_served_unknown_endpoint_total``, logged at most once a minute."""
+        self.metrics.served_unknown_endpoint(pool)
+        now = self.clock.now()
+        last = self._route_logged.get("_served_elsewhere")
+        if last is None or now - last >= ROUTE_LOG_INTERVAL_S:
+            self._route_logged["_served_elsewhere"] = now
+            log.warning("the proxy says a request of pool %r was served by %s, which is no node "
+                        "of the pool: its KV stays charged to the node kvgate picked. Check that "
+                        "the pool's backend addresses are the endpoints the gateway routes to",
+                        pool, address[:80].encode("ascii", "backslashreplace").decode())
+
     def wait_cut(self, class_name: str, asked_s: float, waited_s: float) -> None:
         """wait_cut hears that a waiting request's stream ended after ``waited_s`` seconds,
         having asked Envoy for an ``asked_s`` message timeout. When Envoy's base timeout cut
@@ -480,7 +530,7 @@ class Exchange:
     __slots__ = ("gate", "state", "endpoint", "pool", "pool_name", "class_cfg", "tenant",
                  "route", "content_type", "body", "max_body", "streamed", "lease", "strip_usage",
                  "tracker", "status", "response_done", "upstream_error", "outcome", "observe",
-                 "link", "response_unread")
+                 "link", "response_unread", "duplex", "response_duplex", "hint")
 
     def __init__(self, gate: Gate) -> None:
         self.gate = gate
@@ -510,23 +560,38 @@ class Exchange:
         # Response headers came on this stream, but Envoy sends no response body
         # (deploy/envoy-reservation.yaml): the completion is charged at the reservation.
         self.response_unread = False
+        # Bodies FULL_DUPLEX_STREAMED (the endpoint picker protocol): kvgate passes every body
+        # byte back itself. ``hint``: the endpoints the proxy allows (None: no hint).
+        self.duplex = False
+        self.response_duplex = False
+        self.hint: frozenset[str] | None = None
 
     # --- request headers -------------------------------------------------------------
 
-    def request_headers(self, msg: pb.HttpHeaders, metadata: Any = None) -> pb.ProcessingResponse:
+    def request_headers(self, msg: pb.HttpHeaders, metadata: Any = None,
+                        protocol: Any = None) -> pb.ProcessingResponse | None:
         """request_headers picks the endpoint, pool, tenant and class; refuses early what it can.
 
         Answers 413 for a declared content-length above the cap (before any body is
         read), 400 for duplicate tenant headers or a missing body; passes through paths
-        that are not admitted.
+        that are not admitted. ``protocol`` is the stream's ProtocolConfiguration when
+        Envoy sent one: with a FULL_DUPLEX_STREAMED request body the answer to an admitted
+        path's headers comes with the body's decision, and None is returned here.
         """
         if self.state != _NEW:  # a second request on one stream: never from Envoy; ignore it
             return CONTINUE_REQUEST_HEADERS
+        self.duplex = epp.full_duplex(protocol)
+        self.response_duplex = epp.response_full_duplex(protocol)
+        self.hint = epp.subset_hint(metadata)
         tenant_header = self.gate.config.tenants.header
         path = method = b""
         content_length: bytes | None = None
         authorization: bytes | None = None
         tenant_values: list[bytes] = []
+        fairness_header = self.gate.config.tenants.fairness_header
+        objective_header = self.gate.config.tenants.objective_header
+        fairness_values: list[bytes] = []
+        objective_values: list[bytes] = []
         for h in msg.headers.headers:
             key = h.key
             if key == ":path":
@@ -541,11 +606,17 @@ class Exchange:
                 authorization = h.raw_value
             elif key == tenant_header:
                 tenant_values.append(h.raw_value)
+            elif key == fairness_header:
+                fairness_values.append(h.raw_value)
+            elif key == objective_header:
+                objective_values.append(h.raw_value)
         refusal = self._begin(path.decode("latin-1"), method == b"POST", authorization,
-                              tenant_values, metadata)
+                              tenant_values, metadata, fairness_values, objective_values)
         if refusal is not None:
             return refusal
         if self.state == _PASS:
+            if self.duplex:  # no mode_override in this mode: the bodies are passed back
+                return self._pass_through_picked(duplex=True) or CONTINUE_REQUEST_HEADERS
             return self._pass_through_picked() or PASS_THROUGH
         if content_length is not None:
             try:
@@ -560,7 +631,7 @@ class Exchange:
                                 "rejected_invalid")
         self.state = _BODY
         self.body = bytearray()
-        return CONTINUE_REQUEST_HEADERS
+        return None if self.duplex else CONTINUE_REQUEST_HEADERS
 
     def _begin_from_attributes(self, attributes: Any, metadata: Any) -> pb.ProcessingResponse | None:
         """_begin_from_attributes identifies a request whose headers Envoy skipped, from the
@@ -577,7 +648,9 @@ class Exchange:
                 "a request header (the tenant header, authorization or content-type) is not "
                 "valid UTF-8"), "rejected_invalid")
         values = _attribute_values(attributes)
-        known = (ATTR_CONTENT_TYPE, ATTR_AUTHORIZATION, tenant_attribute(self.gate.config.tenants.header))
+        tenants = self.gate.config.tenants
+        known = (ATTR_CONTENT_TYPE, ATTR_AUTHORIZATION, tenant_attribute(tenants.header),
+                 *(tenant_attribute(h) for h in (tenants.fairness_header, tenants.objective_header) if h))
         others = [k for k in values if k.startswith("request.headers[") and k not in known]
         if others:
             self.gate.other_header_attributes(others)
@@ -591,10 +664,20 @@ class Exchange:
         authorization = values.get(ATTR_AUTHORIZATION)
         return self._begin(path, values.get(ATTR_METHOD) == "POST",
                            None if authorization is None else authorization.encode(),
-                           self._tenant_values(values), metadata)
+                           self._tenant_values(values), metadata,
+                           self._header_values(values, tenants.fairness_header),
+                           self._header_values(values, tenants.objective_header))
 
     def _tenant_values(self, values: dict[str, str]) -> list[bytes]:
-        tenant = values.get(tenant_attribute(self.gate.config.tenants.header))
+        return self._header_values(values, self.gate.config.tenants.header)
+
+    @staticmethod
+    def _header_values(values: dict[str, str], header: str | None) -> list[bytes]:
+        """_header_values is the values of request header ``header`` among the request
+        attributes, one per repeated header ([] for None: a header kvgate does not read)."""
+        if header is None:
+            return []
+        tenant = values.get(tenant_attribute(header))
         # Envoy copied the header's bytes, which were UTF-8 (the message decoded): the same
         # bytes the header itself would have given.
         return [] if tenant is None else [v.encode() for v in tenant.split(",")]
@@ -617,10 +700,12 @@ class Exchange:
                           else gate.config.class_of(tenant))
 
     def _begin(self, path: str, post: bool, authorization: bytes | None,
-               tenant_values: list[bytes], metadata: Any) -> pb.ProcessingResponse | None:
+               tenant_values: list[bytes], metadata: Any, fairness_values: list[bytes] | None = None,
+               objective_values: list[bytes] | None = None) -> pb.ProcessingResponse | None:
         """_begin picks endpoint, pool, tenant and class; returns a refusal or None.
 
-        A path kvgate does not admit leaves the state _PASS.
+        A path kvgate does not admit leaves the state _PASS. The class: the route's, else
+        the one the objective header names, else the tenant's.
         """
         gate = self.gate
         config = gate.config
@@ -638,13 +723,14 @@ class Exchange:
         self.pool = gate.pools[self.pool_name]
         self.max_body = route.max_body_bytes or config.limits.max_body_bytes
         try:
-            self.tenant = gate.tenant_of(tenant_values, authorization)
+            self.tenant = gate.tenant_of(tenant_values, authorization, fairness_values or ())
+            objective = None if route.tenant_class else gate.class_named(objective_values or [])
         except RequestError as err:
             self.class_cfg = config.tenants.classes[config.tenants.default_class]
             return self._refuse(err, "rejected_unauthenticated" if err.status == 401
                                 else "rejected_invalid")
         self.class_cfg = (config.tenants.classes[route.tenant_class] if route.tenant_class
-                          else config.class_of(self.tenant))
+                          else objective or config.class_of(self.tenant))
         return None
 
     # --- request body ------------------------------------------------------------------
@@ -652,8 +738,13 @@ class Exchange:
     async def request_body(self, msg: pb.HttpBody,
                            send: Callable[[pb.ProcessingResponse], Awaitable[None]] | None = None,
                            attributes: Any = None, metadata: Any = None,
-                           protocol: Any = None) -> pb.ProcessingResponse:
+                           protocol: Any = None) -> pb.ProcessingResponse | list[pb.ProcessingResponse] | None:
         """request_body decides: parse, count, check the context window, then acquire.
+
+        With a FULL_DUPLEX_STREAMED request body, chunks before the last are not answered
+        (None), and an admitted request is answered with a list: the owed request-headers
+        answer, then the body as streamed chunks. A passed-through request's chunks go
+        back as they came.
 
         ``send`` lets the exchange extend Envoy's message timeout before it waits in its
         class's queue (``override_message_timeout``); None when the caller cannot.
@@ -679,6 +770,8 @@ class Exchange:
             self.state = _BODY
             self.body = bytearray()
         if self.state != _BODY:
+            if self.duplex:
+                return epp.streamed_chunk("request_body", msg.body, msg.end_of_stream)
             return CONTINUE_REQUEST_BODY
         body = self.body
         assert body is not None
@@ -688,7 +781,7 @@ class Exchange:
             if len(body) > self.max_body:
                 return self._refuse_too_large(len(body))
             if not msg.end_of_stream:
-                return CONTINUE_REQUEST_BODY
+                return None if self.duplex else CONTINUE_REQUEST_BODY
             raw = bytes(body)
         else:  # BUFFERED: the whole body in one message
             raw = msg.body
@@ -715,8 +808,11 @@ class Exchange:
                        else "rejected_body_too_large" if err.status == 413 else "rejected_invalid")
             return self._refuse(err, outcome)
         self.streamed = parsed.stream
+        among = self.hint if pool.config.picks else None
+        if among is not None and not gate.admission.eligible_nodes(self.pool_name, among):
+            return self._no_eligible_endpoint()
         demand = Demand(pool=self.pool_name, tenant=self.tenant, class_name=self.class_cfg.name,
-                        prompt_tokens=prompt_tokens, completion_tokens=reserved)
+                        prompt_tokens=prompt_tokens, completion_tokens=reserved, among=among)
         if self.class_cfg.max_wait_s > 0 and send is not None:
             await send(self._wait_timeout(self.class_cfg.max_wait_s))
         try:
@@ -766,6 +862,9 @@ class Exchange:
             return self._linked_continue(result, capped)
         new_body, self.strip_usage = oai.upstream_body(parsed, cap_max_tokens=cap)
         node = result.node
+        if self.duplex:
+            return self._duplex_answer(raw if new_body is None else new_body,
+                                       new_body is not None, node)
         if new_body is None and node is None:
             return CONTINUE_REQUEST_BODY
         # Ask the upstream for stream usage (the client did not; its usage chunk is then
@@ -781,14 +880,45 @@ class Exchange:
             _name_node(resp, common, node)
         return resp
 
-    def _pass_through_picked(self) -> pb.ProcessingResponse | None:
+    def _duplex_answer(self, body: bytes, replaced: bool,
+                       node: str | None) -> list[pb.ProcessingResponse]:
+        """_duplex_answer is an admitted request's answer in FULL_DUPLEX_STREAMED: the owed
+        request-headers answer (the node, and content-length when the body was replaced),
+        then every body byte, in the protocol's order."""
+        head = pb.ProcessingResponse()
+        common = head.request_headers.response
+        if replaced:
+            set_headers(common.header_mutation, [("content-length", str(len(body)))])
+        if node is not None:
+            _name_node(head, common, node)
+        else:
+            head.request_headers.SetInParent()
+        return [head, *epp.streamed_body("request_body", body, True)]
+
+    def _no_eligible_endpoint(self) -> pb.ProcessingResponse:
+        """_no_eligible_endpoint is the protocol's 503 when the proxy's subset hint allows no
+        node kvgate may pick (empty, unknown addresses, or every allowed node not up)."""
+        self.state = _DONE
+        cls = self.class_cfg
+        self.gate.metrics.request(self.pool_name or self.gate.config.default_pool,
+                                  cls.name if cls is not None else self.gate.config.tenants.default_class,
+                                  "rejected_no_endpoint")
+        return immediate(503, [("content-type", _JSON), ("retry-after", "1"),
+                               ("x-kvgate-reason", "no_endpoint")],
+                         oai.error_body("None of the endpoints this request may go to can take it "
+                                        "now. Retry shortly.", error_type="server_error",
+                                        code="no_eligible_endpoint"),
+                         "kvgate_no_eligible_endpoint")
+
+    def _pass_through_picked(self, duplex: bool = False) -> pb.ProcessingResponse | None:
         """_pass_through_picked lets a request kvgate does not admit go to an up node of a picking
         pool (uncharged): Envoy routes by the node kvgate names, so even these need one. None
-        when the pool does not pick; a 503 when no node is up."""
+        when the pool does not pick; a 503 when no node is up (among those the subset hint
+        allows). ``duplex``: no mode_override (the bodies are passed back one by one)."""
         pool = self.gate.pools.get(self.pool_name or self.gate.config.default_pool)
         if pool is None or not pool.config.picks:
             return None
-        address = self.gate.admission.any_node(pool.config.name)
+        address = self.gate.admission.any_node(pool.config.name, self.hint)
         if address is None:
             self.state = _DONE
             return immediate(503, [("content-type", _JSON), ("retry-after", "1"),
@@ -796,7 +926,7 @@ class Exchange:
                              oai.error_body("No node of this pool answers its metrics now. Retry "
                                             "shortly.", error_type="server_error", code="no_node"),
                              "kvgate_no_node")
-        resp = pb.ProcessingResponse(mode_override=_NOTHING_MORE)
+        resp = pb.ProcessingResponse() if duplex else pb.ProcessingResponse(mode_override=_NOTHING_MORE)
         _name_node(resp, resp.request_headers.response, address)
         return resp
 
@@ -856,6 +986,8 @@ class Exchange:
             return PASS_THROUGH_RESPONSE if first else CONTINUE_RESPONSE_HEADERS
         if self.state != _ADMITTED or lease is None:
             return CONTINUE_RESPONSE_HEADERS
+        if lease.node is not None:
+            self._served_by(lease, epp.served_endpoint(metadata))
         content_type = ""
         for h in msg.headers.headers:
             if h.key == ":status":
@@ -888,9 +1020,23 @@ class Exchange:
             self._response_end()
         return resp
 
+    def _served_by(self, lease: Lease, served: str | None) -> None:
+        """_served_by moves the node charge to the endpoint the proxy says served the request
+        (the protocol's ``x-gateway-destination-endpoint-served``) when it is another node of
+        the pool; an address that is no node of the pool leaves the charge where it was
+        picked, loudly."""
+        if served is None or served == lease.node:
+            return
+        if not lease.served(served):
+            self.gate.served_elsewhere(self.pool_name, served)
+
     def response_body(self, msg: pb.HttpBody) -> pb.ProcessingResponse:
         """response_body follows the response (usage, delivered chunks), hides the injected
-        usage chunk, and releases the lease at the response's end of stream."""
+        usage chunk, and releases the lease at the response's end of stream. With a
+        FULL_DUPLEX_STREAMED response body every chunk goes back at once, as it came (or
+        without the injected usage chunk): none is held."""
+        if self.response_duplex:
+            return self._duplex_response_body(msg)
         tracker = self.tracker
         if tracker is None:
             return CONTINUE_RESPONSE_BODY
@@ -905,6 +1051,30 @@ class Exchange:
         resp = pb.ProcessingResponse()
         resp.response_body.response.body_mutation.body = replacement
         return resp
+
+    def _duplex_response_body(self, msg: pb.HttpBody) -> pb.ProcessingResponse:
+        tracker = self.tracker
+        if tracker is None:
+            return epp.streamed_chunk("response_body", msg.body, msg.end_of_stream)
+        replacement = tracker.feed(msg.body, msg.end_of_stream)
+        lease = self.lease
+        if lease is not None and lease.node is not None and tracker.delivered_chunks:
+            lease.progress(tracker.delivered_chunks)
+        if msg.end_of_stream:
+            self._response_end()
+        return epp.streamed_chunk("response_body", msg.body if replacement is None else replacement,
+                                  msg.end_of_stream)
+
+    def request_trailers(self) -> pb.ProcessingResponse:
+        """request_trailers answers the request's trailers. With a FULL_DUPLEX_STREAMED body
+        still being collected they end the body without an end of stream on it: kvgate does
+        not decide on such a body and refuses the request (400), taking nothing."""
+        if self.duplex and self.state == _BODY:
+            self.body = None
+            return self._refuse(RequestError("request trailers are not accepted on this "
+                                             "endpoint; send the JSON body without trailers"),
+                                "rejected_invalid")
+        return CONTINUE_REQUEST_TRAILERS
 
     @property
     def released_by_access_log(self) -> bool:

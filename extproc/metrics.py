@@ -25,7 +25,7 @@ from extproc.admission.types import Outcome, PoolSnapshot
 OUTCOMES = ("admitted", "rejected_concurrency", "rejected_tpm", "rejected_kv_budget",
             "rejected_shed", "rejected_context_length", "rejected_body_too_large",
             "rejected_invalid", "rejected_store_unavailable", "rejected_unauthenticated",
-            "rejected_path")
+            "rejected_path", "rejected_no_endpoint")
 # The cause label of kvgate_releases_total: the admission core's Outcome, in its order.
 CAUSES = tuple(cause.value for cause in Outcome)
 # The result label of kvgate_access_log_entries_total (ExtProcService.logged).
@@ -205,6 +205,11 @@ class Metrics:
             "while tenants are configured that only that header can name; with reason "
             "other_header, Envoy sent another request header kvgate does not read.",
             ["reason"], registry=r)
+        self.served_unknown = Counter(
+            "kvgate_served_unknown_endpoint_total",
+            "Responses the proxy says an endpoint that is no node of the pool served (endpoint "
+            "picker protocol): the request's KV stays charged to the node kvgate picked.",
+            ["pool"], registry=r)
         self.streams = Gauge("kvgate_streams_active", "ext_proc gRPC streams open now.", registry=r)
         self.ready = Gauge("kvgate_ready", "1 while kvgate accepts traffic, 0 while draining.",
                            registry=r)
@@ -329,6 +334,10 @@ class Metrics:
     def override_ignored(self, class_name: str) -> None:
         """override_ignored counts one waiting request cut at Envoy's base message timeout."""
         self.overrides_ignored.labels(class_name).inc()
+
+    def served_unknown_endpoint(self, pool: str) -> None:
+        """served_unknown_endpoint counts one response served by an endpoint no node of ``pool`` has."""
+        self.served_unknown.labels(pool).inc()
 
     def route_metadata_error(self, key: str) -> None:
         """route_metadata_error counts one ignored per-route setting (``key`` bounded by the caller)."""

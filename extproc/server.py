@@ -50,7 +50,7 @@ from extproc.admission import Admission, UnknownPoolError
 from extproc.clock import Clock, MonotonicClock
 from extproc.config import Config
 from extproc.errors import ConfigError
-from extproc.exchange import (CONTINUE_REQUEST_TRAILERS, CONTINUE_RESPONSE_TRAILERS, LINK_KEY,
+from extproc.exchange import (CONTINUE_RESPONSE_TRAILERS, LINK_KEY,
                               METADATA_NAMESPACE, UNDECODABLE_ATTRIBUTES, Exchange, Gate)
 from extproc.metrics import Metrics
 from extproc.tokens import load_tokenizer
@@ -179,7 +179,9 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
                 if kind == "response_body":
                     resp = ex.response_body(req.response_body)
                 elif kind == "request_headers":
-                    resp = ex.request_headers(req.request_headers, req.metadata_context)
+                    resp = ex.request_headers(
+                        req.request_headers, req.metadata_context,
+                        req.protocol_config if req.HasField("protocol_config") else None)
                 elif kind == "request_body":
                     resp = await ex.request_body(
                         req.request_body, write, req.attributes, req.metadata_context,
@@ -196,14 +198,17 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
                     if ex.response_unread and ex.link is not None:
                         self.links.pop(ex.link, None)  # no observing stream will come
                 elif kind == "request_trailers":
-                    resp = CONTINUE_REQUEST_TRAILERS
+                    resp = ex.request_trailers()
                 elif kind == "response_trailers":
                     resp = CONTINUE_RESPONSE_TRAILERS
                 else:  # a newer Envoy's message kind: nothing to do with it
                     resp = None
-                if resp is not None:
+                if type(resp) is list:  # FULL_DUPLEX_STREAMED: headers, then the body's chunks
+                    for one in resp:
+                        await write(one)
+                elif resp is not None:
                     await write(resp)
-                    resp = None
+                resp = None
                 if ex.link is not None and ex.link in self.parked:
                     handed_over = True
                     return

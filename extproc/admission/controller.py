@@ -78,6 +78,18 @@ class Lease:
         if c is not None and not self.released:
             self._adm._progress(self.demand.pool, c, generated_tokens, self._grant)
 
+    def served(self, address: str) -> bool:
+        """served moves the request's node charge to ``address`` (``HOST:PORT``), the endpoint
+        the proxy says served it, when that is another node of the pool than the one picked.
+        False when nothing moved: not picked, released, the same node, or an address that is
+        no node of the pool (the charge then stays on the node picked). With a store that
+        shares the nodes' ledger the charge stays on the node picked (see ``_move``): True
+        for an address that is a node of the pool."""
+        c = self._charge
+        if c is None or self.released:
+            return False
+        return self._adm._move(self.demand.pool, c, address)
+
     @property
     def id(self) -> str:
         """id is the grant's id in the store."""
@@ -367,12 +379,19 @@ class Admission:
         if p.queue.size:
             self._kick(p)
 
-    def any_node(self, pool: str) -> str | None:
+    def any_node(self, pool: str, among: frozenset[str] | None = None) -> str | None:
         """any_node is the address of an up node of a picking pool, for a request kvgate does not
         admit (the one with fewest of kvgate's requests); None when none is up or the pool
-        does not pick."""
+        does not pick. ``among``: only the endpoints the proxy allows (None: all)."""
         p = self._pools.get(pool)
-        return None if p is None or p.nodes is None else p.nodes.any_address(self._clock.now())
+        return None if p is None or p.nodes is None else p.nodes.any_address(self._clock.now(),
+                                                                             among=among)
+
+    def eligible_nodes(self, pool: str, among: frozenset[str] | None) -> int:
+        """eligible_nodes counts the nodes of a picking pool that may be picked now (up, of known
+        capacity) and that ``among`` allows (None: all); 0 for a pool that does not pick."""
+        p = self._pools.get(pool)
+        return 0 if p is None or p.nodes is None else p.nodes.eligible(among, self._clock.now())
 
     def nodes(self, pool: str) -> tuple[NodeSnapshot, ...]:
         """nodes reports the nodes of a picking pool now (empty for a pool that does not pick)."""
@@ -502,7 +521,7 @@ class Admission:
         largest = nodes.never_fits(cls.name, pt, ct)
         if largest is not None:
             return Refusal(Budget.NODE_KV, 0.0, False, nodes.hold(pt, ct, 0, cls.name), 0, largest)
-        got = nodes.pick(cls.name, pt, ct, cls.kv_watermark, now)
+        got = nodes.pick(cls.name, pt, ct, cls.kv_watermark, now, demand.among)
         if isinstance(got, Charge):
             return got
         wait = nodes.retry_after(got.need, now, p.retry_estimate_s)
@@ -555,7 +574,7 @@ class Admission:
         largest = nodes.never_fits(cls.name, pt, ct)
         if largest is not None:
             return Refusal(Budget.NODE_KV, 0.0, False, nodes.hold(pt, ct, 0, cls.name), 0, largest)
-        ask = nodes.ask(cls.name, pt, ct, cls.kv_watermark, now)
+        ask = nodes.ask(cls.name, pt, ct, cls.kv_watermark, now, demand.among)
         res = await self._store.admit(Plan(plan.limits, plan.tenant, plan.class_name, plan.tokens,
                                            plan.tenant_bucket, ask), now)
         if type(res) is Refusal:
@@ -579,6 +598,17 @@ class Admission:
             charge.held = False
             charge.node.charges.discard(charge)
             charge.node.picks -= 1
+
+    def _move(self, pool: str, charge: Charge, address: str) -> bool:
+        p = self._pools.get(pool)
+        if p is None or p.nodes is None:
+            return False
+        if self._store.shares_nodes:
+            # The shared ledger keeps the node its script charged, and so does this replica's:
+            # the node that served counts the request in its own report (foreign KV), so no
+            # node is under-counted; the one picked is over-counted until the request ends.
+            return any(n.address == address for n in p.nodes.nodes.values())
+        return p.nodes.move(charge, address)
 
     def _progress(self, pool: str, charge: Charge, generated: int, grant: Grant) -> None:
         p = self._pools.get(pool)

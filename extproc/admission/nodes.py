@@ -40,6 +40,16 @@ from extproc.config import BackendConfig, PickingConfig, PoolConfig
 LENGTH_SAMPLES = 1000
 
 
+def allows(among: frozenset[str] | None, address: str) -> bool:
+    """allows tells whether a node at ``address`` (``HOST:PORT``) is within ``among``, the
+    endpoints the proxy allows for a request (None allows all): an entry is ``host:port``,
+    or a bare host that allows every port of it."""
+    if among is None or address in among:
+        return True
+    host, sep, _ = address.rpartition(":")
+    return bool(sep) and host in among
+
+
 class NodeState(StrEnum):
     """NodeState is whether a node may be picked: the ``state`` of its snapshot.
 
@@ -306,17 +316,19 @@ class PoolNodes:
         return rules.node_headroom(cap, self.picking.reserve_fraction, n.foreign, self.held(n))
 
     def pick(self, class_name: str, prompt: int, reserved: int, watermark: float,
-             now: float) -> Charge | rules.NodePass:
+             now: float, among: frozenset[str] | None = None) -> Charge | rules.NodePass:
         """pick charges the node with the most room that fits the request, or says why none does.
 
         ``watermark`` is the class's ``kv_watermark`` (the share of a node's capacity up to
         which requests of the class may fill it). Nodes that are pending, stale or down are
         never picked. Ties go to the node with fewer of kvgate's requests, then to the next
         in turn (so equal idle nodes share light traffic instead of the first taking it all).
+        ``among``: the endpoints the proxy allows (see ``allows``; None: all);
+        nodes outside it are not considered (nor counted as passed over).
         """
         need = self.hold(prompt, reserved, 0, class_name)
         candidates: list[tuple[str, int | None, int, int]] = []
-        order = list(self.nodes.values())
+        order = [n for n in self.nodes.values() if allows(among, n.address)]
         turn = self._turn % len(order) if order else 0
         self._turn += 1
         for n in sorted(order[turn:] + order[:turn], key=lambda n: len(n.charges)):
@@ -342,16 +354,16 @@ class PoolNodes:
         return charge
 
     def ask(self, class_name: str, prompt: int, reserved: int, watermark: float,
-            now: float) -> NodeAsk:
+            now: float, among: frozenset[str] | None = None) -> NodeAsk:
         """ask is the per-node question for a store that shares the nodes' ledger.
 
-        The same candidates as ``pick`` (up nodes of known capacity, in the same order
-        of preference), each with this replica's foreign KV and own holds; the store
-        applies the rule over every replica's holds. Nodes left out are counted as
-        passed over here.
+        The same candidates as ``pick`` (up nodes of known capacity that ``among``
+        allows, in the same order of preference), each with this replica's foreign KV and
+        own holds; the store applies the rule over every replica's holds. Nodes left out
+        for their state are counted as passed over here.
         """
         rows: list[tuple[str, int, int, int]] = []
-        order = list(self.nodes.values())
+        order = [n for n in self.nodes.values() if allows(among, n.address)]
         turn = self._turn % len(order) if order else 0
         self._turn += 1
         for n in sorted(order[turn:] + order[:turn], key=lambda n: len(n.charges)):
@@ -427,6 +439,33 @@ class PoolNodes:
                 self.lengths.setdefault(charge.class_name, Lengths()).add(completion_tokens)
         return True
 
+    def eligible(self, among: frozenset[str] | None, now: float) -> int:
+        """eligible counts the up nodes of known capacity that ``among`` allows (None: all)."""
+        return sum(1 for n in self.nodes.values() if allows(among, n.address)
+                   and n.capacity is not None and n.state(now, self.stale_after_s) is NodeState.UP)
+
+    def move(self, charge: Charge, address: str) -> bool:
+        """move re-homes a held charge on the node at ``address`` (the endpoint that really
+        served it, when the proxy fell back to another than the one picked).
+
+        False, and nothing changes, when the charge is released or no node has that
+        address: the charge then stays where it was picked (kvgate never drops a charge on
+        an address it does not know). The charge leaves the old node's scrape marks, so
+        the old node's next report does not subtract KV it no longer holds.
+        """
+        if not charge.held or charge.address == address:
+            return False
+        target = next((n for n in self.nodes.values() if n.address == address), None)
+        if target is None:
+            return False
+        old = charge.node
+        old.charges.discard(charge)
+        for seen in old.marks.values():
+            seen.pop(charge, None)
+        charge.node = target
+        target.charges.add(charge)
+        return True
+
     def retry_after(self, need: int, now: float, fallback_s: float) -> float:
         """retry_after estimates when some node has room for ``need`` tokens (seconds).
 
@@ -464,10 +503,13 @@ class PoolNodes:
                 passed_over={k.value: v for k, v in n.passed_over.items()}))
         return tuple(out)
 
-    def any_address(self, now: float, skip: Iterable[str] = ()) -> str | None:
-        """any_address is an up node's address for a request kvgate does not admit (None: no node up)."""
+    def any_address(self, now: float, skip: Iterable[str] = (),
+                    among: frozenset[str] | None = None) -> str | None:
+        """any_address is an up node's address for a request kvgate does not admit (None: no node
+        up); ``among`` restricts it to the endpoints the proxy allows (None: all)."""
         up = [n for n in self.nodes.values()
-              if n.name not in skip and n.state(now, self.stale_after_s) is NodeState.UP]
+              if n.name not in skip and n.state(now, self.stale_after_s) is NodeState.UP
+              and allows(among, n.address)]
         if not up:
             return None
         return min(up, key=lambda n: (len(n.charges), n.name)).address

@@ -38,6 +38,8 @@ class Demand:
 
     ``prompt_tokens`` are counted; ``completion_tokens`` are reserved (max_tokens or the
     pool default). ``tenant`` and ``class_name`` are configured names (never raw input).
+    ``among``: in a pool that picks nodes, the endpoints (``HOST:PORT``) the proxy allows
+    (the endpoint picker protocol's subset hint; None: every node).
     """
 
     pool: str
@@ -45,6 +47,7 @@ class Demand:
     class_name: str
     prompt_tokens: int
     completion_tokens: int
+    among: frozenset[str] | None = None
 
     @property
     def tokens(self) -> int:

@@ -20,7 +20,8 @@ from tests.deploy.support import K8S, ROOT, docs, envoy_binary, envoy_validate
 KVGATE = ROOT / "deploy" / "kvgate.yaml"
 SHIPPED = {"three-message": "envoy.yaml", "four-message": "envoy-four-message.yaml",
            "reservation": "envoy-reservation.yaml", "observe": "envoy-observe.yaml",
-           "access-log": "envoy-access-log.yaml", "endpoint-picker": "envoy-endpoint-picker.yaml"}
+           "access-log": "envoy-access-log.yaml", "endpoint-picker": "envoy-endpoint-picker.yaml",
+           "inference-pool": "envoy-inference-pool.yaml"}
 
 
 def kvgate(*args: str) -> subprocess.CompletedProcess[str]:
@@ -163,6 +164,10 @@ def _no_tenant_strip(doc: dict, cfg: dict) -> None:
     _mutations(doc).pop(0)
 
 
+def _no_objective_strip(doc: dict, cfg: dict) -> None:
+    _mutations(doc).remove({"remove": "x-llm-d-inference-objective"})
+
+
 def _strip_names_another_header(doc: dict, cfg: dict) -> None:
     _mutations(doc)[0] = {"remove": "x-tenant"}
 
@@ -196,7 +201,9 @@ BREAKS = [
     (_no_tenant_strip, "envoy.yaml", ["tenants.header"]),
     (_no_tenant_strip, "envoy-endpoint-picker.yaml", ["tenants.header"]),
     (_strip_names_another_header, "envoy-four-message.yaml", ["tenants.header"]),
-    (_strip_after_ext_proc, "envoy.yaml", ["tenants.header"]),
+    (_strip_after_ext_proc, "envoy.yaml", ["tenants.header", "tenants.fairness_header",
+                                           "tenants.objective_header"]),
+    (_no_objective_strip, "envoy-inference-pool.yaml", ["tenants.objective_header"]),
 ]
 
 

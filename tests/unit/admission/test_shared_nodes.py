@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from dataclasses import replace
 
 import pytest
 import redis as redis_sync
@@ -243,6 +244,31 @@ async def test_two_controllers_share_every_nodes_room(redis_server):
     finally:
         for adm in adms:
             await adm.close()
+
+
+async def test_the_proxys_allowed_endpoints_bound_the_shared_pick(redis_server):
+    """An InferencePool's subset hint (Demand.among) holds with the shared ledger too: every
+    request lands on an allowed node, and one that fits only elsewhere is refused."""
+    clock = ManualClock(T0)
+    store = RedisStore(cfg(redis_server.url), clock=clock)
+    adm = Admission(picking_config(), clock, store)
+    try:
+        for n in NODES:
+            adm.report_node("default", n, NodeReport(kv_usage=0.0, capacity_tokens=CAP, at=T0))
+        among = frozenset({"127.0.0.1:8002"})  # n1 only
+        got = [await adm.acquire(replace(adm.demand("t", prompt_tokens=2000, max_tokens=1000), among=among))
+               for _ in range(4)]
+        leases = [x for x in got if isinstance(x, Lease)]
+        assert [x.node for x in leases] == ["127.0.0.1:8002"] * 3  # n1: 3,000 each in 10,000
+        assert isinstance(got[3], Rejection)
+        # Served by n0 after all: the shared ledger keeps the charge where its script put it
+        # (n0's own report counts the request), and an address that is no node is said so.
+        assert leases[0].served("127.0.0.1:8001") and leases[0].node == "127.0.0.1:8002"
+        assert not leases[0].served("127.0.0.1:9999")
+        for x in leases:
+            x.release(Outcome.COMPLETED, 10)
+    finally:
+        await adm.close()
 
 
 # --- while Redis is unreachable -----------------------------------------------------------------
