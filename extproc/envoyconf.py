@@ -27,6 +27,11 @@ Inference Extension configure it for an InferencePool's endpoint picker (process
 trailers sent; docs/endpoint-picker-protocol.md), plus what plain Envoy needs to tell the
 picker which endpoint served (a response rule that copies the upstream address into the
 protocol's ``envoy.lb`` metadata).
+
+Where kvgate sees the response (three-message, four-message, observe, endpoint-picker) the
+file also sends kvgate the access log entries of requests with a response flag, and its
+routes say ``release: stream_and_log``: the stream's end releases the lease, the entry tells
+whether a stream cut short was the client's doing or the upstream's.
 """
 
 from __future__ import annotations
@@ -40,7 +45,8 @@ from typing import Any
 import yaml
 
 from extproc.config import Config
-from extproc.exchange import METADATA_NAMESPACE, RELEASES, ROUTE_KEYS, WAIT_TIMEOUT_MARGIN_S
+from extproc.exchange import (METADATA_NAMESPACE, RELEASES, ROUTE_KEYS, STREAM_AND_LOG,
+                              WAIT_TIMEOUT_MARGIN_S)
 from extproc.picker_protocol import LB_NAMESPACE, SERVED_KEY, SUBSET_NAMESPACE
 
 MODES = ("three-message", "four-message", "reservation", "observe", "access-log", "endpoint-picker",
@@ -51,6 +57,10 @@ _HEADERS_SENT = ("four-message", "endpoint-picker", "inference-pool")
 _PICKED = ("endpoint-picker", "inference-pool")
 HEADER_TO_METADATA_TYPE = ("type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3."
                            "Config")
+# Modes in which kvgate sees the response stream: its end releases the lease, and the access
+# log entry of a stream cut short tells whether the upstream broke it off (STREAM_AND_LOG).
+# Not yet inference-pool: its full-duplex response path keeps no link for the entry.
+_STREAMING = ("three-message", "four-message", "observe", "endpoint-picker")
 HEADER_MUTATION_TYPE = "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation"
 BUFFER_TYPE = "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer"
 BUFFER_PER_ROUTE_TYPE = "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.BufferPerRoute"
@@ -182,7 +192,7 @@ def _ext_proc(config: Config, mode: str) -> dict[str, Any]:
     if mode == "inference-pool":  # the subset hint (request) and the endpoint served (response)
         forwarded += [SUBSET_NAMESPACE, LB_NAMESPACE]
     options: dict[str, Any] = {"forwarding_namespaces": {"untyped": forwarded}}
-    if mode in ("observe", "access-log"):
+    if mode in ("access-log", *_STREAMING):  # the link, for the access log (and the observer)
         options["receiving_namespaces"] = {"untyped": [METADATA_NAMESPACE]}
     cfg["metadata_options"] = options
     return cfg
@@ -293,6 +303,8 @@ def _routes(config: Config, mode: str, upstream_cluster: str) -> list[dict[str, 
     value: dict[str, Any] = {"pool": config.default_pool}
     if mode == "access-log":
         value["release"] = "access_log"
+    elif mode in _STREAMING:
+        value["release"] = STREAM_AND_LOG
     route: dict[str, Any] = {
         "match": {"prefix": "/"},
         "route": {"cluster": upstream_cluster, "timeout": "0s"},
@@ -308,8 +320,15 @@ def _routes(config: Config, mode: str, upstream_cluster: str) -> list[dict[str, 
     return routes
 
 
-def _access_log() -> list[dict[str, Any]]:
-    return [{"name": "envoy.access_loggers.http_grpc", "typed_config": {
+def _access_log(mode: str) -> list[dict[str, Any]]:
+    """_access_log is the gRPC access log to kvgate: every request's entry in the access-log
+    mode (it releases the lease), otherwise only the entries of requests with a response
+    flag (cut short, reset, refused by Envoy), which tell a dead upstream from a client
+    that left."""
+    log: dict[str, Any] = {"name": "envoy.access_loggers.http_grpc"}
+    if mode != "access-log":
+        log["filter"] = {"response_flag_filter": {}}  # no flags listed: any flag set
+    return [{**log, "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
         "common_config": {"log_name": CLUSTER, "transport_api_version": "V3",
                           "grpc_service": {"envoy_grpc": {"cluster_name": CLUSTER}},
@@ -334,8 +353,8 @@ def envoy_filter(config: Config, mode: str = DEFAULT_MODE) -> dict[str, Any]:
         "routes": _routes(config, mode, "nodes" if mode in _PICKED else "inference"),
         "clusters": [_kvgate_cluster(config)],
     }
-    if mode == "access-log":
-        out["access_log"] = _access_log()
+    if mode == "access-log" or mode in _STREAMING:
+        out["access_log"] = _access_log(mode)
     if mode in ("observe", "access-log"):
         out["response_headers_to_add"] = [
             {"header": {"key": h, "value": f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{h})%"}}
@@ -630,7 +649,7 @@ def _route_metadata(hcm: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]
 
 
 def _check_routes(config: Config, where: str, hcm: dict[str, Any], filters: list[Any],
-                  ext_index: int, ext: dict[str, Any]) -> list[Disagreement]:
+                  ext_index: int, ext: dict[str, Any], doc: dict[str, Any]) -> list[Disagreement]:
     out = []
     entries = list(_route_metadata(hcm))
     for place, value in entries:
@@ -652,11 +671,16 @@ def _check_routes(config: Config, where: str, hcm: dict[str, Any], filters: list
                     isinstance(v, int | float) and not isinstance(v, bool) and v > 0 and float(v).is_integer()):
                 out.append(Disagreement(f"limits.{key}" if key == "max_body_bytes" else "pools", at,
                                         f"{key} must be a whole number above 0, got {v!r}"))
-            elif key == "release" and v == "access_log" and not _logs_to_kvgate(hcm, ext):
+            elif key == "release" and v == "access_log" and not _logs_to_kvgate(config, doc, hcm, ext):
                 out.append(Disagreement("server.access_log_ttl_s", at,
                                         "release: access_log, but no gRPC access log of this connection "
                                         "manager goes to the kvgate cluster: every such lease waits for "
                                         "access_log_ttl_s"))
+            elif key == "release" and v == STREAM_AND_LOG and not _logs_to_kvgate(config, doc, hcm, ext):
+                out.append(Disagreement("pools", at,
+                                        f"release: {STREAM_AND_LOG}, but no gRPC access log of this "
+                                        "connection manager goes to the kvgate cluster: an upstream that "
+                                        "dies mid-stream is counted client_disconnect, a few seconds late"))
     if entries:
         names = [str(_dict(f).get("name", "")) for f in filters]
         first_set = next((i for i, n in enumerate(names) if n == "envoy.filters.http.set_metadata"), None)
@@ -672,11 +696,15 @@ def _check_routes(config: Config, where: str, hcm: dict[str, Any], filters: list
     return out
 
 
-def _logs_to_kvgate(hcm: dict[str, Any], ext: dict[str, Any]) -> bool:
+def _logs_to_kvgate(config: Config, doc: dict[str, Any], hcm: dict[str, Any], ext: dict[str, Any]) -> bool:
+    """_logs_to_kvgate: a gRPC access log of ``hcm`` goes to the ext_proc filter's cluster, or
+    to a cluster at kvgate's address (the filter's own cluster may be what is wrong)."""
     cluster = _dict(_dict(ext.get("grpc_service")).get("envoy_grpc")).get("cluster_name")
+    want = _kvgate_address(config)
     for log in _items(hcm.get("access_log")):
         common = _dict(_dict(_dict(log).get("typed_config")).get("common_config"))
-        if _dict(_dict(common.get("grpc_service")).get("envoy_grpc")).get("cluster_name") == cluster:
+        target = _dict(_dict(common.get("grpc_service")).get("envoy_grpc")).get("cluster_name")
+        if target == cluster or want in (_cluster_addresses(doc, str(target)) or []):
             return True
     return False
 
@@ -703,7 +731,7 @@ def check_envoy(config: Config, doc: Any) -> list[Disagreement]:
             out += _check_timeouts(config, at, ext)
             out += _check_attributes(config, at, ext)
             out += _check_body(config, where, listener, hcm, ext)
-            out += _check_routes(config, where, hcm, filters, i, ext)
+            out += _check_routes(config, where, hcm, filters, i, ext, doc)
             out += _check_strip(config, where, filters, i)
     if not seen:
         out.append(Disagreement("-", "static_resources.listeners",

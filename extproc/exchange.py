@@ -81,8 +81,12 @@ WAIT_TIMEOUT_MARGIN_S = 1.0
 # Per-route metadata keys (namespace ``kvgate``); anything else counts as "unknown".
 ROUTE_KEYS = ("pool", "tenant_class", "context_window", "max_body_bytes", "release")
 # How an admitted request's end reaches kvgate (route key ``release``): the end of its
-# ext_proc stream, or an entry of Envoy's gRPC access log (deploy/envoy-access-log.yaml).
-RELEASES = ("stream", "access_log")
+# ext_proc stream; an entry of Envoy's gRPC access log (deploy/envoy-access-log.yaml); or
+# the end of its stream for the budget and, for a stream cut short, the access log entry
+# for the cause (STREAM_AND_LOG: Envoy ends the ext_proc stream alike whether the client
+# left or the upstream died, and only its access log tells them apart).
+STREAM_AND_LOG = "stream_and_log"
+RELEASES = ("stream", "access_log", STREAM_AND_LOG)
 # A bad route setting is logged at most once per key in this many seconds.
 ROUTE_LOG_INTERVAL_S = 60.0
 # The tenant header never seen: said once this many requests in a row lacked it, then at
@@ -530,7 +534,8 @@ class Exchange:
     __slots__ = ("gate", "state", "endpoint", "pool", "pool_name", "class_cfg", "tenant",
                  "route", "content_type", "body", "max_body", "streamed", "lease", "strip_usage",
                  "tracker", "status", "response_done", "upstream_error", "outcome", "observe",
-                 "link", "response_unread", "duplex", "response_duplex", "hint")
+                 "link", "response_unread", "duplex", "response_duplex", "hint",
+                 "cut_by_upstream", "cause_pending")
 
     def __init__(self, gate: Gate) -> None:
         self.gate = gate
@@ -565,6 +570,11 @@ class Exchange:
         self.duplex = False
         self.response_duplex = False
         self.hint: frozenset[str] | None = None
+        # Route ``release: stream_and_log``: what Envoy's access log entry told of a stream
+        # cut short (None: no entry yet; True: the upstream broke it off), and whether the
+        # cause of a release made without it still awaits the entry (``told_by_log``).
+        self.cut_by_upstream: bool | None = None
+        self.cause_pending = False
 
     # --- request headers -------------------------------------------------------------
 
@@ -865,6 +875,11 @@ class Exchange:
         if self.duplex:
             return self._duplex_answer(raw if new_body is None else new_body,
                                        new_body is not None, node)
+        if self.route.release == STREAM_AND_LOG:
+            resp = self._linked_continue(result, new_body, rates=False)
+            if node is not None:
+                _name_node(resp, resp.request_body.response, node)
+            return resp
         if new_body is None and node is None:
             return CONTINUE_REQUEST_BODY
         # Ask the upstream for stream usage (the client did not; its usage chunk is then
@@ -930,11 +945,13 @@ class Exchange:
         _name_node(resp, resp.request_headers.response, address)
         return resp
 
-    def _linked_continue(self, lease: Lease, new_body: bytes | None = None) -> pb.ProcessingResponse:
-        """_linked_continue admits a request whose response is observed on another stream:
-        the link and the x-ratelimit-* values go into the request's dynamic metadata, where
-        the observing filter (and Envoy's response_headers_to_add) find them. ``new_body``
-        (with its content-length) replaces the request body when given."""
+    def _linked_continue(self, lease: Lease, new_body: bytes | None = None, *,
+                         rates: bool = True) -> pb.ProcessingResponse:
+        """_linked_continue admits a request whose response is observed on another stream, or
+        whose access log entry kvgate reads: the link and (``rates``) the x-ratelimit-* values
+        go into the request's dynamic metadata, where the observing filter, the access log
+        (and Envoy's response_headers_to_add) find them. ``new_body`` (with its
+        content-length) replaces the request body when given."""
         self.link = self.gate.new_link()
         resp = pb.ProcessingResponse()
         resp.request_body.SetInParent()
@@ -944,8 +961,9 @@ class Exchange:
             common.body_mutation.body = new_body
         fields = resp.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.fields
         fields[LINK_KEY].string_value = self.link
-        for key, value in oai.rate_limit_headers(lease.rate):
-            fields[key].string_value = value
+        if rates:
+            for key, value in oai.rate_limit_headers(lease.rate):
+                fields[key].string_value = value
         return resp
 
     @staticmethod
@@ -1096,6 +1114,26 @@ class Exchange:
         self.response_done = status != 0 and not cut_short
         return self.finish()
 
+    def told_by_log(self, cut_by_upstream: bool) -> Outcome | None:
+        """told_by_log takes what Envoy's access log entry tells of a request released by its
+        stream (route ``release: stream_and_log``): whether the upstream broke the response
+        off. Before the stream's end it is kept for ``finish``; after a release whose cause
+        waited for it, the release is counted now, and its cause returned (None otherwise).
+        ``told_by_log(False)`` is also the fallback when the entry never comes."""
+        lease = self.lease
+        if lease is None:
+            return None
+        if self.outcome is None:
+            self.cut_by_upstream = cut_by_upstream
+            return None
+        if not self.cause_pending:
+            return None
+        self.cause_pending = False
+        outcome = Outcome.UPSTREAM_ERROR if cut_by_upstream else Outcome.CLIENT_DISCONNECT
+        self.outcome = lease.outcome = outcome
+        self.gate.metrics.release(self.pool_name, outcome.value)
+        return outcome
+
     def _response_end(self) -> None:
         # The response is complete: free the slot now rather than when Envoy gets round
         # to closing the ext_proc stream.
@@ -1111,9 +1149,14 @@ class Exchange:
         end of stream was seen; timeout when kvgate itself gave up (``gave_up``); ended for
         a response whose body was not read (deploy/envoy-reservation.yaml: complete or cut
         short, Envoy ends the stream alike, by a half-close or a reset at random);
+        upstream_error for a stream the access log says the upstream broke off;
         client_disconnect otherwise. Completion tokens charged: the reported usage; for a
         stream cut short, the chunks delivered; otherwise (unknown) the whole reservation.
         Idempotent: later calls change nothing.
+
+        On a ``release: stream_and_log`` route a stream cut short before its access log entry
+        came is released now all the same, and only the counting of its cause waits for the
+        entry (``cause_pending``, settled by ``told_by_log``).
         """
         lease = self.lease
         self.state = _DONE
@@ -1127,11 +1170,17 @@ class Exchange:
             outcome = Outcome.TIMEOUT
         elif self.response_unread:
             outcome = Outcome.ENDED
+        elif self.cut_by_upstream:
+            outcome = Outcome.UPSTREAM_ERROR
         else:
             outcome = Outcome.CLIENT_DISCONNECT
         self.outcome = outcome
         if lease.release(outcome, self._completion_tokens(outcome)):
-            self.gate.metrics.release(self.pool_name, outcome.value)
+            if (outcome is Outcome.CLIENT_DISCONNECT and self.cut_by_upstream is None
+                    and self.link is not None and self.route.release == STREAM_AND_LOG):
+                self.cause_pending = True
+            else:
+                self.gate.metrics.release(self.pool_name, outcome.value)
         return outcome
 
     def _completion_tokens(self, outcome: Outcome) -> int | None:
@@ -1140,7 +1189,8 @@ class Exchange:
             return tracker.completion_tokens
         if tracker is None and (self.observe or self.response_unread):
             return None  # the response was never observed: unknown, charge the reservation
-        if outcome in (Outcome.CLIENT_DISCONNECT, Outcome.TIMEOUT) and self.streamed:
+        if (outcome in (Outcome.CLIENT_DISCONNECT, Outcome.TIMEOUT) or self.cut_by_upstream) \
+                and self.streamed:
             # What reached the client is what was generated (the upstream is reset within
             # a millisecond of the disconnect).
             return tracker.delivered_chunks if tracker is not None else 0

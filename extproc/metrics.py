@@ -29,7 +29,7 @@ OUTCOMES = ("admitted", "rejected_concurrency", "rejected_tpm", "rejected_kv_bud
 # The cause label of kvgate_releases_total: the admission core's Outcome, in its order.
 CAUSES = tuple(cause.value for cause in Outcome)
 # The result label of kvgate_access_log_entries_total (ExtProcService.logged).
-ACCESS_LOG_RESULTS = ("released", "no_lease", "unmatched")
+ACCESS_LOG_RESULTS = ("released", "cause", "complete", "no_lease", "unmatched")
 # The reason label of kvgate_tenant_header_unseen_total (see the exchange's tenant lookup).
 TENANT_HEADER_UNSEEN_REASONS = ("absent", "other_header")
 # Decisions take tens of microseconds to a few milliseconds; waits in a class queue longer.
@@ -226,8 +226,9 @@ class Metrics:
                                        registry=r)
         self.access_log_entries = Counter(
             "kvgate_access_log_entries_total",
-            "Envoy access log entries received: released a parked request, had no lease "
-            "(refused, passed through), or named a lease parked nowhere here.",
+            "Envoy access log entries received: released a parked request, told the cause "
+            "of a stream's end, came after a complete stream's end, had no lease (refused, "
+            "passed through), or named a lease known nowhere here.",
             ["result"], registry=r)
         # Scraper observer metrics.
         self.backend_kv = Gauge("kvgate_backend_kv_cache_usage_ratio",

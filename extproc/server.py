@@ -14,6 +14,15 @@ response's end or to end itself (Envoy closes it ``deferred_close_timeout`` afte
 request), at most ``OBSERVE_CAP_S``; an observing stream that has not begun within
 ``LINK_GRACE_S`` never will (the response never started).
 
+On a route with ``release: stream_and_log`` (every shipped file in which kvgate sees the
+response: deploy/envoy.yaml, envoy-four-message, envoy-endpoint-picker, envoy-observe) a
+stream cut short is released at once, as ever; but Envoy ends the ext_proc stream alike
+whether the client left or the upstream died, so the *cause* is settled by Envoy's access
+log entry of the request (written only for requests with a response flag), which tells an
+upstream that reset, closed or broke its response off. An entry that comes before the
+stream's end is kept for it; a release whose entry has not come within ``CAUSE_WAIT_S`` is
+counted ``client_disconnect`` (the fallback, logged).
+
 ``Server`` wires a process together: config, admission core, metrics, gate, the gRPC
 server with the standard health service, the admin HTTP server, the backend scraper and
 the config watcher, and the SIGTERM sequence:
@@ -30,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import math
 import signal
 import threading
 import time
@@ -51,7 +61,8 @@ from extproc.clock import Clock, MonotonicClock
 from extproc.config import Config
 from extproc.errors import ConfigError
 from extproc.exchange import (CONTINUE_RESPONSE_TRAILERS, LINK_KEY,
-                              METADATA_NAMESPACE, UNDECODABLE_ATTRIBUTES, Exchange, Gate)
+                              METADATA_NAMESPACE, STREAM_AND_LOG, UNDECODABLE_ATTRIBUTES, Exchange,
+                              Gate)
 from extproc.metrics import Metrics
 from extproc.tokens import load_tokenizer
 
@@ -68,6 +79,9 @@ LINK_GRACE_S = 0.05
 # The most an ended admission stream waits for its observing stream to end (seconds),
 # whatever deferred_close_timeout Envoy is given.
 OBSERVE_CAP_S = 10.0
+# How long the cause of a stream cut short waits for its access log entry (seconds): the
+# entry comes within milliseconds (buffer_flush_interval 5 ms); past this it was lost.
+CAUSE_WAIT_S = 5.0
 
 
 # ProcessingRequest.attributes (map<string, Struct>), field number 9.
@@ -145,6 +159,9 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
     ``active`` maps each open stream's task to its exchange, for shutdown. ``parked`` holds
     the exchanges whose stream ended with their admission and whose end comes by Envoy's
     access log (route key ``release: access_log``), by link, with when they were parked.
+    ``causes`` holds, by link, the exchanges of ``release: stream_and_log`` routes until the
+    cause of their end is known (module doc), with when they were admitted or, once their
+    release waits for the cause, released.
     """
 
     def __init__(self, gate: Gate, metrics: Metrics) -> None:
@@ -153,6 +170,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
         self.active: dict[asyncio.Task[Any], Exchange] = {}
         self.links: dict[str, Link] = {}
         self.parked: dict[str, tuple[Exchange, float]] = {}
+        self.causes: dict[str, tuple[Exchange, float]] = {}
         self._idle = asyncio.Event()
         self._idle.set()
         self._given_up = False
@@ -190,8 +208,10 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
                         # Before Envoy can send the response, or log the request's end.
                         if ex.released_by_access_log:
                             self.parked[ex.link] = (ex, self._gate.clock.now())
-                        else:
+                        elif ex.observe:
                             self.links[ex.link] = Link(ex)
+                        if ex.route.release == STREAM_AND_LOG:
+                            self.causes[ex.link] = (ex, self._gate.clock.now())
                 elif kind == "response_headers":
                     resp = ex.response_headers(req.response_headers, attributes=req.attributes,
                                                metadata=req.metadata_context)
@@ -237,6 +257,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
                 ex.finish(gave_up=self._given_up)
                 if ex.link is not None:
                     self.links.pop(ex.link, None)
+                    self._ended(ex)
             self._maybe_idle()
 
     async def _observe(self, req: Any, read: Any) -> None:
@@ -285,10 +306,22 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
             ex.finish(gave_up=self._given_up)
             if ex.link is not None:
                 self.links.pop(ex.link, None)
+                self._ended(ex)
             task = asyncio.current_task()
             if task is not None:
                 self.active.pop(task, None)
             self._maybe_idle()
+
+    def _ended(self, ex: Exchange) -> None:
+        """_ended follows a finished exchange of ``causes``: kept (from now) while the cause of
+        its release awaits the access log entry, dropped otherwise."""
+        link = ex.link
+        if link is None or link not in self.causes:
+            return
+        if ex.cause_pending:
+            self.causes[link] = (ex, self._gate.clock.now())
+        else:
+            del self.causes[link]
 
     def _maybe_idle(self) -> None:
         if not self.active and not self.parked:
@@ -296,29 +329,48 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
 
     def logged(self, entry: Any) -> str:
         """logged releases the parked exchange an access log entry of Envoy's tells the end
-        of (an ``HTTPAccessLogEntry``). Returns ``released``; ``no_lease`` for a request
-        admitted without a link (refused, passed through); ``unmatched`` for a link parked
-        nowhere here (released already by the TTL, another kvgate's, or a restart's)."""
+        of (an ``HTTPAccessLogEntry``), or tells the cause of a request released by its
+        stream (``causes``). Returns ``released``, or ``cause``; ``no_lease`` for a request
+        admitted without a link (refused, passed through); ``complete`` for a request of a
+        ``stream_and_log`` route whose stream ended complete (a flag such as the client's
+        close on the last byte wrote the entry); ``unmatched`` for a link known nowhere
+        here (released already by the TTL, another kvgate's, or a restart's)."""
         space = entry.common_properties.metadata.filter_metadata.get(METADATA_NAMESPACE)
         if space is None or LINK_KEY not in space.fields:
             return "no_lease"
-        parked = self.parked.pop(space.fields[LINK_KEY].string_value, None)
+        link = space.fields[LINK_KEY].string_value
+        parked = self.parked.pop(link, None)
         if parked is None:
-            return "unmatched"
-        # Cut short: the upstream's response never ended (the client went away, a timeout),
-        # so the generation was aborted. Not Envoy's downstream-termination flag: a client
-        # that closes on the last event of a complete stream sets it too, at random.
-        common = entry.common_properties
-        cut_short = not common.HasField("time_to_last_upstream_rx_byte")
-        flags = common.response_flags
-        # The upstream went away mid-response (it crashed, its connection broke): not the
-        # client's doing, though the client's stream ends cut short the same way.
-        # (a chunked HTTP/1 body broken off reads as a protocol error).
-        upstream_failed = (flags.upstream_remote_reset or flags.upstream_connection_termination
-                           or flags.upstream_connection_failure or flags.upstream_protocol_error)
+            told = self.causes.get(link)
+            if told is None:
+                release = space.fields.get("release")
+                if release is not None and release.string_value == STREAM_AND_LOG \
+                        and not _cut_short(entry)[0]:
+                    return "complete"
+                return "unmatched"
+            ex = told[0]
+            cut_short, upstream_failed = _cut_short(entry)
+            ex.told_by_log(cut_short and upstream_failed)
+            if ex.outcome is not None:  # finished: nothing more to learn of it
+                del self.causes[link]
+            return "cause"
+        cut_short, upstream_failed = _cut_short(entry)
         parked[0].ended_by_log(entry.response.response_code.value, cut_short, upstream_failed)
         self._maybe_idle()
         return "released"
+
+    def settle_causes(self, now: float, wait_s: float = CAUSE_WAIT_S) -> int:
+        """settle_causes counts as ``client_disconnect`` the releases whose cause has waited
+        ``wait_s`` seconds or more for an access log entry that never came (Envoy's buffer
+        overflowed, the log stream broke); returns how many."""
+        late = [link for link, (ex, at) in self.causes.items()
+                if ex.cause_pending and now - at >= wait_s]
+        for link in late:
+            self.causes.pop(link)[0].told_by_log(False)
+        if late:
+            log.warning("counted %d releases as client_disconnect: their access log entry, which "
+                        "would tell an upstream failure, never came within %.0f s", len(late), wait_s)
+        return len(late)
 
     def sweep_parked(self, now: float, ttl_s: float) -> int:
         """sweep_parked releases, with cause ``timeout``, the exchanges parked for longer
@@ -356,6 +408,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
         self.parked.clear()
         for ex, _ in parked:
             ex.finish(gave_up=True)
+        self.settle_causes(math.inf, 0.0)
         self._maybe_idle()
         return len(open_streams) + len(parked)
 
@@ -374,6 +427,23 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
             for entry in message.http_logs.log_entry:
                 count(logged(entry))
         return als_pb2.StreamAccessLogsResponse()
+
+
+def _cut_short(entry: Any) -> tuple[bool, bool]:
+    """_cut_short reads an access log entry: was the response cut short, and did the upstream
+    fail (reset, closed its connection, broke its response off)?"""
+    # Cut short: the upstream's response never ended (the client went away, a timeout),
+    # so the generation was aborted. Not Envoy's downstream-termination flag: a client
+    # that closes on the last event of a complete stream sets it too, at random.
+    common = entry.common_properties
+    cut_short = not common.HasField("time_to_last_upstream_rx_byte")
+    flags = common.response_flags
+    # The upstream went away mid-response (it crashed, its connection broke): not the
+    # client's doing, though the client's stream ends cut short the same way
+    # (a chunked HTTP/1 body broken off reads as a protocol error).
+    upstream_failed = (flags.upstream_remote_reset or flags.upstream_connection_termination
+                       or flags.upstream_connection_failure or flags.upstream_protocol_error)
+    return cut_short, bool(upstream_failed)
 
 
 # How often parked requests are checked against server.access_log_ttl_s (seconds).
@@ -716,6 +786,7 @@ class Server:
             await asyncio.sleep(SWEEP_EVERY_S)
             if self.service is not None:
                 self.service.sweep_parked(self.clock.now(), self.config.server.access_log_ttl_s)
+                self.service.settle_causes(self.clock.now())
 
     async def close(self) -> None:
         """close stops the helpers and listeners without draining (tests, failed starts)."""

@@ -30,7 +30,8 @@ def test_envoyfilter_structure() -> None:
     assert ef["apiVersion"] == "networking.istio.io/v1alpha3"
     assert ef["metadata"]["namespace"] == "istio-system"
     assert ef["spec"]["workloadSelector"] == {"labels": {"istio": "ingressgateway"}}
-    assert {p["applyTo"] for p in ef["spec"]["configPatches"]} == {"CLUSTER", "HTTP_FILTER", "HTTP_ROUTE"}
+    assert {p["applyTo"] for p in ef["spec"]["configPatches"]} == {"CLUSTER", "HTTP_FILTER", "HTTP_ROUTE",
+                                                                    "NETWORK_FILTER"}
     for p in ef["spec"]["configPatches"]:
         assert p["match"]["context"] == "GATEWAY"
     filters = patches("HTTP_FILTER")
@@ -56,6 +57,11 @@ def test_envoyfilter_structure() -> None:
     assert ext_proc["grpc_service"]["envoy_grpc"]["cluster_name"] == value["name"]
     (route,) = patches("HTTP_ROUTE")
     assert route["patch"]["operation"] == "MERGE"
+    # The access log that tells kvgate a dead upstream from a client that left, to kvgate.
+    (hcm,) = patches("NETWORK_FILTER")
+    assert hcm["patch"]["operation"] == "MERGE"
+    (log,) = hcm["patch"]["value"]["typed_config"]["access_log"]
+    assert log["typed_config"]["common_config"]["grpc_service"]["envoy_grpc"]["cluster_name"] == value["name"]
 
 
 def test_ext_proc_settings_are_those_of_deploy_envoy_yaml() -> None:
@@ -67,7 +73,8 @@ def test_ext_proc_settings_are_those_of_deploy_envoy_yaml() -> None:
 
 def gateway_bootstrap(filter_patches: list[dict[str, Any]], cluster: dict[str, Any],
                       route_config: dict[str, Any]) -> dict[str, Any]:
-    """gateway_bootstrap places the EnvoyFilter's pieces in a minimal gateway-like bootstrap."""
+    """gateway_bootstrap places the EnvoyFilter's pieces in a minimal gateway-like bootstrap
+    (the connection manager's MERGE patch merged in)."""
     filters = [p["patch"]["value"] for p in filter_patches if p["patch"]["operation"] == "INSERT_FIRST"]
     filters += [p["patch"]["value"] for p in filter_patches if p["patch"]["operation"] != "INSERT_FIRST"]
     filters.append({"name": ROUTER, "typed_config": {
@@ -88,7 +95,10 @@ def gateway_bootstrap(filter_patches: list[dict[str, Any]], cluster: dict[str, A
                            "stat_prefix": "gateway",
                            "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"],
                                                                "routes": [route]}]},
-                           "http_filters": filters}}]}]}],
+                           "http_filters": filters,
+                           **{k: v for p in patches("NETWORK_FILTER")
+                              for k, v in p["patch"]["value"]["typed_config"].items() if k != "@type"},
+                           }}]}]}],
         "clusters": [cluster, upstream]}}
 
 

@@ -173,7 +173,8 @@ def test_envoy_bootstrap_names_only_defined_clusters() -> None:
     for key, value, parent in walk(broken["static_resources"]["listeners"]):
         if key == "envoy_grpc":
             value["cluster_name"] = "kvgat"
-    assert cluster_problems(broken) == ["gRPC service on unknown cluster 'kvgat'"]
+    # the ext_proc filter's and the access log's
+    assert cluster_problems(broken) == ["gRPC service on unknown cluster 'kvgat'"] * 2
 
 
 def test_ext_proc_settings_are_those_of_the_endpoint_picker_file() -> None:

@@ -19,13 +19,16 @@ pytestmark = pytest.mark.e2e
 
 def test_quick_run_writes_the_report(tmp_path: Path) -> None:
     out = tmp_path / "overhead.md"
-    done = subprocess.run([sys.executable, "bench/bench_overhead.py", "--quick", "--out", str(out)],
+    # Three of the six files (fewer stacks to start): the recommended one, the picker file
+    # (its node named by kvgate and by the bare processor) and the access-log file.
+    done = subprocess.run([sys.executable, "bench/bench_overhead.py", "--quick", "--variants",
+                           "recommended", "endpoint-picker", "access-log", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=90)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     text = out.read_text()
     cores = len(os.sched_getaffinity(0))
     assert f"{cores} CPU cores" in text
-    assert "Command: `python bench/bench_overhead.py --quick --out" in text
+    assert "Command: `python bench/bench_overhead.py --quick --variants" in text
     for section in ("## Request path", "## Streaming", "## Highest rate", "## Memory",
                     "## Release after a client disconnect", "## Targets"):
         assert section in text, section
@@ -34,6 +37,10 @@ def test_quick_run_writes_the_report(tmp_path: Path) -> None:
         for setup in ("plain", "bare", "kvgate"):
             assert re.search(rf"^\| {clients} \| {setup} \| \d+ \| \d+\.\d\d \|", text, re.M), (clients, setup)
     assert re.search(r"^\| kvgate \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$", text, re.M)  # release row
-    # the targets against each Envoy file kvgate serves, the recommended one first
-    assert ("| target | goal | kvgate | kvgate access-log | kvgate four-message | kvgate observe | "
-            "kvgate reservation |") in text
+    for setup in ("bare endpoint-picker", "kvgate endpoint-picker"):
+        assert re.search(rf"^\| 16 \| {setup} \| \d+ \| \d+\.\d\d \|", text, re.M), setup
+    # the targets against each Envoy file kvgate serves, the recommended one first, and the
+    # ratios over the bare processor in the same file
+    assert "| target | goal | kvgate | kvgate access-log | kvgate endpoint-picker |" in text
+    assert re.search(r"^\| added p50 at 16 clients, x the bare processor's in the same file \| "
+                     r"<= 1.3x \| [\d.-]+ \((meets|misses)\) \|", text, re.M)

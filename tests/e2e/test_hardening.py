@@ -4,7 +4,9 @@ Each test runs through the real Envoy with every Envoy file the project ships (t
 of deploy/ and the one inside deploy/k8s/envoy-config.yaml): client-sent identity and
 internal headers never reach kvgate or the upstream, paths are normalised, a refused
 request never opens an upstream request, Envoy's connection limit is set, a slow upload
-is cut, and kvgate gone is a 503 in OpenAI's shape.
+is cut, and kvgate gone is a 503 in OpenAI's shape. And once admitted: an upstream that dies
+mid-stream is released at once and counted upstream_error, a client that leaves
+client_disconnect.
 """
 
 from __future__ import annotations
@@ -162,6 +164,51 @@ def test_envoy_starts_with_a_connection_limit(stack: Stack) -> None:
         not in stack.log("envoy")
 
 
+def released(stack: Stack, cause: str) -> float:
+    return stack.metric("kvgate_releases_total", cause=cause)
+
+
+def _cut(stack: Stack, headers: dict[str, str], leave: bool) -> dict[str, float]:
+    """_cut streams a chat cut short after its first chunk (by the upstream, or by the client
+    when ``leave``); returns how much each cause's release count grew once the counts settle.
+    The slot must come back before the cause could fall back to its default (CAUSE_WAIT_S,
+    5 s): the release does not wait for the access log entry. How fast it comes back is
+    `make bench-overhead`'s release p99, not a timed assertion here."""
+    import openai
+
+    before = {c: released(stack, c) for c in CAUSES}
+    stream = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="x", max_retries=0).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "hi"}], stream=True, max_tokens=8,
+        extra_headers=headers)
+    chunks = iter(stream)
+    assert next(chunks).choices[0].delta.content == "tok0 "
+    if leave:
+        stack.wait_inflight(1)
+        stream.close()
+    else:
+        with pytest.raises(openai.APIError):  # the body broken off mid-stream
+            for _ in chunks:
+                pass
+    wait_until(lambda: stack.inflight() == 0, timeout=2.5, interval=0.002, what="in-flight 0")
+    wait_until(lambda: sum(released(stack, c) for c in CAUSES) == sum(before.values()) + 1,
+               timeout=15, what="the release counted")
+    return {c: released(stack, c) - before[c] for c in CAUSES if released(stack, c) != before[c]}
+
+
+CAUSES = ("completed", "client_disconnect", "upstream_error", "timeout", "ended")
+
+
+def test_an_upstream_dying_mid_stream_is_an_upstream_error_and_a_client_leaving_a_disconnect(
+        stack: Stack) -> None:
+    """Issue 15 item 10: Envoy ends kvgate's stream alike in both cases; the access log entry
+    tells them apart. The reservation file never sees the response: both are ``ended``."""
+    unread = stack.envoy_template.name == "envoy-reservation.yaml"
+    grew = _cut(stack, {"x-fake-die-after": "2", "x-fake-delay-ms": "50"}, leave=False)
+    assert grew == {"ended" if unread else "upstream_error": 1}
+    grew = _cut(stack, {"x-fake-hold": "leave"}, leave=True)
+    assert grew == {"ended" if unread else "client_disconnect": 1}
+
+
 def test_kvgate_gone_is_a_503_in_openai_shape(stack: Stack) -> None:
     """Last in the module: it stops this stack's kvgate."""
     stack.procs.pop("kvgate").stop()
@@ -227,3 +274,16 @@ def test_every_shipped_file_carries_the_blocks(name: str, tmp_path: Path) -> Non
     # Long enough for a CPU-starved node's scheduling stalls (the reason is in the file).
     assert ext_proc["typed_config"]["message_timeout"] == "5s"
     assert filters[-2:] == ["envoy.filters.http.buffer", "envoy.filters.http.router"]
+    # Where kvgate sees the response stream, the access log tells it a dead upstream from a
+    # client that left (the other two files: no response body, or the log releases).
+    if name not in ("envoy-reservation.yaml", "envoy-access-log.yaml"):
+        logs = [log["typed_config"]["common_config"]["grpc_service"]["envoy_grpc"]["cluster_name"]
+                for log in hcm.get("access_log", [])]
+        assert logs == ["kvgate"], name
+        releases = {e["value"].get("release")
+                    for route in hcm["route_config"]["virtual_hosts"][0]["routes"]
+                    for e in route.get("typed_per_filter_config", {}).get(
+                        "envoy.filters.http.set_metadata", {}).get("metadata", [])}
+        assert releases == {"stream_and_log"}, name
+        options = ext_proc["typed_config"]["metadata_options"]
+        assert options["receiving_namespaces"] == {"untyped": ["kvgate"]}, name

@@ -137,6 +137,31 @@ def test_a_killed_node_stops_being_picked_and_its_requests_are_released_once(sta
     assert i in (0, 1, 2)
 
 
+def test_a_node_killed_mid_stream_is_released_at_once_as_an_upstream_error(stack):
+    """Issue 15 item 10 with the picker file itself: the streamed answer's node dies after
+    its first chunks; the lease is released when Envoy ends the stream, and counted
+    upstream_error (not client_disconnect) once Envoy's access log entry tells why."""
+    causes = ("upstream_error", "client_disconnect")
+    before = {c: stack.metric("kvgate_releases_total", cause=c) for c in causes}
+    picks0 = stack.per_node("kvgate_backend_picks_total")
+    chunks = iter(client(stack).chat.completions.create(
+        model=MODEL, max_tokens=20_000, stream=True, messages=[{"role": "user", "content": "hi"}]))
+    next(chunks)
+    picks = stack.per_node("kvgate_backend_picks_total")
+    (victim,) = [n for n in picks if picks[n] > picks0[n]]
+    stack.procs[victim].kill()
+    with pytest.raises(Exception):
+        for _ in chunks:
+            pass
+    # Released before the cause could fall back to its default (5 s): not by the log entry.
+    wait_until(lambda: stack.metric("kvgate_inflight_requests") == 0, timeout=2.5, interval=0.002,
+               what="released")
+    wait_until(lambda: stack.metric("kvgate_releases_total", cause="upstream_error")
+               == before["upstream_error"] + 1, timeout=15, what="an upstream_error release")
+    assert stack.metric("kvgate_releases_total", cause="client_disconnect") == before["client_disconnect"]
+    assert stack.metric("kvgate_backend_kv_inflight_tokens", backend=victim) == 0
+
+
 def test_a_node_found_by_dns_discovery_is_picked(tmp_path_factory: pytest.TempPathFactory):
     s = NodesStack(tmp_path_factory.mktemp("discovery"), nodes=1, kv_capacity_tokens=50_000,
                    discover=True, sim_args=["--speedup", "20"]).start()

@@ -20,7 +20,8 @@ can check what the gateway forwarded; ``GET /_fake/stats`` returns counters (``s
 ``finished``, ``aborted``). Run it with ``python -m tests.support.upstream --port N``.
 
 ``--fast`` serves the benchmarks instead: ``FastUpstream``, the same answers (JSON with
-usage, or SSE chunks paced by ``x-fake-delay-ms``, sized by ``x-fake-tokens``) from a bare
+usage, or SSE chunks paced by ``x-fake-delay-ms``, sized by ``x-fake-tokens``; GET
+``/metrics``: an idle vLLM node's few lines) from a bare
 asyncio protocol at a fraction of aiohttp's CPU per request, so that on a small machine the
 fake takes as little as possible from the processes measured. Every SSE chunk carries
 ``"t_sent"``, the ``time.monotonic()`` (CLOCK_MONOTONIC, shared by every process on the
@@ -215,6 +216,13 @@ class FakeUpstream:
 
 _HEAD_END = b"\r\n\r\n"
 _MAX_HEAD = 64 * 1024
+# What GET /metrics answers: an idle vLLM node with room for 1.6 billion KV tokens, so that
+# a pool that picks its nodes (deploy/envoy-endpoint-picker.yaml) can name this one and
+# never runs out of room under the benchmark's load.
+_VLLM_METRICS = (b'vllm:kv_cache_usage_perc{model_name="fake"} 0.0\n'
+                 b'vllm:num_requests_waiting{model_name="fake"} 0.0\n'
+                 b'vllm:num_requests_running{model_name="fake"} 0.0\n'
+                 b'vllm:cache_config_info{block_size="16",num_gpu_blocks="100000000"} 1.0\n')
 
 
 def _dechunk(buf: bytearray, at: int) -> tuple[bytes, int] | None:
@@ -307,7 +315,10 @@ class FastUpstream(asyncio.Protocol):
             body = orjson.loads(raw) if raw else None
         except orjson.JSONDecodeError:
             body = None
-        if not isinstance(body, dict) or not path.startswith("/v1/"):
+        if path == "/metrics":
+            self._write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=0.0.4\r\n"
+                        b"content-length: %d\r\n\r\n%s" % (len(_VLLM_METRICS), _VLLM_METRICS))
+        elif not isinstance(body, dict) or not path.startswith("/v1/"):
             payload = b'{"object":"error","message":"not served here","code":404}'
             self._write(b"HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\n"
                         b"content-length: %d\r\n\r\n%s" % (len(payload), payload))
