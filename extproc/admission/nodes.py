@@ -19,6 +19,15 @@ which errs on the safe side. A charge released before its report arrives is not
 subtracted either, for the same reason. A report without a mark (the loop was too busy
 to take one) subtracts nothing.
 
+Foreign KV on the rise. Between two reports a node's foreign KV can grow by as much as
+it grew over the last interval (a batch job ramping up, another gateway's burst), and
+kvgate's requests admitted in that interval cannot be taken back. So a node's room keeps
+the last rise free as well (``Node.rise``): foreign + rise is what the node may hold for
+others at the next report. The rise counted is the smaller of two readings' growth, the
+foreign KV above and the floor (usage minus every held charge's footprint): kvgate's own
+requests missing from one of them (admitted after the mark, or not yet in the cache at
+the last report) make only that one jump, so they are not taken for a rise.
+
 Everything runs on the event-loop thread; times are seconds on the admission clock.
 """
 
@@ -116,7 +125,8 @@ class Node:
     """Node is one node's ledger: capacity, last report, foreign KV and kvgate's charges."""
 
     __slots__ = ("name", "address", "configured_capacity", "reported_capacity", "usage",
-                 "report_at", "refused", "foreign", "charges", "marks", "picks", "passed_over")
+                 "report_at", "refused", "foreign", "floor", "rise", "charges", "marks", "picks",
+                 "passed_over")
 
     def __init__(self, backend: BackendConfig) -> None:
         self.name = backend.name
@@ -127,6 +137,8 @@ class Node:
         self.report_at: float | None = None
         self.refused = False
         self.foreign = 0
+        self.floor: int | None = None   # tokens used minus every held charge's footprint, last report
+        self.rise = 0                   # tokens foreign KV grew by over the last interval (module doc)
         self.charges: set[Charge] = set()
         # mark id -> footprint at the mark of each charge certainly in the node's cache.
         self.marks: dict[int, dict[Charge, int]] = {}
@@ -169,11 +181,21 @@ class Node:
         self.usage = min(1.0, max(0.0, r.kv_usage))
         self.report_at = r.at
         if scale is None:
-            self.foreign = 0
+            self.foreign, self.floor, self.rise = 0, None, 0
             return
         used = math.ceil(self.usage * scale)
         ours = sum(fp for c, fp in seen.items() if c.held) if seen else 0
-        self.foreign = max(0, used - ours)
+        foreign = max(0, used - ours)
+        floor = max(0, used - sum(c.footprint for c in self.charges))
+        self.rise = (0 if self.floor is None
+                     else max(0, min(foreign - self.foreign, floor - self.floor)))
+        self.foreign, self.floor = foreign, floor
+
+    @property
+    def foreign_ahead(self) -> int:
+        """foreign_ahead is the KV (tokens) the node may hold for others at its next report:
+        foreign + the last rise (module doc)."""
+        return self.foreign + self.rise
 
     def pass_over(self, why: PassedOver) -> None:
         self.passed_over[why] = self.passed_over.get(why, 0) + 1
@@ -302,7 +324,7 @@ class PoolNodes:
         cap = n.capacity
         if cap is None:
             return None
-        return rules.node_headroom(cap, self.picking.reserve_fraction, n.foreign, self.held(n))
+        return rules.node_headroom(cap, self.picking.reserve_fraction, n.foreign_ahead, self.held(n))
 
     def pick(self, class_name: str, prompt: int, reserved: int, watermark: float,
              now: float) -> Charge | rules.NodePass:
@@ -328,7 +350,7 @@ class PoolNodes:
                 n.pass_over(PassedOver.NO_CAPACITY)
                 continue
             held = self.held(n)
-            candidates.append((n.name, cap, n.foreign, held))
+            candidates.append((n.name, cap, n.foreign_ahead, held))
         verdict = rules.pick_node(candidates, need, self.picking.reserve_fraction, watermark)
         for name, why in verdict.passed:
             self.nodes[name].pass_over(PassedOver(why))

@@ -115,6 +115,46 @@ def test_a_request_released_before_its_report_arrives_is_not_subtracted():
     assert adm.nodes("default")[0].foreign_tokens == 10_000
 
 
+def test_foreign_kv_on_the_rise_keeps_its_last_rise_free_until_it_stops():
+    clock = ManualClock(T0)
+    adm = Admission(config(pool=nodes_pool(1)), clock)
+    report(adm, clock, {"n0": 0.0})
+    clock.advance(1)
+    report(adm, clock, {"n0": 0.10})                       # others took 10k in one interval...
+    (node,) = adm.nodes("default")
+    assert node.foreign_tokens == 10_000
+    assert node.headroom_tokens == 80_000                  # ...and may take 10k more by the next
+    assert isinstance(adm.try_acquire(demand(80_001, 0)), Rejection)
+    clock.advance(1)
+    report(adm, clock, {"n0": 0.10})                       # it stopped: only what they hold counts
+    assert adm.nodes("default")[0].headroom_tokens == 90_000
+    clock.advance(1)
+    report(adm, clock, {"n0": 0.04})                       # a fall frees room at once
+    assert adm.nodes("default")[0].headroom_tokens == 96_000
+
+
+def test_a_rise_of_kvgates_own_requests_in_the_report_is_no_foreign_rise():
+    clock = ManualClock(T0)
+    adm = Admission(config(pool=nodes_pool(1)), clock)
+    report(adm, clock, {"n0": 0.0})
+    lease = adm.try_acquire(demand(20_000, 0))
+    assert isinstance(lease, Lease)
+    clock.advance(1)
+    report(adm, clock, {"n0": 0.20})         # no mark: the node shows it, kvgate cannot subtract it
+    node = adm.nodes("default")[0]
+    assert node.foreign_tokens == 20_000     # counted twice until the next mark (safe side)...
+    assert node.headroom_tokens == 60_000    # ...but not projected on top as a rise of others
+    lease.progress(1)
+    adm.mark_nodes(1)
+    clock.advance(1)
+    report(adm, clock, {"n0": 0.20}, mark=1)  # subtracted now: the floor drop is no rise either
+    assert adm.nodes("default")[0].headroom_tokens == CAP - 20_001
+    lease.release(Outcome.COMPLETED, 0)
+    clock.advance(1)
+    report(adm, clock, {"n0": 0.0}, mark=None)
+    assert adm.nodes("default")[0].headroom_tokens == 100_000
+
+
 @settings(max_examples=150, deadline=None)
 @example(foreign=10_000, ops=[("admit", 20_000, 0), ("first", 0, 0), ("mark", 0, 0), ("end", 0, 0),
                               ("render", 0, 0), ("apply", 0, 0)])
