@@ -45,6 +45,7 @@ if str(ROOT) not in sys.path:  # run as a script from the repository root
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import csv  # noqa: E402
+import hashlib  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import platform  # noqa: E402
@@ -326,6 +327,16 @@ POLICIES: tuple[Policy, ...] = (
 )
 
 
+def api_key(tenant: str) -> str:
+    """api_key is the API key the bench's clients of ``tenant`` send (``authorization: Bearer``)."""
+    return f"sk-bench-{tenant}"
+
+
+def key_digest(tenant: str) -> str:
+    """key_digest is the SHA-256 (hex) of ``tenant``'s API key, as kvgate's config names it."""
+    return hashlib.sha256(api_key(tenant).encode()).hexdigest()
+
+
 def kvgate_config(policy: Policy, sc: Scenario, speedup: float, sim_ports: Sequence[int],
                   node: Node = NODE) -> dict[str, Any]:
     """kvgate_config is kvgate's configuration for a policy; every duration is divided by
@@ -365,8 +376,10 @@ def kvgate_config(policy: Policy, sc: Scenario, speedup: float, sim_ports: Seque
                 "batch": {"priority": -10, "sheddable": True, "max_wait_s": 10.0 / speedup,
                           "kv_watermark": 0.7},
             },
-            "tenants": {**{f"online-{i + 1}": {"class": "online"} for i in range(sc.online_tenants)},
-                        "batch": {"class": "batch"}},
+            # Envoy's files strip a client's x-tenant-id: tenants are known by their API keys.
+            "tenants": {**{f"online-{i + 1}": {"class": "online", "api_key_sha256": key_digest(f"online-{i + 1}")}
+                           for i in range(sc.online_tenants)},
+                        "batch": {"class": "batch", "api_key_sha256": key_digest("batch")}},
         },
     }
     parse_config(cfg)  # a bad benchmark config fails here, with the key named
@@ -547,7 +560,7 @@ class Client:
     async def _attempts(self, session: aiohttp.ClientSession, r: Result) -> None:
         req = r.req
         first = self.sim_now()
-        headers = {"content-type": "application/json", "x-tenant-id": req.tenant,
+        headers = {"content-type": "application/json", "authorization": f"Bearer {api_key(req.tenant)}",
                    OUTPUT_TOKENS_HEADER: str(req.output_tokens)}
         max_retries = 2 if req.klass == "online" else 1_000_000   # openai-python's default for chats
         placed: tuple[int, int] | None = None
@@ -618,11 +631,13 @@ _GAUGES = {"kvgate_inflight_requests", "kvgate_kv_inflight_tokens", "kvgate_kv_b
            "kvgate_admission_scale", "kvgate_pool_alarm"}
 # The picker's per-node readings (issue 13's contract), kept per backend label.
 _PER_BACKEND = {"kvgate_backend_kv_inflight_tokens", "kvgate_backend_picks_total"}
+# kvgate's decisions, kept per class and outcome: which class a tenant's requests landed in.
+_PER_CLASS = {"kvgate_requests_total"}
 
 
 def parse_kvgate_metrics(text: str) -> dict[str, float]:
     """parse_kvgate_metrics sums kvgate's pool gauges over labels and keeps the per-backend
-    series as ``name/backend`` entries."""
+    series as ``name/backend`` entries, its decisions as ``name/class/outcome`` (those seen)."""
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
@@ -630,6 +645,9 @@ def parse_kvgate_metrics(text: str) -> dict[str, float]:
                 out[s.name] = out.get(s.name, 0.0) + s.value
             elif s.name in _PER_BACKEND:
                 key = f"{s.name}/{s.labels.get('backend', '')}"
+                out[key] = out.get(key, 0.0) + s.value
+            elif s.name in _PER_CLASS and s.value:
+                key = f"{s.name}/{s.labels.get('class', '')}/{s.labels.get('outcome', '')}"
                 out[key] = out.get(key, 0.0) + s.value
     return out
 
