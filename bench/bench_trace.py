@@ -14,9 +14,11 @@ policy gets the same requests, in one run:
                     each node's true KV (background included) and sends a request, through
                     Envoy, to the node with the most room as soon as its final size fits there;
 5. ``picker-worst``: kvgate picking the node (``picking: {growth: worst_case}``);
-6. ``picker-learned``: kvgate picking the node (``picking: {growth: learned, quantile: 0.9}``).
+6. ``picker-learned``: kvgate picking the node (``picking: {growth: learned, quantile: 0.9}``);
+7. ``picker-pooled``: the same with the quantile of each node's summed growth
+   (``picking: {growth: pooled, quantile: 0.9}``), an alternative to the recommended setting.
 
-Policies 5-6 need ``deploy/envoy-endpoint-picker.yaml`` (kvgate's endpoint picking) and
+Policies 5-7 need ``deploy/envoy-endpoint-picker.yaml`` (kvgate's endpoint picking) and
 are skipped, with a line saying so, while that file is missing.
 
 Prompts are built to the trace's exact token counts (one cl100k token per word plus the
@@ -324,6 +326,8 @@ POLICIES: tuple[Policy, ...] = (
            {"growth": "worst_case"}),
     Policy("picker-learned", "6. kvgate picking nodes, recommended (learned) growth", "picker", "picker",
            {"growth": "learned", "quantile": 0.9}),
+    Policy("picker-pooled", "7. kvgate picking nodes, pooled growth (q of each node's sum)", "picker", "picker",
+           {"growth": "pooled", "quantile": 0.9}),
 )
 
 
@@ -1043,7 +1047,7 @@ def report(runs: list[Run], sc: Scenario, node: Node, trace: Path, rows: int, re
               "- kvgate (policies 2, 3, 5, 6): the three nodes as backends, KV budget 0.9 x their reported "
               "capacity, adaptive scale on the fullest node (watermarks 0.70/0.85), classes `online` "
               "(priority 10, may wait 2 s) and `batch` (priority -10, sheddable, may wait 10 s, "
-              "kv_watermark 0.7). Policies 5-6 add each node's `address` and the pool's `picking` section, "
+              "kv_watermark 0.7). Policies 5-7 add each node's `address` and the pool's `picking` section, "
               f"with `{PICKER_ENVOY.relative_to(ROOT)}`.",
               "- Oracle (policy 4): knows each request's true output and each node's true KV; admits a "
               "request to the node with the most room once prompt + true output fits there (keeping room "

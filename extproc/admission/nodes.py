@@ -204,11 +204,12 @@ class Node:
 class Lengths:
     """Lengths keeps the latest completion lengths (tokens) of one class, sorted."""
 
-    __slots__ = ("_order", "sorted")
+    __slots__ = ("_order", "sorted", "_prefix")
 
     def __init__(self) -> None:
         self._order: deque[int] = deque()
         self.sorted: list[int] = []
+        self._prefix: tuple[list[float], list[float]] | None = None
 
     def add(self, n: int) -> None:
         """add remembers one settled completion length, forgetting the oldest beyond LENGTH_SAMPLES."""
@@ -217,6 +218,18 @@ class Lengths:
         if len(self._order) > LENGTH_SAMPLES:
             old = self._order.popleft()
             del self.sorted[bisect.bisect_left(self.sorted, old)]
+        self._prefix = None
+
+    def prefix(self) -> tuple[list[float], list[float]]:
+        """prefix is the running sums of the sorted lengths and of their squares (from 0),
+        rebuilt on the first use after a change."""
+        if self._prefix is None:
+            s1, s2 = [0.0], [0.0]
+            for x in self.sorted:
+                s1.append(s1[-1] + x)
+                s2.append(s2[-1] + float(x) * x)
+            self._prefix = (s1, s2)
+        return self._prefix
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,21 +307,48 @@ class PoolNodes:
 
     # --- the rule ------------------------------------------------------------------
 
-    def _growth_lengths(self, class_name: str) -> list[int] | None:
+    def _learned(self, class_name: str) -> Lengths | None:
         if self.picking.growth == "worst_case":
             return None
         known = self.lengths.get(class_name)
         if known is None or len(known.sorted) < self.picking.min_samples:
             return None
-        return known.sorted
+        return known
+
+    def _growth_lengths(self, class_name: str) -> list[int] | None:
+        known = self._learned(class_name)
+        return None if known is None else known.sorted
+
+    def _moments(self, reserved: int, generated: int, class_name: str) -> tuple[int, float, float]:
+        known = self._learned(class_name)
+        if known is None:
+            return rules.growth_moments(reserved, generated, None, None)
+        return rules.growth_moments(reserved, generated, known.sorted, known.prefix())
+
+    @property
+    def pooled(self) -> bool:
+        """pooled is True when growth is bounded per node, not per request (``growth: pooled``)."""
+        return self.picking.growth == "pooled"
 
     def hold(self, prompt: int, reserved: int, generated: int, class_name: str) -> int:
-        """hold is what a request is expected to hold on its node at most, in tokens."""
+        """hold is what a request is expected to hold on its node at most, in tokens (alone
+        on it, with pooled growth)."""
+        if self.pooled:
+            return prompt + generated + rules.pooled_growth(
+                [self._moments(reserved, generated, class_name)], self.picking.quantile)
         return rules.node_hold(prompt, reserved, generated, self._growth_lengths(class_name),
                                self.picking.quantile)
 
-    def held(self, n: Node) -> int:
-        """held is the tokens kvgate's charges on ``n`` are expected to hold at most."""
+    def held(self, n: Node, extra: tuple[str, int, int] | None = None) -> int:
+        """held is the tokens kvgate's charges on ``n`` are expected to hold at most; with
+        ``extra`` (class, prompt, reserved), one more request that has generated nothing."""
+        if self.pooled:
+            moments = [self._moments(c.reserved, c.generated, c.class_name) for c in n.charges]
+            footprint = sum(c.footprint for c in n.charges)
+            if extra is not None:
+                moments.append(self._moments(extra[2], 0, extra[0]))
+                footprint += extra[1]
+            return footprint + rules.pooled_growth(moments, self.picking.quantile)
         cache: dict[str, list[int] | None] = {}
         q = self.picking.quantile
         total = 0
@@ -317,6 +357,8 @@ class PoolNodes:
             if lengths == ():
                 lengths = cache[c.class_name] = self._growth_lengths(c.class_name)
             total += rules.node_hold(c.prompt, c.reserved, c.generated, lengths, q)
+        if extra is not None:
+            total += self.hold(extra[1], extra[2], 0, extra[0])
         return total
 
     def headroom(self, n: Node) -> int | None:
@@ -350,6 +392,10 @@ class PoolNodes:
                 n.pass_over(PassedOver.NO_CAPACITY)
                 continue
             held = self.held(n)
+            if self.pooled:
+                # What the request adds to the node's pooled bound is its need there: handed
+                # to pick_node as held + need, whose sum is the bound with the request.
+                held = self.held(n, (class_name, prompt, reserved)) - need
             candidates.append((n.name, cap, n.foreign_ahead, held))
         verdict = rules.pick_node(candidates, need, self.picking.reserve_fraction, watermark)
         for name, why in verdict.passed:
