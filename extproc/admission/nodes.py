@@ -19,11 +19,11 @@ which errs on the safe side. A charge released before its report arrives is not
 subtracted either, for the same reason. A report without a mark (the loop was too busy
 to take one) subtracts nothing.
 
-Foreign KV on the rise. Between two reports a node's foreign KV can grow by as much as
-it grew over the last interval (a batch job ramping up, another gateway's burst), and
-kvgate's requests admitted in that interval cannot be taken back. So a node's room keeps
-the last rise free as well (``Node.rise``): foreign + rise is what the node may hold for
-others at the next report. The rise counted is the smaller of two readings' growth, the
+Foreign KV on the rise. While a node's foreign KV grows (a batch job ramping up, another
+gateway's burst), it may go on growing at the same rate, and kvgate's requests on the node
+cannot be taken back: they free their KV only as they end. So a node's room keeps free
+the last rise projected over the time kvgate's requests typically hold a node (the pool's
+median hold time; at least one report interval): ``Node.foreign_ahead``. The rise counted is the smaller of two readings' growth, the
 foreign KV above and the floor (usage minus every held charge's footprint): kvgate's own
 requests missing from one of them (admitted after the mark, or not yet in the cache at
 the last report) make only that one jump, so they are not taken for a rise.
@@ -125,7 +125,7 @@ class Node:
     """Node is one node's ledger: capacity, last report, foreign KV and kvgate's charges."""
 
     __slots__ = ("name", "address", "configured_capacity", "reported_capacity", "usage",
-                 "report_at", "refused", "foreign", "floor", "rise", "charges", "marks", "picks",
+                 "report_at", "refused", "foreign", "floor", "rise", "rise_s", "charges", "marks", "picks",
                  "passed_over")
 
     def __init__(self, backend: BackendConfig) -> None:
@@ -139,6 +139,7 @@ class Node:
         self.foreign = 0
         self.floor: int | None = None   # tokens used minus every held charge's footprint, last report
         self.rise = 0                   # tokens foreign KV grew by over the last interval (module doc)
+        self.rise_s = 0.0               # that interval, seconds
         self.charges: set[Charge] = set()
         # mark id -> footprint at the mark of each charge certainly in the node's cache.
         self.marks: dict[int, dict[Charge, int]] = {}
@@ -179,7 +180,7 @@ class Node:
             self.reported_capacity = r.capacity_tokens
         scale = self.reported_capacity if self.reported_capacity is not None else self.configured_capacity
         self.usage = min(1.0, max(0.0, r.kv_usage))
-        self.report_at = r.at
+        last_at, self.report_at = self.report_at, r.at
         if scale is None:
             self.foreign, self.floor, self.rise = 0, None, 0
             return
@@ -189,13 +190,18 @@ class Node:
         floor = max(0, used - sum(c.footprint for c in self.charges))
         self.rise = (0 if self.floor is None
                      else max(0, min(foreign - self.foreign, floor - self.floor)))
+        self.rise_s = r.at - last_at if last_at is not None else 0.0
         self.foreign, self.floor = foreign, floor
 
-    @property
-    def foreign_ahead(self) -> int:
-        """foreign_ahead is the KV (tokens) the node may hold for others at its next report:
-        foreign + the last rise (module doc)."""
-        return self.foreign + self.rise
+    def foreign_ahead(self, horizon_s: float) -> int:
+        """foreign_ahead is the KV (tokens) the node may hold for others while requests admitted
+        now run: foreign + the last rise, scaled from its interval to ``horizon_s`` seconds
+        (never below one interval's rise; module doc)."""
+        if self.rise <= 0:
+            return self.foreign
+        if self.rise_s <= 0 or horizon_s <= self.rise_s:
+            return self.foreign + self.rise
+        return self.foreign + math.ceil(self.rise * horizon_s / self.rise_s)
 
     def pass_over(self, why: PassedOver) -> None:
         self.passed_over[why] = self.passed_over.get(why, 0) + 1
@@ -366,7 +372,12 @@ class PoolNodes:
         cap = n.capacity
         if cap is None:
             return None
-        return rules.node_headroom(cap, self.picking.reserve_fraction, n.foreign_ahead, self.held(n))
+        return rules.node_headroom(cap, self.picking.reserve_fraction,
+                                   n.foreign_ahead(self._horizon_s()), self.held(n))
+
+    def _horizon_s(self) -> float:
+        """_horizon_s is how long a request admitted now typically holds its node (s; 0 before any ended)."""
+        return self.holds.median() or 0.0
 
     def pick(self, class_name: str, prompt: int, reserved: int, watermark: float,
              now: float) -> Charge | rules.NodePass:
@@ -379,6 +390,7 @@ class PoolNodes:
         """
         need = self.hold(prompt, reserved, 0, class_name)
         candidates: list[tuple[str, int | None, int, int]] = []
+        horizon = self._horizon_s()
         order = list(self.nodes.values())
         turn = self._turn % len(order) if order else 0
         self._turn += 1
@@ -396,7 +408,7 @@ class PoolNodes:
                 # What the request adds to the node's pooled bound is its need there: handed
                 # to pick_node as held + need, whose sum is the bound with the request.
                 held = self.held(n, (class_name, prompt, reserved)) - need
-            candidates.append((n.name, cap, n.foreign_ahead, held))
+            candidates.append((n.name, cap, n.foreign_ahead(horizon), held))
         verdict = rules.pick_node(candidates, need, self.picking.reserve_fraction, watermark)
         for name, why in verdict.passed:
             self.nodes[name].pass_over(PassedOver(why))

@@ -133,6 +133,23 @@ def test_foreign_kv_on_the_rise_keeps_its_last_rise_free_until_it_stops():
     assert adm.nodes("default")[0].headroom_tokens == 96_000
 
 
+def test_a_rise_is_projected_over_the_time_kvgates_requests_hold_a_node():
+    clock = ManualClock(T0)
+    adm = Admission(config(pool=nodes_pool(1)), clock)
+    report(adm, clock, {"n0": 0.0})
+    lease = adm.try_acquire(demand(1_000, 0))
+    clock.advance(4.0)
+    lease.release(Outcome.COMPLETED, 0)                     # requests hold a node 4 s here
+    report(adm, clock, {"n0": 0.0})
+    clock.advance(2.0)
+    report(adm, clock, {"n0": 0.05})                       # others: +5k in 2 s...
+    assert adm.nodes("default")[0].headroom_tokens == CAP - 5_000 - 10_000   # ...and 10k more in 4 s
+    clock.advance(0.5)
+    report(adm, clock, {"n0": 0.10})                       # +5k in 0.5 s: 40k more in 4 s
+    assert adm.nodes("default")[0].headroom_tokens == CAP - 10_000 - 40_000
+    assert isinstance(adm.try_acquire(demand(50_001, 0)), Rejection)
+
+
 def test_a_rise_of_kvgates_own_requests_in_the_report_is_no_foreign_rise():
     clock = ManualClock(T0)
     adm = Admission(config(pool=nodes_pool(1)), clock)
