@@ -81,8 +81,9 @@ class PickingConfig:
     the completion lengths settled in its pool and class that are above what it has
     generated, never above its reservation, and the worst case until ``min_samples``
     were settled) or ``pooled`` (from the same lengths, the ``quantile`` of the summed
-    growth of a node's requests, see ``rules.pooled_growth``); ``reserve_fraction``: share of each node's KV capacity kept free
-    (block rounding, reports a few milliseconds off kvgate's own view).
+    growth of a node's requests, see ``rules.pooled_growth``); ``reserve_fraction``:
+    share of each node's KV capacity kept free (block rounding, reports a few
+    milliseconds off kvgate's own view).
     """
 
     growth: str = "learned"
