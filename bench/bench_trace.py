@@ -14,9 +14,11 @@ policy gets the same requests, in one run:
                     each node's true KV (background included) and sends a request, through
                     Envoy, to the node with the most room as soon as its final size fits there;
 5. ``picker-worst``: kvgate picking the node (``picking: {growth: worst_case}``);
-6. ``picker-learned``: kvgate picking the node (``picking: {growth: learned, quantile: 0.9}``).
+6. ``picker-learned``: kvgate picking the node (``picking: {growth: learned, quantile: 0.9}``);
+7. ``picker-pooled``: the same with the quantile of each node's summed growth
+   (``picking: {growth: pooled, quantile: 0.9}``), an alternative to the recommended setting.
 
-Policies 5-6 need ``deploy/envoy-endpoint-picker.yaml`` (kvgate's endpoint picking) and
+Policies 5-7 need ``deploy/envoy-endpoint-picker.yaml`` (kvgate's endpoint picking) and
 are skipped, with a line saying so, while that file is missing.
 
 Prompts are built to the trace's exact token counts (one cl100k token per word plus the
@@ -45,6 +47,7 @@ if str(ROOT) not in sys.path:  # run as a script from the repository root
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import csv  # noqa: E402
+import hashlib  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import platform  # noqa: E402
@@ -323,7 +326,19 @@ POLICIES: tuple[Policy, ...] = (
            {"growth": "worst_case"}),
     Policy("picker-learned", "6. kvgate picking nodes, recommended (learned) growth", "picker", "picker",
            {"growth": "learned", "quantile": 0.9}),
+    Policy("picker-pooled", "7. kvgate picking nodes, pooled growth (q of each node's sum)", "picker", "picker",
+           {"growth": "pooled", "quantile": 0.9}),
 )
+
+
+def api_key(tenant: str) -> str:
+    """api_key is the API key the bench's clients of ``tenant`` send (``authorization: Bearer``)."""
+    return f"sk-bench-{tenant}"
+
+
+def key_digest(tenant: str) -> str:
+    """key_digest is the SHA-256 (hex) of ``tenant``'s API key, as kvgate's config names it."""
+    return hashlib.sha256(api_key(tenant).encode()).hexdigest()
 
 
 def kvgate_config(policy: Policy, sc: Scenario, speedup: float, sim_ports: Sequence[int],
@@ -365,8 +380,10 @@ def kvgate_config(policy: Policy, sc: Scenario, speedup: float, sim_ports: Seque
                 "batch": {"priority": -10, "sheddable": True, "max_wait_s": 10.0 / speedup,
                           "kv_watermark": 0.7},
             },
-            "tenants": {**{f"online-{i + 1}": {"class": "online"} for i in range(sc.online_tenants)},
-                        "batch": {"class": "batch"}},
+            # Envoy's files strip a client's x-tenant-id: tenants are known by their API keys.
+            "tenants": {**{f"online-{i + 1}": {"class": "online", "api_key_sha256": key_digest(f"online-{i + 1}")}
+                           for i in range(sc.online_tenants)},
+                        "batch": {"class": "batch", "api_key_sha256": key_digest("batch")}},
         },
     }
     parse_config(cfg)  # a bad benchmark config fails here, with the key named
@@ -547,7 +564,7 @@ class Client:
     async def _attempts(self, session: aiohttp.ClientSession, r: Result) -> None:
         req = r.req
         first = self.sim_now()
-        headers = {"content-type": "application/json", "x-tenant-id": req.tenant,
+        headers = {"content-type": "application/json", "authorization": f"Bearer {api_key(req.tenant)}",
                    OUTPUT_TOKENS_HEADER: str(req.output_tokens)}
         max_retries = 2 if req.klass == "online" else 1_000_000   # openai-python's default for chats
         placed: tuple[int, int] | None = None
@@ -618,11 +635,13 @@ _GAUGES = {"kvgate_inflight_requests", "kvgate_kv_inflight_tokens", "kvgate_kv_b
            "kvgate_admission_scale", "kvgate_pool_alarm"}
 # The picker's per-node readings (issue 13's contract), kept per backend label.
 _PER_BACKEND = {"kvgate_backend_kv_inflight_tokens", "kvgate_backend_picks_total"}
+# kvgate's decisions, kept per class and outcome: which class a tenant's requests landed in.
+_PER_CLASS = {"kvgate_requests_total"}
 
 
 def parse_kvgate_metrics(text: str) -> dict[str, float]:
     """parse_kvgate_metrics sums kvgate's pool gauges over labels and keeps the per-backend
-    series as ``name/backend`` entries."""
+    series as ``name/backend`` entries, its decisions as ``name/class/outcome`` (those seen)."""
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
@@ -630,6 +649,9 @@ def parse_kvgate_metrics(text: str) -> dict[str, float]:
                 out[s.name] = out.get(s.name, 0.0) + s.value
             elif s.name in _PER_BACKEND:
                 key = f"{s.name}/{s.labels.get('backend', '')}"
+                out[key] = out.get(key, 0.0) + s.value
+            elif s.name in _PER_CLASS and s.value:
+                key = f"{s.name}/{s.labels.get('class', '')}/{s.labels.get('outcome', '')}"
                 out[key] = out.get(key, 0.0) + s.value
     return out
 
@@ -1025,7 +1047,7 @@ def report(runs: list[Run], sc: Scenario, node: Node, trace: Path, rows: int, re
               "- kvgate (policies 2, 3, 5, 6): the three nodes as backends, KV budget 0.9 x their reported "
               "capacity, adaptive scale on the fullest node (watermarks 0.70/0.85), classes `online` "
               "(priority 10, may wait 2 s) and `batch` (priority -10, sheddable, may wait 10 s, "
-              "kv_watermark 0.7). Policies 5-6 add each node's `address` and the pool's `picking` section, "
+              "kv_watermark 0.7). Policies 5-7 add each node's `address` and the pool's `picking` section, "
               f"with `{PICKER_ENVOY.relative_to(ROOT)}`.",
               "- Oracle (policy 4): knows each request's true output and each node's true KV; admits a "
               "request to the node with the most room once prompt + true output fits there (keeping room "

@@ -13,15 +13,18 @@ all of it), is sent, in each run, side by side:
    vLLM reports (the default); ``kvgate-budget-1.0``: the same at 1.0 x;
 3. ``picker-learned`` and ``picker-worst_case``: through ``deploy/envoy-endpoint-picker.yaml``,
    with kvgate picking the node (the pool's backend has an ``address``); skipped, with the
-   reason printed, while that Envoy file is not in the repository.
+   reason printed, while that Envoy file is not in the repository;
+4. on two vLLM processes of the same flags, twice the burst: ``direct-2`` alternates the
+   requests between them (as a round robin would: each gets the one-node burst and
+   preempts), ``picker-learned-2`` goes through Envoy with kvgate picking the node for each.
 
 The requests use the real ``openai`` client (its retries honour kvgate's ``retry-after``).
-Per row and run: vLLM's own ``vllm:num_preemptions_total`` before and after, requests
+Per row and run: each vLLM process's own ``vllm:num_preemptions_total`` before and after, requests
 completed in full, kvgate's refusals, elapsed time (the frozen seconds below taken out),
 and vLLM's peak KV usage, running and waiting requests (sampled from its ``/metrics``).
 Once per row, while the burst runs, vLLM's engine processes are frozen (SIGSTOP) so that
-its metrics stand still; kvgate's reading of the backend (KV usage, waiting requests) is
-then compared with vLLM's after kvgate has scraped twice more, and the engine resumed.
+its metrics stand still; kvgate's reading of each backend (KV usage, waiting requests) is
+then compared with that vLLM's after kvgate has scraped twice more, and the engines resumed.
 
 The machine has 2 shared cores: times are noisy, preemption counts are the result.
 Writes ``bench/results/vllm.md`` and ``bench/results/vllm_kv.png``.
@@ -52,6 +55,7 @@ import time  # noqa: E402
 import urllib.request  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from importlib import metadata  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
 import aiohttp  # noqa: E402
@@ -69,7 +73,6 @@ MODEL_SCRIPT = ROOT / "bench" / "vllm_model.py"
 POOL_ENVOY = ROOT / "deploy" / "envoy.yaml"
 PICKER_ENVOY = ROOT / "deploy" / "envoy-endpoint-picker.yaml"
 MODEL_NAME = "tiny-llama"
-BACKEND = "vllm-0"
 # Envoy's max_message_timeout in both files is 60 s: a class wait above it turns every
 # waiting request into a 504 (VLLM-CPU.md), so kvgate's wait stays below it.
 MAX_WAIT_S = 45.0
@@ -133,6 +136,7 @@ class Row:
     envoy: Path | None = None
     picking: dict[str, Any] | None = None
     kv_budget_fraction: float = 0.9
+    nodes: int = 1   # vLLM processes the row sends to; the burst is ``nodes`` x the base burst
 
     @property
     def freeze_at(self) -> float:
@@ -151,6 +155,9 @@ ROWS = (
         PICKER_ENVOY, {"growth": "learned", "quantile": 0.9}),
     Row("picker-worst_case", "Envoy + kvgate picking the node, growth worst_case",
         PICKER_ENVOY, {"growth": "worst_case"}),
+    Row("direct-2", "straight to two vLLM processes, requests alternated between them", nodes=2),
+    Row("picker-learned-2", "Envoy + kvgate picking between two vLLM processes, growth learned (q 0.9)",
+        PICKER_ENVOY, {"growth": "learned", "quantile": 0.9}, nodes=2),
 )
 
 
@@ -187,7 +194,7 @@ def parse_metrics(text: str) -> dict[str, float]:
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             out[s.name] = out.get(s.name, 0.0) + s.value
-            for label in ("outcome", "kv_cache_size_tokens"):
+            for label in ("outcome", "kv_cache_size_tokens", "backend"):
                 if label in s.labels:
                     key = f"{s.name}{{{label}={s.labels[label]}}}"
                     out[key] = out.get(key, 0.0) + s.value
@@ -269,16 +276,17 @@ class Engine:
 
 
 class Gate:
-    """Gate is kvgate and the real Envoy in front of the engine, on loopback ports."""
+    """Gate is kvgate and the real Envoy in front of the row's engines, on loopback ports."""
 
-    def __init__(self, row: Row, engine: Engine, tokenizer_path: Path, workdir: Path) -> None:
+    def __init__(self, row: Row, engines: Sequence[Engine], tokenizer_path: Path, workdir: Path) -> None:
         assert row.envoy is not None
         self.row = row
+        self.engines = list(engines)
         self.workdir = workdir / row.key
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.grpc_port, self.admin_port, self.envoy_port = free_port(), free_port(), free_port()
-        self.kvgate_config = kvgate_config(engine.port, engine.flags, tokenizer_path, row.picking,
-                                           row.kv_budget_fraction)
+        self.kvgate_config = kvgate_config([e.port for e in self.engines], self.engines[0].flags,
+                                           tokenizer_path, row.picking, row.kv_budget_fraction)
         self.procs: list[Proc] = []
 
     @property
@@ -289,8 +297,8 @@ class Gate:
     def admin_url(self) -> str:
         return f"http://{LOOPBACK}:{self.admin_port}"
 
-    def start(self, engine: Engine) -> Gate:
-        """start launches kvgate, waits until it has read the engine's signals, then Envoy."""
+    def start(self) -> Gate:
+        """start launches kvgate, waits until it has read every engine's signals, then Envoy."""
         cfg_path = self.workdir / "kvgate.yaml"
         cfg_path.write_text(yaml.safe_dump(self.kvgate_config, sort_keys=False))
         try:
@@ -301,11 +309,11 @@ class Gate:
             self.procs.append(kv)
             kv.wait_port(self.admin_port)
             kv.wait_port(self.grpc_port)
-            wait_until(lambda: self.metrics().get("kvgate_backend_up") == 1.0, timeout=30,
-                       what="kvgate's first scrape of vLLM")
+            wait_until(lambda: self.metrics().get("kvgate_backend_up") == float(len(self.engines)),
+                       timeout=30, what="kvgate's first scrape of every vLLM process")
             envoy_yaml = self.workdir / "envoy.yaml"
             cfg = render_envoy(yaml.safe_load(self.row.envoy.read_text()), listen=self.envoy_port,
-                               grpc=self.grpc_port, upstream=engine.port)
+                               grpc=self.grpc_port, upstream=self.engines[0].port)
             envoy_yaml.write_text(yaml.safe_dump(cfg, sort_keys=False))
             envoy = Proc([str(VENV_BIN / "envoy"), "-c", str(envoy_yaml), "--log-level", "error",
                           "--disable-hot-restart", "--concurrency", "1"], self.workdir / "envoy.log")
@@ -329,25 +337,32 @@ class Gate:
         self.procs.clear()
 
 
-def kvgate_config(engine_port: int, flags: EngineFlags, tokenizer_path: Path,
-                  picking: dict[str, Any] | None, kv_budget_fraction: float = 0.9) -> dict[str, Any]:
-    """kvgate_config is kvgate's configuration for one pool of the engine on loopback ``engine_port``.
+def backend_name(i: int) -> str:
+    """backend_name is the name kvgate's config gives the ``i``-th vLLM process (0-based)."""
+    return f"vllm-{i}"
 
-    The KV budget is left to be derived (the engine's reported capacity x
+
+def kvgate_config(engine_ports: Sequence[int], flags: EngineFlags, tokenizer_path: Path,
+                  picking: dict[str, Any] | None, kv_budget_fraction: float = 0.9) -> dict[str, Any]:
+    """kvgate_config is kvgate's configuration for one pool of the engines on loopback ``engine_ports``.
+
+    The KV budget is left to be derived (the engines' reported capacity x
     ``kv_budget_fraction``, a ratio), as deploy/kvgate.yaml does; prompts are counted with the
-    model's own tokenizer. ``picking`` (None: pool level) adds the node's address and the
-    pool's picking section.
+    model's own tokenizer. ``picking`` (None: pool level) adds each node's address and the
+    pool's picking section; concurrency is ``max_num_seqs`` per engine.
     """
-    backend: dict[str, Any] = {"name": BACKEND, "metrics_url": f"http://{LOOPBACK}:{engine_port}/metrics",
-                               "engine": "vllm"}
+    backends: list[dict[str, Any]] = [
+        {"name": backend_name(i), "metrics_url": f"http://{LOOPBACK}:{port}/metrics", "engine": "vllm"}
+        for i, port in enumerate(engine_ports)]
     pool: dict[str, Any] = {
-        "max_concurrency": flags.max_num_seqs, "context_window": flags.max_model_len,
+        "max_concurrency": flags.max_num_seqs * len(backends), "context_window": flags.max_model_len,
         "default_max_tokens": 1024, "tokenizer": f"hf:{tokenizer_path}", "chat_template": "none",
-        "backends": [backend],
+        "backends": backends,
         "signals": {"aggregate": "max", "waiting_threshold": 8, "kv_budget_fraction": kv_budget_fraction},
     }
-    if picking is not None:  # the per-node contract: the node's address, the pool's picking
-        backend["address"] = f"{LOOPBACK}:{engine_port}"
+    if picking is not None:  # the per-node contract: each node's address, the pool's picking
+        for backend, port in zip(backends, engine_ports):
+            backend["address"] = f"{LOOPBACK}:{port}"
         pool["picking"] = dict(picking)
     cfg: dict[str, Any] = {
         "pools": {"default": pool},
@@ -385,8 +400,9 @@ def render_envoy(template: dict[str, Any], *, listen: int, grpc: int, upstream: 
 
 @dataclass(slots=True)
 class KvCheck:
-    """KvCheck is vLLM's and kvgate's readings of the frozen engine (usage a ratio 0-1)."""
+    """KvCheck is vLLM's and kvgate's readings of one frozen engine, ``node`` (usage a ratio 0-1)."""
 
+    node: str
     vllm_usage: float
     kvgate_usage: float
     vllm_waiting: float
@@ -411,14 +427,20 @@ class Outcome:
     admitted: float = 0.0
     elapsed_s: float = 0.0         # first request sent to last answer, frozen time taken out
     frozen_s: float = 0.0
-    peak_kv: float = 0.0
-    peak_running: float = 0.0
+    peak_kv: float = 0.0           # the highest KV usage any of the row's engines reported
+    peak_running: float = 0.0      # per engine, the highest of them
     peak_waiting: float = 0.0
-    check: KvCheck | None = None
+    node_preemptions: list[float] = field(default_factory=list)       # per engine, in order
+    checks: list[KvCheck] = field(default_factory=list)               # one per engine, or none
     kvgate_budget: float | None = None
     kvgate_inflight_after: float | None = None
     errors: list[str] = field(default_factory=list)
-    series: list[tuple[float, float]] = field(default_factory=list)   # (s, vLLM KV usage)
+    series: dict[int, list[tuple[float, float]]] = field(default_factory=dict)  # engine -> (s, KV usage)
+
+    @property
+    def check(self) -> KvCheck | None:
+        """check is the first engine's frozen check (None: no check was made)."""
+        return self.checks[0] if self.checks else None
 
 
 async def send_burst(url: str, texts: list[str], burst: Burst, out: Outcome) -> None:
@@ -447,8 +469,9 @@ async def send_burst(url: str, texts: list[str], burst: Burst, out: Outcome) -> 
         await client.close()
 
 
-async def sample(engine: Engine, t0: float, out: Outcome, period_s: float = 0.25) -> None:
-    """sample records vLLM's KV usage, running and waiting requests until cancelled."""
+async def sample(engine: Engine, index: int, t0: float, out: Outcome, period_s: float = 0.25) -> None:
+    """sample records the ``index``-th engine's KV usage, running and waiting requests until cancelled."""
+    series = out.series.setdefault(index, [])
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
         while True:
             try:
@@ -456,7 +479,7 @@ async def sample(engine: Engine, t0: float, out: Outcome, period_s: float = 0.25
                     m = parse_metrics(await resp.text())
                 usage = m.get("vllm:kv_cache_usage_perc")
                 if usage is not None:  # a missing gauge is no reading of 0
-                    out.series.append((time.monotonic() - t0, usage))
+                    series.append((time.monotonic() - t0, usage))
                     out.peak_kv = max(out.peak_kv, usage)
                 out.peak_running = max(out.peak_running, m.get("vllm:num_requests_running", 0.0))
                 out.peak_waiting = max(out.peak_waiting, m.get("vllm:num_requests_waiting", 0.0))
@@ -465,32 +488,36 @@ async def sample(engine: Engine, t0: float, out: Outcome, period_s: float = 0.25
             await asyncio.sleep(period_s)
 
 
-async def frozen_check(engine: Engine, gate: Gate, out: Outcome, min_usage: float) -> None:
-    """frozen_check freezes the engine once it holds ``min_usage`` of its KV cache, waits for
-    two more of kvgate's scrapes, compares the two readings, and resumes the engine."""
+async def frozen_check(engines: Sequence[Engine], gate: Gate, out: Outcome, min_usage: float) -> None:
+    """frozen_check freezes every engine once each holds ``min_usage`` of its KV cache, waits
+    for two more of kvgate's scrape rounds, compares the readings per engine, and resumes them."""
     def busy() -> bool:
-        return engine.metrics().get("vllm:kv_cache_usage_perc", 0.0) >= min_usage
+        return all(e.metrics().get("vllm:kv_cache_usage_perc", 0.0) >= min_usage for e in engines)
     await asyncio.to_thread(wait_until, busy, 120.0, 0.1, f"vLLM KV usage >= {min_usage}")
-    pids = engine.engine_pids()
+    pids = [pid for e in engines for pid in e.engine_pids()]
     started = time.monotonic()
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
     try:
-        def settled() -> tuple[dict[str, float], dict[str, float]]:
-            before = engine.metrics()
-            scrapes = gate.metrics().get("kvgate_backend_scrape_seconds_count", 0.0)
-            wait_until(lambda: gate.metrics().get("kvgate_backend_scrape_seconds_count", 0.0) >= scrapes + 2,
-                       timeout=30, interval=0.05, what="two of kvgate's scrapes of the frozen engine")
+        def settled() -> tuple[list[dict[str, float]], dict[str, float]]:
+            before = [e.metrics() for e in engines]
+            # kvgate counts one scrape per backend: two rounds are two per engine
+            want = gate.metrics().get("kvgate_backend_scrape_seconds_count", 0.0) + 2 * len(gate.engines)
+            wait_until(lambda: gate.metrics().get("kvgate_backend_scrape_seconds_count", 0.0) >= want,
+                       timeout=30, interval=0.05, what="two of kvgate's scrape rounds of the frozen engines")
             return before, gate.metrics()
-        vm, gm = await asyncio.to_thread(settled)
-        after = await asyncio.to_thread(engine.metrics)
-        if after.get("vllm:kv_cache_usage_perc") != vm.get("vllm:kv_cache_usage_perc"):
-            out.errors.append("vLLM's KV usage moved while its engine was frozen")
-        out.check = KvCheck(vllm_usage=vm.get("vllm:kv_cache_usage_perc", -1.0),
-                            kvgate_usage=gm.get("kvgate_backend_kv_cache_usage_ratio", -1.0),
-                            vllm_waiting=vm.get("vllm:num_requests_waiting", -1.0),
-                            kvgate_waiting=gm.get("kvgate_backend_requests_waiting", -1.0),
-                            vllm_running=vm.get("vllm:num_requests_running", -1.0))
+        vms, gm = await asyncio.to_thread(settled)
+        for i, (engine, vm) in enumerate(zip(engines, vms)):
+            after = await asyncio.to_thread(engine.metrics)
+            if after.get("vllm:kv_cache_usage_perc") != vm.get("vllm:kv_cache_usage_perc"):
+                out.errors.append(f"{backend_name(i)}'s KV usage moved while its engine was frozen")
+            b = f"{{backend={backend_name(i)}}}"
+            out.checks.append(KvCheck(node=backend_name(i),
+                                      vllm_usage=vm.get("vllm:kv_cache_usage_perc", -1.0),
+                                      kvgate_usage=gm.get("kvgate_backend_kv_cache_usage_ratio" + b, -1.0),
+                                      vllm_waiting=vm.get("vllm:num_requests_waiting", -1.0),
+                                      kvgate_waiting=gm.get("kvgate_backend_requests_waiting" + b, -1.0),
+                                      vllm_running=vm.get("vllm:num_requests_running", -1.0)))
     finally:
         for pid in pids:
             try:
@@ -500,19 +527,26 @@ async def frozen_check(engine: Engine, gate: Gate, out: Outcome, min_usage: floa
         out.frozen_s += time.monotonic() - started
 
 
-async def run_burst(row: Row, run: int, engine: Engine, gate: Gate | None, checker: Gate | None,
+async def run_burst(row: Row, run: int, engines: Sequence[Engine], gate: Gate | None, checker: Gate | None,
                     texts: list[str], burst: Burst) -> Outcome:
-    """run_burst sends the burst one way (through ``gate``, or straight to the engine when it
-    is None) and measures it; ``checker`` is the kvgate whose reading is compared."""
+    """run_burst sends the burst one way (through ``gate``, or straight to the engines when it
+    is None, the requests alternated between them as a round robin would) and measures it;
+    ``checker`` is the kvgate whose reading is compared (it must scrape these engines)."""
     out = Outcome(row.key, run)
-    engine.wait_idle()
-    before = engine.metrics()
+    for e in engines:
+        e.wait_idle()
+    before = [e.metrics() for e in engines]
     gate_before = gate.metrics() if gate is not None else {}
     t0 = time.monotonic()
-    sampler = asyncio.create_task(sample(engine, t0, out))
-    checking = asyncio.create_task(frozen_check(engine, checker, out, row.freeze_at)) if checker is not None else None
+    samplers = [asyncio.create_task(sample(e, i, t0, out)) for i, e in enumerate(engines)]
+    checking = (asyncio.create_task(frozen_check(engines, checker, out, row.freeze_at))
+                if checker is not None else None)
     try:
-        await send_burst(gate.url if gate is not None else engine.url, texts, burst, out)
+        if gate is not None:
+            await send_burst(gate.url, texts, burst, out)
+        else:
+            await asyncio.gather(*(send_burst(e.url, texts[i::len(engines)], burst, out)
+                                   for i, e in enumerate(engines)))
         out.elapsed_s = time.monotonic() - t0
         if checking is not None:
             try:
@@ -522,14 +556,18 @@ async def run_burst(row: Row, run: int, engine: Engine, gate: Gate | None, check
             except Exception as exc:  # noqa: BLE001 - reported in the row, the run goes on
                 out.errors.append(f"KV check: {type(exc).__name__}: {exc}"[:300])
     finally:
-        sampler.cancel()
+        for t in samplers:
+            t.cancel()
         if checking is not None and not checking.done():
             checking.cancel()
-        await asyncio.gather(sampler, *([checking] if checking else []), return_exceptions=True)
+        await asyncio.gather(*samplers, *([checking] if checking else []), return_exceptions=True)
     out.elapsed_s -= out.frozen_s
-    engine.wait_idle()
-    after = engine.metrics()
-    out.preemptions = after.get("vllm:num_preemptions_total", 0.0) - before.get("vllm:num_preemptions_total", 0.0)
+    for e, b in zip(engines, before):
+        e.wait_idle()
+        after = e.metrics()
+        out.node_preemptions.append(after.get("vllm:num_preemptions_total", 0.0)
+                                    - b.get("vllm:num_preemptions_total", 0.0))
+    out.preemptions = sum(out.node_preemptions)
     if gate is not None:
         gm = gate.metrics()
         for key, value in gm.items():
@@ -555,22 +593,42 @@ def spread(values: list[float], digits: int = 0) -> str:
     return fmt.format(lo) if lo == hi else f"{fmt.format(lo)}-{fmt.format(hi)}"
 
 
+def preemption_cell(os_: list[Outcome]) -> str:
+    """preemption_cell is a row's preemptions over its runs: per engine and total for several
+    engines ('0-1 / 0 = 0-1'), the total alone for one."""
+    total = spread([o.preemptions for o in os_])
+    nodes = max((len(o.node_preemptions) for o in os_), default=0)
+    if nodes < 2:
+        return total
+    per = [spread([o.node_preemptions[i] for o in os_ if i < len(o.node_preemptions)]) for i in range(nodes)]
+    return f"{' / '.join(per)} = {total}"
+
+
 def plot(outcomes: list[Outcome], path: Path, flags: EngineFlags) -> None:
-    """plot draws vLLM's KV usage over time for every row of the first run."""
+    """plot draws vLLM's KV usage over time for every row of the first run: the rows on one
+    engine on the left, those on two on the right (one line per engine)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 3.6))
-    for o in outcomes:
-        if o.run == 1 and o.series:
-            ax.plot([t for t, _ in o.series], [u for _, u in o.series],
-                    label=f"{o.row}: {o.preemptions:g} preemptions")
-    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
-    ax.set_xlabel("seconds from the burst (the frozen check included)")
-    ax.set_ylabel("vllm:kv_cache_usage_perc")
-    ax.set_title(f"vLLM KV usage, run 1 ({flags.usable_tokens:,} usable KV tokens)")
-    ax.legend()
+    first = [o for o in outcomes if o.run == 1 and o.series]
+    multi = any(len(o.series) > 1 for o in first)
+    fig, axes = plt.subplots(1, 2 if multi else 1, figsize=(13 if multi else 8, 3.8), squeeze=False)
+    for o in first:
+        ax = axes[0][1 if multi and len(o.series) > 1 else 0]
+        for i, series in sorted(o.series.items()):
+            who = f" {backend_name(i)}" if len(o.series) > 1 else ""
+            n = o.node_preemptions[i] if i < len(o.node_preemptions) else o.preemptions
+            ax.plot([t for t, _ in series], [u for _, u in series], linestyle="-" if i == 0 else "--",
+                    label=f"{o.row}{who}: {n:g} preemptions")
+    for j, ax in enumerate(axes[0]):
+        ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
+        ax.set_xlabel("seconds from the burst (the frozen check included)")
+        ax.set_ylabel("vllm:kv_cache_usage_perc")
+        ax.set_title(f"{'two vLLM processes' if j else 'one vLLM process'}, run 1 "
+                     f"({flags.usable_tokens:,} usable KV tokens each)")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -605,17 +663,18 @@ def _relative(arg: str) -> str:
 
 
 def report(outcomes: list[Outcome], skipped: dict[str, str], flags: EngineFlags, burst: Burst,
-           runs: int, argv: list[str], vers: dict[str, str], startup_s: float, wall_s: float,
+           runs: int, argv: list[str], vers: dict[str, str], startup_s: list[float], wall_s: float,
            out_dir: Path) -> str:
     """report writes vllm.md and the plot; returns the verdict line."""
     rows = [r for r in ROWS if any(o.row == r.key for o in outcomes)]
     by_row = {r.key: [o for o in outcomes if o.row == r.key] for r in rows}
-    direct = by_row.get("direct", [])
-    gated = [o for k, os_ in by_row.items() if k != "direct" for o in os_]
-    preempting_runs = {o.run for o in direct if o.preemptions > 0}
-    protected = all(o.preemptions == 0 for o in gated if o.run in preempting_runs)
-    checks = [o.check for o in outcomes if o.check is not None]
-    verdict = (f"direct burst preempted in {len(preempting_runs)}/{len(direct)} runs; "
+    direct = [o for r in rows if r.envoy is None for o in by_row[r.key]]
+    gated = [o for r in rows if r.envoy is not None for o in by_row[r.key]]
+    # a gated row counts where the direct burst on as many engines preempted in the same run
+    preempting = {(o.run, len(o.node_preemptions)) for o in direct if o.preemptions > 0}
+    protected = all(o.preemptions == 0 for o in gated if (o.run, len(o.node_preemptions)) in preempting)
+    checks = [c for o in outcomes for c in o.checks]
+    verdict = (f"direct burst preempted in {len(preempting)}/{len(direct)} runs (rows x runs); "
                f"through kvgate 0 preemptions in those runs: {'yes' if protected and gated else 'NO'}; "
                f"kvgate's KV reading equal to vLLM's in {sum(c.equal for c in checks)}/{len(checks)} frozen checks")
     lines = [
@@ -631,26 +690,32 @@ def report(outcomes: list[Outcome], skipped: dict[str, str], flags: EngineFlags,
         f"byte-level BPE tokenizer (bench/vllm_model.py); {flags.blocks} KV blocks of {flags.block_size} "
         f"({flags.usable_tokens:,} usable tokens), max-model-len {flags.max_model_len}, max-num-seqs "
         f"{flags.max_num_seqs}, max-num-batched-tokens {flags.max_num_batched_tokens}, "
-        f"start-up {startup_s:.0f} s until /health.",
+        f"start-up until /health: {', '.join(f'{s:.0f} s' for s in startup_s)} "
+        f"({len(startup_s)} process{'es' if len(startup_s) > 1 else ''}, started together; the "
+        "rows without -2 use the first).",
         "",
         f"Burst: {burst.requests} concurrent `/v1/completions` of a distinct {burst.prompt_tokens:,}-token "
         f"prompt + max_tokens {burst.max_tokens:,} (ignore_eos, min_tokens {burst.max_tokens:,}), "
-        "sent by the openai client (20 retries, honouring retry-after). kvgate: pool level, one "
-        f"backend scraped every {POLL_S:g} s, KV budget derived from vLLM's reported capacity x 0.9 "
-        "(x 1.0 in the row that says so), "
+        "sent by the openai client (20 retries, honouring retry-after); the rows ending in -2 send "
+        f"{2 * burst.requests} to two vLLM processes of the same flags (two separate servers, one "
+        f"OpenMP thread each; straight: alternated between them, {burst.requests} each; through kvgate: "
+        "it picks the node). kvgate: each backend scraped every "
+        f"{POLL_S:g} s; pool level: KV budget derived from vLLM's reported capacity x 0.9 "
+        "(x 1.0 in the row that says so); picking: each node's room judged from its own report; "
         f"class wait up to {MAX_WAIT_S:g} s.",
         "",
         f"**{verdict}.**",
         "",
-        "| row | preemptions (vLLM) | completed | kvgate refusals | elapsed s | peak KV usage | peak running | peak waiting |",
+        "| row | preemptions (vLLM; two engines: each / total) | completed | kvgate refusals | elapsed s "
+        "| peak KV usage | peak running | peak waiting |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         os_ = by_row[r.key]
         gatekeeping = r.envoy is not None
         lines.append(
-            f"| {r.key}: {r.title} | {spread([o.preemptions for o in os_])} "
-            f"| {spread([o.completed for o in os_])}/{burst.requests} "
+            f"| {r.key}: {r.title} | {preemption_cell(os_)} "
+            f"| {spread([o.completed for o in os_])}/{burst.requests * r.nodes} "
             f"| {spread([o.refusals for o in os_]) if gatekeeping else '-'} "
             f"| {spread([o.elapsed_s for o in os_], 1)} | {spread([o.peak_kv for o in os_], 3)} "
             f"| {spread([o.peak_running for o in os_])} | {spread([o.peak_waiting for o in os_])} |")
@@ -661,36 +726,39 @@ def report(outcomes: list[Outcome], skipped: dict[str, str], flags: EngineFlags,
         "",
         "Values are min-max over the runs (one value where all runs agree). Elapsed: first request "
         "sent to last answer, with the seconds the engine was frozen for the check taken out. "
-        "kvgate refusals: its 429s (the class wait ran out), each retried by the client.",
+        "kvgate refusals: its 429s (the class wait ran out), each retried by the client. Peak KV, "
+        "running and waiting: the highest any one engine reported.",
         "",
         "## kvgate's reading of vLLM's metrics, engine frozen",
         "",
         "In each row, once vLLM held 75% of its KV cache (direct) or 25% (through kvgate), its engine processes were "
-        "stopped (SIGSTOP) so that its `/metrics` stood still; kvgate's gauges were read after "
-        "two more of its scrapes, then the engine resumed (SIGCONT).",
+        "stopped (SIGSTOP) so that its `/metrics` stood still (in the -2 rows: once both held that "
+        "much, both frozen at once); kvgate's gauges of that backend were read after "
+        "two more of its scrape rounds, then the engines resumed (SIGCONT).",
         "",
-        "| run | row | vllm:kv_cache_usage_perc | kvgate_backend_kv_cache_usage_ratio | vllm:num_requests_waiting "
-        "| kvgate_backend_requests_waiting | running | equal |",
-        "|---|---|---|---|---|---|---|---|",
+        "| run | row | node | vllm:kv_cache_usage_perc | kvgate_backend_kv_cache_usage_ratio "
+        "| vllm:num_requests_waiting | kvgate_backend_requests_waiting | running | equal |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for o in outcomes:
-        c = o.check
-        if c is not None:
-            lines.append(f"| {o.run} | {o.row} | {c.vllm_usage:.6g} | {c.kvgate_usage:.6g} | {c.vllm_waiting:g} "
-                         f"| {c.kvgate_waiting:g} | {c.vllm_running:g} | {'yes' if c.equal else 'NO'} |")
+        for c in o.checks:
+            lines.append(f"| {o.run} | {o.row} | {c.node} | {c.vllm_usage:.6g} | {c.kvgate_usage:.6g} "
+                         f"| {c.vllm_waiting:g} | {c.kvgate_waiting:g} | {c.vllm_running:g} "
+                         f"| {'yes' if c.equal else 'NO'} |")
     lines += ["", "## Every run", "",
               "| run | row | preemptions | completed | failed | admitted | refusals | elapsed s | frozen s "
               "| peak KV | kvgate KV budget after | kvgate in flight after | notes |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for o in outcomes:
-        gatekeeping = o.row != "direct"
+        gatekeeping = o.row in {r.key for r in rows if r.envoy is not None}
+        preempted = " / ".join(f"{n:g}" for n in o.node_preemptions) if len(o.node_preemptions) > 1 else f"{o.preemptions:g}"
         lines.append(
-            f"| {o.run} | {o.row} | {o.preemptions:g} | {o.completed} | {o.failed} "
+            f"| {o.run} | {o.row} | {preempted} | {o.completed} | {o.failed} "
             f"| {o.admitted:g} | {o.refusals:g} | {o.elapsed_s:.1f} | {o.frozen_s:.1f} | {o.peak_kv:.3f} "
             f"| {'off (per node)' if o.kvgate_budget is None else format(o.kvgate_budget, 'g')} "
             f"| {o.kvgate_inflight_after:g} | {'; '.join(o.errors)[:300]} |"
             if gatekeeping else
-            f"| {o.run} | {o.row} | {o.preemptions:g} | {o.completed} | {o.failed} | - | - "
+            f"| {o.run} | {o.row} | {preempted} | {o.completed} | {o.failed} | - | - "
             f"| {o.elapsed_s:.1f} | {o.frozen_s:.1f} | {o.peak_kv:.3f} | - | - | {'; '.join(o.errors)[:300]} |")
     lines += ["", "![vLLM KV usage over time](vllm_kv.png)", "",
               "kvgate KV budget after: `kvgate_kv_budget_tokens` once vLLM is idle again, the derived "
@@ -718,10 +786,11 @@ def build_model(vllm_python: Path, model_dir: Path) -> None:
 
 
 async def bench(args: argparse.Namespace, keys: list[str], workdir: Path
-                ) -> tuple[list[Outcome], dict[str, str], dict[str, str], float, EngineFlags]:
-    """bench builds the model, starts vLLM and a kvgate + Envoy per gated row, and runs every
-    row ``args.runs`` times; returns the outcomes, the rows skipped and those that did not
-    start (each with its reason), vLLM's start-up seconds and its flags."""
+                ) -> tuple[list[Outcome], dict[str, str], dict[str, str], list[float], EngineFlags]:
+    """bench builds the model, starts as many vLLM processes as the rows need and a kvgate +
+    Envoy per gated row, and runs every row ``args.runs`` times; returns the outcomes, the rows
+    skipped and those that did not start (each with its reason), each vLLM process's start-up
+    seconds and their flags."""
     flags, burst = EngineFlags(), Burst(requests=args.requests)
     model_dir = args.model_dir
     build_model(args.vllm_python, model_dir)
@@ -733,44 +802,53 @@ async def bench(args: argparse.Namespace, keys: list[str], workdir: Path
     for key, why in skipped.items():
         print(f"- {key}: skipped: {why}", flush=True)
     failed: dict[str, str] = {}
-    engine = Engine(args.vllm_python, model_dir, flags, workdir)
+    engines: list[Engine] = []
     outcomes: list[Outcome] = []
     gates: dict[str, Gate] = {}
     try:
-        startup_s = await asyncio.to_thread(engine.wait_ready)
-        print(f"vLLM ready in {startup_s:.0f} s on port {engine.port}", flush=True)
-        # The pool-level kvgate also reads the engine during the direct burst, for the check.
+        for i in range(max((r.nodes for r in rows), default=1)):
+            (workdir / backend_name(i)).mkdir(parents=True, exist_ok=True)
+            engines.append(Engine(args.vllm_python, model_dir, flags, workdir / backend_name(i)))
+        startup_s = list(await asyncio.gather(*(asyncio.to_thread(e.wait_ready) for e in engines)))
+        print(f"vLLM ready in {', '.join(f'{s:.0f}' for s in startup_s)} s on ports "
+              f"{', '.join(str(e.port) for e in engines)}", flush=True)
+        # A gated row's kvgate also reads its engines during the direct burst, for the check.
         for r in rows:
             if r.envoy is not None:
                 try:
                     gates[r.key] = await asyncio.to_thread(
-                        lambda r=r: Gate(r, engine, tokenizer_path, workdir).start(engine))
+                        lambda r=r: Gate(r, engines[:r.nodes], tokenizer_path, workdir).start())
                 except Exception as exc:  # noqa: BLE001 - one row's setup must not lose the others
                     failed[r.key] = f"did not start: {type(exc).__name__}: {exc}".replace("\n", " ")[:400]
                     print(f"- {r.key}: {failed[r.key]}", flush=True)
         rows = [r for r in rows if r.key not in failed]
-        checker_for_direct = gates.get("kvgate") or next(iter(gates.values()), None)
+        # The direct burst's check reads a kvgate that scrapes the same engines (pool level first).
+        checkers = {n: next((g for g in sorted(gates.values(), key=lambda g: g.row.picking is not None)
+                             if len(g.engines) == n), None) for n in {r.nodes for r in rows}}
         for run in range(1, args.runs + 1):
-            texts = prompts(tok, burst, seed=run)
             order = rows if run % 2 else list(reversed(rows))   # alternate the order between runs
             for r in order:
                 gate = gates.get(r.key)
-                checker = gate if gate is not None else checker_for_direct
-                o = await run_burst(r, run, engine, gate, checker, texts, burst)
+                checker = gate if gate is not None else checkers[r.nodes]
+                sized = Burst(burst.requests * r.nodes, burst.prompt_tokens, burst.max_tokens)
+                # a fresh seed per row: no prefix shared with the last row's prompts
+                texts = prompts(tok, sized, seed=1000 * run + len(outcomes))
+                o = await run_burst(r, run, engines[:r.nodes], gate, checker, texts, burst)
                 outcomes.append(o)
-                print(f"  run {run} {r.key}: preemptions {o.preemptions:g}, completed {o.completed}/"
-                      f"{burst.requests}, refusals {o.refusals:g}, {o.elapsed_s:.1f} s, peak KV {o.peak_kv:.3f}, "
-                      f"check {o.check}" + (f", errors {o.errors}" if o.errors else ""), flush=True)
-                texts = prompts(tok, burst, seed=1000 * run + len(outcomes))  # no prefix shared with the last row
+                print(f"  run {run} {r.key}: preemptions {preemption_cell([o])}, completed {o.completed}/"
+                      f"{sized.requests}, refusals {o.refusals:g}, {o.elapsed_s:.1f} s, peak KV {o.peak_kv:.3f}, "
+                      f"checks {o.checks}" + (f", errors {o.errors}" if o.errors else ""), flush=True)
     except BaseException:
         for g in gates.values():
             print(g.logs(), file=sys.stderr)
-        print(f"--- vllm.log (tail) ---\n{engine.proc.output()[-3000:]}", file=sys.stderr)
+        for i, e in enumerate(engines):
+            print(f"--- {backend_name(i)} vllm.log (tail) ---\n{e.proc.output()[-3000:]}", file=sys.stderr)
         raise
     finally:
         for g in gates.values():
             g.stop()
-        engine.stop()
+        for e in engines:
+            e.stop()
     return outcomes, skipped, failed, startup_s, flags
 
 
@@ -809,7 +887,8 @@ def main(argv: list[str] | None = None) -> int:
                      startup_s, time.monotonic() - started, args.out)
     print(verdict)
     print(f"report: {args.out / 'vllm.md'}")
-    gated_preempted = any(o.preemptions > 0 for o in outcomes if o.row != "direct")
+    straight = {r.key for r in ROWS if r.envoy is None}
+    gated_preempted = any(o.preemptions > 0 for o in outcomes if o.row not in straight)
     unequal = any(o.check is not None and not o.check.equal for o in outcomes)
     return 1 if gated_preempted or unequal or failed else 0
 

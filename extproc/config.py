@@ -20,7 +20,7 @@ from extproc.errors import ConfigError
 
 ENGINES = ("vllm", "sglang", "tgi", "dcgm")
 AGGREGATES = ("max", "mean")
-GROWTHS = ("worst_case", "learned")
+GROWTHS = ("worst_case", "learned", "pooled")
 _ADDRESS = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.-]{0,252}):([0-9]{1,5})$")
 ON_UNAVAILABLE = ("local_share", "fail_closed")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
@@ -80,8 +80,10 @@ class PickingConfig:
     ``worst_case`` (its whole remaining reservation) or ``learned`` (the ``quantile`` of
     the completion lengths settled in its pool and class that are above what it has
     generated, never above its reservation, and the worst case until ``min_samples``
-    were settled); ``reserve_fraction``: share of each node's KV capacity kept free
-    (block rounding, reports a few milliseconds off kvgate's own view).
+    were settled) or ``pooled`` (from the same lengths, the ``quantile`` of the summed
+    growth of a node's requests, see ``rules.pooled_growth``); ``reserve_fraction``:
+    share of each node's KV capacity kept free (block rounding, reports a few
+    milliseconds off kvgate's own view).
     """
 
     growth: str = "learned"
@@ -761,6 +763,13 @@ def parse_config(data: Any) -> Config:
                  adaptive=_adaptive(root.raw("adaptive")), tenants=tenants,
                  store=_store(root.raw("store")), server=_server(root.raw("server")))
     root.done()
+    if cfg.store.kind == "redis":
+        for pool in pools.values():
+            if pool.picking.growth == "pooled":
+                # The shared ledger sums each request's own hold; a node's pooled bound is no sum.
+                raise ConfigError(f"pools.{pool.name}.picking.growth",
+                                  "'pooled' cannot be shared through the Redis store: use 'learned' "
+                                  "or 'worst_case'")
     return cfg
 
 

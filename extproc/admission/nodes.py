@@ -19,6 +19,15 @@ which errs on the safe side. A charge released before its report arrives is not
 subtracted either, for the same reason. A report without a mark (the loop was too busy
 to take one) subtracts nothing.
 
+Foreign KV on the rise. While a node's foreign KV grows (a batch job ramping up, another
+gateway's burst), it may go on growing at the same rate, and kvgate's requests on the node
+cannot be taken back: they free their KV only as they end. So a node's room keeps free
+the last rise projected over the time kvgate's requests typically hold a node (the pool's
+median hold time; at least one report interval): ``Node.foreign_ahead``. The rise counted is the smaller of two readings' growth, the
+foreign KV above and the floor (usage minus every held charge's footprint): kvgate's own
+requests missing from one of them (admitted after the mark, or not yet in the cache at
+the last report) make only that one jump, so they are not taken for a rise.
+
 Everything runs on the event-loop thread; times are seconds on the admission clock.
 """
 
@@ -127,7 +136,8 @@ class Node:
     """Node is one node's ledger: capacity, last report, foreign KV and kvgate's charges."""
 
     __slots__ = ("name", "address", "configured_capacity", "reported_capacity", "usage",
-                 "report_at", "refused", "foreign", "charges", "marks", "picks", "passed_over")
+                 "report_at", "refused", "foreign", "floor", "rise", "rise_s", "charges", "marks", "picks",
+                 "passed_over")
 
     def __init__(self, backend: BackendConfig) -> None:
         self.name = backend.name
@@ -138,6 +148,9 @@ class Node:
         self.report_at: float | None = None
         self.refused = False
         self.foreign = 0
+        self.floor: int | None = None   # tokens used minus every held charge's footprint, last report
+        self.rise = 0                   # tokens foreign KV grew by over the last interval (module doc)
+        self.rise_s = 0.0               # that interval, seconds
         self.charges: set[Charge] = set()
         # mark id -> footprint at the mark of each charge certainly in the node's cache.
         self.marks: dict[int, dict[Charge, int]] = {}
@@ -178,13 +191,28 @@ class Node:
             self.reported_capacity = r.capacity_tokens
         scale = self.reported_capacity if self.reported_capacity is not None else self.configured_capacity
         self.usage = min(1.0, max(0.0, r.kv_usage))
-        self.report_at = r.at
+        last_at, self.report_at = self.report_at, r.at
         if scale is None:
-            self.foreign = 0
+            self.foreign, self.floor, self.rise = 0, None, 0
             return
         used = math.ceil(self.usage * scale)
         ours = sum(fp for c, fp in seen.items() if c.held) if seen else 0
-        self.foreign = max(0, used - ours)
+        foreign = max(0, used - ours)
+        floor = max(0, used - sum(c.footprint for c in self.charges))
+        self.rise = (0 if self.floor is None
+                     else max(0, min(foreign - self.foreign, floor - self.floor)))
+        self.rise_s = r.at - last_at if last_at is not None else 0.0
+        self.foreign, self.floor = foreign, floor
+
+    def foreign_ahead(self, horizon_s: float) -> int:
+        """foreign_ahead is the KV (tokens) the node may hold for others while requests admitted
+        now run: foreign + the last rise, scaled from its interval to ``horizon_s`` seconds
+        (never below one interval's rise; module doc)."""
+        if self.rise <= 0:
+            return self.foreign
+        if self.rise_s <= 0 or horizon_s <= self.rise_s:
+            return self.foreign + self.rise
+        return self.foreign + math.ceil(self.rise * horizon_s / self.rise_s)
 
     def pass_over(self, why: PassedOver) -> None:
         self.passed_over[why] = self.passed_over.get(why, 0) + 1
@@ -193,11 +221,12 @@ class Node:
 class Lengths:
     """Lengths keeps the latest completion lengths (tokens) of one class, sorted."""
 
-    __slots__ = ("_order", "sorted")
+    __slots__ = ("_order", "sorted", "_prefix")
 
     def __init__(self) -> None:
         self._order: deque[int] = deque()
         self.sorted: list[int] = []
+        self._prefix: tuple[list[float], list[float]] | None = None
 
     def add(self, n: int) -> None:
         """add remembers one settled completion length, forgetting the oldest beyond LENGTH_SAMPLES."""
@@ -206,6 +235,18 @@ class Lengths:
         if len(self._order) > LENGTH_SAMPLES:
             old = self._order.popleft()
             del self.sorted[bisect.bisect_left(self.sorted, old)]
+        self._prefix = None
+
+    def prefix(self) -> tuple[list[float], list[float]]:
+        """prefix is the running sums of the sorted lengths and of their squares (from 0),
+        rebuilt on the first use after a change."""
+        if self._prefix is None:
+            s1, s2 = [0.0], [0.0]
+            for x in self.sorted:
+                s1.append(s1[-1] + x)
+                s2.append(s2[-1] + float(x) * x)
+            self._prefix = (s1, s2)
+        return self._prefix
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,21 +324,48 @@ class PoolNodes:
 
     # --- the rule ------------------------------------------------------------------
 
-    def _growth_lengths(self, class_name: str) -> list[int] | None:
+    def _learned(self, class_name: str) -> Lengths | None:
         if self.picking.growth == "worst_case":
             return None
         known = self.lengths.get(class_name)
         if known is None or len(known.sorted) < self.picking.min_samples:
             return None
-        return known.sorted
+        return known
+
+    def _growth_lengths(self, class_name: str) -> list[int] | None:
+        known = self._learned(class_name)
+        return None if known is None else known.sorted
+
+    def _moments(self, reserved: int, generated: int, class_name: str) -> tuple[int, float, float]:
+        known = self._learned(class_name)
+        if known is None:
+            return rules.growth_moments(reserved, generated, None, None)
+        return rules.growth_moments(reserved, generated, known.sorted, known.prefix())
+
+    @property
+    def pooled(self) -> bool:
+        """pooled is True when growth is bounded per node, not per request (``growth: pooled``)."""
+        return self.picking.growth == "pooled"
 
     def hold(self, prompt: int, reserved: int, generated: int, class_name: str) -> int:
-        """hold is what a request is expected to hold on its node at most, in tokens."""
+        """hold is what a request is expected to hold on its node at most, in tokens (alone
+        on it, with pooled growth)."""
+        if self.pooled:
+            return prompt + generated + rules.pooled_growth(
+                [self._moments(reserved, generated, class_name)], self.picking.quantile)
         return rules.node_hold(prompt, reserved, generated, self._growth_lengths(class_name),
                                self.picking.quantile)
 
-    def held(self, n: Node) -> int:
-        """held is the tokens kvgate's charges on ``n`` are expected to hold at most."""
+    def held(self, n: Node, extra: tuple[str, int, int] | None = None) -> int:
+        """held is the tokens kvgate's charges on ``n`` are expected to hold at most; with
+        ``extra`` (class, prompt, reserved), one more request that has generated nothing."""
+        if self.pooled:
+            moments = [self._moments(c.reserved, c.generated, c.class_name) for c in n.charges]
+            footprint = sum(c.footprint for c in n.charges)
+            if extra is not None:
+                moments.append(self._moments(extra[2], 0, extra[0]))
+                footprint += extra[1]
+            return footprint + rules.pooled_growth(moments, self.picking.quantile)
         cache: dict[str, list[int] | None] = {}
         q = self.picking.quantile
         total = 0
@@ -306,6 +374,8 @@ class PoolNodes:
             if lengths == ():
                 lengths = cache[c.class_name] = self._growth_lengths(c.class_name)
             total += rules.node_hold(c.prompt, c.reserved, c.generated, lengths, q)
+        if extra is not None:
+            total += self.hold(extra[1], extra[2], 0, extra[0])
         return total
 
     def headroom(self, n: Node) -> int | None:
@@ -313,7 +383,12 @@ class PoolNodes:
         cap = n.capacity
         if cap is None:
             return None
-        return rules.node_headroom(cap, self.picking.reserve_fraction, n.foreign, self.held(n))
+        return rules.node_headroom(cap, self.picking.reserve_fraction,
+                                   n.foreign_ahead(self._horizon_s()), self.held(n))
+
+    def _horizon_s(self) -> float:
+        """_horizon_s is how long a request admitted now typically holds its node (s; 0 before any ended)."""
+        return self.holds.median() or 0.0
 
     def pick(self, class_name: str, prompt: int, reserved: int, watermark: float,
              now: float, among: frozenset[str] | None = None) -> Charge | rules.NodePass:
@@ -328,6 +403,7 @@ class PoolNodes:
         """
         need = self.hold(prompt, reserved, 0, class_name)
         candidates: list[tuple[str, int | None, int, int]] = []
+        horizon = self._horizon_s()
         order = [n for n in self.nodes.values() if allows(among, n.address)]
         turn = self._turn % len(order) if order else 0
         self._turn += 1
@@ -341,7 +417,11 @@ class PoolNodes:
                 n.pass_over(PassedOver.NO_CAPACITY)
                 continue
             held = self.held(n)
-            candidates.append((n.name, cap, n.foreign, held))
+            if self.pooled:
+                # What the request adds to the node's pooled bound is its need there: handed
+                # to pick_node as held + need, whose sum is the bound with the request.
+                held = self.held(n, (class_name, prompt, reserved)) - need
+            candidates.append((n.name, cap, n.foreign_ahead(horizon), held))
         verdict = rules.pick_node(candidates, need, self.picking.reserve_fraction, watermark)
         for name, why in verdict.passed:
             self.nodes[name].pass_over(PassedOver(why))
@@ -363,6 +443,7 @@ class PoolNodes:
         for their state are counted as passed over here.
         """
         rows: list[tuple[str, int, int, int]] = []
+        horizon = self._horizon_s()
         order = [n for n in self.nodes.values() if allows(among, n.address)]
         turn = self._turn % len(order) if order else 0
         self._turn += 1
@@ -375,7 +456,7 @@ class PoolNodes:
             if cap is None:
                 n.pass_over(PassedOver.NO_CAPACITY)
                 continue
-            rows.append((n.name, cap, n.foreign, self.held(n)))
+            rows.append((n.name, cap, n.foreign_ahead(horizon), self.held(n)))
         return NodeAsk(candidates_of(rows), self.hold(prompt, reserved, 0, class_name),
                        self.picking.reserve_fraction, watermark)
 

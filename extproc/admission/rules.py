@@ -23,14 +23,17 @@ a node fits a request when, with C its capacity and r the reserve,
 where ``foreign`` is the KV the node reported that kvgate did not admit (``nodes``), and a
 request's hold is its prompt + tokens generated so far + the growth still to come
 (``node_hold``). A class with a KV watermark w < 1 fits only within floor(w x that).
+With pooled growth the growth to come is bounded for the node's requests together
+(``pooled_growth``), and a new request needs what it adds to that bound.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from statistics import NormalDist
 
 from extproc.admission.bucket import FIT_SLACK, wait_for
 from extproc.admission.slots import slot_refusal
@@ -215,6 +218,57 @@ def expected_growth(reserved: int, generated: int, lengths: Sequence[int] | None
         return left
     k = first + min(above - 1, max(0, math.ceil(quantile * above) - 1))
     return min(left, lengths[k] - generated)
+
+
+def growth_moments(reserved: int, generated: int, lengths: Sequence[int] | None,
+                   prefix: tuple[Sequence[float], Sequence[float]] | None) -> tuple[int, float, float]:
+    """growth_moments is what a request may still generate: (the rest of its reservation,
+    the mean and the variance of its remaining growth), in tokens and tokens squared.
+
+    Among the settled ``lengths`` of its class (sorted) above ``generated``, each stands for
+    a way the request may end: min(length, ``reserved``) - generated. ``prefix`` holds the
+    running sums of the lengths and of their squares (``prefix[0][i]`` = sum of the first i).
+    Nothing learned, or a request longer than every length learned: the rest of the
+    reservation, with no spread (nothing says when it stops).
+    """
+    left = reserved - generated
+    if left <= 0:
+        return 0, 0.0, 0.0
+    if lengths is None or prefix is None:
+        return left, float(left), 0.0
+    n = len(lengths)
+    a = bisect.bisect_right(lengths, generated)
+    if a == n:
+        return left, float(left), 0.0
+    b = max(a, bisect.bisect_left(lengths, reserved))   # lengths in [a, b) stop before the reservation
+    s1, s2 = prefix
+    stop1, stop2, k = s1[b] - s1[a], s2[b] - s2[a], b - a
+    g, capped = float(generated), n - b
+    total = stop1 - k * g + capped * left
+    squares = stop2 - 2 * g * stop1 + k * g * g + capped * float(left) ** 2
+    m = n - a
+    mean = total / m
+    return left, mean, max(0.0, squares / m - mean * mean)
+
+
+def pooled_growth(moments: Iterable[tuple[int, float, float]], quantile: float) -> int:
+    """pooled_growth bounds how many more tokens a node's requests generate together (tokens).
+
+    The ``quantile`` of their summed growth, taken as normal: sum of means + z x the square
+    root of the summed variances (z the standard normal's quantile); never above the sum of
+    their rests of reservation. Far below the sum of each request's own quantile: requests
+    that end late and requests that end early offset each other. ``moments`` are
+    ``growth_moments`` of each request.
+    """
+    left, mean, var = 0, 0.0, 0.0
+    for lft, m, v in moments:
+        left += lft
+        mean += m
+        var += v
+    if quantile >= 1.0:
+        return left
+    bound = mean + NormalDist().inv_cdf(quantile) * math.sqrt(var)
+    return min(left, max(0, math.ceil(bound - 1e-9)))
 
 
 def node_hold(prompt: int, reserved: int, generated: int, lengths: Sequence[int] | None,

@@ -46,9 +46,9 @@ async def test_kvgate_keeps_vllm_from_preempting_and_reads_its_kv(tmp_path: Path
     gate: Gate | None = None
     try:
         engine.wait_ready()
-        gate = Gate(rows["kvgate"], engine, MODEL_DIR / "tokenizer.json", tmp_path).start(engine)
-        direct = await run_burst(rows["direct"], 1, engine, None, gate, prompts(tok, BURST, 1), BURST)
-        gated = await run_burst(rows["kvgate"], 1, engine, gate, gate, prompts(tok, BURST, 2), BURST)
+        gate = Gate(rows["kvgate"], [engine], MODEL_DIR / "tokenizer.json", tmp_path).start()
+        direct = await run_burst(rows["direct"], 1, [engine], None, gate, prompts(tok, BURST, 1), BURST)
+        gated = await run_burst(rows["kvgate"], 1, [engine], gate, gate, prompts(tok, BURST, 2), BURST)
     finally:
         if gate is not None:
             gate.stop()

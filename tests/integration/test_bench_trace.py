@@ -7,6 +7,7 @@ Marked ``bench``: ``make test`` runs it; ``-m "not bench"`` leaves it out.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import tiktoken
 
 from bench.bench_protection import CHAT_OVERHEAD
 from bench.bench_trace import (NODE, POLICIES, TINY, TRACE_SLICE, Background, Oracle, Req, Run, Scenario,
+                               api_key, key_digest,
                                build_requests, envoy_for, kvgate_config, preemptions_at_arrival, read_trace,
                                skip_reason)
 from tests.deploy.support import envoy_validate
@@ -155,7 +157,7 @@ def test_a_picker_file_gets_loopback_ports_and_keeps_its_original_dst_cluster(tm
 
 def test_picker_policies_wait_for_the_picker_file_and_name_their_contract():
     missing = not (ROOT / "deploy" / "envoy-endpoint-picker.yaml").exists()
-    for key in ("picker-worst", "picker-learned"):
+    for key in ("picker-worst", "picker-learned", "picker-pooled"):
         reason = skip_reason(POLICY[key])
         assert (reason is not None) == missing
         if reason is not None:
@@ -166,6 +168,11 @@ def test_picker_policies_wait_for_the_picker_file_and_name_their_contract():
     backends = cfg["pools"]["default"]["backends"]
     assert [b["metrics_url"] for b in backends] == [f"http://127.0.0.1:{p}/metrics" for p in (18001, 18002, 18003)]
     assert all("address" not in b for b in backends) and "picking" not in cfg["pools"]["default"]
+    # Envoy's files strip a client's x-tenant-id: each tenant is known by its API key's digest
+    tenants = cfg["tenants"]["tenants"]
+    assert tenants["batch"] == {"class": "batch", "api_key_sha256": key_digest("batch")}
+    assert tenants["online-1"]["api_key_sha256"] == hashlib.sha256(api_key("online-1").encode()).hexdigest()
+    assert len({t["api_key_sha256"] for t in tenants.values()}) == len(tenants)
 
 
 def _req(i: int, klass: str, blocks: int) -> Req:
@@ -248,6 +255,10 @@ def test_tiny_replay_runs_the_policies_and_writes_the_report(tmp_path):
     kvgate = raws["pool-rr" if picker_missing else "picker-learned"]
     assert max(row.get("kvgate", {}).get("kvgate_inflight_requests", 0)
                for row in kvgate["timeline"]) > 0                     # traffic went through kvgate
+    # ...in the classes of its tenants (not the default class of an unknown tenant)
+    decided = [row["kvgate"] for row in kvgate["timeline"] if "kvgate" in row][-1]
+    assert decided.get("kvgate_requests_total/online/admitted", 0) > 0
+    assert not any(k.startswith("kvgate_requests_total/standard/") for k in decided)
 
 
 def test_background_load_rises_in_steps_and_its_preemptions_are_told_apart():

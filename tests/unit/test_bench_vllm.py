@@ -13,9 +13,9 @@ import pytest
 import yaml
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from bench.bench_vllm import (PICKER_ENVOY, POOL_ENVOY, ROWS, Burst, EngineFlags, descendants,
-                              kvgate_config, parse_metrics, prompts, render_envoy, skipped_rows,
-                              spread)
+from bench.bench_vllm import (PICKER_ENVOY, POOL_ENVOY, ROWS, Burst, EngineFlags, KvCheck, Outcome,
+                              descendants, kvgate_config, parse_metrics, preemption_cell, prompts,
+                              render_envoy, report, skipped_rows, spread)
 from tests.deploy.support import envoy_validate
 from tests.support.procs import ROOT, wait_until
 
@@ -46,7 +46,7 @@ def test_prompts_have_the_exact_count_and_share_no_kv_block(tokenizer: Tokenizer
 
 def test_pool_config_parses_and_points_at_the_engine(tmp_path: Path) -> None:
     flags = EngineFlags()
-    cfg = kvgate_config(41000, flags, tmp_path / "tokenizer.json", None)
+    cfg = kvgate_config([41000], flags, tmp_path / "tokenizer.json", None)
     pool = cfg["pools"]["default"]
     assert pool["backends"] == [{"name": "vllm-0", "metrics_url": "http://127.0.0.1:41000/metrics",
                                  "engine": "vllm"}]
@@ -54,7 +54,7 @@ def test_pool_config_parses_and_points_at_the_engine(tmp_path: Path) -> None:
     assert pool["tokenizer"] == f"hf:{tmp_path / 'tokenizer.json'}"
     assert "kv_budget_tokens" not in pool   # derived from what vLLM reports
     assert pool["signals"]["kv_budget_fraction"] == 0.9
-    full = kvgate_config(41000, flags, tmp_path / "tokenizer.json", None, kv_budget_fraction=1.0)
+    full = kvgate_config([41000], flags, tmp_path / "tokenizer.json", None, kv_budget_fraction=1.0)
     assert full["pools"]["default"]["signals"]["kv_budget_fraction"] == 1.0
     # kvgate's class wait must stay below Envoy's max_message_timeout (else every wait is a 504)
     envoy = yaml.safe_load(POOL_ENVOY.read_text())
@@ -66,18 +66,20 @@ def test_pool_config_parses_and_points_at_the_engine(tmp_path: Path) -> None:
 
 def test_picker_rows_follow_the_per_node_contract(tmp_path: Path) -> None:
     rows = {r.key: r for r in ROWS}
-    for key, growth in (("picker-learned", "learned"), ("picker-worst_case", "worst_case")):
+    for key, growth in (("picker-learned", "learned"), ("picker-worst_case", "worst_case"),
+                        ("picker-learned-2", "learned")):
         row = rows[key]
         assert row.envoy == PICKER_ENVOY
         assert row.picking is not None and row.picking["growth"] == growth
     assert rows["picker-learned"].picking == {"growth": "learned", "quantile": 0.9}
+    assert rows["picker-learned-2"].picking == rows["picker-learned"].picking
     skipped = skipped_rows(list(ROWS))
     if PICKER_ENVOY.exists():
         assert skipped == {}
-        cfg = kvgate_config(41000, EngineFlags(), tmp_path / "tokenizer.json", rows["picker-learned"].picking)
+        cfg = kvgate_config([41000], EngineFlags(), tmp_path / "tokenizer.json", rows["picker-learned"].picking)
         assert cfg["pools"]["default"]["backends"][0]["address"] == "127.0.0.1:41000"
     else:
-        assert set(skipped) == {"picker-learned", "picker-worst_case"}
+        assert set(skipped) == {"picker-learned", "picker-worst_case", "picker-learned-2"}
         assert all("deploy/envoy-endpoint-picker.yaml is not in the repository" in why
                    for why in skipped.values())
 
@@ -149,3 +151,62 @@ def test_spread() -> None:
     assert spread([43.71, 55.62], 1) == "43.7-55.6"
     assert spread([]) == "-"
 
+
+
+def test_two_engine_rows_double_the_burst_and_each_engine_is_a_node(tmp_path: Path) -> None:
+    rows = {r.key: r for r in ROWS}
+    assert rows["direct-2"].envoy is None and rows["direct-2"].nodes == 2
+    assert rows["picker-learned-2"].nodes == 2
+    assert all(r.nodes == 1 for k, r in rows.items() if not k.endswith("-2"))
+    flags = EngineFlags()
+    cfg = kvgate_config([41000, 41002], flags, tmp_path / "tokenizer.json", rows["picker-learned-2"].picking)
+    pool = cfg["pools"]["default"]
+    assert [(b["name"], b["address"], b["metrics_url"]) for b in pool["backends"]] == [
+        ("vllm-0", "127.0.0.1:41000", "http://127.0.0.1:41000/metrics"),
+        ("vllm-1", "127.0.0.1:41002", "http://127.0.0.1:41002/metrics")]
+    assert pool["max_concurrency"] == 2 * flags.max_num_seqs   # the engines' slots, not one's
+
+
+def test_parse_metrics_keeps_kvgate_readings_per_backend() -> None:
+    text = "\n".join([
+        "# TYPE kvgate_backend_kv_cache_usage_ratio gauge",
+        'kvgate_backend_kv_cache_usage_ratio{backend="vllm-0",pool="default"} 0.25',
+        'kvgate_backend_kv_cache_usage_ratio{backend="vllm-1",pool="default"} 0.5',
+        ""])
+    m = parse_metrics(text)
+    assert m["kvgate_backend_kv_cache_usage_ratio{backend=vllm-0}"] == 0.25
+    assert m["kvgate_backend_kv_cache_usage_ratio{backend=vllm-1}"] == 0.5
+
+
+def test_preemption_cell_shows_each_engine_and_the_total() -> None:
+    one = [Outcome("direct", 1, preemptions=8.0, node_preemptions=[8.0]),
+           Outcome("direct", 2, preemptions=7.0, node_preemptions=[7.0])]
+    assert preemption_cell(one) == "7-8"
+    two = [Outcome("direct-2", 1, preemptions=15.0, node_preemptions=[8.0, 7.0]),
+           Outcome("direct-2", 2, preemptions=16.0, node_preemptions=[8.0, 8.0])]
+    assert preemption_cell(two) == "8 / 7-8 = 15-16"
+
+
+def test_report_judges_each_gated_row_against_the_direct_burst_on_as_many_engines(tmp_path: Path) -> None:
+    def check(node: str) -> KvCheck:
+        return KvCheck(node, 0.5, 0.5, 0.0, 0.0, 2.0)
+    outcomes = [
+        Outcome("direct", 1, preemptions=8.0, node_preemptions=[8.0], completed=10, checks=[check("vllm-0")]),
+        Outcome("kvgate", 1, node_preemptions=[0.0], completed=10, kvgate_inflight_after=0.0),
+        Outcome("direct-2", 1, preemptions=16.0, node_preemptions=[8.0, 8.0], completed=20,
+                checks=[check("vllm-0"), check("vllm-1")]),
+        Outcome("picker-learned-2", 1, preemptions=1.0, node_preemptions=[0.0, 1.0], completed=20,
+                kvgate_inflight_after=0.0, series={0: [(0.0, 0.1)], 1: [(0.0, 0.2)]}),
+    ]
+    verdict = report(outcomes, {}, EngineFlags(), Burst(), 1, ["bench/bench_vllm.py"], {}, [40.0, 41.0],
+                     100.0, tmp_path)
+    assert "through kvgate 0 preemptions in those runs: NO" in verdict   # the two-engine row preempted
+    assert "3/3 frozen checks" in verdict
+    text = (tmp_path / "vllm.md").read_text()
+    assert "| 1 | direct-2 | vllm-1 | 0.5 | 0.5 |" in text
+    assert "| picker-learned-2: " in text and "| 0 / 1 = 1 | 20/20 |" in text
+    assert (tmp_path / "vllm_kv.png").stat().st_size > 0
+    outcomes[-1] = Outcome("picker-learned-2", 1, node_preemptions=[0.0, 0.0], completed=20,
+                           kvgate_inflight_after=0.0)
+    assert "0 preemptions in those runs: yes" in report(outcomes, {}, EngineFlags(), Burst(), 1, [], {},
+                                                       [40.0], 100.0, tmp_path)

@@ -115,6 +115,63 @@ def test_a_request_released_before_its_report_arrives_is_not_subtracted():
     assert adm.nodes("default")[0].foreign_tokens == 10_000
 
 
+def test_foreign_kv_on_the_rise_keeps_its_last_rise_free_until_it_stops():
+    clock = ManualClock(T0)
+    adm = Admission(config(pool=nodes_pool(1)), clock)
+    report(adm, clock, {"n0": 0.0})
+    clock.advance(1)
+    report(adm, clock, {"n0": 0.10})                       # others took 10k in one interval...
+    (node,) = adm.nodes("default")
+    assert node.foreign_tokens == 10_000
+    assert node.headroom_tokens == 80_000                  # ...and may take 10k more by the next
+    assert isinstance(adm.try_acquire(demand(80_001, 0)), Rejection)
+    clock.advance(1)
+    report(adm, clock, {"n0": 0.10})                       # it stopped: only what they hold counts
+    assert adm.nodes("default")[0].headroom_tokens == 90_000
+    clock.advance(1)
+    report(adm, clock, {"n0": 0.04})                       # a fall frees room at once
+    assert adm.nodes("default")[0].headroom_tokens == 96_000
+
+
+def test_a_rise_is_projected_over_the_time_kvgates_requests_hold_a_node():
+    clock = ManualClock(T0)
+    adm = Admission(config(pool=nodes_pool(1)), clock)
+    report(adm, clock, {"n0": 0.0})
+    lease = adm.try_acquire(demand(1_000, 0))
+    clock.advance(4.0)
+    lease.release(Outcome.COMPLETED, 0)                     # requests hold a node 4 s here
+    report(adm, clock, {"n0": 0.0})
+    clock.advance(2.0)
+    report(adm, clock, {"n0": 0.05})                       # others: +5k in 2 s...
+    assert adm.nodes("default")[0].headroom_tokens == CAP - 5_000 - 10_000   # ...and 10k more in 4 s
+    clock.advance(0.5)
+    report(adm, clock, {"n0": 0.10})                       # +5k in 0.5 s: 40k more in 4 s
+    assert adm.nodes("default")[0].headroom_tokens == CAP - 10_000 - 40_000
+    assert isinstance(adm.try_acquire(demand(50_001, 0)), Rejection)
+
+
+def test_a_rise_of_kvgates_own_requests_in_the_report_is_no_foreign_rise():
+    clock = ManualClock(T0)
+    adm = Admission(config(pool=nodes_pool(1)), clock)
+    report(adm, clock, {"n0": 0.0})
+    lease = adm.try_acquire(demand(20_000, 0))
+    assert isinstance(lease, Lease)
+    clock.advance(1)
+    report(adm, clock, {"n0": 0.20})         # no mark: the node shows it, kvgate cannot subtract it
+    node = adm.nodes("default")[0]
+    assert node.foreign_tokens == 20_000     # counted twice until the next mark (safe side)...
+    assert node.headroom_tokens == 60_000    # ...but not projected on top as a rise of others
+    lease.progress(1)
+    adm.mark_nodes(1)
+    clock.advance(1)
+    report(adm, clock, {"n0": 0.20}, mark=1)  # subtracted now: the floor drop is no rise either
+    assert adm.nodes("default")[0].headroom_tokens == CAP - 20_001
+    lease.release(Outcome.COMPLETED, 0)
+    clock.advance(1)
+    report(adm, clock, {"n0": 0.0}, mark=None)
+    assert adm.nodes("default")[0].headroom_tokens == 100_000
+
+
 @settings(max_examples=150, deadline=None)
 @example(foreign=10_000, ops=[("admit", 20_000, 0), ("first", 0, 0), ("mark", 0, 0), ("end", 0, 0),
                               ("render", 0, 0), ("apply", 0, 0)])
@@ -292,6 +349,14 @@ def test_config_needs_an_address_on_every_backend_or_none():
         config(pool=pool)
 
 
+def test_pooled_growth_is_refused_with_the_redis_store():
+    """The shared ledger sums each request's hold; a node's pooled bound is not a sum."""
+    pool = nodes_pool(1) | {"picking": {"growth": "pooled"}}
+    assert config(pool=pool).pools["default"].picking.growth == "pooled"  # one replica: fine
+    with pytest.raises(ConfigError, match=r"pools\.default\.picking\.growth"):
+        config(pool=pool, store={"redis": {"url": "redis://127.0.0.1:6379/0"}})
+
+
 def test_a_charge_is_the_request_on_its_node():
     pool = PoolNodes(config(pool=nodes_pool(1)).pools["default"], 3.0)
     pool.report("n0", NodeReport(kv_usage=0.0, capacity_tokens=CAP, at=T0))
@@ -323,3 +388,78 @@ def test_equal_idle_nodes_share_light_traffic():
         seen.append(lease.node)
         lease.release(Outcome.COMPLETED, 10)
     assert sorted(seen) == sorted(["127.0.0.1:8001", "127.0.0.1:8002", "127.0.0.1:8003"] * 2)
+
+
+# --- pooled growth: the quantile of a node's summed growth ----------------------------------
+
+def _prefix(lengths: list[int]) -> tuple[list[float], list[float]]:
+    s1, s2 = [0.0], [0.0]
+    for x in lengths:
+        s1.append(s1[-1] + x)
+        s2.append(s2[-1] + x * x)
+    return s1, s2
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(0, 5_000), min_size=1, max_size=40).map(sorted),
+       reserved=st.integers(0, 6_000), generated=st.integers(0, 6_000))
+def test_growth_moments_are_the_mean_and_variance_of_the_ways_the_request_may_end(
+        lengths, reserved, generated):
+    left, mean, var = rules.growth_moments(reserved, generated, lengths, _prefix(lengths))
+    ends = [min(x, reserved) - generated for x in lengths if x > generated]
+    if reserved <= generated:
+        assert (left, mean, var) == (0, 0.0, 0.0)
+    elif not ends:                                       # longer than every length: worst case
+        assert (left, mean, var) == (reserved - generated, reserved - generated, 0.0)
+    else:
+        m = sum(ends) / len(ends)
+        assert left == reserved - generated
+        assert mean == pytest.approx(m, abs=1e-6)
+        assert var == pytest.approx(sum((e - m) ** 2 for e in ends) / len(ends), rel=1e-6, abs=1e-3)
+        assert 0 <= mean <= left
+
+
+def test_growth_moments_without_lengths_are_the_worst_case():
+    assert rules.growth_moments(1_000, 300, None, None) == (700, 700.0, 0.0)
+
+
+def test_pooled_growth_is_far_below_the_sum_of_each_requests_quantile():
+    lengths = list(range(10, 1_010, 10))                  # 100 lengths, 10..1,000
+    one = rules.growth_moments(4_000, 0, lengths, _prefix(lengths))
+    per_request = rules.expected_growth(4_000, 0, lengths, 0.9)
+    pooled = rules.pooled_growth([one] * 40, 0.9)
+    assert per_request * 40 == 36_000
+    # 40 x mean 505 + 1.28 x sqrt(40) x 289: the quantile of the sum, not the sum of quantiles
+    assert pooled == math.ceil(40 * 505 + 1.2815515655446004 * math.sqrt(40 * one[2]))
+    assert 20_200 < pooled < 23_000
+    assert rules.pooled_growth([one], 0.9) <= 4_000
+    assert rules.pooled_growth([one] * 40, 1.0) == 40 * 4_000     # quantile 1: every reservation
+    assert rules.pooled_growth([(50, 50.0, 0.0), (0, 0.0, 0.0)], 0.99) == 50   # never above what is left
+    assert rules.pooled_growth([], 0.9) == 0
+
+
+def _admitted(growth: str, lengths: list[int], **picking) -> int:
+    clock = ManualClock(T0)
+    adm = Admission(config(pool=nodes_pool(1, growth=growth, min_samples=len(lengths), **picking)), clock)
+    report(adm, clock, {"n0": 0.0})
+    for n in lengths:
+        lease = adm.try_acquire(demand(100, 4_000))
+        assert isinstance(lease, Lease)
+        lease.release(Outcome.COMPLETED, n)
+    return sum(isinstance(adm.try_acquire(demand(1_000, 4_000)), Lease) for _ in range(100))
+
+
+def test_pooled_growth_admits_more_than_each_requests_quantile_and_less_than_the_mean():
+    lengths = [10 * i for i in range(1, 101)]             # chats ending anywhere in 10..1,000
+    worst = _admitted("worst_case", lengths)
+    learned = _admitted("learned", lengths)
+    pooled = _admitted("pooled", lengths)
+    assert worst == 20                                    # 20 x 5,000 = 100k
+    assert learned == 52                                  # 1,000 + the 0.9 quantile (900) each
+    # n x 1,505 + 1.28 x sqrt(n) x 289 <= 100k: the bound of the sum admits more, not all
+    assert 60 <= pooled < 100_000 // 1_505
+    assert _admitted("pooled", lengths, quantile=0.99) < pooled
+
+
+def test_pooled_growth_with_one_length_learned_is_that_length():
+    assert _admitted("pooled", [300] * 20) == _admitted("learned", [300] * 20) == 100_000 // 1_300
