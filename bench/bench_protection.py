@@ -511,7 +511,10 @@ def run_policy(policy: Policy, reqs: list[Req], w: Workload, node: Node, speedup
                       workdir / "kvgate.log")
             procs.append(kv)
         envoy_port = free_port()
-        cfg = envoy_config(listen=envoy_port, upstream=sim_port, grpc=grpc_port)
+        # The load generator stands for the verified source that sets x-tenant-id in front of
+        # Envoy (the shipped file strips a client's copy): the tenants keep their classes.
+        cfg = envoy_config(listen=envoy_port, upstream=sim_port, grpc=grpc_port,
+                           tenant_header_from_client=True)
         if policy.rps:
             hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
             hcm["http_filters"].insert(len(hcm["http_filters"]) - 1, ratelimit_filter(w, speedup))
