@@ -41,6 +41,21 @@ def no_leak(stack: Stack) -> Iterator[None]:
         stack.upstream_post("/_fake/reset")
 
 
+def wait_released(stack: Stack, cause: str, count: float, timeout: float = 15) -> None:
+    """wait_released waits until kvgate has released ``count`` leases with ``cause``; if it
+    never does, the failure says what the access log brought (entries by result), the
+    releases by cause and the end of kvgate's and Envoy's logs."""
+    try:
+        wait_until(lambda: released(stack, cause) == count, timeout=timeout, what=f"{count:g} {cause} releases")
+    except TimeoutError as exc:
+        entries = {r: stack.metric("kvgate_access_log_entries_total", result=r)
+                   for r in ("released", "no_lease", "unmatched", "cause", "complete")}
+        causes = {c: released(stack, c)
+                  for c in ("completed", "client_disconnect", "upstream_error", "timeout", "ended")}
+        raise AssertionError(f"{exc}; access log entries {entries}; releases {causes}\n"
+                             f"kvgate: {stack.log('kvgate')[-2000:]}\nenvoy: {stack.log('envoy')[-2000:]}") from exc
+
+
 def disconnect_released(stack: Stack, cause: str) -> None:
     """disconnect_released cuts a held stream after its first chunk and waits for its slot
     to be free; the release must be counted once with ``cause``. Only the disconnect can

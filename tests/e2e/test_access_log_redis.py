@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.options import MESSAGES, no_leak  # noqa: F401
+from tests.e2e.options import MESSAGES, no_leak, wait_released  # noqa: F401
 from tests.e2e.stack import Stack, openai_client, released
 from tests.e2e.test_replicas import PREFIX, held_in_redis
 from tests.support.procs import ROOT, wait_until
@@ -51,5 +51,5 @@ def test_a_parked_lease_lives_in_redis_until_its_log_entry(stack: Stack, redis_s
     assert slots == 1 and kv > 0
     stack.upstream_post("/_fake/release/redis")
     assert "".join(c.choices[0].delta.content or "" for c in s) == "tok1 tok2 "
-    wait_until(lambda: released(stack, "completed") == before + 1, timeout=15, what="a completed release")
+    wait_released(stack, "completed", before + 1)
     wait_until(lambda: held_in_redis(redis_srv) == (0, 0), timeout=15, what="Redis holding nothing")

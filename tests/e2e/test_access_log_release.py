@@ -17,7 +17,7 @@ import pytest
 
 from tests.e2e.options import (MESSAGES, bucket_drop, disconnect_released, hold_streams,  # noqa: F401
                                let_go, module_stack, no_leak, refused_for_concurrency,
-                               upstream_error_released)
+                               upstream_error_released, wait_released)
 from tests.e2e.stack import Stack, metadata_route, released
 from tests.e2e.stack import openai_client as client
 from tests.support.procs import LOOPBACK, ROOT, wait_until
@@ -47,7 +47,7 @@ def test_a_non_streamed_answer_is_released_completed_with_its_headers(stack: Sta
     assert raw.parse().usage.completion_tokens == 4
     assert raw.headers["x-ratelimit-limit-requests"] == "2"
     assert int(raw.headers["x-ratelimit-remaining-tokens"]) < TPM
-    wait_until(lambda: released(stack, "completed") == before + 1, timeout=15, what="a completed release")
+    wait_released(stack, "completed", before + 1)
     assert entries(stack, "released") == logged + 1
 
 

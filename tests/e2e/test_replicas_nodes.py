@@ -128,8 +128,11 @@ def test_a_burst_split_across_both_replicas_preempts_nothing_and_the_nodes_hold_
     for sample in settled:
         for node, (in_kv, admitted, running) in sample.items():
             # kvgate sees the prompt at once and the tokens generated only at the end of a
-            # non-streamed reply; the node rounds every request up to whole blocks.
-            assert admitted <= in_kv <= admitted + running * (MAX_TOKENS + BLOCK), (node, sample)
+            # non-streamed reply; the node rounds every request up to whole blocks. With
+            # chunked prefill, the last request a step took may hold only part of its prompt
+            # yet (the step's token budget is shared): at most one prompt short.
+            prompt = 6_007
+            assert admitted - prompt < in_kv <= admitted + running * (MAX_TOKENS + BLOCK), (node, sample)
             assert running <= PER_NODE, (node, sample)
     wait_until(lambda: held_in_redis(redis_srv) == (0, {}), timeout=LEASE_TTL_S + 5,
                what="Redis holding nothing")
