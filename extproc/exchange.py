@@ -1146,7 +1146,7 @@ class Exchange:
         """finish releases the lease if still held and returns the cause (None if nothing to do).
 
         The cause: upstream_error for an upstream 4xx/5xx; completed once the response's
-        end of stream was seen; timeout when kvgate itself gave up (``gave_up``); ended for
+        end of stream, or a stream's ``[DONE]`` event, was seen; timeout when kvgate itself gave up (``gave_up``); ended for
         a response whose body was not read (deploy/envoy-reservation.yaml: complete or cut
         short, Envoy ends the stream alike, by a half-close or a reset at random);
         upstream_error for a stream the access log says the upstream broke off;
@@ -1162,9 +1162,12 @@ class Exchange:
         self.state = _DONE
         if lease is None or self.outcome is not None:
             return None
+        tracker = self.tracker
         if self.upstream_error:
             outcome = Outcome.UPSTREAM_ERROR
-        elif self.response_done:
+        elif self.response_done or (tracker is not None and tracker.done_seen):
+            # [DONE] passed through kvgate to the client: the generation ended. openai-python
+            # closes on it, often before the upstream's end of body reaches Envoy.
             outcome = Outcome.COMPLETED
         elif gave_up:
             outcome = Outcome.TIMEOUT

@@ -159,5 +159,4 @@ def upstream_error_released(stack: Stack) -> None:
     with pytest.raises(openai.InternalServerError):
         openai_client(stack).chat.completions.create(
             model="fake", messages=MESSAGES, max_tokens=3, extra_headers={"x-fake-status": "503"})
-    wait_until(lambda: released(stack, "upstream_error") == before + 1, timeout=15,
-               what="an upstream_error release")
+    wait_released(stack, "upstream_error", before + 1)

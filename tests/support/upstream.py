@@ -200,8 +200,10 @@ class FakeUpstream:
                     await asyncio.wait_for(event.wait(), MAX_HOLD_S)
             if include_usage:
                 await resp.write(chunk([], {"usage": usage}))
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
+            # [DONE] and the end of the body in one write: openai-python closes on [DONE],
+            # and an end of body still on its way then reads, in Envoy's access log, as a
+            # stream cut short (a real server may do that; the access-log tests need it not to).
+            await resp.write_eof(b"data: [DONE]\n\n")
             self.stats["finished"] += 1
         except (ConnectionResetError, asyncio.CancelledError, TimeoutError):
             self.stats["aborted"] += 1

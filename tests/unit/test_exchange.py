@@ -565,6 +565,19 @@ async def test_disconnect_mid_stream_charges_the_delivered_chunks() -> None:
     assert rig.count("kvgate_releases_total", cause="client_disconnect") == 1
 
 
+async def test_a_client_closing_on_done_before_the_body_ends_completed_its_stream() -> None:
+    """openai-python closes the response on ``[DONE]``, often before the upstream's end of
+    body reaches Envoy: the stream is complete all the same, not a disconnect."""
+    rig = Rig()
+    ex, _ = await admit(rig, chat(stream=True, max_tokens=200))
+    ex.response_headers(response_headers_msg(content_type="text/event-stream"))
+    ex.response_body(body_msg(sse(token_chunk(0), token_chunk(1), done=True), eos=False))
+    assert ex.finish() is not None
+    assert ex.outcome.value == "completed"
+    assert rig.count("kvgate_releases_total", cause="completed") == 1
+    assert rig.count("kvgate_releases_total", cause="client_disconnect") == 0
+
+
 async def test_upstream_error_status_releases_as_upstream_error() -> None:
     rig = Rig()
     ex, _ = await admit(rig)
