@@ -4,7 +4,8 @@ A test that passes on a quiet machine and fails on a busy one depends on time; t
 such tests are found (issue 16: five runs with both cores busy, no failure). It starts
 ``--burners`` processes that spin on the CPU, runs the suite ``--runs`` times as
 `make test` does, and writes one row per run (wall seconds, counts, the failed tests) as
-Markdown to ``--out`` and to stdout. Run by `make test-under-load`; not collected by pytest.
+Markdown to ``--out`` and to stdout, and each run's whole output beside it
+(``NAME-runN.txt``). Run by `make test-under-load`; not collected by pytest.
 
     python tests/under_load.py --runs 5 --burners 2 --out bench/results/test-under-load.md
 """
@@ -42,15 +43,18 @@ class Run:
                 and self.counts.get("passed", 0) > 0)
 
 
-def run_suite(workers: int, paths: list[str] | None = None, cwd: Path = ROOT) -> Run:
+def run_suite(workers: int, paths: list[str] | None = None, cwd: Path = ROOT,
+              log: Path | None = None) -> Run:
     """run_suite runs pytest over ``paths`` (the whole suite by default) as `make test` does
-    and reads its summary."""
+    and reads its summary; pytest's whole output goes to ``log`` when given."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *(paths or [])]
     if workers > 0:
         cmd += ["-n", str(workers), "--dist", "loadfile"]
     started = time.monotonic()
     res = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
     wall = time.monotonic() - started
+    if log is not None:
+        log.write_text(res.stdout + res.stderr)
     counts, failed = read_summary(res.stdout)
     if res.returncode not in (0, 1) and not counts:
         failed.append(f"pytest exited {res.returncode}: {(res.stderr or res.stdout)[-300:]!r}")
@@ -102,7 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[Run] = []
     try:
         for i in range(args.runs):
-            runs.append(run_suite(args.workers))
+            log = args.out.with_name(f"{args.out.stem}-run{i + 1}.txt") if args.out else None
+            if log is not None:
+                log.parent.mkdir(parents=True, exist_ok=True)
+            runs.append(run_suite(args.workers, log=log))
             r = runs[-1]
             print(f"run {i + 1}: {r.wall_s:.0f} s, {r.counts}, failed: {r.failed or 'none'}",
                   flush=True)

@@ -3,6 +3,7 @@ and the committed reports change only when asked (``BENCH_OUT=bench/results``)."
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 
@@ -12,8 +13,11 @@ from tests.deploy.support import ROOT
 def bench_commands(*make_args: str) -> list[str]:
     # bench-vllm stays out of `make bench` (it installs the several-GB engine) but writes its
     # report by the same rule.
+    # The Makefile's defaults, not those of a make that runs this suite (its command-line
+    # variables, BENCH_OUT included, reach a child make through MAKEFLAGS).
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "BENCH_OUT")}
     out = subprocess.run(["make", "-n", "bench", "bench-vllm", *make_args], cwd=ROOT, capture_output=True,
-                         text=True, timeout=60, check=True).stdout
+                         text=True, timeout=60, check=True, env=env).stdout
     return [line for line in out.splitlines() if re.search(r"bench/bench_\w+\.py", line)]
 
 
