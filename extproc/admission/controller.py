@@ -512,15 +512,24 @@ class Admission:
             charge.held = False
             charge.node.charges.discard(charge)
 
+    @staticmethod
+    def _never_fits(nodes: PoolNodes, demand: Demand, cls: ClassConfig) -> Refusal | None:
+        """_never_fits refuses, for good (no retry), a request above every node's capacity."""
+        pt, ct = demand.prompt_tokens, demand.completion_tokens
+        largest = nodes.never_fits(cls.name, pt, ct)
+        if largest is None:
+            return None
+        return Refusal(Budget.NODE_KV, 0.0, False, nodes.hold(pt, ct, 0, cls.name), 0, largest)
+
     def _node_refusal(self, p: _Pool, demand: Demand, cls: ClassConfig,
                       now: float) -> Charge | Refusal:
         """_node_refusal charges a node for ``demand`` (a picking pool), or says why none fits."""
         nodes = p.nodes
         assert nodes is not None
         pt, ct = demand.prompt_tokens, demand.completion_tokens
-        largest = nodes.never_fits(cls.name, pt, ct)
-        if largest is not None:
-            return Refusal(Budget.NODE_KV, 0.0, False, nodes.hold(pt, ct, 0, cls.name), 0, largest)
+        never = self._never_fits(nodes, demand, cls)
+        if never is not None:
+            return never
         got = nodes.pick(cls.name, pt, ct, cls.kv_watermark, now, demand.among)
         if isinstance(got, Charge):
             return got
@@ -571,9 +580,9 @@ class Admission:
         nodes = p.nodes
         assert nodes is not None
         pt, ct = demand.prompt_tokens, demand.completion_tokens
-        largest = nodes.never_fits(cls.name, pt, ct)
-        if largest is not None:
-            return Refusal(Budget.NODE_KV, 0.0, False, nodes.hold(pt, ct, 0, cls.name), 0, largest)
+        never = self._never_fits(nodes, demand, cls)
+        if never is not None:
+            return never
         ask = nodes.ask(cls.name, pt, ct, cls.kv_watermark, now, demand.among)
         res = await self._store.admit(Plan(plan.limits, plan.tenant, plan.class_name, plan.tokens,
                                            plan.tenant_bucket, ask), now)

@@ -390,6 +390,25 @@ class PoolNodes:
         """_horizon_s is how long a request admitted now typically holds its node (s; 0 before any ended)."""
         return self.holds.median() or 0.0
 
+    def _eligible_in_turn(self, among: frozenset[str] | None, now: float) -> list[tuple[Node, int]]:
+        """_eligible_in_turn is the nodes a request may go to, with their capacities, in the
+        order of preference before room (fewer of kvgate's requests first, the rest in
+        turn): up, of known capacity, and allowed by ``among``. The others are counted as
+        passed over, for their state."""
+        order = [n for n in self.nodes.values() if allows(among, n.address)]
+        turn = self._turn % len(order) if order else 0
+        self._turn += 1
+        eligible: list[tuple[Node, int]] = []
+        for n in sorted(order[turn:] + order[:turn], key=lambda n: len(n.charges)):
+            state = n.state(now, self.stale_after_s)
+            if state is not NodeState.UP:
+                n.pass_over(PassedOver(state.value))
+            elif n.capacity is None:
+                n.pass_over(PassedOver.NO_CAPACITY)
+            else:
+                eligible.append((n, n.capacity))
+        return eligible
+
     def pick(self, class_name: str, prompt: int, reserved: int, watermark: float,
              now: float, among: frozenset[str] | None = None) -> Charge | rules.NodePass:
         """pick charges the node with the most room that fits the request, or says why none does.
@@ -404,18 +423,7 @@ class PoolNodes:
         need = self.hold(prompt, reserved, 0, class_name)
         candidates: list[tuple[str, int | None, int, int]] = []
         horizon = self._horizon_s()
-        order = [n for n in self.nodes.values() if allows(among, n.address)]
-        turn = self._turn % len(order) if order else 0
-        self._turn += 1
-        for n in sorted(order[turn:] + order[:turn], key=lambda n: len(n.charges)):
-            state = n.state(now, self.stale_after_s)
-            if state is not NodeState.UP:
-                n.pass_over(PassedOver(state.value))
-                continue
-            cap = n.capacity
-            if cap is None:
-                n.pass_over(PassedOver.NO_CAPACITY)
-                continue
+        for n, cap in self._eligible_in_turn(among, now):
             held = self.held(n)
             if self.pooled:
                 # What the request adds to the node's pooled bound is its need there: handed
@@ -442,21 +450,9 @@ class PoolNodes:
         own holds; the store applies the rule over every replica's holds. Nodes left out
         for their state are counted as passed over here.
         """
-        rows: list[tuple[str, int, int, int]] = []
         horizon = self._horizon_s()
-        order = [n for n in self.nodes.values() if allows(among, n.address)]
-        turn = self._turn % len(order) if order else 0
-        self._turn += 1
-        for n in sorted(order[turn:] + order[:turn], key=lambda n: len(n.charges)):
-            state = n.state(now, self.stale_after_s)
-            if state is not NodeState.UP:
-                n.pass_over(PassedOver(state.value))
-                continue
-            cap = n.capacity
-            if cap is None:
-                n.pass_over(PassedOver.NO_CAPACITY)
-                continue
-            rows.append((n.name, cap, n.foreign_ahead(horizon), self.held(n)))
+        rows = [(n.name, cap, n.foreign_ahead(horizon), self.held(n))
+                for n, cap in self._eligible_in_turn(among, now)]
         return NodeAsk(candidates_of(rows), self.hold(prompt, reserved, 0, class_name),
                        self.picking.reserve_fraction, watermark)
 
