@@ -358,10 +358,7 @@ class Gate:
         value = objective_values[0].decode("latin-1").strip()
         found = self.config.tenants.classes.get(value)
         if found is None:
-            now = self.clock.now()
-            last = self._route_logged.get("_objective")
-            if last is None or now - last >= ROUTE_LOG_INTERVAL_S:
-                self._route_logged["_objective"] = now
+            if self._log_due("_objective"):
                 log.warning("a request's %s header names no class of tenants.classes (%s): it "
                             "keeps its tenant's class", name, ", ".join(sorted(self.config.tenants.classes)))
         return found
@@ -371,10 +368,7 @@ class Gate:
         does not read (``names``): a request_attributes list naming another tenant header
         than ``tenants.header``. Counted per request, logged at most once a minute."""
         self.metrics.tenant_header_unseen.labels("other_header").inc()
-        now = self.clock.now()
-        last = self._route_logged.get("_other_header")
-        if last is None or now - last >= ROUTE_LOG_INTERVAL_S:
-            self._route_logged["_other_header"] = now
+        if self._log_due("_other_header"):
             log.error("Envoy sends the request attribute(s) %s, which kvgate does not read; "
                       "kvgate's tenant header is %r (tenants.header). Make the two the same, "
                       "or every request falls into the default class",
@@ -440,10 +434,7 @@ class Gate:
         """misconfigured counts a request kvgate cannot serve because of Envoy's
         configuration (``kvgate_internal_errors_total``) and logs why, at most once a minute."""
         self.metrics.internal_errors.inc()
-        now = self.clock.now()
-        last = self._route_logged.get("_misconfigured")
-        if last is None or now - last >= ROUTE_LOG_INTERVAL_S:
-            self._route_logged["_misconfigured"] = now
+        if self._log_due("_misconfigured"):
             log.error("refusing requests: %s", message)
 
     def served_elsewhere(self, pool: str, address: str) -> None:
@@ -451,10 +442,7 @@ class Gate:
         the one that served a request: the charge stays on the node picked. Counted in
         ``kvgate_served_unknown_endpoint_total``, logged at most once a minute."""
         self.metrics.served_unknown_endpoint(pool)
-        now = self.clock.now()
-        last = self._route_logged.get("_served_elsewhere")
-        if last is None or now - last >= ROUTE_LOG_INTERVAL_S:
-            self._route_logged["_served_elsewhere"] = now
+        if self._log_due("_served_elsewhere"):
             log.warning("the proxy says a request of pool %r was served by %s, which is no node "
                         "of the pool: its KV stays charged to the node kvgate picked. Check that "
                         "the pool's backend addresses are the endpoints the gateway routes to",
@@ -477,12 +465,19 @@ class Gate:
                       "gets a 504. Raise max_message_timeout (kvgate check-config FILE --envoy "
                       "ENVOY.yaml names it)", class_name, asked_s, waited_s, base)
 
-    def _route_error(self, key: str, message: str) -> None:
-        self.metrics.route_metadata_error(key)
+    def _log_due(self, key: str) -> bool:
+        """_log_due tells whether the line logged under ``key`` is due: at most one a minute
+        (ROUTE_LOG_INTERVAL_S), while its metric counts every occurrence."""
         now = self.clock.now()
         last = self._route_logged.get(key)
-        if last is None or now - last >= ROUTE_LOG_INTERVAL_S:
-            self._route_logged[key] = now
+        if last is not None and now - last < ROUTE_LOG_INTERVAL_S:
+            return False
+        self._route_logged[key] = now
+        return True
+
+    def _route_error(self, key: str, message: str) -> None:
+        self.metrics.route_metadata_error(key)
+        if self._log_due(key):
             log.warning("ignoring per-route setting: %s (kvgate_route_metadata_errors_total"
                         "{key=%r} counts every occurrence)", message, key)
 
