@@ -1053,28 +1053,30 @@ class Exchange:
         tracker = self.tracker
         if tracker is None:
             return CONTINUE_RESPONSE_BODY
-        replacement = tracker.feed(msg.body, msg.end_of_stream)
-        lease = self.lease
-        if lease is not None and lease.node is not None and tracker.delivered_chunks:
-            lease.progress(tracker.delivered_chunks)
-        if msg.end_of_stream:
-            self._response_end()
+        replacement = self._follow(tracker, msg)
         if replacement is None:
             return CONTINUE_RESPONSE_BODY
         resp = pb.ProcessingResponse()
         resp.response_body.response.body_mutation.body = replacement
         return resp
 
-    def _duplex_response_body(self, msg: pb.HttpBody) -> pb.ProcessingResponse:
-        tracker = self.tracker
-        if tracker is None:
-            return epp.streamed_chunk("response_body", msg.body, msg.end_of_stream)
+    def _follow(self, tracker: oai.ResponseTracker, msg: pb.HttpBody) -> bytes | None:
+        """_follow reads one response chunk: usage, the tokens generated so far (for a picked
+        node's ledger), and the end of the response (released at once). Returns the chunk's
+        replacement (the injected usage chunk hidden), or None to pass it as it came."""
         replacement = tracker.feed(msg.body, msg.end_of_stream)
         lease = self.lease
         if lease is not None and lease.node is not None and tracker.delivered_chunks:
             lease.progress(tracker.delivered_chunks)
         if msg.end_of_stream:
             self._response_end()
+        return replacement
+
+    def _duplex_response_body(self, msg: pb.HttpBody) -> pb.ProcessingResponse:
+        tracker = self.tracker
+        if tracker is None:
+            return epp.streamed_chunk("response_body", msg.body, msg.end_of_stream)
+        replacement = self._follow(tracker, msg)
         return epp.streamed_chunk("response_body", msg.body if replacement is None else replacement,
                                   msg.end_of_stream)
 
