@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from extproc.admission.store.base import Grant, Plan, PoolLimits  # noqa: E402
+from extproc.admission.types import Grant, Plan, PoolLimits  # noqa: E402
 from extproc.admission.store.redis import RedisStore  # noqa: E402
 from extproc.config import RedisStoreConfig  # noqa: E402
 from tests.support.redis_server import RedisServer, server_version  # noqa: E402

@@ -22,8 +22,8 @@ from extproc.admission.kvbudget import base_kv_budget, effective_kv_budget, kv_c
 from extproc.admission.nodes import Charge, NodeReport, NodeSnapshot, PassedOver, PoolNodes
 from extproc.admission.retry import HoldTimes, expected_wait
 from extproc.admission.slots import effective_guarantees, effective_limit
-from extproc.admission.store.base import (POOL_BUCKET, Budget, BucketSpec, Grant, Plan, PoolLimits,
-                                          Refusal, Store, StoreError, SyncStore)
+from extproc.admission.store.base import Store, StoreError, SyncStore
+from extproc.admission.types import POOL_BUCKET, Budget, BucketSpec, Grant, Plan, PoolLimits, Refusal
 from extproc.admission.store.memory import MemoryStore
 from extproc.admission.tenants import Tenants
 from extproc.admission.types import (Demand, Outcome, PoolSignals, PoolSnapshot, RateInfo, Reason,

@@ -37,7 +37,7 @@ from statistics import NormalDist
 
 from extproc.admission.bucket import FIT_SLACK, wait_for
 from extproc.admission.slots import slot_refusal
-from extproc.admission.store.base import Budget, BucketSpec, Plan, Refusal
+from extproc.admission.types import Budget, BucketSpec, Plan, Refusal
 
 
 def _bucket_wait(n: int, tokens: float, spec: BucketSpec, estimate: float) -> float:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from extproc.admission.store.base import Budget
+from extproc.admission.types import Budget
 
 # floor(base × scale) in floats: 10 × 0.7 is 6.999999999999999; a scale is a ratio, not
 # a measurement that precise, so round within a hair before flooring.

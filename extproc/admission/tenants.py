@@ -11,7 +11,7 @@ pool's bucket, slots and KV budget carry the protection of the GPUs.
 from __future__ import annotations
 
 from extproc.admission.bucket import tpm_rate
-from extproc.admission.store.base import BucketSpec
+from extproc.admission.types import BucketSpec
 from extproc.config import ClassConfig, TenantsConfig
 
 

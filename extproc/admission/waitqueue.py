@@ -23,7 +23,7 @@ from collections.abc import Generator
 from enum import Enum
 from typing import Any
 
-from extproc.admission.store.base import Plan, Refusal
+from extproc.admission.types import Plan, Refusal
 from extproc.admission.types import Demand
 
 

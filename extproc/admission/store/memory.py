@@ -10,7 +10,8 @@ from extproc.admission.bucket import TokenBucket
 from extproc.admission.kvbudget import KvLedger
 from extproc.admission.rules import decide
 from extproc.admission.slots import Slots
-from extproc.admission.store.base import POOL_BUCKET, BucketSpec, Grant, Plan, PoolUsage, Refusal, SyncStore
+from extproc.admission.store.base import SyncStore
+from extproc.admission.types import POOL_BUCKET, BucketSpec, Grant, Plan, PoolUsage, Refusal
 
 
 class _PoolState:

@@ -75,8 +75,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from extproc.admission.kvbudget import effective_kv_budget
 from extproc.admission.shared_nodes import node_arg, pick_share
 from extproc.admission.slots import effective_guarantees, scaled_floor
-from extproc.admission.store.base import (Budget, BucketSpec, Grant, Plan, PoolLimits, PoolUsage,
-                                          Refusal, Store, StoreError)
+from extproc.admission.store.base import Store, StoreError
+from extproc.admission.types import Budget, BucketSpec, Grant, Plan, PoolLimits, PoolUsage, Refusal
 from extproc.admission.store.memory import MemoryStore
 from extproc.clock import Clock
 from extproc.config import RedisStoreConfig

@@ -8,7 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 from extproc.admission import Admission
-from extproc.admission.store.base import Grant, Plan, PoolUsage, Refusal, Store
+from extproc.admission.store.base import Store
+from extproc.admission.types import Grant, Plan, PoolUsage, Refusal
 from extproc.admission.store.memory import MemoryStore
 from extproc.config import Config, parse_config
 

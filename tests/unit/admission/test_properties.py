@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from extproc.admission import Admission, Demand, Lease, Outcome, PoolSignals
-from extproc.admission.store.base import POOL_BUCKET
+from extproc.admission.types import POOL_BUCKET
 from extproc.admission.store.memory import MemoryStore
 from extproc.clock import ManualClock
 from extproc.config import Config, parse_config

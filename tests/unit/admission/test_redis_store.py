@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from extproc.admission import Admission, Lease, Outcome, Rejection
 from extproc.admission.kvbudget import effective_kv_budget, kv_ceilings
 from extproc.admission.slots import effective_guarantees, effective_limit
-from extproc.admission.store.base import Budget, BucketSpec, Grant, Plan, PoolLimits, Refusal
+from extproc.admission.types import Budget, BucketSpec, Grant, Plan, PoolLimits, Refusal
 from extproc.admission.store.memory import MemoryStore
 from extproc.admission.store.redis import (LOCAL_PREFIX, MODE_FAIL_CLOSED, MODE_LOCAL_SHARE, MODE_SHARED,
                                            RECOVER_S, REFRESH, RedisStore, StoreUnavailableError,

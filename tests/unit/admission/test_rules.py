@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from extproc.admission.rules import decide, message, queued_message, shed_message
-from extproc.admission.store.base import Budget, BucketSpec, Plan, PoolLimits, Refusal
+from extproc.admission.types import Budget, BucketSpec, Plan, PoolLimits, Refusal
 from extproc.admission.types import Reason
 
 POOL_TPM = BucketSpec("pool", 6000.0, 100.0, 6000.0)       # 6000 TPM: 100 tokens/s

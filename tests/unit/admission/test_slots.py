@@ -6,7 +6,7 @@ import pytest
 
 from extproc.admission.slots import (Slots, effective_guarantees, effective_limit,
                                      reserved_for_others, slot_refusal)
-from extproc.admission.store.base import Budget
+from extproc.admission.types import Budget
 
 
 @pytest.mark.parametrize("base, scale, limit", [

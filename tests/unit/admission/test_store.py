@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.admission.store.base import Budget, BucketSpec, Grant, Plan, PoolLimits, Refusal, Store
+from extproc.admission.store.base import Store
+from extproc.admission.types import Budget, BucketSpec, Grant, Plan, PoolLimits, Refusal
 
 T0 = 1000.0
 POOL = BucketSpec("pool", 6000.0, 100.0, 6000.0)
