@@ -39,11 +39,7 @@ class TokenBucket:
 
     def refill(self, now: float) -> float:
         """refill adds ``rate`` tokens per second elapsed since ``t`` (up to capacity); returns tokens."""
-        dt = now - self.t
-        if dt > 0:
-            tokens = self.tokens + dt * self.rate
-            self.tokens = tokens if tokens < self.capacity else self.capacity
-            self.t = now
+        self.tokens, self.t = refilled(self.tokens, self.t, now, self.capacity, self.rate)
         return self.tokens
 
     def peek(self, now: float) -> float:
@@ -52,11 +48,7 @@ class TokenBucket:
         Readers (metrics, usage reports) peek: a refill written by a reader would cap the
         idle time at the current capacity before ``set_limits`` could credit it.
         """
-        dt = now - self.t
-        if dt <= 0:
-            return self.tokens
-        tokens = self.tokens + dt * self.rate
-        return tokens if tokens < self.capacity else self.capacity
+        return refilled(self.tokens, self.t, now, self.capacity, self.rate)[0]
 
     def set_limits(self, capacity: float, rate: float, now: float) -> float:
         """set_limits refills at the old rate up to ``now``, then applies the new capacity and rate.
@@ -67,12 +59,8 @@ class TokenBucket:
         pressure period and then idle is not held at the small size until it refills
         again. A smaller capacity takes the excess tokens away at once. Returns the tokens.
         """
-        dt = now - self.t
-        if dt > 0:
-            top = capacity if capacity > self.capacity else self.capacity
-            tokens = self.tokens + dt * self.rate
-            self.tokens = tokens if tokens < top else top
-            self.t = now
+        top = capacity if capacity > self.capacity else self.capacity
+        self.tokens, self.t = refilled(self.tokens, self.t, now, top, self.rate)
         if capacity != self.capacity or rate != self.rate:
             if not capacity > 0 or not rate > 0:
                 raise ValueError(f"a bucket needs a capacity and rate above 0, got {capacity}, {rate}")
@@ -108,6 +96,20 @@ class TokenBucket:
         tokens = self.tokens + n
         self.tokens = tokens if tokens < self.capacity else self.capacity
         return self.tokens
+
+
+def refilled(tokens: float, t: float, now: float, top: float, rate: float) -> tuple[float, float]:
+    """refilled is a bucket holding ``tokens`` at instant ``t`` (s), refilled to ``now`` (s):
+    (tokens, instant) with ``rate`` tokens per second added, up to ``top`` tokens.
+
+    The one refill formula of the Python side (the Redis store's Lua has its one twin). An
+    instant not after ``t`` adds nothing and keeps ``t``: a clock never runs backwards here.
+    """
+    dt = now - t
+    if dt > 0:
+        tokens = tokens + dt * rate
+        return (tokens if tokens < top else top), now
+    return tokens, t
 
 
 def wait_for(n: float, tokens: float, capacity: float, rate: float) -> float:

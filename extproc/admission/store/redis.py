@@ -72,6 +72,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from extproc.admission.bucket import refilled
 from extproc.admission.kvbudget import effective_kv_budget
 from extproc.admission.shared_nodes import node_arg, pick_share
 from extproc.admission.slots import effective_guarantees, scaled_floor
@@ -1231,23 +1232,14 @@ class RedisStore(Store):
             kv -= s.tokens
             by_class[s.class_name] = by_class.get(s.class_name, 0) - 1
             if tok is not None and s.refund:
-                tok, t = _refill(tok, t, s.now + view.offset, view.cap, view.rate)
+                tok, t = refilled(tok, t, s.now + view.offset, view.cap, view.rate)
                 tok = min(tok + s.refund, view.cap)
         tokens = None
         if tok is not None:
-            tokens, _ = _refill(tok, t, now + view.offset, view.cap, view.rate)
+            tokens, _ = refilled(tok, t, now + view.offset, view.cap, view.rate)
         return PoolUsage(inflight=max(0, inflight), kv_inflight=max(0, kv),
                          by_class={c: max(0, n) for c, n in by_class.items()},
                          bucket_tokens=tokens)
-
-
-def _refill(tokens: float, t: float, now: float, capacity: float, rate: float) -> tuple[float, float]:
-    """_refill is TokenBucket.refill on plain values: (tokens, instant) at ``now`` (s)."""
-    dt = now - t
-    if dt > 0:
-        tokens = tokens + dt * rate
-        return (tokens if tokens < capacity else capacity), now
-    return tokens, t
 
 
 def _describe(pool: aioredis.ConnectionPool) -> str:
