@@ -7,10 +7,9 @@ the candidate nodes (name, capacity, foreign KV as this replica read it, what th
 replica's own requests there hold), the new request's hold, the reserve fraction and
 the class's watermark. The store answers with the node picked or a node refusal.
 
-``node_arg`` is the one definition of how a ``NodeAsk`` reaches the Lua script (the
-constants of the rule travel in it, never copied into Lua), and ``pick_shared`` is the
-Python rule the script mirrors: ``rules.pick_node`` with each node's ``held`` replaced by
-the shared total. ``pick_share`` is the rule while the store is unreachable: this
+``pick_shared`` is the Python rule the Redis admit script mirrors: ``rules.pick_node``
+with each node's ``held`` replaced by the shared total (how a ``NodeAsk`` reaches the
+script, its constants included, is ``store.redis_lua.NodeArg``). ``pick_share`` is the rule while the store is unreachable: this
 replica's share of every node (see its docstring).
 
 Which report counts: each replica scrapes every node itself and uses its own latest
@@ -46,19 +45,6 @@ class NodeAsk:
     need: int
     reserve_fraction: float
     watermark: float
-
-
-def node_arg(ask: NodeAsk) -> str:
-    """node_arg is ``ask`` as the admit script reads it: "need reserve watermark {name capacity foreign}...".
-
-    Floats go as ``repr`` (they round-trip exactly), so the script computes
-    floor(C x (1 - r)) on the same double as ``rules.effective_capacity``. Node names
-    are configured backend names (no spaces, see ``config``).
-    """
-    parts = [str(int(ask.need)), repr(float(ask.reserve_fraction)), repr(float(ask.watermark))]
-    for name, capacity, foreign, _own in ask.candidates:
-        parts.extend((name, str(int(capacity)), str(int(foreign))))
-    return " ".join(parts)
 
 
 def pick_shared(ask: NodeAsk, held: Mapping[str, int]) -> rules.NodePass:

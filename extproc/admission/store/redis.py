@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import math
 import secrets
@@ -74,11 +73,14 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from extproc.admission.bucket import refilled
 from extproc.admission.kvbudget import effective_kv_budget
-from extproc.admission.shared_nodes import node_arg, pick_share
+from extproc.admission.shared_nodes import pick_share
 from extproc.admission.slots import effective_guarantees, scaled_floor
 from extproc.admission.store.base import Store, StoreError
 from extproc.admission.types import Budget, BucketSpec, Grant, Plan, PoolLimits, PoolUsage, Refusal
 from extproc.admission.store.memory import MemoryStore
+from extproc.admission.store.redis_lua import (ADMIT, HEARTBEAT, REFRESH, SCRIPTS, SETTLE, AdmitArg, AdmitPool,
+                                               Guarantee, HeartbeatArg, HeartbeatKeys, PoolKeys, RefreshArg,
+                                               RefreshKeys, RefreshLease, SettleArg, node_arg, pack, word)
 from extproc.clock import Clock
 from extproc.config import RedisStoreConfig
 
@@ -167,380 +169,6 @@ class _Failure(Exception):
         self.reason = reason
 
 
-# --- Lua ----------------------------------------------------------------------------
-# One prelude shared by every script: the clock, exact number formatting, the purge of
-# expired leases and the token bucket (a mirror of extproc.admission.bucket.TokenBucket).
-
-_PRELUDE = r"""
-local FIT = 1e-6
--- args splits the one argument a script takes: words separated by spaces ('-': none).
--- One string instead of many keeps the client's encoding cheap on the hot path.
-local function args(s)
-  local a = {}
-  for w in string.gmatch(s, '%S+') do a[#a + 1] = w end
-  return a
-end
-local function now_of(arg)
-  if arg ~= '-' then return tonumber(arg) end
-  local t = redis.call('TIME')
-  return tonumber(t[1]) + tonumber(t[2]) / 1000000
-end
--- Lua's tostring keeps 14 digits; %.17g round-trips a double exactly.
-local function fmt(x) return string.format('%.17g', x) end
--- rec_fields splits a lease record: class, tokens, and node and node hold ('-' and 0 when
--- the pool does not pick nodes).
-local function rec_fields(rec)
-  local f = {}
-  for w in string.gmatch(rec, '[^\t]+') do f[#f + 1] = w end
-  return f[1], tonumber(f[2]), f[3] or '-', tonumber(f[4]) or 0
-end
-local function untake(st, nk, rec)
-  local cls, tok, node, hold = rec_fields(rec)
-  redis.call('HINCRBY', st, 'n', -1)
-  redis.call('HINCRBY', st, 'c:' .. cls, -1)
-  -- 0 - tok, not -tok: Lua writes -0 as "-0", which HINCRBY refuses
-  redis.call('HINCRBY', st, 'kv', 0 - tok)
-  if node ~= '-' and hold ~= 0 then redis.call('HINCRBY', nk, node, 0 - hold) end
-  return tok
-end
--- purge returns the slots and KV tokens of leases whose expiry has passed (their replica
--- stopped refreshing them: it died) and forgets tombstones that served their time.
-local function purge(st, lz, lh, done, nk, now)
-  local ids = redis.call('ZRANGEBYSCORE', lz, '-inf', now, 'LIMIT', 0, 256)
-  for i = 1, #ids do
-    local rec = redis.call('HGET', lh, ids[i])
-    if rec then
-      untake(st, nk, rec)
-      redis.call('HDEL', lh, ids[i])
-    end
-    redis.call('ZREM', lz, ids[i])
-  end
-  redis.call('ZREMRANGEBYSCORE', done, '-inf', now)
-end
--- bucket_load is TokenBucket(cap, rate, now) for a new bucket, else set_limits(cap, rate,
--- now): the elapsed time refilled at the stored rate up to the larger capacity, then a
--- shrink clamps.
-local function bucket_load(key, cap, rate, now)
-  local v = redis.call('HMGET', key, 'tok', 't', 'cap', 'rate')
-  if not v[1] then return {cap, now, cap, rate} end
-  local tok, t, bcap, brate = tonumber(v[1]), tonumber(v[2]), tonumber(v[3]), tonumber(v[4])
-  local dt = now - t
-  if dt > 0 then
-    local top = bcap
-    if cap > bcap then top = cap end
-    tok = tok + dt * brate
-    if not (tok < top) then tok = top end
-    t = now
-  end
-  if cap ~= bcap or rate ~= brate then
-    bcap = cap
-    brate = rate
-    if tok > bcap then tok = bcap end
-  end
-  return {tok, t, bcap, brate}
-end
--- bucket_save writes a bucket; a tenant's (expire_s >= 0) goes away once it would be full.
-local function bucket_save(key, b, expire_s)
-  redis.call('HSET', key, 'tok', fmt(b[1]), 't', fmt(b[2]), 'cap', fmt(b[3]), 'rate', fmt(b[4]))
-  if expire_s >= 0 then
-    local full_in = (b[3] - b[1]) / b[4]
-    redis.call('PEXPIRE', key, math.ceil((full_in + expire_s) * 1000))
-  end
-end
--- bucket_give is TokenBucket.give(n, now) on a stored bucket; a missing one is full at cap.
-local function bucket_give(key, n, cap, rate, now, expire_s)
-  local v = redis.call('HMGET', key, 'tok', 't', 'cap', 'rate')
-  local b
-  if v[1] then
-    b = {tonumber(v[1]), tonumber(v[2]), tonumber(v[3]), tonumber(v[4])}
-    local dt = now - b[2]
-    if dt > 0 then
-      local tok = b[1] + dt * b[4]
-      if not (tok < b[3]) then tok = b[3] end
-      b[1] = tok
-      b[2] = now
-    end
-  else
-    b = {cap, now, cap, rate}
-  end
-  local tok = b[1] + n
-  if not (tok < b[3]) then tok = b[3] end
-  b[1] = tok
-  bucket_save(key, b, expire_s)
-end
--- view is what every reply ends with, after a '|': the store's instant, the version of
--- the pool's counters (it orders replies that arrive on different connections), slots in
--- use, KV tokens in flight, the pool bucket (tok t cap rate, '-' without one) and the
--- slots per class as class=n. One string: cheap for the client to read.
-local function view(now, st, pbk, has_pb)
-  local v = redis.call('HINCRBY', st, 'v', 1)
-  local h = redis.call('HGETALL', st)
-  local n, kv, cls = '0', '0', {}
-  for i = 1, #h, 2 do
-    local f = h[i]
-    if f == 'n' then n = h[i + 1]
-    elseif f == 'kv' then kv = h[i + 1]
-    elseif string.sub(f, 1, 2) == 'c:' then cls[#cls + 1] = string.sub(f, 3) .. '=' .. h[i + 1] end
-  end
-  local pb = '- - - -'
-  if has_pb then
-    local b = redis.call('HMGET', pbk, 'tok', 't', 'cap', 'rate')
-    if b[1] then pb = b[1] .. ' ' .. b[2] .. ' ' .. b[3] .. ' ' .. b[4] end
-  end
-  return '|' .. fmt(now) .. ' ' .. v .. ' ' .. n .. ' ' .. kv .. ' ' .. pb .. ' ' .. table.concat(cls, ' ')
-end
-"""
-
-# KEYS: st lz lh done pool_bucket tenant_bucket nk (st stands in for a missing bucket)
-# ARGV[1]: "now id ttl class tokens limit kv_budget base_kv estimate p_cap p_rate p_base
-#           t_cap t_rate t_base tenant_expire c_kv c_base_kv {class g}..."
-#           (c_kv, c_base_kv: the class's KV ceiling now and at scale 1.0, '-' for none)
-# ARGV[2]: '-' (the pool does not pick nodes) or shared_nodes.node_arg: "need reserve
-#          watermark {name capacity foreign}..."
-# Returns "1 inflight b_tok b_cap b_rate node|view" (granted; '-' without a bucket or a
-# node), "0 budget retry retryable needed used limit|view" (refused), "2|view" (id cancelled).
-_ADMIT = _PRELUDE + r"""
-local st, lz, lh, done, pbk, tbk, nk = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
-local a = args(ARGV[1])
-local now = now_of(a[1])
-local id, ttl, cls, n = a[2], tonumber(a[3]), a[4], tonumber(a[5])
-local limit, kvb, base_kv, est = tonumber(a[6]), tonumber(a[7]), tonumber(a[8]), tonumber(a[9])
-local pcap, prate, pbase = tonumber(a[10]), tonumber(a[11]), tonumber(a[12])
-local tcap, trate, tbase = tonumber(a[13]), tonumber(a[14]), tonumber(a[15])
-local texp = tonumber(a[16])
-local ckv, cbase = tonumber(a[17]), tonumber(a[18])
-purge(st, lz, lh, done, nk, now)
-if redis.call('ZSCORE', done, id) then return '2' .. view(now, st, pbk, pcap ~= nil) end
-local sv = redis.call('HMGET', st, 'n', 'kv')
-local inflight, kvin = tonumber(sv[1]) or 0, tonumber(sv[2]) or 0
-local pb, tb
-if pcap then pb = bucket_load(pbk, pcap, prate, now) end
-if tcap then tb = bucket_load(tbk, tcap, trate, now) end
-local function save()
-  if pb then bucket_save(pbk, pb, -1) end
-  if tb then bucket_save(tbk, tb, texp) end
-end
-local function granted(nin, node)
-  local b = pb
-  if tb and (b == nil or tb[1] < b[1]) then b = tb end
-  local head = '1 ' .. nin
-  if b then head = head .. ' ' .. fmt(b[1]) .. ' ' .. fmt(b[3]) .. ' ' .. fmt(b[4])
-  else head = head .. ' - - -' end
-  return head .. ' ' .. node .. view(now, st, pbk, pb ~= nil)
-end
-local held_rec = redis.call('HGET', lh, id)
-if held_rec then
-  -- a retried round trip whose first attempt was applied: the grant stands, once
-  save()
-  local _, _, node = rec_fields(held_rec)
-  return granted(inflight, node)
-end
-local function refused(r)
-  save()
-  return '0 ' .. r[1] .. ' ' .. fmt(r[2]) .. ' ' .. r[3] .. ' ' .. fmt(r[4]) .. ' ' .. fmt(r[5]) .. ' '
-    .. fmt(r[6]) .. view(now, st, pbk, pb ~= nil)
-end
--- shared_nodes.pick_shared (rules.pick_node over every replica's holds): checked before
--- the pool's budgets, as the controller does with an in-process store
-local node, hold = '-', 0
-if ARGV[2] ~= '-' then
-  local q = args(ARGV[2])
-  local need, reserve, wm = tonumber(q[1]), tonumber(q[2]), tonumber(q[3])
-  local best, best_room, by_wm = nil, nil, false
-  for i = 4, #q - 2, 3 do
-    local name, cap, foreign = q[i], tonumber(q[i + 1]), tonumber(q[i + 2])
-    local held = tonumber(redis.call('HGET', nk, name)) or 0
-    local eff = math.floor(cap * (1.0 - reserve))
-    if eff < 0 then eff = 0 end
-    local room = eff - foreign - held
-    if best_room == nil or room > best_room then best_room = room end
-    if need > room then
-      -- no room
-    elseif wm < 1.0 and foreign + held + need > math.floor(wm * eff) then
-      by_wm = true
-    elseif best == nil or room > best then
-      best, node = room, name
-    end
-  end
-  if node == '-' then
-    local r = best_room or 0
-    local budget = 'node_kv'
-    if by_wm then budget = 'class_kv' end
-    return refused({budget, est, 1, need, r, r})
-  end
-  hold = need
-end
--- rules.decide, step 1: never fits, not even at scale 1.0
-if base_kv and n > base_kv then return refused({'kv', 0, 0, n, kvin, base_kv}) end
-if cbase and n > cbase then return refused({'class_kv', 0, 0, n, kvin, cbase}) end
-if tb and n > tbase + FIT then return refused({'tenant_tpm', 0, 0, n, 0, tbase}) end
-if pb and n > pbase + FIT then return refused({'pool_tpm', 0, 0, n, 0, pbase}) end
-local function wait_for(tokens, cap, rate)
-  if n <= tokens + FIT then return 0 end
-  if n > cap + FIT then return math.huge end
-  return (n - tokens) / rate
-end
-local function bucket_wait(tokens, cap, rate)
-  local w = wait_for(tokens, cap, rate)
-  if w == math.huge then w = math.max(est, (n - tokens) / rate) end
-  return w
-end
-local first = nil
-local wait = 0
--- step 2: slots (slots.slot_refusal)
-local slots = nil
-if inflight >= limit then
-  slots = 'slots'
-elseif #a > 18 then
-  local reserved = 0
-  for i = 19, #a - 1, 2 do
-    local name, g = a[i], tonumber(a[i + 1])
-    if name ~= cls then
-      local free = g - (tonumber(redis.call('HGET', st, 'c:' .. name)) or 0)
-      if free > 0 then reserved = reserved + free end
-    end
-  end
-  if inflight + 1 + reserved > limit then slots = 'reserved_slots' end
-end
-if slots then
-  first = {slots, est, 1, 1, inflight, limit}
-  wait = est
-end
--- step 3: in-flight KV tokens: the pool's budget, then the class's ceiling
-if kvb and kvin + n > kvb then
-  if not first then first = {'kv', est, 1, n, kvin, kvb} end
-  wait = est
-elseif ckv and kvin + n > ckv then
-  if not first then first = {'class_kv', est, 1, n, kvin, ckv} end
-  wait = est
-end
--- step 4: the tenant's bucket, then the pool's
-if tb and n > tb[1] + FIT then
-  local w = bucket_wait(tb[1], tb[3], tb[4])
-  if not first then first = {'tenant_tpm', w, 1, n, tb[1], tb[3]} end
-  wait = math.max(wait, w)
-end
-if pb and n > pb[1] + FIT then
-  local w = bucket_wait(pb[1], pb[3], pb[4])
-  if not first then first = {'pool_tpm', w, 1, n, pb[1], pb[3]} end
-  wait = math.max(wait, w)
-end
-if first then
-  first[2] = wait
-  return refused(first)
-end
-local nin = redis.call('HINCRBY', st, 'n', 1)
-redis.call('HINCRBY', st, 'c:' .. cls, 1)
-redis.call('HINCRBY', st, 'kv', n)
-if node ~= '-' then
-  redis.call('HINCRBY', nk, node, hold)
-  redis.call('HSET', lh, id, cls .. '\t' .. a[5] .. '\t' .. node .. '\t' .. hold)
-else
-  redis.call('HSET', lh, id, cls .. '\t' .. a[5])
-end
-redis.call('ZADD', lz, now + ttl, id)
-if pb then pb[1] = pb[1] - n end
-if tb then tb[1] = tb[1] - n end
-save()
-return granted(nin, node)
-"""
-
-# KEYS: st lz lh done pool_bucket tenant_bucket nk
-# ARGV[1]: "now id charged ttl p_cap p_rate t_cap t_rate tenant_expire"
-# Returns "1|view" when this call released the lease, "0|view" when nothing was held.
-_SETTLE = _PRELUDE + r"""
-local st, lz, lh, done, pbk, tbk, nk = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
-local a = args(ARGV[1])
-local now = now_of(a[1])
-local id, charged, ttl = a[2], tonumber(a[3]), tonumber(a[4])
-local pcap, prate, tcap, trate, texp = tonumber(a[5]), tonumber(a[6]), tonumber(a[7]), tonumber(a[8]), tonumber(a[9])
-purge(st, lz, lh, done, nk, now)
--- the tombstone keeps a refresh or a late admit already on the wire from bringing it back
-redis.call('ZADD', done, now + ttl, id)
-local rec = redis.call('HGET', lh, id)
-if not rec then return '0' .. view(now, st, pbk, pcap ~= nil) end
-redis.call('HDEL', lh, id)
-redis.call('ZREM', lz, id)
-local tok = untake(st, nk, rec)
-local refund = tok - charged
-if refund ~= 0 then
-  if pcap then bucket_give(pbk, refund, pcap, prate, now, -1) end
-  if tcap then bucket_give(tbk, refund, tcap, trate, now, texp) end
-end
-return '1' .. view(now, st, pbk, pcap ~= nil)
-"""
-
-# KEYS: st lz lh done pool_bucket nk
-# ARGV: now ttl has_pool_bucket {id class tokens node hold}...  (node '-': none)
-# Extends this replica's live leases and moves each one's node hold to the one given
-# (the growth estimate changes as tokens are generated); re-takes those Redis lost (a
-# restart) unless settled. Returns "restored|view".
-_REFRESH = _PRELUDE + r"""
-local st, lz, lh, done, pbk, nk = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
-local now = now_of(ARGV[1])
-local exp = now + tonumber(ARGV[2])
-local restored = 0
-for i = 4, #ARGV - 4, 5 do
-  local id, cls, tok, node, hold = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], tonumber(ARGV[i + 4])
-  local rec = cls .. '\t' .. tok
-  if node ~= '-' then rec = rec .. '\t' .. node .. '\t' .. hold end
-  if redis.call('ZSCORE', lz, id) then
-    redis.call('ZADD', lz, exp, id)
-    local old = redis.call('HGET', lh, id)
-    if old and node ~= '-' then
-      local _, _, old_node, old_hold = rec_fields(old)
-      if old_node == node and old_hold ~= hold then
-        redis.call('HINCRBY', nk, node, hold - old_hold)
-        redis.call('HSET', lh, id, rec)
-      end
-    end
-  elseif not redis.call('ZSCORE', done, id) then
-    redis.call('ZADD', lz, exp, id)
-    redis.call('HSET', lh, id, rec)
-    redis.call('HINCRBY', st, 'n', 1)
-    redis.call('HINCRBY', st, 'c:' .. cls, 1)
-    redis.call('HINCRBY', st, 'kv', tonumber(tok))
-    if node ~= '-' then redis.call('HINCRBY', nk, node, hold) end
-    restored = restored + 1
-  end
-end
-purge(st, lz, lh, done, nk, now)
-return restored .. view(now, st, pbk, ARGV[3] == '1')
-"""
-
-# KEYS: replicas   ARGV: now replica_id ttl
-# Returns the number of live replicas, this one included.
-_HEARTBEAT = r"""
-local now = ARGV[1]
-if now == '-' then
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-else
-  now = tonumber(now)
-end
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[2])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-return redis.call('ZCARD', KEYS[1])
-"""
-
-
-class _Script:
-    """_Script is a Lua script and its SHA1, the name ``EVALSHA`` knows it by."""
-
-    __slots__ = ("source", "sha")
-
-    def __init__(self, source: str) -> None:
-        self.source = source
-        self.sha = hashlib.sha1(source.encode()).hexdigest()
-
-
-ADMIT = _Script(_ADMIT)
-SETTLE = _Script(_SETTLE)
-REFRESH = _Script(_REFRESH)
-HEARTBEAT = _Script(_HEARTBEAT)
-_SCRIPTS = (ADMIT, SETTLE, REFRESH, HEARTBEAT)
-
-
 class _Keys:
     """_Keys are one pool's Redis keys (see the module's key layout)."""
 
@@ -560,6 +188,16 @@ class _Keys:
 
     def bucket(self, spec: BucketSpec | None) -> str:
         return self.st if spec is None else self.bucket_prefix + spec.key
+
+    def of_plan(self, plan: Plan) -> PoolKeys:
+        """of_plan is the KEYS of the admit and settle scripts for ``plan``."""
+        return PoolKeys(st=self.st, lz=self.lz, lh=self.lh, done=self.done,
+                        pbk=self.bucket(plan.limits.bucket), tbk=self.bucket(plan.tenant_bucket), nk=self.nk)
+
+    def of_refresh(self) -> RefreshKeys:
+        """of_refresh is the KEYS of the refresh script (the pool bucket as last learnt)."""
+        return RefreshKeys(st=self.st, lz=self.lz, lh=self.lh, done=self.done,
+                           pbk=self.pool_bucket or self.st, nk=self.nk)
 
 
 class _View:
@@ -854,7 +492,7 @@ class RedisStore(Store):
     # --- round trips -------------------------------------------------------------
 
     async def _load_scripts(self) -> None:
-        for script in _SCRIPTS:
+        for script in SCRIPTS:
             await self._client.execute_command("SCRIPT", "LOAD", script.source)
 
     async def _round_trip(self, cmds: Sequence[tuple[Any, ...]]) -> list[Any]:
@@ -900,9 +538,9 @@ class RedisStore(Store):
             view.at = -math.inf
             view.version = 0
 
-    def _now_arg(self, now: float) -> str:
-        """_now_arg is the instant a script runs at: '-' (Redis TIME) or the caller's ``now`` (s)."""
-        return "-" if self._clock is None else repr(float(now))
+    def _now_arg(self, now: float) -> float | None:
+        """_now_arg is the instant a script runs at: None (Redis TIME) or the caller's ``now`` (s)."""
+        return None if self._clock is None else float(now)
 
     def _keys_of(self, pool: str) -> _Keys:
         k = self._keys.get(pool)
@@ -994,26 +632,28 @@ class RedisStore(Store):
         pb = lim.bucket
         tb = plan.tenant_bucket
         cached = keys.limits
-        if cached is not None and cached[0] is lim:
-            limits_arg = cached[1]
-        else:
+        if cached is None or cached[0] is not lim:
             # The pool's part of the argument changes only with its limits (the scale).
             if pb is not None:
                 keys.pool_bucket = keys.bucket(pb)
-            parts = [lim.limit, _opt(lim.kv_budget), _opt(lim.base_kv_budget), float(lim.retry_estimate_s)]
-            parts += ["- - -"] if pb is None else [float(pb.capacity), float(pb.rate), float(pb.base_capacity)]
-            limits_arg = " ".join(map(str, parts))
-            guarantees = " ".join(f"{name} {g}" for name, g in lim.guarantees.items())
-            keys.limits = (lim, limits_arg, guarantees)
-            cached = keys.limits
-        tenant_arg = "- - -" if tb is None else f"{float(tb.capacity)!r} {float(tb.rate)!r} {float(tb.base_capacity)!r}"
+            pool = AdmitPool(limit=lim.limit, kvb=lim.kv_budget, base_kv=lim.base_kv_budget,
+                             est=float(lim.retry_estimate_s),
+                             pcap=None if pb is None else float(pb.capacity),
+                             prate=None if pb is None else float(pb.rate),
+                             pbase=None if pb is None else float(pb.base_capacity))
+            guarantees = pack(w for name, g in lim.guarantees.items() for w in Guarantee(name, g))
+            cached = keys.limits = (lim, pack(pool), guarantees)
         ceiling = lim.kv_ceilings.get(plan.class_name) if lim.kv_ceilings else None
-        ceiling_arg = "- -" if ceiling is None else f"{ceiling[0]} {ceiling[1]}"
-        arg = (f"{self._now_arg(now)} {lease_id} {self._ttl!r} {plan.class_name} {int(plan.tokens)} "
-               f"{limits_arg} {tenant_arg} {self._tenant_expire!r} {ceiling_arg} {cached[2]}")
+        arg = AdmitArg(now=self._now_arg(now), id=lease_id, ttl=self._ttl, cls=plan.class_name,
+                       n=int(plan.tokens), pool=cached[1],
+                       tcap=None if tb is None else float(tb.capacity),
+                       trate=None if tb is None else float(tb.rate),
+                       tbase=None if tb is None else float(tb.base_capacity),
+                       texp=self._tenant_expire,
+                       ckv=None if ceiling is None else ceiling[0],
+                       cbase=None if ceiling is None else ceiling[1], guarantees=cached[2])
         nodes = "-" if plan.nodes is None else node_arg(plan.nodes)
-        return ("EVALSHA", ADMIT.sha, 7, keys.st, keys.lz, keys.lh, keys.done, keys.bucket(pb),
-                keys.bucket(tb), keys.nk, arg, nodes)
+        return ADMIT.command(keys.of_plan(plan), pack(arg), nodes)
 
     def _read_admit(self, plan: Plan, lease_id: str, reply: bytes, now: float) -> Grant | Refusal:
         head, _, view = reply.partition(b"|")
@@ -1086,12 +726,12 @@ class RedisStore(Store):
                     now: float) -> tuple[Any, ...]:
         pb = plan.limits.bucket
         tb = plan.tenant_bucket
-        pool_arg = "- -" if pb is None else f"{float(pb.capacity)!r} {float(pb.rate)!r}"
-        tenant_arg = "- -" if tb is None else f"{float(tb.capacity)!r} {float(tb.rate)!r}"
-        arg = (f"{self._now_arg(now)} {lease_id} {int(charged)} {self._ttl!r} {pool_arg} {tenant_arg} "
-               f"{self._tenant_expire!r}")
-        return ("EVALSHA", SETTLE.sha, 7, keys.st, keys.lz, keys.lh, keys.done, keys.bucket(pb),
-                keys.bucket(tb), keys.nk, arg)
+        arg = SettleArg(now=self._now_arg(now), id=lease_id, charged=int(charged), ttl=self._ttl,
+                        pcap=None if pb is None else float(pb.capacity),
+                        prate=None if pb is None else float(pb.rate),
+                        tcap=None if tb is None else float(tb.capacity),
+                        trate=None if tb is None else float(tb.rate), texp=self._tenant_expire)
+        return SETTLE.command(keys.of_plan(plan), pack(arg))
 
     def _queue(self, pending: _Pending) -> None:
         self._pending.append(pending)
@@ -1181,20 +821,19 @@ class RedisStore(Store):
     async def _refresh_round_trip(self) -> None:
         now = self._caller_now()
         now_arg = self._now_arg(now)
-        cmds: list[tuple[Any, ...]] = [("EVALSHA", HEARTBEAT.sha, 1, self._replicas_key, now_arg,
-                                        self.replica_id, self._ttl)]
+        cmds = [HEARTBEAT.command(HeartbeatKeys(self._replicas_key),
+                                  *map(word, HeartbeatArg(now_arg, self.replica_id, self._ttl)))]
         pools: list[str] = []
         for pool, keys in self._keys.items():
             leases = list(self._live.get(pool, {}).values())
             chunks = [leases[i:i + _REFRESH_CHUNK] for i in range(0, len(leases), _REFRESH_CHUNK)] or [[]]
+            lead = RefreshArg(now=now_arg, ttl=self._ttl, has_pb=1 if keys.pool_bucket else 0)
             for chunk in chunks:
-                cmd: list[Any] = ["EVALSHA", REFRESH.sha, 6, keys.st, keys.lz, keys.lh, keys.done,
-                                  keys.pool_bucket or keys.st, keys.nk, now_arg, self._ttl,
-                                  "1" if keys.pool_bucket else "0"]
+                argv: list[object] = [*lead]
                 for g in chunk:
-                    cmd.extend((g.id, g.plan.class_name, g.plan.tokens, g.picked or "-",
-                                int(g.node_hold)))
-                cmds.append(tuple(cmd))
+                    argv.extend(RefreshLease(id=g.id, cls=g.plan.class_name, tok=int(g.plan.tokens),
+                                             node=g.picked or "-", hold=int(g.node_hold)))
+                cmds.append(REFRESH.command(keys.of_refresh(), *map(word, argv)))
                 pools.append(pool)
         results = await self._round_trip(cmds)
         try:

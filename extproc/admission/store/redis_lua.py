@@ -1,0 +1,646 @@
+"""redis_lua: the Redis store's Lua scripts, and the one definition of what they read.
+
+Every script reads positional KEYS and ARGV. Their layouts are defined once, here, as
+NamedTuples: the Python side builds a script's words by field name (``pack``,
+``Script.command``), and each script reads the same words into Lua locals of the same
+names, in a preamble generated from the same definition (``lua_locals``, ``lua_each``).
+Adding, removing or moving a field thus changes both sides at once. The rule's constants
+reach the Lua the same way: ``bucket.FIT_SLACK`` as ``FIT``, each ``Budget`` as
+``B_<NAME>``. The refill formula has one Lua twin of ``bucket.refilled`` (``refill`` in
+the prelude); the admission rule itself is ``rules.decide`` and ``shared_nodes.pick_shared``,
+mirrored line for line in ``_ADMIT`` and held equal by the differential tests.
+
+Words: ``None`` goes as ``-`` (the script reads it as nil: none), floats as ``repr`` (they
+round-trip exactly), ints and text as they are. Text has no spaces (configured names and
+lease ids). Several small words in one ARGV string keep the client's encoding cheap on
+the hot path (``args`` in the prelude splits them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from string import Template
+from typing import Any, NamedTuple, get_type_hints
+
+from extproc.admission.bucket import FIT_SLACK
+from extproc.admission.shared_nodes import NodeAsk
+from extproc.admission.types import Budget
+
+# --- layouts --------------------------------------------------------------------------
+
+
+class PoolKeys(NamedTuple):
+    """PoolKeys are the KEYS of the admit and settle scripts (see ``store.redis``'s key layout).
+
+    A plan without a pool or a tenant bucket passes ``st`` for it: the script never
+    touches a bucket it was not given limits for.
+    """
+
+    st: str
+    lz: str
+    lh: str
+    done: str
+    pbk: str
+    tbk: str
+    nk: str
+
+
+class RefreshKeys(NamedTuple):
+    """RefreshKeys are the KEYS of the refresh script: a pool's, without the tenant bucket."""
+
+    st: str
+    lz: str
+    lh: str
+    done: str
+    pbk: str
+    nk: str
+
+
+class HeartbeatKeys(NamedTuple):
+    """HeartbeatKeys are the KEYS of the heartbeat script: the zset of live replicas."""
+
+    replicas: str
+
+
+class AdmitPool(NamedTuple):
+    """AdmitPool is the pool's part of ``AdmitArg``: it changes only with the pool's limits.
+
+    ``limit``: slots; ``kvb``, ``base_kv``: the KV budget now and at scale 1.0 (tokens);
+    ``est``: the retry estimate (s); ``pcap``, ``prate``, ``pbase``: the pool bucket's
+    capacity (tokens), rate (tokens/s) and capacity at scale 1.0.
+    """
+
+    limit: int
+    kvb: int | None
+    base_kv: int | None
+    est: float
+    pcap: float | None
+    prate: float | None
+    pbase: float | None
+
+
+class Guarantee(NamedTuple):
+    """Guarantee is one class's guaranteed slots, repeated at the end of ``AdmitArg``."""
+
+    name: str
+    g: int
+
+
+class AdmitArg(NamedTuple):
+    """AdmitArg is ARGV[1] of the admit script.
+
+    ``now``: the instant (s), None for Redis ``TIME``; ``id``: the lease; ``ttl``: its
+    lifetime (s); ``cls``, ``n``: the plan's class and tokens; ``pool``: ``AdmitPool``,
+    packed; ``tcap``, ``trate``, ``tbase``: the tenant bucket as ``pcap`` ...; ``texp``:
+    how long (s) a tenant bucket lives after it would be full (< 0: forever); ``ckv``,
+    ``cbase``: the class's KV ceiling now and at scale 1.0 (tokens); ``guarantees``:
+    ``Guarantee`` words, packed.
+    """
+
+    now: float | None
+    id: str
+    ttl: float
+    cls: str
+    n: int
+    pool: str
+    tcap: float | None
+    trate: float | None
+    tbase: float | None
+    texp: float
+    ckv: int | None
+    cbase: int | None
+    guarantees: str
+
+
+class NodeArg(NamedTuple):
+    """NodeArg is ARGV[2] of the admit script when the pool picks nodes (else ``-``).
+
+    ``need``: the request's hold (tokens); ``reserve``: the part of each node's capacity
+    kvgate never fills; ``wm``: the class's watermark (1.0: none); ``nodes``:
+    ``NodeCandidate`` words, packed.
+    """
+
+    need: int
+    reserve: float
+    wm: float
+    nodes: str
+
+
+class NodeCandidate(NamedTuple):
+    """NodeCandidate is one node the admit script may pick: capacity and foreign KV (tokens)."""
+
+    name: str
+    cap: int
+    foreign: int
+
+
+class SettleArg(NamedTuple):
+    """SettleArg is ARGV[1] of the settle script: the lease, what it is charged in the end
+    (tokens), the tombstone's lifetime (s) and the buckets' limits as in ``AdmitArg``."""
+
+    now: float | None
+    id: str
+    charged: int
+    ttl: float
+    pcap: float | None
+    prate: float | None
+    tcap: float | None
+    trate: float | None
+    texp: float
+
+
+class RefreshArg(NamedTuple):
+    """RefreshArg is the ARGV of the refresh script: the instant, the leases' new lifetime
+    (s), whether the pool has a bucket (1/0) and its leases, ``RefreshLease`` words after."""
+
+    now: float | None
+    ttl: float
+    has_pb: int
+
+
+class RefreshLease(NamedTuple):
+    """RefreshLease is one live lease as the refresh script extends (or re-takes) it: its
+    class, tokens, node (``-``: none) and the node hold the controller now expects (tokens)."""
+
+    id: str
+    cls: str
+    tok: int
+    node: str
+    hold: int
+
+
+class HeartbeatArg(NamedTuple):
+    """HeartbeatArg is the ARGV of the heartbeat script: instant, replica id, its lifetime (s)."""
+
+    now: float | None
+    replica: str
+    ttl: float
+
+
+def word(v: object) -> str:
+    """word is one value as a script reads it: ``-`` for None, ``repr`` for a float."""
+    if v is None:
+        return "-"
+    if isinstance(v, str):
+        return v
+    if isinstance(v, float):
+        return float.__repr__(v)
+    if isinstance(v, int) and not isinstance(v, bool):
+        return int.__repr__(v)
+    raise TypeError(f"a script word is text, a number or None, not {v!r}")
+
+
+def pack(values: Iterable[object]) -> str:
+    """pack is ``values`` (a layout's fields in order) as one space-separated script argument."""
+    return " ".join(map(word, values))
+
+
+def node_arg(ask: NodeAsk) -> str:
+    """node_arg is ``ask`` as the admit script's ``NodeArg``: the rule's constants travel in
+    it, never copied into Lua; the script computes floor(C x (1 - r)) on the same double
+    as ``rules.effective_capacity``."""
+    nodes = pack(w for name, capacity, foreign, _own in ask.candidates
+                 for w in NodeCandidate(name, int(capacity), int(foreign)))
+    return pack(NodeArg(int(ask.need), float(ask.reserve_fraction), float(ask.watermark), nodes))
+
+
+# --- Lua from the layouts ----------------------------------------------------------------
+
+Layout = type[tuple[Any, ...]]
+"""Layout is a NamedTuple class: the order and names of a script's words."""
+
+
+def _fields(layout: Layout) -> tuple[str, ...]:
+    fields: tuple[str, ...] = layout._fields  # type: ignore[attr-defined]
+    return fields
+
+
+def _read(name: str, kind: object, at: str) -> str:
+    """_read is the Lua that reads field ``name`` of Python type ``kind`` from ``at``: text
+    stays text, ``now`` becomes an instant (``now_of``), anything else a number."""
+    if name == "now":
+        return f"now_of({at})"
+    return at if kind is str else f"tonumber({at})"
+
+
+def lua_locals(layout: Layout, table: str, expand: Mapping[str, Layout] | None = None,
+               group: str | None = None) -> str:
+    """lua_locals is the Lua that reads ``layout`` from ``table`` (from index 1) into locals of
+    its field names.
+
+    A field named in ``expand`` stands for the fields of that layout, read in its place; the
+    ``group`` field, the last, is a run of repeated words: its local is the index of its
+    first word (``lua_each`` walks the run).
+    """
+    reads: list[tuple[str, object]] = []
+    for name, kind in get_type_hints(layout).items():
+        if name == group:
+            if name != _fields(layout)[-1]:
+                raise ValueError(f"the group {name!r} must be the last field of {layout.__name__}")
+            break
+        sub = expand.get(name) if expand else None
+        reads.extend(get_type_hints(sub).items() if sub is not None else [(name, kind)])
+    lines = [f"local {name} = {_read(name, kind, f'{table}[{i}]')}"
+             for i, (name, kind) in enumerate(reads, 1)]
+    if group is not None:
+        lines.append(f"local {group} = {len(reads) + 1}")
+    return "\n".join(lines)
+
+
+def lua_each(layout: Layout, table: str, first: str | int) -> str:
+    """lua_each is the head of a Lua loop over the repeated ``layout`` words of ``table`` from
+    index ``first`` on, each one's fields in locals of their names (the body and ``end``
+    follow in the script)."""
+    hints = list(get_type_hints(layout).items())
+    size = len(hints)
+    names = ", ".join(name for name, _ in hints)
+    reads = ", ".join(_read(name, kind, f"{table}[i + {k}]" if k else f"{table}[i]")
+                      for k, (name, kind) in enumerate(hints))
+    return f"for i = {first}, #{table} - {size - 1}, {size} do\n  local {names} = {reads}"
+
+
+def _constants() -> str:
+    """_constants is the rule's constants as Lua locals: the fit slack and the budget names."""
+    lines = [f"local FIT = {FIT_SLACK!r}"]
+    lines += [f"local B_{b.name} = '{b.value}'" for b in Budget]
+    return "\n".join(lines)
+
+
+def _script(source: str, **parts: str) -> str:
+    """_script fills a script's ``$name`` places (Lua uses no ``$``) with generated Lua."""
+    return Template(source).substitute(parts)
+
+
+# --- Lua -------------------------------------------------------------------------------
+# The clock and number formatting, shared by every script.
+_CLOCK = r"""
+-- args splits one argument into its words (separated by spaces).
+local function args(s)
+  local a = {}
+  for w in string.gmatch(s, '%S+') do a[#a + 1] = w end
+  return a
+end
+local function now_of(arg)
+  if arg ~= '-' then return tonumber(arg) end
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+-- Lua's tostring keeps 14 digits; %.17g round-trips a double exactly.
+local function fmt(x) return string.format('%.17g', x) end
+"""
+
+# The prelude of the pool scripts: the purge of expired leases, the token bucket (a mirror
+# of extproc.admission.bucket.TokenBucket) and the view every reply ends with.
+_PRELUDE = _CLOCK + _constants() + r"""
+-- rec_fields splits a lease record: class, tokens, and node and node hold ('-' and 0 when
+-- the pool does not pick nodes).
+local function rec_fields(rec)
+  local f = {}
+  for w in string.gmatch(rec, '[^\t]+') do f[#f + 1] = w end
+  return f[1], tonumber(f[2]), f[3] or '-', tonumber(f[4]) or 0
+end
+-- record is what a lease holds, as rec_fields reads it.
+local function record(cls, tok, node, hold)
+  if node == '-' then return cls .. '\t' .. fmt(tok) end
+  return cls .. '\t' .. fmt(tok) .. '\t' .. node .. '\t' .. fmt(hold)
+end
+local function untake(st, nk, rec)
+  local cls, tok, node, hold = rec_fields(rec)
+  redis.call('HINCRBY', st, 'n', -1)
+  redis.call('HINCRBY', st, 'c:' .. cls, -1)
+  -- 0 - tok, not -tok: Lua writes -0 as "-0", which HINCRBY refuses
+  redis.call('HINCRBY', st, 'kv', 0 - tok)
+  if node ~= '-' and hold ~= 0 then redis.call('HINCRBY', nk, node, 0 - hold) end
+  return tok
+end
+-- purge returns the slots and KV tokens of leases whose expiry has passed (their replica
+-- stopped refreshing them: it died) and forgets tombstones that served their time.
+local function purge(st, lz, lh, done, nk, now)
+  local ids = redis.call('ZRANGEBYSCORE', lz, '-inf', now, 'LIMIT', 0, 256)
+  for i = 1, #ids do
+    local rec = redis.call('HGET', lh, ids[i])
+    if rec then
+      untake(st, nk, rec)
+      redis.call('HDEL', lh, ids[i])
+    end
+    redis.call('ZREM', lz, ids[i])
+  end
+  redis.call('ZREMRANGEBYSCORE', done, '-inf', now)
+end
+-- refill is bucket.refilled: tokens held at t, refilled to now at rate up to top; an
+-- instant not after t adds nothing and keeps t.
+local function refill(tok, t, now, top, rate)
+  local dt = now - t
+  if dt > 0 then
+    tok = tok + dt * rate
+    if not (tok < top) then tok = top end
+    return tok, now
+  end
+  return tok, t
+end
+-- bucket_read is a stored bucket {tok, t, cap, rate}, or nil when there is none.
+local function bucket_read(key)
+  local v = redis.call('HMGET', key, 'tok', 't', 'cap', 'rate')
+  if not v[1] then return nil end
+  return {tonumber(v[1]), tonumber(v[2]), tonumber(v[3]), tonumber(v[4])}
+end
+-- bucket_load is TokenBucket(cap, rate, now) for a new bucket, else set_limits(cap, rate,
+-- now): the elapsed time refilled at the stored rate up to the larger capacity, then a
+-- shrink clamps.
+local function bucket_load(key, cap, rate, now)
+  local b = bucket_read(key)
+  if not b then return {cap, now, cap, rate} end
+  local top = b[3]
+  if cap > top then top = cap end
+  b[1], b[2] = refill(b[1], b[2], now, top, b[4])
+  if cap ~= b[3] or rate ~= b[4] then
+    b[3] = cap
+    b[4] = rate
+    if b[1] > cap then b[1] = cap end
+  end
+  return b
+end
+-- bucket_save writes a bucket; a tenant's (expire_s >= 0) goes away once it would be full.
+local function bucket_save(key, b, expire_s)
+  redis.call('HSET', key, 'tok', fmt(b[1]), 't', fmt(b[2]), 'cap', fmt(b[3]), 'rate', fmt(b[4]))
+  if expire_s >= 0 then
+    local full_in = (b[3] - b[1]) / b[4]
+    redis.call('PEXPIRE', key, math.ceil((full_in + expire_s) * 1000))
+  end
+end
+-- bucket_give is TokenBucket.give(n, now) on a stored bucket; a missing one is full at cap.
+local function bucket_give(key, n, cap, rate, now, expire_s)
+  local b = bucket_read(key)
+  if b then
+    b[1], b[2] = refill(b[1], b[2], now, b[3], b[4])
+  else
+    b = {cap, now, cap, rate}
+  end
+  local tok = b[1] + n
+  if not (tok < b[3]) then tok = b[3] end
+  b[1] = tok
+  bucket_save(key, b, expire_s)
+end
+-- view is what every reply ends with, after a '|': the store's instant, the version of
+-- the pool's counters (it orders replies that arrive on different connections), slots in
+-- use, KV tokens in flight, the pool bucket (tok t cap rate, '-' without one) and the
+-- slots per class as class=n. One string: cheap for the client to read.
+local function view(now, st, pbk, has_pb)
+  local v = redis.call('HINCRBY', st, 'v', 1)
+  local h = redis.call('HGETALL', st)
+  local n, kv, cls = '0', '0', {}
+  for i = 1, #h, 2 do
+    local f = h[i]
+    if f == 'n' then n = h[i + 1]
+    elseif f == 'kv' then kv = h[i + 1]
+    elseif string.sub(f, 1, 2) == 'c:' then cls[#cls + 1] = string.sub(f, 3) .. '=' .. h[i + 1] end
+  end
+  local pb = '- - - -'
+  if has_pb then
+    local b = redis.call('HMGET', pbk, 'tok', 't', 'cap', 'rate')
+    if b[1] then pb = b[1] .. ' ' .. b[2] .. ' ' .. b[3] .. ' ' .. b[4] end
+  end
+  return '|' .. fmt(now) .. ' ' .. v .. ' ' .. n .. ' ' .. kv .. ' ' .. pb .. ' ' .. table.concat(cls, ' ')
+end
+"""
+
+# KEYS: PoolKeys; ARGV[1]: AdmitArg; ARGV[2]: NodeArg, or '-' when the pool picks no node.
+# Returns "1 inflight b_tok b_cap b_rate node|view" (granted; '-' without a bucket or a
+# node), "0 budget retry retryable needed used limit|view" (refused), "2|view" (id cancelled).
+_ADMIT = _PRELUDE + r"""
+$keys
+local a = args(ARGV[1])
+$admit
+purge(st, lz, lh, done, nk, now)
+if redis.call('ZSCORE', done, id) then return '2' .. view(now, st, pbk, pcap ~= nil) end
+local sv = redis.call('HMGET', st, 'n', 'kv')
+local inflight, kvin = tonumber(sv[1]) or 0, tonumber(sv[2]) or 0
+local pb, tb
+if pcap then pb = bucket_load(pbk, pcap, prate, now) end
+if tcap then tb = bucket_load(tbk, tcap, trate, now) end
+local function save()
+  if pb then bucket_save(pbk, pb, -1) end
+  if tb then bucket_save(tbk, tb, texp) end
+end
+local function granted(nin, node)
+  local b = pb
+  if tb and (b == nil or tb[1] < b[1]) then b = tb end
+  local head = '1 ' .. nin
+  if b then head = head .. ' ' .. fmt(b[1]) .. ' ' .. fmt(b[3]) .. ' ' .. fmt(b[4])
+  else head = head .. ' - - -' end
+  return head .. ' ' .. node .. view(now, st, pbk, pb ~= nil)
+end
+local held_rec = redis.call('HGET', lh, id)
+if held_rec then
+  -- a retried round trip whose first attempt was applied: the grant stands, once
+  save()
+  local _, _, node = rec_fields(held_rec)
+  return granted(inflight, node)
+end
+local function refused(r)
+  save()
+  return '0 ' .. r[1] .. ' ' .. fmt(r[2]) .. ' ' .. r[3] .. ' ' .. fmt(r[4]) .. ' ' .. fmt(r[5]) .. ' '
+    .. fmt(r[6]) .. view(now, st, pbk, pb ~= nil)
+end
+-- shared_nodes.pick_shared (rules.pick_node over every replica's holds): checked before
+-- the pool's budgets, as the controller does with an in-process store
+local node, hold = '-', 0
+if ARGV[2] ~= '-' then
+  local q = args(ARGV[2])
+  $node
+  local best, best_room, by_wm = nil, nil, false
+  $each_node
+    local held = tonumber(redis.call('HGET', nk, name)) or 0
+    local eff = math.floor(cap * (1.0 - reserve))
+    if eff < 0 then eff = 0 end
+    local room = eff - foreign - held
+    if best_room == nil or room > best_room then best_room = room end
+    if need > room then
+      -- no room
+    elseif wm < 1.0 and foreign + held + need > math.floor(wm * eff) then
+      by_wm = true
+    elseif best == nil or room > best then
+      best, node = room, name
+    end
+  end
+  if node == '-' then
+    local r = best_room or 0
+    local budget = B_NODE_KV
+    if by_wm then budget = B_CLASS_KV end
+    return refused({budget, est, 1, need, r, r})
+  end
+  hold = need
+end
+-- rules.decide, step 1: never fits, not even at scale 1.0
+if base_kv and n > base_kv then return refused({B_KV, 0, 0, n, kvin, base_kv}) end
+if cbase and n > cbase then return refused({B_CLASS_KV, 0, 0, n, kvin, cbase}) end
+if tb and n > tbase + FIT then return refused({B_TENANT_TPM, 0, 0, n, 0, tbase}) end
+if pb and n > pbase + FIT then return refused({B_POOL_TPM, 0, 0, n, 0, pbase}) end
+local function wait_for(tokens, cap, rate)
+  if n <= tokens + FIT then return 0 end
+  if n > cap + FIT then return math.huge end
+  return (n - tokens) / rate
+end
+local function bucket_wait(tokens, cap, rate)
+  local w = wait_for(tokens, cap, rate)
+  if w == math.huge then w = math.max(est, (n - tokens) / rate) end
+  return w
+end
+local first = nil
+local wait = 0
+-- step 2: slots (slots.slot_refusal)
+local slots = nil
+if inflight >= limit then
+  slots = B_SLOTS
+elseif #a >= guarantees then
+  local reserved = 0
+  $each_guarantee
+    if name ~= cls then
+      local free = g - (tonumber(redis.call('HGET', st, 'c:' .. name)) or 0)
+      if free > 0 then reserved = reserved + free end
+    end
+  end
+  if inflight + 1 + reserved > limit then slots = B_RESERVED_SLOTS end
+end
+if slots then
+  first = {slots, est, 1, 1, inflight, limit}
+  wait = est
+end
+-- step 3: in-flight KV tokens: the pool's budget, then the class's ceiling
+if kvb and kvin + n > kvb then
+  if not first then first = {B_KV, est, 1, n, kvin, kvb} end
+  wait = est
+elseif ckv and kvin + n > ckv then
+  if not first then first = {B_CLASS_KV, est, 1, n, kvin, ckv} end
+  wait = est
+end
+-- step 4: the tenant's bucket, then the pool's
+if tb and n > tb[1] + FIT then
+  local w = bucket_wait(tb[1], tb[3], tb[4])
+  if not first then first = {B_TENANT_TPM, w, 1, n, tb[1], tb[3]} end
+  wait = math.max(wait, w)
+end
+if pb and n > pb[1] + FIT then
+  local w = bucket_wait(pb[1], pb[3], pb[4])
+  if not first then first = {B_POOL_TPM, w, 1, n, pb[1], pb[3]} end
+  wait = math.max(wait, w)
+end
+if first then
+  first[2] = wait
+  return refused(first)
+end
+local nin = redis.call('HINCRBY', st, 'n', 1)
+redis.call('HINCRBY', st, 'c:' .. cls, 1)
+redis.call('HINCRBY', st, 'kv', n)
+if node ~= '-' then redis.call('HINCRBY', nk, node, hold) end
+redis.call('HSET', lh, id, record(cls, n, node, hold))
+redis.call('ZADD', lz, now + ttl, id)
+if pb then pb[1] = pb[1] - n end
+if tb then tb[1] = tb[1] - n end
+save()
+return granted(nin, node)
+"""
+
+# KEYS: PoolKeys; ARGV[1]: SettleArg.
+# Returns "1|view" when this call released the lease, "0|view" when nothing was held.
+_SETTLE = _PRELUDE + r"""
+$keys
+local a = args(ARGV[1])
+$settle
+purge(st, lz, lh, done, nk, now)
+-- the tombstone keeps a refresh or a late admit already on the wire from bringing it back
+redis.call('ZADD', done, now + ttl, id)
+local rec = redis.call('HGET', lh, id)
+if not rec then return '0' .. view(now, st, pbk, pcap ~= nil) end
+redis.call('HDEL', lh, id)
+redis.call('ZREM', lz, id)
+local tok = untake(st, nk, rec)
+local refund = tok - charged
+if refund ~= 0 then
+  if pcap then bucket_give(pbk, refund, pcap, prate, now, -1) end
+  if tcap then bucket_give(tbk, refund, tcap, trate, now, texp) end
+end
+return '1' .. view(now, st, pbk, pcap ~= nil)
+"""
+
+# KEYS: RefreshKeys; ARGV: RefreshArg, then RefreshLease words.
+# Extends this replica's live leases and moves each one's node hold to the one given
+# (the growth estimate changes as tokens are generated); re-takes those Redis lost (a
+# restart) unless settled. Returns "restored|view".
+_REFRESH = _PRELUDE + r"""
+$keys
+$refresh
+local exp = now + ttl
+local restored = 0
+$each_lease
+  local rec = record(cls, tok, node, hold)
+  if redis.call('ZSCORE', lz, id) then
+    redis.call('ZADD', lz, exp, id)
+    local old = redis.call('HGET', lh, id)
+    if old and node ~= '-' then
+      local _, _, old_node, old_hold = rec_fields(old)
+      if old_node == node and old_hold ~= hold then
+        redis.call('HINCRBY', nk, node, hold - old_hold)
+        redis.call('HSET', lh, id, rec)
+      end
+    end
+  elseif not redis.call('ZSCORE', done, id) then
+    redis.call('ZADD', lz, exp, id)
+    redis.call('HSET', lh, id, rec)
+    redis.call('HINCRBY', st, 'n', 1)
+    redis.call('HINCRBY', st, 'c:' .. cls, 1)
+    redis.call('HINCRBY', st, 'kv', tok)
+    if node ~= '-' then redis.call('HINCRBY', nk, node, hold) end
+    restored = restored + 1
+  end
+end
+purge(st, lz, lh, done, nk, now)
+return restored .. view(now, st, pbk, has_pb == 1)
+"""
+
+# KEYS: HeartbeatKeys; ARGV: HeartbeatArg. Returns the number of live replicas, this one included.
+_HEARTBEAT = _CLOCK + r"""
+$keys
+$heartbeat
+redis.call('ZADD', replicas, now + ttl, replica)
+redis.call('ZREMRANGEBYSCORE', replicas, '-inf', now)
+return redis.call('ZCARD', replicas)
+"""
+
+
+class Script:
+    """Script is a Lua script, its SHA1 (the name ``EVALSHA`` knows it by) and its KEYS layout."""
+
+    __slots__ = ("source", "sha", "keys")
+
+    def __init__(self, source: str, keys: Layout) -> None:
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+        self.keys = keys
+
+    def command(self, keys: tuple[str, ...], *argv: Any) -> tuple[Any, ...]:
+        """command is the ``EVALSHA`` of this script on ``keys`` (a value of its KEYS layout)."""
+        if type(keys) is not self.keys:
+            raise TypeError(f"{self.keys.__name__} expected, got {type(keys).__name__}")
+        return ("EVALSHA", self.sha, len(keys), *keys, *argv)
+
+
+def _keys(layout: Layout) -> str:
+    return lua_locals(layout, "KEYS")
+
+
+ADMIT = Script(_script(_ADMIT, keys=_keys(PoolKeys),
+                       admit=lua_locals(AdmitArg, "a", expand={"pool": AdmitPool}, group="guarantees"),
+                       node=lua_locals(NodeArg, "q", group="nodes"),
+                       each_node=lua_each(NodeCandidate, "q", "nodes"),
+                       each_guarantee=lua_each(Guarantee, "a", "guarantees")), PoolKeys)
+SETTLE = Script(_script(_SETTLE, keys=_keys(PoolKeys), settle=lua_locals(SettleArg, "a")), PoolKeys)
+REFRESH = Script(_script(_REFRESH, keys=_keys(RefreshKeys),
+                         refresh=lua_locals(RefreshArg, "ARGV"),
+                         each_lease=lua_each(RefreshLease, "ARGV", len(_fields(RefreshArg)) + 1)),
+                 RefreshKeys)
+HEARTBEAT = Script(_script(_HEARTBEAT, keys=_keys(HeartbeatKeys), heartbeat=lua_locals(HeartbeatArg, "ARGV")),
+                   HeartbeatKeys)
+SCRIPTS = (ADMIT, SETTLE, REFRESH, HEARTBEAT)
+"""SCRIPTS are every script the store runs, loaded again when Redis lost them (NOSCRIPT)."""
