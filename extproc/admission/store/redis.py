@@ -60,16 +60,8 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, Protocol
-
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from extproc.admission.bucket import refilled
 from extproc.admission.kvbudget import effective_kv_budget
@@ -78,7 +70,9 @@ from extproc.admission.slots import effective_guarantees, scaled_floor
 from extproc.admission.store.base import Store, StoreError
 from extproc.admission.types import Budget, BucketSpec, Grant, Plan, PoolLimits, PoolUsage, Refusal
 from extproc.admission.store.memory import MemoryStore
-from extproc.admission.store.redis_lua import (ADMIT, HEARTBEAT, REFRESH, SCRIPTS, SETTLE, AdmitArg, AdmitPool,
+from extproc.admission.store.redis_client import (ERROR_DROPPED, ERROR_REASONS, ERROR_RESPONSE, MAX_CONNECTIONS,
+                                                  RedisClient, RoundTripError)
+from extproc.admission.store.redis_lua import (ADMIT, HEARTBEAT, REFRESH, SETTLE, AdmitArg, AdmitPool,
                                                Guarantee, HeartbeatArg, HeartbeatKeys, PoolKeys, RefreshArg,
                                                RefreshKeys, RefreshLease, SettleArg, node_arg, pack, word)
 from extproc.clock import Clock
@@ -92,18 +86,6 @@ MODE_FAIL_CLOSED = "fail_closed"
 MODES = (MODE_SHARED, MODE_LOCAL_SHARE, MODE_FAIL_CLOSED)
 """MODES are the values of ``kvgate_store_mode{mode}``: where admissions are decided."""
 
-ERROR_TIMEOUT = "timeout"
-ERROR_CONNECTION = "connection"
-ERROR_RESPONSE = "response"
-ERROR_DROPPED = "dropped"
-ERROR_REASONS = (ERROR_TIMEOUT, ERROR_CONNECTION, ERROR_RESPONSE, ERROR_DROPPED)
-"""ERROR_REASONS are the values of ``kvgate_store_errors_total{reason}``.
-
-``timeout``: no answer within ``timeout_s``; ``connection``: refused or reset; ``response``:
-Redis answered with an error or something this store does not understand; ``dropped``: a
-settle was dropped because too many were queued during an outage (its lease expires).
-"""
-
 LOCAL_PREFIX = "local:"
 """LOCAL_PREFIX starts the id of every grant made locally while Redis was unavailable."""
 
@@ -112,8 +94,6 @@ LOCAL_PREFIX = "local:"
 _MAX_PENDING = 100_000
 # Leases per refresh script call, so that one call never blocks Redis for long.
 _REFRESH_CHUNK = 500
-# Connections per replica: enough for concurrent admissions without one per request.
-_MAX_CONNECTIONS = 32
 
 RECOVER_S = 1.0
 """RECOVER_S is how long (s) Redis must answer every probe before a degraded store returns
@@ -158,14 +138,6 @@ class StoreUnavailableError(StoreError):
 
     def __init__(self, reason: str) -> None:
         super().__init__(f"shared budget store unavailable ({reason})")
-        self.reason = reason
-
-
-class _Failure(Exception):
-    """_Failure is one failed round trip, with its ``reason`` (one of ``ERROR_REASONS``)."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(detail)
         self.reason = reason
 
 
@@ -312,12 +284,11 @@ class RedisStore(Store):
 
     def __init__(self, config: RedisStoreConfig, *, observer: StoreObserver | None = None,
                  clock: Clock | None = None, replica_id: str | None = None,
-                 max_connections: int = _MAX_CONNECTIONS) -> None:
+                 max_connections: int = MAX_CONNECTIONS) -> None:
         self.config = config
         self.replica_id = replica_id or secrets.token_hex(6)
         self._observer: StoreObserver = observer or _NullObserver()
         self._clock = clock
-        self._timeout = config.timeout_s
         self._ttl = config.lease_ttl_s
         self._refresh_every = config.lease_ttl_s / 3.0
         self._probe_every = min(0.5, self._refresh_every)
@@ -326,16 +297,8 @@ class RedisStore(Store):
         # Tenant buckets expire a minute after they would be full; with caller instants
         # Redis's own expiry would run on another clock, so they are kept.
         self._tenant_expire = -1.0 if clock is not None else 60.0
-        pool = aioredis.BlockingConnectionPool.from_url(
-            config.url, max_connections=max_connections, timeout=config.timeout_s,
-            socket_timeout=config.timeout_s, socket_connect_timeout=config.timeout_s,
-            # One immediate retry on a new connection when a pooled one turns out dead
-            # (Redis restarted, an idle connection was cut): that is not an outage.
-            # Every script here is safe to repeat; timeouts are not retried.
-            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
-            client_name=f"kvgate-{self.replica_id}")
-        self._client = aioredis.Redis(connection_pool=pool)
-        self._where = _describe(pool)
+        self._client = RedisClient(config, self.replica_id, self._forget_order, max_connections)
+        self._where = self._client.where
         self._keys: dict[str, _Keys] = {}
         self._views: dict[str, _View] = {}
         self._live: dict[str, dict[str, Grant]] = {}
@@ -415,12 +378,11 @@ class RedisStore(Store):
                     await task
         # One last try for the queued settles, whatever the mode: what does not make it
         # is freed by the lease TTL.
-        with contextlib.suppress(_Failure):
+        with contextlib.suppress(RoundTripError):
             await self._flush_pending()
         if self._mode == MODE_SHARED:
             with contextlib.suppress(Exception):
-                async with asyncio.timeout(self._timeout):
-                    await self._client.zrem(self._replicas_key, self.replica_id)
+                await self._client.forget(self._replicas_key, self.replica_id)
         await self._client.aclose()
 
     async def _maintain(self) -> None:
@@ -440,7 +402,7 @@ class RedisStore(Store):
 
     # --- modes -------------------------------------------------------------------
 
-    def _degrade(self, failure: _Failure) -> None:
+    def _degrade(self, failure: RoundTripError) -> None:
         self._observer.store_error(failure.reason)
         if self._mode != MODE_SHARED:
             return
@@ -472,7 +434,7 @@ class RedisStore(Store):
         try:
             await self._flush_pending()
             await self._refresh_round_trip()
-        except _Failure as f:
+        except RoundTripError as f:
             self._observer.store_error(f.reason)
             self._answering_since = None
             return False
@@ -490,46 +452,6 @@ class RedisStore(Store):
         return True
 
     # --- round trips -------------------------------------------------------------
-
-    async def _load_scripts(self) -> None:
-        for script in SCRIPTS:
-            await self._client.execute_command("SCRIPT", "LOAD", script.source)
-
-    async def _round_trip(self, cmds: Sequence[tuple[Any, ...]]) -> list[Any]:
-        """_round_trip sends ``cmds`` (EVALSHA) in one pipeline within timeout_s; loads the
-        scripts and retries once on NOSCRIPT (every script here is safe to repeat). Raises
-        ``_Failure``."""
-        for attempt in (0, 1):
-            try:
-                async with asyncio.timeout(self._timeout):
-                    if attempt:
-                        await self._load_scripts()
-                    if len(cmds) == 1:
-                        try:
-                            return [await self._client.execute_command(*cmds[0])]
-                        except NoScriptError:
-                            if attempt:
-                                raise
-                            self._forget_order()
-                            continue
-                    pipe = self._client.pipeline(transaction=False)
-                    for cmd in cmds:
-                        pipe.execute_command(*cmd)
-                    results = await pipe.execute(raise_on_error=False)
-            except (TimeoutError, RedisTimeoutError) as exc:
-                raise _Failure(ERROR_TIMEOUT, f"no answer within {self._timeout}s") from exc
-            except (RedisConnectionError, OSError) as exc:
-                raise _Failure(ERROR_CONNECTION, str(exc) or type(exc).__name__) from exc
-            except RedisError as exc:
-                raise _Failure(ERROR_RESPONSE, str(exc) or type(exc).__name__) from exc
-            if attempt == 0 and any(isinstance(r, NoScriptError) for r in results):
-                self._forget_order()
-                continue
-            for r in results:
-                if isinstance(r, Exception):
-                    raise _Failure(ERROR_RESPONSE, str(r) or type(r).__name__)
-            return results
-        raise AssertionError("unreachable")
 
     def _forget_order(self) -> None:
         """_forget_order accepts the next view of every pool: Redis lost its scripts, so it
@@ -576,12 +498,12 @@ class RedisStore(Store):
             await asyncio.shield(previous)
         batch, self._pending = self._pending, []
         try:
-            results = await self._round_trip([p.cmd for p in batch] + [cmd])
+            results = await self._client.round_trip([p.cmd for p in batch] + [cmd])
         except BaseException as exc:
             # Failed or cancelled (the requester left) with the answer unknown: the
             # settles go again (they are idempotent) and the admission is cancelled.
             self._pending[:0] = batch
-            if not isinstance(exc, _Failure):
+            if not isinstance(exc, RoundTripError):
                 self._queue(_Pending(pool, self._settle_cmd(plan, keys, lease_id, 0, now), None))
                 raise
             f = exc
@@ -595,7 +517,7 @@ class RedisStore(Store):
         try:
             return self._read_admit(plan, lease_id, results[-1], now)
         except (IndexError, TypeError, ValueError, KeyError, AttributeError) as exc:
-            self._degrade(_Failure(ERROR_RESPONSE, f"unexpected admit reply: {exc}"))
+            self._degrade(RoundTripError(ERROR_RESPONSE, f"unexpected admit reply: {exc}"))
             self._queue(_Pending(pool, self._settle_cmd(plan, keys, lease_id, 0, now), None))
             return self._admit_degraded(plan, now)
 
@@ -753,7 +675,7 @@ class RedisStore(Store):
             while self._pending and self._mode == MODE_SHARED:
                 try:
                     await self._flush_pending()
-                except _Failure as f:
+                except RoundTripError as f:
                     self._degrade(f)
         finally:
             self._flusher = None
@@ -767,7 +689,7 @@ class RedisStore(Store):
         batch, self._pending = self._pending, []
         self._batch = done = asyncio.get_running_loop().create_future()
         try:
-            results = await self._round_trip([p.cmd for p in batch])
+            results = await self._client.round_trip([p.cmd for p in batch])
         except BaseException:  # a failure, or a cancelled flush (close): send them again later
             self._pending[:0] = batch
             raise
@@ -798,7 +720,7 @@ class RedisStore(Store):
             else:
                 try:
                     await self._flush_pending()
-                except _Failure as f:
+                except RoundTripError as f:
                     self._degrade(f)
 
     # --- refresh -----------------------------------------------------------------
@@ -813,7 +735,7 @@ class RedisStore(Store):
             return False
         try:
             await self._refresh_round_trip()
-        except _Failure as f:
+        except RoundTripError as f:
             self._degrade(f)
             return False
         return True
@@ -835,7 +757,7 @@ class RedisStore(Store):
                                              node=g.picked or "-", hold=int(g.node_hold)))
                 cmds.append(REFRESH.command(keys.of_refresh(), *map(word, argv)))
                 pools.append(pool)
-        results = await self._round_trip(cmds)
+        results = await self._client.round_trip(cmds)
         try:
             self._replicas = max(1, int(results[0]))
             self._replicas_seen = True
@@ -845,7 +767,7 @@ class RedisStore(Store):
                 restored += int(head)
                 self._read_view(pool, view, now)
         except (IndexError, TypeError, ValueError) as exc:
-            raise _Failure(ERROR_RESPONSE, f"unexpected refresh reply: {exc}") from exc
+            raise RoundTripError(ERROR_RESPONSE, f"unexpected refresh reply: {exc}") from exc
         if restored:
             log.warning("shared store: Redis had lost %d live leases of this replica (restart?): taken again",
                         restored)
@@ -879,12 +801,4 @@ class RedisStore(Store):
         return PoolUsage(inflight=max(0, inflight), kv_inflight=max(0, kv),
                          by_class={c: max(0, n) for c, n in by_class.items()},
                          bucket_tokens=tokens)
-
-
-def _describe(pool: aioredis.ConnectionPool) -> str:
-    """_describe names the Redis server for log lines, without credentials."""
-    kw = pool.connection_kwargs
-    if "path" in kw:
-        return f"unix:{kw['path']}"
-    return f"{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}"
 

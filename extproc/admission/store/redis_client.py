@@ -1,0 +1,140 @@
+"""redis_client: the Redis store's round trips: pipelined scripts within a timeout.
+
+``RedisClient`` owns the connection pool of one replica and sends lists of ``EVALSHA``
+commands (``redis_lua.Script.command``) in one pipeline. Every way a round trip can fail
+becomes one ``RoundTripError`` with a bounded reason (``ERROR_REASONS``); what the store
+does about it (``fallback``) is not decided here. Scripts that Redis lost (a restart,
+``SCRIPT FLUSH``) are loaded again and the round trip is sent once more: every script of
+the store is safe to repeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from extproc.admission.store.redis_lua import SCRIPTS
+from extproc.config import RedisStoreConfig
+
+ERROR_TIMEOUT = "timeout"
+ERROR_CONNECTION = "connection"
+ERROR_RESPONSE = "response"
+ERROR_DROPPED = "dropped"
+ERROR_REASONS = (ERROR_TIMEOUT, ERROR_CONNECTION, ERROR_RESPONSE, ERROR_DROPPED)
+"""ERROR_REASONS are the values of ``kvgate_store_errors_total{reason}``.
+
+``timeout``: no answer within ``timeout_s``; ``connection``: refused or reset; ``response``:
+Redis answered with an error or something this store does not understand; ``dropped``: a
+settle was dropped because too many were queued during an outage (its lease expires).
+"""
+
+MAX_CONNECTIONS = 32
+"""MAX_CONNECTIONS is the default pool size per replica: enough for concurrent admissions
+without one connection per request."""
+
+
+class RoundTripError(Exception):
+    """RoundTripError is one failed round trip, with its ``reason`` (one of ``ERROR_REASONS``)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+class RedisClient:
+    """RedisClient sends one replica's scripts to Redis: at most ``timeout_s`` (s) a round trip.
+
+    ``scripts_lost`` is called when Redis answered NOSCRIPT (it restarted or was flushed),
+    before the scripts are loaded again. ``where`` names the server for log lines, without
+    credentials.
+    """
+
+    __slots__ = ("_client", "_timeout", "_scripts_lost", "where")
+
+    def __init__(self, config: RedisStoreConfig, replica_id: str, scripts_lost: Callable[[], None],
+                 max_connections: int = MAX_CONNECTIONS) -> None:
+        self._timeout = config.timeout_s
+        self._scripts_lost = scripts_lost
+        pool = aioredis.BlockingConnectionPool.from_url(
+            config.url, max_connections=max_connections, timeout=config.timeout_s,
+            socket_timeout=config.timeout_s, socket_connect_timeout=config.timeout_s,
+            # One immediate retry on a new connection when a pooled one turns out dead
+            # (Redis restarted, an idle connection was cut): that is not an outage.
+            # Every script here is safe to repeat; timeouts are not retried.
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+            client_name=f"kvgate-{replica_id}")
+        self._client = aioredis.Redis(connection_pool=pool)
+        self.where = _describe(pool)
+
+    async def round_trip(self, cmds: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """round_trip sends ``cmds`` (EVALSHA) in one pipeline within timeout_s and returns
+        their replies; loads the scripts and sends again once on NOSCRIPT. Raises
+        ``RoundTripError``."""
+        for attempt in (0, 1):
+            try:
+                async with asyncio.timeout(self._timeout):
+                    if attempt:
+                        await self._load_scripts()
+                    results = await self._send(cmds, retry_lost=attempt == 0)
+            except (TimeoutError, RedisTimeoutError) as exc:
+                raise RoundTripError(ERROR_TIMEOUT, f"no answer within {self._timeout}s") from exc
+            except (RedisConnectionError, OSError) as exc:
+                raise RoundTripError(ERROR_CONNECTION, str(exc) or type(exc).__name__) from exc
+            except RedisError as exc:
+                raise RoundTripError(ERROR_RESPONSE, str(exc) or type(exc).__name__) from exc
+            if results is None:
+                self._scripts_lost()
+                continue
+            for r in results:
+                if isinstance(r, Exception):
+                    raise RoundTripError(ERROR_RESPONSE, str(r) or type(r).__name__)
+            return results
+        raise AssertionError("unreachable")
+
+    async def _send(self, cmds: Sequence[tuple[Any, ...]], retry_lost: bool) -> list[Any] | None:
+        """_send is one attempt: the replies, errors among them, or None when Redis lost the
+        scripts and ``retry_lost`` allows another attempt."""
+        if len(cmds) == 1:
+            try:
+                return [await self._client.execute_command(*cmds[0])]
+            except NoScriptError:
+                if retry_lost:
+                    return None
+                raise
+        pipe = self._client.pipeline(transaction=False)
+        for cmd in cmds:
+            pipe.execute_command(*cmd)
+        results: list[Any] = await pipe.execute(raise_on_error=False)
+        if retry_lost and any(isinstance(r, NoScriptError) for r in results):
+            return None
+        return results
+
+    async def _load_scripts(self) -> None:
+        for script in SCRIPTS:
+            await self._client.execute_command("SCRIPT", "LOAD", script.source)
+
+    async def forget(self, key: str, member: str) -> None:
+        """forget removes ``member`` from the zset ``key`` (this replica's heartbeat), within
+        timeout_s; raises whatever the client raised."""
+        async with asyncio.timeout(self._timeout):
+            await self._client.zrem(key, member)
+
+    async def aclose(self) -> None:
+        """aclose closes every connection."""
+        await self._client.aclose()
+
+
+def _describe(pool: aioredis.ConnectionPool) -> str:
+    """_describe names the Redis server for log lines, without credentials."""
+    kw = pool.connection_kwargs
+    if "path" in kw:
+        return f"unix:{kw['path']}"
+    return f"{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}"
