@@ -14,20 +14,11 @@ that is how the leases of a replica killed with SIGKILL come back within ``lease
 A settle removes the lease and leaves a tombstone; a lease that was settled or has
 expired is never refunded twice, and a tombstoned lease is never re-taken.
 
-Redis unavailable or slower than ``timeout_s``: the store says so loudly (a log line on
-each change of mode, ``StoreObserver.store_error`` for every failed round trip,
-``StoreObserver.store_mode`` on each change) and, with ``on_unavailable: local_share``,
-admits in a local in-memory store within this replica's share (``local_share``: each limit
-divided by the number of replicas it last saw through heartbeats in Redis, or by
-``expected_replicas`` when that is more, less what it still holds of the shared budget;
-each node's room likewise, ``shared_nodes.pick_share``); a replica that never saw the
-count and has no ``expected_replicas`` fails closed, as ``fail_closed`` always does
-(``StoreUnavailableError``). Grants made locally are settled locally, never sent to Redis.
-
-Hysteresis: a failed round trip degrades at once (no answer is no decision), but shared
-mode comes back only once Redis has answered every probe for ``recover_s``: RECOVER_S,
-doubled each time the store degrades again within FLAP_WINDOW_S of a return, up to
-RECOVER_MAX_S. A flapping Redis thus changes the mode at most once per ``recover_s``.
+Redis unavailable or slower than ``timeout_s``: the store says so loudly and, with
+``on_unavailable: local_share``, admits in a local in-memory store within this replica's
+share of every limit, or fails closed (``StoreUnavailableError``); shared mode comes back
+with hysteresis. That state machine is ``fallback.Fallback``. Grants made locally are
+settled locally, never sent to Redis.
 
 Pools that pick nodes: a plan's ``nodes`` (``shared_nodes.NodeAsk``) makes the admit
 script pick the node over every replica's holds (``shared_nodes.pick_shared``) and charge
@@ -50,6 +41,10 @@ one Redis Cluster slot and one script may touch them all):
 
 Tenant buckets expire once they would be full again (a full bucket and a missing one are
 the same), so names that come and go leave nothing behind.
+
+The parts: the scripts and the one definition of their arguments (``redis_lua``), the
+round trips (``redis_client``), the modes (``fallback``); this module composes them:
+leases, queued settles, the refresher and the usage view.
 """
 
 from __future__ import annotations
@@ -60,86 +55,31 @@ import logging
 import math
 import secrets
 import time
-from dataclasses import replace
-from typing import Any, Protocol
+from typing import Any
 
 from extproc.admission.bucket import refilled
-from extproc.admission.kvbudget import effective_kv_budget
-from extproc.admission.shared_nodes import pick_share
-from extproc.admission.slots import effective_guarantees, scaled_floor
-from extproc.admission.store.base import Store, StoreError
-from extproc.admission.types import Budget, BucketSpec, Grant, Plan, PoolLimits, PoolUsage, Refusal
-from extproc.admission.store.memory import MemoryStore
+from extproc.admission.store.base import Store
+from extproc.admission.store.fallback import LOCAL_PREFIX, MODES, Fallback, NullObserver, StoreObserver, StoreUnavailableError
 from extproc.admission.store.redis_client import (ERROR_DROPPED, ERROR_REASONS, ERROR_RESPONSE, MAX_CONNECTIONS,
                                                   RedisClient, RoundTripError)
-from extproc.admission.store.redis_lua import (ADMIT, HEARTBEAT, REFRESH, SETTLE, AdmitArg, AdmitPool,
-                                               Guarantee, HeartbeatArg, HeartbeatKeys, PoolKeys, RefreshArg,
-                                               RefreshKeys, RefreshLease, SettleArg, node_arg, pack, word)
+from extproc.admission.store.redis_lua import (ADMIT, HEARTBEAT, REFRESH, SETTLE, AdmitArg, AdmitPool, Guarantee,
+                                               HeartbeatArg, HeartbeatKeys, PoolKeys, RefreshArg, RefreshKeys,
+                                               RefreshLease, SettleArg, node_arg, pack, word)
+from extproc.admission.types import Budget, BucketSpec, Grant, Plan, PoolLimits, PoolUsage, Refusal
 from extproc.clock import Clock
 from extproc.config import RedisStoreConfig
 
+# What callers outside the store use of the Redis store: the store, its errors and the
+# label values of its metrics.
+__all__ = ["ERROR_REASONS", "LOCAL_PREFIX", "MODES", "RedisStore", "StoreObserver", "StoreUnavailableError"]
+
 log = logging.getLogger("kvgate.store")
-
-MODE_SHARED = "shared"
-MODE_LOCAL_SHARE = "local_share"
-MODE_FAIL_CLOSED = "fail_closed"
-MODES = (MODE_SHARED, MODE_LOCAL_SHARE, MODE_FAIL_CLOSED)
-"""MODES are the values of ``kvgate_store_mode{mode}``: where admissions are decided."""
-
-LOCAL_PREFIX = "local:"
-"""LOCAL_PREFIX starts the id of every grant made locally while Redis was unavailable."""
 
 # Settles queued while Redis is unreachable; beyond this the oldest are dropped: their
 # leases expire by themselves, so memory stays bounded during a long outage.
 _MAX_PENDING = 100_000
 # Leases per refresh script call, so that one call never blocks Redis for long.
 _REFRESH_CHUNK = 500
-
-RECOVER_S = 1.0
-"""RECOVER_S is how long (s) Redis must answer every probe before a degraded store returns
-to shared mode; it doubles each time the store degrades again within FLAP_WINDOW_S of a
-return, up to RECOVER_MAX_S."""
-RECOVER_MAX_S = 30.0
-FLAP_WINDOW_S = 30.0
-
-
-class StoreObserver(Protocol):
-    """StoreObserver hears what the shared store does, for metrics (``extproc.metrics``).
-
-    ``store_error(reason)``: one failed round trip or dropped settle, ``reason`` in
-    ``ERROR_REASONS``; ``store_mode(mode)``: the store now decides in ``mode`` (one of
-    ``MODES``), called once at start and on every change. Both are called on the event
-    loop and must not block.
-    """
-
-    def store_error(self, reason: str) -> None: ...
-
-    def store_mode(self, mode: str) -> None: ...
-
-
-class _NullObserver:
-    """_NullObserver ignores everything: the store without metrics."""
-
-    __slots__ = ()
-
-    def store_error(self, reason: str) -> None:
-        pass
-
-    def store_mode(self, mode: str) -> None:
-        pass
-
-
-class StoreUnavailableError(StoreError):
-    """StoreUnavailableError is a refusal to admit because the shared store cannot answer.
-
-    Raised by ``RedisStore.admit`` with ``on_unavailable: fail_closed``. The request may
-    be retried shortly: the store probes Redis and returns to shared mode by itself.
-    """
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(f"shared budget store unavailable ({reason})")
-        self.reason = reason
-
 
 class _Keys:
     """_Keys are one pool's Redis keys (see the module's key layout)."""
@@ -226,47 +166,6 @@ class _Settled:
         self.now = now
 
 
-def local_share(plan: Plan, replicas: int, held: tuple[int, int] = (0, 0)) -> Plan:
-    """local_share is ``plan`` with this replica's share of every limit: limit / ``replicas``,
-    less what this replica still holds of the shared budget.
-
-    ``held`` is (slots, KV tokens) of this replica's shared grants not yet settled: they
-    count against its share, because they are still in the shared budget's total.
-    Slots: floor(limit / N) - held slots, which may be 0 (with more replicas than slots
-    a replica admits nothing alone: N replicas admitting one each would pass the limit);
-    guarantees, the KV budget and the classes' KV ceilings: floor(x / N) tokens or slots,
-    the KV ones less the held tokens; buckets: capacity and rate / N. Capacities at scale
-    1.0 stay whole: a request that fits the shared budget is not told it can never fit
-    because of an outage.
-    """
-    if replicas <= 1 and held == (0, 0):
-        return plan
-    share = 1.0 / max(1, replicas)
-    slots_held, kv_held = held
-    lim = plan.limits
-    limit = max(0, scaled_floor(lim.limit, share) - slots_held)
-    kv = effective_kv_budget(lim.kv_budget, share)
-    limits = replace(lim, limit=limit,
-                     guarantees=effective_guarantees(lim.guarantees, share, limit),
-                     kv_budget=None if kv is None else max(0, kv - kv_held),
-                     kv_ceilings={name: (max(0, scaled_floor(now, share) - kv_held), base)
-                                  for name, (now, base) in lim.kv_ceilings.items()},
-                     bucket=_share_bucket(lim.bucket, share))
-    return Plan(limits, plan.tenant, plan.class_name, plan.tokens,
-                _share_bucket(plan.tenant_bucket, share), plan.nodes)
-
-
-def _share_bucket(spec: BucketSpec | None, share: float) -> BucketSpec | None:
-    if spec is None:
-        return None
-    return BucketSpec(spec.key, spec.capacity * share, spec.rate * share, spec.base_capacity)
-
-
-def _opt(v: int | None) -> int | str:
-    """_opt is ``v``, or '-' (none) in a script argument."""
-    return "-" if v is None else v
-
-
 class RedisStore(Store):
     """RedisStore is the store shared by kvgate replicas through one Redis (see the module doc).
 
@@ -287,7 +186,7 @@ class RedisStore(Store):
                  max_connections: int = MAX_CONNECTIONS) -> None:
         self.config = config
         self.replica_id = replica_id or secrets.token_hex(6)
-        self._observer: StoreObserver = observer or _NullObserver()
+        self._observer: StoreObserver = observer or NullObserver()
         self._clock = clock
         self._ttl = config.lease_ttl_s
         self._refresh_every = config.lease_ttl_s / 3.0
@@ -298,7 +197,6 @@ class RedisStore(Store):
         # Redis's own expiry would run on another clock, so they are kept.
         self._tenant_expire = -1.0 if clock is not None else 60.0
         self._client = RedisClient(config, self.replica_id, self._forget_order, max_connections)
-        self._where = self._client.where
         self._keys: dict[str, _Keys] = {}
         self._views: dict[str, _View] = {}
         self._live: dict[str, dict[str, Grant]] = {}
@@ -306,43 +204,35 @@ class RedisStore(Store):
         self._unconfirmed: dict[str, dict[str, _Settled]] = {}
         self._batch: asyncio.Future[None] | None = None
         self._flusher: asyncio.Task[None] | None = None
-        self._local = MemoryStore()
-        self._mode = MODE_SHARED
-        self._replicas = 1
-        self._replicas_seen = False
-        # Hysteresis (see ``probe``): how long Redis must answer before shared mode comes
-        # back (s), since when it has answered, and since when the store is shared again.
-        self._recover_s = RECOVER_S
-        self._answering_since: float | None = None
-        self._shared_since: float | None = None
+        self._fallback = Fallback(config.on_unavailable, config.expected_replicas, self._observer,
+                                  self._client.where)
         self._next = 0
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._closed = False
-        self._observer.store_mode(MODE_SHARED)
 
     # --- public state ------------------------------------------------------------
 
     @property
     def mode(self) -> str:
         """mode is where admissions are decided now: one of ``MODES``."""
-        return self._mode
+        return self._fallback.mode
 
     @property
     def replicas(self) -> int:
         """replicas is the number of live replicas this one last saw (itself included, >= 1)."""
-        return self._replicas
+        return self._fallback.replicas
 
     @property
     def recover_s(self) -> float:
         """recover_s is how long Redis must answer every probe before shared mode returns (s)."""
-        return self._recover_s
+        return self._fallback.recover_s
 
     @property
     def share_replicas(self) -> int:
         """share_replicas is what a local share divides the limits by: the replicas last
         seen, at least ``expected_replicas``."""
-        return max(self._replicas, self.config.expected_replicas or 1)
+        return self._fallback.share_replicas
 
     @property
     def pending_settles(self) -> int:
@@ -380,7 +270,7 @@ class RedisStore(Store):
         # is freed by the lease TTL.
         with contextlib.suppress(RoundTripError):
             await self._flush_pending()
-        if self._mode == MODE_SHARED:
+        if self._fallback.shared:
             with contextlib.suppress(Exception):
                 await self._client.forget(self._replicas_key, self.replica_id)
         await self._client.aclose()
@@ -390,7 +280,7 @@ class RedisStore(Store):
         wake = self._wake
         assert wake is not None
         while not self._closed:
-            if self._mode == MODE_SHARED:
+            if self._fallback.shared:
                 wake.clear()
                 try:
                     await asyncio.wait_for(wake.wait(), self._refresh_every)
@@ -403,25 +293,7 @@ class RedisStore(Store):
     # --- modes -------------------------------------------------------------------
 
     def _degrade(self, failure: RoundTripError) -> None:
-        self._observer.store_error(failure.reason)
-        if self._mode != MODE_SHARED:
-            return
-        now = self._caller_now()
-        since = self._shared_since
-        # A store that fails again soon after it came back is flapping: it must answer
-        # twice as long before the next return.
-        self._recover_s = (min(RECOVER_MAX_S, 2.0 * self._recover_s)
-                           if since is not None and now - since < FLAP_WINDOW_S else RECOVER_S)
-        self._answering_since = None
-        self._mode = self.config.on_unavailable
-        if self._mode == MODE_LOCAL_SHARE:
-            what = f"admitting locally with 1/{self.share_replicas} of each limit"
-        else:
-            what = "refusing every admission"
-        log.warning("shared store: Redis at %s unavailable (%s: %s): %s until it answers again",
-                    self._where, failure.reason, failure, what)
-        self._observer.store_mode(self._mode)
-        if self._wake is not None:
+        if self._fallback.degrade(failure.reason, str(failure), self._caller_now()) and self._wake is not None:
             self._wake.set()
 
     async def probe(self) -> bool:
@@ -429,29 +301,15 @@ class RedisStore(Store):
         leases, and returns to shared mode once Redis has answered every probe for
         ``recover_s`` (the hysteresis rule, see the module doc). Returns True when the
         store is in shared mode afterwards."""
-        if self._mode == MODE_SHARED:
+        if self._fallback.shared:
             return True
         try:
             await self._flush_pending()
             await self._refresh_round_trip()
         except RoundTripError as f:
-            self._observer.store_error(f.reason)
-            self._answering_since = None
+            self._fallback.probe_failed(f.reason)
             return False
-        now = self._caller_now()
-        if self._answering_since is None:
-            self._answering_since = now
-        if now - self._answering_since < self._recover_s:
-            return False
-        previous = self._mode
-        self._shared_since = now
-        self._mode = MODE_SHARED
-        log.warning("shared store: Redis at %s answers again: back to shared mode (was %s, %d replicas seen)",
-                    self._where, previous, self._replicas)
-        self._observer.store_mode(MODE_SHARED)
-        return True
-
-    # --- round trips -------------------------------------------------------------
+        return self._fallback.answered(self._caller_now())
 
     def _forget_order(self) -> None:
         """_forget_order accepts the next view of every pool: Redis lost its scripts, so it
@@ -481,7 +339,7 @@ class RedisStore(Store):
         """
         if self._task is None:
             self._ensure_task()
-        if self._mode != MODE_SHARED:
+        if not self._fallback.shared:
             # A local decision never suspends: yield once, so that callers admitting in a
             # tight loop cannot starve the probe that brings the store back.
             await asyncio.sleep(0)
@@ -522,32 +380,10 @@ class RedisStore(Store):
             return self._admit_degraded(plan, now)
 
     def _admit_degraded(self, plan: Plan, now: float) -> Grant | Refusal:
-        """_admit_degraded decides in this replica alone, within its share (``local_share``,
-        ``shared_nodes.pick_share``); fails closed when the share is unknown."""
-        if self._mode == MODE_FAIL_CLOSED:
-            raise StoreUnavailableError(f"Redis at {self._where} does not answer")
-        if not self._replicas_seen and self.config.expected_replicas is None:
-            # Never heard how many replicas share the budget: any share could be too large.
-            raise StoreUnavailableError(f"Redis at {self._where} does not answer and the number of "
-                                        "replicas is unknown (set store.redis.expected_replicas)")
-        n = self.share_replicas
+        """_admit_degraded decides in this replica alone (``Fallback.admit``): its shared
+        grants not yet settled count against its share."""
         live = self._live.get(plan.limits.pool, {})
-        local = local_share(plan, n, (len(live), sum(g.plan.tokens for g in live.values())))
-        picked: str | None = None
-        if plan.nodes is not None:
-            verdict = pick_share(plan.nodes, n)
-            if verdict.chosen is None:
-                room = verdict.best_room or 0
-                budget = Budget.CLASS_KV if verdict.by_watermark else Budget.NODE_KV
-                return Refusal(budget, plan.limits.retry_estimate_s, True, plan.nodes.need, room, room)
-            picked = verdict.chosen
-        decision = self._local.admit_now(local, now)
-        if isinstance(decision, Grant):
-            decision.id = LOCAL_PREFIX + decision.id
-            if picked is not None:
-                decision.picked = picked
-                decision.node_hold = plan.nodes.need
-        return decision
+        return self._fallback.admit(plan, now, (len(live), sum(g.plan.tokens for g in live.values())))
 
     def _admit_cmd(self, plan: Plan, keys: _Keys, lease_id: str, now: float) -> tuple[Any, ...]:
         lim = plan.limits
@@ -632,7 +468,7 @@ class RedisStore(Store):
         and kept while Redis is away. Never blocks, never raises.
         """
         if grant.id.startswith(LOCAL_PREFIX):
-            self._local.settle(grant, charged_tokens, now)
+            self._fallback.local.settle(grant, charged_tokens, now)
             return
         plan = grant.plan
         pool = plan.limits.pool
@@ -662,7 +498,7 @@ class RedisStore(Store):
             if dropped.lease_id is not None:
                 self._unconfirmed.get(dropped.pool, {}).pop(dropped.lease_id, None)
             self._observer.store_error(ERROR_DROPPED)
-        if self._mode == MODE_SHARED and self._flusher is None and not self._closed:
+        if self._fallback.shared and self._flusher is None and not self._closed:
             try:
                 loop = asyncio.get_running_loop()
             except RuntimeError:
@@ -672,7 +508,7 @@ class RedisStore(Store):
     async def _flush_soon(self) -> None:
         """_flush_soon sends the settles no admission took along, one pipeline at a time."""
         try:
-            while self._pending and self._mode == MODE_SHARED:
+            while self._pending and self._fallback.shared:
                 try:
                     await self._flush_pending()
                 except RoundTripError as f:
@@ -711,7 +547,7 @@ class RedisStore(Store):
     async def flush(self) -> None:
         """flush waits until every settle queued so far is applied in Redis (or Redis failed)."""
         while self._pending or self._batch is not None or self._flusher is not None:
-            if self._mode != MODE_SHARED:
+            if not self._fallback.shared:
                 return
             if self._flusher is not None:
                 await asyncio.shield(self._flusher)
@@ -731,7 +567,7 @@ class RedisStore(Store):
     async def refresh(self) -> bool:
         """refresh heartbeats, extends this replica's live leases and re-reads every known pool,
         in one round trip. Degrades the store when Redis fails; True on success."""
-        if self._mode != MODE_SHARED:
+        if not self._fallback.shared:
             return False
         try:
             await self._refresh_round_trip()
@@ -759,8 +595,7 @@ class RedisStore(Store):
                 pools.append(pool)
         results = await self._client.round_trip(cmds)
         try:
-            self._replicas = max(1, int(results[0]))
-            self._replicas_seen = True
+            self._fallback.saw_replicas(int(results[0]))
             restored = 0
             for pool, r in zip(pools, results[1:]):
                 head, _, view = r.partition(b"|")
@@ -779,8 +614,8 @@ class RedisStore(Store):
 
         The pool bucket's tokens are refilled from the last report to ``now`` (s).
         """
-        if self._mode != MODE_SHARED:
-            return self._local.usage(pool, now)
+        if not self._fallback.shared:
+            return self._fallback.local.usage(pool, now)
         view = self._views.get(pool)
         if view is None:
             return PoolUsage()

@@ -24,9 +24,10 @@ from extproc.admission.kvbudget import effective_kv_budget, kv_ceilings
 from extproc.admission.slots import effective_guarantees, effective_limit
 from extproc.admission.types import Budget, BucketSpec, Grant, Plan, PoolLimits, Refusal
 from extproc.admission.store.memory import MemoryStore
-from extproc.admission.store.redis import (LOCAL_PREFIX, MODE_FAIL_CLOSED, MODE_LOCAL_SHARE, MODE_SHARED,
-                                           RECOVER_S, REFRESH, RedisStore, StoreUnavailableError,
-                                           local_share)
+from extproc.admission.store.fallback import (LOCAL_PREFIX, MODE_FAIL_CLOSED, MODE_LOCAL_SHARE, MODE_SHARED,
+                                              RECOVER_S, StoreUnavailableError, local_share)
+from extproc.admission.store.redis import RedisStore
+from extproc.admission.store.redis_lua import REFRESH
 from extproc.clock import ManualClock
 from extproc.config import RedisStoreConfig, parse_config
 from tests.support.redis_server import RedisServer

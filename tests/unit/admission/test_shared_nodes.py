@@ -22,8 +22,8 @@ from extproc.admission import Admission, Lease, Outcome, Rejection, rules
 from extproc.admission.nodes import NodeReport
 from extproc.admission.shared_nodes import NodeAsk, pick_share, pick_shared, share_room
 from extproc.admission.types import Budget, Grant, Plan, PoolLimits, Refusal
-from extproc.admission.store.redis import (FLAP_WINDOW_S, MODE_LOCAL_SHARE, MODE_SHARED, RECOVER_MAX_S,
-                                           RECOVER_S, RedisStore)
+from extproc.admission.store.fallback import FLAP_WINDOW_S, MODE_LOCAL_SHARE, MODE_SHARED, RECOVER_MAX_S, RECOVER_S
+from extproc.admission.store.redis import RedisStore
 from extproc.clock import ManualClock
 from extproc.config import RedisStoreConfig, parse_config
 from tests.support.redis_server import RedisServer

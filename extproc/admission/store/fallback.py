@@ -1,0 +1,248 @@
+"""fallback: where a shared store decides while its server does not answer, and when it shares again.
+
+Three modes (``MODES``): ``shared`` (the server decides for every replica), ``local_share``
+(this replica admits alone in an in-memory store, within its share of every limit) and
+``fail_closed`` (every admission is refused with ``StoreUnavailableError``). ``Fallback``
+owns the mode, the rule that changes it and the local store; the shared store tells it
+what its round trips did (``degrade``, ``probe_failed``, ``answered``) and asks it to
+decide while degraded (``admit``).
+
+Hysteresis: a failed round trip degrades at once (no answer is no decision), but shared
+mode comes back only once the server has answered every probe for ``recover_s``:
+RECOVER_S, doubled each time the store degrades again within FLAP_WINDOW_S of a return,
+up to RECOVER_MAX_S. A flapping server thus changes the mode at most once per
+``recover_s``. Every change is loud: a log line and ``StoreObserver.store_mode``.
+
+The local share: each limit divided by the number of replicas last seen through
+heartbeats, or by ``expected_replicas`` when that is more, less what this replica still
+holds of the shared budget (``local_share``); each node's room likewise
+(``shared_nodes.pick_share``). A replica that never saw the count and has no
+``expected_replicas`` fails closed: any share could be too large.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Protocol
+
+from extproc.admission.kvbudget import effective_kv_budget
+from extproc.admission.shared_nodes import pick_share
+from extproc.admission.slots import effective_guarantees, scaled_floor
+from extproc.admission.store.base import StoreError
+from extproc.admission.store.memory import MemoryStore
+from extproc.admission.types import Budget, BucketSpec, Grant, Plan, Refusal
+
+log = logging.getLogger("kvgate.store")
+
+MODE_SHARED = "shared"
+MODE_LOCAL_SHARE = "local_share"
+MODE_FAIL_CLOSED = "fail_closed"
+MODES = (MODE_SHARED, MODE_LOCAL_SHARE, MODE_FAIL_CLOSED)
+"""MODES are the values of ``kvgate_store_mode{mode}``: where admissions are decided."""
+
+LOCAL_PREFIX = "local:"
+"""LOCAL_PREFIX starts the id of every grant made locally while the server was unavailable."""
+
+RECOVER_S = 1.0
+"""RECOVER_S is how long (s) the server must answer every probe before a degraded store returns
+to shared mode; it doubles each time the store degrades again within FLAP_WINDOW_S of a
+return, up to RECOVER_MAX_S."""
+RECOVER_MAX_S = 30.0
+FLAP_WINDOW_S = 30.0
+
+
+class StoreObserver(Protocol):
+    """StoreObserver hears what the shared store does, for metrics (``extproc.metrics``).
+
+    ``store_error(reason)``: one failed round trip or dropped settle, ``reason`` in
+    ``redis_client.ERROR_REASONS``; ``store_mode(mode)``: the store now decides in ``mode``
+    (one of ``MODES``), called once at start and on every change. Both are called on the
+    event loop and must not block.
+    """
+
+    def store_error(self, reason: str) -> None: ...
+
+    def store_mode(self, mode: str) -> None: ...
+
+
+class NullObserver:
+    """NullObserver ignores everything: the store without metrics."""
+
+    __slots__ = ()
+
+    def store_error(self, reason: str) -> None:
+        pass
+
+    def store_mode(self, mode: str) -> None:
+        pass
+
+
+class StoreUnavailableError(StoreError):
+    """StoreUnavailableError is a refusal to admit because the shared store cannot answer.
+
+    Raised by ``RedisStore.admit`` with ``on_unavailable: fail_closed``. The request may
+    be retried shortly: the store probes the server and returns to shared mode by itself.
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"shared budget store unavailable ({reason})")
+        self.reason = reason
+
+
+class Fallback:
+    """Fallback is a shared store's mode, the hysteresis that changes it and the local store.
+
+    ``on_unavailable``: the mode a failure leads to (``local_share`` or ``fail_closed``);
+    ``expected_replicas``: the least number of replicas a local share divides by (None:
+    only the count seen); ``where``: the server, for log lines. Instants are the callers'
+    (s). Starts shared and tells ``observer`` so.
+    """
+
+    __slots__ = ("mode", "replicas", "replicas_seen", "recover_s", "local", "_on_unavailable",
+                 "_expected", "_observer", "_where", "_answering_since", "_shared_since")
+
+    def __init__(self, on_unavailable: str, expected_replicas: int | None, observer: StoreObserver,
+                 where: str) -> None:
+        if on_unavailable not in (MODE_LOCAL_SHARE, MODE_FAIL_CLOSED):
+            raise ValueError(f"on_unavailable is local_share or fail_closed, not {on_unavailable!r}")
+        self.mode = MODE_SHARED
+        self.replicas = 1
+        self.replicas_seen = False
+        self.recover_s = RECOVER_S
+        self.local = MemoryStore()
+        self._on_unavailable = on_unavailable
+        self._expected = expected_replicas
+        self._observer = observer
+        self._where = where
+        # since when the server has answered every probe, and since when the store is
+        # shared again (both None: not yet)
+        self._answering_since: float | None = None
+        self._shared_since: float | None = None
+        observer.store_mode(MODE_SHARED)
+
+    @property
+    def shared(self) -> bool:
+        """shared is True while the server decides (mode ``shared``)."""
+        return self.mode == MODE_SHARED
+
+    @property
+    def share_replicas(self) -> int:
+        """share_replicas is what a local share divides the limits by: the replicas last
+        seen, at least ``expected_replicas``."""
+        return max(self.replicas, self._expected or 1)
+
+    def saw_replicas(self, n: int) -> None:
+        """saw_replicas keeps the number of live replicas a heartbeat counted (itself included)."""
+        self.replicas = max(1, n)
+        self.replicas_seen = True
+
+    def degrade(self, reason: str, detail: str, now: float) -> bool:
+        """degrade records one failed round trip at ``now`` and leaves shared mode, loudly.
+
+        Returns True when the mode changed (it was shared).
+        """
+        self._observer.store_error(reason)
+        if self.mode != MODE_SHARED:
+            return False
+        since = self._shared_since
+        # A store that fails again soon after it came back is flapping: it must answer
+        # twice as long before the next return.
+        self.recover_s = (min(RECOVER_MAX_S, 2.0 * self.recover_s)
+                          if since is not None and now - since < FLAP_WINDOW_S else RECOVER_S)
+        self._answering_since = None
+        self.mode = self._on_unavailable
+        if self.mode == MODE_LOCAL_SHARE:
+            what = f"admitting locally with 1/{self.share_replicas} of each limit"
+        else:
+            what = "refusing every admission"
+        log.warning("shared store: Redis at %s unavailable (%s: %s): %s until it answers again",
+                    self._where, reason, detail, what)
+        self._observer.store_mode(self.mode)
+        return True
+
+    def probe_failed(self, reason: str) -> None:
+        """probe_failed records a probe the server did not answer: the wait starts again."""
+        self._observer.store_error(reason)
+        self._answering_since = None
+
+    def answered(self, now: float) -> bool:
+        """answered records a probe the server answered at ``now``; returns to shared mode once
+        it has answered every probe for ``recover_s``. True when the store is shared afterwards."""
+        if self.mode == MODE_SHARED:
+            return True
+        if self._answering_since is None:
+            self._answering_since = now
+        if now - self._answering_since < self.recover_s:
+            return False
+        previous = self.mode
+        self._shared_since = now
+        self.mode = MODE_SHARED
+        log.warning("shared store: Redis at %s answers again: back to shared mode (was %s, %d replicas seen)",
+                    self._where, previous, self.replicas)
+        self._observer.store_mode(MODE_SHARED)
+        return True
+
+    def admit(self, plan: Plan, now: float, held: tuple[int, int]) -> Grant | Refusal:
+        """admit decides ``plan`` at ``now`` in this replica alone, within its share (see the
+        module doc); ``held`` is (slots, KV tokens) of its shared grants not yet settled.
+
+        Raises ``StoreUnavailableError`` in fail_closed mode and when the share is unknown.
+        """
+        if self.mode == MODE_FAIL_CLOSED:
+            raise StoreUnavailableError(f"Redis at {self._where} does not answer")
+        if not self.replicas_seen and self._expected is None:
+            raise StoreUnavailableError(f"Redis at {self._where} does not answer and the number of "
+                                        "replicas is unknown (set store.redis.expected_replicas)")
+        n = self.share_replicas
+        picked: str | None = None
+        if plan.nodes is not None:
+            verdict = pick_share(plan.nodes, n)
+            if verdict.chosen is None:
+                room = verdict.best_room or 0
+                budget = Budget.CLASS_KV if verdict.by_watermark else Budget.NODE_KV
+                return Refusal(budget, plan.limits.retry_estimate_s, True, plan.nodes.need, room, room)
+            picked = verdict.chosen
+        decision = self.local.admit_now(local_share(plan, n, held), now)
+        if isinstance(decision, Grant):
+            decision.id = LOCAL_PREFIX + decision.id
+            if picked is not None:
+                decision.picked = picked
+                decision.node_hold = plan.nodes.need
+        return decision
+
+
+def local_share(plan: Plan, replicas: int, held: tuple[int, int] = (0, 0)) -> Plan:
+    """local_share is ``plan`` with this replica's share of every limit: limit / ``replicas``,
+    less what this replica still holds of the shared budget.
+
+    ``held`` is (slots, KV tokens) of this replica's shared grants not yet settled: they
+    count against its share, because they are still in the shared budget's total.
+    Slots: floor(limit / N) - held slots, which may be 0 (with more replicas than slots
+    a replica admits nothing alone: N replicas admitting one each would pass the limit);
+    guarantees, the KV budget and the classes' KV ceilings: floor(x / N) tokens or slots,
+    the KV ones less the held tokens; buckets: capacity and rate / N. Capacities at scale
+    1.0 stay whole: a request that fits the shared budget is not told it can never fit
+    because of an outage.
+    """
+    if replicas <= 1 and held == (0, 0):
+        return plan
+    share = 1.0 / max(1, replicas)
+    slots_held, kv_held = held
+    lim = plan.limits
+    limit = max(0, scaled_floor(lim.limit, share) - slots_held)
+    kv = effective_kv_budget(lim.kv_budget, share)
+    limits = replace(lim, limit=limit,
+                     guarantees=effective_guarantees(lim.guarantees, share, limit),
+                     kv_budget=None if kv is None else max(0, kv - kv_held),
+                     kv_ceilings={name: (max(0, scaled_floor(now, share) - kv_held), base)
+                                  for name, (now, base) in lim.kv_ceilings.items()},
+                     bucket=_share_bucket(lim.bucket, share))
+    return Plan(limits, plan.tenant, plan.class_name, plan.tokens,
+                _share_bucket(plan.tenant_bucket, share), plan.nodes)
+
+
+def _share_bucket(spec: BucketSpec | None, share: float) -> BucketSpec | None:
+    if spec is None:
+        return None
+    return BucketSpec(spec.key, spec.capacity * share, spec.rate * share, spec.base_capacity)
