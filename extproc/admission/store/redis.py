@@ -578,6 +578,24 @@ class RedisStore(Store):
 
     async def _refresh_round_trip(self) -> None:
         now = self._caller_now()
+        cmds, pools = self._refresh_cmds(now)
+        results = await self._client.round_trip(cmds)
+        try:
+            self._fallback.saw_replicas(int(results[0]))
+            restored = 0
+            for pool, r in zip(pools, results[1:]):
+                head, _, view = r.partition(b"|")
+                restored += int(head)
+                self._read_view(pool, view, now)
+        except (IndexError, TypeError, ValueError) as exc:
+            raise RoundTripError(ERROR_RESPONSE, f"unexpected refresh reply: {exc}") from exc
+        if restored:
+            log.warning("shared store: Redis had lost %d live leases of this replica (restart?): taken again",
+                        restored)
+
+    def _refresh_cmds(self, now: float) -> tuple[list[tuple[Any, ...]], list[str]]:
+        """_refresh_cmds is one refresh round trip at ``now`` (s): the heartbeat, then the
+        refresh of every known pool's live leases in chunks, and the pool of each refresh."""
         now_arg = self._now_arg(now)
         cmds = [HEARTBEAT.command(HeartbeatKeys(self._replicas_key),
                                   *map(word, HeartbeatArg(now_arg, self.replica_id, self._ttl)))]
@@ -593,19 +611,7 @@ class RedisStore(Store):
                                              node=g.picked or "-", hold=int(g.node_hold)))
                 cmds.append(REFRESH.command(keys.of_refresh(), *map(word, argv)))
                 pools.append(pool)
-        results = await self._client.round_trip(cmds)
-        try:
-            self._fallback.saw_replicas(int(results[0]))
-            restored = 0
-            for pool, r in zip(pools, results[1:]):
-                head, _, view = r.partition(b"|")
-                restored += int(head)
-                self._read_view(pool, view, now)
-        except (IndexError, TypeError, ValueError) as exc:
-            raise RoundTripError(ERROR_RESPONSE, f"unexpected refresh reply: {exc}") from exc
-        if restored:
-            log.warning("shared store: Redis had lost %d live leases of this replica (restart?): taken again",
-                        restored)
+        return cmds, pools
 
     # --- usage -------------------------------------------------------------------
 

@@ -27,7 +27,6 @@ from extproc.admission.store.memory import MemoryStore
 from extproc.admission.store.fallback import (LOCAL_PREFIX, MODE_FAIL_CLOSED, MODE_LOCAL_SHARE, MODE_SHARED,
                                               RECOVER_S, StoreUnavailableError, local_share)
 from extproc.admission.store.redis import RedisStore
-from extproc.admission.store.redis_lua import REFRESH
 from extproc.clock import ManualClock
 from extproc.config import RedisStoreConfig, parse_config
 from tests.support.redis_server import RedisServer
@@ -328,8 +327,8 @@ async def test_round_trips_still_on_the_wire_cannot_bring_a_settled_lease_back(s
     g = await rs.admit(plan(10, lim), T0)
     keys = rs._keys_of("p")
     r = redis_sync.Redis.from_url(redis_server.url)
-    late_refresh = ("EVALSHA", REFRESH.sha, 5, keys.st, keys.lz, keys.lh, keys.done, keys.st,
-                    T0, 30.0, "0", g.id, "standard", 10)
+    _heartbeat, late_refresh = rs._refresh_cmds(T0)[0]  # built while the lease is live
+    assert g.id in late_refresh
     rs.settle(g, 10, T0)
     await rs.flush()
     restored = r.execute_command(*late_refresh).partition(b"|")[0]
