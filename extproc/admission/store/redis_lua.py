@@ -179,21 +179,20 @@ class HeartbeatArg(NamedTuple):
 
 
 def word(v: object) -> str:
-    """word is one value as a script reads it: ``-`` for None, ``repr`` for a float."""
+    """word is one value as a script reads it: ``-`` for None, else ``str`` (for a float, its
+    shortest repr, which round-trips exactly); anything but text and numbers is refused."""
     if v is None:
         return "-"
-    if isinstance(v, str):
-        return v
-    if isinstance(v, float):
-        return float.__repr__(v)
-    if isinstance(v, int) and not isinstance(v, bool):
-        return int.__repr__(v)
-    raise TypeError(f"a script word is text, a number or None, not {v!r}")
+    if isinstance(v, bool) or not isinstance(v, (str, int, float)):
+        raise TypeError(f"a script word is text, a number or None, not {v!r}")
+    return str(v)
 
 
 def pack(values: Iterable[object]) -> str:
-    """pack is ``values`` (a layout's fields in order) as one space-separated script argument."""
-    return " ".join(map(word, values))
+    """pack is ``values``, a layout's fields in order, as one space-separated script argument:
+    each as ``word`` has it. On the path of every admission, so the layout's types stand
+    for ``word``'s check."""
+    return " ".join(["-" if v is None else str(v) for v in values])
 
 
 def node_arg(ask: NodeAsk) -> str:
