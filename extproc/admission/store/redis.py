@@ -81,6 +81,7 @@ _MAX_PENDING = 100_000
 # Leases per refresh script call, so that one call never blocks Redis for long.
 _REFRESH_CHUNK = 500
 
+
 class _Keys:
     """_Keys are one pool's Redis keys (see the module's key layout)."""
 
@@ -386,6 +387,7 @@ class RedisStore(Store):
         return self._fallback.admit(plan, now, (len(live), sum(g.plan.tokens for g in live.values())))
 
     def _admit_cmd(self, plan: Plan, keys: _Keys, lease_id: str, now: float) -> tuple[Any, ...]:
+        """_admit_cmd is the admit script's call for ``plan`` as lease ``lease_id`` at ``now`` (s)."""
         lim = plan.limits
         pb = lim.bucket
         tb = plan.tenant_bucket
@@ -482,6 +484,8 @@ class RedisStore(Store):
 
     def _settle_cmd(self, plan: Plan, keys: _Keys, lease_id: str, charged: int,
                     now: float) -> tuple[Any, ...]:
+        """_settle_cmd is the settle script's call for lease ``lease_id`` of ``plan``, charged
+        ``charged`` tokens in the end, at ``now`` (s)."""
         pb = plan.limits.bucket
         tb = plan.tenant_bucket
         arg = SettleArg(now=self._now_arg(now), id=lease_id, charged=int(charged), ttl=self._ttl,
