@@ -42,7 +42,7 @@ if str(ROOT) not in sys.path:
 
 from extproc.admission import Admission, Demand, Lease, Outcome, PoolSignals  # noqa: E402
 from extproc.clock import MonotonicClock  # noqa: E402
-from extproc.config import Config, parse_config  # noqa: E402
+from extproc.config import ADAPTIVE_DEFAULTS, Config, parse_config  # noqa: E402
 
 BATCH = 100
 TARGET_NS = 10_000
@@ -80,6 +80,12 @@ def full(backends: bool = False) -> Config:
 def demands(adm: Admission) -> list[Demand]:
     """demands is one request per tenant: a 1,200-token prompt reserving 300 completion tokens."""
     return [adm.demand(t, 1200, 300) for t in TENANTS]
+
+
+def read_now(clock: MonotonicClock) -> PoolSignals:
+    """read_now is what the scraper hands in for a pool at 30 % KV usage, read now."""
+    now = clock.now()
+    return PoolSignals(0.3, 0, False, 4_000_000, now, now + ADAPTIVE_DEFAULTS.stale_after_s)
 
 
 def measure(pairs: Callable[[int], None], batches: int) -> list[float]:
@@ -137,7 +143,8 @@ def walk_config() -> Config:
                          "tenants": {"classes": {"standard": {"max_wait_s": 600}}, "tenants": tenants}})
 
 
-def queued_walks(adm: Admission, loop: asyncio.AbstractEventLoop) -> tuple[Callable[[int], None], Callable[[], None]]:
+def queued_walks(adm: Admission,
+                 loop: asyncio.AbstractEventLoop) -> tuple[Callable[[int], None], Callable[[], None]]:
     """queued_walks queues one waiter per tenant, each refused by its own empty bucket; returns
     (run, stop): run(n) walks the queue n times (``poll``: each walk tries all 16 waiters and
     admits none), stop refuses the waiters and ends their tasks.
@@ -195,15 +202,15 @@ def main() -> int:
     rows.append(summary("all three budgets + tenants", measure(sync_pairs(adm, demands(adm)), batches)))
 
     adm = Admission(full(backends=True), clock)
-    adm.update_signals("default", PoolSignals(0.3, 0, False, 4_000_000, clock.now()))
+    adm.update_signals("default", read_now(clock))
     time.sleep(0.01)  # let the scale recover to 1.0 (1000/s) so nothing is refused
-    adm.update_signals("default", PoolSignals(0.3, 0, False, 4_000_000, clock.now()))
+    adm.update_signals("default", read_now(clock))
     ds = demands(adm)
     run = sync_pairs(adm, ds)
 
     def adaptive(n: int) -> None:
         # The scraper's update arrives once a second; here once a batch, to keep it fresh.
-        adm.update_signals("default", PoolSignals(0.3, 0, False, 4_000_000, clock.now()))
+        adm.update_signals("default", read_now(clock))
         run(n)
     rows.append(summary("all three + tenants, adaptive pool", measure(adaptive, batches)))
 

@@ -6,10 +6,13 @@ steps: a waiter that does not fit on a budget every request needs (slots, KV tok
 pool's bucket) STOPs the walk, so no smaller request of the same or a lower priority
 jumps it; a waiter refused by its own tenant's bucket blocks only its own tenant; a
 waiter refused because the free slots are guaranteed to other classes, or by its class's
-KV watermark, blocks only its own class. A large request therefore waits only for capacity, never behind a stream of
-small ones. One exception: a waiter larger than the KV budget, its class's KV ceiling or
-the pool's bucket *at the current scale* (it fits only once the scale recovers) blocks nobody, since holding
-the others back would not bring the recovery sooner.
+KV watermark, blocks only its own class. A large request therefore waits only for
+capacity, never behind a stream of small ones. One exception: a waiter larger than the
+KV budget, its class's KV ceiling or the pool's bucket *at the current scale* (it fits
+only once the scale recovers) blocks nobody, since holding the others back would not
+bring the recovery sooner. ``Blocks`` keeps what the last walk stopped on (arrivals may
+not jump it) and says when to walk again; ``serve`` is the walk itself, written once for
+the in-process store and for a store that answers asynchronously.
 
 Waiters added or removed while a walk is under way (the walk may suspend on a shared
 store) take effect when it ends; a removed waiter is never yielded.
@@ -45,8 +48,9 @@ class Step(Enum):
 class Waiter:
     """Waiter is one waiting request: its demand, order, deadline and the future it waits on.
 
-    ``since`` and ``deadline`` are clock instants (s): when it began and stops waiting; ``refusal``/``plan`` are the last refusal it got
-    and the plan it was made for (for the message when the wait ends without capacity).
+    ``since`` and ``deadline`` are clock instants (s): when it began and stops waiting;
+    ``refusal``/``plan`` are the last refusal it got and the plan it was made for (for the
+    message when the wait ends without capacity).
     """
 
     __slots__ = ("demand", "priority", "since", "deadline", "future", "refusal", "plan", "behind", "seq",
