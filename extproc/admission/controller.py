@@ -1,9 +1,12 @@
-"""controller: ``Admission`` decides per request whether a pool takes it now; ``Lease`` gives it back.
+"""controller: ``Admission`` decides per request whether a pool takes it now.
 
 The controller turns a ``Demand`` into a ``Plan`` (the pool's limits at the current
 adaptive scale, the class's guarantees, the tenant's bucket), hands it to the store, and
-returns a ``Lease`` or a ``Rejection``. It adds what no store does: load shedding in alarm,
-the bounded wait of a class (``waitqueue``), and re-trying waiters when capacity frees.
+returns a ``Lease`` (``lease``), which gives it back, or a ``Rejection``. It adds what no
+store does: load shedding in alarm, a node picked first in a pool that picks nodes, the
+bounded wait of a class, and re-trying waiters when capacity frees (``waitqueue``: the
+queue, what blocks it and its walk; here, what the walk does with each waiter and the
+two drivers of it, one per kind of store). Each pool's state is a ``pool.PoolRuntime``.
 
 Everything runs on one event loop thread: ``try_acquire``, ``lease.release``,
 ``update_signals``, ``reconfigure`` and ``snapshot`` are synchronous and never wait;
@@ -179,8 +182,9 @@ class Admission:
 
         The scale follows at once when it shrinks, smoothly when it rises; entering alarm
         sheds the waiting requests of sheddable classes; a reported KV capacity (tokens)
-        sets the derived KV budget. Pools without backends keep scale 1.0. Raises
-        ``UnknownPoolError`` for a pool that is not configured.
+        sets the derived KV budget. The signals count until their ``fresh_until`` (the
+        signal layer decides it), then as saturated. Pools without backends keep scale
+        1.0. Raises ``UnknownPoolError`` for a pool that is not configured.
         """
         p = self._pool(pool)
         now = self._clock.now()
