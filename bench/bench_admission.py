@@ -9,7 +9,10 @@ on the in-memory store, with a real monotonic clock, for:
   in-flight KV budget and per-tenant buckets, four tenants in turn (the buckets are large
   enough that a million pairs a minute are never refused: refusals are not what is timed);
 - the same on a pool with backends (adaptive scale evaluated at each admission);
-- the same through ``await acquire`` on an event loop (no wait: no task, no future).
+- the same through ``await acquire`` on an event loop (no wait: no task, no future);
+- a walk of the wait queue (``poll``, what every release does while requests wait): 16
+  waiters, one per tenant, each refused by its own tenant's empty bucket; its figure is
+  per walk, not per pair.
 
 Timing: batches of ``BATCH`` pairs timed with ``perf_counter_ns``; the per-pair figure of a
 batch is its time / BATCH; median and p99 are over the batches. Target: median <= 10 us per
@@ -39,7 +42,7 @@ if str(ROOT) not in sys.path:
 
 from extproc.admission import Admission, Demand, Lease, Outcome, PoolSignals  # noqa: E402
 from extproc.clock import MonotonicClock  # noqa: E402
-from extproc.config import Config, parse_config  # noqa: E402
+from extproc.config import ADAPTIVE_DEFAULTS, Config, parse_config  # noqa: E402
 
 BATCH = 100
 TARGET_NS = 10_000
@@ -77,6 +80,12 @@ def full(backends: bool = False) -> Config:
 def demands(adm: Admission) -> list[Demand]:
     """demands is one request per tenant: a 1,200-token prompt reserving 300 completion tokens."""
     return [adm.demand(t, 1200, 300) for t in TENANTS]
+
+
+def read_now(clock: MonotonicClock) -> PoolSignals:
+    """read_now is what the scraper hands in for a pool at 30 % KV usage, read now."""
+    now = clock.now()
+    return PoolSignals(0.3, 0, False, 4_000_000, now, now + ADAPTIVE_DEFAULTS.stale_after_s)
 
 
 def measure(pairs: Callable[[int], None], batches: int) -> list[float]:
@@ -124,6 +133,53 @@ def async_pairs(adm: Admission, ds: list[Demand], loop: asyncio.AbstractEventLoo
     return run
 
 
+WALK_TENANTS = 16
+
+
+def walk_config() -> Config:
+    """walk_config is one pool whose tenants each have a bucket of 2,000 tokens a minute."""
+    tenants = {f"t{i}": {"tpm": 2000} for i in range(WALK_TENANTS)}
+    return parse_config({"pools": {"default": {"max_concurrency": 64}},
+                         "tenants": {"classes": {"standard": {"max_wait_s": 600}}, "tenants": tenants}})
+
+
+def queued_walks(adm: Admission,
+                 loop: asyncio.AbstractEventLoop) -> tuple[Callable[[int], None], Callable[[], None]]:
+    """queued_walks queues one waiter per tenant, each refused by its own empty bucket; returns
+    (run, stop): run(n) walks the queue n times (``poll``: each walk tries all 16 waiters and
+    admits none), stop refuses the waiters and ends their tasks.
+
+    A tenant's first request (1,500 tokens) empties its bucket; the second waits about 30 s
+    for the refill, longer than the benchmark runs, so every walk visits the same 16.
+    """
+    ds = [adm.demand(f"t{i}", 1200, 300) for i in range(WALK_TENANTS)]
+    for d in ds:
+        first = adm.try_acquire(d)
+        if type(first) is not Lease:
+            raise RuntimeError(f"the benchmark's first request must be admitted: {first}")
+        first.release(Outcome.COMPLETED, 300)
+
+    async def queue() -> list[asyncio.Task[Any]]:
+        tasks = [asyncio.ensure_future(adm.acquire(d)) for d in ds]
+        while adm.snapshot("default").waiting < len(ds):
+            await asyncio.sleep(0)  # each task runs up to its wait
+        return tasks
+
+    tasks = loop.run_until_complete(queue())
+    poll = adm.poll
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            poll("default")
+        if adm.snapshot("default").waiting != len(ds):
+            raise RuntimeError("a walk admitted or refused a waiter: the benchmark measures walks that keep them")
+
+    def stop() -> None:
+        loop.run_until_complete(adm.close())
+        loop.run_until_complete(asyncio.gather(*tasks))
+    return run, stop
+
+
 def summary(name: str, ns: list[float]) -> dict[str, Any]:
     ordered = sorted(ns)
     return {"case": name, "pairs": len(ns) * BATCH, "median": statistics.median(ordered),
@@ -146,15 +202,15 @@ def main() -> int:
     rows.append(summary("all three budgets + tenants", measure(sync_pairs(adm, demands(adm)), batches)))
 
     adm = Admission(full(backends=True), clock)
-    adm.update_signals("default", PoolSignals(0.3, 0, False, 4_000_000, clock.now()))
+    adm.update_signals("default", read_now(clock))
     time.sleep(0.01)  # let the scale recover to 1.0 (1000/s) so nothing is refused
-    adm.update_signals("default", PoolSignals(0.3, 0, False, 4_000_000, clock.now()))
+    adm.update_signals("default", read_now(clock))
     ds = demands(adm)
     run = sync_pairs(adm, ds)
 
     def adaptive(n: int) -> None:
         # The scraper's update arrives once a second; here once a batch, to keep it fresh.
-        adm.update_signals("default", PoolSignals(0.3, 0, False, 4_000_000, clock.now()))
+        adm.update_signals("default", read_now(clock))
         run(n)
     rows.append(summary("all three + tenants, adaptive pool", measure(adaptive, batches)))
 
@@ -163,6 +219,14 @@ def main() -> int:
         adm = Admission(full(), clock)
         rows.append(summary("all three + tenants, await acquire", measure(async_pairs(adm, demands(adm), loop),
                                                                            batches)))
+        adm = Admission(walk_config(), clock)
+        run, stop = queued_walks(adm, loop)
+        try:
+            # A walk costs some 16 pairs: a tenth of the batches takes as long as a row above.
+            rows.append(summary(f"a walk of the wait queue ({WALK_TENANTS} waiters, none fits), per walk",
+                                measure(run, max(30, batches // 10))))
+        finally:
+            stop()
     finally:
         loop.close()
 

@@ -4,7 +4,8 @@ No gRPC, HTTP or Prometheus here; time comes from an injected clock; budgets liv
 the ``Store`` interface (``store/``).
 """
 
-from extproc.admission.controller import Admission, Lease
+from extproc.admission.controller import Admission
+from extproc.admission.lease import Lease
 from extproc.admission.errors import AdmissionError, InvalidDemandError, UnknownPoolError
 from extproc.admission.store.base import Store, StoreError
 from extproc.admission.store.memory import MemoryStore

@@ -3,7 +3,8 @@
 ``target_scale`` is a pure function from signals to the scale they call for;
 ``next_scale`` is the pure recovery step (a shrink at once, a rise at most
 ``recovery_per_s`` per second); ``ScaleTracker`` keeps one pool's last scale and signals
-and evaluates both lazily at each instant it is asked.
+and evaluates both lazily at each instant it is asked. How long signals stay usable is
+the signal layer's decision (``PoolSignals.fresh_until``): nothing here ages them.
 """
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ class ScaleParams:
 
     ``enabled`` is False for a pool with no backends (its scale stays 1.0);
     watermarks are KV-cache usage ratios; ``waiting_threshold`` is queued requests at
-    or above which the pool counts as saturated; ``stale_after_s`` is the age, in
-    seconds, past which signals count as stale; ``recovery_per_s`` is scale per second.
+    or above which the pool counts as saturated; ``recovery_per_s`` is scale per second.
     """
 
     enabled: bool
@@ -31,7 +31,6 @@ class ScaleParams:
     min_scale: float = ADAPTIVE_DEFAULTS.min_scale
     recovery_per_s: float = ADAPTIVE_DEFAULTS.recovery_per_s
     waiting_threshold: int = SIGNALS_DEFAULTS.waiting_threshold
-    stale_after_s: float = ADAPTIVE_DEFAULTS.stale_after_s
 
     @classmethod
     def of(cls, pool: PoolConfig, adaptive: AdaptiveConfig) -> ScaleParams:
@@ -39,24 +38,28 @@ class ScaleParams:
         return cls(enabled=bool(pool.backends), high_watermark=adaptive.high_watermark,
                    low_watermark=adaptive.low_watermark, min_scale=adaptive.min_scale,
                    recovery_per_s=adaptive.recovery_per_s,
-                   waiting_threshold=pool.signals.waiting_threshold,
-                   stale_after_s=adaptive.stale_after_s)
+                   waiting_threshold=pool.signals.waiting_threshold)
 
 
 def usable(signals: PoolSignals | None, params: ScaleParams, now: float) -> float | None:
-    """usable is the signals' KV usage ratio, or None when they cannot be trusted.
+    """usable is the signals' KV usage ratio at ``now``, or None when they cannot be trusted.
 
-    None (saturated) for: no signals, stale signals, signals older than
-    ``stale_after_s`` at ``now``, a missing or non-finite usage, or a usage outside [0, 1]
-    beyond rounding (backends are outside input). Waiting requests at or above the
-    threshold read as usage 1.0. A missing waiting count alone is not saturation: the
-    usage is the primary signal.
+    None (saturated) for: no signals, and signals past their ``trusted_until`` at ``now``;
+    otherwise what ``reading`` makes of their values.
     """
-    if signals is None or signals.stale:
+    if signals is None or now > signals.trusted_until():
         return None
-    at = signals.at
-    if not isinstance(at, (int, float)) or not math.isfinite(at) or now - at > params.stale_after_s:
-        return None
+    return reading(signals, params)
+
+
+def reading(signals: PoolSignals, params: ScaleParams) -> float | None:
+    """reading is the KV usage ratio the signals' values give, or None when they cannot be trusted.
+
+    None (saturated) for: a missing or non-finite usage, or a usage outside [0, 1] beyond
+    rounding (backends are outside input), or a waiting count that is not an integer
+    >= 0. Waiting requests at or above the threshold read as usage 1.0. A missing waiting
+    count alone is not saturation: the usage is the primary signal.
+    """
     u = signals.kv_usage
     if u is None or isinstance(u, bool) or not isinstance(u, (int, float)) or not math.isfinite(u):
         return None
@@ -71,30 +74,40 @@ def usable(signals: PoolSignals | None, params: ScaleParams, now: float) -> floa
     return min(1.0, max(0.0, float(u)))
 
 
-def target_scale(signals: PoolSignals | None, params: ScaleParams, now: float) -> float:
-    """target_scale is the scale the signals call for at ``now``, in [min_scale, 1].
+def scale_for(usage: float | None, params: ScaleParams) -> float:
+    """scale_for is the scale a usage ratio calls for, in [min_scale, 1] (None: min_scale).
 
     Usage at or above the high watermark gives min_scale; at or below the low watermark
-    1.0; linear in between. Untrusted signals (``usable``) give min_scale. A pool
-    without backends always gets 1.0.
+    1.0; linear in between.
+    """
+    if usage is None or usage >= params.high_watermark:
+        return params.min_scale
+    if usage <= params.low_watermark:
+        return 1.0
+    frac = (usage - params.low_watermark) / (params.high_watermark - params.low_watermark)
+    return 1.0 - frac * (1.0 - params.min_scale)
+
+
+def alarm_for(usage: float | None, params: ScaleParams) -> bool:
+    """alarm_for tells whether a usage ratio sheds: at or above the high watermark, or None."""
+    return usage is None or usage >= params.high_watermark
+
+
+def target_scale(signals: PoolSignals | None, params: ScaleParams, now: float) -> float:
+    """target_scale is the scale the signals call for at ``now``, in [min_scale, 1] (``scale_for``).
+
+    Untrusted signals (``usable``) give min_scale. A pool without backends always gets 1.0.
     """
     if not params.enabled:
         return 1.0
-    u = usable(signals, params, now)
-    if u is None or u >= params.high_watermark:
-        return params.min_scale
-    if u <= params.low_watermark:
-        return 1.0
-    frac = (u - params.low_watermark) / (params.high_watermark - params.low_watermark)
-    return 1.0 - frac * (1.0 - params.min_scale)
+    return scale_for(usable(signals, params, now), params)
 
 
 def in_alarm(signals: PoolSignals | None, params: ScaleParams, now: float) -> bool:
     """in_alarm tells whether the pool sheds: usage at or above the high watermark, or untrusted signals."""
     if not params.enabled:
         return False
-    u = usable(signals, params, now)
-    return u is None or u >= params.high_watermark
+    return alarm_for(usable(signals, params, now), params)
 
 
 def next_scale(prev: float, target: float, dt: float, recovery_per_s: float) -> float:
@@ -136,14 +149,9 @@ class ScaleTracker:
     def _derive(self) -> None:
         """_derive works out the target and alarm the signals give while fresh, and until when."""
         s, params = self.signals, self.params
-        at = None if s is None else s.at
-        if at is None or isinstance(at, bool) or not isinstance(at, (int, float)) or not math.isfinite(at):
-            self._fresh_until = -math.inf  # nothing usable: saturated from the start
-            self._target, self._alarm = params.min_scale, True
-            return
-        self._fresh_until = at + params.stale_after_s
-        self._target = target_scale(s, params, at)
-        self._alarm = in_alarm(s, params, at)
+        u = None if s is None else reading(s, params)
+        self._fresh_until = -math.inf if s is None else s.trusted_until()
+        self._target, self._alarm = scale_for(u, params), alarm_for(u, params)
 
     def at(self, now: float) -> float:
         """at is the scale at instant ``now`` (seconds); it also refreshes ``alarm``."""

@@ -85,6 +85,8 @@ def slot_refusal(inflight: int, by_class: Mapping[str, int], class_name: str, li
 
     ``inflight`` is the pool's slots in use, ``by_class`` the same per class, ``limit``
     the effective limit and ``guarantees`` the effective guarantees (see the module rule).
+    An idle guarantee is refused to the other classes (``RESERVED_SLOTS``), never lent:
+    a slot given to a running request cannot be taken back (the module docstring says why).
     """
     if inflight >= limit:
         return Budget.SLOTS

@@ -14,6 +14,10 @@ from extproc.admission.bucket import tpm_rate
 from extproc.admission.types import BucketSpec
 from extproc.config import ClassConfig, TenantsConfig
 
+# The bucket read of a tenant whose spec is not cached: a spec no tenant has, so that a
+# cache read is one lookup and its result keeps its type.
+NOT_CACHED = BucketSpec(key="", capacity=0.0, rate=0.0, base_capacity=0.0)
+
 
 class Tenants:
     """Tenants resolves class names and tenant buckets from one ``TenantsConfig``.
@@ -54,9 +58,9 @@ class Tenants:
         Specs of configured tenants are cached; other names are computed each time so
         that the cache stays bounded by the configuration.
         """
-        spec = self.buckets.get(tenant, False)
-        if spec is not False:
-            return spec  # type: ignore[return-value]
+        spec = self.buckets.get(tenant, NOT_CACHED)
+        if spec is not NOT_CACHED:
+            return spec
         tpm = self.tpm_of(tenant, class_name)
         spec = None if tpm is None else BucketSpec(key="tenant:" + tenant, capacity=float(tpm),
                                                    rate=tpm_rate(tpm), base_capacity=float(tpm))

@@ -9,6 +9,7 @@ None of these know about gRPC, HTTP, Prometheus or Redis.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -100,7 +101,11 @@ class PoolSignals:
     was read; ``waiting``: queued requests summed over nodes (None: unknown); ``stale``:
     True when the data is too old or no node answered (counts as saturated);
     ``kv_capacity_tokens``: summed KV capacity the nodes report (None: not reported);
-    ``at``: the clock instant (seconds) the signals describe.
+    ``at``: the clock instant (seconds) the signals describe; ``fresh_until``: the last
+    clock instant (seconds) at which they may be used, after which they count as stale.
+
+    Staleness is the signal layer's decision (``signals.aggregate``): the core applies
+    ``trusted_until`` and keeps no age limit of its own.
     """
 
     kv_usage: float | None
@@ -108,6 +113,17 @@ class PoolSignals:
     stale: bool
     kv_capacity_tokens: int | None
     at: float
+    fresh_until: float
+
+    def trusted_until(self) -> float:
+        """trusted_until is the last clock instant (s) at which the signals may be used:
+        ``fresh_until``, or -inf when they are stale already or ``fresh_until`` is no finite
+        number (never read as fresh forever)."""
+        until = self.fresh_until
+        if self.stale or isinstance(until, bool) or not isinstance(until, (int, float)) \
+                or not math.isfinite(until):
+            return -math.inf
+        return float(until)
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,10 +6,13 @@ steps: a waiter that does not fit on a budget every request needs (slots, KV tok
 pool's bucket) STOPs the walk, so no smaller request of the same or a lower priority
 jumps it; a waiter refused by its own tenant's bucket blocks only its own tenant; a
 waiter refused because the free slots are guaranteed to other classes, or by its class's
-KV watermark, blocks only its own class. A large request therefore waits only for capacity, never behind a stream of
-small ones. One exception: a waiter larger than the KV budget, its class's KV ceiling or
-the pool's bucket *at the current scale* (it fits only once the scale recovers) blocks nobody, since holding
-the others back would not bring the recovery sooner.
+KV watermark, blocks only its own class. A large request therefore waits only for
+capacity, never behind a stream of small ones. One exception: a waiter larger than the
+KV budget, its class's KV ceiling or the pool's bucket *at the current scale* (it fits
+only once the scale recovers) blocks nobody, since holding the others back would not
+bring the recovery sooner. ``Blocks`` keeps what the last walk stopped on (arrivals may
+not jump it) and says when to walk again; ``serve`` is the walk itself, written once for
+the in-process store and for a store that answers asynchronously.
 
 Waiters added or removed while a walk is under way (the walk may suspend on a shared
 store) take effect when it ends; a removed waiter is never yielded.
@@ -19,12 +22,18 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-from collections.abc import Generator
+import math
+from collections.abc import Callable, Generator, Iterator
 from enum import Enum
 from typing import Any
 
-from extproc.admission.types import Plan, Refusal
-from extproc.admission.types import Demand
+from extproc.admission.types import Budget, Demand, Grant, Plan, Refusal
+
+# Budgets every request of the pool needs: a waiter they refuse stops the walk.
+_STOPS = (Budget.SLOTS, Budget.KV, Budget.POOL_TPM, Budget.NODE_KV)
+# Budgets that do not fit above their size at the current scale: only the scale's recovery
+# lets such a waiter in, and holding others back would not bring that sooner.
+_SCALED = (Budget.KV, Budget.CLASS_KV, Budget.POOL_TPM)
 
 
 class Step(Enum):
@@ -39,8 +48,9 @@ class Step(Enum):
 class Waiter:
     """Waiter is one waiting request: its demand, order, deadline and the future it waits on.
 
-    ``since`` and ``deadline`` are clock instants (s): when it began and stops waiting; ``refusal``/``plan`` are the last refusal it got
-    and the plan it was made for (for the message when the wait ends without capacity).
+    ``since`` and ``deadline`` are clock instants (s): when it began and stops waiting;
+    ``refusal``/``plan`` are the last refusal it got and the plan it was made for (for the
+    message when the wait ends without capacity).
     """
 
     __slots__ = ("demand", "priority", "since", "deadline", "future", "refusal", "plan", "behind", "seq",
@@ -165,7 +175,7 @@ class WaitQueue:
         try:
             skip_tenants: set[str] = set()
             for prio in sorted(self._levels, reverse=True):
-                heads: dict[str, list[Any]] = {}
+                heads: dict[str, list[Any]] = {}  # class -> [its iterator, its head waiter]
                 for cname, fifo in self._levels[prio].items():
                     it = iter(fifo.values())
                     head = _next_queued(it)
@@ -203,8 +213,117 @@ class WaitQueue:
                     self._insert(w)
 
 
-def _next_queued(it: Any) -> Waiter | None:
+def _next_queued(it: Iterator[Waiter]) -> Waiter | None:
     for w in it:
         if w.queued:
             return w
     return None
+
+
+class Blocks:
+    """Blocks is what the last walk of a pool's queue stopped on: what arrivals may not jump.
+
+    ``stop``: (priority, refusal) of the waiter the walk stopped at (None: it did not
+    stop); ``tenants``: per tenant, the refusal of its first waiter by its own bucket;
+    ``classes``: per class, that of its first waiter by the class's KV watermark.
+    """
+
+    __slots__ = ("stop", "tenants", "classes")
+
+    def __init__(self) -> None:
+        self.stop: tuple[int, Refusal] | None = None
+        self.tenants: dict[str, Refusal] = {}
+        self.classes: dict[str, Refusal] = {}
+
+    def reset(self) -> None:
+        """reset forgets the last walk (a new one begins)."""
+        self.stop = None
+        self.tenants.clear()
+        self.classes.clear()
+
+    def note(self, w: Waiter, refusal: Refusal) -> Step:
+        """note records what waiter ``w``'s refusal blocks (see the module docstring) and is the
+        walk's next step."""
+        b = refusal.budget
+        if b in _SCALED and refusal.needed > refusal.limit:
+            return Step.NEXT  # above the budget's scaled size: see _SCALED
+        if b in _STOPS:
+            if self.stop is None or w.priority > self.stop[0]:
+                self.stop = (w.priority, refusal)
+            return Step.STOP
+        if b is Budget.RESERVED_SLOTS:
+            return Step.SKIP_CLASS
+        if b is Budget.CLASS_KV:
+            # Only its own class is held to this watermark: later requests of the class
+            # may not jump it (a large document is not starved by small ones), others may.
+            self.classes.setdefault(w.demand.class_name, refusal)
+            return Step.SKIP_CLASS
+        self.tenants.setdefault(w.demand.tenant, refusal)
+        return Step.SKIP_TENANT
+
+    def may_jump(self, demand: Demand, priority: int, top: int | None) -> bool:
+        """may_jump tells whether an arrival of ``priority`` goes ahead of the queue without a look
+        at the last walk: nobody waits (``top`` None), or every waiter has a lower priority and
+        none of them blocks the arrival's tenant or class."""
+        return top is None or (top < priority and demand.tenant not in self.tenants
+                               and demand.class_name not in self.classes)
+
+    def blocker(self, demand: Demand, priority: int) -> Refusal | None:
+        """blocker is the refusal of the waiter that an arrival of ``priority`` may not jump, or None.
+
+        Waiters of a higher or the same priority that stopped the walk, earlier waiters of
+        the same tenant stopped by its bucket, and earlier waiters of the same class stopped
+        by its KV watermark, go first.
+        """
+        stop = self.stop
+        if stop is not None and priority <= stop[0]:
+            return stop[1]
+        refusal = self.tenants.get(demand.tenant)
+        return refusal if refusal is not None else self.classes.get(demand.class_name)
+
+    def next_wake(self, queue: WaitQueue, now: float, poll_s: float | None) -> float:
+        """next_wake is the instant (s) the queue must be walked again: its first deadline, the
+        refill its walk stopped on, a blocked tenant's refill, or ``now + poll_s`` when others
+        may free capacity unseen (``poll_s`` None: only this process frees it); inf: never."""
+        first = queue.next_deadline()
+        wake = math.inf if first is None else first
+        stop = self.stop
+        if stop is not None and stop[1].budget is Budget.POOL_TPM:
+            wake = min(wake, now + stop[1].retry_after_s)
+        elif poll_s is not None:
+            wake = min(wake, now + poll_s)
+        for r in self.tenants.values():
+            wake = min(wake, now + r.retry_after_s)
+        return wake
+
+
+# What a walk is sent for each waiter it yields: the store's answer, None when the store
+# could not answer (a shared store failing closed).
+Answer = Grant | Refusal | None
+
+
+def serve(queue: WaitQueue, prepare: Callable[[Waiter], Plan | Step],
+          served: Callable[[Waiter, Plan, Grant | Refusal], Step]) -> Generator[tuple[Waiter, Plan], Answer, None]:
+    """serve is one walk of ``queue``, for whatever answers for the store: it yields (waiter,
+    plan) for each waiter to try and is sent the store's ``Answer``.
+
+    ``prepare`` gives a waiter's plan, or the walk's next step when it needs no try (it left,
+    or was shed); ``served`` acts on the store's answer and gives the next step. A store
+    that cannot answer (None) stops the walk: the waiters keep waiting, bounded by their
+    deadlines, and the next walk tries again. Whoever drives the walk closes it.
+    """
+    walk = queue.walk()
+    try:
+        w = next(walk)
+        while True:
+            plan = prepare(w)
+            if isinstance(plan, Step):
+                step = plan
+            else:
+                answer = yield w, plan
+                step = Step.STOP if answer is None else served(w, plan, answer)
+            w = walk.send(step)
+    except StopIteration:
+        return
+    finally:
+        walk.close()

@@ -10,9 +10,13 @@ it was configured, if it never gave one):
 - pending (never sampled, configured less than ``stale_after_s`` ago): not counted yet.
 
 A pool with no fresh node is stale: ``PoolSignals(stale=True, kv_usage=None)``, which
-the admission core runs at min_scale. Usage combines over nodes by ``max`` (the fullest
-node decides) or ``mean``; queues and capacities are summed over fresh nodes (None when
-no fresh node reports them).
+the admission core runs at min_scale. Signals of a pool with a fresh node may be used
+until ``at + stale_after_s`` (``fresh_until``): if no newer signals arrive by then (the
+scraper stopped), the core counts them as stale. This module is the one place that
+decides staleness; the core only compares its clock with ``fresh_until``.
+
+Usage combines over nodes by ``max`` (the fullest node decides) or ``mean``; queues and
+capacities are summed over fresh nodes (None when no fresh node reports them).
 
 Choice for unreadable values (NaN or negative usage, missing metrics): such a scrape
 is a failed scrape, like a refused connection. The node keeps its last usable sample
@@ -21,6 +25,7 @@ until it is ``stale_after_s`` old and then counts as saturated; it is never read
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -53,7 +58,10 @@ class NodeReading:
 
 def aggregate(readings: Iterable[NodeReading], signals: SignalsConfig, stale_after_s: float,
               at: float) -> PoolSignals:
-    """aggregate combines a pool's node readings into ``PoolSignals`` as of instant ``at``."""
+    """aggregate combines a pool's node readings into ``PoolSignals`` as of instant ``at`` (s).
+
+    ``stale_after_s``: seconds after which a node's sample, and the pool's signals, are stale.
+    """
     usages: list[float] = []
     waiting: int | None = None
     capacity: int | None = None
@@ -71,6 +79,8 @@ def aggregate(readings: Iterable[NodeReading], signals: SignalsConfig, stale_aft
         elif r.stale(stale_after_s):
             usages.append(SATURATED)
     if fresh == 0:
-        return PoolSignals(kv_usage=None, waiting=None, stale=True, kv_capacity_tokens=None, at=at)
+        return PoolSignals(kv_usage=None, waiting=None, stale=True, kv_capacity_tokens=None, at=at,
+                           fresh_until=-math.inf)
     usage = max(usages) if signals.aggregate == "max" else sum(usages) / len(usages)
-    return PoolSignals(kv_usage=usage, waiting=waiting, stale=False, kv_capacity_tokens=capacity, at=at)
+    return PoolSignals(kv_usage=usage, waiting=waiting, stale=False, kv_capacity_tokens=capacity, at=at,
+                       fresh_until=at + stale_after_s)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -9,14 +11,17 @@ from hypothesis import strategies as st
 from extproc.admission.adaptive import (ScaleParams, ScaleTracker, in_alarm, next_scale,
                                         target_scale)
 from extproc.admission.types import PoolSignals
+from tests.unit.admission.helpers import STALE_AFTER_S
 
-P = ScaleParams(enabled=True)  # high 0.85, low 0.70, min 0.6, +0.1/s, waiting 8, stale 3 s
+P = ScaleParams(enabled=True)  # high 0.85, low 0.70, min 0.6, +0.1/s, waiting 8
+# Signals read at ``at`` may be used until at + 3 s (the signal layer's default).
 T0 = 50.0
 
 
 def sig(usage: float | None, waiting: int | None = 0, stale: bool = False, at: float = T0,
         capacity: int | None = None) -> PoolSignals:
-    return PoolSignals(kv_usage=usage, waiting=waiting, stale=stale, kv_capacity_tokens=capacity, at=at)
+    return PoolSignals(kv_usage=usage, waiting=waiting, stale=stale, kv_capacity_tokens=capacity, at=at,
+                       fresh_until=at + STALE_AFTER_S)
 
 
 @pytest.mark.parametrize("usage, scale", [
@@ -41,6 +46,34 @@ def test_target_is_linear_between_the_watermarks(usage, scale):
 def test_untrusted_signals_count_as_saturated(signals):
     assert target_scale(signals, P, T0) == P.min_scale
     assert in_alarm(signals, P, T0)
+
+
+@pytest.mark.parametrize("fresh_until, trusted", [
+    (T0 + 10.0, T0 + 10.0), (T0 + 0.5, T0 + 0.5),
+    (float("nan"), -math.inf), (float("inf"), -math.inf), (True, -math.inf), ("soon", -math.inf),
+])
+def test_signals_are_trusted_until_the_instant_the_signal_layer_gave(fresh_until, trusted):
+    s = PoolSignals(kv_usage=0.1, waiting=0, stale=False, kv_capacity_tokens=None, at=T0,
+                    fresh_until=fresh_until)
+    assert s.trusted_until() == trusted
+    stale = PoolSignals(kv_usage=0.1, waiting=0, stale=True, kv_capacity_tokens=None, at=T0,
+                        fresh_until=T0 + 10.0)
+    assert stale.trusted_until() == -math.inf
+
+
+def test_the_core_ages_signals_by_fresh_until_alone():
+    # The core keeps no age limit of its own: signals the signal layer lets it use for 10 s
+    # are fresh 5 s on, and those it lets it use for 1 s are stale 2 s on.
+    long_lived = PoolSignals(0.1, 0, False, None, T0, T0 + 10.0)
+    assert target_scale(long_lived, P, T0 + 5.0) == 1.0 and not in_alarm(long_lived, P, T0 + 5.0)
+    short_lived = PoolSignals(0.1, 0, False, None, T0, T0 + 1.0)
+    assert target_scale(short_lived, P, T0 + 2.0) == P.min_scale and in_alarm(short_lived, P, T0 + 2.0)
+    t = ScaleTracker(P, T0)
+    t.update(long_lived, T0)
+    assert t.at(T0 + 5.0) == 1.0 and not t.alarm
+    assert t.at(T0 + 10.01) == P.min_scale and t.alarm
+    t.update(short_lived, T0 + 10.01)
+    assert t.at(T0 + 10.01) == P.min_scale and t.alarm  # already past its fresh_until
 
 
 def test_waiting_at_the_threshold_counts_as_high_usage():

@@ -14,7 +14,7 @@ from extproc.admission import Admission, Demand, Lease, Outcome, PoolSignals
 from extproc.admission.store.base import Store
 from extproc.admission.store.memory import MemoryStore
 from extproc.clock import ManualClock
-from tests.unit.admission.helpers import YieldingStore, config, quiet, tenants
+from tests.unit.admission.helpers import STALE_AFTER_S, YieldingStore, config, quiet, tenants
 
 CLASSES = {
     "standard": {"max_wait_s": 5},
@@ -36,7 +36,7 @@ async def test_thousands_of_tasks_end_with_nothing_held(clock: ManualClock, stor
                        "backends": BACKENDS},
                  tenants=tenants(CLASSES, TENANTS))
     adm = Admission(cfg, clock, store)
-    adm.update_signals("default", PoolSignals(0.1, 0, False, None, clock.now()))
+    adm.update_signals("default", PoolSignals(0.1, 0, False, None, clock.now(), clock.now() + STALE_AFTER_S))
     held: set[Lease] = set()
     in_acquire: list[asyncio.Task[None]] = []
     outcomes = list(Outcome)
@@ -78,7 +78,9 @@ async def test_thousands_of_tasks_end_with_nothing_held(clock: ManualClock, stor
         if rng.random() < 0.2:
             clock.advance(rng.uniform(0.0, 1.5))
             usage = rng.choice([0.1, 0.5, 0.8, 0.9])
-            adm.update_signals("default", PoolSignals(usage, rng.randint(0, 10), False, None, clock.now()))
+            now = clock.now()
+            adm.update_signals("default", PoolSignals(usage, rng.randint(0, 10), False, None, now,
+                                                      now + STALE_AFTER_S))
             adm.poll()
         for _ in range(rng.randint(1, 4)):
             await asyncio.sleep(0)

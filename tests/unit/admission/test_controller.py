@@ -8,13 +8,14 @@ from extproc.admission import (Admission, Demand, InvalidDemandError, Lease, Out
                                Reason, Rejection, UnknownPoolError)
 from extproc.admission.store.base import Store
 from extproc.clock import ManualClock
-from tests.unit.admission.helpers import T0, YieldingStore, config, tenants
+from tests.unit.admission.helpers import STALE_AFTER_S, T0, YieldingStore, config, tenants
 
 BACKENDS = [{"name": "n1", "metrics_url": "http://127.0.0.1:9/metrics"}]
 
 
 def sig(usage: float, at: float, waiting: int = 0, capacity: int | None = None) -> PoolSignals:
-    return PoolSignals(kv_usage=usage, waiting=waiting, stale=False, kv_capacity_tokens=capacity, at=at)
+    return PoolSignals(kv_usage=usage, waiting=waiting, stale=False, kv_capacity_tokens=capacity, at=at,
+                       fresh_until=at + STALE_AFTER_S)
 
 
 def demand(prompt: int = 100, completion: int = 100, tenant: str = "t", class_name: str = "standard",

@@ -21,6 +21,7 @@ from extproc.admission.types import POOL_BUCKET
 from extproc.admission.store.memory import MemoryStore
 from extproc.clock import ManualClock
 from extproc.config import Config, parse_config
+from tests.unit.admission.helpers import STALE_AFTER_S
 
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 OUTCOMES = list(Outcome)
@@ -109,7 +110,8 @@ def test_invariants_hold_through_any_sequence(cfg: Config, script: list[tuple]) 
         elif kind == "advance":
             clock.advance(op[1])
         elif kind == "signals":
-            adm.update_signals("default", PoolSignals(op[1], op[2], op[3], None, clock.now()))
+            now = clock.now()
+            adm.update_signals("default", PoolSignals(op[1], op[2], op[3], None, now, now + STALE_AFTER_S))
         check_buckets(store, clock.now())
     for lease in leases:
         assert lease.release(Outcome.CLIENT_DISCONNECT, None)

@@ -14,7 +14,7 @@ import pytest
 from extproc.admission import Admission, Demand, Lease, Outcome, PoolSignals, Reason, Rejection
 from extproc.admission.store.base import Store
 from extproc.clock import ManualClock
-from tests.unit.admission.helpers import YieldingStore, config, quiet, tenants, until
+from tests.unit.admission.helpers import STALE_AFTER_S, YieldingStore, config, quiet, tenants, until
 
 CLASSES = {
     "standard": {"max_wait_s": 30},
@@ -108,7 +108,7 @@ async def test_a_waiter_that_fits_only_after_recovery_blocks_nobody(clock: Manua
     await until(waiting(adm, 1))
     assert isinstance(await adm.acquire(demand(100, class_name="quick")), Lease)
     for _ in range(5):  # the signals come and the scale recovers
-        adm.update_signals("default", PoolSignals(0.1, 0, False, None, clock.now()))
+        adm.update_signals("default", PoolSignals(0.1, 0, False, None, clock.now(), clock.now() + STALE_AFTER_S))
         await tick(adm, clock, 1.0)
     await until(large.done)
     assert isinstance(large.result(), Lease)
@@ -198,14 +198,14 @@ async def test_alarm_sheds_waiting_sheddable_requests(clock: ManualClock, store:
     adm = Admission(config(pool={"max_concurrency": 10, "backends": BACKENDS}, tenants=tenants(CLASSES)),
                     clock, store)
     for _ in range(5):
-        adm.update_signals("default", PoolSignals(0.1, 0, False, None, clock.now()))
+        adm.update_signals("default", PoolSignals(0.1, 0, False, None, clock.now(), clock.now() + STALE_AFTER_S))
         clock.advance(1)
     held = [await adm.acquire(demand()) for _ in range(10)]
     assert all(isinstance(x, Lease) for x in held)
     batch = asyncio.create_task(adm.acquire(demand(class_name="batch")))
     std = asyncio.create_task(adm.acquire(demand()))
     await until(waiting(adm, 2))
-    adm.update_signals("default", PoolSignals(0.95, 0, False, None, clock.now()))
+    adm.update_signals("default", PoolSignals(0.95, 0, False, None, clock.now(), clock.now() + STALE_AFTER_S))
     await until(batch.done)
     assert batch.result().reason is Reason.SHED
     assert not std.done()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -47,6 +49,9 @@ def test_aggregate_table(readings, cfg, usage, waiting, stale, capacity):
     s = aggregate(readings, cfg, STALE_AFTER, at=42.0)
     assert s.at == 42.0
     assert s.stale is stale
+    # the signal layer decides for how long the core may use them: stale_after_s from now,
+    # never for stale ones
+    assert s.trusted_until() == (-math.inf if stale else 42.0 + STALE_AFTER)
     assert (s.kv_usage is None) is (usage is None)
     if usage is not None:
         assert s.kv_usage == pytest.approx(usage)

@@ -1,0 +1,127 @@
+"""lease: ``Lease``, an admitted request's hold on its pool's budgets, given back once.
+
+A lease reports to the ``Admission`` that granted it (``LeaseOwner``): its admission, the
+tokens its request generates, the node that served it, and its release.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from extproc.admission.nodes import Charge
+from extproc.admission.types import Demand, Grant, Outcome, RateInfo
+
+
+class LeaseOwner(Protocol):
+    """LeaseOwner is what a lease reports to: the controller that granted it."""
+
+    def _admitted(self, lease: Lease) -> float: ...
+
+    def _progress(self, pool: str, charge: Charge, generated: int, grant: Grant) -> None: ...
+
+    def _move(self, pool: str, charge: Charge, address: str) -> bool: ...
+
+    def _settle(self, grant: Grant, charged: int, completion: int | None = None,
+                completed: bool = False, lease: Lease | None = None) -> None: ...
+
+
+class Lease:
+    """Lease is an admitted request's hold on its pool's budgets, until ``release``.
+
+    ``demand`` is what was asked; ``id`` is the store's grant id; ``released`` tells
+    whether it was released; ``outcome`` is how it ended (None while held).
+    """
+
+    __slots__ = ("_adm", "_grant", "demand", "released", "outcome", "_max_completion", "_charge",
+                 "admitted_at")
+
+    def __init__(self, adm: LeaseOwner, grant: Grant, demand: Demand, max_completion: int) -> None:
+        self._adm = adm
+        self._grant = grant
+        self.demand = demand
+        self.released = False
+        self.outcome: Outcome | None = None
+        # n choices (or a batch of prompts) reserve and generate up to n x max_tokens,
+        # which can exceed one context window.
+        self._max_completion = max(max_completion, demand.completion_tokens)
+        self._charge: Charge | None = grant.node
+        self.admitted_at = adm._admitted(self)
+
+    @property
+    def node(self) -> str | None:
+        """node is the address (``HOST:PORT``) of the node picked for the request (None: not picked)."""
+        return None if self._charge is None else self._charge.address
+
+    def progress(self, generated_tokens: int) -> None:
+        """progress tells a picked node's ledger how many tokens the request has generated so far."""
+        c = self._charge
+        if c is not None and not self.released:
+            self._adm._progress(self.demand.pool, c, generated_tokens, self._grant)
+
+    def served(self, address: str) -> bool:
+        """served moves the request's node charge to ``address`` (``HOST:PORT``), the endpoint
+        the proxy says served it, when that is another node of the pool than the one picked.
+        False when nothing moved: not picked, released, the same node, or an address that is
+        no node of the pool (the charge then stays on the node picked). With a store that
+        shares the nodes' ledger the charge stays on the node picked (see ``_move``): True
+        for an address that is a node of the pool."""
+        c = self._charge
+        if c is None or self.released:
+            return False
+        return self._adm._move(self.demand.pool, c, address)
+
+    @property
+    def id(self) -> str:
+        """id is the grant's id in the store."""
+        return self._grant.id
+
+    @property
+    def rate(self) -> RateInfo:
+        """rate is what the ``x-ratelimit-*`` headers report, as of the admission.
+
+        Tokens describe the binding bucket (the tenant's or the pool's, whichever had
+        fewer tokens left); None without buckets.
+        """
+        g = self._grant
+        limit = g.plan.limits.limit
+        if g.bucket_capacity is None:
+            return RateInfo(limit_requests=limit, remaining_requests=max(0, limit - g.inflight))
+        cap = g.bucket_capacity
+        left = g.bucket_tokens or 0.0
+        return RateInfo(limit_requests=limit, remaining_requests=max(0, limit - g.inflight),
+                        limit_tokens=int(cap), remaining_tokens=max(0, int(left)),
+                        reset_tokens_s=max(0.0, (cap - left) / g.bucket_rate) if g.bucket_rate else 0.0)
+
+    def release(self, outcome: Outcome, completion_tokens: int | None = None) -> bool:
+        """release gives the lease back once; True only for the call that released it.
+
+        ``completion_tokens`` is the completion the upstream reported; the buckets end up
+        charged prompt + that. None (unknown), or anything that is not an integer >= 0,
+        charges the whole reservation, never zero. A count above the larger of the pool's
+        context window and the reservation is capped there (a backend's report is outside
+        input).
+        """
+        if self.released:
+            return False
+        self.released = True
+        self.outcome = outcome
+        d = self.demand
+        known: int | None = None
+        if type(completion_tokens) is int and completion_tokens >= 0:
+            known = completion_tokens if completion_tokens < self._max_completion else self._max_completion
+            charged = d.prompt_tokens + known
+        else:
+            charged = d.prompt_tokens + d.completion_tokens
+        self._adm._settle(self._grant, charged, known if outcome is Outcome.COMPLETED else None,
+                          outcome is Outcome.COMPLETED, self)
+        return True
+
+    def abandon(self) -> None:
+        """abandon takes back a lease its requester never received: nothing ran, nothing is charged."""
+        if not self.released:
+            self.released = True
+            self.outcome = Outcome.CLIENT_DISCONNECT
+            self._adm._settle(self._grant, 0, None, False, self)
+
+    def __repr__(self) -> str:
+        return f"Lease({self.id}, {self.demand.pool}/{self.demand.tenant}, released={self.released})"

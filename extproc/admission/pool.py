@@ -1,0 +1,88 @@
+"""pool: ``PoolRuntime``, one pool's state inside the controller.
+
+Its configuration, adaptive tracker and limits at the current scale; its wait queue and
+what the last walk of it stopped on; the leases it holds and how long completed ones held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+from extproc.admission.adaptive import ScaleParams, ScaleTracker
+from extproc.admission.kvbudget import base_kv_budget, effective_kv_budget, kv_ceilings
+from extproc.admission.lease import Lease
+from extproc.admission.nodes import PoolNodes
+from extproc.admission.retry import HoldTimes
+from extproc.admission.slots import effective_guarantees, effective_limit
+from extproc.admission.types import POOL_BUCKET, BucketSpec, PoolLimits
+from extproc.admission.waitqueue import Blocks, WaitQueue
+from extproc.config import PoolConfig
+
+
+class PoolRuntime:
+    """PoolRuntime is one pool's runtime: its config, adaptive tracker, cached limits and wait queue.
+
+    ``retry_estimate_s`` is the retry hint (s) for budgets that come back on release;
+    ``guaranteed`` and ``kv_watermarks`` are the classes' guaranteed slots and KV
+    watermarks (ratios); ``timer_at`` is the clock instant (s) the queue's timer fires.
+    """
+
+    __slots__ = ("name", "config", "tracker", "kv_capacity", "limits", "queue", "loop", "timer",
+                 "timer_at", "blocks", "draining", "drain_again", "drain_task", "retry_estimate_s",
+                 "guaranteed", "kv_watermarks", "adaptive", "nodes", "live", "holds")
+
+    def __init__(self, config: PoolConfig, params: ScaleParams, retry_estimate_s: float,
+                 guaranteed: dict[str, int], kv_watermarks: dict[str, float], now: float) -> None:
+        self.name = config.name
+        self.config = config
+        self.tracker = ScaleTracker(params, now)
+        self.adaptive = params.enabled  # False: scale 1.0 forever, limits cached until invalidated
+        self.kv_capacity: int | None = None
+        self.limits: PoolLimits | None = None
+        self.queue = WaitQueue()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.timer_at = math.inf
+        self.blocks = Blocks()
+        self.draining = False
+        self.drain_again = False
+        self.drain_task: asyncio.Task[None] | None = None
+        self.retry_estimate_s = retry_estimate_s
+        self.guaranteed = guaranteed
+        self.kv_watermarks = kv_watermarks
+        # Per-node ledgers when the pool picks nodes; its KV is then guarded per node, not
+        # by a pool-wide budget.
+        self.nodes: PoolNodes | None = None
+        # Leases held now, and how long completed ones held: when slots and KV come back.
+        self.live: dict[Lease, None] = {}
+        self.holds = HoldTimes()
+
+    def limits_at(self, now: float) -> PoolLimits:
+        """limits_at is the pool's limits at ``now``'s scale (cached while the scale holds)."""
+        scale = self.tracker.at(now)
+        lim = self.limits
+        if lim is not None and lim.scale == scale:
+            return lim
+        cfg = self.config
+        limit = effective_limit(cfg.max_concurrency, scale)
+        base_kv = None if self.nodes is not None else \
+            base_kv_budget(cfg.kv_budget_tokens, self.kv_capacity, cfg.signals.kv_budget_fraction)
+        bucket = None
+        if cfg.tpm is not None:
+            cap = cfg.tpm * scale
+            bucket = BucketSpec(key=POOL_BUCKET, capacity=cap, rate=cap / 60.0, base_capacity=float(cfg.tpm))
+        kv = effective_kv_budget(base_kv, scale)
+        lim = self.limits = PoolLimits(
+            pool=self.name, scale=scale, limit=limit, base_limit=cfg.max_concurrency,
+            guarantees=effective_guarantees(self.guaranteed, scale, limit),
+            kv_budget=kv, base_kv_budget=base_kv,
+            kv_ceilings=kv_ceilings(self.kv_watermarks, kv, base_kv) if self.kv_watermarks else {},
+            bucket=bucket, retry_estimate_s=self.retry_estimate_s)
+        return lim
+
+    def cancel_timer(self) -> None:
+        """cancel_timer stops the queue's timer, if one is armed."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer, self.timer_at = None, math.inf
