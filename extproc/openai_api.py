@@ -1,7 +1,8 @@
 """openai_api: what kvgate understands of the OpenAI HTTP API.
 
 Request side: which paths are admitted, parsing and validating a body into a
-``ParsedRequest`` (every bad input is a ``RequestError`` with OpenAI's error shape),
+``ParsedRequest`` (every bad input is a ``RequestError`` with OpenAI's error shape; the
+prompt-bearing fields are validated into ``openai_shapes``' shapes),
 prompt tokens, the completion reservation, the context-window check, and asking the
 upstream for stream usage. Response side: ``ResponseTracker`` reads usage from the final
 JSON or the SSE usage chunk and hides that chunk when kvgate asked for it. Answers: the
@@ -24,17 +25,17 @@ import orjson
 from extproc.admission.kvbudget import reserved_completion
 from extproc.admission.types import RateInfo, Reason, Rejection
 from extproc.errors import RequestError
-from extproc.tokens import (
+from extproc.openai_shapes import (
     ChatShape,
     ChatTemplate,
     PromptShape,
-    Tokenizer,
     chat_shape,
     count_prompt_shape,
     count_shape,
     prompt_shape,
-    utf8_upper_bound,
+    responses_shape,
 )
+from extproc.tokens import Tokenizer, utf8_upper_bound
 
 MAX_TOKENS_LIMIT = 10_000_000
 """MAX_TOKENS_LIMIT is the largest max_tokens accepted (tokens): anything above is absurd."""
@@ -284,52 +285,21 @@ def parse_request(endpoint: Endpoint, body: bytes, content_type: str | None) -> 
                          suffix=suffix or None)
 
 
-# Keys of Responses API input items whose strings are labels, not text the model reads.
-_RESPONSES_LABELS = frozenset({"type", "role", "id", "status", "call_id", "detail", "format"})
-
-
 def _parse_responses(obj: dict[str, Any], model: str | None) -> ParsedRequest:
     """_parse_responses validates a Responses API body (``input``, ``instructions``,
-    ``max_output_tokens``, ``stream``). The prompt counted is every text string of
-    ``input`` and ``instructions`` (messages, content parts, tool outputs), labels left
-    out: a bound that errs on the high side of the model's chat template."""
+    ``max_output_tokens``, ``stream``); the prompt is ``responses_shape``'s."""
     if "input" not in obj:
         raise _bad("Missing required parameter: 'input'.", "input", code="missing_required_parameter")
-    texts: list[str] = []
     instructions = obj.get("instructions")
-    if instructions is not None:
-        if not isinstance(instructions, str):
-            raise _bad("Invalid type for 'instructions': expected a string, but got "
-                       f"{_json_type(instructions)}.", "instructions")
-        texts.append(instructions)
-    items = obj["input"]
-    if isinstance(items, str):
-        texts.append(items)
-    elif isinstance(items, list) and items:
-        _strings(items, texts)
-    else:
-        raise _bad("Invalid type for 'input': expected a string or a non-empty array of items.",
-                   "input")
+    if instructions is not None and not isinstance(instructions, str):
+        raise _bad("Invalid type for 'instructions': expected a string, but got "
+                   f"{_json_type(instructions)}.", "instructions")
+    shape = responses_shape(obj["input"], instructions)
     max_tokens = _opt_int(obj, "max_output_tokens", minimum=1, maximum=MAX_TOKENS_LIMIT)
     stream = _opt_bool(obj, "stream")
-    shape = PromptShape(["\n".join(texts)], [], 1)
     return ParsedRequest(endpoint=Endpoint.RESPONSES, model=model, stream=stream,
                          client_wants_usage=stream, max_tokens=max_tokens, n=1, body=obj,
                          prompt=shape)
-
-
-def _strings(node: Any, out: list[str]) -> None:
-    """_strings appends the text strings under ``node`` to ``out`` (depth is bounded by
-    the JSON parser's own limit)."""
-    if isinstance(node, str):
-        out.append(node)
-    elif isinstance(node, list):
-        for x in node:
-            _strings(x, out)
-    elif isinstance(node, dict):
-        for key, x in node.items():
-            if key not in _RESPONSES_LABELS:
-                _strings(x, out)
 
 
 def count_prompt_tokens(req: ParsedRequest, tokenizer: Tokenizer, template: ChatTemplate) -> int:

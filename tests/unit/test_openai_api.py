@@ -30,7 +30,8 @@ from extproc.openai_api import (
     request_error_response,
     request_reservation,
 )
-from extproc.tokens import TEMPLATES, count_chat, load_tokenizer
+from extproc.openai_shapes import TEMPLATES, count_chat
+from extproc.tokens import load_tokenizer
 
 JSON = "application/json"
 TOK = load_tokenizer("cl100k_base")
