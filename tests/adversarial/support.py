@@ -24,7 +24,7 @@ from extproc.clock import ManualClock
 from extproc.config import parse_config
 from extproc.metrics import Metrics
 from extproc.server import Server
-from tests.support.procs import LOOPBACK
+from kvgate_testkit.procs import LOOPBACK
 
 T = TypeVar("T")
 

@@ -23,8 +23,8 @@ import pytest
 
 from extproc.server import CAUSE_WAIT_S, SWEEP_EVERY_S
 from tests.adversarial.h2c import H2Connection
-from tests.e2e.stack import Stack, metadata_route
-from tests.support.procs import LOOPBACK, ROOT, VENV_BIN, wait_until
+from kvgate_testkit.stack import Stack, metadata_route
+from kvgate_testkit.procs import LOOPBACK, ROOT, VENV_BIN, wait_until
 
 pytestmark = pytest.mark.e2e
 

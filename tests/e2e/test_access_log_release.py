@@ -18,9 +18,9 @@ import pytest
 from tests.e2e.options import (MESSAGES, bucket_drop, disconnect_released, hold_streams,  # noqa: F401
                                let_go, module_stack, no_leak, refused_for_concurrency,
                                upstream_error_released, wait_released)
-from tests.e2e.stack import Stack, metadata_route, released
-from tests.e2e.stack import openai_client as client
-from tests.support.procs import LOOPBACK, ROOT, wait_until
+from kvgate_testkit.stack import Stack, metadata_route, released
+from kvgate_testkit.stack import openai_client as client
+from kvgate_testkit.procs import LOOPBACK, ROOT, wait_until
 
 pytestmark = pytest.mark.e2e
 

@@ -20,7 +20,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.procs import LOOPBACK, VENV_BIN, Proc, free_port, wait_until
+from kvgate_testkit.procs import LOOPBACK, VENV_BIN, Proc, free_port, wait_until
 
 pytestmark = pytest.mark.e2e
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.procs import ROOT
+from kvgate_testkit.procs import ROOT
 
 pytestmark = pytest.mark.e2e
 

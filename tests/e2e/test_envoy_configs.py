@@ -17,8 +17,8 @@ from typing import Any
 import orjson
 import pytest
 
-from tests.e2e.stack import Stack
-from tests.support.procs import LOOPBACK
+from kvgate_testkit.stack import Stack
+from kvgate_testkit.procs import LOOPBACK
 
 pytestmark = pytest.mark.e2e
 

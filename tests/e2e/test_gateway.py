@@ -19,8 +19,8 @@ import orjson
 import pytest
 from openai import OpenAI
 
-from tests.e2e.stack import Stack, metadata_route
-from tests.support.procs import LOOPBACK, ROOT, VENV_BIN, wait_until
+from kvgate_testkit.stack import Stack, metadata_route
+from kvgate_testkit.procs import LOOPBACK, ROOT, VENV_BIN, wait_until
 
 pytestmark = pytest.mark.e2e
 

@@ -23,8 +23,8 @@ import orjson
 import pytest
 import yaml
 
-from tests.e2e.stack import Stack
-from tests.support.procs import LOOPBACK, ROOT, VENV_BIN, wait_until
+from kvgate_testkit.stack import Stack
+from kvgate_testkit.procs import LOOPBACK, ROOT, VENV_BIN, wait_until
 
 pytestmark = pytest.mark.e2e
 

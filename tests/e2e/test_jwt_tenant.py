@@ -22,8 +22,8 @@ import orjson
 import pytest
 import yaml
 
-from tests.e2e.stack import Stack
-from tests.support.procs import LOOPBACK, ROOT, VENV_BIN
+from kvgate_testkit.stack import Stack
+from kvgate_testkit.procs import LOOPBACK, ROOT, VENV_BIN
 
 pytestmark = pytest.mark.e2e
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.nodes_stack import MODEL, NodesStack
-from tests.support.procs import wait_until
+from kvgate_testkit.nodes_stack import MODEL, NodesStack
+from kvgate_testkit.procs import wait_until
 
 pytestmark = pytest.mark.e2e
 

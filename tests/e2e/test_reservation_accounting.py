@@ -17,9 +17,9 @@ from tests.e2e.options import (MESSAGES, bucket_drop, client_usage_arrives,  # n
                                disconnect_released, hold_streams, let_go, module_stack, no_leak,
                                refused_for_concurrency, stream_passes_untouched,
                                upstream_error_released)
-from tests.e2e.stack import Stack, released
-from tests.e2e.stack import openai_client as client
-from tests.support.procs import ROOT, wait_until
+from kvgate_testkit.stack import Stack, released
+from kvgate_testkit.stack import openai_client as client
+from kvgate_testkit.procs import ROOT, wait_until
 
 pytestmark = pytest.mark.e2e
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from bench.bench_protection import CHAT_OVERHEAD, POLICIES, TINY, build_requests
-from tests.support.procs import ROOT
+from kvgate_testkit.procs import ROOT
 
 pytestmark = pytest.mark.e2e
 

@@ -22,7 +22,7 @@ from extproc.admission.types import PoolSignals
 from extproc.clock import ManualClock, MonotonicClock
 from extproc.config import Config, parse_config
 from extproc.signals import ScrapeError, Scraper
-from tests.support.procs import LOOPBACK, free_port, wait_until
+from kvgate_testkit.procs import LOOPBACK, free_port, wait_until
 
 SAMPLES = Path(__file__).resolve().parents[1] / "unit" / "signals" / "samples"
 TIMEOUT_S = 0.2  # for the faults about time

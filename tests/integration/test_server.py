@@ -35,7 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from extproc.config import parse_config
 from extproc.metrics import Metrics
 from extproc.server import Server
-from tests.support.procs import LOOPBACK, ROOT, Proc, free_port, wait_until
+from kvgate_testkit.procs import LOOPBACK, ROOT, Proc, free_port, wait_until
 
 CONFIG: dict[str, Any] = {
     "pools": {"default": {"max_concurrency": 2, "tpm": 1_000_000, "context_window": 4096,
@@ -239,7 +239,7 @@ async def test_health_service_and_admin_endpoints(server: Server) -> None:
 
 @pytest.mark.redis
 async def test_a_redis_store_is_wired_in_and_settled(tmp_path: Path) -> None:
-    from tests.support.redis_server import RedisServer
+    from kvgate_testkit.redis_server import RedisServer
     redis = RedisServer(tmp_path).start()
     try:
         cfg = {**CONFIG, "store": {"redis": {"url": redis.url, "key_prefix": "it:"}}}

@@ -11,7 +11,7 @@ from extproc.config import parse_config
 from extproc.metrics import Metrics
 from extproc.server import Server
 from prometheus_client import CollectorRegistry
-from tests.support.procs import LOOPBACK
+from kvgate_testkit.procs import LOOPBACK
 
 SAMPLE = (Path(__file__).resolve().parents[1] / "unit/signals/samples/vllm_v1.prom").read_text()
 BASE = {"pools": {"default": {"max_concurrency": 10}},
