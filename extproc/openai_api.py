@@ -374,28 +374,21 @@ def check_context(req: ParsedRequest, prompt_tokens: int, reserved: int, context
                param, code="context_length_exceeded")
 
 
-def add_stream_usage(req: ParsedRequest) -> bytes | None:
-    """add_stream_usage returns the body asking the upstream for stream usage, or None.
-
-    When the client streams without ``stream_options.include_usage``, the upstream would
-    never report usage; kvgate asks for it (the ResponseTracker then hides the usage chunk
-    from the client). vLLM's ``continuous_usage_stats`` is turned off with it, so no other
-    chunk changes. Returns None when the body is left as it is.
-    """
-    return upstream_body(req)[0]
-
-
 def upstream_body(req: ParsedRequest, *, cap_max_tokens: int | None = None,
                   stream_usage: bool = True) -> tuple[bytes | None, bool]:
     """upstream_body is the body to send upstream instead of the client's, and whether the
     usage chunk it asks for must be hidden from the client: ``(None, False)`` leaves the
     body as it is.
 
-    Two rewrites: stream usage (see ``add_stream_usage``), and, when ``cap_max_tokens`` is
-    given and the request sets no completion cap, ``max_tokens = cap_max_tokens`` (tokens
-    per sequence: the completion kvgate reserved), so generation cannot outgrow the
-    reservation that the KV budget and the TPM bucket were charged. ``stream_usage=False``
-    skips the first (the response is not seen by this stream, so nothing could hide it).
+    Two rewrites. Stream usage: when the client streams without
+    ``stream_options.include_usage``, the upstream would never report usage, so kvgate asks
+    for it (the ResponseTracker then hides the usage chunk from the client) and turns vLLM's
+    ``continuous_usage_stats`` off with it, so no other chunk changes. The cap: when
+    ``cap_max_tokens`` is given and the request sets no completion cap, ``max_tokens =
+    cap_max_tokens`` (tokens per sequence: the completion kvgate reserved), so generation
+    cannot outgrow the reservation that the KV budget and the TPM bucket were charged.
+    ``stream_usage=False`` skips the first (the response is not seen by this stream, so
+    nothing could hide it).
     """
     if req.endpoint is Endpoint.EMBEDDINGS:
         return None, False

@@ -15,7 +15,6 @@ high-detail cost of a 1024x1024 image: 85 + 4 tiles x 170).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -233,17 +232,6 @@ def count_shape(shape: ChatShape, tokenizer: Tokenizer, template: ChatTemplate) 
     return n
 
 
-def count_chat(messages: list[dict[str, Any]], tokenizer: Tokenizer, template: ChatTemplate,
-               tools: list[Any] | None = None) -> int:
-    """count_chat returns the prompt tokens of a chat conversation, template overhead included.
-
-    Text and refusal parts are tokenized; image parts cost 85 tokens (``detail: "low"``)
-    or 765; names, tool calls (name, arguments, id) and tool schemas are tokenized too.
-    Raises RequestError for a malformed conversation (see ``chat_shape``).
-    """
-    return count_shape(chat_shape(messages, tools), tokenizer, template)
-
-
 # --- completions / embeddings prompts ----------------------------------------------
 
 _MAX_TOKEN_ID = 1 << 32
@@ -315,16 +303,6 @@ def count_prompt_shape(shape: PromptShape, tokenizer: Tokenizer) -> list[int]:
     counts = [tokenizer.count(t) if t else 0 for t in shape.texts]
     counts.extend(shape.id_lists)
     return counts
-
-
-def count_prompt(prompt: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
-                 tokenizer: Tokenizer) -> int:
-    """count_prompt returns the tokens of a completions prompt (or embeddings input), summed.
-
-    Strings are tokenized; token ids are counted as given. Raises RequestError for a
-    malformed prompt (see ``prompt_shape``).
-    """
-    return sum(count_prompt_shape(prompt_shape(prompt), tokenizer))
 
 
 # --- Responses API input --------------------------------------------------------------

@@ -3,6 +3,8 @@ tools, prompts, bounds and the 400s for malformed fields."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import tiktoken
 from hypothesis import given, settings
@@ -15,13 +17,26 @@ from extproc.openai_shapes import (
     IMAGE_TOKENS_DEFAULT,
     IMAGE_TOKENS_LOW,
     TEMPLATES,
+    ChatTemplate,
     chat_shape,
-    count_chat,
-    count_prompt,
+    count_prompt_shape,
     count_shape,
+    prompt_shape,
 )
 from extproc.tokens import load_tokenizer
 from tests.unit.real_tokenizers import LLAMA_JSON, LLAMA_MODEL, cl100k, llama_tt  # noqa: F401 (fixtures)
+
+
+def count_chat(messages: list[dict[str, Any]], tokenizer: tk.Tokenizer, template: ChatTemplate,
+               tools: list[Any] | None = None) -> int:
+    """count_chat is the prompt tokens of a conversation under ``template``, as kvgate counts them."""
+    return count_shape(chat_shape(messages, tools), tokenizer, template)
+
+
+def count_prompt(prompt: Any, tokenizer: tk.Tokenizer) -> int:
+    """count_prompt is the tokens of a completions prompt (or embeddings input), summed."""
+    return sum(count_prompt_shape(prompt_shape(prompt), tokenizer))
+
 
 _MESSAGE = st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "user", "assistant", "tool", "narrator"]), "content": st.text(max_size=60)},
@@ -149,7 +164,7 @@ def test_tool_calls_and_tool_schemas_are_counted(cl100k: tk.Tokenizer) -> None:
 ])
 def test_malformed_conversations_are_request_errors(messages: object, param: str) -> None:
     with pytest.raises(RequestError) as exc:
-        count_chat(messages, load_tokenizer("cl100k_base"), TEMPLATES["openai"])  # type: ignore[arg-type]
+        count_chat(messages, load_tokenizer("cl100k_base"), TEMPLATES["openai"])
     assert exc.value.status == 400
     assert exc.value.param == param
 
@@ -179,5 +194,5 @@ def test_prompt_shapes(cl100k: tk.Tokenizer) -> None:
 ])
 def test_malformed_prompts_are_request_errors(prompt: object, param: str) -> None:
     with pytest.raises(RequestError) as exc:
-        count_prompt(prompt, load_tokenizer("cl100k_base"))  # type: ignore[arg-type]
+        count_prompt(prompt, load_tokenizer("cl100k_base"))
     assert exc.value.param == param
