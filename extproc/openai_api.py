@@ -35,7 +35,7 @@ from extproc.openai_shapes import (
     prompt_shape,
     responses_shape,
 )
-from extproc.tokens import Tokenizer, utf8_upper_bound
+from extproc.tokens import Tokenizer
 
 MAX_TOKENS_LIMIT = 10_000_000
 """MAX_TOKENS_LIMIT is the largest max_tokens accepted (tokens): anything above is absurd."""
@@ -320,20 +320,6 @@ def count_prompt_tokens(req: ParsedRequest, tokenizer: Tokenizer, template: Chat
         counts = [c + extra for c in counts]
     req.max_prompt_tokens = max(counts, default=0)
     return sum(counts)
-
-
-def prompt_upper_bound(req: ParsedRequest, template: ChatTemplate) -> int:
-    """prompt_upper_bound is a free upper bound on count_prompt_tokens (tokens).
-
-    Byte-level BPE yields at most one token per UTF-8 byte, so this needs no tokenizer:
-    use it to decide whether counting is worth moving off the event loop.
-    """
-    if req.chat is not None:
-        return req.chat.upper_bound(template)
-    if req.prompt is None:
-        return 0
-    suffix = utf8_upper_bound(req.suffix) * req.prompts if req.suffix else 0
-    return req.prompt.upper_bound() + suffix
 
 
 def request_reservation(req: ParsedRequest, prompt_tokens: int, context_window: int,

@@ -2,9 +2,9 @@
 
 ``chat_shape`` validates chat ``messages`` (and ``tools``), ``prompt_shape`` a completions
 ``prompt`` or embeddings ``input``, ``responses_shape`` a Responses API ``input``: each
-into a shape that holds what the model reads, with a free upper bound (UTF-8 bytes) and an
-exact count under a pool's tokenizer. Every malformed field is a RequestError (400) whose
-``param`` names it. ``openai_api.parse_request`` calls these; ``tokens`` counts the text.
+into a shape that holds what the model reads, then counted exactly under a pool's
+tokenizer (``count_shape``, ``count_prompt_shape``). Every malformed field is a
+RequestError (400) whose ``param`` names it. ``openai_api.parse_request`` calls these.
 
 Chat requests are counted as the model sees them: the text of every message plus the
 tokens its chat template wraps around each message (``TEMPLATES``). Image parts cannot be
@@ -21,7 +21,7 @@ from typing import Any
 import orjson
 
 from extproc.errors import RequestError
-from extproc.tokens import Tokenizer, utf8_upper_bound
+from extproc.tokens import Tokenizer
 
 IMAGE_TOKENS_LOW = 85
 """IMAGE_TOKENS_LOW is the token cost of an image part with ``detail: "low"``."""
@@ -81,15 +81,6 @@ class ChatShape:
     names: int
     image_tokens: int
     has_system: bool
-
-    def upper_bound(self, template: ChatTemplate) -> int:
-        """upper_bound is a free bound on count_shape's result (UTF-8 bytes + fixed overhead)."""
-        n = sum(utf8_upper_bound(t) for t in self.texts) + self.image_tokens
-        n += len(self.roles) * template.per_message + self.names * template.per_name + template.reply
-        n += sum(utf8_upper_bound(r) for r in self.roles)
-        if template.default_system is not None and not self.has_system:
-            n += template.per_message + utf8_upper_bound(template.default_system)
-        return n
 
 
 def _bad(message: str, param: str) -> RequestError:
@@ -248,10 +239,6 @@ class PromptShape:
     texts: list[str]
     id_lists: list[int]
     prompts: int
-
-    def upper_bound(self) -> int:
-        """upper_bound is a free bound on the prompt tokens (UTF-8 bytes + given ids)."""
-        return sum(utf8_upper_bound(t) for t in self.texts) + sum(self.id_lists)
 
 
 def _is_token_id(x: Any) -> bool:

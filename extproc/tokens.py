@@ -354,14 +354,3 @@ def load_tokenizer(spec: str) -> Tokenizer:
         return _hf_from_file(spec, rest)
     raise ConfigError("tokenizer", f"unknown tokenizer {spec!r}: use cl100k_base, o200k_base, llama3, "
                                    "tiktoken:PATH[#qwen2] or hf:PATH")
-
-
-def utf8_upper_bound(text: str) -> int:
-    """utf8_upper_bound is the UTF-8 length of ``text`` in bytes: a free bound on its tokens.
-
-    Byte-level BPE never yields more tokens than bytes. Pure-ASCII text costs nothing to
-    measure; other text is encoded once.
-    """
-    if text.isascii():
-        return len(text)
-    return len(text.encode("utf-8", "surrogatepass"))

@@ -23,7 +23,6 @@ from extproc.openai_api import (
     error_body,
     format_reset,
     parse_request,
-    prompt_upper_bound,
     rate_limit_headers,
     rejection_response,
     request_error_response,
@@ -181,7 +180,7 @@ def test_a_128k_space_prompt_is_parsed_and_counted() -> None:
     body = orjson.dumps({"messages": [{"role": "user", "content": " " * 128_000}], "max_tokens": 10})
     req = parse_request(Endpoint.CHAT, body, JSON)
     n = count_prompt_tokens(req, TOK, OPENAI)
-    assert 1000 <= n <= prompt_upper_bound(req, OPENAI)
+    assert 1000 <= n <= len(body)  # never more tokens than bytes
 
 
 # --- counting and reservations ----------------------------------------------------
@@ -191,7 +190,6 @@ def test_count_prompt_tokens_matches_the_chat_shape_count() -> None:
     req = parse_request(Endpoint.CHAT, orjson.dumps({"messages": messages}), JSON)
     for name, template in TEMPLATES.items():
         assert count_prompt_tokens(req, TOK, template) == count_shape(chat_shape(messages), TOK, template), name
-        assert count_prompt_tokens(req, TOK, template) <= prompt_upper_bound(req, template)
 
 
 def test_completions_batch_counts_each_prompt_with_the_suffix() -> None:
@@ -201,7 +199,6 @@ def test_completions_batch_counts_each_prompt_with_the_suffix() -> None:
     suffix = TOK.count(" end")
     assert total == TOK.count("one two") + TOK.count("three four five six") + 2 * suffix
     assert req.max_prompt_tokens == TOK.count("three four five six") + suffix
-    assert total <= prompt_upper_bound(req, OPENAI)
 
 
 def test_token_id_prompts_count_as_given() -> None:
