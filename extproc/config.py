@@ -11,7 +11,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import yaml
 
@@ -366,8 +366,18 @@ class _Section:
     def section(self, name: str) -> _Section:
         return _Section(self.path(name), self.raw(name))
 
+    @overload
+    def integer(self, name: str, default: int | None, *, minimum: int = 1,
+                optional: Literal[False] = False) -> int: ...
+
+    @overload
+    def integer(self, name: str, default: int | None, *, minimum: int = 1,
+                optional: Literal[True]) -> int | None: ...
+
     def integer(self, name: str, default: int | None, *, minimum: int = 1,
                 optional: bool = False) -> int | None:
+        """integer reads an integer >= ``minimum`` (a whole float too); absent or null: the
+        default, and with no default it is required unless ``optional`` (then None)."""
         value = self.raw(name, default)
         if value is None:
             if optional:
@@ -397,8 +407,18 @@ class _Section:
             raise ConfigError(self.path(name), f"must be <= {high}, got {value}")
         return value
 
+    @overload
+    def string(self, name: str, default: str | None, *, choices: tuple[str, ...] = (),
+               optional: Literal[False] = False) -> str: ...
+
+    @overload
+    def string(self, name: str, default: str | None, *, choices: tuple[str, ...] = (),
+               optional: Literal[True]) -> str | None: ...
+
     def string(self, name: str, default: str | None, *, choices: tuple[str, ...] = (),
                optional: bool = False) -> str | None:
+        """string reads a non-empty string, one of ``choices`` when given; absent or null: the
+        default, and with no default it is required unless ``optional`` (then None)."""
         value = self.raw(name, default)
         if value is None:
             if optional:
@@ -475,11 +495,11 @@ def _discovery(s: _Section) -> DiscoveryConfig:
         raise ConfigError(s.path("port"), "is required")
     if port > 65535:
         raise ConfigError(s.path("port"), f"must be a TCP port, got {port}")
-    if not path.startswith("/"):  # type: ignore[union-attr]
+    if not path.startswith("/"):
         raise ConfigError(s.path("metrics_path"), f"must start with '/', got {path!r}")
     if engine == "dcgm":
         raise ConfigError(s.path("engine"), "discovered nodes serve requests: dcgm is no inference engine")
-    return DiscoveryConfig(dns=name, port=port, metrics_path=path, engine=engine,  # type: ignore[arg-type]
+    return DiscoveryConfig(dns=name, port=port, metrics_path=path, engine=engine,
                            model_name=model_name, interval_s=interval_s)
 
 
@@ -517,22 +537,22 @@ def _pool(key: str, name: str, data: Any) -> PoolConfig:
     )
     framebuffer_only = sig.boolean("framebuffer_only", False)
     sig.done()
-    with_address = [b for b in backends if b.address is not None]
-    if with_address and len(with_address) != len(backends):
+    addresses = [b.address for b in backends if b.address is not None]
+    if addresses and len(addresses) != len(backends):
         missing = next(i for i, b in enumerate(backends) if b.address is None)
         raise ConfigError(f"{s.path('backends')}[{missing}].address",
                           "is required when another backend of the pool has one: kvgate picks "
                           "a node for every request only when it knows every node's address")
-    addresses: set[str] = set()
-    for i, b in enumerate(with_address):
-        if b.address in addresses:
-            raise ConfigError(f"{s.path('backends')}[{i}].address", f"duplicate address {b.address!r}")
-        addresses.add(b.address)  # type: ignore[arg-type]
+    seen_addresses: set[str] = set()
+    for i, address in enumerate(addresses):
+        if address in seen_addresses:
+            raise ConfigError(f"{s.path('backends')}[{i}].address", f"duplicate address {address!r}")
+        seen_addresses.add(address)
     discovery = _discovery(s.section("discovery")) if s.has("discovery") else None
     if discovery is not None and backends:
         raise ConfigError(s.path("discovery"), "a pool lists its backends or discovers them, not both")
     picking = _picking(s.section("picking"))
-    if s.has("picking") and not with_address and discovery is None:
+    if s.has("picking") and not addresses and discovery is None:
         raise ConfigError(s.path("picking"), "needs every backend of the pool to have an address")
     if backends and all(b.engine == "dcgm" for b in backends) and not framebuffer_only:
         # vLLM reserves gpu_memory_utilization (0.9 by default) of the framebuffer at start,

@@ -186,7 +186,7 @@ def immediate(status: int, headers: list[tuple[str, str]], body: bytes,
     """
     resp = pb.ProcessingResponse()
     imm = resp.immediate_response
-    imm.status.code = status  # type: ignore[assignment]
+    imm.status.code = status
     set_headers(imm.headers, headers)
     imm.body = body
     imm.details = details

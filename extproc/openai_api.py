@@ -446,7 +446,7 @@ class ResponseTracker:
         self._buf = bytearray()
         self._scan = 0
         self._line_start = 0
-        self._data: list[bytes] = []
+        self._data: list[bytearray] = []  # the data lines of the event being read
 
     def feed(self, chunk: bytes, end_of_stream: bool) -> bytes | None:
         """feed takes the next body chunk; returns its replacement, or None to pass it as is."""
