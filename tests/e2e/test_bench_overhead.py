@@ -15,7 +15,7 @@ import pytest
 
 from kvgate_testkit.procs import ROOT
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.bench]
 
 
 @pytest.mark.timeout(300)

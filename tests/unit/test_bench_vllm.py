@@ -19,6 +19,8 @@ from bench.bench_vllm import (PICKER_ENVOY, POOL_ENVOY, ROWS, Burst, EngineFlags
 from tests.deploy.support import envoy_validate
 from kvgate_testkit.procs import ROOT, wait_until
 
+pytestmark = pytest.mark.bench
+
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
