@@ -17,7 +17,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +128,24 @@ async def wait_for(predicate: Any, timeout: float = 5.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError("condition not met")
         await asyncio.sleep(0.005)
+
+
+async def wait_for_async(predicate: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> None:
+    """wait_for_async is wait_for for a condition that must be awaited (an RPC's answer)."""
+    deadline = time.monotonic() + timeout
+    while not await predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met")
+        await asyncio.sleep(0.005)
+
+
+async def refuses_rpcs(health: health_pb2_grpc.HealthStub) -> bool:
+    """refuses_rpcs tells whether the gRPC server has stopped taking new calls (UNAVAILABLE)."""
+    try:
+        await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+    except grpc.aio.AioRpcError as exc:
+        return exc.code() is grpc.StatusCode.UNAVAILABLE
+    return False
 
 
 async def admit_stream(stub: pb_grpc.ExternalProcessorStub, **fields: Any) -> Any:
@@ -304,8 +322,8 @@ async def test_sigterm_drains_then_waits_for_streams_then_exits_0(tmp_path: Path
             assert resp.WhichOneof("response") == "request_body"
             assert metric(kv.admin_port, "kvgate_inflight_requests") == 2
             second.cancel()
-            # after the drain period it waits for the stream in flight, which then completes
-            await asyncio.sleep(1.2)  # past drain_s: the process must still be there
+            # After drain_s the server takes no new RPC, yet waits for the stream in flight.
+            await wait_for_async(lambda: refuses_rpcs(health), timeout=10)
             assert kv.proc.alive()
             await first.write(response_headers(200, "application/json"))
             await first.read()
