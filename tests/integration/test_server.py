@@ -130,6 +130,11 @@ async def wait_for(predicate: Any, timeout: float = 5.0) -> None:
         await asyncio.sleep(0.005)
 
 
+def streams_active(server: Server) -> float | None:
+    """streams_active is kvgate_streams_active, read from the in-process server's registry."""
+    return server.metrics.registry.get_sample_value("kvgate_streams_active")
+
+
 async def wait_for_async(predicate: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> None:
     """wait_for_async is wait_for for a condition that must be awaited (an RPC's answer)."""
     deadline = time.monotonic() + timeout
@@ -205,7 +210,7 @@ async def test_cancelled_stream_releases_its_lease(server: Server, stub: Any) ->
     assert server.admission.snapshot("default").inflight == 1
     call.cancel()
     await wait_for(lambda: server.admission.snapshot("default").inflight == 0)
-    await wait_for(lambda: not server.service.active)
+    await wait_for(lambda: streams_active(server) == 0)
     assert await ametric(server.admin_port, "kvgate_releases_total", cause="client_disconnect") == 1
     assert await ametric(server.admin_port, "kvgate_streams_active") == 0
 
@@ -236,7 +241,7 @@ async def test_many_concurrent_streams_end_with_nothing_held(server: Server, stu
         await call.read()
         await call.done_writing()
     await asyncio.gather(*(one(i) for i in range(30)))
-    await wait_for(lambda: not server.service.active)
+    await wait_for(lambda: streams_active(server) == 0)
     snap = server.admission.snapshot("default")
     assert snap.inflight == 0 and snap.kv_inflight == 0
     port = server.admin_port
