@@ -1,4 +1,4 @@
-"""End to end, issue 7: the operator option deploy/envoy-access-log.yaml.
+"""End to end: the operator option deploy/envoy-access-log.yaml.
 
 kvgate answers the request body and ends its ext_proc stream there: an in-flight request
 holds no gRPC stream in kvgate. The request's end comes by Envoy's gRPC access log, whose

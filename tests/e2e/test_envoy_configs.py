@@ -1,4 +1,4 @@
-"""End to end, issue 7: what differs between the two Envoy files behaves the same.
+"""End to end: what differs between the two Envoy files behaves the same.
 
 deploy/envoy.yaml skips request headers (kvgate learns the request from attributes sent
 with the body, and Envoy itself answers what must be answered before a body arrives);

@@ -1,4 +1,4 @@
-"""End to end, issue 7: the operator option deploy/envoy-observe.yaml.
+"""End to end: the operator option deploy/envoy-observe.yaml.
 
 The response goes to a second ext_proc filter in observability mode (no blocking message
 per streamed chunk); kvgate ties it to the admission stream by a link in the request's

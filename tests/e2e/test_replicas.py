@@ -1,4 +1,4 @@
-"""End to end, issue 8: two kvgate replicas share one budget through a real redis-server.
+"""End to end: two kvgate replicas share one budget through a real redis-server.
 
 Two stacks (fake upstream, ``kvgate serve``, the real Envoy), one per replica, both
 configured with ``store.redis`` on one redis-server this module starts on a free loopback

@@ -1,4 +1,4 @@
-"""End to end, issue 18: two kvgate replicas, each behind its own real Envoy, pick among the
+"""End to end: two kvgate replicas, each behind its own real Envoy, pick among the
 same three simulated nodes and share what each node holds through one redis-server.
 
 - A burst of long prompts split across both replicas preempts nothing on any node (alone,

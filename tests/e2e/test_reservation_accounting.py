@@ -1,4 +1,4 @@
-"""End to end, issue 7: the operator option deploy/envoy-reservation.yaml.
+"""End to end: the operator option deploy/envoy-reservation.yaml.
 
 The response body mode is NONE: kvgate answers the request body and the response headers,
 and no streamed chunk waits for the processor. The ext_proc stream still ends with the

@@ -452,7 +452,7 @@ def test_the_thread_polls_until_stopped(new_scraper, servers):
 
 
 def test_the_admission_scale_follows_a_node_death_and_its_return(new_scraper, servers):
-    """Issue 4: min_scale within stale_after_s + one poll of a death; smooth recovery after."""
+    """min_scale within stale_after_s + one poll of a node's death; smooth recovery after."""
     a = serve(servers, Behavior(vllm_body(0.3)))
     b = serve(servers, Behavior(vllm_body(0.4)))
     cfg = make_config({"p": [{"name": "a", "metrics_url": a.url}, {"name": "b", "metrics_url": b.url}]})
