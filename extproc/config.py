@@ -6,16 +6,16 @@ Unknown keys are errors too: a misspelled limit silently ignored is a GPU outage
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, overload
+from typing import Any
 
 import yaml
 
 from extproc import yamlload
+from extproc.configread import Section
 from extproc.errors import ConfigError
 
 ENGINES = ("vllm", "sglang", "tgi", "dcgm")
@@ -334,115 +334,6 @@ def warnings(config: Config) -> list[str]:
     return out
 
 
-# --- reading helpers -------------------------------------------------------------
-
-class _Section:
-    """_Section reads one mapping of the file, remembering its dotted key for errors."""
-
-    __slots__ = ("key", "data", "seen")
-
-    def __init__(self, key: str, data: Any) -> None:
-        if data is None:
-            data = {}
-        if not isinstance(data, Mapping):
-            raise ConfigError(key or "<root>", f"must be a mapping, got {type(data).__name__}")
-        for k in data:
-            if not isinstance(k, str):
-                raise ConfigError(key or "<root>", f"keys must be strings, got {k!r}")
-        self.key = key
-        self.data = data
-        self.seen: set[str] = set()
-
-    def path(self, name: str) -> str:
-        return f"{self.key}.{name}" if self.key else name
-
-    def raw(self, name: str, default: Any = None) -> Any:
-        self.seen.add(name)
-        return self.data.get(name, default)
-
-    def has(self, name: str) -> bool:
-        return name in self.data
-
-    def section(self, name: str) -> _Section:
-        return _Section(self.path(name), self.raw(name))
-
-    @overload
-    def integer(self, name: str, default: int | None, *, minimum: int = 1,
-                optional: Literal[False] = False) -> int: ...
-
-    @overload
-    def integer(self, name: str, default: int | None, *, minimum: int = 1,
-                optional: Literal[True]) -> int | None: ...
-
-    def integer(self, name: str, default: int | None, *, minimum: int = 1,
-                optional: bool = False) -> int | None:
-        """integer reads an integer >= ``minimum`` (a whole float too); absent or null: the
-        default, and with no default it is required unless ``optional`` (then None)."""
-        value = self.raw(name, default)
-        if value is None:
-            if optional:
-                return None
-            raise ConfigError(self.path(name), "is required")
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(self.path(name), f"must be an integer, got {value!r}")
-        if isinstance(value, float):
-            if not value.is_integer():
-                raise ConfigError(self.path(name), f"must be an integer, got {value!r}")
-            value = int(value)
-        if value < minimum:
-            raise ConfigError(self.path(name), f"must be >= {minimum}, got {value}")
-        return value
-
-    def number(self, name: str, default: float, *, low: float | None = None,
-               high: float | None = None, low_open: bool = False) -> float:
-        value = self.raw(name, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(self.path(name), f"must be a number, got {value!r}")
-        value = float(value)
-        if not math.isfinite(value):
-            raise ConfigError(self.path(name), f"must be finite, got {value}")
-        if low is not None and (value <= low if low_open else value < low):
-            raise ConfigError(self.path(name), f"must be {'>' if low_open else '>='} {low}, got {value}")
-        if high is not None and value > high:
-            raise ConfigError(self.path(name), f"must be <= {high}, got {value}")
-        return value
-
-    @overload
-    def string(self, name: str, default: str | None, *, choices: tuple[str, ...] = (),
-               optional: Literal[False] = False) -> str: ...
-
-    @overload
-    def string(self, name: str, default: str | None, *, choices: tuple[str, ...] = (),
-               optional: Literal[True]) -> str | None: ...
-
-    def string(self, name: str, default: str | None, *, choices: tuple[str, ...] = (),
-               optional: bool = False) -> str | None:
-        """string reads a non-empty string, one of ``choices`` when given; absent or null: the
-        default, and with no default it is required unless ``optional`` (then None)."""
-        value = self.raw(name, default)
-        if value is None:
-            if optional:
-                return None
-            raise ConfigError(self.path(name), "is required")
-        if not isinstance(value, str) or not value:
-            raise ConfigError(self.path(name), f"must be a non-empty string, got {value!r}")
-        if choices and value not in choices:
-            raise ConfigError(self.path(name), f"must be one of {', '.join(choices)}, got {value!r}")
-        return value
-
-    def boolean(self, name: str, default: bool) -> bool:
-        value = self.raw(name, default)
-        if not isinstance(value, bool):
-            raise ConfigError(self.path(name), f"must be true or false, got {value!r}")
-        return value
-
-    def done(self) -> None:
-        """done refuses keys nobody read: they are typos or unsupported settings."""
-        unknown = sorted(set(self.data) - self.seen)
-        if unknown:
-            raise ConfigError(self.path(unknown[0]), "unknown key")
-
-
 def _name(key: str, value: str) -> str:
     if not _NAME.match(value):
         raise ConfigError(key, f"names use letters, digits, '_', '.', '-' (at most 63), got {value!r}")
@@ -450,7 +341,7 @@ def _name(key: str, value: str) -> str:
 
 
 def _backend(key: str, data: Any) -> BackendConfig:
-    s = _Section(key, data)
+    s = Section(key, data)
     name = _name(s.path("name"), s.string("name", None))
     url = s.string("metrics_url", None)
     if not url.startswith(("http://", "https://")):
@@ -477,7 +368,7 @@ _DNS_NAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9]
                        r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$")
 
 
-def _discovery(s: _Section) -> DiscoveryConfig:
+def _discovery(s: Section) -> DiscoveryConfig:
     # Every value is checked for its type before any is required, so an error names the
     # key that is wrong rather than one that is missing.
     name = s.string("dns", None, optional=True)
@@ -503,7 +394,7 @@ def _discovery(s: _Section) -> DiscoveryConfig:
                            model_name=model_name, interval_s=interval_s)
 
 
-def _picking(s: _Section) -> PickingConfig:
+def _picking(s: Section) -> PickingConfig:
     growth = s.string("growth", "learned", choices=GROWTHS)
     picking = PickingConfig(
         growth=growth,
@@ -516,7 +407,7 @@ def _picking(s: _Section) -> PickingConfig:
 
 
 def _pool(key: str, name: str, data: Any) -> PoolConfig:
-    s = _Section(key, data)
+    s = Section(key, data)
     backends_raw = s.raw("backends", [])
     if backends_raw is None:
         backends_raw = []
@@ -589,7 +480,7 @@ def _pool(key: str, name: str, data: Any) -> PoolConfig:
     return pool
 
 
-def _classes(s: _Section) -> dict[str, ClassConfig]:
+def _classes(s: Section) -> dict[str, ClassConfig]:
     raw = s.section("classes")
     classes: dict[str, ClassConfig] = {}
     for cname in raw.data:
@@ -615,7 +506,7 @@ _HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9a-z]+")
 
 
 def _tenants(data: Any) -> TenantsConfig:
-    s = _Section("tenants", data)
+    s = Section("tenants", data)
     header = s.string("header", "x-tenant-id").lower()
     if not _HEADER_NAME.fullmatch(header):
         raise ConfigError("tenants.header", f"must be an HTTP header name (letters, digits and "
@@ -674,7 +565,7 @@ def _tenants(data: Any) -> TenantsConfig:
 
 
 def _adaptive(data: Any) -> AdaptiveConfig:
-    s = _Section("adaptive", data)
+    s = Section("adaptive", data)
     d = ADAPTIVE_DEFAULTS
     a = AdaptiveConfig(
         high_watermark=s.number("high_watermark", d.high_watermark, low=0.0, high=1.0, low_open=True),
@@ -702,7 +593,7 @@ def _store(data: Any) -> StoreConfig:
         return StoreConfig()
     if isinstance(data, str):
         raise ConfigError("store", f"must be 'memory' or a mapping with 'redis', got {data!r}")
-    s = _Section("store", data)
+    s = Section("store", data)
     if not s.has("redis"):
         if s.raw("memory", None) is not None or s.has("memory"):
             s.done()
@@ -733,7 +624,7 @@ def _hostport(key: str, value: str) -> str:
 
 
 def _server(data: Any) -> ServerConfig:
-    s = _Section("server", data)
+    s = Section("server", data)
     cfg = ServerConfig(
         grpc_listen=_hostport("server.grpc_listen", s.string("grpc_listen", "127.0.0.1:50051")),
         admin_listen=_hostport("server.admin_listen", s.string("admin_listen", "0.0.0.0:9464")),
@@ -751,7 +642,7 @@ def parse_config(data: Any) -> Config:
 
     Raises ``ConfigError`` naming the first bad key.
     """
-    root = _Section("", data)
+    root = Section("", data)
     pools_raw = root.section("pools")
     if not pools_raw.data:
         raise ConfigError("pools", "needs at least one pool")
