@@ -17,6 +17,7 @@ import yaml
 from extproc import yamlload
 from extproc.configread import Section
 from extproc.errors import ConfigError
+from extproc.openai_shapes import TEMPLATES
 
 ENGINES = ("vllm", "sglang", "tgi", "dcgm")
 AGGREGATES = ("max", "mean")
@@ -466,7 +467,7 @@ def _pool(key: str, name: str, data: Any) -> PoolConfig:
         context_window=s.integer("context_window", 32768),
         default_max_tokens=s.integer("default_max_tokens", 1024),
         tokenizer=tokenizer,
-        chat_template=s.string("chat_template", "openai", choices=("openai", "llama3", "qwen2", "none")),
+        chat_template=s.string("chat_template", "openai", choices=tuple(TEMPLATES)),
         enforce_max_tokens=s.boolean("enforce_max_tokens", False),
         backends=backends,
         signals=signals,
