@@ -12,7 +12,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,9 +21,10 @@ from extproc.admission.types import PoolSignals
 from extproc.clock import ManualClock, MonotonicClock
 from extproc.config import Config, parse_config
 from extproc.signals import ScrapeError, Scraper
+from kvgate_testkit import EXPOSITIONS
 from kvgate_testkit.procs import LOOPBACK, free_port, wait_until
 
-SAMPLES = Path(__file__).resolve().parents[1] / "unit" / "signals" / "samples"
+SAMPLES = EXPOSITIONS
 TIMEOUT_S = 0.2  # for the faults about time
 GENEROUS_TIMEOUT_S = 3.0  # for the rest; the most make_config allows with stale_after_s 3 s
 
