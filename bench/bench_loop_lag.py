@@ -39,9 +39,10 @@ from extproc.clock import MonotonicClock  # noqa: E402
 from extproc.config import parse_config  # noqa: E402
 from extproc.signals import scraper as scraper_mod  # noqa: E402
 from extproc.signals.observer import NullObserver  # noqa: E402
+from kvgate_testkit import EXPOSITIONS  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
-SAMPLE = ROOT / "tests" / "unit" / "signals" / "samples" / "vllm_v1.prom"
+SAMPLE = EXPOSITIONS / "vllm_v1.prom"
 TICK_S = 0.01
 SETUPS = ("no scraping", "reads concurrent", "reads serialized")
 

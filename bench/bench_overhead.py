@@ -1,7 +1,7 @@
 """bench_overhead: what kvgate costs on the hot path, side by side with plain Envoy.
 
 One run starts three stacks on loopback, each an Envoy (one worker thread) in front of its
-own copy of the same fast fake upstream (``tests.support.upstream --fast``, vLLM-shaped
+own copy of the same fast fake upstream (``kvgate_testkit.upstream --fast``, vLLM-shaped
 JSON and SSE):
 
 - ``plain``: Envoy with no ext_proc filter: the physical limit;
@@ -56,8 +56,8 @@ from typing import Any  # noqa: E402
 
 import orjson  # noqa: E402
 
-from tests.e2e.stack import ENVOY_TEMPLATE, Stack  # noqa: E402
-from tests.support.procs import LOOPBACK  # noqa: E402
+from kvgate_testkit.stack import ENVOY_TEMPLATE, Stack  # noqa: E402
+from kvgate_testkit.procs import LOOPBACK  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 SETUPS = ("plain", "bare", "kvgate")
@@ -1148,7 +1148,7 @@ def main(argv: list[str] | None = None) -> int:
                 stack.start()
             for stack in stacks.values():
                 if stack.processor == "kvgate" and "backends" in stack.kvgate_config["pools"]["default"]:
-                    from tests.support.procs import wait_until
+                    from kvgate_testkit.procs import wait_until
                     wait_until(lambda s=stack: s.metric("kvgate_backend_pickable") == 1, timeout=20,
                                what="the picker's node up")
             res = _run(measure(stacks, sizes, args.scenarios, args.seed))

@@ -24,8 +24,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.support.nodes_stack import MODEL, NodesStack  # noqa: E402
-from tests.support.procs import wait_until  # noqa: E402
+from kvgate_testkit.nodes_stack import MODEL, NodesStack  # noqa: E402
+from kvgate_testkit.procs import wait_until  # noqa: E402
 
 ROWS: list[tuple[str, dict[str, Any]]] = [
     ("pool level, Envoy round robin (deploy/envoy.yaml)", {"picking": False}),

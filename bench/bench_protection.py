@@ -58,8 +58,8 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from extproc.config import parse_config  # noqa: E402
 from sim.api import words  # noqa: E402
 from sim.engine import EngineParams  # noqa: E402
-from tests.e2e.stack import envoy_config  # noqa: E402
-from tests.support.procs import LOOPBACK, VENV_BIN, Proc, free_port  # noqa: E402
+from kvgate_testkit.stack import envoy_config  # noqa: E402
+from kvgate_testkit.procs import LOOPBACK, VENV_BIN, Proc, free_port  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 RATELIMIT_FILTER = ROOT / "bench" / "envoy_local_ratelimit.yaml"

@@ -36,7 +36,7 @@ if str(ROOT) not in sys.path:
 from extproc.admission.types import Grant, Plan, PoolLimits  # noqa: E402
 from extproc.admission.store.redis import RedisStore  # noqa: E402
 from extproc.config import RedisStoreConfig  # noqa: E402
-from tests.support.redis_server import RedisServer, server_version  # noqa: E402
+from kvgate_testkit.redis_server import RedisServer, server_version  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "redis-timeout.md"
 CANDIDATES_S = (0.05, 0.1, 0.25, 0.5, 1.0)

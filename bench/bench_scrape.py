@@ -36,9 +36,10 @@ from extproc.admission.types import PoolSignals  # noqa: E402
 from extproc.clock import MonotonicClock  # noqa: E402
 from extproc.config import parse_config  # noqa: E402
 from extproc.signals import NullObserver, Scraper, read  # noqa: E402
+from kvgate_testkit import EXPOSITIONS  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
-SAMPLE = ROOT / "tests" / "unit" / "signals" / "samples" / "vllm_v1.prom"
+SAMPLE = EXPOSITIONS / "vllm_v1.prom"
 LOOPBACK = "127.0.0.1"
 POLL_INTERVAL_S = 1.0
 

@@ -33,6 +33,7 @@ if str(ROOT) not in sys.path:
 
 from extproc import tokens as tk  # noqa: E402
 from extproc.openai_api import Endpoint, ResponseTracker, count_prompt_tokens, parse_request  # noqa: E402
+from extproc.openai_shapes import TEMPLATES  # noqa: E402
 
 KIB = 1024
 SIZES = [1 * KIB, 16 * KIB, 128 * KIB, 1024 * KIB]
@@ -151,7 +152,7 @@ def bench_hot_path(quick: bool) -> list[str]:
     """bench_hot_path measures parse + count of a 2 KB chat, and the SSE tracker per event."""
     rng = random.Random(7)
     words = natural_text(64 * KIB).split()
-    template = tk.TEMPLATES["openai"]
+    template = TEMPLATES["openai"]
     n = 300 if quick else 2000
 
     def body(i: int) -> bytes:

@@ -69,8 +69,8 @@ from extproc.config import parse_config  # noqa: E402
 from extproc.localstack import is_processor_cluster  # noqa: E402
 from sim.api import OUTPUT_TOKENS_HEADER, words  # noqa: E402
 from sim.blocks import blocks_for  # noqa: E402
-from tests.e2e.stack import envoy_config  # noqa: E402
-from tests.support.procs import LOOPBACK, VENV_BIN, Proc, free_port  # noqa: E402
+from kvgate_testkit.stack import envoy_config  # noqa: E402
+from kvgate_testkit.procs import LOOPBACK, VENV_BIN, Proc, free_port  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 # The full trace lives beside a user's clone, not in it; the committed slice holds the

@@ -66,7 +66,7 @@ from tokenizers import Tokenizer  # noqa: E402
 
 from extproc.config import parse_config  # noqa: E402
 from extproc.localstack import is_processor_cluster  # noqa: E402
-from tests.support.procs import LOOPBACK, VENV_BIN, Proc, free_port, wait_until  # noqa: E402
+from kvgate_testkit.procs import LOOPBACK, VENV_BIN, Proc, free_port, wait_until  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 MODEL_SCRIPT = ROOT / "bench" / "vllm_model.py"

@@ -6,7 +6,6 @@ Unknown keys are errors too: a misspelled limit silently ignored is a GPU outage
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -16,7 +15,9 @@ from typing import Any
 import yaml
 
 from extproc import yamlload
+from extproc.configread import Section
 from extproc.errors import ConfigError
+from extproc.openai_shapes import TEMPLATES
 
 ENGINES = ("vllm", "sglang", "tgi", "dcgm")
 AGGREGATES = ("max", "mean")
@@ -334,95 +335,6 @@ def warnings(config: Config) -> list[str]:
     return out
 
 
-# --- reading helpers -------------------------------------------------------------
-
-class _Section:
-    """_Section reads one mapping of the file, remembering its dotted key for errors."""
-
-    __slots__ = ("key", "data", "seen")
-
-    def __init__(self, key: str, data: Any) -> None:
-        if data is None:
-            data = {}
-        if not isinstance(data, Mapping):
-            raise ConfigError(key or "<root>", f"must be a mapping, got {type(data).__name__}")
-        for k in data:
-            if not isinstance(k, str):
-                raise ConfigError(key or "<root>", f"keys must be strings, got {k!r}")
-        self.key = key
-        self.data = data
-        self.seen: set[str] = set()
-
-    def path(self, name: str) -> str:
-        return f"{self.key}.{name}" if self.key else name
-
-    def raw(self, name: str, default: Any = None) -> Any:
-        self.seen.add(name)
-        return self.data.get(name, default)
-
-    def has(self, name: str) -> bool:
-        return name in self.data
-
-    def section(self, name: str) -> _Section:
-        return _Section(self.path(name), self.raw(name))
-
-    def integer(self, name: str, default: int | None, *, minimum: int = 1,
-                optional: bool = False) -> int | None:
-        value = self.raw(name, default)
-        if value is None:
-            if optional:
-                return None
-            raise ConfigError(self.path(name), "is required")
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(self.path(name), f"must be an integer, got {value!r}")
-        if isinstance(value, float):
-            if not value.is_integer():
-                raise ConfigError(self.path(name), f"must be an integer, got {value!r}")
-            value = int(value)
-        if value < minimum:
-            raise ConfigError(self.path(name), f"must be >= {minimum}, got {value}")
-        return value
-
-    def number(self, name: str, default: float, *, low: float | None = None,
-               high: float | None = None, low_open: bool = False) -> float:
-        value = self.raw(name, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(self.path(name), f"must be a number, got {value!r}")
-        value = float(value)
-        if not math.isfinite(value):
-            raise ConfigError(self.path(name), f"must be finite, got {value}")
-        if low is not None and (value <= low if low_open else value < low):
-            raise ConfigError(self.path(name), f"must be {'>' if low_open else '>='} {low}, got {value}")
-        if high is not None and value > high:
-            raise ConfigError(self.path(name), f"must be <= {high}, got {value}")
-        return value
-
-    def string(self, name: str, default: str | None, *, choices: tuple[str, ...] = (),
-               optional: bool = False) -> str | None:
-        value = self.raw(name, default)
-        if value is None:
-            if optional:
-                return None
-            raise ConfigError(self.path(name), "is required")
-        if not isinstance(value, str) or not value:
-            raise ConfigError(self.path(name), f"must be a non-empty string, got {value!r}")
-        if choices and value not in choices:
-            raise ConfigError(self.path(name), f"must be one of {', '.join(choices)}, got {value!r}")
-        return value
-
-    def boolean(self, name: str, default: bool) -> bool:
-        value = self.raw(name, default)
-        if not isinstance(value, bool):
-            raise ConfigError(self.path(name), f"must be true or false, got {value!r}")
-        return value
-
-    def done(self) -> None:
-        """done refuses keys nobody read: they are typos or unsupported settings."""
-        unknown = sorted(set(self.data) - self.seen)
-        if unknown:
-            raise ConfigError(self.path(unknown[0]), "unknown key")
-
-
 def _name(key: str, value: str) -> str:
     if not _NAME.match(value):
         raise ConfigError(key, f"names use letters, digits, '_', '.', '-' (at most 63), got {value!r}")
@@ -430,7 +342,7 @@ def _name(key: str, value: str) -> str:
 
 
 def _backend(key: str, data: Any) -> BackendConfig:
-    s = _Section(key, data)
+    s = Section(key, data)
     name = _name(s.path("name"), s.string("name", None))
     url = s.string("metrics_url", None)
     if not url.startswith(("http://", "https://")):
@@ -457,7 +369,7 @@ _DNS_NAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9]
                        r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$")
 
 
-def _discovery(s: _Section) -> DiscoveryConfig:
+def _discovery(s: Section) -> DiscoveryConfig:
     # Every value is checked for its type before any is required, so an error names the
     # key that is wrong rather than one that is missing.
     name = s.string("dns", None, optional=True)
@@ -475,15 +387,15 @@ def _discovery(s: _Section) -> DiscoveryConfig:
         raise ConfigError(s.path("port"), "is required")
     if port > 65535:
         raise ConfigError(s.path("port"), f"must be a TCP port, got {port}")
-    if not path.startswith("/"):  # type: ignore[union-attr]
+    if not path.startswith("/"):
         raise ConfigError(s.path("metrics_path"), f"must start with '/', got {path!r}")
     if engine == "dcgm":
         raise ConfigError(s.path("engine"), "discovered nodes serve requests: dcgm is no inference engine")
-    return DiscoveryConfig(dns=name, port=port, metrics_path=path, engine=engine,  # type: ignore[arg-type]
+    return DiscoveryConfig(dns=name, port=port, metrics_path=path, engine=engine,
                            model_name=model_name, interval_s=interval_s)
 
 
-def _picking(s: _Section) -> PickingConfig:
+def _picking(s: Section) -> PickingConfig:
     growth = s.string("growth", "learned", choices=GROWTHS)
     picking = PickingConfig(
         growth=growth,
@@ -496,7 +408,7 @@ def _picking(s: _Section) -> PickingConfig:
 
 
 def _pool(key: str, name: str, data: Any) -> PoolConfig:
-    s = _Section(key, data)
+    s = Section(key, data)
     backends_raw = s.raw("backends", [])
     if backends_raw is None:
         backends_raw = []
@@ -517,22 +429,22 @@ def _pool(key: str, name: str, data: Any) -> PoolConfig:
     )
     framebuffer_only = sig.boolean("framebuffer_only", False)
     sig.done()
-    with_address = [b for b in backends if b.address is not None]
-    if with_address and len(with_address) != len(backends):
+    addresses = [b.address for b in backends if b.address is not None]
+    if addresses and len(addresses) != len(backends):
         missing = next(i for i, b in enumerate(backends) if b.address is None)
         raise ConfigError(f"{s.path('backends')}[{missing}].address",
                           "is required when another backend of the pool has one: kvgate picks "
                           "a node for every request only when it knows every node's address")
-    addresses: set[str] = set()
-    for i, b in enumerate(with_address):
-        if b.address in addresses:
-            raise ConfigError(f"{s.path('backends')}[{i}].address", f"duplicate address {b.address!r}")
-        addresses.add(b.address)  # type: ignore[arg-type]
+    seen_addresses: set[str] = set()
+    for i, address in enumerate(addresses):
+        if address in seen_addresses:
+            raise ConfigError(f"{s.path('backends')}[{i}].address", f"duplicate address {address!r}")
+        seen_addresses.add(address)
     discovery = _discovery(s.section("discovery")) if s.has("discovery") else None
     if discovery is not None and backends:
         raise ConfigError(s.path("discovery"), "a pool lists its backends or discovers them, not both")
     picking = _picking(s.section("picking"))
-    if s.has("picking") and not with_address and discovery is None:
+    if s.has("picking") and not addresses and discovery is None:
         raise ConfigError(s.path("picking"), "needs every backend of the pool to have an address")
     if backends and all(b.engine == "dcgm" for b in backends) and not framebuffer_only:
         # vLLM reserves gpu_memory_utilization (0.9 by default) of the framebuffer at start,
@@ -555,7 +467,7 @@ def _pool(key: str, name: str, data: Any) -> PoolConfig:
         context_window=s.integer("context_window", 32768),
         default_max_tokens=s.integer("default_max_tokens", 1024),
         tokenizer=tokenizer,
-        chat_template=s.string("chat_template", "openai", choices=("openai", "llama3", "qwen2", "none")),
+        chat_template=s.string("chat_template", "openai", choices=tuple(TEMPLATES)),
         enforce_max_tokens=s.boolean("enforce_max_tokens", False),
         backends=backends,
         signals=signals,
@@ -569,7 +481,7 @@ def _pool(key: str, name: str, data: Any) -> PoolConfig:
     return pool
 
 
-def _classes(s: _Section) -> dict[str, ClassConfig]:
+def _classes(s: Section) -> dict[str, ClassConfig]:
     raw = s.section("classes")
     classes: dict[str, ClassConfig] = {}
     for cname in raw.data:
@@ -595,7 +507,7 @@ _HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9a-z]+")
 
 
 def _tenants(data: Any) -> TenantsConfig:
-    s = _Section("tenants", data)
+    s = Section("tenants", data)
     header = s.string("header", "x-tenant-id").lower()
     if not _HEADER_NAME.fullmatch(header):
         raise ConfigError("tenants.header", f"must be an HTTP header name (letters, digits and "
@@ -654,7 +566,7 @@ def _tenants(data: Any) -> TenantsConfig:
 
 
 def _adaptive(data: Any) -> AdaptiveConfig:
-    s = _Section("adaptive", data)
+    s = Section("adaptive", data)
     d = ADAPTIVE_DEFAULTS
     a = AdaptiveConfig(
         high_watermark=s.number("high_watermark", d.high_watermark, low=0.0, high=1.0, low_open=True),
@@ -682,7 +594,7 @@ def _store(data: Any) -> StoreConfig:
         return StoreConfig()
     if isinstance(data, str):
         raise ConfigError("store", f"must be 'memory' or a mapping with 'redis', got {data!r}")
-    s = _Section("store", data)
+    s = Section("store", data)
     if not s.has("redis"):
         if s.raw("memory", None) is not None or s.has("memory"):
             s.done()
@@ -713,7 +625,7 @@ def _hostport(key: str, value: str) -> str:
 
 
 def _server(data: Any) -> ServerConfig:
-    s = _Section("server", data)
+    s = Section("server", data)
     cfg = ServerConfig(
         grpc_listen=_hostport("server.grpc_listen", s.string("grpc_listen", "127.0.0.1:50051")),
         admin_listen=_hostport("server.admin_listen", s.string("admin_listen", "0.0.0.0:9464")),
@@ -731,7 +643,7 @@ def parse_config(data: Any) -> Config:
 
     Raises ``ConfigError`` naming the first bad key.
     """
-    root = _Section("", data)
+    root = Section("", data)
     pools_raw = root.section("pools")
     if not pools_raw.data:
         raise ConfigError("pools", "needs at least one pool")

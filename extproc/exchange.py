@@ -64,7 +64,8 @@ from extproc.clock import Clock
 from extproc.config import ClassConfig, Config, PoolConfig
 from extproc.errors import ConfigError, RequestError
 from extproc.metrics import Metrics
-from extproc.tokens import TEMPLATES, load_tokenizer
+from extproc.openai_shapes import TEMPLATES
+from extproc.tokens import load_tokenizer
 from extproc.waitwatch import cut_at_base_timeout
 
 log = logging.getLogger("kvgate.exchange")
@@ -185,7 +186,7 @@ def immediate(status: int, headers: list[tuple[str, str]], body: bytes,
     """
     resp = pb.ProcessingResponse()
     imm = resp.immediate_response
-    imm.status.code = status  # type: ignore[assignment]
+    imm.status.code = status
     set_headers(imm.headers, headers)
     imm.body = body
     imm.details = details

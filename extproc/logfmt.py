@@ -35,10 +35,8 @@ class JsonFormatter(logging.Formatter):
 class UtcTextFormatter(logging.Formatter):
     """UtcTextFormatter is the text format with its times in UTC (``...Z``)."""
 
-    converter = time.gmtime
-
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802
-        return time.strftime("%Y-%m-%dT%H:%M:%S", self.converter(record.created)) + f".{int(record.msecs):03d}Z"
+        return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z"
 
 
 def configure(level: str, fmt: str) -> None:

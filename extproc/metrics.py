@@ -107,7 +107,7 @@ class _AdmissionCollector:
         yield from node_families.values()
 
 
-def _node_families() -> dict[str, Metric]:
+def _node_families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
     labels = ["pool", "backend"]
     return {
         "inflight": GaugeMetricFamily(
@@ -140,7 +140,8 @@ def _node_families() -> dict[str, Metric]:
     }
 
 
-def _add_nodes(families: dict[str, Metric], pool: str, nodes: tuple[Any, ...]) -> None:
+def _add_nodes(families: dict[str, GaugeMetricFamily | CounterMetricFamily], pool: str,
+               nodes: tuple[Any, ...]) -> None:
     from extproc.admission.nodes import PassedOver  # the core's enum of reasons
     for n in nodes:
         key = [pool, n.name]

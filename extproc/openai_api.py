@@ -1,7 +1,8 @@
 """openai_api: what kvgate understands of the OpenAI HTTP API.
 
 Request side: which paths are admitted, parsing and validating a body into a
-``ParsedRequest`` (every bad input is a ``RequestError`` with OpenAI's error shape),
+``ParsedRequest`` (every bad input is a ``RequestError`` with OpenAI's error shape; the
+prompt-bearing fields are validated into ``openai_shapes``' shapes),
 prompt tokens, the completion reservation, the context-window check, and asking the
 upstream for stream usage. Response side: ``ResponseTracker`` reads usage from the final
 JSON or the SSE usage chunk and hides that chunk when kvgate asked for it. Answers: the
@@ -24,17 +25,17 @@ import orjson
 from extproc.admission.kvbudget import reserved_completion
 from extproc.admission.types import RateInfo, Reason, Rejection
 from extproc.errors import RequestError
-from extproc.tokens import (
+from extproc.openai_shapes import (
     ChatShape,
     ChatTemplate,
     PromptShape,
-    Tokenizer,
     chat_shape,
     count_prompt_shape,
     count_shape,
     prompt_shape,
-    utf8_upper_bound,
+    responses_shape,
 )
+from extproc.tokens import Tokenizer
 
 MAX_TOKENS_LIMIT = 10_000_000
 """MAX_TOKENS_LIMIT is the largest max_tokens accepted (tokens): anything above is absurd."""
@@ -284,52 +285,21 @@ def parse_request(endpoint: Endpoint, body: bytes, content_type: str | None) -> 
                          suffix=suffix or None)
 
 
-# Keys of Responses API input items whose strings are labels, not text the model reads.
-_RESPONSES_LABELS = frozenset({"type", "role", "id", "status", "call_id", "detail", "format"})
-
-
 def _parse_responses(obj: dict[str, Any], model: str | None) -> ParsedRequest:
     """_parse_responses validates a Responses API body (``input``, ``instructions``,
-    ``max_output_tokens``, ``stream``). The prompt counted is every text string of
-    ``input`` and ``instructions`` (messages, content parts, tool outputs), labels left
-    out: a bound that errs on the high side of the model's chat template."""
+    ``max_output_tokens``, ``stream``); the prompt is ``responses_shape``'s."""
     if "input" not in obj:
         raise _bad("Missing required parameter: 'input'.", "input", code="missing_required_parameter")
-    texts: list[str] = []
     instructions = obj.get("instructions")
-    if instructions is not None:
-        if not isinstance(instructions, str):
-            raise _bad("Invalid type for 'instructions': expected a string, but got "
-                       f"{_json_type(instructions)}.", "instructions")
-        texts.append(instructions)
-    items = obj["input"]
-    if isinstance(items, str):
-        texts.append(items)
-    elif isinstance(items, list) and items:
-        _strings(items, texts)
-    else:
-        raise _bad("Invalid type for 'input': expected a string or a non-empty array of items.",
-                   "input")
+    if instructions is not None and not isinstance(instructions, str):
+        raise _bad("Invalid type for 'instructions': expected a string, but got "
+                   f"{_json_type(instructions)}.", "instructions")
+    shape = responses_shape(obj["input"], instructions)
     max_tokens = _opt_int(obj, "max_output_tokens", minimum=1, maximum=MAX_TOKENS_LIMIT)
     stream = _opt_bool(obj, "stream")
-    shape = PromptShape(["\n".join(texts)], [], 1)
     return ParsedRequest(endpoint=Endpoint.RESPONSES, model=model, stream=stream,
                          client_wants_usage=stream, max_tokens=max_tokens, n=1, body=obj,
                          prompt=shape)
-
-
-def _strings(node: Any, out: list[str]) -> None:
-    """_strings appends the text strings under ``node`` to ``out`` (depth is bounded by
-    the JSON parser's own limit)."""
-    if isinstance(node, str):
-        out.append(node)
-    elif isinstance(node, list):
-        for x in node:
-            _strings(x, out)
-    elif isinstance(node, dict):
-        for key, x in node.items():
-            if key not in _RESPONSES_LABELS:
-                _strings(x, out)
 
 
 def count_prompt_tokens(req: ParsedRequest, tokenizer: Tokenizer, template: ChatTemplate) -> int:
@@ -350,20 +320,6 @@ def count_prompt_tokens(req: ParsedRequest, tokenizer: Tokenizer, template: Chat
         counts = [c + extra for c in counts]
     req.max_prompt_tokens = max(counts, default=0)
     return sum(counts)
-
-
-def prompt_upper_bound(req: ParsedRequest, template: ChatTemplate) -> int:
-    """prompt_upper_bound is a free upper bound on count_prompt_tokens (tokens).
-
-    Byte-level BPE yields at most one token per UTF-8 byte, so this needs no tokenizer:
-    use it to decide whether counting is worth moving off the event loop.
-    """
-    if req.chat is not None:
-        return req.chat.upper_bound(template)
-    if req.prompt is None:
-        return 0
-    suffix = utf8_upper_bound(req.suffix) * req.prompts if req.suffix else 0
-    return req.prompt.upper_bound() + suffix
 
 
 def request_reservation(req: ParsedRequest, prompt_tokens: int, context_window: int,
@@ -404,28 +360,21 @@ def check_context(req: ParsedRequest, prompt_tokens: int, reserved: int, context
                param, code="context_length_exceeded")
 
 
-def add_stream_usage(req: ParsedRequest) -> bytes | None:
-    """add_stream_usage returns the body asking the upstream for stream usage, or None.
-
-    When the client streams without ``stream_options.include_usage``, the upstream would
-    never report usage; kvgate asks for it (the ResponseTracker then hides the usage chunk
-    from the client). vLLM's ``continuous_usage_stats`` is turned off with it, so no other
-    chunk changes. Returns None when the body is left as it is.
-    """
-    return upstream_body(req)[0]
-
-
 def upstream_body(req: ParsedRequest, *, cap_max_tokens: int | None = None,
                   stream_usage: bool = True) -> tuple[bytes | None, bool]:
     """upstream_body is the body to send upstream instead of the client's, and whether the
     usage chunk it asks for must be hidden from the client: ``(None, False)`` leaves the
     body as it is.
 
-    Two rewrites: stream usage (see ``add_stream_usage``), and, when ``cap_max_tokens`` is
-    given and the request sets no completion cap, ``max_tokens = cap_max_tokens`` (tokens
-    per sequence: the completion kvgate reserved), so generation cannot outgrow the
-    reservation that the KV budget and the TPM bucket were charged. ``stream_usage=False``
-    skips the first (the response is not seen by this stream, so nothing could hide it).
+    Two rewrites. Stream usage: when the client streams without
+    ``stream_options.include_usage``, the upstream would never report usage, so kvgate asks
+    for it (the ResponseTracker then hides the usage chunk from the client) and turns vLLM's
+    ``continuous_usage_stats`` off with it, so no other chunk changes. The cap: when
+    ``cap_max_tokens`` is given and the request sets no completion cap, ``max_tokens =
+    cap_max_tokens`` (tokens per sequence: the completion kvgate reserved), so generation
+    cannot outgrow the reservation that the KV budget and the TPM bucket were charged.
+    ``stream_usage=False`` skips the first (the response is not seen by this stream, so
+    nothing could hide it).
     """
     if req.endpoint is Endpoint.EMBEDDINGS:
         return None, False
@@ -497,7 +446,7 @@ class ResponseTracker:
         self._buf = bytearray()
         self._scan = 0
         self._line_start = 0
-        self._data: list[bytes] = []
+        self._data: list[bytearray] = []  # the data lines of the event being read
 
     def feed(self, chunk: bytes, end_of_stream: bool) -> bytes | None:
         """feed takes the next body chunk; returns its replacement, or None to pass it as is."""

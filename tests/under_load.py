@@ -1,11 +1,10 @@
 """under_load runs the whole test suite several times while other processes burn the CPU.
 
 A test that passes on a quiet machine and fails on a busy one depends on time; this is how
-such tests are found (issue 16: five runs with both cores busy, no failure). It starts
-``--burners`` processes that spin on the CPU, runs the suite ``--runs`` times as
-`make test` does, and writes one row per run (wall seconds, counts, the failed tests) as
-Markdown to ``--out`` and to stdout, and each run's whole output beside it
-(``NAME-runN.txt``). Run by `make test-under-load`; not collected by pytest.
+such tests are found. It starts ``--burners`` processes that spin on the CPU, runs the
+suite ``--runs`` times as `make test` does, and writes one row per run (wall seconds,
+counts, the failed tests) as Markdown to ``--out`` and to stdout, and each run's whole
+output beside it (``NAME-runN.txt``). Run by `make test-under-load`; not collected by pytest.
 
     python tests/under_load.py --runs 5 --burners 2 --out bench/results/test-under-load.md
 """

@@ -262,7 +262,8 @@ class Scraper:
     def _record(self, node: _Node, result: _Result, now: float) -> None:
         pool, name = node.pool, node.backend.name
         sample = result.sample
-        ok = sample is not None and sample.usable
+        usable = sample if sample is not None and sample.usable else None
+        ok = usable is not None
         self._observe("scrape_done", pool, name, result.seconds, ok)
         problems: list[tuple[ScrapeError, str]] = []
         if result.failure is not None:
@@ -272,10 +273,11 @@ class Scraper:
         # One count per reason per scrape: three missing names are one broken scrape.
         for reason in dict.fromkeys(r for r, _ in problems):
             self._observe("scrape_error", pool, name, reason.value)
-        if ok:
-            node.sample, node.sampled_at = sample, now
+        if usable is not None:
+            node.sample, node.sampled_at = usable, now
         self._observe("backend_state", pool, name, ok,
-                      sample.kv_usage if ok else None, sample.waiting if ok else None)
+                      usable.kv_usage if usable is not None else None,
+                      usable.waiting if usable is not None else None)
         if problems:
             held = node.gate.allow(now)
             if held is not None:
@@ -292,15 +294,18 @@ class Scraper:
         node.up = ok
 
     def _report_node(self, node: _Node, result: _Result, now: float, mark: int | None) -> None:
+        sink = self._sink
+        if sink is None:  # no picking pool: nothing takes node reports
+            return
         sample = result.sample
-        ok = sample is not None and sample.usable
+        usable = sample if sample is not None and sample.usable else None
         failure = result.failure
-        report = NodeReport(kv_usage=sample.kv_usage if ok else None,  # type: ignore[union-attr]
-                            capacity_tokens=sample.kv_capacity_tokens if ok else None,  # type: ignore[union-attr]
+        report = NodeReport(kv_usage=usable.kv_usage if usable is not None else None,
+                            capacity_tokens=usable.kv_capacity_tokens if usable is not None else None,
                             at=now, refused=failure is not None and failure.reason is ScrapeError.CONNECT,
                             mark=mark)
         try:
-            self._sink.report(node.pool, node.backend.name, report)  # type: ignore[union-attr]
+            sink.report(node.pool, node.backend.name, report)
         except Exception:
             log.exception("reporting node %s/%s failed", node.pool, node.backend.name)
 

@@ -42,9 +42,10 @@ def _per_group(f: Findings, groups: dict[str, list[Series]],
     values: list[float | int] = []
     for series in groups.values():
         checked = [check(s.value, what) for s in series]
-        if any(v is None for v in checked):
+        readable = [v for v in checked if v is not None]
+        if len(readable) != len(checked):
             return None
-        values.append(max(checked))  # type: ignore[type-var]
+        values.append(max(readable))
     return values
 
 

@@ -74,9 +74,10 @@ def extract(index: Index, model_name: str | None) -> NodeSample:
         f.missing(f"neither {KV_USAGE} nor {KV_USAGE_OLD}{which}")
     else:
         ratios = [f.ratio(s.value, name) for s in usages]
-        if all(r is not None for r in ratios):
-            kv_usage = sum(ratios) / len(ratios)  # type: ignore[arg-type]
-    queues = {}
+        readable = [r for r in ratios if r is not None]
+        if len(readable) == len(ratios):
+            kv_usage = sum(readable) / len(readable)
+    queues: dict[str, int | None] = {}
     for metric in (WAITING, RUNNING):
         series = _of_model(index.get(metric, []), model_name)
         if not series:

@@ -23,8 +23,11 @@ from prometheus_client import CollectorRegistry
 from extproc.clock import ManualClock
 from extproc.config import parse_config
 from extproc.metrics import Metrics
+from extproc.openai_api import Endpoint, count_prompt_tokens, parse_request
+from extproc.openai_shapes import TEMPLATES
 from extproc.server import Server
-from tests.support.procs import LOOPBACK
+from extproc.tokens import load_tokenizer
+from kvgate_testkit.procs import LOOPBACK
 
 T = TypeVar("T")
 
@@ -148,9 +151,7 @@ class Rig:
 
     async def settle(self, timeout: float = 5.0) -> None:
         """settle waits (bounded) until every ext_proc stream on the server has ended."""
-        service = self.server.service
-        assert service is not None
-        await wait_for(lambda: not service.active, timeout)
+        await wait_for(lambda: self.count("kvgate_streams_active") == 0, timeout)
 
 
 async def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
@@ -200,6 +201,13 @@ def response_body(data: bytes, eos: bool = False) -> pb.ProcessingRequest:
 def chat(content: str = "Hello", **fields: Any) -> bytes:
     """chat is a one-message chat completions body with ``fields`` added."""
     return orjson.dumps({"model": "m", "messages": [{"role": "user", "content": content}], **fields})
+
+
+def prompt_tokens(body: bytes) -> int:
+    """prompt_tokens counts a chat body's prompt the way kvgate does for CONFIG's pools
+    (cl100k_base, the default chat template)."""
+    return count_prompt_tokens(parse_request(Endpoint.CHAT, body, "application/json"),
+                               load_tokenizer("cl100k_base"), TEMPLATES["openai"])
 
 
 def sse(obj: dict[str, Any]) -> bytes:

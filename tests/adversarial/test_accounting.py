@@ -7,15 +7,15 @@ took from the pool's bucket and from its tenant's bucket are exactly what it was
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import orjson
 import pytest
 
-from extproc.admission import Lease
-from tests.adversarial.support import (TOKEN, Rig, chat, kind, request_body, request_headers,
-                                       response_body, response_headers, sse)
+from tests.adversarial.support import (TOKEN, Rig, chat, kind, prompt_tokens, request_body,
+                                       request_headers, response_body, response_headers, sse)
 
 
 def tokens(rig: Rig) -> tuple[float, float]:
@@ -27,10 +27,21 @@ def tokens(rig: Rig) -> tuple[float, float]:
     return (pool[0] if pool else 1e9), (tenant[0] if tenant else 5e8)
 
 
-def charged(rig: Rig, body: bytes, response: list[Any], end: str = "close") -> tuple[float, Lease]:
-    """charged runs one admitted request with ``response`` messages and returns (tokens
-    charged to the pool bucket, the lease); the tenant bucket must agree."""
-    async def go() -> tuple[float, float, Lease]:
+@dataclass(frozen=True)
+class Charge:
+    """Charge is what one request took from the pool's bucket, in tokens: ``reserved`` at
+    admission (prompt + the completion reserved), ``debit`` once settled; ``prompt`` is its
+    prompt as kvgate counts it (the pools' tokenizer and the default chat template)."""
+
+    debit: float
+    reserved: float
+    prompt: int
+
+
+def charged(rig: Rig, body: bytes, response: list[Any], end: str = "close") -> Charge:
+    """charged runs one admitted request with ``response`` messages and returns what the pool
+    bucket was charged; the tenant bucket must agree, and nothing may be held after."""
+    async def go() -> tuple[tuple[float, float], tuple[float, float], tuple[float, float]]:
         before = tokens(rig)
         call = rig.stub.Process()
         await call.write(request_headers())
@@ -38,8 +49,7 @@ def charged(rig: Rig, body: bytes, response: list[Any], end: str = "close") -> t
         await call.write(request_body(body))
         answer = await call.read()
         assert kind(answer) == "request_body", answer
-        (ex,) = rig.server.service.active.values()
-        lease = ex.lease
+        admitted = tokens(rig)
         for m in response:
             await call.write(m)
             await call.read()
@@ -50,12 +60,12 @@ def charged(rig: Rig, body: bytes, response: list[Any], end: str = "close") -> t
             while await call.read() != grpc.aio.EOF:
                 pass
         await rig.settle()
-        after = tokens(rig)
-        return before[0] - after[0], before[1] - after[1], lease
-    pool, tenant, lease = rig.run(go())
-    assert pool == tenant
-    assert lease.released and rig.nothing_held()
-    return pool, lease
+        return before, admitted, tokens(rig)
+    before, admitted, after = rig.run(go())
+    assert before[0] - after[0] == before[1] - after[1]
+    assert before[0] - admitted[0] == before[1] - admitted[1]
+    assert rig.nothing_held()
+    return Charge(debit=before[0] - after[0], reserved=before[0] - admitted[0], prompt=prompt_tokens(body))
 
 
 def json_reply(usage: Any) -> list[Any]:
@@ -63,43 +73,43 @@ def json_reply(usage: Any) -> list[Any]:
 
 
 def test_reported_usage_is_what_is_charged(rig: Rig) -> None:
-    debit, lease = charged(rig, chat(max_tokens=50), json_reply({"prompt_tokens": 1, "completion_tokens": 7}))
-    assert debit == lease.demand.prompt_tokens + 7
+    c = charged(rig, chat(max_tokens=50), json_reply({"prompt_tokens": 1, "completion_tokens": 7}))
+    assert c.reserved == c.prompt + 50
+    assert c.debit == c.prompt + 7
 
 
 def test_streamed_usage_is_charged_and_the_injected_usage_chunk_is_hidden(rig: Rig) -> None:
     usage = {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}}
-    debit, lease = charged(rig, chat(stream=True, max_tokens=50), [
+    c = charged(rig, chat(stream=True, max_tokens=50), [
         response_headers(200, "text/event-stream"), response_body(sse(TOKEN) + sse(TOKEN)),
         response_body(sse(usage) + b"data: [DONE]\n\n"), response_body(b"", eos=True)])
-    assert debit == lease.demand.prompt_tokens + 2
+    assert c.debit == c.prompt + 2
 
 
 def test_a_stream_cut_short_is_charged_its_delivered_chunks(rig: Rig) -> None:
-    debit, lease = charged(rig, chat(stream=True, max_tokens=50), [
+    disconnects = rig.count("kvgate_releases_total", cause="client_disconnect")
+    c = charged(rig, chat(stream=True, max_tokens=50), [
         response_headers(200, "text/event-stream"), response_body(sse(TOKEN) * 3)], end="cancel")
-    assert debit == lease.demand.prompt_tokens + 3
-    assert lease.outcome is not None and lease.outcome.value == "client_disconnect"
+    assert c.debit == c.prompt + 3
+    assert rig.count("kvgate_releases_total", cause="client_disconnect") == disconnects + 1
 
 
 @pytest.mark.parametrize("usage", [None, {"completion_tokens": -1}, {"completion_tokens": "7"},
                                    {"completion_tokens": 7.0}, {"completion_tokens": True}, "garbage"])
 def test_unknown_or_hostile_usage_charges_the_whole_reservation(rig: Rig, usage: Any) -> None:
-    debit, lease = charged(rig, chat(max_tokens=50), json_reply(usage))
-    assert debit == lease.demand.prompt_tokens + lease.demand.completion_tokens
+    c = charged(rig, chat(max_tokens=50), json_reply(usage))
+    assert c.debit == c.reserved == c.prompt + 50
 
 
 def test_an_absurd_usage_is_capped(rig: Rig) -> None:
-    debit, lease = charged(rig, chat(max_tokens=50), json_reply({"completion_tokens": 10**12}))
-    assert debit == lease.demand.prompt_tokens + 4096  # the pool's context window
+    c = charged(rig, chat(max_tokens=50), json_reply({"completion_tokens": 10**12}))
+    assert c.debit == c.prompt + 4096  # the pool's context window
 
 
 def test_n_choices_are_charged_their_reported_completion(rig: Rig) -> None:
-    """Found here: Lease.release capped a reported completion at one context window, but
-    n choices reserve (and generate) up to n x max_tokens: n=8 x 900 tokens were charged
-    4096. Fixed in admission/controller.py: the cap is the larger of the window and the
-    reservation."""
-    debit, lease = charged(rig, chat(n=8, max_tokens=900),
-                           json_reply({"prompt_tokens": 9, "completion_tokens": 7200}))
-    assert lease.demand.completion_tokens == 7200
-    assert debit == lease.demand.prompt_tokens + 7200
+    """n choices reserve (and generate) up to n x max_tokens, so a reported completion is
+    capped at the larger of the context window and the reservation: n=8 x 900 tokens are
+    charged 7,200, not one window's 4,096."""
+    c = charged(rig, chat(n=8, max_tokens=900), json_reply({"prompt_tokens": 9, "completion_tokens": 7200}))
+    assert c.reserved == c.prompt + 7200
+    assert c.debit == c.prompt + 7200

@@ -19,7 +19,7 @@ from extproc.admission import Admission
 from extproc.clock import ManualClock
 from extproc.config import parse_config
 from extproc.signals import Scraper
-from tests.support.procs import LOOPBACK
+from kvgate_testkit.procs import LOOPBACK
 
 TIMEOUT_S = 0.2
 BASE_LIMIT = 10

@@ -23,8 +23,8 @@ import pytest
 
 from extproc.server import CAUSE_WAIT_S, SWEEP_EVERY_S
 from tests.adversarial.h2c import H2Connection
-from tests.e2e.stack import Stack, metadata_route
-from tests.support.procs import LOOPBACK, ROOT, VENV_BIN, wait_until
+from kvgate_testkit.stack import Stack, metadata_route
+from kvgate_testkit.procs import LOOPBACK, ROOT, VENV_BIN, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -366,9 +366,9 @@ HEADER_BYTES = {
 
 @pytest.mark.parametrize("header", list(HEADER_BYTES.values()), ids=list(HEADER_BYTES))
 def test_hostile_header_bytes_get_an_answer_not_a_500(stack: Stack, ledger: Ledger, header: bytes) -> None:
-    """Found here (fixed in 6d26ba8): in the recommended mode these came as request
-    attributes, and a value beyond latin-1 raised UnicodeEncodeError while a value that is
-    not UTF-8 made the whole ProcessingRequest undecodable: a 500 for any client."""
+    """In the recommended mode these headers come as request attributes: a value beyond
+    latin-1 and a value that is not UTF-8 (which makes the whole ProcessingRequest
+    undecodable) must each get an answer, never a 500 from a failed stream."""
     status, body = exchange(stack, post(CHAT, header))
     ledger.settled()
     assert stack.metric("kvgate_internal_errors_total") == ledger.errors

@@ -235,8 +235,8 @@ def test_hostile_content_length_is_answered_at_the_headers(rig: Rig, content_len
 
 
 def test_deeply_nested_tools_get_a_400_not_an_internal_error(rig: Rig) -> None:
-    """Found here: tool schemas nested deeper than orjson re-serializes (254) raised TypeError
-    from tokens.chat_shape (the stream failed, Envoy answered 500). Fixed in tokens.py."""
+    """Tool schemas nested deeper than orjson writes (254 levels) cannot be re-serialized to be
+    counted: a 400 on ``tools``, not an error that fails the stream (Envoy would answer 500)."""
     errors = rig.count("kvgate_internal_errors_total")
     answer, error, _ = run_one(rig, with_field(b"0").replace(b'"extra": 0', b'"tools": ' + nested(300)))
     assert answer == "immediate:400", error
@@ -245,9 +245,9 @@ def test_deeply_nested_tools_get_a_400_not_an_internal_error(rig: Rig) -> None:
 
 
 def test_a_deeply_nested_streamed_body_is_admitted_and_released(rig: Rig) -> None:
-    """Found here: a streamed body with any field nested deeper than 254 made
-    openai_api.add_stream_usage raise after the lease was granted (internal error, Envoy
-    500). Fixed in openai_api.py: the body then goes upstream unchanged."""
+    """A streamed body with a field nested deeper than orjson writes (254 levels) cannot be
+    rewritten to ask for stream usage: it goes upstream unchanged and its lease is released,
+    with no internal error after the lease was granted (Envoy would answer 500)."""
     errors = rig.count("kvgate_internal_errors_total")
     answer, error, _ = run_one(rig, with_field(nested(300), stream=True))
     assert answer == "request_body", error

@@ -22,8 +22,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.adversarial.support import (TOKEN, Rig, chat, kind, request_body, response_body,
-                                       response_headers, sse, usage_json)
+from tests.adversarial.support import (TOKEN, Rig, chat, kind, prompt_tokens, request_body,
+                                       response_body, response_headers, sse, usage_json)
 
 EXT_PROC = "envoy.filters.http.ext_proc"
 NONE = processing_mode_pb2.ProcessingMode.NONE
@@ -171,10 +171,12 @@ def test_observe_mode_charges_what_the_observed_response_shows(rig: Rig, order: 
     before = rig.count("kvgate_releases_total", cause=cause)
     tokens = pool_tokens(rig)
 
-    async def go() -> Any:
-        pair = Pair(rig, chat(max_tokens=50, stream=any("sse" in s[1] for s in order if len(s) > 1)))
+    body = chat(max_tokens=50, stream=any("sse" in s[1] for s in order if len(s) > 1))
+
+    async def go() -> float:
+        pair = Pair(rig, body)
         await pair.admit()
-        (ex,) = rig.server.service.active.values()
+        reserved = tokens - pool_tokens(rig)
         for step in order:
             if step[0] == "end":
                 await pair.end_admission("close")
@@ -182,9 +184,10 @@ def test_observe_mode_charges_what_the_observed_response_shows(rig: Rig, order: 
                 await pair.observe("own", step[1], "close")
         await pair.end_admission("close")
         await rig.settle()
-        return ex.lease
-    lease = rig.run(go())
+        return reserved
+    reserved = rig.run(go())
     assert rig.count("kvgate_releases_total", cause=cause) == before + 1
-    d = lease.demand
-    assert tokens - pool_tokens(rig) == d.prompt_tokens + (d.completion_tokens if completion is None else completion)
+    prompt = prompt_tokens(body)
+    assert reserved == prompt + 50
+    assert tokens - pool_tokens(rig) == (reserved if completion is None else prompt + completion)
     assert rig.nothing_held() and rig.server.service.links == {}

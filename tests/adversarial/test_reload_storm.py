@@ -3,9 +3,9 @@
 Reloads remove, rename, shrink and re-add pools and classes between any two messages of
 open streams (Hypothesis picks the interleaving). Leases of removed pools must still
 release cleanly, reloads must never raise, and when every stream has ended nothing is
-held in any pool that ever existed. Targeted tests cover waiters of a removed pool and two
-findings: a request whose pool is removed before its decision (fixed in 6d26ba8), and
-tokenizer files read on the event loop during a reload (strict xfail until fixed).
+held in any pool that ever existed. Targeted tests cover waiters of a removed pool, a
+request whose pool is removed before its decision, and a reload that must not read
+tokenizer files on the event loop.
 """
 
 from __future__ import annotations
@@ -236,7 +236,8 @@ def test_waiters_of_a_removed_pool_are_refused_and_the_holder_still_releases(rig
 
 @pytest.mark.parametrize("when", ["between_headers_and_body", "while_counting_a_large_body"])
 def test_a_pool_removed_before_the_decision_gets_a_clean_answer(rig: Rig, when: str) -> None:
-    """Found here (fixed in 6d26ba8): acquire raised UnknownPoolError out of the stream."""
+    """The pool is gone when acquire runs: the request gets an answer, and UnknownPoolError
+    never escapes the stream."""
     errors = rig.count("kvgate_internal_errors_total")
     gate = threading.Event()
 

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from extproc.metrics import Metrics
 from tests.deploy.support import K8S, ROOT, docs
-from tests.support.promtool import Unavailable, promtool_binary
+from kvgate_testkit.promtool import Unavailable, promtool_binary
 
 RULES = ROOT / "deploy" / "prometheus" / "kvgate-rules.yaml"
 OPERATOR = K8S / "prometheusrule.yaml"

@@ -7,7 +7,11 @@ import os
 import re
 import subprocess
 
+import pytest
+
 from tests.deploy.support import ROOT
+
+pytestmark = pytest.mark.bench
 
 
 def bench_commands(*make_args: str) -> list[str]:

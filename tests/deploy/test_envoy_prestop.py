@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from tests.deploy.support import K8S, container, envoy_binary, envoy_bootstrap, flag, http_filters, one, resources
-from tests.support.procs import Proc, free_port, wait_until
+from kvgate_testkit.procs import Proc, free_port, wait_until
 
 pytestmark = pytest.mark.e2e
 

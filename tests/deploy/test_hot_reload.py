@@ -22,7 +22,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from tests.support.procs import Proc, free_port, wait_until
+from kvgate_testkit.procs import Proc, free_port, wait_until
 
 pytestmark = pytest.mark.e2e
 

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from tests.deploy.support import K8S, container, envoy_binary, flag, one, resources
-from tests.support.procs import Proc, free_port, wait_until
+from kvgate_testkit.procs import Proc, free_port, wait_until
 
 pytestmark = pytest.mark.e2e
 

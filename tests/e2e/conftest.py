@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.stack import Stack
-from tests.support.procs import ROOT, VENV_BIN
+from kvgate_testkit.stack import Stack
+from kvgate_testkit.procs import ROOT, VENV_BIN
 
 pytestmark = pytest.mark.e2e
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.stack import Stack, openai_client, released
-from tests.support.procs import wait_until
+from kvgate_testkit.stack import Stack, openai_client, released
+from kvgate_testkit.procs import wait_until
 
 MESSAGES = [{"role": "user", "content": "Say hello"}]
 

@@ -13,10 +13,10 @@ import json
 import pytest
 
 from tests.e2e.options import MESSAGES, no_leak, wait_released  # noqa: F401
-from tests.e2e.stack import Stack, released
+from kvgate_testkit.stack import Stack, released
 from tests.e2e.test_replicas import PREFIX, held_in_redis
-from tests.support.procs import LOOPBACK, ROOT, wait_until
-from tests.support.redis_server import RedisServer
+from kvgate_testkit.procs import LOOPBACK, ROOT, wait_until
+from kvgate_testkit.redis_server import RedisServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis]
 

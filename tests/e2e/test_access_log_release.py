@@ -1,4 +1,4 @@
-"""End to end, issue 7: the operator option deploy/envoy-access-log.yaml.
+"""End to end: the operator option deploy/envoy-access-log.yaml.
 
 kvgate answers the request body and ends its ext_proc stream there: an in-flight request
 holds no gRPC stream in kvgate. The request's end comes by Envoy's gRPC access log, whose
@@ -18,9 +18,9 @@ import pytest
 from tests.e2e.options import (MESSAGES, bucket_drop, disconnect_released, hold_streams,  # noqa: F401
                                let_go, module_stack, no_leak, refused_for_concurrency,
                                upstream_error_released, wait_released)
-from tests.e2e.stack import Stack, metadata_route, released
-from tests.e2e.stack import openai_client as client
-from tests.support.procs import LOOPBACK, ROOT, wait_until
+from kvgate_testkit.stack import Stack, metadata_route, released
+from kvgate_testkit.stack import openai_client as client
+from kvgate_testkit.procs import LOOPBACK, ROOT, wait_until
 
 pytestmark = pytest.mark.e2e
 

@@ -1,4 +1,4 @@
-"""End to end, issue 4: a running ``kvgate serve`` follows a vLLM node's KV usage.
+"""End to end: a running ``kvgate serve`` follows a vLLM node's KV usage.
 
 A fake vLLM metrics endpoint (a real HTTP server on 127.0.0.1 serving the vLLM V1
 exposition sample with a settable usage) is the pool's only backend. Moving its usage
@@ -20,7 +20,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.procs import LOOPBACK, VENV_BIN, Proc, free_port, wait_until
+from kvgate_testkit.procs import LOOPBACK, VENV_BIN, Proc, free_port, wait_until
 
 pytestmark = pytest.mark.e2e
 

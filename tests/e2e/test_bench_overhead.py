@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.procs import ROOT
+from kvgate_testkit.procs import ROOT
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.bench]
 
 
 @pytest.mark.timeout(300)

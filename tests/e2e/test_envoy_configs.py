@@ -1,4 +1,4 @@
-"""End to end, issue 7: what differs between the two Envoy files behaves the same.
+"""End to end: what differs between the two Envoy files behaves the same.
 
 deploy/envoy.yaml skips request headers (kvgate learns the request from attributes sent
 with the body, and Envoy itself answers what must be answered before a body arrives);
@@ -17,8 +17,8 @@ from typing import Any
 import orjson
 import pytest
 
-from tests.e2e.stack import Stack
-from tests.support.procs import LOOPBACK
+from kvgate_testkit.stack import Stack
+from kvgate_testkit.procs import LOOPBACK
 
 pytestmark = pytest.mark.e2e
 

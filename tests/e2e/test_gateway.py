@@ -19,8 +19,8 @@ import orjson
 import pytest
 from openai import OpenAI
 
-from tests.e2e.stack import Stack, metadata_route
-from tests.support.procs import LOOPBACK, ROOT, VENV_BIN, wait_until
+from kvgate_testkit.stack import Stack, metadata_route
+from kvgate_testkit.procs import LOOPBACK, ROOT, VENV_BIN, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -110,13 +110,6 @@ def test_embeddings_and_completions_are_admitted(stack: Stack) -> None:
     assert stack.metric("kvgate_requests_total", outcome="admitted") == before + 2
 
 
-def test_other_paths_pass_through(stack: Stack) -> None:
-    models = client(stack).models.list()
-    assert [m.id for m in models.data] == ["fake"]
-
-
-# --- refused -------------------------------------------------------------------------------
-
 def hold_stream(stack: Stack, key: str) -> Any:
     """hold_stream opens a stream the upstream holds after its first chunk (a busy slot)."""
     stream = client(stack).chat.completions.create(
@@ -125,6 +118,26 @@ def hold_stream(stack: Stack, key: str) -> Any:
     first = next(iter(stream))
     assert first.choices[0].delta.content == "tok0 "
     return stream
+
+
+def test_other_paths_pass_through_unadmitted_while_the_pool_is_full(stack: Stack) -> None:
+    """A pass path (the model list) takes no slot: with both slots held, a chat request is
+    refused and the model list still answers."""
+    held = [hold_stream(stack, f"pass-{i}") for i in range(2)]
+    try:
+        with pytest.raises(openai.RateLimitError):
+            client(stack).chat.completions.create(model="fake", messages=MESSAGES, max_tokens=3)
+        models = client(stack).models.list()
+        assert [m.id for m in models.data] == ["fake"]
+        assert stack.inflight() == 2
+    finally:
+        stack.upstream_post("/_fake/release/pass-0")
+        stack.upstream_post("/_fake/release/pass-1")
+        for s in held:
+            list(s)
+
+
+# --- refused -------------------------------------------------------------------------------
 
 
 def test_full_slots_429_with_headers_then_the_clients_retry_succeeds(stack: Stack) -> None:

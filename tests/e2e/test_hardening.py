@@ -1,4 +1,4 @@
-"""End to end, issue 15: what every shipped Envoy file must do before kvgate decides.
+"""End to end: what every shipped Envoy file must do before kvgate decides.
 
 Each test runs through the real Envoy with every Envoy file the project ships (the five
 of deploy/ and the one inside deploy/k8s/envoy-config.yaml): client-sent identity and
@@ -23,8 +23,8 @@ import orjson
 import pytest
 import yaml
 
-from tests.e2e.stack import Stack
-from tests.support.procs import LOOPBACK, ROOT, VENV_BIN, wait_until
+from kvgate_testkit.stack import Stack
+from kvgate_testkit.procs import LOOPBACK, ROOT, VENV_BIN, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -200,7 +200,7 @@ CAUSES = ("completed", "client_disconnect", "upstream_error", "timeout", "ended"
 
 def test_an_upstream_dying_mid_stream_is_an_upstream_error_and_a_client_leaving_a_disconnect(
         stack: Stack) -> None:
-    """Issue 15 item 10: Envoy ends kvgate's stream alike in both cases; the access log entry
+    """Envoy ends kvgate's stream alike in both cases; the access log entry
     tells them apart. The reservation file never sees the response: both are ``ended``."""
     unread = stack.envoy_template.name == "envoy-reservation.yaml"
     grew = _cut(stack, {"x-fake-die-after": "2", "x-fake-delay-ms": "50"}, leave=False)

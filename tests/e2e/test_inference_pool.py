@@ -15,8 +15,8 @@ import pytest
 
 from extproc import picker_protocol as epp
 from extproc.envoyconf import HEADER_MUTATION_TYPE, SET_METADATA_TYPE
-from tests.support.nodes_stack import MODEL, NodesStack
-from tests.support.procs import ROOT, wait_until
+from kvgate_testkit.nodes_stack import MODEL, NodesStack
+from kvgate_testkit.procs import ROOT, wait_until
 
 pytestmark = pytest.mark.e2e
 

@@ -1,4 +1,4 @@
-"""End to end, issue 15: deploy/envoy-jwt.yaml, the tenant from a verified source.
+"""End to end: deploy/envoy-jwt.yaml, the tenant from a verified source.
 
 The real Envoy runs the shipped file with one change: its identity provider's key set is
 a key generated here (HS256, ``local_jwks``) instead of the provider's remote JWKS, so
@@ -22,8 +22,8 @@ import orjson
 import pytest
 import yaml
 
-from tests.e2e.stack import Stack
-from tests.support.procs import LOOPBACK, ROOT, VENV_BIN
+from kvgate_testkit.stack import Stack
+from kvgate_testkit.procs import LOOPBACK, ROOT, VENV_BIN
 
 pytestmark = pytest.mark.e2e
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from tests.support.procs import LOOPBACK, ROOT, free_port
+from kvgate_testkit.procs import LOOPBACK, ROOT, free_port
 
 
 def test_local_stack_answers_the_printed_request():

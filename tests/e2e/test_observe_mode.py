@@ -1,4 +1,4 @@
-"""End to end, issue 7: the operator option deploy/envoy-observe.yaml.
+"""End to end: the operator option deploy/envoy-observe.yaml.
 
 The response goes to a second ext_proc filter in observability mode (no blocking message
 per streamed chunk); kvgate ties it to the admission stream by a link in the request's
@@ -19,9 +19,9 @@ import pytest
 from tests.e2e.options import (MESSAGES, client_usage_arrives, disconnect_released,  # noqa: F401
                                hold_streams, let_go, module_stack, no_leak, refused_for_concurrency,
                                stream_passes_untouched, upstream_error_released)
-from tests.e2e.stack import Stack, released
-from tests.e2e.stack import openai_client as client
-from tests.support.procs import ROOT, wait_until
+from kvgate_testkit.stack import Stack, released
+from kvgate_testkit.stack import openai_client as client
+from kvgate_testkit.procs import ROOT, wait_until
 
 pytestmark = pytest.mark.e2e
 

@@ -18,8 +18,8 @@ import yaml
 
 from extproc.config import parse_config
 from extproc.envoyconf import check_envoy, envoy_bootstrap
-from tests.e2e.stack import Stack, openai_client
-from tests.support.procs import wait_until
+from kvgate_testkit.stack import Stack, openai_client
+from kvgate_testkit.procs import wait_until
 
 pytestmark = pytest.mark.e2e
 

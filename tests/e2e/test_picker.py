@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.nodes_stack import MODEL, NodesStack
-from tests.support.procs import wait_until
+from kvgate_testkit.nodes_stack import MODEL, NodesStack
+from kvgate_testkit.procs import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -138,7 +138,7 @@ def test_a_killed_node_stops_being_picked_and_its_requests_are_released_once(sta
 
 
 def test_a_node_killed_mid_stream_is_released_at_once_as_an_upstream_error(stack):
-    """Issue 15 item 10 with the picker file itself: the streamed answer's node dies after
+    """With the picker file itself: the streamed answer's node dies after
     its first chunks; the lease is released when Envoy ends the stream, and counted
     upstream_error (not client_disconnect) once Envoy's access log entry tells why."""
     causes = ("upstream_error", "client_disconnect")

@@ -1,4 +1,4 @@
-"""End to end, issue 8: two kvgate replicas share one budget through a real redis-server.
+"""End to end: two kvgate replicas share one budget through a real redis-server.
 
 Two stacks (fake upstream, ``kvgate serve``, the real Envoy), one per replica, both
 configured with ``store.redis`` on one redis-server this module starts on a free loopback
@@ -25,9 +25,9 @@ import pytest
 import redis as redis_sync
 from openai import OpenAI
 
-from tests.e2e.stack import Stack
-from tests.support.procs import Proc, wait_until
-from tests.support.redis_server import RedisServer
+from kvgate_testkit.stack import Stack
+from kvgate_testkit.procs import Proc, wait_until
+from kvgate_testkit.redis_server import RedisServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis]
 

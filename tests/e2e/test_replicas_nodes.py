@@ -1,4 +1,4 @@
-"""End to end, issue 18: two kvgate replicas, each behind its own real Envoy, pick among the
+"""End to end: two kvgate replicas, each behind its own real Envoy, pick among the
 same three simulated nodes and share what each node holds through one redis-server.
 
 - A burst of long prompts split across both replicas preempts nothing on any node (alone,
@@ -20,9 +20,9 @@ import openai
 import pytest
 import redis as redis_sync
 
-from tests.support.nodes_stack import MODEL, NodesStack
-from tests.support.procs import wait_until
-from tests.support.redis_server import RedisServer
+from kvgate_testkit.nodes_stack import MODEL, NodesStack
+from kvgate_testkit.procs import wait_until
+from kvgate_testkit.redis_server import RedisServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis]
 

@@ -1,4 +1,4 @@
-"""End to end, issue 7: the operator option deploy/envoy-reservation.yaml.
+"""End to end: the operator option deploy/envoy-reservation.yaml.
 
 The response body mode is NONE: kvgate answers the request body and the response headers,
 and no streamed chunk waits for the processor. The ext_proc stream still ends with the
@@ -17,9 +17,9 @@ from tests.e2e.options import (MESSAGES, bucket_drop, client_usage_arrives,  # n
                                disconnect_released, hold_streams, let_go, module_stack, no_leak,
                                refused_for_concurrency, stream_passes_untouched,
                                upstream_error_released)
-from tests.e2e.stack import Stack, released
-from tests.e2e.stack import openai_client as client
-from tests.support.procs import ROOT, wait_until
+from kvgate_testkit.stack import Stack, released
+from kvgate_testkit.stack import openai_client as client
+from kvgate_testkit.procs import ROOT, wait_until
 
 pytestmark = pytest.mark.e2e
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.procs import ROOT
+from kvgate_testkit.procs import ROOT
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 if not VLLM_PYTHON.exists():

@@ -12,9 +12,9 @@ import sys
 import pytest
 
 from bench.bench_protection import CHAT_OVERHEAD, POLICIES, TINY, build_requests
-from tests.support.procs import ROOT
+from kvgate_testkit.procs import ROOT
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.bench]
 
 
 def test_workload_is_reproducible_and_prompts_have_their_stated_size():

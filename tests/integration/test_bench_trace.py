@@ -23,7 +23,7 @@ from bench.bench_trace import (NODE, POLICIES, TINY, TRACE_SLICE, Background, Or
                                build_requests, envoy_for, kvgate_config, preemptions_at_arrival, read_trace,
                                skip_reason)
 from tests.deploy.support import envoy_validate
-from tests.support.procs import ROOT
+from kvgate_testkit.procs import ROOT
 
 pytestmark = pytest.mark.bench
 

@@ -12,7 +12,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,9 +21,10 @@ from extproc.admission.types import PoolSignals
 from extproc.clock import ManualClock, MonotonicClock
 from extproc.config import Config, parse_config
 from extproc.signals import ScrapeError, Scraper
-from tests.support.procs import LOOPBACK, free_port, wait_until
+from kvgate_testkit import EXPOSITIONS
+from kvgate_testkit.procs import LOOPBACK, free_port, wait_until
 
-SAMPLES = Path(__file__).resolve().parents[1] / "unit" / "signals" / "samples"
+SAMPLES = EXPOSITIONS
 TIMEOUT_S = 0.2  # for the faults about time
 GENEROUS_TIMEOUT_S = 3.0  # for the rest; the most make_config allows with stale_after_s 3 s
 
@@ -452,7 +452,7 @@ def test_the_thread_polls_until_stopped(new_scraper, servers):
 
 
 def test_the_admission_scale_follows_a_node_death_and_its_return(new_scraper, servers):
-    """Issue 4: min_scale within stale_after_s + one poll of a death; smooth recovery after."""
+    """min_scale within stale_after_s + one poll of a node's death; smooth recovery after."""
     a = serve(servers, Behavior(vllm_body(0.3)))
     b = serve(servers, Behavior(vllm_body(0.4)))
     cfg = make_config({"p": [{"name": "a", "metrics_url": a.url}, {"name": "b", "metrics_url": b.url}]})

@@ -14,7 +14,7 @@ import orjson
 import yaml
 
 from extproc.logfmt import TEXT_FORMAT, JsonFormatter, UtcTextFormatter
-from tests.support.procs import LOOPBACK, Proc, free_port, wait_until
+from kvgate_testkit.procs import LOOPBACK, Proc, free_port, wait_until
 
 T = 1_780_000_000.25  # 2026-05-28T20:26:40.250Z
 

@@ -17,7 +17,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from extproc.config import parse_config
 from extproc.metrics import Metrics
 from extproc.server import Server
-from tests.support.procs import LOOPBACK, ROOT, Proc, free_port, wait_until
+from kvgate_testkit.procs import LOOPBACK, ROOT, Proc, free_port, wait_until
 
 CONFIG: dict[str, Any] = {
     "pools": {"default": {"max_concurrency": 2, "tpm": 1_000_000, "context_window": 4096,
@@ -130,6 +130,29 @@ async def wait_for(predicate: Any, timeout: float = 5.0) -> None:
         await asyncio.sleep(0.005)
 
 
+def streams_active(server: Server) -> float | None:
+    """streams_active is kvgate_streams_active, read from the in-process server's registry."""
+    return server.metrics.registry.get_sample_value("kvgate_streams_active")
+
+
+async def wait_for_async(predicate: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> None:
+    """wait_for_async is wait_for for a condition that must be awaited (an RPC's answer)."""
+    deadline = time.monotonic() + timeout
+    while not await predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met")
+        await asyncio.sleep(0.005)
+
+
+async def refuses_rpcs(health: health_pb2_grpc.HealthStub) -> bool:
+    """refuses_rpcs tells whether the gRPC server has stopped taking new calls (UNAVAILABLE)."""
+    try:
+        await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+    except grpc.aio.AioRpcError as exc:
+        return exc.code() is grpc.StatusCode.UNAVAILABLE
+    return False
+
+
 async def admit_stream(stub: pb_grpc.ExternalProcessorStub, **fields: Any) -> Any:
     call = stub.Process()
     await call.write(headers())
@@ -187,7 +210,7 @@ async def test_cancelled_stream_releases_its_lease(server: Server, stub: Any) ->
     assert server.admission.snapshot("default").inflight == 1
     call.cancel()
     await wait_for(lambda: server.admission.snapshot("default").inflight == 0)
-    await wait_for(lambda: not server.service.active)
+    await wait_for(lambda: streams_active(server) == 0)
     assert await ametric(server.admin_port, "kvgate_releases_total", cause="client_disconnect") == 1
     assert await ametric(server.admin_port, "kvgate_streams_active") == 0
 
@@ -218,7 +241,7 @@ async def test_many_concurrent_streams_end_with_nothing_held(server: Server, stu
         await call.read()
         await call.done_writing()
     await asyncio.gather(*(one(i) for i in range(30)))
-    await wait_for(lambda: not server.service.active)
+    await wait_for(lambda: streams_active(server) == 0)
     snap = server.admission.snapshot("default")
     assert snap.inflight == 0 and snap.kv_inflight == 0
     port = server.admin_port
@@ -239,7 +262,7 @@ async def test_health_service_and_admin_endpoints(server: Server) -> None:
 
 @pytest.mark.redis
 async def test_a_redis_store_is_wired_in_and_settled(tmp_path: Path) -> None:
-    from tests.support.redis_server import RedisServer
+    from kvgate_testkit.redis_server import RedisServer
     redis = RedisServer(tmp_path).start()
     try:
         cfg = {**CONFIG, "store": {"redis": {"url": redis.url, "key_prefix": "it:"}}}
@@ -304,8 +327,8 @@ async def test_sigterm_drains_then_waits_for_streams_then_exits_0(tmp_path: Path
             assert resp.WhichOneof("response") == "request_body"
             assert metric(kv.admin_port, "kvgate_inflight_requests") == 2
             second.cancel()
-            # after the drain period it waits for the stream in flight, which then completes
-            await asyncio.sleep(1.2)  # past drain_s: the process must still be there
+            # After drain_s the server takes no new RPC, yet waits for the stream in flight.
+            await wait_for_async(lambda: refuses_rpcs(health), timeout=10)
             assert kv.proc.alive()
             await first.write(response_headers(200, "application/json"))
             await first.read()

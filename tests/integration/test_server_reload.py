@@ -11,9 +11,10 @@ from extproc.config import parse_config
 from extproc.metrics import Metrics
 from extproc.server import Server
 from prometheus_client import CollectorRegistry
-from tests.support.procs import LOOPBACK
+from kvgate_testkit import EXPOSITIONS
+from kvgate_testkit.procs import LOOPBACK
 
-SAMPLE = (Path(__file__).resolve().parents[1] / "unit/signals/samples/vllm_v1.prom").read_text()
+SAMPLE = (EXPOSITIONS / "vllm_v1.prom").read_text()
 BASE = {"pools": {"default": {"max_concurrency": 10}},
         "adaptive": {"poll_interval_s": 0.05, "scrape_timeout_s": 0.05, "stale_after_s": 1.0}}
 

@@ -14,7 +14,7 @@ import pytest
 import tiktoken
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.procs import LOOPBACK, Proc, free_port, wait_until
+from kvgate_testkit.procs import LOOPBACK, Proc, free_port, wait_until
 
 MODEL = "sim-model"
 CAPACITY = 16 * 256          # 256 blocks

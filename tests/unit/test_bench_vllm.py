@@ -17,7 +17,9 @@ from bench.bench_vllm import (PICKER_ENVOY, POOL_ENVOY, ROWS, Burst, EngineFlags
                               descendants, kvgate_config, parse_metrics, preemption_cell, prompts,
                               render_envoy, report, skipped_rows, spread)
 from tests.deploy.support import envoy_validate
-from tests.support.procs import ROOT, wait_until
+from kvgate_testkit.procs import ROOT, wait_until
+
+pytestmark = pytest.mark.bench
 
 
 @pytest.fixture(scope="module")

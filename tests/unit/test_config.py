@@ -171,7 +171,7 @@ def test_unreadable_and_broken_files(tmp_path):
         load_config(binary)
 
 
-# --- gaps found from outside (issue 16) ------------------------------------------------
+# --- duplicate keys, header names, classes the file must name ------------------------
 
 def test_a_key_given_twice_is_an_error_naming_both_lines(tmp_path):
     path = tmp_path / "twice.yaml"

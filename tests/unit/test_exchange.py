@@ -698,7 +698,7 @@ async def test_a_shared_store_that_cannot_answer_gives_503_and_holds_nothing() -
     """A Redis store set to fail closed, with nothing listening: 503, retry shortly."""
     from extproc.admission.store.redis import RedisStore
     from extproc.config import RedisStoreConfig
-    from tests.support.procs import free_port
+    from kvgate_testkit.procs import free_port
 
     rig = Rig()
     store = RedisStore(RedisStoreConfig(url=f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.05,

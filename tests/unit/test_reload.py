@@ -15,7 +15,7 @@ from extproc.clock import ManualClock, MonotonicClock
 from extproc.config import Config
 from extproc.errors import ConfigError
 from extproc.reload import MAX_CONFIG_BYTES, ConfigWatcher
-from tests.support.procs import wait_until
+from kvgate_testkit.procs import wait_until
 
 
 def config_text(concurrency: int, tpm: int | None = None) -> str:

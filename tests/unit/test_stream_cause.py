@@ -1,4 +1,4 @@
-"""Unit tests of ``release: stream_and_log`` (issue 15 item 10) without gRPC: the real
+"""Unit tests of ``release: stream_and_log`` without gRPC: the real
 ``ExtProcService.Process`` loop reads Envoy's messages from an in-memory context. A stream
 cut short is released when it ends; the cause of the release is counted when Envoy's access
 log entry of the request tells it (or after ``CAUSE_WAIT_S`` without one)."""

@@ -15,7 +15,7 @@ from tests.unit.test_exchange import BASE_CONFIG, Rig, admit, body_msg, chat, he
 
 
 @pytest.mark.parametrize(("waited", "base", "asked", "cut"), [
-    (2.0, 2.0, 11.0, True),     # the 504 of issue 16: cut exactly at the base timeout
+    (2.0, 2.0, 11.0, True),     # cut exactly at the base timeout (Envoy's 504 otherwise)
     (1.97, 2.0, 11.0, True),    # the reset seen a little before its body's arrival time + 2 s
     (2.7, 2.0, 11.0, True),     # seen late on a busy machine
     (0.8, 2.0, 11.0, False),    # a client that gave up early

