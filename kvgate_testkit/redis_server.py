@@ -206,11 +206,11 @@ async def redis_store(redis_server: RedisServer, clock: Clock) -> AsyncIterator[
     """redis_store is a RedisStore on the session's server, under a key prefix of its own.
 
     It takes its instants from the callers (``clock``, the test's manual clock), so that
-    the suite's fixed-instant tests run unchanged against Redis; its timeout is 2 s, as
+    the suite's fixed-instant tests run unchanged against Redis; its timeout is 10 s, as
     the suite checks the rule, not the speed of Redis on a busy machine.
     """
     # A generous timeout: these tests check the rule, not Redis's speed on a busy machine.
-    cfg = RedisStoreConfig(url=redis_server.url, key_prefix=f"t{secrets.token_hex(6)}:", timeout_s=2.0)
+    cfg = RedisStoreConfig(url=redis_server.url, key_prefix=f"t{secrets.token_hex(6)}:", timeout_s=10.0)
     store = RedisStore(cfg, clock=clock)
     yield store
     await store.close()

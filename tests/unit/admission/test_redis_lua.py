@@ -18,7 +18,7 @@ from extproc.admission.bucket import FIT_SLACK
 from extproc.admission.shared_nodes import NodeAsk
 from extproc.admission.store import redis_lua as L
 from extproc.admission.types import Budget
-from tests.support.redis_server import RedisServer
+from kvgate_testkit.redis_server import RedisServer
 
 # Every layout with a distinct sample value per field (text fields get text, the rest numbers,
 # ``now`` an instant, None a missing number), the fields that expand into others, its group.
