@@ -20,11 +20,12 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvgate_testkit import EXPOSITIONS
 from kvgate_testkit.procs import LOOPBACK, VENV_BIN, Proc, free_port, wait_until
 
 pytestmark = pytest.mark.e2e
 
-SAMPLE = Path(__file__).resolve().parents[1] / "unit" / "signals" / "samples" / "vllm_v1.prom"
+SAMPLE = EXPOSITIONS / "vllm_v1.prom"
 BASE_LIMIT = 50
 MIN_SCALE = 0.6
 
