@@ -16,6 +16,20 @@ from extproc.config import Config, parse_config
 T0 = 1000.0
 
 
+class Recorder:
+    """Recorder is a StoreObserver that remembers what it heard."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+        self.modes: list[str] = []
+
+    def store_error(self, reason: str) -> None:
+        self.errors.append(reason)
+
+    def store_mode(self, mode: str) -> None:
+        self.modes.append(mode)
+
+
 class YieldingStore(Store):
     """YieldingStore is the in-memory store behind an ``await`` that really suspends.
 
