@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping
-from string import Template
 from typing import Any, NamedTuple, get_type_hints
 
 from extproc.admission.bucket import FIT_SLACK
@@ -267,8 +266,19 @@ def _constants() -> str:
 
 
 def _script(source: str, **parts: str) -> str:
-    """_script fills a script's ``$name`` places (Lua uses no ``$``) with generated Lua."""
-    return Template(source).substitute(parts)
+    """_script fills a script's ``$name`` places (Lua uses no ``$``), each alone on its line,
+    with generated Lua, indented as the place is."""
+    out: list[str] = []
+    for line in source.split("\n"):
+        body = line.lstrip()
+        if body.startswith("$"):
+            indent = line[:len(line) - len(body)]
+            out.extend(indent + x for x in parts[body[1:]].split("\n"))
+        elif "$" in line:
+            raise ValueError(f"a $place must stand alone on its line: {line!r}")
+        else:
+            out.append(line)
+    return "\n".join(out)
 
 
 # --- Lua -------------------------------------------------------------------------------
@@ -442,13 +452,11 @@ local function refused(r)
   return '0 ' .. r[1] .. ' ' .. fmt(r[2]) .. ' ' .. r[3] .. ' ' .. fmt(r[4]) .. ' ' .. fmt(r[5]) .. ' '
     .. fmt(r[6]) .. view(now, st, pbk, pb ~= nil)
 end
--- shared_nodes.pick_shared (rules.pick_node over every replica's holds): checked before
--- the pool's budgets, as the controller does with an in-process store
-local node, hold = '-', 0
-if ARGV[2] ~= '-' then
-  local q = args(ARGV[2])
+-- pick_node is shared_nodes.pick_shared (rules.pick_node over every replica's holds) on
+-- the NodeArg words q: the node picked and its hold, or nil, 0 and the refusal.
+local function pick_node(q)
   $node
-  local best, best_room, by_wm = nil, nil, false
+  local best, best_room, by_wm, chosen = nil, nil, false, nil
   $each_node
     local held = tonumber(redis.call('HGET', nk, name)) or 0
     local eff = math.floor(cap * (1.0 - reserve))
@@ -460,22 +468,15 @@ if ARGV[2] ~= '-' then
     elseif wm < 1.0 and foreign + held + need > math.floor(wm * eff) then
       by_wm = true
     elseif best == nil or room > best then
-      best, node = room, name
+      best, chosen = room, name
     end
   end
-  if node == '-' then
-    local r = best_room or 0
-    local budget = B_NODE_KV
-    if by_wm then budget = B_CLASS_KV end
-    return refused({budget, est, 1, need, r, r})
-  end
-  hold = need
+  if chosen then return chosen, need, nil end
+  local r = best_room or 0
+  local budget = B_NODE_KV
+  if by_wm then budget = B_CLASS_KV end
+  return nil, 0, {budget, est, 1, need, r, r}
 end
--- rules.decide, step 1: never fits, not even at scale 1.0
-if base_kv and n > base_kv then return refused({B_KV, 0, 0, n, kvin, base_kv}) end
-if cbase and n > cbase then return refused({B_CLASS_KV, 0, 0, n, kvin, cbase}) end
-if tb and n > tbase + FIT then return refused({B_TENANT_TPM, 0, 0, n, 0, tbase}) end
-if pb and n > pbase + FIT then return refused({B_POOL_TPM, 0, 0, n, 0, pbase}) end
 local function wait_for(tokens, cap, rate)
   if n <= tokens + FIT then return 0 end
   if n > cap + FIT then return math.huge end
@@ -486,13 +487,10 @@ local function bucket_wait(tokens, cap, rate)
   if w == math.huge then w = math.max(est, (n - tokens) / rate) end
   return w
 end
-local first = nil
-local wait = 0
--- step 2: slots (slots.slot_refusal)
-local slots = nil
-if inflight >= limit then
-  slots = B_SLOTS
-elseif #a >= guarantees then
+-- slot_refusal is slots.slot_refusal: B_SLOTS, B_RESERVED_SLOTS or nil (a slot is free).
+local function slot_refusal()
+  if inflight >= limit then return B_SLOTS end
+  if #a < guarantees then return nil end
   local reserved = 0
   $each_guarantee
     if name ~= cls then
@@ -500,35 +498,57 @@ elseif #a >= guarantees then
       if free > 0 then reserved = reserved + free end
     end
   end
-  if inflight + 1 + reserved > limit then slots = B_RESERVED_SLOTS end
+  if inflight + 1 + reserved > limit then return B_RESERVED_SLOTS end
+  return nil
 end
-if slots then
-  first = {slots, est, 1, 1, inflight, limit}
-  wait = est
+-- decide is rules.decide on the state loaded above: nil (admit) or the refusal
+-- {budget, retry, retryable, needed, used, limit}.
+local function decide()
+  -- step 1: never fits, not even at scale 1.0
+  if base_kv and n > base_kv then return {B_KV, 0, 0, n, kvin, base_kv} end
+  if cbase and n > cbase then return {B_CLASS_KV, 0, 0, n, kvin, cbase} end
+  if tb and n > tbase + FIT then return {B_TENANT_TPM, 0, 0, n, 0, tbase} end
+  if pb and n > pbase + FIT then return {B_POOL_TPM, 0, 0, n, 0, pbase} end
+  local first = nil
+  local wait = 0
+  -- step 2: slots
+  local slots = slot_refusal()
+  if slots then
+    first = {slots, est, 1, 1, inflight, limit}
+    wait = est
+  end
+  -- step 3: in-flight KV tokens: the pool's budget, then the class's ceiling
+  if kvb and kvin + n > kvb then
+    if not first then first = {B_KV, est, 1, n, kvin, kvb} end
+    wait = est
+  elseif ckv and kvin + n > ckv then
+    if not first then first = {B_CLASS_KV, est, 1, n, kvin, ckv} end
+    wait = est
+  end
+  -- step 4: the tenant's bucket, then the pool's
+  if tb and n > tb[1] + FIT then
+    local w = bucket_wait(tb[1], tb[3], tb[4])
+    if not first then first = {B_TENANT_TPM, w, 1, n, tb[1], tb[3]} end
+    wait = math.max(wait, w)
+  end
+  if pb and n > pb[1] + FIT then
+    local w = bucket_wait(pb[1], pb[3], pb[4])
+    if not first then first = {B_POOL_TPM, w, 1, n, pb[1], pb[3]} end
+    wait = math.max(wait, w)
+  end
+  if first then first[2] = wait end
+  return first
 end
--- step 3: in-flight KV tokens: the pool's budget, then the class's ceiling
-if kvb and kvin + n > kvb then
-  if not first then first = {B_KV, est, 1, n, kvin, kvb} end
-  wait = est
-elseif ckv and kvin + n > ckv then
-  if not first then first = {B_CLASS_KV, est, 1, n, kvin, ckv} end
-  wait = est
+-- the node is checked before the pool's budgets, as the controller does with an
+-- in-process store
+local node, hold = '-', 0
+if ARGV[2] ~= '-' then
+  local picked, need, refusal = pick_node(args(ARGV[2]))
+  if refusal then return refused(refusal) end
+  node, hold = picked, need
 end
--- step 4: the tenant's bucket, then the pool's
-if tb and n > tb[1] + FIT then
-  local w = bucket_wait(tb[1], tb[3], tb[4])
-  if not first then first = {B_TENANT_TPM, w, 1, n, tb[1], tb[3]} end
-  wait = math.max(wait, w)
-end
-if pb and n > pb[1] + FIT then
-  local w = bucket_wait(pb[1], pb[3], pb[4])
-  if not first then first = {B_POOL_TPM, w, 1, n, pb[1], pb[3]} end
-  wait = math.max(wait, w)
-end
-if first then
-  first[2] = wait
-  return refused(first)
-end
+local refusal = decide()
+if refusal then return refused(refusal) end
 local nin = redis.call('HINCRBY', st, 'n', 1)
 redis.call('HINCRBY', st, 'c:' .. cls, 1)
 redis.call('HINCRBY', st, 'kv', n)

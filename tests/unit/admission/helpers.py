@@ -18,6 +18,20 @@ T0 = 1000.0
 STALE_AFTER_S = ADAPTIVE_DEFAULTS.stale_after_s
 
 
+class Recorder:
+    """Recorder is a StoreObserver that remembers what it heard."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+        self.modes: list[str] = []
+
+    def store_error(self, reason: str) -> None:
+        self.errors.append(reason)
+
+    def store_mode(self, mode: str) -> None:
+        self.modes.append(mode)
+
+
 class YieldingStore(Store):
     """YieldingStore is the in-memory store behind an ``await`` that really suspends.
 

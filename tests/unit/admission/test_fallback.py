@@ -12,23 +12,10 @@ from extproc.admission.store.fallback import (FLAP_WINDOW_S, LOCAL_PREFIX, MODE_
                                               MODE_SHARED, RECOVER_MAX_S, RECOVER_S, Fallback,
                                               StoreUnavailableError)
 from extproc.admission.types import Budget, Grant, Plan, PoolLimits, Refusal
+from tests.unit.admission.helpers import Recorder
 
 T0 = 1000.0
 LIMITS = PoolLimits(pool="p", scale=1.0, limit=6, base_limit=6, kv_budget=6000, base_kv_budget=6000)
-
-
-class Recorder:
-    """Recorder is a StoreObserver that remembers what it heard."""
-
-    def __init__(self) -> None:
-        self.errors: list[str] = []
-        self.modes: list[str] = []
-
-    def store_error(self, reason: str) -> None:
-        self.errors.append(reason)
-
-    def store_mode(self, mode: str) -> None:
-        self.modes.append(mode)
 
 
 def fallback(on_unavailable: str = MODE_LOCAL_SHARE, expected: int | None = 2) -> tuple[Fallback, Recorder]:

@@ -30,6 +30,7 @@ from extproc.admission.store.redis import RedisStore
 from extproc.clock import ManualClock
 from extproc.config import RedisStoreConfig, parse_config
 from kvgate_testkit.redis_server import RedisServer
+from tests.unit.admission.helpers import Recorder
 
 pytestmark = pytest.mark.redis
 
@@ -57,20 +58,6 @@ def limits(scale: float = 1.0, base: int = 6, pool: str = "p", kv: int | None = 
 def plan(tokens: int, lim: PoolLimits | None = None, class_name: str = "standard",
          tenant: str = "a", bucket: BucketSpec | None = None) -> Plan:
     return Plan(lim or limits(guarantees={}), tenant, class_name, tokens, bucket)
-
-
-class Recorder:
-    """Recorder is a StoreObserver that remembers what it heard."""
-
-    def __init__(self) -> None:
-        self.errors: list[str] = []
-        self.modes: list[str] = []
-
-    def store_error(self, reason: str) -> None:
-        self.errors.append(reason)
-
-    def store_mode(self, mode: str) -> None:
-        self.modes.append(mode)
 
 
 def cfg(url: str, prefix: str | None = None, **kw) -> RedisStoreConfig:
