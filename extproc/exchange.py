@@ -64,6 +64,7 @@ from extproc.clock import Clock
 from extproc.config import ClassConfig, Config, PoolConfig
 from extproc.errors import ConfigError, RequestError
 from extproc.metrics import Metrics
+from extproc.outcomes import REJECTED_BY, RequestOutcome
 from extproc.tokens import TEMPLATES, load_tokenizer
 from extproc.waitwatch import cut_at_base_timeout
 
@@ -185,7 +186,7 @@ def immediate(status: int, headers: list[tuple[str, str]], body: bytes,
     """
     resp = pb.ProcessingResponse()
     imm = resp.immediate_response
-    imm.status.code = status  # type: ignore[assignment]
+    imm.status.code = status
     set_headers(imm.headers, headers)
     imm.body = body
     imm.details = details
@@ -511,9 +512,6 @@ def _attribute_values(attributes: Any) -> dict[str, str]:
     return values
 
 
-_REASON_OUTCOME = {"concurrency": "rejected_concurrency", "tpm": "rejected_tpm",
-                   "kv_budget": "rejected_kv_budget", "shed": "rejected_shed"}
-
 # States of an exchange.
 _NEW, _BODY, _PASS, _ADMITTED, _DONE = range(5)
 
@@ -628,12 +626,12 @@ class Exchange:
                 declared = int(content_length)
             except ValueError:
                 return self._refuse(RequestError("content-length is not a number",
-                                                 param="content-length"), "rejected_invalid")
+                                                 param="content-length"), RequestOutcome.REJECTED_INVALID)
             if declared > self.max_body:
                 return self._refuse_too_large(declared)
         if msg.end_of_stream:
             return self._refuse(RequestError("the request has no body; send a JSON object"),
-                                "rejected_invalid")
+                                RequestOutcome.REJECTED_INVALID)
         self.state = _BODY
         self.body = bytearray()
         return None if self.duplex else CONTINUE_REQUEST_HEADERS
@@ -651,7 +649,7 @@ class Exchange:
         if attributes and UNDECODABLE_ATTRIBUTES in attributes:
             return self._refuse(RequestError(
                 "a request header (the tenant header, authorization or content-type) is not "
-                "valid UTF-8"), "rejected_invalid")
+                "valid UTF-8"), RequestOutcome.REJECTED_INVALID)
         values = _attribute_values(attributes)
         tenants = self.gate.config.tenants
         known = (ATTR_CONTENT_TYPE, ATTR_AUTHORIZATION, tenant_attribute(tenants.header),
@@ -732,8 +730,8 @@ class Exchange:
             objective = None if route.tenant_class else gate.class_named(objective_values or [])
         except RequestError as err:
             self.class_cfg = config.tenants.classes[config.tenants.default_class]
-            return self._refuse(err, "rejected_unauthenticated" if err.status == 401
-                                else "rejected_invalid")
+            return self._refuse(err, RequestOutcome.REJECTED_UNAUTHENTICATED if err.status == 401
+                                else RequestOutcome.REJECTED_INVALID)
         self.class_cfg = (config.tenants.classes[route.tenant_class] if route.tenant_class
                           else objective or config.class_of(self.tenant))
         return None
@@ -809,8 +807,9 @@ class Exchange:
                                                pool.config.default_max_tokens)
             oai.check_context(parsed, prompt_tokens, reserved, window)
         except RequestError as err:
-            outcome = ("rejected_context_length" if err.code == "context_length_exceeded"
-                       else "rejected_body_too_large" if err.status == 413 else "rejected_invalid")
+            outcome = (RequestOutcome.REJECTED_CONTEXT_LENGTH if err.code == "context_length_exceeded"
+                       else RequestOutcome.REJECTED_BODY_TOO_LARGE if err.status == 413
+                       else RequestOutcome.REJECTED_INVALID)
             return self._refuse(err, outcome)
         self.streamed = parsed.stream
         among = self.hint if pool.config.picks else None
@@ -843,7 +842,8 @@ class Exchange:
             # The shared store cannot answer and is set to fail closed: retry shortly.
             gate.metrics.decision_time(self.pool_name, gate.clock.now() - started)
             self.state = _DONE
-            gate.metrics.request(self.pool_name, self.class_cfg.name, "rejected_store_unavailable")
+            gate.metrics.request(self.pool_name, self.class_cfg.name,
+                                 RequestOutcome.REJECTED_STORE_UNAVAILABLE)
             log.warning("refusing a request: %s", err)
             return immediate(503, [("content-type", _JSON), ("retry-after", "1"),
                                    ("retry-after-ms", "1000"),
@@ -855,12 +855,12 @@ class Exchange:
         if isinstance(result, Rejection):
             self.state = _DONE
             gate.metrics.request(self.pool_name, self.class_cfg.name,
-                                 _REASON_OUTCOME.get(result.reason.value, "rejected_invalid"))
+                                 REJECTED_BY[result.reason])
             status, headers, payload = oai.rejection_response(result)
             return immediate(status, headers, payload, f"kvgate_{result.reason.value}")
         self.lease = result
         self.state = _ADMITTED
-        gate.metrics.request(self.pool_name, self.class_cfg.name, "admitted")
+        gate.metrics.request(self.pool_name, self.class_cfg.name, RequestOutcome.ADMITTED)
         cap = reserved // parsed.sequences if pool.config.enforce_max_tokens and parsed.sequences else None
         if self.observe:
             capped, _ = oai.upstream_body(parsed, cap_max_tokens=cap, stream_usage=False)
@@ -912,7 +912,7 @@ class Exchange:
         cls = self.class_cfg
         self.gate.metrics.request(self.pool_name or self.gate.config.default_pool,
                                   cls.name if cls is not None else self.gate.config.tenants.default_class,
-                                  "rejected_no_endpoint")
+                                  RequestOutcome.REJECTED_NO_ENDPOINT)
         return immediate(503, [("content-type", _JSON), ("retry-after", "1"),
                                ("x-kvgate-reason", "no_endpoint")],
                          oai.error_body("None of the endpoints this request may go to can take it "
@@ -995,7 +995,7 @@ class Exchange:
                         self._class_from_attributes(attributes, metadata)
                     return self._refuse(RequestError(
                         "The request body is above this endpoint's limit.", status=413,
-                        code="request_too_large"), "rejected_body_too_large")
+                        code="request_too_large"), RequestOutcome.REJECTED_BODY_TOO_LARGE)
             return PASS_THROUGH_RESPONSE if first else CONTINUE_RESPONSE_HEADERS
         if self.state != _ADMITTED or lease is None:
             return CONTINUE_RESPONSE_HEADERS
@@ -1088,7 +1088,7 @@ class Exchange:
             self.body = None
             return self._refuse(RequestError("request trailers are not accepted on this "
                                              "endpoint; send the JSON body without trailers"),
-                                "rejected_invalid")
+                                RequestOutcome.REJECTED_INVALID)
         return CONTINUE_REQUEST_TRAILERS
 
     @property
@@ -1198,7 +1198,7 @@ class Exchange:
 
     # --- refusals ------------------------------------------------------------------------
 
-    def _refuse(self, err: RequestError, outcome: str) -> pb.ProcessingResponse:
+    def _refuse(self, err: RequestError, outcome: RequestOutcome) -> pb.ProcessingResponse:
         self.state = _DONE
         cls = self.class_cfg
         self.gate.metrics.request(self.pool_name or self.gate.config.default_pool,
@@ -1206,7 +1206,7 @@ class Exchange:
                                   outcome)
         status, headers, payload = oai.request_error_response(err)
         if not any(k == "x-kvgate-reason" for k, _ in headers):
-            headers = [*headers, ("x-kvgate-reason", outcome.removeprefix("rejected_"))]
+            headers = [*headers, ("x-kvgate-reason", outcome.reason)]
         return immediate(status, headers, payload, f"kvgate_{outcome}")
 
     def _refuse_path(self, path: str, admitted_path: bool) -> pb.ProcessingResponse:
@@ -1221,7 +1221,7 @@ class Exchange:
             err = RequestError(f"Unknown request URL: {shown}. This gateway serves "
                                "/v1/chat/completions, /v1/completions, /v1/embeddings and "
                                "/v1/responses.", status=404, code="unknown_url")
-        return self._refuse(err, "rejected_path")
+        return self._refuse(err, RequestOutcome.REJECTED_PATH)
 
     def _misconfigured(self, message: str) -> pb.ProcessingResponse:
         self.state = _DONE
@@ -1237,4 +1237,4 @@ class Exchange:
         return self._refuse(RequestError(
             f"The request body is {size} bytes, above this endpoint's limit of "
             f"{self.max_body} bytes.", status=413, code="request_too_large"),
-            "rejected_body_too_large")
+            RequestOutcome.REJECTED_BODY_TOO_LARGE)

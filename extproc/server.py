@@ -64,6 +64,7 @@ from extproc.exchange import (CONTINUE_RESPONSE_TRAILERS, LINK_KEY,
                               METADATA_NAMESPACE, STREAM_AND_LOG, UNDECODABLE_ATTRIBUTES, Exchange,
                               Gate)
 from extproc.metrics import Metrics
+from extproc.outcomes import LogResult
 from extproc.tokens import load_tokenizer
 
 log = logging.getLogger("kvgate.server")
@@ -327,7 +328,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
         if not self.active and not self.parked:
             self._idle.set()
 
-    def logged(self, entry: Any) -> str:
+    def logged(self, entry: Any) -> LogResult:
         """logged releases the parked exchange an access log entry of Envoy's tells the end
         of (an ``HTTPAccessLogEntry``), or tells the cause of a request released by its
         stream (``causes``). Returns ``released``, or ``cause``; ``no_lease`` for a request
@@ -337,7 +338,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
         here (released already by the TTL, another kvgate's, or a restart's)."""
         space = entry.common_properties.metadata.filter_metadata.get(METADATA_NAMESPACE)
         if space is None or LINK_KEY not in space.fields:
-            return "no_lease"
+            return LogResult.NO_LEASE
         link = space.fields[LINK_KEY].string_value
         parked = self.parked.pop(link, None)
         if parked is None:
@@ -346,18 +347,18 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
                 release = space.fields.get("release")
                 if release is not None and release.string_value == STREAM_AND_LOG \
                         and not _cut_short(entry)[0]:
-                    return "complete"
-                return "unmatched"
+                    return LogResult.COMPLETE
+                return LogResult.UNMATCHED
             ex = told[0]
             cut_short, upstream_failed = _cut_short(entry)
             ex.told_by_log(cut_short and upstream_failed)
             if ex.outcome is not None:  # finished: nothing more to learn of it
                 del self.causes[link]
-            return "cause"
+            return LogResult.CAUSE
         cut_short, upstream_failed = _cut_short(entry)
         parked[0].ended_by_log(entry.response.response_code.value, cut_short, upstream_failed)
         self._maybe_idle()
-        return "released"
+        return LogResult.RELEASED
 
     def settle_causes(self, now: float, wait_s: float = CAUSE_WAIT_S) -> int:
         """settle_causes counts as ``client_disconnect`` the releases whose cause has waited
