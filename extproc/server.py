@@ -60,9 +60,9 @@ from extproc.admission import Admission, UnknownPoolError
 from extproc.clock import Clock, MonotonicClock
 from extproc.config import Config
 from extproc.errors import ConfigError
-from extproc.exchange import (CONTINUE_RESPONSE_TRAILERS, LINK_KEY,
-                              METADATA_NAMESPACE, STREAM_AND_LOG, UNDECODABLE_ATTRIBUTES, Exchange,
-                              Gate)
+from extproc.answers import CONTINUE_RESPONSE_TRAILERS
+from extproc.exchange import LINK_KEY, Exchange
+from extproc.gate import METADATA_NAMESPACE, STREAM_AND_LOG, UNDECODABLE_ATTRIBUTES, Gate
 from extproc.metrics import Metrics
 from extproc.outcomes import LogResult
 from extproc.tokens import load_tokenizer

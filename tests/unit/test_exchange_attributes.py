@@ -14,9 +14,10 @@ import orjson
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
-from extproc.exchange import (ATTR_AUTHORIZATION, ATTR_CONTENT_TYPE, ATTR_METHOD, ATTR_PATH,
-                              PASS_THROUGH_BODY, PASS_THROUGH_RESPONSE, Exchange,
-                              request_attributes, tenant_attribute)
+from extproc.answers import PASS_THROUGH_BODY, PASS_THROUGH_RESPONSE
+from extproc.exchange import Exchange
+from extproc.gate import (ATTR_AUTHORIZATION, ATTR_CONTENT_TYPE, ATTR_METHOD, ATTR_PATH,
+                          request_attributes, tenant_attribute)
 from tests.unit.test_exchange import API_KEY, Rig, body_msg, chat, headers_msg, \
     response_headers_msg, route_metadata
 
@@ -308,7 +309,7 @@ def test_a_tenant_attribute_under_another_name_is_counted_and_logged(caplog) -> 
 
 
 def test_a_tenant_header_never_seen_is_said_once_when_only_it_names_tenants(caplog) -> None:
-    from extproc.exchange import TENANT_HEADER_UNSEEN_AFTER
+    from extproc.gate import TENANT_HEADER_UNSEEN_AFTER
 
     rig = Rig()  # acme has no key: only the header can name it
     for _ in range(TENANT_HEADER_UNSEEN_AFTER + 5):
