@@ -3,18 +3,27 @@
 An ``Exchange`` receives the decoded ext_proc messages of one request in the order Envoy
 sends them (request headers, request body, response headers, response body chunks) and
 returns the ``ProcessingResponse`` to send back. It holds the request's lease from the
-moment it is granted until ``finish`` (or the response's end of stream) releases it.
+moment it is granted until ``finish`` releases it. When and by what that happens depends on
+the Envoy file: the exchange names it once, at admission, as a ``ReleaseMode``, and
+``extproc.endings`` says for every mode how an admitted request ends.
 
-Three Envoy configurations are served. With request headers sent
-(deploy/envoy-four-message.yaml) the request is identified from them; with request headers
-skipped (deploy/envoy.yaml, one blocking round trip fewer) the body message is the first and
-the few request facts kvgate needs come with it as request attributes (``request_attributes``).
-With the response sent to a second, observability-mode ext_proc filter
-(deploy/envoy-observe.yaml: no blocking message per streamed chunk), the admission stream
-carries no response at all (its protocol says response body NONE): the exchange then
-*observes* the response fed from that other stream, found again by the ``link`` it put in
-the request's dynamic metadata, and never rewrites the response (so it never asks the
-upstream for stream usage it could not hide).
+What reaches kvgate, by file of deploy/ (``kvgate envoy-filter --mode``):
+
+- request headers skipped (envoy.yaml, the recommended three-message file; envoy-jwt,
+  -reservation, -observe, -access-log): the body message is the first, and the few request
+  facts kvgate needs come with it as request attributes (``gate.request_attributes``), one
+  blocking round trip fewer;
+- request headers sent (envoy-four-message, -endpoint-picker, -inference-pool): the
+  request is identified from them;
+- the response on this stream (STREAMED in envoy.yaml, -jwt, -four-message,
+  -endpoint-picker; FULL_DUPLEX_STREAMED in -inference-pool), read for usage and delivered
+  chunks; its headers only (-reservation: no body, the completion charged at the
+  reservation); on a second, observability-mode ext_proc filter (-observe: no blocking
+  message per streamed chunk), where the admission stream's protocol says response body
+  NONE and the exchange *observes* the response fed from that other stream, found again by
+  the ``link`` it put in the request's dynamic metadata, and never rewrites it (so it never
+  asks the upstream for stream usage it could not hide); none at all (-access-log: the
+  access log entry ends the request).
 
 A pool that picks nodes (every backend has an ``address``) is served only with request
 headers sent and the body BUFFERED (deploy/envoy-endpoint-picker.yaml): Envoy then holds
@@ -57,7 +66,9 @@ from extproc.answers import (CONTINUE_REQUEST_BODY, CONTINUE_REQUEST_HEADERS,
                              misconfigured, name_node, set_headers, unavailable)
 from extproc.config import ClassConfig
 from extproc.errors import RequestError
-# ROUTE_KEYS and RELEASES are read from here by envoyconf.
+from extproc.endings import (LINK_KEY, ReleaseMode, awaits_log_cause, cause_of,
+                             charged_completion)
+# ROUTE_KEYS, RELEASES and STREAM_AND_LOG are read from here by envoyconf.
 from extproc.gate import (ANONYMOUS_TENANT, ATTR_AUTHORIZATION, ATTR_CONTENT_TYPE, ATTR_METHOD,
                           ATTR_PATH, METADATA_NAMESPACE, NO_ROUTE_SETTINGS, RELEASES, ROUTE_KEYS,
                           STREAM_AND_LOG, UNDECODABLE_ATTRIBUTES, Gate, PoolRuntime,
@@ -72,9 +83,6 @@ __all__ = ["LINK_KEY", "METADATA_NAMESPACE", "RELEASES", "ROUTE_KEYS", "STREAM_A
 # The message timeout kvgate asks Envoy for while a request waits in its class's queue,
 # on top of the class's max_wait_s (seconds).
 WAIT_TIMEOUT_MARGIN_S = 1.0
-# Dynamic metadata key (namespace ``kvgate``) of the token that ties a request's response,
-# seen on an observability-mode stream, to the exchange that admitted it.
-LINK_KEY = "link"
 
 
 # --- one request -------------------------------------------------------------------
@@ -111,8 +119,8 @@ class Exchange:
 
     __slots__ = ("gate", "state", "endpoint", "pool", "pool_name", "class_cfg", "tenant",
                  "route", "content_type", "body", "max_body", "streamed", "lease", "strip_usage",
-                 "tracker", "status", "response_done", "upstream_error", "outcome", "observe",
-                 "link", "response_unread", "duplex", "response_duplex", "hint",
+                 "tracker", "status", "response_done", "upstream_error", "outcome",
+                 "response_sent", "mode", "link", "duplex", "response_duplex", "hint",
                  "cut_by_upstream", "cause_pending")
 
     def __init__(self, gate: Gate) -> None:
@@ -137,20 +145,21 @@ class Exchange:
         self.response_done = False
         self.upstream_error = False
         self.outcome: Outcome | None = None
-        # The response arrives on another (observability-mode) stream, tied by ``link``.
-        self.observe = False
+        # The stream's protocol sends the response body here (False: response body NONE,
+        # the response is observed on another stream or not at all).
+        self.response_sent = True
+        # How the request's end reaches kvgate (``endings``), named at admission; and the
+        # token that ties it to its observing stream or access log entry.
+        self.mode: ReleaseMode | None = None
         self.link: str | None = None
-        # Response headers came on this stream, but Envoy sends no response body
-        # (deploy/envoy-reservation.yaml): the completion is charged at the reservation.
-        self.response_unread = False
         # Bodies FULL_DUPLEX_STREAMED (the endpoint picker protocol): kvgate passes every body
         # byte back itself. ``hint``: the endpoints the proxy allows (None: no hint).
         self.duplex = False
         self.response_duplex = False
         self.hint: frozenset[str] | None = None
-        # Route ``release: stream_and_log``: what Envoy's access log entry told of a stream
-        # cut short (None: no entry yet; True: the upstream broke it off), and whether the
-        # cause of a release made without it still awaits the entry (``told_by_log``).
+        # The ``*_AND_LOG`` modes: what Envoy's access log entry told of a stream cut short
+        # (None: no entry yet; True: the upstream broke it off), and whether the cause of a
+        # release made without it still awaits the entry (``told_by_log``).
         self.cut_by_upstream: bool | None = None
         self.cause_pending = False
 
@@ -342,7 +351,7 @@ class Exchange:
         means the response is observed elsewhere (the module doc).
         """
         if protocol is not None and self.state in (_NEW, _BODY):
-            self.observe = protocol.response_body_mode == processing_mode_pb2.ProcessingMode.NONE
+            self.response_sent = protocol.response_body_mode != processing_mode_pb2.ProcessingMode.NONE
         if self.state == _NEW:
             first = self._begin_from_attributes(attributes, metadata)
             if first is not None:
@@ -433,11 +442,14 @@ class Exchange:
                                  REJECTED_BY[result.reason])
             status, headers, payload = oai.rejection_response(result)
             return immediate(status, headers, payload, f"kvgate_{result.reason.value}")
+        self.mode = mode = ReleaseMode.choose(self.response_sent, self.route.release, self.duplex)
         self.lease = result
         self.state = _ADMITTED
         gate.metrics.request(self.pool_name, self.class_cfg.name, RequestOutcome.ADMITTED)
         cap = reserved // parsed.sequences if pool.config.enforce_max_tokens and parsed.sequences else None
-        if self.observe:
+        if not mode.on_stream:
+            # Observed elsewhere or not at all: usage the client did not ask for could not be
+            # hidden from it, so none is asked of the upstream.
             capped, _ = oai.upstream_body(parsed, cap_max_tokens=cap, stream_usage=False)
             return self._linked_continue(result, capped)
         new_body, self.strip_usage = oai.upstream_body(parsed, cap_max_tokens=cap)
@@ -445,7 +457,7 @@ class Exchange:
         if self.duplex:
             return self._duplex_answer(raw if new_body is None else new_body,
                                        new_body is not None, node)
-        if self.route.release == STREAM_AND_LOG:
+        if mode is ReleaseMode.STREAM_AND_LOG:
             resp = self._linked_continue(result, new_body, rates=False)
             if node is not None:
                 name_node(resp, resp.request_body.response, node)
@@ -572,13 +584,13 @@ class Exchange:
             elif h.key == "content-type":
                 content_type = h.raw_value.decode("latin-1")
         self.upstream_error = self.status >= 400
-        if self.observe and not observed:
+        if self.mode is not None and not self.mode.on_stream and not observed:
             # deploy/envoy-reservation.yaml: response headers on the admission stream, whose
             # response body mode is NONE. No body will follow and no observing stream will
             # show it: the lease is released when the stream ends (with the HTTP stream) and
             # the completion is charged at the reservation. Not a mode_override to NONE:
             # Envoy would close the stream at once.
-            self.response_unread = True
+            self.mode = ReleaseMode.UNREAD
             resp = pb.ProcessingResponse()
             set_headers(resp.response_headers.response.header_mutation, oai.rate_limit_headers(lease.rate))
             return resp
@@ -652,17 +664,10 @@ class Exchange:
                                 RequestOutcome.REJECTED_INVALID)
         return CONTINUE_REQUEST_TRAILERS
 
-    @property
-    def released_by_access_log(self) -> bool:
-        """released_by_access_log: admitted on a route whose end comes by Envoy's access log
-        (route key ``release: access_log``, response neither sent nor observed): the ext_proc
-        stream may end with the request body, and ``ended_by_log`` releases the lease."""
-        return (self.observe and self.lease is not None and self.state == _ADMITTED
-                and self.route.release == "access_log")
-
     def ended_by_log(self, status: int, cut_short: bool,
                      upstream_failed: bool = False) -> Outcome | None:
-        """ended_by_log releases the lease as Envoy's access log entry of the request tells:
+        """ended_by_log releases the lease of an ACCESS_LOG request as Envoy's access log entry
+        of the request tells:
         the response status (0: none was sent), whether the stream was cut short (the
         client went away, an idle timeout) and whether the upstream failed (reset or closed
         its connection): a stream cut short by the upstream is an upstream_error. The
@@ -674,7 +679,7 @@ class Exchange:
 
     def told_by_log(self, cut_by_upstream: bool) -> Outcome | None:
         """told_by_log takes what Envoy's access log entry tells of a request released by its
-        stream (route ``release: stream_and_log``): whether the upstream broke the response
+        stream (the ``*_AND_LOG`` modes): whether the upstream broke the response
         off. Before the stream's end it is kept for ``finish``; after a release whose cause
         waited for it, the release is counted now, and its cause returned (None otherwise).
         ``told_by_log(False)`` is also the fallback when the entry never comes."""
@@ -703,59 +708,30 @@ class Exchange:
     def finish(self, *, gave_up: bool = False) -> Outcome | None:
         """finish releases the lease if still held and returns the cause (None if nothing to do).
 
-        The cause: upstream_error for an upstream 4xx/5xx; completed once the response's
-        end of stream, or a stream's ``[DONE]`` event, was seen; timeout when kvgate itself gave up (``gave_up``); ended for
-        a response whose body was not read (deploy/envoy-reservation.yaml: complete or cut
-        short, Envoy ends the stream alike, by a half-close or a reset at random);
-        upstream_error for a stream the access log says the upstream broke off;
-        client_disconnect otherwise. Completion tokens charged: the reported usage; for a
-        stream cut short, the chunks delivered; otherwise (unknown) the whole reservation.
-        Idempotent: later calls change nothing.
-
-        On a ``release: stream_and_log`` route a stream cut short before its access log entry
-        came is released now all the same, and only the counting of its cause waits for the
-        entry (``cause_pending``, settled by ``told_by_log``).
+        The cause and the completion tokens charged follow the table of ``endings``
+        (``cause_of``, ``charged_completion``), from what was seen. Idempotent: later calls
+        change nothing. In a ``*_AND_LOG`` mode a stream cut short before its access log
+        entry came is released now all the same, and only the counting of its cause waits
+        for the entry (``cause_pending``, settled by ``told_by_log``).
         """
-        lease = self.lease
+        lease, mode = self.lease, self.mode
         self.state = _DONE
-        if lease is None or self.outcome is not None:
+        if lease is None or mode is None or self.outcome is not None:
             return None
         tracker = self.tracker
-        if self.upstream_error:
-            outcome = Outcome.UPSTREAM_ERROR
-        elif self.response_done or (tracker is not None and tracker.done_seen):
-            # [DONE] passed through kvgate to the client: the generation ended. openai-python
-            # closes on it, often before the upstream's end of body reaches Envoy.
-            outcome = Outcome.COMPLETED
-        elif gave_up:
-            outcome = Outcome.TIMEOUT
-        elif self.response_unread:
-            outcome = Outcome.ENDED
-        elif self.cut_by_upstream:
-            outcome = Outcome.UPSTREAM_ERROR
-        else:
-            outcome = Outcome.CLIENT_DISCONNECT
+        # [DONE] passed through kvgate to the client: the generation ended. openai-python
+        # closes on it, often before the upstream's end of body reaches Envoy.
+        done = self.response_done or (tracker is not None and tracker.done_seen)
+        outcome = cause_of(mode, upstream_error=self.upstream_error, response_done=done,
+                           gave_up=gave_up, cut_by_upstream=self.cut_by_upstream)
         self.outcome = outcome
-        if lease.release(outcome, self._completion_tokens(outcome)):
-            if (outcome is Outcome.CLIENT_DISCONNECT and self.cut_by_upstream is None
-                    and self.link is not None and self.route.release == STREAM_AND_LOG):
+        charged = charged_completion(mode, outcome, tracker, self.streamed, self.cut_by_upstream)
+        if lease.release(outcome, charged):
+            if awaits_log_cause(mode, outcome, self.cut_by_upstream):
                 self.cause_pending = True
             else:
                 self.gate.metrics.release(self.pool_name, outcome.value)
         return outcome
-
-    def _completion_tokens(self, outcome: Outcome) -> int | None:
-        tracker = self.tracker
-        if tracker is not None and tracker.completion_tokens is not None:
-            return tracker.completion_tokens
-        if tracker is None and (self.observe or self.response_unread):
-            return None  # the response was never observed: unknown, charge the reservation
-        if (outcome in (Outcome.CLIENT_DISCONNECT, Outcome.TIMEOUT) or self.cut_by_upstream) \
-                and self.streamed:
-            # What reached the client is what was generated (the upstream is reset within
-            # a millisecond of the disconnect).
-            return tracker.delivered_chunks if tracker is not None else 0
-        return None
 
     # --- refusals ------------------------------------------------------------------------
 

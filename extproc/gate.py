@@ -21,6 +21,7 @@ import secrets
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from extproc.admission import Admission
@@ -41,13 +42,6 @@ OFFLOAD_BYTES = 32 * 1024
 ANONYMOUS_TENANT = "_anonymous"
 # Per-route metadata keys (namespace ``kvgate``); anything else counts as "unknown".
 ROUTE_KEYS = ("pool", "tenant_class", "context_window", "max_body_bytes", "release")
-# How an admitted request's end reaches kvgate (route key ``release``): the end of its
-# ext_proc stream; an entry of Envoy's gRPC access log (deploy/envoy-access-log.yaml); or
-# the end of its stream for the budget and, for a stream cut short, the access log entry
-# for the cause (STREAM_AND_LOG: Envoy ends the ext_proc stream alike whether the client
-# left or the upstream died, and only its access log tells them apart).
-STREAM_AND_LOG = "stream_and_log"
-RELEASES = ("stream", "access_log", STREAM_AND_LOG)
 # A bad route setting is logged at most once per key in this many seconds.
 ROUTE_LOG_INTERVAL_S = 60.0
 # The tenant header never seen: said once this many requests in a row lacked it, then at
@@ -65,6 +59,25 @@ ATTR_AUTHORIZATION = "request.headers['authorization']"
 # Set by the server's decoder (never by Envoy) when the attributes were not valid UTF-8
 # (Envoy copies header bytes into protobuf strings) and had to be dropped to decode the rest.
 UNDECODABLE_ATTRIBUTES = "kvgate.undecodable_attributes"
+
+
+class RouteRelease(StrEnum):
+    """RouteRelease is the route key ``release``: how the route says its requests end
+    (``endings.ReleaseMode`` is what kvgate makes of it with what Envoy sends)."""
+
+    # The end of the request's ext_proc stream (the default).
+    STREAM = "stream"
+    # An entry of Envoy's gRPC access log (deploy/envoy-access-log.yaml).
+    ACCESS_LOG = "access_log"
+    # The end of its stream for the budget and, for a stream cut short, the access log entry
+    # for the cause: Envoy ends the ext_proc stream alike whether the client left or the
+    # upstream died, and only its access log tells them apart.
+    STREAM_AND_LOG = "stream_and_log"
+
+
+# The key's values as plain strings, for Envoy files and error messages.
+RELEASES = tuple(r.value for r in RouteRelease)
+STREAM_AND_LOG = RouteRelease.STREAM_AND_LOG.value
 
 
 def tenant_attribute(header: str) -> str:
@@ -92,14 +105,14 @@ class PoolRuntime:
 class RouteSettings:
     """RouteSettings are the per-route overrides Envoy sent (None: the file's value).
 
-    ``context_window`` in tokens, ``max_body_bytes`` in bytes, ``release`` one of RELEASES.
+    ``context_window`` in tokens, ``max_body_bytes`` in bytes.
     """
 
     pool: str | None = None
     tenant_class: str | None = None
     context_window: int | None = None
     max_body_bytes: int | None = None
-    release: str | None = None
+    release: RouteRelease | None = None
 
 
 NO_ROUTE_SETTINGS = RouteSettings()
@@ -297,7 +310,7 @@ class Gate:
                 if kind != "string_value" or value.string_value not in RELEASES:
                     errors.append((key, f"release must be one of {', '.join(RELEASES)}"))
                 else:
-                    values[key] = value.string_value
+                    values[key] = RouteRelease(value.string_value)
             elif key in ("pool", "tenant_class"):
                 names = self.config.pools if key == "pool" else self.config.tenants.classes
                 if kind != "string_value":

@@ -21,7 +21,8 @@ from typing import Any
 import orjson
 import pytest
 
-from extproc.server import CAUSE_WAIT_S, SWEEP_EVERY_S
+from extproc.endings import CAUSE_WAIT_S
+from extproc.server import SWEEP_EVERY_S
 from tests.adversarial.h2c import H2Connection
 from tests.e2e.stack import Stack, metadata_route
 from tests.support.procs import LOOPBACK, ROOT, VENV_BIN, wait_until

@@ -149,7 +149,7 @@ def test_observe_mode_streams_in_any_order_end_with_nothing_held(rig: Rig, plans
     assert rig.nothing_held(), rig.held()
     assert rig.count("kvgate_internal_errors_total") == errors
     assert rig.count("kvgate_releases_total") == rig.count("kvgate_requests_total", outcome="admitted")
-    assert rig.server.service.links == {}
+    assert rig.server.service.endings.links == {}
 
 
 def pool_tokens(rig: Rig) -> float:
@@ -187,4 +187,4 @@ def test_observe_mode_charges_what_the_observed_response_shows(rig: Rig, order: 
     assert rig.count("kvgate_releases_total", cause=cause) == before + 1
     d = lease.demand
     assert tokens - pool_tokens(rig) == d.prompt_tokens + (d.completion_tokens if completion is None else completion)
-    assert rig.nothing_held() and rig.server.service.links == {}
+    assert rig.nothing_held() and rig.server.service.endings.links == {}
