@@ -18,7 +18,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import duration_pb2
 
 from extproc import openai_api as oai
-from extproc.picker_protocol import DESTINATION_KEY, LB_NAMESPACE
+from extproc.gate import METADATA_NAMESPACE
+from extproc.picker_protocol import DESTINATION_KEY, LB_NAMESPACE, streamed_body
 
 JSON = "application/json"
 
@@ -92,6 +93,47 @@ def name_node(resp: pb.ProcessingResponse, common: Any, address: str) -> None:
     set_headers(common.header_mutation, [(DESTINATION_KEY, address)])
     common.clear_route_cache = True
     resp.dynamic_metadata.fields[LB_NAMESPACE].struct_value.fields[DESTINATION_KEY].string_value = address
+
+
+def body_answer(new_body: bytes | None, node: str | None,
+                metadata: list[tuple[str, str]] | None = None) -> pb.ProcessingResponse:
+    """body_answer lets an admitted request's body go upstream: replaced by ``new_body``
+    (None: as it came), steered to ``node`` (None: Envoy routes it), with ``metadata``'s
+    (key, value) pairs in the request's ``kvgate`` dynamic metadata.
+
+    Envoy does not fix content-length for a replaced body: it is set in the same answer,
+    or Envoy would fail the request with 500.
+    """
+    if new_body is None and node is None and not metadata:
+        return CONTINUE_REQUEST_BODY
+    resp = pb.ProcessingResponse()
+    resp.request_body.SetInParent()
+    common = resp.request_body.response
+    if new_body is not None:
+        set_headers(common.header_mutation, [("content-length", str(len(new_body)))])
+        common.body_mutation.body = new_body
+    if node is not None:
+        name_node(resp, common, node)
+    if metadata:
+        fields = resp.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.fields
+        for key, value in metadata:
+            fields[key].string_value = value
+    return resp
+
+
+def duplex_answer(body: bytes, replaced: bool, node: str | None) -> list[pb.ProcessingResponse]:
+    """duplex_answer is an admitted request's answer in FULL_DUPLEX_STREAMED: the owed
+    request-headers answer (the node, and content-length when the body was replaced), then
+    every body byte, in the protocol's order."""
+    head = pb.ProcessingResponse()
+    common = head.request_headers.response
+    if replaced:
+        set_headers(common.header_mutation, [("content-length", str(len(body)))])
+    if node is not None:
+        name_node(head, common, node)
+    else:
+        head.request_headers.SetInParent()
+    return [head, *streamed_body("request_body", body, True)]
 
 
 def message_timeout(seconds: float) -> pb.ProcessingResponse:

@@ -11,7 +11,7 @@ What reaches kvgate, by file of deploy/ (``kvgate envoy-filter --mode``):
 
 - request headers skipped (envoy.yaml, the recommended three-message file; envoy-jwt,
   -reservation, -observe, -access-log): the body message is the first, and the few request
-  facts kvgate needs come with it as request attributes (``gate.request_attributes``), one
+  facts kvgate needs come with it as request attributes (``request_facts``), one
   blocking round trip fewer;
 - request headers sent (envoy-four-message, -endpoint-picker, -inference-pool): the
   request is identified from them;
@@ -58,22 +58,23 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc import openai_api as oai
 from extproc import picker_protocol as epp
+from extproc import request_facts as facts_of
 from extproc.admission import Demand, Lease, Outcome, Rejection, StoreError, UnknownPoolError
 from extproc.answers import (CONTINUE_REQUEST_BODY, CONTINUE_REQUEST_HEADERS,
                              CONTINUE_REQUEST_TRAILERS, CONTINUE_RESPONSE_BODY,
                              CONTINUE_RESPONSE_HEADERS, NOTHING_MORE, PASS_THROUGH,
-                             PASS_THROUGH_BODY, PASS_THROUGH_RESPONSE, immediate, message_timeout,
-                             misconfigured, name_node, set_headers, unavailable)
+                             PASS_THROUGH_BODY, PASS_THROUGH_RESPONSE, body_answer, duplex_answer,
+                             immediate, message_timeout, misconfigured, name_node, set_headers,
+                             unavailable)
 from extproc.config import ClassConfig
-from extproc.errors import RequestError
 from extproc.endings import (LINK_KEY, ReleaseMode, awaits_log_cause, cause_of,
                              charged_completion)
-# ROUTE_KEYS, RELEASES and STREAM_AND_LOG are read from here by envoyconf.
-from extproc.gate import (ANONYMOUS_TENANT, ATTR_AUTHORIZATION, ATTR_CONTENT_TYPE, ATTR_METHOD,
-                          ATTR_PATH, METADATA_NAMESPACE, NO_ROUTE_SETTINGS, RELEASES, ROUTE_KEYS,
-                          STREAM_AND_LOG, UNDECODABLE_ATTRIBUTES, Gate, PoolRuntime,
-                          tenant_attribute)
+from extproc.errors import RequestError
+# METADATA_NAMESPACE, ROUTE_KEYS, RELEASES and STREAM_AND_LOG are read from here by envoyconf.
+from extproc.gate import (ANONYMOUS_TENANT, METADATA_NAMESPACE, NO_ROUTE_SETTINGS, RELEASES,
+                          ROUTE_KEYS, STREAM_AND_LOG, Gate, PoolRuntime)
 from extproc.outcomes import REJECTED_BY, RequestOutcome
+from extproc.request_facts import ATTR_PATH, UNDECODABLE_ATTRIBUTES, RequestFacts
 
 log = logging.getLogger("kvgate.exchange")
 
@@ -92,17 +93,6 @@ def _evaluate(endpoint: oai.Endpoint, body: bytes, content_type: str | None,
     """_evaluate parses a body and counts its prompt tokens (may run in a worker thread)."""
     parsed = oai.parse_request(endpoint, body, content_type)
     return parsed, oai.count_prompt_tokens(parsed, pool.tokenizer, pool.template)
-
-
-def _attribute_values(attributes: Any) -> dict[str, str]:
-    """_attribute_values flattens Envoy's request attributes (name -> string value)."""
-    values: dict[str, str] = {}
-    if attributes:
-        for struct in attributes.values():
-            for key, value in struct.fields.items():
-                if value.WhichOneof("kind") == "string_value":
-                    values[key] = value.string_value
-    return values
 
 
 # States of an exchange.
@@ -180,44 +170,17 @@ class Exchange:
         self.duplex = epp.full_duplex(protocol)
         self.response_duplex = epp.response_full_duplex(protocol)
         self.hint = epp.subset_hint(metadata)
-        tenant_header = self.gate.config.tenants.header
-        path = method = b""
-        content_length: bytes | None = None
-        authorization: bytes | None = None
-        tenant_values: list[bytes] = []
-        fairness_header = self.gate.config.tenants.fairness_header
-        objective_header = self.gate.config.tenants.objective_header
-        fairness_values: list[bytes] = []
-        objective_values: list[bytes] = []
-        for h in msg.headers.headers:
-            key = h.key
-            if key == ":path":
-                path = h.raw_value
-            elif key == ":method":
-                method = h.raw_value
-            elif key == "content-length":
-                content_length = h.raw_value
-            elif key == "content-type":
-                self.content_type = h.raw_value.decode("latin-1")
-            elif key == "authorization":
-                authorization = h.raw_value
-            elif key == tenant_header:
-                tenant_values.append(h.raw_value)
-            elif key == fairness_header:
-                fairness_values.append(h.raw_value)
-            elif key == objective_header:
-                objective_values.append(h.raw_value)
-        refusal = self._begin(path.decode("latin-1"), method == b"POST", authorization,
-                              tenant_values, metadata, fairness_values, objective_values)
+        facts = facts_of.from_headers(msg.headers.headers, self.gate.config.tenants)
+        refusal = self._begin(facts, metadata)
         if refusal is not None:
             return refusal
         if self.state == _PASS:
             if self.duplex:  # no mode_override in this mode: the bodies are passed back
                 return self._pass_through_picked(duplex=True) or CONTINUE_REQUEST_HEADERS
             return self._pass_through_picked() or PASS_THROUGH
-        if content_length is not None:
+        if facts.content_length is not None:
             try:
-                declared = int(content_length)
+                declared = int(facts.content_length)
             except ValueError:
                 return self._refuse(RequestError("content-length is not a number",
                                                  param="content-length"), RequestOutcome.REJECTED_INVALID)
@@ -232,73 +195,45 @@ class Exchange:
 
     def _begin_from_attributes(self, attributes: Any, metadata: Any) -> pb.ProcessingResponse | None:
         """_begin_from_attributes identifies a request whose headers Envoy skipped, from the
-        request attributes sent with its first body message (``request_attributes``).
+        request attributes sent with its first body message (``request_facts``).
 
-        Envoy joins repeated headers with ``,`` (tenant names cannot contain one), so a
-        tenant value with a comma is a repeated tenant header. Attributes that were not
-        UTF-8 (a client's bad header byte; see server.decode_request) get a 400. Without
-        ``request.path`` kvgate cannot tell what the request is: it refuses it (fail closed)
-        and says why.
+        Attributes that were not UTF-8 (a client's bad header byte; see
+        service.decode_request) get a 400. Without ``request.path`` kvgate cannot tell what
+        the request is: it refuses it (fail closed) and says why.
         """
         if attributes and UNDECODABLE_ATTRIBUTES in attributes:
             return self._refuse(RequestError(
                 "a request header (the tenant header, authorization or content-type) is not "
                 "valid UTF-8"), RequestOutcome.REJECTED_INVALID)
-        values = _attribute_values(attributes)
+        values = facts_of.attribute_values(attributes)
         tenants = self.gate.config.tenants
-        known = (ATTR_CONTENT_TYPE, ATTR_AUTHORIZATION, tenant_attribute(tenants.header),
-                 *(tenant_attribute(h) for h in (tenants.fairness_header, tenants.objective_header) if h))
-        others = [k for k in values if k.startswith("request.headers[") and k not in known]
+        others = facts_of.unread_header_attributes(values, tenants)
         if others:
             self.gate.other_header_attributes(others)
-        path = values.get(ATTR_PATH)
-        if path is None:
+        facts = facts_of.from_attributes(values, tenants)
+        if facts.path is None:
             return self._misconfigured(
                 "Envoy sent a request body without the request headers and without the "
                 f"{ATTR_PATH!r} request attribute: list kvgate's request attributes in the "
                 "ext_proc filter's request_attributes (see deploy/envoy.yaml)")
-        self.content_type = values.get(ATTR_CONTENT_TYPE)
-        authorization = values.get(ATTR_AUTHORIZATION)
-        return self._begin(path, values.get(ATTR_METHOD) == "POST",
-                           None if authorization is None else authorization.encode(),
-                           self._tenant_values(values), metadata,
-                           self._header_values(values, tenants.fairness_header),
-                           self._header_values(values, tenants.objective_header))
-
-    def _tenant_values(self, values: dict[str, str]) -> list[bytes]:
-        return self._header_values(values, self.gate.config.tenants.header)
-
-    @staticmethod
-    def _header_values(values: dict[str, str], header: str | None) -> list[bytes]:
-        """_header_values is the values of request header ``header`` among the request
-        attributes, one per repeated header ([] for None: a header kvgate does not read)."""
-        if header is None:
-            return []
-        tenant = values.get(tenant_attribute(header))
-        # Envoy copied the header's bytes, which were UTF-8 (the message decoded): the same
-        # bytes the header itself would have given.
-        return [] if tenant is None else [v.encode() for v in tenant.split(",")]
+        return self._begin(facts, metadata)
 
     def _class_from_attributes(self, attributes: Any, metadata: Any) -> None:
         """_class_from_attributes sets the pool and class of a request refused before kvgate
         saw its body (Envoy's own 413), so that it is counted where it belongs; an identity
         that would have been refused leaves the default class."""
         gate = self.gate
-        values = _attribute_values(attributes)
+        facts = facts_of.from_attributes(facts_of.attribute_values(attributes), gate.config.tenants)
         route = gate.route_settings(metadata)
         self.pool_name = route.pool or gate.config.default_pool
-        authorization = values.get(ATTR_AUTHORIZATION)
         try:
-            tenant = gate.tenant_of(self._tenant_values(values),
-                                    None if authorization is None else authorization.encode())
+            tenant = gate.tenant_of(facts.tenant, facts.authorization)
         except RequestError:
             return
         self.class_cfg = (gate.config.tenants.classes[route.tenant_class] if route.tenant_class
                           else gate.config.class_of(tenant))
 
-    def _begin(self, path: str, post: bool, authorization: bytes | None,
-               tenant_values: list[bytes], metadata: Any, fairness_values: list[bytes] | None = None,
-               objective_values: list[bytes] | None = None) -> pb.ProcessingResponse | None:
+    def _begin(self, facts: RequestFacts, metadata: Any) -> pb.ProcessingResponse | None:
         """_begin picks endpoint, pool, tenant and class; returns a refusal or None.
 
         A path kvgate does not admit leaves the state _PASS. The class: the route's, else
@@ -306,8 +241,10 @@ class Exchange:
         """
         gate = self.gate
         config = gate.config
+        path = facts.path or ""
+        self.content_type = facts.content_type
         endpoint = oai.endpoint_for_path(path)
-        if endpoint is None or not post:
+        if endpoint is None or not facts.post:
             limits = config.limits
             if limits.unknown_paths == "pass" or oai.path_passes(oai.normalise_path(path),
                                                                    limits.pass_paths):
@@ -320,8 +257,8 @@ class Exchange:
         self.pool = gate.pools[self.pool_name]
         self.max_body = route.max_body_bytes or config.limits.max_body_bytes
         try:
-            self.tenant = gate.tenant_of(tenant_values, authorization, fairness_values or ())
-            objective = None if route.tenant_class else gate.class_named(objective_values or [])
+            self.tenant = gate.tenant_of(facts.tenant, facts.authorization, facts.fairness)
+            objective = None if route.tenant_class else gate.class_named(facts.objective)
         except RequestError as err:
             self.class_cfg = config.tenants.classes[config.tenants.default_class]
             return self._refuse(err, RequestOutcome.REJECTED_UNAUTHENTICATED if err.status == 401
@@ -348,28 +285,45 @@ class Exchange:
         ``attributes`` and ``metadata`` identify the request when it is the stream's first
         message (Envoy skips request headers); otherwise they are not read. ``protocol`` is
         the stream's ProtocolConfiguration when Envoy sent one: a response body mode NONE
-        means the response is observed elsewhere (the module doc).
+        means the response is observed elsewhere or not at all (the module doc).
         """
         if protocol is not None and self.state in (_NEW, _BODY):
             self.response_sent = protocol.response_body_mode != processing_mode_pb2.ProcessingMode.NONE
         if self.state == _NEW:
-            first = self._begin_from_attributes(attributes, metadata)
+            first = self._begin_at_body(attributes, metadata)
             if first is not None:
                 return first
-            if self.state == _PASS:
-                return PASS_THROUGH_BODY
-            if self.pool is not None and self.pool.config.picks:
-                return self._misconfigured(
-                    f"pool {self.pool_name!r} picks its nodes (its backends have addresses), but "
-                    "Envoy skips the request headers, so they went upstream before kvgate could "
-                    "name the node: use deploy/envoy-endpoint-picker.yaml (request headers SEND, "
-                    "request body BUFFERED)")
-            self.state = _BODY
-            self.body = bytearray()
         if self.state != _BODY:
             if self.duplex:
                 return epp.streamed_chunk("request_body", msg.body, msg.end_of_stream)
             return CONTINUE_REQUEST_BODY
+        raw = self._collect(msg)
+        if not isinstance(raw, bytes):
+            return raw
+        return await self._decide(raw, send)
+
+    def _begin_at_body(self, attributes: Any, metadata: Any) -> pb.ProcessingResponse | None:
+        """_begin_at_body identifies a request first seen at its body (Envoy skipped the
+        request headers): a refusal or a pass-through answer, or None to read the body."""
+        first = self._begin_from_attributes(attributes, metadata)
+        if first is not None:
+            return first
+        if self.state == _PASS:
+            return PASS_THROUGH_BODY
+        if self.pool is not None and self.pool.config.picks:
+            return self._misconfigured(
+                f"pool {self.pool_name!r} picks its nodes (its backends have addresses), but "
+                "Envoy skips the request headers, so they went upstream before kvgate could "
+                "name the node: use deploy/envoy-endpoint-picker.yaml (request headers SEND, "
+                "request body BUFFERED)")
+        self.state = _BODY
+        self.body = bytearray()
+        return None
+
+    def _collect(self, msg: pb.HttpBody) -> bytes | pb.ProcessingResponse | None:
+        """_collect is the whole request body once its last part has come; before that, the
+        answer to this part (None in FULL_DUPLEX_STREAMED), or the 413 for a body above the
+        cap."""
         body = self.body
         assert body is not None
         if body or not msg.end_of_stream:
@@ -385,21 +339,17 @@ class Exchange:
             if len(raw) > self.max_body:
                 return self._refuse_too_large(len(raw))
         self.body = None
+        return raw
+
+    async def _decide(self, raw: bytes, send: Callable[[pb.ProcessingResponse], Awaitable[None]] | None,
+                      ) -> pb.ProcessingResponse | list[pb.ProcessingResponse]:
+        """_decide counts the whole body ``raw`` and asks the admission core for a lease."""
         gate = self.gate
         started = gate.clock.now()
         pool = self.pool
-        assert pool is not None and self.endpoint is not None and self.class_cfg is not None
+        assert pool is not None and self.class_cfg is not None
         try:
-            if len(raw) > gate.offload_bytes:
-                loop = asyncio.get_running_loop()
-                parsed, prompt_tokens = await loop.run_in_executor(
-                    gate.executor, _evaluate, self.endpoint, raw, self.content_type, pool)
-            else:
-                parsed, prompt_tokens = _evaluate(self.endpoint, raw, self.content_type, pool)
-            window = self.route.context_window or pool.config.context_window
-            reserved = oai.request_reservation(parsed, prompt_tokens, window,
-                                               pool.config.default_max_tokens)
-            oai.check_context(parsed, prompt_tokens, reserved, window)
+            parsed, prompt_tokens, reserved = await self._count(raw, pool)
         except RequestError as err:
             outcome = (RequestOutcome.REJECTED_CONTEXT_LENGTH if err.code == "context_length_exceeded"
                        else RequestOutcome.REJECTED_BODY_TOO_LARGE if err.status == 413
@@ -411,13 +361,46 @@ class Exchange:
             return self._no_eligible_endpoint()
         demand = Demand(pool=self.pool_name, tenant=self.tenant, class_name=self.class_cfg.name,
                         prompt_tokens=prompt_tokens, completion_tokens=reserved, among=among)
-        if self.class_cfg.max_wait_s > 0 and send is not None:
-            await send(message_timeout(self.class_cfg.max_wait_s + WAIT_TIMEOUT_MARGIN_S))
+        result = await self._acquire(demand, send, started)
+        if isinstance(result, pb.ProcessingResponse):
+            return result
+        return self._admit(result, parsed, reserved, raw)
+
+    async def _count(self, raw: bytes, pool: PoolRuntime) -> tuple[oai.ParsedRequest, int, int]:
+        """_count parses the body and counts its prompt tokens (in the executor above
+        ``offload_bytes``); returns them with the completion tokens to reserve. Raises
+        RequestError for a body kvgate refuses, the context window's included."""
+        gate = self.gate
+        assert self.endpoint is not None
+        if len(raw) > gate.offload_bytes:
+            loop = asyncio.get_running_loop()
+            parsed, prompt_tokens = await loop.run_in_executor(
+                gate.executor, _evaluate, self.endpoint, raw, self.content_type, pool)
+        else:
+            parsed, prompt_tokens = _evaluate(self.endpoint, raw, self.content_type, pool)
+        window = self.route.context_window or pool.config.context_window
+        reserved = oai.request_reservation(parsed, prompt_tokens, window,
+                                           pool.config.default_max_tokens)
+        oai.check_context(parsed, prompt_tokens, reserved, window)
+        return parsed, prompt_tokens, reserved
+
+    async def _acquire(self, demand: Demand, send: Callable[[pb.ProcessingResponse], Awaitable[None]] | None,
+                       started: float) -> Lease | pb.ProcessingResponse:
+        """_acquire is the lease for ``demand``, or the refusal to send (a budget's 429, or a
+        503 when the pool went away or the shared store cannot answer). A class that waits
+        first asks Envoy for a longer message timeout through ``send``."""
+        gate = self.gate
+        cls = self.class_cfg
+        assert cls is not None
+        waits = cls.max_wait_s > 0 and send is not None
+        if waits:
+            assert send is not None
+            await send(message_timeout(cls.max_wait_s + WAIT_TIMEOUT_MARGIN_S))
         try:
             result = await gate.admission.acquire(demand)
         except asyncio.CancelledError:  # the stream ended while the request waited
-            if self.class_cfg.max_wait_s > 0 and send is not None:
-                gate.wait_cut(self.class_cfg.name, self.class_cfg.max_wait_s + WAIT_TIMEOUT_MARGIN_S,
+            if waits:
+                gate.wait_cut(cls.name, cls.max_wait_s + WAIT_TIMEOUT_MARGIN_S,
                               gate.clock.now() - started)
             raise
         except UnknownPoolError:
@@ -431,66 +414,41 @@ class Exchange:
             # The shared store cannot answer and is set to fail closed: retry shortly.
             gate.metrics.decision_time(self.pool_name, gate.clock.now() - started)
             self.state = _DONE
-            gate.metrics.request(self.pool_name, self.class_cfg.name,
-                                 RequestOutcome.REJECTED_STORE_UNAVAILABLE)
+            gate.metrics.request(self.pool_name, cls.name, RequestOutcome.REJECTED_STORE_UNAVAILABLE)
             log.warning("refusing a request: %s", err)
             return unavailable("store_unavailable", f"Admission is unavailable: {err}. Retry shortly.")
         gate.metrics.decision_time(self.pool_name, gate.clock.now() - started)
         if isinstance(result, Rejection):
             self.state = _DONE
-            gate.metrics.request(self.pool_name, self.class_cfg.name,
-                                 REJECTED_BY[result.reason])
+            gate.metrics.request(self.pool_name, cls.name, REJECTED_BY[result.reason])
             status, headers, payload = oai.rejection_response(result)
             return immediate(status, headers, payload, f"kvgate_{result.reason.value}")
+        return result
+
+    def _admit(self, lease: Lease, parsed: oai.ParsedRequest, reserved: int,
+               raw: bytes) -> pb.ProcessingResponse | list[pb.ProcessingResponse]:
+        """_admit takes ``lease``, names the request's release mode, and answers the body:
+        the upstream body (max_tokens capped at the reservation, stream usage asked for when
+        kvgate reads the response and the client did not), the node picked, the link."""
+        pool, cls = self.pool, self.class_cfg
+        assert pool is not None and cls is not None
         self.mode = mode = ReleaseMode.choose(self.response_sent, self.route.release, self.duplex)
-        self.lease = result
+        self.lease = lease
         self.state = _ADMITTED
-        gate.metrics.request(self.pool_name, self.class_cfg.name, RequestOutcome.ADMITTED)
+        self.gate.metrics.request(self.pool_name, cls.name, RequestOutcome.ADMITTED)
         cap = reserved // parsed.sequences if pool.config.enforce_max_tokens and parsed.sequences else None
         if not mode.on_stream:
             # Observed elsewhere or not at all: usage the client did not ask for could not be
             # hidden from it, so none is asked of the upstream.
             capped, _ = oai.upstream_body(parsed, cap_max_tokens=cap, stream_usage=False)
-            return self._linked_continue(result, capped)
+            return self._linked_continue(lease, capped)
         new_body, self.strip_usage = oai.upstream_body(parsed, cap_max_tokens=cap)
-        node = result.node
+        node = lease.node
         if self.duplex:
-            return self._duplex_answer(raw if new_body is None else new_body,
-                                       new_body is not None, node)
+            return duplex_answer(raw if new_body is None else new_body, new_body is not None, node)
         if mode is ReleaseMode.STREAM_AND_LOG:
-            resp = self._linked_continue(result, new_body, rates=False)
-            if node is not None:
-                name_node(resp, resp.request_body.response, node)
-            return resp
-        if new_body is None and node is None:
-            return CONTINUE_REQUEST_BODY
-        # Ask the upstream for stream usage (the client did not; its usage chunk is then
-        # hidden from the client) and/or cap max_tokens at the reservation. Envoy does not
-        # fix content-length for a replaced body: set it in the same answer or Envoy fails
-        # the request with 500.
-        resp = pb.ProcessingResponse()
-        common = resp.request_body.response
-        if new_body is not None:
-            set_headers(common.header_mutation, [("content-length", str(len(new_body)))])
-            common.body_mutation.body = new_body
-        if node is not None:
-            name_node(resp, common, node)
-        return resp
-
-    def _duplex_answer(self, body: bytes, replaced: bool,
-                       node: str | None) -> list[pb.ProcessingResponse]:
-        """_duplex_answer is an admitted request's answer in FULL_DUPLEX_STREAMED: the owed
-        request-headers answer (the node, and content-length when the body was replaced),
-        then every body byte, in the protocol's order."""
-        head = pb.ProcessingResponse()
-        common = head.request_headers.response
-        if replaced:
-            set_headers(common.header_mutation, [("content-length", str(len(body)))])
-        if node is not None:
-            name_node(head, common, node)
-        else:
-            head.request_headers.SetInParent()
-        return [head, *epp.streamed_body("request_body", body, True)]
+            return self._linked_continue(lease, new_body, rates=False, node=node)
+        return body_answer(new_body, node)
 
     def _no_eligible_endpoint(self) -> pb.ProcessingResponse:
         """_no_eligible_endpoint is the protocol's 503 when the proxy's subset hint allows no
@@ -521,25 +479,16 @@ class Exchange:
         return resp
 
     def _linked_continue(self, lease: Lease, new_body: bytes | None = None, *,
-                         rates: bool = True) -> pb.ProcessingResponse:
+                         rates: bool = True, node: str | None = None) -> pb.ProcessingResponse:
         """_linked_continue admits a request whose response is observed on another stream, or
         whose access log entry kvgate reads: the link and (``rates``) the x-ratelimit-* values
         go into the request's dynamic metadata, where the observing filter, the access log
-        (and Envoy's response_headers_to_add) find them. ``new_body`` (with its
-        content-length) replaces the request body when given."""
+        (and Envoy's response_headers_to_add) find them (``body_answer``)."""
         self.link = self.gate.new_link()
-        resp = pb.ProcessingResponse()
-        resp.request_body.SetInParent()
-        if new_body is not None:
-            common = resp.request_body.response
-            set_headers(common.header_mutation, [("content-length", str(len(new_body)))])
-            common.body_mutation.body = new_body
-        fields = resp.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.fields
-        fields[LINK_KEY].string_value = self.link
+        metadata = [(LINK_KEY, self.link)]
         if rates:
-            for key, value in oai.rate_limit_headers(lease.rate):
-                fields[key].string_value = value
-        return resp
+            metadata += oai.rate_limit_headers(lease.rate)
+        return body_answer(new_body, node, metadata)
 
     # --- response ------------------------------------------------------------------------
 

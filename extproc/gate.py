@@ -6,9 +6,7 @@ event loop. It names a request's tenant (API key, tenant header, fairness header
 (objective header), reads the per-route settings Envoy sends in the ``kvgate`` metadata
 namespace, and says, at most once a minute each, what it finds wrong with Envoy's
 configuration. ``reconfigure`` switches new requests to a new configuration.
-
-When Envoy skips the request headers, the few request facts kvgate needs come as request
-attributes (``request_attributes`` lists them, in deploy/envoy.yaml's order).
+What Envoy tells of a request before its body is read in ``request_facts``.
 """
 
 from __future__ import annotations
@@ -50,15 +48,6 @@ TENANT_HEADER_UNSEEN_AFTER = 100
 TENANT_HEADER_LOG_INTERVAL_S = 600.0
 ROUTE_CACHE_ENTRIES = 256
 METADATA_NAMESPACE = "kvgate"
-# Request attributes (Envoy CEL expressions) that stand in for the request headers when
-# Envoy skips them; the tenant header's entry is built from the configured header name.
-ATTR_PATH = "request.path"
-ATTR_METHOD = "request.method"
-ATTR_CONTENT_TYPE = "request.headers['content-type']"
-ATTR_AUTHORIZATION = "request.headers['authorization']"
-# Set by the server's decoder (never by Envoy) when the attributes were not valid UTF-8
-# (Envoy copies header bytes into protobuf strings) and had to be dropped to decode the rest.
-UNDECODABLE_ATTRIBUTES = "kvgate.undecodable_attributes"
 
 
 class RouteRelease(StrEnum):
@@ -78,18 +67,6 @@ class RouteRelease(StrEnum):
 # The key's values as plain strings, for Envoy files and error messages.
 RELEASES = tuple(r.value for r in RouteRelease)
 STREAM_AND_LOG = RouteRelease.STREAM_AND_LOG.value
-
-
-def tenant_attribute(header: str) -> str:
-    """tenant_attribute is the request attribute that carries the tenant header ``header``."""
-    return f"request.headers['{header}']"
-
-
-def request_attributes(tenant_header: str) -> list[str]:
-    """request_attributes lists what Envoy's ``request_attributes`` must name when request
-    headers are skipped (in this order in deploy/envoy.yaml)."""
-    return [ATTR_PATH, ATTR_METHOD, ATTR_CONTENT_TYPE, ATTR_AUTHORIZATION,
-            tenant_attribute(tenant_header)]
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,8 +27,9 @@ from google.protobuf.message import DecodeError
 from extproc.answers import CONTINUE_RESPONSE_TRAILERS
 from extproc.endings import Endings, Link, ReleaseMode
 from extproc.exchange import Exchange
-from extproc.gate import UNDECODABLE_ATTRIBUTES, Gate
+from extproc.gate import Gate
 from extproc.metrics import Metrics
+from extproc.request_facts import UNDECODABLE_ATTRIBUTES
 
 log = logging.getLogger("kvgate.server")
 

@@ -17,8 +17,8 @@ from google.protobuf import struct_pb2
 from extproc.answers import PASS_THROUGH_BODY, PASS_THROUGH_RESPONSE
 from extproc.endings import ReleaseMode
 from extproc.exchange import Exchange
-from extproc.gate import (ATTR_AUTHORIZATION, ATTR_CONTENT_TYPE, ATTR_METHOD, ATTR_PATH,
-                          request_attributes, tenant_attribute)
+from extproc.request_facts import (ATTR_AUTHORIZATION, ATTR_CONTENT_TYPE, ATTR_METHOD, ATTR_PATH,
+                                   request_attributes, tenant_attribute)
 from tests.unit.test_exchange import API_KEY, Rig, body_msg, chat, headers_msg, \
     response_headers_msg, route_metadata
 
