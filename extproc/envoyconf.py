@@ -45,8 +45,8 @@ from typing import Any
 import yaml
 
 from extproc.config import Config
-from extproc.exchange import (METADATA_NAMESPACE, RELEASES, ROUTE_KEYS, STREAM_AND_LOG,
-                              WAIT_TIMEOUT_MARGIN_S)
+from extproc.exchange import WAIT_TIMEOUT_MARGIN_S
+from extproc.gate import METADATA_NAMESPACE, RELEASES, ROUTE_KEYS, STREAM_AND_LOG
 from extproc.picker_protocol import LB_NAMESPACE, SERVED_KEY, SUBSET_NAMESPACE
 
 MODES = ("three-message", "four-message", "reservation", "observe", "access-log", "endpoint-picker",

@@ -20,16 +20,14 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from extproc.admission.store.redis import ERROR_REASONS as STORE_ERROR_REASONS
 from extproc.admission.types import Outcome, PoolSnapshot
+from extproc.outcomes import LogResult, RequestOutcome
 
-# The outcome label of kvgate_requests_total (the issue's list, in this order).
-OUTCOMES = ("admitted", "rejected_concurrency", "rejected_tpm", "rejected_kv_budget",
-            "rejected_shed", "rejected_context_length", "rejected_body_too_large",
-            "rejected_invalid", "rejected_store_unavailable", "rejected_unauthenticated",
-            "rejected_path", "rejected_no_endpoint")
+# The outcome label of kvgate_requests_total: the exchange's RequestOutcome, in its order.
+OUTCOMES = tuple(outcome.value for outcome in RequestOutcome)
 # The cause label of kvgate_releases_total: the admission core's Outcome, in its order.
 CAUSES = tuple(cause.value for cause in Outcome)
-# The result label of kvgate_access_log_entries_total (ExtProcService.logged).
-ACCESS_LOG_RESULTS = ("released", "cause", "complete", "no_lease", "unmatched")
+# The result label of kvgate_access_log_entries_total: LogResult (Endings.logged).
+ACCESS_LOG_RESULTS = tuple(result.value for result in LogResult)
 # The reason label of kvgate_tenant_header_unseen_total (see the exchange's tenant lookup).
 TENANT_HEADER_UNSEEN_REASONS = ("absent", "other_header")
 # Decisions take tens of microseconds to a few milliseconds; waits in a class queue longer.
@@ -329,8 +327,8 @@ class Metrics:
         child.observe(seconds)
 
     def access_log_entry(self, result: str) -> None:
-        """access_log_entry counts one entry of Envoy's access log (``released``,
-        ``no_lease``, ``unmatched``)."""
+        """access_log_entry counts one entry of Envoy's access log (``result`` is one of
+        ACCESS_LOG_RESULTS)."""
         self.access_log_entries.labels(result).inc()
 
     def override_ignored(self, class_name: str) -> None:

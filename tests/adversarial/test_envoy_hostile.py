@@ -21,7 +21,8 @@ from typing import Any
 import orjson
 import pytest
 
-from extproc.server import CAUSE_WAIT_S, SWEEP_EVERY_S
+from extproc.endings import CAUSE_WAIT_S
+from extproc.server import SWEEP_EVERY_S
 from tests.adversarial.h2c import H2Connection
 from kvgate_testkit.stack import Stack, metadata_route
 from kvgate_testkit.procs import LOOPBACK, ROOT, VENV_BIN, wait_until

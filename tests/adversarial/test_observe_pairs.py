@@ -149,7 +149,7 @@ def test_observe_mode_streams_in_any_order_end_with_nothing_held(rig: Rig, plans
     assert rig.nothing_held(), rig.held()
     assert rig.count("kvgate_internal_errors_total") == errors
     assert rig.count("kvgate_releases_total") == rig.count("kvgate_requests_total", outcome="admitted")
-    assert rig.server.service.links == {}
+    assert rig.server.service.endings.links == {}
 
 
 def pool_tokens(rig: Rig) -> float:
@@ -190,4 +190,4 @@ def test_observe_mode_charges_what_the_observed_response_shows(rig: Rig, order: 
     prompt = prompt_tokens(body)
     assert reserved == prompt + 50
     assert tokens - pool_tokens(rig) == (reserved if completion is None else prompt + completion)
-    assert rig.nothing_held() and rig.server.service.links == {}
+    assert rig.nothing_held() and rig.server.service.endings.links == {}

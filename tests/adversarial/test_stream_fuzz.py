@@ -25,7 +25,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from extproc import server as server_module
+from extproc import service as service_module
 from extproc.exchange import Exchange
 from tests.adversarial.support import (TOKEN, Rig, chat, kind, request_body, request_headers,
                                        response_body, response_headers, sse, usage_json)
@@ -52,7 +52,7 @@ def rig() -> Iterator[Recorded]:
         return ex
     try:
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(server_module, "Exchange", recording)
+            mp.setattr(service_module, "Exchange", recording)
             yield r
     finally:
         r.close()

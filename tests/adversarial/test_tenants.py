@@ -23,7 +23,8 @@ from prometheus_client import CollectorRegistry
 from extproc.admission import Admission
 from extproc.clock import ManualClock
 from extproc.config import parse_config
-from extproc.exchange import Exchange, Gate
+from extproc.exchange import Exchange
+from extproc.gate import Gate
 from extproc.metrics import Metrics
 from tests.adversarial.support import CONFIG, chat, header_map
 

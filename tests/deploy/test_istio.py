@@ -116,7 +116,7 @@ def test_envoyfilter_configuration_validates_with_the_real_envoy(tmp_path: Path)
 
 
 def test_route_settings_name_real_keys_and_classes(tmp_path: Path) -> None:
-    from extproc.exchange import ROUTE_KEYS
+    from extproc.gate import ROUTE_KEYS
 
     cm = one(resources(ISTIO), "ConfigMap", "kvgate-config")
     (tmp_path / "k.yaml").write_text(cm["data"]["kvgate.yaml"])

@@ -205,7 +205,7 @@ def test_the_bootstrap_is_the_endpoint_picker_file_with_the_probe_filter() -> No
 
 
 def test_per_route_settings_name_real_keys_pools_and_classes(tmp_path: Path) -> None:
-    from extproc.exchange import ROUTE_KEYS
+    from extproc.gate import ROUTE_KEYS
 
     cm = one(resources(K8S), "ConfigMap", "kvgate-config")
     (tmp_path / "k.yaml").write_text(cm["data"]["kvgate.yaml"])

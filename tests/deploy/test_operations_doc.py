@@ -139,7 +139,7 @@ def test_every_refusal_and_release_cause_is_explained() -> None:
 
 
 def test_per_route_keys_are_documented() -> None:
-    from extproc.exchange import ROUTE_KEYS
+    from extproc.gate import ROUTE_KEYS
 
     section = GUIDE.read_text().split("## Per-route settings", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| `([^`]+)` \|", section, re.M)

@@ -10,8 +10,10 @@ from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.exchange import LINK_KEY, METADATA_NAMESPACE, Exchange
-from extproc.server import ExtProcService
+from extproc.endings import LINK_KEY, ReleaseMode
+from extproc.exchange import Exchange
+from extproc.gate import METADATA_NAMESPACE
+from extproc.service import ExtProcService
 from tests.unit.test_exchange import Rig, body_msg, chat, route_metadata
 from tests.unit.test_exchange_attributes import attrs
 
@@ -20,12 +22,14 @@ NO_RESPONSE = pb.ProtocolConfiguration(request_body_mode=pm.ProcessingMode.BUFFE
 
 
 def park(rig: Rig, service: ExtProcService, release: str = "access_log") -> Exchange:
-    """park admits a request as the Process loop does, and parks it as the loop would."""
+    """park admits a request as the Process loop does, and hands it to the service's endings
+    as the loop does once it is admitted."""
     ex = Exchange(rig.gate)
     meta = route_metadata(pool="default", release=release)
     asyncio.run(ex.request_body(body_msg(chat(max_tokens=50)), None, attrs(), meta, NO_RESPONSE))
-    assert ex.link is not None and ex.released_by_access_log
-    service.parked[ex.link] = (ex, rig.clock.now())
+    assert ex.link is not None and ex.mode is ReleaseMode.ACCESS_LOG
+    service.endings.admitted(ex)
+    assert service.endings.handed_over(ex)
     return ex
 
 
@@ -58,10 +62,10 @@ def test_an_entry_releases_its_parked_request_with_the_cause_it_tells(
     service = ExtProcService(rig.gate, rig.metrics)
     ex = park(rig, service)
     assert rig.inflight() == 1
-    assert service.logged(entry(ex.link, status, upstream_done, **flags)) == "released"
-    assert rig.inflight() == 0 and not service.parked
+    assert service.endings.logged(entry(ex.link, status, upstream_done, **flags)) == "released"
+    assert rig.inflight() == 0 and not service.endings.parked
     assert rig.count("kvgate_releases_total", cause=cause) == 1
-    assert service.logged(entry(ex.link)) == "unmatched"  # a second entry changes nothing
+    assert service.endings.logged(entry(ex.link)) == "unmatched"  # a second entry changes nothing
     assert rig.count("kvgate_releases_total") == 1
 
 
@@ -69,9 +73,9 @@ def test_entries_without_a_lease_or_for_another_process_touch_nothing() -> None:
     rig = Rig()
     service = ExtProcService(rig.gate, rig.metrics)
     park(rig, service)
-    assert service.logged(entry(None)) == "no_lease"
-    assert service.logged(entry("not-a-link-of-this-process")) == "unmatched"
-    assert rig.inflight() == 1 and len(service.parked) == 1
+    assert service.endings.logged(entry(None)) == "no_lease"
+    assert service.endings.logged(entry("not-a-link-of-this-process")) == "unmatched"
+    assert rig.inflight() == 1 and len(service.endings.parked) == 1
 
 
 def test_a_lost_entry_is_released_by_the_ttl_and_only_then() -> None:
@@ -80,12 +84,12 @@ def test_a_lost_entry_is_released_by_the_ttl_and_only_then() -> None:
     old = park(rig, service)
     rig.clock.advance(100.0)
     young = park(rig, service)
-    assert service.sweep_parked(rig.clock.now(), ttl_s=100.5) == 0
+    assert service.endings.sweep_parked(rig.clock.now(), ttl_s=100.5) == 0
     rig.clock.advance(1.0)
-    assert service.sweep_parked(rig.clock.now(), ttl_s=100.5) == 1
-    assert list(service.parked) == [young.link] and rig.inflight() == 1
+    assert service.endings.sweep_parked(rig.clock.now(), ttl_s=100.5) == 1
+    assert list(service.endings.parked) == [young.link] and rig.inflight() == 1
     assert rig.count("kvgate_releases_total", cause="timeout") == 1
-    assert service.logged(entry(old.link)) == "unmatched"
+    assert service.endings.logged(entry(old.link)) == "unmatched"
 
 
 def test_give_up_releases_the_parked_requests_too() -> None:
@@ -94,7 +98,7 @@ def test_give_up_releases_the_parked_requests_too() -> None:
     park(rig, service)
     park(rig, service)
     assert service.give_up() == 2
-    assert rig.inflight() == 0 and not service.parked
+    assert rig.inflight() == 0 and not service.endings.parked
 
 
 def test_a_route_without_release_access_log_is_not_parked() -> None:
@@ -102,9 +106,9 @@ def test_a_route_without_release_access_log_is_not_parked() -> None:
     ex = Exchange(rig.gate)
     asyncio.run(ex.request_body(body_msg(chat(max_tokens=50)), None, attrs(),
                                 route_metadata(pool="default"), NO_RESPONSE))
-    assert ex.link is not None and not ex.released_by_access_log
+    assert ex.link is not None and ex.mode is ReleaseMode.OBSERVED
     bad = Exchange(rig.gate)
     asyncio.run(bad.request_body(body_msg(chat(max_tokens=50)), None, attrs(),
                                  route_metadata(pool="default", release="sometimes"), NO_RESPONSE))
-    assert not bad.released_by_access_log
+    assert bad.mode is ReleaseMode.OBSERVED
     assert rig.count("kvgate_route_metadata_errors_total", key="release") == 1

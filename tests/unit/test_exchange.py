@@ -22,7 +22,9 @@ from prometheus_client import CollectorRegistry
 from extproc.admission import Admission
 from extproc.clock import ManualClock
 from extproc.config import parse_config
-from extproc.exchange import ANONYMOUS_TENANT, PASS_THROUGH, Exchange, Gate
+from extproc.answers import PASS_THROUGH
+from extproc.exchange import Exchange
+from extproc.gate import ANONYMOUS_TENANT, Gate
 from extproc.metrics import Metrics
 from extproc.tokens import load_tokenizer
 

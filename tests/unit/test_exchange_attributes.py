@@ -14,9 +14,11 @@ import orjson
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
-from extproc.exchange import (ATTR_AUTHORIZATION, ATTR_CONTENT_TYPE, ATTR_METHOD, ATTR_PATH,
-                              PASS_THROUGH_BODY, PASS_THROUGH_RESPONSE, Exchange,
-                              request_attributes, tenant_attribute)
+from extproc.answers import PASS_THROUGH_BODY, PASS_THROUGH_RESPONSE
+from extproc.endings import ReleaseMode
+from extproc.exchange import Exchange
+from extproc.request_facts import (ATTR_AUTHORIZATION, ATTR_CONTENT_TYPE, ATTR_METHOD, ATTR_PATH,
+                                   request_attributes, tenant_attribute)
 from tests.unit.test_exchange import API_KEY, Rig, body_msg, chat, headers_msg, \
     response_headers_msg, route_metadata
 
@@ -214,7 +216,7 @@ def test_header_values_beyond_latin1_are_read_as_their_utf8_bytes() -> None:
 
 
 def test_attributes_that_were_not_utf8_are_refused_with_a_400() -> None:
-    from extproc.server import decode_request
+    from extproc.service import decode_request
 
     req = pb.ProcessingRequest()
     req.request_body.body = chat().encode() if isinstance(chat(), str) else chat()
@@ -261,12 +263,12 @@ def test_response_headers_on_a_stream_without_a_body_charge_the_whole_reservatio
     assert before is not None
     ex = Exchange(rig.gate)
     asyncio.run(ex.request_body(body_msg(chat(max_tokens=300)), None, attrs(), None, _no_response_body()))
-    assert ex.observe and rig.inflight() == 1
+    assert ex.mode is ReleaseMode.OBSERVED and rig.inflight() == 1
     resp = ex.response_headers(response_headers_msg(200, "text/event-stream"))
     names = {h.header.key for h in resp.response_headers.response.header_mutation.set_headers}
     assert "x-ratelimit-remaining-tokens" in names
     assert not resp.HasField("mode_override")  # Envoy would close the stream at once
-    assert ex.response_unread and ex.tracker is None and rig.inflight() == 1
+    assert ex.mode is ReleaseMode.UNREAD and ex.tracker is None and rig.inflight() == 1
     assert ex.finish().value == "ended"
     assert rig.count("kvgate_releases_total", cause="ended") == 1
     assert _charged(rig, ex, before) >= 300
@@ -279,7 +281,7 @@ def test_the_same_headers_from_an_observing_stream_are_followed_and_refunded() -
     ex = Exchange(rig.gate)
     asyncio.run(ex.request_body(body_msg(chat(max_tokens=300)), None, attrs(), None, _no_response_body()))
     ex.response_headers(response_headers_msg(), observed=True)
-    assert not ex.response_unread and ex.tracker is not None
+    assert ex.mode is ReleaseMode.OBSERVED and ex.tracker is not None
     usage = {"usage": {"prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11}}
     ex.response_body(body_msg(orjson.dumps({"choices": [], **usage})))
     assert ex.outcome is not None and ex.outcome.value == "completed"
@@ -308,7 +310,7 @@ def test_a_tenant_attribute_under_another_name_is_counted_and_logged(caplog) -> 
 
 
 def test_a_tenant_header_never_seen_is_said_once_when_only_it_names_tenants(caplog) -> None:
-    from extproc.exchange import TENANT_HEADER_UNSEEN_AFTER
+    from extproc.gate import TENANT_HEADER_UNSEEN_AFTER
 
     rig = Rig()  # acme has no key: only the header can name it
     for _ in range(TENANT_HEADER_UNSEEN_AFTER + 5):

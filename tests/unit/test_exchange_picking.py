@@ -7,7 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 from extproc.admission.nodes import NodeReport
-from extproc.exchange import DESTINATION_HEADER, LB_NAMESPACE, Exchange
+from extproc.exchange import Exchange
+from extproc.picker_protocol import DESTINATION_KEY as DESTINATION_HEADER
+from extproc.picker_protocol import LB_NAMESPACE
 from tests.unit.test_exchange import (Rig, body_msg, chat, headers_msg, response_headers_msg,
                                       set_headers, sse, token_chunk)
 

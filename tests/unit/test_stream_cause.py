@@ -14,8 +14,9 @@ import pytest
 from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.exchange import LINK_KEY, METADATA_NAMESPACE, STREAM_AND_LOG
-from extproc.server import CAUSE_WAIT_S, ExtProcService
+from extproc.endings import CAUSE_WAIT_S, LINK_KEY
+from extproc.gate import METADATA_NAMESPACE, STREAM_AND_LOG
+from extproc.service import ExtProcService
 from tests.unit.test_exchange import (Rig, body_msg, chat, response_headers_msg, route_metadata,
                                       sse, token_chunk)
 from tests.unit.test_exchange_attributes import attrs
@@ -96,11 +97,11 @@ def test_a_stream_cut_short_is_released_at_its_end_and_counted_when_the_entry_te
     serve(service, ctx)
     assert rig.inflight() == 0  # released at the stream's end, before any entry
     assert rig.count("kvgate_releases_total") == 0
-    assert service.logged(entry(link_of(ctx), **flags)) == "cause"
+    assert service.endings.logged(entry(link_of(ctx), **flags)) == "cause"
     assert rig.count("kvgate_releases_total") == 1
     assert rig.count("kvgate_releases_total", cause=cause) == 1
-    assert not service.causes
-    assert service.logged(entry(link_of(ctx), **flags)) == "unmatched"  # a second changes nothing
+    assert not service.endings.causes
+    assert service.endings.logged(entry(link_of(ctx), **flags)) == "unmatched"  # a second changes nothing
     assert rig.count("kvgate_releases_total") == 1
 
 
@@ -112,7 +113,7 @@ def test_an_entry_before_the_streams_end_is_kept_for_it() -> None:
     assert rig.inflight() == 0
     assert rig.count("kvgate_releases_total", cause="upstream_error") == 1
     assert rig.count("kvgate_releases_total") == 1
-    assert not service.causes
+    assert not service.endings.causes
 
 
 async def _admit_then_log(service: ExtProcService, ctx: Context, rest: list[pb.ProcessingRequest],
@@ -132,7 +133,7 @@ async def _admit_then_log(service: ExtProcService, ctx: Context, rest: list[pb.P
     task = asyncio.create_task(service.Process(None, ctx))
     while not ctx.written:
         await asyncio.sleep(0)
-    assert service.logged(entry(link_of(ctx), **flags)) == "cause"
+    assert service.endings.logged(entry(link_of(ctx), **flags)) == "cause"
     gate.set()
     await task
 
@@ -150,7 +151,7 @@ def test_the_upstream_cut_charges_what_was_delivered_like_a_disconnect() -> None
         else:
             ctx = Context(msgs)
             serve(service, ctx)
-            service.logged(entry(link_of(ctx), upstream_remote_reset=True))
+            service.endings.logged(entry(link_of(ctx), upstream_remote_reset=True))
         assert rig.count("kvgate_releases_total", cause="upstream_error") == 1
         charged.append(before - rig.admission.snapshot("default").tpm_available)
     assert charged[0] == charged[1]
@@ -163,12 +164,12 @@ def test_without_an_entry_the_release_is_counted_client_disconnect_after_the_wai
     serve(service, Context(messages(*two_tokens())))
     assert rig.inflight() == 0
     rig.clock.advance(CAUSE_WAIT_S - 0.01)
-    assert service.settle_causes(rig.clock.now()) == 0
+    assert service.endings.settle_causes(rig.clock.now()) == 0
     assert rig.count("kvgate_releases_total") == 0
     rig.clock.advance(0.01)
-    assert service.settle_causes(rig.clock.now()) == 1
+    assert service.endings.settle_causes(rig.clock.now()) == 1
     assert rig.count("kvgate_releases_total", cause="client_disconnect") == 1
-    assert not service.causes
+    assert not service.endings.causes
     assert "never came" in caplog.text
 
 
@@ -177,10 +178,10 @@ def test_a_complete_stream_is_counted_at_once_and_a_later_entry_is_complete() ->
     ctx = Context(messages(sse(token_chunk(0)), end=True))
     serve(service, ctx)
     assert rig.count("kvgate_releases_total", cause="completed") == 1
-    assert not service.causes
+    assert not service.endings.causes
     # The client closed on the last byte: Envoy set a flag and wrote an entry.
     done = entry(link_of(ctx), cut_short=False, downstream_connection_termination=True)
-    assert service.logged(done) == "complete"
+    assert service.endings.logged(done) == "complete"
     assert rig.count("kvgate_releases_total") == 1
 
 
@@ -190,7 +191,7 @@ def test_a_route_that_releases_by_the_stream_alone_counts_a_cut_stream_at_once()
     serve(service, ctx)
     assert rig.count("kvgate_releases_total", cause="client_disconnect") == 1
     assert not ctx.written[0].HasField("dynamic_metadata")  # no link written: nothing to log
-    assert not service.causes
+    assert not service.endings.causes
 
 
 def test_give_up_counts_the_causes_still_waiting() -> None:
@@ -198,4 +199,4 @@ def test_give_up_counts_the_causes_still_waiting() -> None:
     serve(service, Context(messages(*two_tokens())))
     service.give_up()
     assert rig.count("kvgate_releases_total", cause="client_disconnect") == 1
-    assert not service.causes
+    assert not service.endings.causes

@@ -1,0 +1,410 @@
+"""endings: how an admitted request ends, in every release mode, and who settles it.
+
+A lease is granted at the request body and released once, with a cause (the admission
+core's ``Outcome``). How the request's end reaches kvgate depends on what Envoy sends: the
+exchange names it once, at admission, as a ``ReleaseMode`` chosen from the stream's protocol
+(is the response body sent to this stream?) and the route's ``release`` key
+(``gate.RouteRelease``). The modes and the Envoy files of deploy/ that give them:
+
+==================  ===========================================  ==================================
+mode                files (``kvgate envoy-filter --mode``)       the lease is released
+==================  ===========================================  ==================================
+STREAM_AND_LOG      envoy.yaml (three-message), four-message,    at the response's end of stream,
+                    endpoint-picker, jwt                         or the stream's end; the access
+                                                                 log entry tells the cause of a
+                                                                 stream cut short
+STREAM              inference-pool (FULL_DUPLEX_STREAMED), any   the same; a stream cut short is a
+                    route without ``release: stream_and_log``    client_disconnect
+OBSERVED_AND_LOG    observe                                      when the observability-mode
+                                                                 stream shows the response's end,
+                                                                 or ends; the entry tells the cause
+OBSERVED            observe, a route without the key            the same, without the entry
+UNREAD              reservation                                  when the admission stream ends
+                                                                 (cause ``ended``, the completion
+                                                                 charged at its reservation)
+ACCESS_LOG          access-log                                   when the access log entry comes
+                                                                 (parked until then, at most
+                                                                 ``server.access_log_ttl_s``)
+==================  ===========================================  ==================================
+
+UNREAD is told apart from OBSERVED* only later: the reservation file sends the response
+headers (never the body) to the admission stream, the observe file to the observing one.
+
+``Endings`` is the one registry of requests whose end comes from elsewhere than their own
+ext_proc stream: the observed requests by link (``Link``, with the observing stream's
+progress), the parked requests of ACCESS_LOG routes, and the requests of the ``*_AND_LOG``
+modes whose cause waits for their entry. Envoy ends an ext_proc stream alike whether the
+client left or the upstream died, so a stream cut short is released at once and only the
+counting of its cause waits for the entry (written only for requests with a response flag),
+at most ``CAUSE_WAIT_S``: then it is counted ``client_disconnect`` (the fallback, logged).
+``Endings.logged`` is where each entry of Envoy's access log is handled; the entry's
+``_cut_short`` reading says whether the response was cut short and by whom.
+
+``cause_of`` and ``charged_completion`` are the table the exchange's ``finish`` applies:
+which cause, and how many completion tokens the lease is settled with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+
+from extproc.admission import Outcome
+from extproc.clock import Clock
+from extproc.gate import METADATA_NAMESPACE, STREAM_AND_LOG, RouteRelease
+from extproc.metrics import Metrics
+from extproc.outcomes import LogResult
+
+if TYPE_CHECKING:
+    from extproc import openai_api as oai
+    from extproc.exchange import Exchange
+
+log = logging.getLogger("kvgate.server")
+
+# Dynamic metadata key (namespace ``kvgate``) of the token that ties a request's response,
+# seen on an observability-mode stream or in an access log entry, to the exchange that
+# admitted it.
+LINK_KEY = "link"
+# How long an ended admission stream waits for its observing stream to begin (seconds):
+# Envoy sent the response's first message before ending the request, but a new gRPC stream
+# can be read after an old one's end.
+LINK_GRACE_S = 0.05
+# The most an ended admission stream waits for its observing stream to end (seconds),
+# whatever deferred_close_timeout Envoy is given.
+OBSERVE_CAP_S = 10.0
+# How long the cause of a stream cut short waits for its access log entry (seconds): the
+# entry comes within milliseconds (buffer_flush_interval 5 ms); past this it was lost.
+CAUSE_WAIT_S = 5.0
+
+
+class ReleaseMode(Enum):
+    """ReleaseMode is how an admitted request's end reaches kvgate (the module doc's table)."""
+
+    STREAM = "stream"
+    STREAM_AND_LOG = "stream_and_log"
+    OBSERVED = "observed"
+    OBSERVED_AND_LOG = "observed_and_log"
+    UNREAD = "unread"
+    ACCESS_LOG = "access_log"
+
+    @classmethod
+    def choose(cls, response_sent: bool, route: RouteRelease | None, duplex: bool) -> ReleaseMode:
+        """choose names the mode of a request admitted now: ``response_sent`` is False when
+        the stream's protocol says response body NONE (the response is observed elsewhere or
+        not at all), ``route`` the route's ``release`` key, ``duplex`` a FULL_DUPLEX_STREAMED
+        request body (its answer carries no link yet, so no entry can be matched to it)."""
+        if not response_sent:
+            if route is RouteRelease.ACCESS_LOG:
+                return cls.ACCESS_LOG
+            return cls.OBSERVED_AND_LOG if route is RouteRelease.STREAM_AND_LOG else cls.OBSERVED
+        if route is RouteRelease.STREAM_AND_LOG and not duplex:
+            return cls.STREAM_AND_LOG
+        return cls.STREAM
+
+    @property
+    def on_stream(self) -> bool:
+        """on_stream: the response body comes on the admission stream, read by the exchange."""
+        return self in (ReleaseMode.STREAM, ReleaseMode.STREAM_AND_LOG)
+
+    @property
+    def observed(self) -> bool:
+        """observed: the response is read from an observability-mode stream."""
+        return self in (ReleaseMode.OBSERVED, ReleaseMode.OBSERVED_AND_LOG)
+
+    @property
+    def cause_from_log(self) -> bool:
+        """cause_from_log: the cause of a stream cut short comes from its access log entry."""
+        return self in (ReleaseMode.STREAM_AND_LOG, ReleaseMode.OBSERVED_AND_LOG)
+
+
+def cause_of(mode: ReleaseMode, *, upstream_error: bool, response_done: bool, gave_up: bool,
+             cut_by_upstream: bool | None) -> Outcome:
+    """cause_of is the cause an admitted request is released with.
+
+    upstream_error for an upstream 4xx/5xx; completed once the response's end (or a stream's
+    ``[DONE]`` event) was seen (``response_done``); timeout when kvgate itself gave up; ended
+    for a response whose body was not read (UNREAD: complete or cut short, Envoy ends the
+    stream alike, by a half-close or a reset at random); upstream_error for a stream the
+    access log says the upstream broke off (``cut_by_upstream``); client_disconnect otherwise.
+    """
+    if upstream_error:
+        return Outcome.UPSTREAM_ERROR
+    if response_done:
+        return Outcome.COMPLETED
+    if gave_up:
+        return Outcome.TIMEOUT
+    if mode is ReleaseMode.UNREAD:
+        return Outcome.ENDED
+    if cut_by_upstream:
+        return Outcome.UPSTREAM_ERROR
+    return Outcome.CLIENT_DISCONNECT
+
+
+def charged_completion(mode: ReleaseMode, outcome: Outcome, tracker: oai.ResponseTracker | None,
+                       streamed: bool, cut_by_upstream: bool | None) -> int | None:
+    """charged_completion is the completion tokens a lease is settled with (None: unknown,
+    the whole reservation stays charged): the reported usage; for a streamed response cut
+    short, the chunks delivered (the upstream is reset within a millisecond of the client's
+    disconnect, so what reached the client is what was generated)."""
+    if tracker is not None and tracker.completion_tokens is not None:
+        return tracker.completion_tokens
+    if tracker is None and not mode.on_stream:
+        return None  # the response was never observed
+    if (outcome in (Outcome.CLIENT_DISCONNECT, Outcome.TIMEOUT) or cut_by_upstream) and streamed:
+        return tracker.delivered_chunks if tracker is not None else 0
+    return None
+
+
+def awaits_log_cause(mode: ReleaseMode, outcome: Outcome, cut_by_upstream: bool | None) -> bool:
+    """awaits_log_cause: a release whose cause is counted only when the access log entry
+    comes (a stream cut short in a ``*_AND_LOG`` mode before its entry told who cut it)."""
+    return (mode.cause_from_log and outcome is Outcome.CLIENT_DISCONNECT
+            and cut_by_upstream is None)
+
+
+class Link:
+    """Link ties an admitted exchange to the observability-mode stream of its response.
+
+    ``observed`` is set when that stream begins, ``ended`` when it ends.
+    """
+
+    __slots__ = ("exchange", "observed", "ended")
+
+    def __init__(self, exchange: Exchange) -> None:
+        self.exchange = exchange
+        self.observed = asyncio.Event()
+        self.ended = asyncio.Event()
+
+
+class Endings:
+    """Endings holds, by link, every admitted request whose end comes from elsewhere than its
+    own ext_proc stream (module doc), and settles each when that end comes.
+
+    ``links``: the OBSERVED* requests, with their observing stream's progress. ``parked``:
+    the ACCESS_LOG requests whose stream has ended, with when they were parked. ``causes``:
+    the ``*_AND_LOG`` requests until the cause of their end is known, with when they were
+    admitted or, once their release waits for the cause, released. ``changed`` is called
+    when a parked request is released (the service may have become idle).
+    """
+
+    def __init__(self, clock: Clock, metrics: Metrics, changed: Callable[[], None]) -> None:
+        self._clock = clock
+        self._metrics = metrics
+        self._changed = changed
+        self.links: dict[str, Link] = {}
+        self.parked: dict[str, tuple[Exchange, float]] = {}
+        self.causes: dict[str, tuple[Exchange, float]] = {}
+        # Set by give_up: every release from then on is a timeout.
+        self.given_up = False
+
+    # --- the admission stream ----------------------------------------------------------
+
+    def admitted(self, ex: Exchange) -> None:
+        """admitted registers a request just admitted, before Envoy can send its response
+        or log its end: an ACCESS_LOG request is parked (its stream may end now), an
+        OBSERVED* one linked, and a ``*_AND_LOG`` one kept for its cause."""
+        mode, link = ex.mode, ex.link
+        if mode is None or link is None:
+            return
+        if mode is ReleaseMode.ACCESS_LOG:
+            self.parked[link] = (ex, self._clock.now())
+        elif mode.observed:
+            self.links[link] = Link(ex)
+        if mode.cause_from_log:
+            self.causes[link] = (ex, self._clock.now())
+
+    def unread(self, ex: Exchange) -> None:
+        """unread hears that the response headers came on the admission stream of a request
+        whose response body is not sent (UNREAD): no observing stream will come."""
+        if ex.link is not None:
+            self.links.pop(ex.link, None)
+
+    def handed_over(self, ex: Exchange) -> bool:
+        """handed_over: the request's end comes by the access log; its stream may end with
+        the lease held."""
+        return ex.link is not None and ex.link in self.parked
+
+    def stream_ended(self, ex: Exchange, handed_over: bool) -> Link | None:
+        """stream_ended follows the end of a request's admission stream, however it ended.
+
+        A request handed over to the access log stays parked. An observed request whose
+        response has not been seen to end is returned: ``settle`` releases it once the
+        observing stream shows its end. Any other is released now (``Exchange.finish``).
+        """
+        if handed_over:
+            return None
+        link_key = ex.link
+        if link_key is not None:
+            self.parked.pop(link_key, None)  # the answer may not have reached Envoy
+        link = self.links.get(link_key) if link_key is not None else None
+        if link is not None and ex.outcome is None and not self.given_up:
+            return link
+        self._release(ex)
+        return None
+
+    async def settle(self, link: Link) -> None:
+        """settle releases an observed exchange whose admission stream ended before its
+        response was seen to end: once the observing stream has shown it, or ended, or never
+        began within LINK_GRACE_S (the response never started); at most OBSERVE_CAP_S."""
+        ex = link.exchange
+        try:
+            if not link.observed.is_set():
+                await asyncio.wait_for(link.observed.wait(), LINK_GRACE_S)
+            if ex.outcome is None:
+                await asyncio.wait_for(link.ended.wait(), OBSERVE_CAP_S)
+        except TimeoutError:
+            pass
+        finally:
+            self._release(ex)
+
+    def _release(self, ex: Exchange) -> None:
+        """_release finishes an exchange (if not already) and forgets its link; a release
+        whose cause awaits the access log entry stays in ``causes``, from now."""
+        ex.finish(gave_up=self.given_up)
+        link = ex.link
+        if link is None:
+            return
+        self.links.pop(link, None)
+        if link in self.causes:
+            if ex.cause_pending:
+                self.causes[link] = (ex, self._clock.now())
+            else:
+                del self.causes[link]
+
+    # --- the observing stream ------------------------------------------------------------
+
+    async def observe(self, req: Any, read: Callable[[], Any]) -> None:
+        """observe follows an observability-mode stream (its first message ``req``, the next
+        by ``read``): the response of a request admitted on another stream. Nothing is
+        answered (Envoy waits for nothing)."""
+        link = None
+        space = req.metadata_context.filter_metadata.get(METADATA_NAMESPACE)
+        if space is not None and LINK_KEY in space.fields:
+            link = self.links.get(space.fields[LINK_KEY].string_value)
+        eof = grpc.aio.EOF
+        if link is None:  # not admitted here (refused, passed through, another process)
+            while req is not eof:
+                req = await read()
+            return
+        link.observed.set()
+        ex = link.exchange
+        try:
+            while req is not eof:
+                kind = req.WhichOneof("request")
+                if kind == "response_body":
+                    ex.response_body(req.response_body)
+                elif kind == "response_headers":
+                    ex.response_headers(req.response_headers, observed=True)
+                req = await read()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self._metrics.internal_errors.inc()
+            log.exception("observing stream failed; its request is released as it stands")
+        finally:
+            link.ended.set()
+
+    # --- the access log ------------------------------------------------------------------
+
+    def logged(self, entry: Any) -> LogResult:
+        """logged handles one entry of Envoy's access log (an ``HTTPAccessLogEntry``): it
+        releases the parked request it tells the end of, or tells the cause of a request
+        released by its stream (``causes``). Returns what it did (``LogResult``)."""
+        space = entry.common_properties.metadata.filter_metadata.get(METADATA_NAMESPACE)
+        if space is None or LINK_KEY not in space.fields:
+            return LogResult.NO_LEASE
+        link = space.fields[LINK_KEY].string_value
+        cut_short, upstream_failed = _cut_short(entry)
+        parked = self.parked.pop(link, None)
+        if parked is not None:
+            parked[0].ended_by_log(entry.response.response_code.value, cut_short, upstream_failed)
+            self._changed()
+            return LogResult.RELEASED
+        told = self.causes.get(link)
+        if told is None:
+            release = space.fields.get("release")
+            if release is not None and release.string_value == STREAM_AND_LOG and not cut_short:
+                return LogResult.COMPLETE  # a flag such as the client's close on the last byte
+            return LogResult.UNMATCHED
+        ex = told[0]
+        ex.told_by_log(cut_short and upstream_failed)
+        if ex.outcome is not None:  # finished: nothing more to learn of it
+            del self.causes[link]
+        return LogResult.CAUSE
+
+    def settle_causes(self, now: float, wait_s: float = CAUSE_WAIT_S) -> int:
+        """settle_causes counts as ``client_disconnect`` the releases whose cause has waited
+        ``wait_s`` seconds or more for an access log entry that never came (Envoy's buffer
+        overflowed, the log stream broke); returns how many."""
+        late = [link for link, (ex, at) in self.causes.items()
+                if ex.cause_pending and now - at >= wait_s]
+        for link in late:
+            self.causes.pop(link)[0].told_by_log(False)
+        if late:
+            log.warning("counted %d releases as client_disconnect: their access log entry, which "
+                        "would tell an upstream failure, never came within %.0f s", len(late), wait_s)
+        return len(late)
+
+    def sweep_parked(self, now: float, ttl_s: float) -> int:
+        """sweep_parked releases, with cause ``timeout``, the requests parked for longer than
+        ``ttl_s`` seconds (their log entry was lost: Envoy's buffer overflowed, the log stream
+        broke); returns how many."""
+        stale = [link for link, (_, at) in self.parked.items() if now - at >= ttl_s]
+        for link in stale:
+            self.parked.pop(link)[0].finish(gave_up=True)
+        if stale:
+            log.warning("released %d requests whose access log entry never came within %.0f s",
+                        len(stale), ttl_s)
+            self._changed()
+        return len(stale)
+
+    def give_up(self) -> int:
+        """give_up releases every parked request with cause ``timeout`` and counts every cause
+        still awaited as ``client_disconnect``; every later release is a timeout. Returns
+        how many requests were parked."""
+        self.given_up = True
+        parked = list(self.parked.values())
+        self.parked.clear()
+        for ex, _ in parked:
+            ex.finish(gave_up=True)
+        self.settle_causes(float("inf"), 0.0)
+        return len(parked)
+
+
+def _cut_short(entry: Any) -> tuple[bool, bool]:
+    """_cut_short reads an access log entry: was the response cut short, and did the upstream
+    fail (reset, closed its connection, broke its response off)?"""
+    # Cut short: the upstream's response never ended (the client went away, a timeout),
+    # so the generation was aborted. Not Envoy's downstream-termination flag: a client
+    # that closes on the last event of a complete stream sets it too, at random.
+    common = entry.common_properties
+    cut_short = not common.HasField("time_to_last_upstream_rx_byte")
+    flags = common.response_flags
+    # The upstream went away mid-response (it crashed, its connection broke): not the
+    # client's doing, though the client's stream ends cut short the same way
+    # (a chunked HTTP/1 body broken off reads as a protocol error).
+    upstream_failed = (flags.upstream_remote_reset or flags.upstream_connection_termination
+                       or flags.upstream_connection_failure or flags.upstream_protocol_error)
+    return cut_short, bool(upstream_failed)
+
+
+class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
+    """AccessLogReceiver takes Envoy's gRPC access log (deploy/envoy-access-log.yaml and the
+    entries of the ``*_AND_LOG`` files): each HTTP entry goes to ``Endings.logged``."""
+
+    def __init__(self, endings: Endings, metrics: Metrics) -> None:
+        self._endings = endings
+        self._metrics = metrics
+
+    async def StreamAccessLogs(self, request_iterator: Any, context: Any) -> als_pb2.StreamAccessLogsResponse:  # noqa: N802
+        logged, count = self._endings.logged, self._metrics.access_log_entry
+        async for message in request_iterator:
+            for entry in message.http_logs.log_entry:
+                count(logged(entry))
+        return als_pb2.StreamAccessLogsResponse()

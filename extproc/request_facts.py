@@ -1,0 +1,130 @@
+"""request_facts: what kvgate reads of a request before its body, in either of Envoy's shapes.
+
+With request headers sent, the facts come from the headers message; with request headers
+skipped (deploy/envoy.yaml), from the request attributes that come with the first body
+message, Envoy CEL expressions that ``request_attributes`` lists (in deploy/envoy.yaml's
+order). Both give the same ``RequestFacts``: the path and method, the declared
+content-length and content-type, ``authorization``, and the values of the tenant, fairness
+and objective headers, one per header sent. Who the request is (tenant, class) is decided
+from them by the ``Gate``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from extproc.config import TenantsConfig
+
+# Request attributes that stand in for the request headers when Envoy skips them; the
+# tenant header's entry is built from the configured header name.
+ATTR_PATH = "request.path"
+ATTR_METHOD = "request.method"
+ATTR_CONTENT_TYPE = "request.headers['content-type']"
+ATTR_AUTHORIZATION = "request.headers['authorization']"
+# Set by the service's decoder (never by Envoy) when the attributes were not valid UTF-8
+# (Envoy copies header bytes into protobuf strings) and had to be dropped to decode the rest.
+UNDECODABLE_ATTRIBUTES = "kvgate.undecodable_attributes"
+
+
+def tenant_attribute(header: str) -> str:
+    """tenant_attribute is the request attribute that carries the tenant header ``header``."""
+    return f"request.headers['{header}']"
+
+
+def request_attributes(tenant_header: str) -> list[str]:
+    """request_attributes lists what Envoy's ``request_attributes`` must name when request
+    headers are skipped (in this order in deploy/envoy.yaml)."""
+    return [ATTR_PATH, ATTR_METHOD, ATTR_CONTENT_TYPE, ATTR_AUTHORIZATION,
+            tenant_attribute(tenant_header)]
+
+
+@dataclass(slots=True)
+class RequestFacts:
+    """RequestFacts is what kvgate reads of a request before its body.
+
+    ``path`` None: Envoy sent no path attribute (its configuration lacks it).
+    ``content_length`` is the declared value as sent (None: not declared).
+    """
+
+    path: str | None = ""
+    post: bool = False
+    content_length: bytes | None = None
+    content_type: str | None = None
+    authorization: bytes | None = None
+    tenant: list[bytes] = field(default_factory=list)
+    fairness: list[bytes] = field(default_factory=list)
+    objective: list[bytes] = field(default_factory=list)
+
+
+def from_headers(headers: Iterable[Any], tenants: TenantsConfig) -> RequestFacts:
+    """from_headers reads the facts from a request headers message's ``headers.headers``."""
+    facts = RequestFacts()
+    tenant_header, fairness_header = tenants.header, tenants.fairness_header
+    objective_header = tenants.objective_header
+    for h in headers:
+        key = h.key
+        if key == ":path":
+            facts.path = h.raw_value.decode("latin-1")
+        elif key == ":method":
+            facts.post = h.raw_value == b"POST"
+        elif key == "content-length":
+            facts.content_length = h.raw_value
+        elif key == "content-type":
+            facts.content_type = h.raw_value.decode("latin-1")
+        elif key == "authorization":
+            facts.authorization = h.raw_value
+        elif key == tenant_header:
+            facts.tenant.append(h.raw_value)
+        elif key == fairness_header:
+            facts.fairness.append(h.raw_value)
+        elif key == objective_header:
+            facts.objective.append(h.raw_value)
+    return facts
+
+
+def attribute_values(attributes: Any) -> dict[str, str]:
+    """attribute_values flattens Envoy's request attributes (name -> string value)."""
+    values: dict[str, str] = {}
+    if attributes:
+        for struct in attributes.values():
+            for key, value in struct.fields.items():
+                if value.WhichOneof("kind") == "string_value":
+                    values[key] = value.string_value
+    return values
+
+
+def from_attributes(values: dict[str, str], tenants: TenantsConfig) -> RequestFacts:
+    """from_attributes reads the facts from the request attributes ``values``
+    (``attribute_values``).
+
+    Envoy joins repeated headers with ``,`` (tenant names cannot contain one), so a value
+    with a comma is a repeated header. Envoy copied the header's bytes, which were UTF-8
+    (the message decoded): their encoding gives the bytes the header itself would have.
+    """
+    authorization = values.get(ATTR_AUTHORIZATION)
+    return RequestFacts(
+        path=values.get(ATTR_PATH), post=values.get(ATTR_METHOD) == "POST",
+        content_type=values.get(ATTR_CONTENT_TYPE),
+        authorization=None if authorization is None else authorization.encode(),
+        tenant=_header_values(values, tenants.header),
+        fairness=_header_values(values, tenants.fairness_header),
+        objective=_header_values(values, tenants.objective_header))
+
+
+def unread_header_attributes(values: dict[str, str], tenants: TenantsConfig) -> list[str]:
+    """unread_header_attributes names the request-header attributes among ``values`` that
+    kvgate does not read (a request_attributes list naming another tenant header)."""
+    known = (ATTR_CONTENT_TYPE, ATTR_AUTHORIZATION, tenant_attribute(tenants.header),
+             *(tenant_attribute(h) for h in (tenants.fairness_header, tenants.objective_header) if h))
+    return [k for k in values if k.startswith("request.headers[") and k not in known]
+
+
+def _header_values(values: dict[str, str], header: str | None) -> list[bytes]:
+    """_header_values is the values of request header ``header`` among the request
+    attributes, one per repeated header ([] for None: a header kvgate does not read)."""
+    if header is None:
+        return []
+    value = values.get(tenant_attribute(header))
+    return [] if value is None else [v.encode() for v in value.split(",")]

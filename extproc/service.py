@@ -1,0 +1,220 @@
+"""service: the grpc.aio ext_proc service, one ``Exchange`` per stream.
+
+``ExtProcService.Process`` is one ext_proc stream (one HTTP request): it reads Envoy's
+messages, dispatches them by kind to an ``Exchange`` and writes the answers. However the
+stream ends (response end of stream, a clean end after a client disconnect,
+``CancelledError``, an error in kvgate, shutdown), its end goes to the service's ``Endings``
+in ``finally``, which releases the lease exactly once or keeps it for the end that comes
+from elsewhere (the observing stream, the access log: ``extproc.endings``). A stream whose
+first message is in observability mode is such an observing stream, followed by
+``Endings.observe``.
+
+``decode_request`` parses Envoy's messages so that a client's bad header byte cannot fail
+the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from google.protobuf.message import DecodeError
+
+from extproc.answers import CONTINUE_RESPONSE_TRAILERS
+from extproc.endings import Endings, Link, ReleaseMode
+from extproc.exchange import Exchange
+from extproc.gate import Gate
+from extproc.metrics import Metrics
+from extproc.request_facts import UNDECODABLE_ATTRIBUTES
+
+log = logging.getLogger("kvgate.server")
+
+# ProcessingRequest.attributes (map<string, Struct>), field number 9.
+_ATTRIBUTES_FIELD = 9
+
+
+def _varint(data: bytes, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, at
+        shift += 7
+
+
+def _without_field(data: bytes, number: int) -> bytes:
+    """_without_field is a serialized message with every top-level ``number`` field cut out."""
+    kept = []
+    at = 0
+    while at < len(data):
+        start = at
+        tag, at = _varint(data, at)
+        wire = tag & 7
+        if wire == 0:
+            _, at = _varint(data, at)
+        elif wire == 1:
+            at += 8
+        elif wire == 2:
+            size, at = _varint(data, at)
+            at += size
+        elif wire == 5:
+            at += 4
+        else:
+            raise DecodeError(f"unsupported wire type {wire}")
+        if tag >> 3 != number:
+            kept.append(data[start:at])
+    return b"".join(kept)
+
+
+def decode_request(data: bytes) -> pb.ProcessingRequest:
+    """decode_request parses one ext_proc message from Envoy.
+
+    Envoy copies request header bytes into request attributes, which are protobuf strings:
+    a header that is not UTF-8 makes the whole message undecodable. Rather than fail the
+    stream (a 500 for a client's bad byte), the attributes are dropped and marked
+    (UNDECODABLE_ATTRIBUTES) so that the exchange refuses the request with a 400.
+    """
+    try:
+        return pb.ProcessingRequest.FromString(data)
+    except DecodeError:
+        req = pb.ProcessingRequest.FromString(_without_field(data, _ATTRIBUTES_FIELD))
+        req.attributes[UNDECODABLE_ATTRIBUTES].SetInParent()
+        return req
+
+
+def _protocol(req: Any) -> Any:
+    """_protocol is the stream's ProtocolConfiguration when this message carries it (None)."""
+    return req.protocol_config if req.HasField("protocol_config") else None
+
+
+class ExtProcService(pb_grpc.ExternalProcessorServicer):
+    """ExtProcService serves Envoy's ext_proc streams, one ``Exchange`` per stream.
+
+    ``active`` maps each open stream's task (and each observed request's settling task) to
+    its exchange, for shutdown. ``endings`` holds the requests whose end comes from
+    elsewhere than their stream.
+    """
+
+    def __init__(self, gate: Gate, metrics: Metrics) -> None:
+        self._gate = gate
+        self._metrics = metrics
+        self.active: dict[asyncio.Task[Any], Exchange] = {}
+        self.endings = Endings(gate.clock, metrics, self._maybe_idle)
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def Process(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+        read = context.read
+        req = await read()
+        if req is grpc.aio.EOF:
+            return
+        if req.observability_mode:
+            await self.endings.observe(req, read)
+            return
+        ex = Exchange(self._gate)
+        task = asyncio.current_task()
+        assert task is not None
+        self.active[task] = ex
+        self._idle.clear()
+        write = context.write
+        eof = grpc.aio.EOF
+        handed_over = False  # to the access log: the stream ends, the lease stays
+        try:
+            while True:
+                resp = await self._answer(ex, req, write)
+                if type(resp) is list:  # FULL_DUPLEX_STREAMED: headers, then the body's chunks
+                    for one in resp:
+                        await write(one)
+                elif resp is not None:
+                    await write(resp)
+                resp = None
+                if self.endings.handed_over(ex):
+                    handed_over = True
+                    return
+                # Not held while waiting: the body message carries the whole prompt.
+                req = None
+                req = await read()
+                if req is eof:
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self._metrics.internal_errors.inc()
+            log.exception("ext_proc stream failed; ending it (Envoy answers the client 500)")
+            raise
+        finally:
+            del self.active[task]
+            link = self.endings.stream_ended(ex, handed_over)
+            if link is not None:
+                settle = asyncio.get_running_loop().create_task(self._settle(link))
+                self.active[settle] = ex
+            self._maybe_idle()
+
+    async def _answer(self, ex: Exchange, req: Any, write: Any) -> Any:
+        """_answer hands one message to the exchange by its kind and returns the answer to
+        write (None: nothing; a list: several, in order)."""
+        kind = req.WhichOneof("request")
+        if kind == "response_body":
+            return ex.response_body(req.response_body)
+        if kind == "request_headers":
+            return ex.request_headers(req.request_headers, req.metadata_context, _protocol(req))
+        if kind == "request_body":
+            admitted_before = ex.lease is not None
+            resp = await ex.request_body(req.request_body, write, req.attributes,
+                                         req.metadata_context, _protocol(req))
+            if ex.lease is not None and not admitted_before:
+                self.endings.admitted(ex)  # before Envoy can send the response, or log its end
+            return resp
+        if kind == "response_headers":
+            resp = ex.response_headers(req.response_headers, attributes=req.attributes,
+                                       metadata=req.metadata_context)
+            if ex.mode is ReleaseMode.UNREAD:
+                self.endings.unread(ex)
+            return resp
+        if kind == "request_trailers":
+            return ex.request_trailers()
+        if kind == "response_trailers":
+            return CONTINUE_RESPONSE_TRAILERS
+        return None  # a newer Envoy's message kind: nothing to do with it
+
+    async def _settle(self, link: Link) -> None:
+        try:
+            await self.endings.settle(link)
+        finally:
+            task = asyncio.current_task()
+            if task is not None:
+                self.active.pop(task, None)
+            self._maybe_idle()
+
+    def _maybe_idle(self) -> None:
+        if not self.active and not self.endings.parked:
+            self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """wait_idle waits up to ``timeout`` seconds for every stream to end (and every parked
+        request's log entry to come); True if they did."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    def give_up(self) -> int:
+        """give_up releases every open stream's lease with cause ``timeout`` and cancels it,
+        and every parked request's (``Endings.give_up``).
+
+        Returns how many streams were open and requests parked.
+        """
+        open_streams = list(self.active.items())
+        for task, ex in open_streams:
+            ex.finish(gave_up=True)
+            task.cancel()
+        parked = self.endings.give_up()
+        self._maybe_idle()
+        return len(open_streams) + parked

@@ -1,0 +1,149 @@
+"""Unit tests of endings: the release mode each Envoy shape gives an admitted request, the
+cause and charge table the exchange's finish applies, and the registry that holds the
+requests whose end comes from elsewhere than their own stream."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from extproc import endings
+from extproc.admission import Outcome
+from extproc.endings import Endings, ReleaseMode, cause_of, charged_completion
+from extproc.envoyconf import MODES
+from extproc.exchange import Exchange
+from extproc.gate import RouteRelease
+from tests.unit.test_exchange import (BASE_CONFIG, Rig, body_msg, chat, headers_msg,
+                                      response_headers_msg, route_metadata)
+from tests.unit.test_exchange_attributes import attrs
+
+S, A, L = RouteRelease.STREAM, RouteRelease.ACCESS_LOG, RouteRelease.STREAM_AND_LOG
+
+
+@pytest.mark.parametrize(("response_sent", "route", "duplex", "mode"), [
+    (True, None, False, ReleaseMode.STREAM),
+    (True, S, False, ReleaseMode.STREAM),
+    (True, A, False, ReleaseMode.STREAM),  # access_log needs response body NONE
+    (True, L, False, ReleaseMode.STREAM_AND_LOG),
+    (True, L, True, ReleaseMode.STREAM),  # a duplex answer carries no link yet
+    (False, None, False, ReleaseMode.OBSERVED),
+    (False, S, False, ReleaseMode.OBSERVED),
+    (False, L, False, ReleaseMode.OBSERVED_AND_LOG),
+    (False, A, False, ReleaseMode.ACCESS_LOG),
+    (False, A, True, ReleaseMode.ACCESS_LOG),
+])
+def test_choose_names_one_mode_per_protocol_and_route(
+        response_sent: bool, route: RouteRelease | None, duplex: bool, mode: ReleaseMode) -> None:
+    assert ReleaseMode.choose(response_sent, route, duplex) is mode
+
+
+def _protocol(response_body: int, request_body: int = pm.ProcessingMode.BUFFERED) -> pb.ProtocolConfiguration:
+    return pb.ProtocolConfiguration(request_body_mode=request_body, response_body_mode=response_body)
+
+
+@pytest.mark.parametrize(("release", "response_body", "mode"), [
+    ("stream_and_log", pm.ProcessingMode.STREAMED, ReleaseMode.STREAM_AND_LOG),  # envoy.yaml
+    ("stream_and_log", pm.ProcessingMode.NONE, ReleaseMode.OBSERVED_AND_LOG),  # envoy-observe
+    ("access_log", pm.ProcessingMode.NONE, ReleaseMode.ACCESS_LOG),  # envoy-access-log
+    (None, pm.ProcessingMode.NONE, ReleaseMode.OBSERVED),  # envoy-reservation, until its headers
+])
+def test_an_exchange_names_its_mode_at_admission(release: str | None, response_body: int,
+                                                 mode: ReleaseMode) -> None:
+    rig = Rig()
+    ex = Exchange(rig.gate)
+    meta = route_metadata(pool="default", **({"release": release} if release else {}))
+    asyncio.run(ex.request_body(body_msg(chat(max_tokens=20)), None, attrs(), meta,
+                                _protocol(response_body)))
+    assert ex.mode is mode
+    assert (ex.link is not None) is (mode is not ReleaseMode.STREAM)
+
+
+def test_the_inference_pool_shape_is_released_by_its_stream() -> None:
+    rig = Rig()
+    ex = Exchange(rig.gate)
+    duplex = _protocol(pm.ProcessingMode.FULL_DUPLEX_STREAMED, pm.ProcessingMode.FULL_DUPLEX_STREAMED)
+    meta = route_metadata(pool="default", release="stream_and_log")
+    assert ex.request_headers(headers_msg(), meta, duplex) is None  # answered with the body
+    asyncio.run(ex.request_body(body_msg(chat(max_tokens=20)), None, None, meta))
+    assert ex.mode is ReleaseMode.STREAM and ex.link is None
+
+
+def test_response_headers_on_the_admission_stream_make_an_observed_request_unread() -> None:
+    rig = Rig()
+    ex = Exchange(rig.gate)
+    asyncio.run(ex.request_body(body_msg(chat(max_tokens=20)), None, attrs(), None,
+                                _protocol(pm.ProcessingMode.NONE)))
+    ex.response_headers(response_headers_msg(), observed=True)  # from the observing stream
+    assert ex.mode is ReleaseMode.OBSERVED
+    ex.response_headers(response_headers_msg())  # from the admission stream
+    assert ex.mode is ReleaseMode.UNREAD
+
+
+@pytest.mark.parametrize(("mode", "facts", "cause"), [
+    (ReleaseMode.STREAM, {"upstream_error": True, "response_done": True}, Outcome.UPSTREAM_ERROR),
+    (ReleaseMode.STREAM, {"response_done": True, "gave_up": True}, Outcome.COMPLETED),
+    (ReleaseMode.STREAM, {"gave_up": True}, Outcome.TIMEOUT),
+    (ReleaseMode.UNREAD, {"gave_up": True}, Outcome.TIMEOUT),
+    (ReleaseMode.UNREAD, {}, Outcome.ENDED),
+    (ReleaseMode.UNREAD, {"cut_by_upstream": True}, Outcome.ENDED),
+    (ReleaseMode.STREAM_AND_LOG, {"cut_by_upstream": True}, Outcome.UPSTREAM_ERROR),
+    (ReleaseMode.STREAM_AND_LOG, {"cut_by_upstream": False}, Outcome.CLIENT_DISCONNECT),
+    (ReleaseMode.OBSERVED, {}, Outcome.CLIENT_DISCONNECT),
+    (ReleaseMode.ACCESS_LOG, {}, Outcome.CLIENT_DISCONNECT),
+])
+def test_the_cause_table(mode: ReleaseMode, facts: dict[str, bool], cause: Outcome) -> None:
+    seen = {"upstream_error": False, "response_done": False, "gave_up": False,
+            "cut_by_upstream": None, **facts}
+    assert cause_of(mode, **seen) is cause
+
+
+def test_a_response_never_seen_is_charged_its_whole_reservation_only_off_the_stream() -> None:
+    cut = Outcome.CLIENT_DISCONNECT
+    for mode in (ReleaseMode.OBSERVED, ReleaseMode.OBSERVED_AND_LOG, ReleaseMode.UNREAD,
+                 ReleaseMode.ACCESS_LOG):
+        assert charged_completion(mode, cut, None, True, None) is None
+    # On the stream, a streamed request cut before its response began generated nothing.
+    assert charged_completion(ReleaseMode.STREAM, cut, None, True, None) == 0
+    assert charged_completion(ReleaseMode.STREAM, Outcome.COMPLETED, None, True, None) is None
+
+
+def test_the_registry_holds_each_mode_where_its_end_comes_from() -> None:
+    rig = Rig({"pools": {"default": {**BASE_CONFIG["pools"]["default"], "max_concurrency": 4}}})
+    changed: list[int] = []
+    reg = Endings(rig.clock, rig.metrics, lambda: changed.append(1))
+    admitted = {}
+    for release, response_body in (("access_log", pm.ProcessingMode.NONE),
+                                   ("stream_and_log", pm.ProcessingMode.NONE),
+                                   ("stream_and_log", pm.ProcessingMode.STREAMED),
+                                   ("stream", pm.ProcessingMode.STREAMED)):
+        ex = Exchange(rig.gate)
+        asyncio.run(ex.request_body(body_msg(chat(max_tokens=20)), None, attrs(),
+                                    route_metadata(pool="default", release=release),
+                                    _protocol(response_body)))
+        reg.admitted(ex)
+        assert ex.mode is not None
+        admitted[ex.mode] = ex
+    parked, observed = admitted[ReleaseMode.ACCESS_LOG], admitted[ReleaseMode.OBSERVED_AND_LOG]
+    logged = admitted[ReleaseMode.STREAM_AND_LOG]
+    assert set(reg.parked) == {parked.link}
+    assert set(reg.links) == {observed.link}
+    assert set(reg.causes) == {observed.link, logged.link}
+    assert reg.handed_over(parked) and not reg.handed_over(observed)
+    assert reg.stream_ended(observed, False) is reg.links[observed.link]  # settled later
+    assert reg.stream_ended(admitted[ReleaseMode.STREAM], False) is None  # released now
+    assert admitted[ReleaseMode.STREAM].outcome is Outcome.CLIENT_DISCONNECT
+    assert reg.give_up() == 1 and changed == [] and not reg.parked
+    assert parked.outcome is Outcome.TIMEOUT
+    assert reg.stream_ended(observed, False) is None and observed.outcome is Outcome.TIMEOUT
+    assert rig.inflight() == 1  # the stream_and_log request's stream has not ended yet
+
+
+def test_the_module_doc_names_every_mode_and_every_envoy_file() -> None:
+    doc = endings.__doc__ or ""
+    for mode in ReleaseMode:
+        assert mode.name in doc, mode
+    for envoy_mode in MODES:
+        assert envoy_mode in doc, envoy_mode

@@ -1,0 +1,40 @@
+"""Unit tests of request_facts: a request reads the same whether Envoy sends its headers or,
+skipping them, its request attributes."""
+
+from __future__ import annotations
+
+from envoy.config.core.v3 import base_pb2
+
+from extproc.config import TenantsConfig
+from extproc.request_facts import (ATTR_CONTENT_TYPE, RequestFacts, attribute_values, from_attributes,
+                                   from_headers, tenant_attribute, unread_header_attributes)
+from tests.unit.test_exchange_attributes import attrs
+
+TENANTS = TenantsConfig(header="x-tenant-id")
+
+
+def _headers(*pairs: tuple[str, str]) -> list[base_pb2.HeaderValue]:
+    return [base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs]
+
+
+def test_headers_and_attributes_give_the_same_facts() -> None:
+    by_headers = from_headers(_headers(
+        (":path", "/v1/chat/completions"), (":method", "POST"), ("content-type", "application/json"),
+        ("authorization", "Bearer k"), ("x-tenant-id", "acme"), ("x-tenant-id", "other"),
+        (TENANTS.objective_header or "", "gold")), TENANTS)
+    extra = {tenant_attribute(TENANTS.objective_header or ""): "gold"}
+    by_attributes = from_attributes(attribute_values(attrs(
+        tenant="acme,other", authorization="Bearer k", **extra)), TENANTS)
+    assert by_headers == by_attributes == RequestFacts(
+        path="/v1/chat/completions", post=True, content_type="application/json",
+        authorization=b"Bearer k", tenant=[b"acme", b"other"], objective=[b"gold"])
+
+
+def test_a_missing_path_attribute_is_told_apart_from_an_empty_path() -> None:
+    assert from_attributes({ATTR_CONTENT_TYPE: "application/json"}, TENANTS).path is None
+    assert from_headers(_headers(("content-type", "application/json")), TENANTS).path == ""
+
+
+def test_a_header_attribute_kvgate_does_not_read_is_named() -> None:
+    values = attribute_values(attrs(**{tenant_attribute("x-team"): "a"}))
+    assert unread_header_attributes(values, TENANTS) == [tenant_attribute("x-team")]
