@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Generator
+from functools import partial
 
 from extproc.admission import rules
 from extproc.admission.adaptive import ScaleParams
@@ -111,7 +112,7 @@ class Admission:
         if store is None:
             raise TypeError("try_acquire needs an in-process store; use acquire with a shared store")
         got = self._plan(demand)
-        if isinstance(got, Rejection):
+        if type(got) is Rejection:
             return got
         p, cls, plan, now = got
         if p.queue.size:
@@ -119,7 +120,7 @@ class Admission:
             if blocker is not None:
                 return self._rejection(p, blocker, plan, now, behind=True)
         res = self._admit_now(p, demand, plan, now)
-        if isinstance(res, Grant):
+        if type(res) is Grant:
             return Lease(self, res, demand, p.config.context_window)
         return self._rejection(p, res, plan, now)
 
@@ -131,7 +132,7 @@ class Admission:
         ``try_acquire`` (but works with every store).
         """
         got = self._plan(demand)
-        if isinstance(got, Rejection):
+        if type(got) is Rejection:
             return got
         p, cls, plan, now = got
         blocker = self._blocked(p, demand, cls) if p.queue.size else None
@@ -386,7 +387,7 @@ class Admission:
         if p.nodes is None:
             return store.admit_now(plan, now)
         charge = self._pick(p, demand, plan, now)
-        return charge if isinstance(charge, Refusal) else self._attach(store.admit_now(plan, now), charge)
+        return charge if type(charge) is Refusal else self._attach(store.admit_now(plan, now), charge)
 
     async def _admit(self, p: PoolRuntime, demand: Demand, plan: Plan, now: float) -> Grant | Refusal:
         """_admit is ``_admit_now`` for a store that answers asynchronously.
@@ -608,10 +609,9 @@ class Admission:
         refused first; its driver answers each (waiter, plan) it yields for the store."""
         self._expire(p, now)
         p.blocks.reset()
-        return serve(p.queue, lambda w: self._prepare(p, w, now),
-                     lambda w, plan, res: self._served(p, w, plan, res, now))
+        return serve(p.queue, partial(self._prepare, p, now), partial(self._served, p, now))
 
-    def _prepare(self, p: PoolRuntime, w: Waiter, now: float) -> Plan | Step:
+    def _prepare(self, p: PoolRuntime, now: float, w: Waiter) -> Plan | Step:
         """_prepare is the plan to try for waiter ``w``, or the Step when it needs no try."""
         if w.future.done():  # cancelled; its task has not run its handler yet
             p.queue.remove(w)
@@ -626,8 +626,8 @@ class Admission:
                              self._tenants.bucket(d.tenant, cls.name))
         return plan
 
-    def _served(self, p: PoolRuntime, w: Waiter, plan: Plan, res: Grant | Refusal, now: float) -> Step:
-        if isinstance(res, Grant):
+    def _served(self, p: PoolRuntime, now: float, w: Waiter, plan: Plan, res: Grant | Refusal) -> Step:
+        if type(res) is Grant:
             if not w.queued or w.future.done():
                 self._undo(res, now)  # its requester left while the store answered
                 return Step.NEXT
