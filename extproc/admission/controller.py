@@ -27,7 +27,6 @@ from extproc.admission.kvbudget import reserved_completion
 from extproc.admission.lease import Lease
 from extproc.admission.nodes import Charge, NodeReport, NodeSnapshot, PassedOver, PoolNodes
 from extproc.admission.pool import PoolRuntime
-from extproc.admission.retry import expected_wait
 from extproc.admission.store.base import Store, StoreError, SyncStore
 from extproc.admission.store.memory import MemoryStore
 from extproc.admission.tenants import NOT_CACHED, Tenants
@@ -40,9 +39,6 @@ from extproc.config import ClassConfig, Config, PoolConfig
 # With a shared store, releases by other replicas are not seen here: waiters blocked on
 # slots or KV are re-tried this often (seconds).
 SHARED_POLL_S = 0.05
-
-# Budgets that come back when leases are released: their retry hint is learned.
-_RELEASED = (Budget.SLOTS, Budget.RESERVED_SLOTS, Budget.KV, Budget.CLASS_KV)
 
 
 class Admission:
@@ -485,36 +481,10 @@ class Admission:
     def _rejection(self, p: PoolRuntime, refusal: Refusal, plan: Plan, now: float,
                    behind: bool = False) -> Rejection:
         """_rejection words a refusal; ``behind``: the refusal is that of a waiter queued ahead."""
-        refusal = self._expected(p, refusal, plan, now)
+        refusal = p.expected(refusal, plan, now)
         text = rules.queued_message(refusal, plan) if behind else rules.message(refusal, plan)
         return Rejection(reason=refusal.budget.reason, retry_after_s=refusal.retry_after_s,
                          retryable=refusal.retryable, message=text, rate=self._rate(p, plan.limits, now))
-
-    def _expected(self, p: PoolRuntime, refusal: Refusal, plan: Plan, now: float) -> Refusal:
-        """_expected gives a slots or pool-KV refusal the delay until its budget is expected back.
-
-        ``retry.expected_wait`` over the pool's leases (their ages and holds) at the pool's
-        median hold time; a longer delay from a token bucket stays (``rules.decide`` gave
-        the longest). Unchanged before any request completed, and for other budgets.
-        """
-        b = refusal.budget
-        if not refusal.retryable or b not in _RELEASED:
-            return refusal
-        typical = p.holds.median()
-        if typical is None:
-            return refusal
-        if b in (Budget.SLOTS, Budget.RESERVED_SLOTS):
-            holders = ((now - x.admitted_at, 1.0) for x in p.live)
-            short = 1.0
-        else:
-            holders = ((now - x.admitted_at, float(x.demand.tokens)) for x in p.live)
-            short = refusal.needed + refusal.used - refusal.limit
-        wait = expected_wait(holders, short, typical)
-        if wait is None:
-            return refusal
-        if refusal.retry_after_s > plan.limits.retry_estimate_s:  # a bucket's exact, longer wait
-            wait = max(wait, refusal.retry_after_s)
-        return Refusal(b, wait, True, refusal.needed, refusal.used, refusal.limit)
 
     def _shed(self, p: PoolRuntime, cls: ClassConfig, limits: PoolLimits) -> Rejection:
         wait = p.retry_estimate_s
