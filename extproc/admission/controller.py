@@ -597,6 +597,9 @@ class Admission:
         return plan
 
     def _served(self, p: PoolRuntime, now: float, w: Waiter, plan: Plan, res: Grant | Refusal) -> Step:
+        """_served acts on the store's answer for waiter ``w`` and is the walk's next step: a grant
+        admits it (or is taken back if it left), a refusal for good refuses it, any other
+        refusal is noted in the pool's ``Blocks``."""
         if type(res) is Grant:
             if not w.queued or w.future.done():
                 self._undo(res, now)  # its requester left while the store answered
