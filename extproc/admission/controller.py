@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Generator
+from functools import partial
 
 from extproc.admission import rules
 from extproc.admission.adaptive import ScaleParams
@@ -26,7 +27,6 @@ from extproc.admission.kvbudget import reserved_completion
 from extproc.admission.lease import Lease
 from extproc.admission.nodes import Charge, NodeReport, NodeSnapshot, PassedOver, PoolNodes
 from extproc.admission.pool import PoolRuntime
-from extproc.admission.retry import expected_wait
 from extproc.admission.store.base import Store, StoreError, SyncStore
 from extproc.admission.store.memory import MemoryStore
 from extproc.admission.tenants import NOT_CACHED, Tenants
@@ -39,9 +39,6 @@ from extproc.config import ClassConfig, Config, PoolConfig
 # With a shared store, releases by other replicas are not seen here: waiters blocked on
 # slots or KV are re-tried this often (seconds).
 SHARED_POLL_S = 0.05
-
-# Budgets that come back when leases are released: their retry hint is learned.
-_RELEASED = (Budget.SLOTS, Budget.RESERVED_SLOTS, Budget.KV, Budget.CLASS_KV)
 
 
 class Admission:
@@ -111,7 +108,7 @@ class Admission:
         if store is None:
             raise TypeError("try_acquire needs an in-process store; use acquire with a shared store")
         got = self._plan(demand)
-        if isinstance(got, Rejection):
+        if type(got) is Rejection:
             return got
         p, cls, plan, now = got
         if p.queue.size:
@@ -119,7 +116,7 @@ class Admission:
             if blocker is not None:
                 return self._rejection(p, blocker, plan, now, behind=True)
         res = self._admit_now(p, demand, plan, now)
-        if isinstance(res, Grant):
+        if type(res) is Grant:
             return Lease(self, res, demand, p.config.context_window)
         return self._rejection(p, res, plan, now)
 
@@ -131,7 +128,7 @@ class Admission:
         ``try_acquire`` (but works with every store).
         """
         got = self._plan(demand)
-        if isinstance(got, Rejection):
+        if type(got) is Rejection:
             return got
         p, cls, plan, now = got
         blocker = self._blocked(p, demand, cls) if p.queue.size else None
@@ -386,7 +383,7 @@ class Admission:
         if p.nodes is None:
             return store.admit_now(plan, now)
         charge = self._pick(p, demand, plan, now)
-        return charge if isinstance(charge, Refusal) else self._attach(store.admit_now(plan, now), charge)
+        return charge if type(charge) is Refusal else self._attach(store.admit_now(plan, now), charge)
 
     async def _admit(self, p: PoolRuntime, demand: Demand, plan: Plan, now: float) -> Grant | Refusal:
         """_admit is ``_admit_now`` for a store that answers asynchronously.
@@ -484,36 +481,10 @@ class Admission:
     def _rejection(self, p: PoolRuntime, refusal: Refusal, plan: Plan, now: float,
                    behind: bool = False) -> Rejection:
         """_rejection words a refusal; ``behind``: the refusal is that of a waiter queued ahead."""
-        refusal = self._expected(p, refusal, plan, now)
+        refusal = p.expected(refusal, plan, now)
         text = rules.queued_message(refusal, plan) if behind else rules.message(refusal, plan)
         return Rejection(reason=refusal.budget.reason, retry_after_s=refusal.retry_after_s,
                          retryable=refusal.retryable, message=text, rate=self._rate(p, plan.limits, now))
-
-    def _expected(self, p: PoolRuntime, refusal: Refusal, plan: Plan, now: float) -> Refusal:
-        """_expected gives a slots or pool-KV refusal the delay until its budget is expected back.
-
-        ``retry.expected_wait`` over the pool's leases (their ages and holds) at the pool's
-        median hold time; a longer delay from a token bucket stays (``rules.decide`` gave
-        the longest). Unchanged before any request completed, and for other budgets.
-        """
-        b = refusal.budget
-        if not refusal.retryable or b not in _RELEASED:
-            return refusal
-        typical = p.holds.median()
-        if typical is None:
-            return refusal
-        if b in (Budget.SLOTS, Budget.RESERVED_SLOTS):
-            holders = ((now - x.admitted_at, 1.0) for x in p.live)
-            short = 1.0
-        else:
-            holders = ((now - x.admitted_at, float(x.demand.tokens)) for x in p.live)
-            short = refusal.needed + refusal.used - refusal.limit
-        wait = expected_wait(holders, short, typical)
-        if wait is None:
-            return refusal
-        if refusal.retry_after_s > plan.limits.retry_estimate_s:  # a bucket's exact, longer wait
-            wait = max(wait, refusal.retry_after_s)
-        return Refusal(b, wait, True, refusal.needed, refusal.used, refusal.limit)
 
     def _shed(self, p: PoolRuntime, cls: ClassConfig, limits: PoolLimits) -> Rejection:
         wait = p.retry_estimate_s
@@ -608,10 +579,9 @@ class Admission:
         refused first; its driver answers each (waiter, plan) it yields for the store."""
         self._expire(p, now)
         p.blocks.reset()
-        return serve(p.queue, lambda w: self._prepare(p, w, now),
-                     lambda w, plan, res: self._served(p, w, plan, res, now))
+        return serve(p.queue, partial(self._prepare, p, now), partial(self._served, p, now))
 
-    def _prepare(self, p: PoolRuntime, w: Waiter, now: float) -> Plan | Step:
+    def _prepare(self, p: PoolRuntime, now: float, w: Waiter) -> Plan | Step:
         """_prepare is the plan to try for waiter ``w``, or the Step when it needs no try."""
         if w.future.done():  # cancelled; its task has not run its handler yet
             p.queue.remove(w)
@@ -626,8 +596,11 @@ class Admission:
                              self._tenants.bucket(d.tenant, cls.name))
         return plan
 
-    def _served(self, p: PoolRuntime, w: Waiter, plan: Plan, res: Grant | Refusal, now: float) -> Step:
-        if isinstance(res, Grant):
+    def _served(self, p: PoolRuntime, now: float, w: Waiter, plan: Plan, res: Grant | Refusal) -> Step:
+        """_served acts on the store's answer for waiter ``w`` and is the walk's next step: a grant
+        admits it (or is taken back if it left), a refusal for good refuses it, any other
+        refusal is noted in the pool's ``Blocks``."""
+        if type(res) is Grant:
             if not w.queued or w.future.done():
                 self._undo(res, now)  # its requester left while the store answered
                 return Step.NEXT

@@ -1,7 +1,8 @@
 """pool: ``PoolRuntime``, one pool's state inside the controller.
 
 Its configuration, adaptive tracker and limits at the current scale; its wait queue and
-what the last walk of it stopped on; the leases it holds and how long completed ones held.
+what the last walk of it stopped on; the leases it holds and how long completed ones held,
+and from them when a refused budget is expected back.
 """
 
 from __future__ import annotations
@@ -13,11 +14,14 @@ from extproc.admission.adaptive import ScaleParams, ScaleTracker
 from extproc.admission.kvbudget import base_kv_budget, effective_kv_budget, kv_ceilings
 from extproc.admission.lease import Lease
 from extproc.admission.nodes import PoolNodes
-from extproc.admission.retry import HoldTimes
+from extproc.admission.retry import HoldTimes, expected_wait
 from extproc.admission.slots import effective_guarantees, effective_limit
-from extproc.admission.types import POOL_BUCKET, BucketSpec, PoolLimits
+from extproc.admission.types import POOL_BUCKET, Budget, BucketSpec, Plan, PoolLimits, Refusal
 from extproc.admission.waitqueue import Blocks, WaitQueue
 from extproc.config import PoolConfig
+
+# Budgets that come back when leases are released: their retry hint is learned.
+_RELEASED = (Budget.SLOTS, Budget.RESERVED_SLOTS, Budget.KV, Budget.CLASS_KV)
 
 
 class PoolRuntime:
@@ -80,6 +84,32 @@ class PoolRuntime:
             kv_ceilings=kv_ceilings(self.kv_watermarks, kv, base_kv) if self.kv_watermarks else {},
             bucket=bucket, retry_estimate_s=self.retry_estimate_s)
         return lim
+
+    def expected(self, refusal: Refusal, plan: Plan, now: float) -> Refusal:
+        """expected gives a slots or pool-KV refusal the delay (s) until its budget is expected back.
+
+        ``retry.expected_wait`` over the pool's leases (their ages and holds) at the pool's
+        median hold time; a longer delay from a token bucket stays (``rules.decide`` gave
+        the longest). Unchanged before any request completed, and for other budgets.
+        """
+        b = refusal.budget
+        if not refusal.retryable or b not in _RELEASED:
+            return refusal
+        typical = self.holds.median()
+        if typical is None:
+            return refusal
+        if b in (Budget.SLOTS, Budget.RESERVED_SLOTS):
+            holders = ((now - x.admitted_at, 1.0) for x in self.live)
+            short = 1.0
+        else:
+            holders = ((now - x.admitted_at, float(x.demand.tokens)) for x in self.live)
+            short = refusal.needed + refusal.used - refusal.limit
+        wait = expected_wait(holders, short, typical)
+        if wait is None:
+            return refusal
+        if refusal.retry_after_s > plan.limits.retry_estimate_s:  # a bucket's exact, longer wait
+            wait = max(wait, refusal.retry_after_s)
+        return Refusal(b, wait, True, refusal.needed, refusal.used, refusal.limit)
 
     def cancel_timer(self) -> None:
         """cancel_timer stops the queue's timer, if one is armed."""

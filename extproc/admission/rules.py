@@ -320,23 +320,36 @@ def pick_node(candidates: Sequence[tuple[str, int | None, int, int]], need: int,
     its headroom and, for a ``watermark`` w < 1, within floor(w x effective capacity) -
     foreign - held. Nothing is changed.
     """
-    verdict = NodePass(chosen=None, need=need)
-    best: int | None = None
+    rooms = []
     for name, capacity, foreign, held in candidates:
         if capacity is None:
             continue
-        room = node_headroom(capacity, reserve_fraction, foreign, held)
+        class_room = None if watermark >= 1.0 else \
+            math.floor(watermark * effective_capacity(capacity, reserve_fraction)) - foreign - held
+        rooms.append((name, node_headroom(capacity, reserve_fraction, foreign, held), class_room))
+    return choose_node(rooms, need)
+
+
+def choose_node(rooms: Iterable[tuple[str, int, int | None]], need: int) -> NodePass:
+    """choose_node picks the node with the most room that fits ``need`` (tokens): the walk of
+    every per-node rule, whatever works out each node's room.
+
+    Each entry is (name, room, class_room) in tokens, in order of preference (ties go to
+    the first): ``room`` the node's room for one more request, ``class_room`` its room
+    within the class's watermark (None: no watermark). Nothing is changed.
+    """
+    verdict = NodePass(chosen=None, need=need)
+    best: int | None = None
+    for name, room, class_room in rooms:
         if verdict.best_room is None or room > verdict.best_room:
             verdict.best_room = room
         if need > room:
             verdict.passed.append((name, "no_room"))
             continue
-        if watermark < 1.0:
-            ceiling = math.floor(watermark * effective_capacity(capacity, reserve_fraction))
-            if foreign + held + need > ceiling:
-                verdict.passed.append((name, "class_watermark"))
-                verdict.by_watermark = True
-                continue
+        if class_room is not None and need > class_room:
+            verdict.passed.append((name, "class_watermark"))
+            verdict.by_watermark = True
+            continue
         if best is None or room > best:
             best, verdict.chosen = room, name
     return verdict

@@ -76,26 +76,14 @@ def pick_share(ask: NodeAsk, replicas: int) -> rules.NodePass:
     """pick_share picks like ``rules.pick_node`` with each node's room cut to this replica's
     share (``share_room``); the class's watermark is cut the same way. Nothing is changed.
     """
-    verdict = rules.NodePass(chosen=None, need=ask.need)
-    best: int | None = None
     n = max(1, replicas)
+    rooms = []
     for name, capacity, foreign, own in ask.candidates:
-        room = share_room(capacity, ask.reserve_fraction, foreign, own, n)
-        if verdict.best_room is None or room > verdict.best_room:
-            verdict.best_room = room
-        if ask.need > room:
-            verdict.passed.append((name, "no_room"))
-            continue
-        if ask.watermark < 1.0:
-            eff = rules.effective_capacity(capacity, ask.reserve_fraction)
-            ceiling = (math.floor(ask.watermark * eff) - foreign) // n
-            if own + ask.need > ceiling:
-                verdict.passed.append((name, "class_watermark"))
-                verdict.by_watermark = True
-                continue
-        if best is None or room > best:
-            best, verdict.chosen = room, name
-    return verdict
+        class_room = None if ask.watermark >= 1.0 else \
+            (math.floor(ask.watermark * rules.effective_capacity(capacity, ask.reserve_fraction))
+             - foreign) // n - own
+        rooms.append((name, share_room(capacity, ask.reserve_fraction, foreign, own, n), class_room))
+    return rules.choose_node(rooms, ask.need)
 
 
 def candidates_of(rows: Sequence[tuple[str, int, int, int]]) -> tuple[tuple[str, int, int, int], ...]:

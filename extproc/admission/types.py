@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, final
 
 
 class Outcome(StrEnum):
@@ -77,6 +77,8 @@ class RateInfo:
     reset_requests_s: float = 0.0
 
 
+# final: the hot path tells it from the other answer by type(x) is Rejection (mypy narrows on it).
+@final
 @dataclass(frozen=True, slots=True)
 class Rejection:
     """Rejection is a refusal as a value: which budget, when to retry, and whether ever.
@@ -263,6 +265,8 @@ class Plan:
         return self.limits.pool
 
 
+# final: the hot path tells it from the other answer by type(x) is Grant (mypy narrows on it).
+@final
 @dataclass(slots=True)
 class Grant:
     """Grant is an admitted plan, as the store recorded it; ``settle`` takes it back.
@@ -289,6 +293,8 @@ class Grant:
     node_hold: int = 0
 
 
+# final: the hot path tells it from the other answer by type(x) is Refusal (mypy narrows on it).
+@final
 @dataclass(frozen=True, slots=True)
 class Refusal:
     """Refusal says which budget refused a plan, and the numbers that explain it.
