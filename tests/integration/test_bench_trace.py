@@ -157,7 +157,7 @@ def test_a_picker_file_gets_loopback_ports_and_keeps_its_original_dst_cluster(tm
 
 def test_picker_policies_wait_for_the_picker_file_and_name_their_contract():
     missing = not (ROOT / "deploy" / "envoy-endpoint-picker.yaml").exists()
-    for key in ("picker-worst", "picker-learned", "picker-pooled"):
+    for key in ("picker-worst", "picker-learned", "picker-pooled", "picker-thin"):
         reason = skip_reason(POLICY[key])
         assert (reason is not None) == missing
         if reason is not None:
