@@ -1138,6 +1138,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compress", type=float, default=None,
                     help="trace seconds per simulated second (default: the scenario's)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--reserve", type=float, default=None,
+                    help="override every picking policy's reserve_fraction (to weigh the reserve's cost)")
     ap.add_argument("--out", type=Path, default=RESULTS, help="where trace.md goes")
     ap.add_argument("--raw", type=Path, default=None,
                     help="also write each policy's requests and timeline as JSON to this folder")
@@ -1149,6 +1151,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown policies {unknown}; choose from {', '.join(known)}")
     if not 0 < args.speedup <= 100:
         ap.error("--speedup must be in (0, 100]")
+    if args.reserve is not None:
+        if not 0 <= args.reserve <= 0.5:
+            ap.error("--reserve must be in [0, 0.5]")
+        known = {k: p if p.picking is None else Policy(p.key, f"{p.title} (reserve {args.reserve:g} by --reserve)",
+                                                        p.balance, p.kvgate,
+                                                        {**p.picking, "reserve_fraction": args.reserve})
+                 for k, p in known.items()}
     sc = TINY if args.tiny else FULL
     if args.compress is not None:
         if not 0 < args.compress <= 100:
@@ -1196,7 +1205,8 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join(["python bench/bench_trace.py", *(["--tiny"] if args.tiny else []), *shown,
                         *([] if args.speedup == 3.0 else ["--speedup", f"{args.speedup:g}"]),
                         *([] if args.compress is None else ["--compress", f"{args.compress:g}"]),
-                        *([] if args.seed == 1 else ["--seed", str(args.seed)])])
+                        *([] if args.seed == 1 else ["--seed", str(args.seed)]),
+                        *([] if args.reserve is None else ["--reserve", f"{args.reserve:g}"])])
     for line in report(runs, sc, NODE, args.trace, len(rows), reqs, args.speedup, args.seed,
                        time.monotonic() - started, args.out, command):
         print(line)
