@@ -14,11 +14,13 @@ policy gets the same requests, in one run:
                     each node's true KV (background included) and sends a request, through
                     Envoy, to the node with the most room as soon as its final size fits there;
 5. ``picker-worst``: kvgate picking the node (``picking: {growth: worst_case}``);
-6. ``picker-learned``: kvgate picking the node (``picking: {growth: learned, quantile: 0.9}``);
+6. ``picker-learned``: kvgate picking the node with its recommended setting where other load
+   shares the nodes (``picking: {growth: learned, quantile: 0.9, reserve_fraction: 0.1}``);
 7. ``picker-pooled``: the same with the quantile of each node's summed growth
-   (``picking: {growth: pooled, quantile: 0.9}``), an alternative to the recommended setting.
+   (``growth: pooled``), an alternative for one replica;
+8. ``picker-thin``: learned growth with the default reserve (0.02): what the reserve buys.
 
-Policies 5-7 need ``deploy/envoy-endpoint-picker.yaml`` (kvgate's endpoint picking) and
+Policies 5-8 need ``deploy/envoy-endpoint-picker.yaml`` (kvgate's endpoint picking) and
 are skipped, with a line saying so, while that file is missing.
 
 Prompts are built to the trace's exact token counts (one cl100k token per word plus the
@@ -324,10 +326,12 @@ POLICIES: tuple[Policy, ...] = (
     Policy("oracle", "4. oracle: true output lengths and true KV per node", "oracle"),
     Policy("picker-worst", "5. kvgate picking nodes, worst-case growth", "picker", "picker",
            {"growth": "worst_case"}),
-    Policy("picker-learned", "6. kvgate picking nodes, recommended (learned) growth", "picker", "picker",
+    Policy("picker-learned", "6. kvgate picking nodes, recommended: learned growth, reserve 0.1", "picker",
+           "picker", {"growth": "learned", "quantile": 0.9, "reserve_fraction": 0.1}),
+    Policy("picker-pooled", "7. kvgate picking nodes, pooled growth (q of each node's sum), reserve 0.1",
+           "picker", "picker", {"growth": "pooled", "quantile": 0.9, "reserve_fraction": 0.1}),
+    Policy("picker-thin", "8. kvgate picking nodes, learned growth, default reserve (0.02)", "picker", "picker",
            {"growth": "learned", "quantile": 0.9}),
-    Policy("picker-pooled", "7. kvgate picking nodes, pooled growth (q of each node's sum)", "picker", "picker",
-           {"growth": "pooled", "quantile": 0.9}),
 )
 
 
@@ -854,6 +858,7 @@ class Summary:
     kv_utilization: float | None
     goodput: float
     span_s: float
+    tokens: int = 0
 
 
 def kv_for_requests(row: dict[str, Any]) -> float:
@@ -899,7 +904,7 @@ def summarize(run: Run, background: Background) -> Summary:
     return Summary(preemptions=tuple(run.preemptions), at_arrival=preemptions_at_arrival(run, background),
                    by_class=by_class,
                    ttft_p50=_pct(ttfts, 0.50), ttft_p99=_pct(ttfts, 0.99), under_target=under,
-                   kv_utilization=util, goodput=tokens / span, span_s=span)
+                   kv_utilization=util, goodput=tokens / span, span_s=span, tokens=tokens)
 
 
 def plot(run: Run, path: Path) -> None:
@@ -1044,10 +1049,10 @@ def report(runs: list[Run], sc: Scenario, node: Node, trace: Path, rows: int, re
               f"t={bg.start_s:g} s to t={bg.end_s:g} s"
               + (f", rising in {RAMP_STEPS} steps over {bg.ramp_s:g} s" if bg.ramp_s > 0 else "")
               + "; preemptions in parentheses are those seen while it rose and 3 s after.",
-              "- kvgate (policies 2, 3, 5, 6): the three nodes as backends, KV budget 0.9 x their reported "
+              "- kvgate (policies 2, 3, 5-8): the three nodes as backends, KV budget 0.9 x their reported "
               "capacity, adaptive scale on the fullest node (watermarks 0.70/0.85), classes `online` "
               "(priority 10, may wait 2 s) and `batch` (priority -10, sheddable, may wait 10 s, "
-              "kv_watermark 0.7). Policies 5-7 add each node's `address` and the pool's `picking` section, "
+              "kv_watermark 0.7). Policies 5-8 add each node's `address` and the pool's `picking` section, "
               f"with `{PICKER_ENVOY.relative_to(ROOT)}`.",
               "- Oracle (policy 4): knows each request's true output and each node's true KV; admits a "
               "request to the node with the most room once prompt + true output fits there (keeping room "
@@ -1092,8 +1097,9 @@ def verdicts(runs: list[Run], sums: dict[str, Summary]) -> list[str]:
         total = sum(s.preemptions)
         share = s.goodput / oracle.goodput if oracle and oracle.goodput > 0 else None
         text = f"- {run.policy.title}: {total} preemptions ({s.at_arrival} as the background load arrived)"
-        if share is not None and run.policy.key != "oracle":
-            text += f", goodput {share:.0%} of the oracle's"
+        if share is not None and oracle is not None and run.policy.key != "oracle":
+            text += (f", goodput {share:.0%} of the oracle's ({s.tokens / max(1, oracle.tokens):.0%} of its "
+                     f"tokens, the last done at {s.span_s:.0f} s against its {oracle.span_s:.0f} s)")
         if run.policy.key == "picker-learned":
             met = total == 0 and share is not None and share >= 0.9
             text += f"; target (0 preemptions, >= 90% of the oracle) **{'met' if met else 'NOT met'}**"
@@ -1132,6 +1138,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compress", type=float, default=None,
                     help="trace seconds per simulated second (default: the scenario's)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--reserve", type=float, default=None,
+                    help="override every picking policy's reserve_fraction (to weigh the reserve's cost)")
     ap.add_argument("--out", type=Path, default=RESULTS, help="where trace.md goes")
     ap.add_argument("--raw", type=Path, default=None,
                     help="also write each policy's requests and timeline as JSON to this folder")
@@ -1143,6 +1151,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown policies {unknown}; choose from {', '.join(known)}")
     if not 0 < args.speedup <= 100:
         ap.error("--speedup must be in (0, 100]")
+    if args.reserve is not None:
+        if not 0 <= args.reserve <= 0.5:
+            ap.error("--reserve must be in [0, 0.5]")
+        known = {k: p if p.picking is None else Policy(p.key, f"{p.title} (reserve {args.reserve:g} by --reserve)",
+                                                        p.balance, p.kvgate,
+                                                        {**p.picking, "reserve_fraction": args.reserve})
+                 for k, p in known.items()}
     sc = TINY if args.tiny else FULL
     if args.compress is not None:
         if not 0 < args.compress <= 100:
@@ -1190,7 +1205,8 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join(["python bench/bench_trace.py", *(["--tiny"] if args.tiny else []), *shown,
                         *([] if args.speedup == 3.0 else ["--speedup", f"{args.speedup:g}"]),
                         *([] if args.compress is None else ["--compress", f"{args.compress:g}"]),
-                        *([] if args.seed == 1 else ["--seed", str(args.seed)])])
+                        *([] if args.seed == 1 else ["--seed", str(args.seed)]),
+                        *([] if args.reserve is None else ["--reserve", f"{args.reserve:g}"])])
     for line in report(runs, sc, NODE, args.trace, len(rows), reqs, args.speedup, args.seed,
                        time.monotonic() - started, args.out, command):
         print(line)

@@ -17,6 +17,7 @@ import orjson
 import pytest
 import tiktoken
 
+from bench import bench_trace
 from bench.bench_protection import CHAT_OVERHEAD
 from bench.bench_trace import (NODE, POLICIES, TINY, TRACE_SLICE, Background, Oracle, Req, Run, Scenario,
                                api_key, key_digest,
@@ -157,7 +158,7 @@ def test_a_picker_file_gets_loopback_ports_and_keeps_its_original_dst_cluster(tm
 
 def test_picker_policies_wait_for_the_picker_file_and_name_their_contract():
     missing = not (ROOT / "deploy" / "envoy-endpoint-picker.yaml").exists()
-    for key in ("picker-worst", "picker-learned", "picker-pooled"):
+    for key in ("picker-worst", "picker-learned", "picker-pooled", "picker-thin"):
         reason = skip_reason(POLICY[key])
         assert (reason is not None) == missing
         if reason is not None:
@@ -273,3 +274,10 @@ def test_background_load_rises_in_steps_and_its_preemptions_are_told_apart():
                     row(17.5, 2, 1, 9), row(40.0, 5, 1, 9)]
     # 3 at t=11 and 2 at t=16.5 fall within the rise (10-14 s) + 3 s; the rest do not
     assert preemptions_at_arrival(run, bg) == 5
+
+
+def test_a_reserve_outside_its_range_is_refused_before_anything_starts(capsys):
+    for bad in ("0.9", "-0.1"):
+        with pytest.raises(SystemExit):
+            bench_trace.main(["--tiny", "--trace", str(TRACE_SLICE), "--reserve", bad, "--policies", "oracle"])
+        assert "--reserve must be in [0, 0.5]" in capsys.readouterr().err

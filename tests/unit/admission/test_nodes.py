@@ -9,7 +9,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from extproc.admission import Admission, Demand, Lease, Outcome, Reason, Rejection
-from extproc.admission import rules
+from extproc.admission import rules, shared_nodes
 from extproc.admission.nodes import Charge, NodeReport, NodeState, PoolNodes
 from extproc.clock import ManualClock
 from extproc.config import ConfigError
@@ -463,3 +463,28 @@ def test_pooled_growth_admits_more_than_each_requests_quantile_and_less_than_the
 
 def test_pooled_growth_with_one_length_learned_is_that_length():
     assert _admitted("pooled", [300] * 20) == _admitted("learned", [300] * 20) == 100_000 // 1_300
+
+
+def test_a_class_watermark_is_a_share_of_the_whole_node_not_of_what_the_reserve_leaves():
+    clock = ManualClock(T0)
+    adm = Admission(config(pool=nodes_pool(1, reserve=0.1), tenants={
+        "classes": {"standard": {}, "batch": {"kv_watermark": 0.7}}}), clock)
+    report(adm, clock, {"n0": 0.0})
+    docs = [adm.try_acquire(demand(34_000, 500, "batch")) for _ in range(2)]
+    assert all(isinstance(x, Lease) for x in docs)      # 69,000 <= 0.7 x 100,000 (not 0.7 x 90,000)
+    over = adm.try_acquire(demand(1_500, 500, "batch"))  # 71,000: above the class's share
+    assert isinstance(over, Rejection) and over.retryable
+    assert adm.nodes("default")[0].passed_over == {"class_watermark": 1}
+    chat = adm.try_acquire(demand(20_000, 500))          # 89,500: the reserve still bounds the rest
+    assert isinstance(chat, Lease)
+    assert isinstance(adm.try_acquire(demand(1_000, 100)), Rejection)
+
+
+def test_a_store_sharing_the_nodes_gets_the_same_watermark_as_the_local_pick():
+    clock = ManualClock(T0)
+    pool = PoolNodes(config(pool=nodes_pool(1, reserve=0.1)).pools["default"], 3.0)
+    pool.report("n0", NodeReport(kv_usage=0.0, capacity_tokens=CAP, at=clock.now()))
+    ask = pool.ask("batch", 34_000, 500, 0.7, clock.now())
+    assert shared_nodes.pick_shared(ask, {"n0": 34_500}).chosen == "n0"       # 69,000 <= 70,000
+    assert shared_nodes.pick_shared(ask, {"n0": 36_000}).by_watermark        # 70,500 > 70,000
+    assert pool.ask("batch", 1_000, 0, 1.0, clock.now()).watermark == 1.0
