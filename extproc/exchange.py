@@ -58,6 +58,7 @@ from google.protobuf import duration_pb2
 
 from extproc import openai_api as oai
 from extproc import picker_protocol as epp
+from extproc import usage_log
 from extproc.admission import (Admission, Demand, Lease, Outcome, Rejection, StoreError,
                                UnknownPoolError)
 from extproc.clock import Clock
@@ -863,8 +864,13 @@ class Exchange:
         gate.metrics.request(self.pool_name, self.class_cfg.name, "admitted")
         cap = reserved // parsed.sequences if pool.config.enforce_max_tokens and parsed.sequences else None
         if self.observe:
-            capped, _ = oai.upstream_body(parsed, cap_max_tokens=cap, stream_usage=False)
-            return self._linked_continue(result, capped)
+            # Stream usage only where the access log's usage filter reads it and can hide it.
+            usage = self.released_by_access_log and usage_log.announced(metadata)
+            capped, strip = oai.upstream_body(parsed, cap_max_tokens=cap, stream_usage=usage)
+            resp = self._linked_continue(result, capped)
+            if strip:
+                usage_log.ask_to_strip(resp)
+            return resp
         new_body, self.strip_usage = oai.upstream_body(parsed, cap_max_tokens=cap)
         node = result.node
         if self.duplex:
@@ -1099,13 +1105,18 @@ class Exchange:
         return (self.observe and self.lease is not None and self.state == _ADMITTED
                 and self.route.release == "access_log")
 
-    def ended_by_log(self, status: int, cut_short: bool,
-                     upstream_failed: bool = False) -> Outcome | None:
+    def ended_by_log(self, status: int, cut_short: bool, upstream_failed: bool = False,
+                     usage: usage_log.LoggedUsage | None = None) -> Outcome | None:
         """ended_by_log releases the lease as Envoy's access log entry of the request tells:
         the response status (0: none was sent), whether the stream was cut short (the
         client went away, an idle timeout) and whether the upstream failed (reset or closed
         its connection): a stream cut short by the upstream is an upstream_error. The
-        completion is charged at its reservation: the response was not read."""
+        completion is charged as the usage filter saw it (``usage``, as a response read
+        here would be), at its reservation without the filter."""
+        if usage is not None:
+            self.gate.metrics.logged_usage(usage.result)
+            self.tracker = usage.tracker(self.streamed)
+            self.cut_by_upstream = cut_short and upstream_failed
         self.status = status
         self.upstream_error = status >= 400 or (cut_short and upstream_failed)
         self.response_done = status != 0 and not cut_short

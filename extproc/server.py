@@ -55,6 +55,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
+from extproc import usage_log
 from extproc.admin import AdminServer, Readiness
 from extproc.admission import Admission, UnknownPoolError
 from extproc.clock import Clock, MonotonicClock
@@ -355,7 +356,8 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
                 del self.causes[link]
             return "cause"
         cut_short, upstream_failed = _cut_short(entry)
-        parked[0].ended_by_log(entry.response.response_code.value, cut_short, upstream_failed)
+        parked[0].ended_by_log(entry.response.response_code.value, cut_short, upstream_failed,
+                               usage_log.from_entry(entry))
         self._maybe_idle()
         return "released"
 
