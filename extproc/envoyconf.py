@@ -17,7 +17,8 @@ three-message   ``envoy.yaml``           body (with request attributes), respons
 four-message    ``envoy-four-message``   request headers too
 reservation     ``envoy-reservation``    no response body: the reservation is charged in full
 observe         ``envoy-observe``        the response on a second, observability-mode filter
-access-log      ``envoy-access-log``     no response: the access-log entry releases the lease
+access-log      ``envoy-access-log``     no response: the access-log entry releases the lease,
+                                         with the usage a Lua filter read (``usage_log``)
 endpoint-picker ``envoy-endpoint-picker`` request headers too, held until kvgate names the node
 inference-pool  ``envoy-inference-pool``  as an InferencePool's picker: bodies FULL_DUPLEX_STREAMED
 ==============  =======================  ====================================================

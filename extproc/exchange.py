@@ -13,8 +13,8 @@ With the response sent to a second, observability-mode ext_proc filter
 (deploy/envoy-observe.yaml: no blocking message per streamed chunk), the admission stream
 carries no response at all (its protocol says response body NONE): the exchange then
 *observes* the response fed from that other stream, found again by the ``link`` it put in
-the request's dynamic metadata, and never rewrites the response (so it never asks the
-upstream for stream usage it could not hide).
+the request's dynamic metadata, and never rewrites the response (so it asks the upstream for
+stream usage only where the access log's usage filter hides it: ``usage_log``).
 
 A pool that picks nodes (every backend has an ``address``) is served only with request
 headers sent and the body BUFFERED (deploy/envoy-endpoint-picker.yaml): Envoy then holds
