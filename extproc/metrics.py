@@ -231,13 +231,13 @@ class Metrics:
             "of a stream's end, came after a complete stream's end, had no lease (refused, "
             "passed through), or named a lease known nowhere here.",
             ["result"], registry=r)
-        # Scraper observer metrics.
         self.logged_usage_counts = Counter(
             "kvgate_logged_usage_total",
             "Completion counts brought by the access log's usage filter (deploy/envoy-access-log.yaml): "
             "reported (settled with it), invalid (not a whole number in [0, 2^40): settled as "
             "without usage), none (no usage in the response).",
             ["result"], registry=r)
+        # Scraper observer metrics.
         self.backend_kv = Gauge("kvgate_backend_kv_cache_usage_ratio",
                                 "KV-cache usage a backend last reported (ratio 0..1).",
                                 ["pool", "backend"], registry=r)
