@@ -15,7 +15,7 @@ VLLM_VERSION ?= 0.32.0
 # e.g. BENCH_VLLM_ARGS="--runs 3 --rows direct,kvgate"
 BENCH_VLLM_ARGS ?=
 
-.PHONY: install run test test-under-load test-unit test-e2e test-vllm bench bench-admission bench-overhead bench-picker bench-protection bench-redis bench-redis-timeout bench-scrape bench-tokens bench-trace bench-vllm bench-loop-lag install-vllm check-config clean
+.PHONY: install run test test-under-load test-unit test-e2e test-vllm bench bench-admission bench-overhead bench-picker bench-protection bench-redis bench-redis-timeout bench-scrape bench-tokens bench-trace bench-vllm bench-loop-lag bench-big-prompt install-vllm check-config clean
 
 install: $(STAMP)
 
@@ -117,7 +117,11 @@ bench-loop-lag: install
 	mkdir -p $(BENCH_OUT)
 	$(PY) bench/bench_loop_lag.py --out $(BENCH_OUT)/loop-lag.md
 
-bench: bench-admission bench-scrape bench-tokens bench-overhead bench-picker bench-protection bench-trace bench-redis bench-redis-timeout bench-loop-lag
+bench-big-prompt: install
+	mkdir -p $(BENCH_OUT)
+	$(PY) bench/bench_big_prompt.py --out $(BENCH_OUT)/big-prompt.md
+
+bench: bench-admission bench-scrape bench-tokens bench-overhead bench-picker bench-protection bench-trace bench-redis bench-redis-timeout bench-loop-lag bench-big-prompt
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

@@ -81,7 +81,7 @@ TARGETS = {
 }
 # Files whose completion refund comes from the response stream (reported usage, or the
 # chunks delivered); the others charge the completion at its reservation.
-EXACT_REFUND = ("recommended", "four-message", "observe", "endpoint-picker")
+EXACT_REFUND = ("recommended", "four-message", "observe", "endpoint-picker", "access-log")
 
 
 @dataclass(frozen=True)
@@ -996,7 +996,8 @@ def _cpus() -> int:
 # --- Envoy variants (levers) ------------------------------------------------------------------
 
 VARIANTS = ("recommended", "four-message", "observe", "reservation", "access-log",
-            "endpoint-picker", "full-duplex", "no-response-headers", "request-only", "no-buffer")
+            "endpoint-picker", "full-duplex", "no-response-headers", "request-only", "no-buffer",
+            "access-log-no-lua")
 # The header by which the picker file's ORIGINAL_DST cluster routes (the node kvgate names).
 PICKER_HEADER = "x-gateway-destination-endpoint"
 # Variants kvgate does not serve (the bare processor shows what they would be worth).
@@ -1027,14 +1028,18 @@ def variant_file(variant: str, workdir: Path) -> Path:
       one blocking message per request, the least any admission can cost;
     - ``no-buffer``: deploy/envoy.yaml without its buffer filter, as it was before issue
       15 (the upstream request opened before kvgate decides): what holding the request
-      until the decision costs.
+      until the decision costs;
+    - ``access-log-no-lua``: deploy/envoy-access-log.yaml without its Lua usage filter, as
+      it was before issue 17 (the completion charged at its reservation): what reading the
+      usage in Envoy costs.
     """
     if variant == "recommended":
         return ENVOY_TEMPLATE
     if variant in ("four-message", "observe", "reservation", "access-log", "endpoint-picker"):
         return ENVOY_TEMPLATE.parent / f"envoy-{variant}.yaml"
     import yaml
-    cfg = yaml.safe_load(ENVOY_TEMPLATE.read_text())
+    source = ENVOY_TEMPLATE.parent / "envoy-access-log.yaml" if variant == "access-log-no-lua" else ENVOY_TEMPLATE
+    cfg = yaml.safe_load(source.read_text())
     hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     filters = hcm["http_filters"]
     at = next(i for i, f in enumerate(filters) if f["typed_config"]["@type"] == EXT_PROC_TYPE)
@@ -1048,6 +1053,8 @@ def variant_file(variant: str, workdir: Path) -> Path:
     elif variant == "request-only":
         mode["response_header_mode"] = "SKIP"
         mode["response_body_mode"] = "NONE"
+    elif variant == "access-log-no-lua":
+        hcm["http_filters"] = [f for f in filters if f["name"] != "envoy.filters.http.lua"]
     elif variant == "no-buffer":
         hcm["http_filters"] = [f for f in filters if f["name"] != "envoy.filters.http.buffer"]
         for route in hcm["route_config"]["virtual_hosts"][0]["routes"]:

@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
+from extproc import usage_log
 from extproc.admission import Outcome
 from extproc.clock import Clock
 from extproc.gate import METADATA_NAMESPACE, STREAM_AND_LOG, RouteRelease
@@ -323,7 +324,8 @@ class Endings:
         cut_short, upstream_failed = _cut_short(entry)
         parked = self.parked.pop(link, None)
         if parked is not None:
-            parked[0].ended_by_log(entry.response.response_code.value, cut_short, upstream_failed)
+            parked[0].ended_by_log(entry.response.response_code.value, cut_short, upstream_failed,
+                                   usage_log.from_entry(entry))
             self._changed()
             return LogResult.RELEASED
         told = self.causes.get(link)

@@ -17,7 +17,8 @@ three-message   ``envoy.yaml``           body (with request attributes), respons
 four-message    ``envoy-four-message``   request headers too
 reservation     ``envoy-reservation``    no response body: the reservation is charged in full
 observe         ``envoy-observe``        the response on a second, observability-mode filter
-access-log      ``envoy-access-log``     no response: the access-log entry releases the lease
+access-log      ``envoy-access-log``     no response: the access-log entry releases the lease,
+                                         with the usage a Lua filter read (``usage_log``)
 endpoint-picker ``envoy-endpoint-picker`` request headers too, held until kvgate names the node
 inference-pool  ``envoy-inference-pool``  as an InferencePool's picker: bodies FULL_DUPLEX_STREAMED
 ==============  =======================  ====================================================
@@ -48,6 +49,8 @@ from extproc.config import Config
 from extproc.exchange import WAIT_TIMEOUT_MARGIN_S
 from extproc.gate import METADATA_NAMESPACE, RELEASES, ROUTE_KEYS, STREAM_AND_LOG
 from extproc.picker_protocol import LB_NAMESPACE, SERVED_KEY, SUBSET_NAMESPACE
+from extproc.usage_log import LUA_SOURCE
+from extproc.usage_log import NAMESPACE as USAGE_NAMESPACE
 
 MODES = ("three-message", "four-message", "reservation", "observe", "access-log", "endpoint-picker",
          "inference-pool")
@@ -92,6 +95,7 @@ MIN_BUFFER_BYTES = 4_194_304
 CLUSTER = "kvgate"
 EXT_PROC_TYPE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
 SET_METADATA_TYPE = "type.googleapis.com/envoy.extensions.filters.http.set_metadata.v3.Config"
+LUA_TYPE = "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua"
 HCM_TYPE = ("type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."
             "HttpConnectionManager")
 _RATE_HEADERS = ("x-ratelimit-limit-requests", "x-ratelimit-remaining-requests",
@@ -191,6 +195,8 @@ def _ext_proc(config: Config, mode: str) -> dict[str, Any]:
     forwarded = [METADATA_NAMESPACE]
     if mode == "inference-pool":  # the subset hint (request) and the endpoint served (response)
         forwarded += [SUBSET_NAMESPACE, LB_NAMESPACE]
+    if mode == "access-log":  # the usage filter's mark: kvgate may ask for stream usage
+        forwarded.append(USAGE_NAMESPACE)
     options: dict[str, Any] = {"forwarding_namespaces": {"untyped": forwarded}}
     if mode in ("access-log", *_STREAMING):  # the link, for the access log (and the observer)
         options["receiving_namespaces"] = {"untyped": [METADATA_NAMESPACE]}
@@ -218,8 +224,13 @@ def _http_filters(config: Config, mode: str) -> list[dict[str, Any]]:
         {"name": "envoy.filters.http.header_mutation", "typed_config": {
             "@type": HEADER_MUTATION_TYPE, "mutations": {"request_mutations": header_strip(config)}}},
         {"name": "envoy.filters.http.set_metadata", "typed_config": {"@type": SET_METADATA_TYPE}},
-        {"name": "envoy.filters.http.ext_proc", "typed_config": _ext_proc(config, mode)},
     ]
+    if mode == "access-log":
+        # Before ext_proc: its mark on the request reaches kvgate with the body. On the way
+        # back it reads each response chunk as it passes, for the access log (usage_log).
+        filters.append({"name": "envoy.filters.http.lua", "typed_config": {
+            "@type": LUA_TYPE, "default_source_code": {"inline_string": LUA_SOURCE}}})
+    filters.append({"name": "envoy.filters.http.ext_proc", "typed_config": _ext_proc(config, mode)})
     if mode == "observe":
         filters.append({"name": "kvgate.observe", "typed_config": {
             "@type": EXT_PROC_TYPE,

@@ -23,7 +23,8 @@ What reaches kvgate, by file of deploy/ (``kvgate envoy-filter --mode``):
   NONE and the exchange *observes* the response fed from that other stream, found again by
   the ``link`` it put in the request's dynamic metadata, and never rewrites it (so it never
   asks the upstream for stream usage it could not hide); none at all (-access-log: the
-  access log entry ends the request).
+  access log entry ends the request, and the file's Lua usage filter, ``usage_log``, reads
+  the usage from the response as it passes and hides it from a client that did not ask).
 
 A pool that picks nodes (every backend has an ``address``) is served only with request
 headers sent and the body BUFFERED (deploy/envoy-endpoint-picker.yaml): Envoy then holds
@@ -59,6 +60,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from extproc import openai_api as oai
 from extproc import picker_protocol as epp
 from extproc import request_facts as facts_of
+from extproc import usage_log
 from extproc.admission import Demand, Lease, Outcome, Rejection, StoreError, UnknownPoolError
 from extproc.answers import (CONTINUE_REQUEST_BODY, CONTINUE_REQUEST_HEADERS,
                              CONTINUE_REQUEST_TRAILERS, CONTINUE_RESPONSE_BODY,
@@ -108,7 +110,7 @@ class Exchange:
                  "route", "content_type", "body", "max_body", "streamed", "lease", "strip_usage",
                  "tracker", "status", "response_done", "upstream_error", "outcome",
                  "response_sent", "mode", "link", "duplex", "response_duplex", "hint",
-                 "cut_by_upstream", "cause_pending")
+                 "cut_by_upstream", "cause_pending", "usage_filter")
 
     def __init__(self, gate: Gate) -> None:
         self.gate = gate
@@ -127,6 +129,8 @@ class Exchange:
         self.streamed = False
         self.lease: Lease | None = None
         self.strip_usage = False
+        # The access log's usage filter announced itself on the request (``usage_log``).
+        self.usage_filter = False
         self.tracker: oai.ResponseTracker | None = None
         self.status = 0
         self.response_done = False
@@ -250,6 +254,7 @@ class Exchange:
             return self._refuse_path(path, endpoint is not None)
         self.endpoint = endpoint
         self.route = route = gate.route_settings(metadata)
+        self.usage_filter = usage_log.announced(metadata)
         self.pool_name = route.pool or config.default_pool
         self.pool = gate.pools[self.pool_name]
         self.max_body = route.max_body_bytes or config.limits.max_body_bytes
@@ -436,9 +441,14 @@ class Exchange:
         cap = reserved // parsed.sequences if pool.config.enforce_max_tokens and parsed.sequences else None
         if not mode.on_stream:
             # Observed elsewhere or not at all: usage the client did not ask for could not be
-            # hidden from it, so none is asked of the upstream.
-            capped, _ = oai.upstream_body(parsed, cap_max_tokens=cap, stream_usage=False)
-            return self._linked_continue(lease, capped)
+            # hidden from it, so none is asked of the upstream, except where the access log's
+            # usage filter reads it and hides it (told in the answer's metadata).
+            usage = mode is ReleaseMode.ACCESS_LOG and self.usage_filter
+            capped, strip = oai.upstream_body(parsed, cap_max_tokens=cap, stream_usage=usage)
+            resp = self._linked_continue(lease, capped)
+            if strip:
+                usage_log.ask_to_strip(resp)
+            return resp
         new_body, self.strip_usage = oai.upstream_body(parsed, cap_max_tokens=cap)
         node = lease.node
         if self.duplex:
@@ -610,14 +620,18 @@ class Exchange:
                                 RequestOutcome.REJECTED_INVALID)
         return CONTINUE_REQUEST_TRAILERS
 
-    def ended_by_log(self, status: int, cut_short: bool,
-                     upstream_failed: bool = False) -> Outcome | None:
+    def ended_by_log(self, status: int, cut_short: bool, upstream_failed: bool = False,
+                     usage: usage_log.LoggedUsage | None = None) -> Outcome | None:
         """ended_by_log releases the lease of an ACCESS_LOG request as Envoy's access log entry
-        of the request tells:
-        the response status (0: none was sent), whether the stream was cut short (the
-        client went away, an idle timeout) and whether the upstream failed (reset or closed
-        its connection): a stream cut short by the upstream is an upstream_error. The
-        completion is charged at its reservation: the response was not read."""
+        of the request tells: the response status (0: none was sent), whether the stream was
+        cut short (the client went away, an idle timeout) and whether the upstream failed
+        (reset or closed its connection): a stream cut short by the upstream is an
+        upstream_error. The completion is charged as the usage filter saw it (``usage``, as a
+        response read here would be), at its reservation without the filter."""
+        if usage is not None:
+            self.gate.metrics.logged_usage(usage.result)
+            self.tracker = usage.tracker(self.streamed)
+            self.cut_by_upstream = cut_short and upstream_failed
         self.status = status
         self.upstream_error = status >= 400 or (cut_short and upstream_failed)
         self.response_done = status != 0 and not cut_short

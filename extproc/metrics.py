@@ -21,6 +21,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from extproc.admission.store.redis import ERROR_REASONS as STORE_ERROR_REASONS
 from extproc.admission.types import Outcome, PoolSnapshot
 from extproc.outcomes import LogResult, RequestOutcome
+from extproc.usage_log import RESULTS as LOGGED_USAGE_RESULTS
 
 # The outcome label of kvgate_requests_total: the exchange's RequestOutcome, in its order.
 OUTCOMES = tuple(outcome.value for outcome in RequestOutcome)
@@ -229,6 +230,12 @@ class Metrics:
             "of a stream's end, came after a complete stream's end, had no lease (refused, "
             "passed through), or named a lease known nowhere here.",
             ["result"], registry=r)
+        self.logged_usage_counts = Counter(
+            "kvgate_logged_usage_total",
+            "Completion counts brought by the access log's usage filter (deploy/envoy-access-log.yaml): "
+            "reported (settled with it), invalid (not a whole number in [0, 2^40): settled as "
+            "without usage), none (no usage in the response).",
+            ["result"], registry=r)
         # Scraper observer metrics.
         self.backend_kv = Gauge("kvgate_backend_kv_cache_usage_ratio",
                                 "KV-cache usage a backend last reported (ratio 0..1).",
@@ -298,6 +305,8 @@ class Metrics:
             self.store_errors.labels(reason)
         for result in ACCESS_LOG_RESULTS:
             self.access_log_entries.labels(result)
+        for result in LOGGED_USAGE_RESULTS:
+            self.logged_usage_counts.labels(result)
         for reason in TENANT_HEADER_UNSEEN_REASONS:
             self.tenant_header_unseen.labels(reason)
 
@@ -330,6 +339,11 @@ class Metrics:
         """access_log_entry counts one entry of Envoy's access log (``result`` is one of
         ACCESS_LOG_RESULTS)."""
         self.access_log_entries.labels(result).inc()
+
+    def logged_usage(self, result: str) -> None:
+        """logged_usage counts one completion count read from an access log entry (``result``
+        one of usage_log.RESULTS)."""
+        self.logged_usage_counts.labels(result).inc()
 
     def override_ignored(self, class_name: str) -> None:
         """override_ignored counts one waiting request cut at Envoy's base message timeout."""

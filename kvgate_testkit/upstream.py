@@ -13,7 +13,12 @@ Behaviour per request is chosen with request headers, so one process serves ever
 - ``x-fake-hold: KEY``: send the first streamed chunk, then wait (at most 60 s) until
   ``POST /_fake/release/KEY`` (or the client goes away) before sending the rest;
 - ``x-fake-die-after: N``: a streamed answer stops after N chunks with its connection
-  aborted, as a server that crashes mid-generation.
+  aborted, as a server that crashes mid-generation;
+- ``x-fake-usage: TEXT``: the reported ``usage.completion_tokens`` is TEXT, written into the
+  JSON as it is (a hostile server's count, or one that differs from the chunks sent);
+- ``x-fake-split-usage: 1``: the usage (the streamed usage chunk, or the JSON answer) is
+  written in two parts, split inside ``completion_tokens``, the pace of ``x-fake-delay-ms``
+  (at least 20 ms) apart, so that a proxy reads it in two chunks.
 
 ``GET /_fake/requests`` returns the last requests received (path, headers, body) so tests
 can check what the gateway forwarded; ``GET /_fake/stats`` returns counters (``started``,
@@ -153,7 +158,14 @@ class FakeUpstream:
                    "created": created, "model": model, "choices": [choice], "usage": usage}
             self.stats["started"] += 1
             self.stats["finished"] += 1
-            return web.Response(body=orjson.dumps(out), content_type="application/json")
+            data = _reported(orjson.dumps(out), tokens, request.headers.get("x-fake-usage"))
+            if "x-fake-split-usage" not in request.headers:
+                return web.Response(body=data, content_type="application/json")
+            resp = web.StreamResponse(headers={"content-type": "application/json"})
+            await resp.prepare(request)
+            await _write_split(resp, data, _split_pause(request))
+            await resp.write_eof()
+            return resp
         return await self._stream(request, body, chat, tokens, usage, finish, model, created)
 
     async def _stream(self, request: web.Request, body: dict[str, Any], chat: bool, tokens: int,
@@ -199,7 +211,11 @@ class FakeUpstream:
                     event = self.holds.setdefault(hold, asyncio.Event())
                     await asyncio.wait_for(event.wait(), MAX_HOLD_S)
             if include_usage:
-                await resp.write(chunk([], {"usage": usage}))
+                data = _reported(chunk([], {"usage": usage}), tokens, request.headers.get("x-fake-usage"))
+                if "x-fake-split-usage" in request.headers:
+                    await _write_split(resp, data, _split_pause(request))
+                else:
+                    await resp.write(data)
             # [DONE] and the end of the body in one write: openai-python closes on [DONE],
             # and an end of body still on its way then reads, in Envoy's access log, as a
             # stream cut short (a real server may do that; the access-log tests need it not to).
@@ -212,6 +228,26 @@ class FakeUpstream:
             if hold:
                 self.holds.pop(hold, None)
         return resp
+
+
+def _reported(data: bytes, tokens: int, text: str | None) -> bytes:
+    """_reported is ``data`` with its usage's completion_tokens written as ``text`` (None: as is)."""
+    if text is None:
+        return data
+    return data.replace(b'"completion_tokens":%d' % tokens, b'"completion_tokens":' + text.encode())
+
+
+def _split_pause(request: web.Request) -> float:
+    return max(0.02, float(request.headers.get("x-fake-delay-ms", "0")) / 1000.0)
+
+
+async def _write_split(resp: web.StreamResponse, data: bytes, pause_s: float) -> None:
+    """_write_split writes ``data`` in two parts cut inside ``completion_tokens``, ``pause_s``
+    seconds apart."""
+    cut = data.index(b"completion_tokens") + len(b"completion")
+    await resp.write(data[:cut])
+    await asyncio.sleep(pause_s)
+    await resp.write(data[cut:])
 
 
 # --- the fast fake for benchmarks ------------------------------------------------------

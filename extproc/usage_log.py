@@ -1,0 +1,236 @@
+"""usage_log: exact completion counts for requests released by Envoy's access log.
+
+In deploy/envoy-access-log.yaml kvgate answers only the request body; the response never
+reaches it. An Envoy Lua filter (``LUA_SOURCE``, placed by ``extproc.envoyconf``) reads the
+response as it streams, without holding a chunk or asking kvgate anything, and writes what
+it found into the request's dynamic metadata, namespace ``NAMESPACE``; Envoy's gRPC access
+log entry carries that metadata to kvgate at the request's end, and ``from_entry`` turns it
+into the count the lease is settled with.
+
+The protocol between the two, one definition here:
+
+- on the request, the filter writes ``FILTER_KEY`` = 1: kvgate sees it in the request body
+  message's ``metadata_context`` (``announced``) and only then asks the upstream for stream
+  usage the client did not ask for (``stream_options.include_usage``): without the filter
+  nobody would hide that chunk from the client;
+- kvgate's answer to the request body sets ``STRIP_KEY`` = true in its own namespace
+  (``ask_to_strip``) when the usage chunk is its own and must be hidden;
+- on the response the filter writes ``COMPLETION_KEY`` (the text of the last
+  ``completion_tokens``, or the Responses API's ``output_tokens``, it saw, at most
+  ``MAX_VALUE_CHARS`` characters), ``EVENTS_KEY`` (SSE events with choices, about one
+  token each: what a stream cut short is charged) and ``DONE_KEY`` (``data: [DONE]`` passed
+  to the client: the generation ended even if the client closed before the upstream did).
+
+An SSE event may be split across chunks anywhere: the filter carries the unfinished tail
+to the next chunk, and while it hides the usage chunk it holds that tail back, so that the
+client only receives whole events. An event longer than ``MAX_EVENT_BYTES`` stops the
+parsing and everything passes on as it comes.
+
+What the filter writes comes from the upstream, which may send anything: ``from_entry``
+takes only a whole number in [0, 2^40) as a count; anything else is ``invalid`` and counted
+(``kvgate_logged_usage_total``), and the lease then falls back as it would without usage
+(the events for a stream cut short, the reservation otherwise), never below 0 and never
+above the admission core's cap.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from extproc import openai_api as oai
+
+# Dynamic metadata namespace the Lua filter writes (never kvgate's own: a key kvgate does not
+# know there is an error in a route's settings).
+NAMESPACE = "kvgate.usage"
+FILTER_KEY = "filter"
+COMPLETION_KEY = "completion_tokens"
+EVENTS_KEY = "events"
+DONE_KEY = "done"
+# kvgate's own namespace (exchange.METADATA_NAMESPACE), where its answer to the request
+# body writes the link and STRIP_KEY.
+GATE_NAMESPACE = "kvgate"
+STRIP_KEY = "strip_usage"
+# The longest count text the filter copies (characters): 2^40 has 13 digits.
+MAX_VALUE_CHARS = 24
+# The longest SSE event the filter parses (bytes); past it the stream passes unparsed.
+MAX_EVENT_BYTES = 1 << 20
+# How much of a JSON body's previous chunk is searched again with the next (bytes): a
+# usage object split across two chunks is found whole.
+JSON_OVERLAP_BYTES = 256
+# Counts above this are not counts (as oai's tracker).
+_MAX_COUNT = 1 << 40
+_DIGITS = re.compile(r"[0-9]{1,13}")
+# kvgate_logged_usage_total's result label.
+RESULTS = ("reported", "invalid", "none")
+
+LUA_SOURCE = f"""\
+-- kvgate's usage filter (extproc/usage_log.py): reads the response as it streams, holds
+-- nothing but an unfinished SSE event, and writes what it found into the dynamic metadata
+-- that Envoy's access log brings to kvgate.
+local NS = "{NAMESPACE}"
+local MAX_EVENT = {MAX_EVENT_BYTES}
+local OVERLAP = {JSON_OVERLAP_BYTES}
+
+function envoy_on_request(h)
+  h:streamInfo():dynamicMetadata():set(NS, "{FILTER_KEY}", 1)
+end
+
+-- The metadata object is valid only until the script yields (between chunks): fetched anew.
+local function put(h, key, value)
+  h:streamInfo():dynamicMetadata():set(NS, key, value)
+end
+
+local function count_in(s)
+  local found
+  for v in string.gmatch(s, '"completion_tokens"%s*:%s*([^,}}%s]*)') do found = v end
+  if found == nil then
+    for v in string.gmatch(s, '"output_tokens"%s*:%s*([^,}}%s]*)') do found = v end
+  end
+  if found ~= nil then return string.sub(found, 1, {MAX_VALUE_CHARS}) end
+  return nil
+end
+
+local function follow_json(h)
+  local tail = ""
+  for chunk in h:bodyChunks() do
+    local s = tail .. chunk:getBytes(0, chunk:length())
+    local c = count_in(s)
+    if c ~= nil then put(h, "{COMPLETION_KEY}", c) end
+    tail = string.sub(s, -OVERLAP)
+  end
+end
+
+local function follow_sse(h, strip)
+  local tail, events, overflow = "", 0, false
+  for chunk in h:bodyChunks() do
+    local got = chunk:getBytes(0, chunk:length())
+    if not overflow then
+      local s = got
+      if #tail > 0 then s = tail .. got end
+      local changed = #tail > 0
+      local out = nil
+      if strip then out = {{}} end
+      local pos, before = 1, events
+      while true do
+        local a, b = string.find(s, "\\r?\\n\\r?\\n", pos)
+        if a == nil then break end
+        local ev = string.sub(s, pos, a - 1)
+        local keep = true
+        if string.find(ev, "[DONE]", 1, true) and string.find("\\n" .. ev .. "\\n", "\\ndata: ?%[DONE%]\\r?\\n") then
+          put(h, "{DONE_KEY}", 1)
+        else
+          if string.find(ev, '"usage"', 1, true) then
+            local c = count_in(ev)
+            if c ~= nil then put(h, "{COMPLETION_KEY}", c) end
+            if strip and string.find(ev, '"choices"%s*:%s*%[%s*%]') then keep = false end
+          end
+          if string.find(ev, '"choices"%s*:%s*%[%s*{{') then events = events + 1 end
+        end
+        if out ~= nil then
+          if keep then out[#out + 1] = string.sub(s, pos, b) else changed = true end
+        end
+        pos = b + 1
+      end
+      tail = string.sub(s, pos)
+      if #tail > MAX_EVENT then
+        overflow = true
+        if out ~= nil then out[#out + 1] = tail end
+        tail = ""
+      end
+      if out ~= nil and (changed or #tail > 0) then chunk:setBytes(table.concat(out)) end
+      if events ~= before then put(h, "{EVENTS_KEY}", events) end
+    end
+  end
+end
+
+function envoy_on_response(h)
+  local gate = h:streamInfo():dynamicMetadata():get("{GATE_NAMESPACE}")
+  if gate == nil or gate["link"] == nil then return end
+  local ctype = h:headers():get("content-type") or ""
+  if string.find(ctype, "text/event-stream", 1, true) then
+    follow_sse(h, gate["{STRIP_KEY}"] == true)
+  else
+    follow_json(h)
+  end
+end
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class LoggedUsage:
+    """LoggedUsage is what the usage filter saw of one response, as kvgate takes it.
+
+    ``completion_tokens``: the count the upstream reported (None: none, or ``invalid``);
+    ``events``: SSE events with choices delivered (None: not a count); ``done``: the
+    stream's ``[DONE]`` passed; ``result``: one of RESULTS, for the metric (``invalid`` when
+    either count was not a count).
+    """
+
+    completion_tokens: int | None
+    events: int | None
+    done: bool
+    result: str
+
+    def tracker(self, streamed: bool) -> oai.ResponseTracker | None:
+        """tracker is this usage in the shape the exchange settles a lease from; None when
+        it holds no count at all (the reservation is charged)."""
+        if self.completion_tokens is None and self.events is None:
+            return None
+        t = oai.ResponseTracker(streamed=streamed, strip_usage_chunk=False)
+        t.completion_tokens = self.completion_tokens
+        t.delivered_chunks = self.events or 0
+        t.done_seen = self.done
+        return t
+
+
+def _count(value: Any) -> int | None:
+    """_count reads one count the filter wrote: a whole number in [0, 2^40), or None."""
+    kind = value.WhichOneof("kind")
+    if kind == "string_value":
+        text = value.string_value.strip()
+        if _DIGITS.fullmatch(text):
+            n = int(text)
+            return n if n < _MAX_COUNT else None
+        return None
+    if kind == "number_value":
+        x = value.number_value
+        if math.isfinite(x) and x.is_integer() and 0 <= x < _MAX_COUNT:
+            return int(x)
+    return None
+
+
+def from_entry(entry: Any) -> LoggedUsage | None:
+    """from_entry reads the usage filter's findings from an access log entry (an
+    ``HTTPAccessLogEntry``); None when no usage filter ran on the request's path."""
+    space = entry.common_properties.metadata.filter_metadata.get(NAMESPACE)
+    if space is None or FILTER_KEY not in space.fields:
+        return None
+    fields = space.fields
+    completion: int | None = None
+    result = "none"
+    if COMPLETION_KEY in fields:
+        completion = _count(fields[COMPLETION_KEY])
+        result = "reported" if completion is not None else "invalid"
+    # No events key: the filter saw no event with choices (or no body at all).
+    events = _count(fields[EVENTS_KEY]) if EVENTS_KEY in fields else 0
+    if events is None:
+        result = "invalid"
+    return LoggedUsage(completion, events, DONE_KEY in fields, result)
+
+
+def announced(metadata: Any) -> bool:
+    """announced: the usage filter runs on this request's path (its mark is in the
+    ``metadata_context`` of the request body message)."""
+    if metadata is None:
+        return False
+    space = metadata.filter_metadata.get(NAMESPACE)
+    return space is not None and FILTER_KEY in space.fields
+
+
+def ask_to_strip(resp: Any) -> None:
+    """ask_to_strip marks kvgate's answer to the request body (a ``ProcessingResponse``):
+    the usage chunk of this stream is kvgate's to hide from the client."""
+    resp.dynamic_metadata.fields[GATE_NAMESPACE].struct_value.fields[STRIP_KEY].bool_value = True

@@ -1,0 +1,165 @@
+"""Unit tests of the access log's usage filter protocol (extproc/usage_log.py) without Envoy:
+what kvgate asks for when the filter announces itself, and how it reads the filter's
+findings, hostile ones included, into the lease's settlement (on a manual clock, so the
+TPM bucket shows the exact charge). The Lua side runs in tests/e2e/test_access_log_usage.py."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+import pytest
+from envoy.data.accesslog.v3 import accesslog_pb2
+
+from extproc import usage_log
+from extproc.exchange import LINK_KEY, METADATA_NAMESPACE, Exchange
+from extproc.server import ExtProcService
+from tests.unit.test_access_log import NO_RESPONSE
+from tests.unit.test_exchange import Rig, body_msg, chat, route_metadata
+from tests.unit.test_exchange_attributes import attrs
+
+MAX_TOKENS = 500
+
+
+def admit(rig: Rig, service: ExtProcService, *, announced: bool = True, **fields: Any) -> tuple[Exchange, Any]:
+    """admit admits a chat on an access-log route, parked as the Process loop parks it;
+    ``announced``: the usage filter's mark is in the request's metadata."""
+    meta = route_metadata(pool="default", release="access_log")
+    if announced:
+        meta.filter_metadata[usage_log.NAMESPACE].fields[usage_log.FILTER_KEY].number_value = 1
+    ex = Exchange(rig.gate)
+    resp = asyncio.run(ex.request_body(body_msg(chat(max_tokens=MAX_TOKENS, **fields)), None, attrs(),
+                                       meta, NO_RESPONSE))
+    assert ex.link is not None and ex.released_by_access_log
+    service.parked[ex.link] = (ex, rig.clock.now())
+    return ex, resp
+
+
+def entry(link: str, found: dict[str, Any] | None, *, cut_short: bool = False,
+          **flags: bool) -> accesslog_pb2.HTTPAccessLogEntry:
+    """entry is Envoy's log entry of a request whose usage filter wrote ``found`` (None: no
+    filter on the path)."""
+    e = accesslog_pb2.HTTPAccessLogEntry()
+    e.common_properties.metadata.filter_metadata[METADATA_NAMESPACE].fields[LINK_KEY].string_value = link
+    if found is not None:
+        space = e.common_properties.metadata.filter_metadata[usage_log.NAMESPACE]
+        space.update({usage_log.FILTER_KEY: 1, **found})
+    e.response.response_code.value = 200
+    if not cut_short:
+        e.common_properties.time_to_last_upstream_rx_byte.nanos = 5_000_000
+    for name, value in flags.items():
+        setattr(e.common_properties.response_flags, name, value)
+    return e
+
+
+def tpm(rig: Rig) -> float:
+    available = rig.admission.snapshot("default").tpm_available
+    assert available is not None
+    return available
+
+
+def test_an_announced_filter_gets_stream_usage_asked_for_and_its_chunk_hidden() -> None:
+    rig = Rig()
+    service = ExtProcService(rig.gate, rig.metrics)
+    _, resp = admit(rig, service, stream=True)
+    sent = orjson.loads(resp.request_body.response.body_mutation.body)
+    assert sent["stream_options"] == {"include_usage": True}
+    gate = resp.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.fields
+    assert gate[usage_log.STRIP_KEY].bool_value is True and LINK_KEY in gate
+
+
+def test_a_client_that_asked_for_usage_keeps_its_chunk() -> None:
+    rig = Rig()
+    _, resp = admit(rig, ExtProcService(rig.gate, rig.metrics), stream=True,
+                    stream_options={"include_usage": True})
+    gate = resp.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.fields
+    assert usage_log.STRIP_KEY not in gate
+
+
+def test_without_the_filter_nothing_is_asked_for() -> None:
+    """Nobody would hide the usage chunk from the client."""
+    rig = Rig()
+    _, resp = admit(rig, ExtProcService(rig.gate, rig.metrics), announced=False, stream=True)
+    assert not resp.request_body.response.HasField("body_mutation")
+    gate = resp.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.fields
+    assert usage_log.STRIP_KEY not in gate
+
+
+@pytest.mark.parametrize(("found", "cut_short", "flags", "completion", "result"), [
+    ({usage_log.COMPLETION_KEY: "42", usage_log.EVENTS_KEY: 3}, False, {}, 42, "reported"),
+    ({usage_log.COMPLETION_KEY: " 0 "}, False, {}, 0, "reported"),
+    # cut short: the events the client got, as a response read by kvgate itself
+    ({usage_log.EVENTS_KEY: 3}, True, {"downstream_connection_termination": True}, 3, "none"),
+    ({}, True, {}, 0, "none"),
+    # the upstream broke the stream off: the events it sent
+    ({usage_log.EVENTS_KEY: 2}, True, {"upstream_remote_reset": True}, 2, "none"),
+    # complete but no count: the reservation
+    ({usage_log.EVENTS_KEY: 3}, False, {}, MAX_TOKENS, "none"),
+])
+def test_a_stream_is_settled_with_what_the_filter_saw(found: dict[str, Any], cut_short: bool,
+                                                       flags: dict[str, bool], completion: int,
+                                                       result: str) -> None:
+    rig = Rig()
+    service = ExtProcService(rig.gate, rig.metrics)
+    before = tpm(rig)
+    ex, _ = admit(rig, service, stream=True)
+    prompt = before - tpm(rig) - MAX_TOKENS
+    assert service.logged(entry(ex.link or "", found, cut_short=cut_short, **flags)) == "released"
+    assert before - tpm(rig) == prompt + completion
+    assert rig.count("kvgate_logged_usage_total", result=result) == 1
+
+
+@pytest.mark.parametrize("value", ["-5", "1e30", '"7"', "7.5", "null", "", "99999999999999999999",
+                                   str(1 << 40), -1.0, 2.5, float("inf"), True])
+def test_a_hostile_count_is_refused_and_counted(value: Any) -> None:
+    rig = Rig()
+    service = ExtProcService(rig.gate, rig.metrics)
+    before = tpm(rig)
+    ex, _ = admit(rig, service, stream=True)
+    charged = before - tpm(rig)
+    service.logged(entry(ex.link or "", {usage_log.COMPLETION_KEY: value, usage_log.EVENTS_KEY: 3}))
+    assert before - tpm(rig) == charged  # the reservation: nothing refunded
+    assert rig.count("kvgate_logged_usage_total", result="invalid") == 1
+
+
+@pytest.mark.parametrize("events", [-1.0, float("nan"), 1e300, "3.0", False])
+def test_a_hostile_event_count_charges_the_reservation(events: Any) -> None:
+    rig = Rig()
+    service = ExtProcService(rig.gate, rig.metrics)
+    before = tpm(rig)
+    ex, _ = admit(rig, service, stream=True)
+    charged = before - tpm(rig)
+    service.logged(entry(ex.link or "", {usage_log.EVENTS_KEY: events}, cut_short=True))
+    assert before - tpm(rig) == charged
+    assert rig.count("kvgate_logged_usage_total", result="invalid") == 1
+
+
+def test_a_count_above_the_reservation_is_capped_by_the_core() -> None:
+    rig = Rig()
+    service = ExtProcService(rig.gate, rig.metrics)
+    before = tpm(rig)
+    ex, _ = admit(rig, service, stream=True)
+    prompt = before - tpm(rig) - MAX_TOKENS
+    service.logged(entry(ex.link or "", {usage_log.COMPLETION_KEY: str(1 << 39)}))
+    assert before - tpm(rig) == prompt + 4096  # the pool's context window
+
+
+def test_done_seen_by_the_filter_is_a_completion_even_if_the_client_closed_first() -> None:
+    rig = Rig()
+    service = ExtProcService(rig.gate, rig.metrics)
+    ex, _ = admit(rig, service, stream=True)
+    service.logged(entry(ex.link or "", {usage_log.DONE_KEY: 1, usage_log.COMPLETION_KEY: "3"},
+                         cut_short=True, downstream_connection_termination=True))
+    assert rig.count("kvgate_releases_total", cause="completed") == 1
+
+
+def test_without_the_filter_the_reservation_is_charged_as_before() -> None:
+    rig = Rig()
+    service = ExtProcService(rig.gate, rig.metrics)
+    before = tpm(rig)
+    ex, _ = admit(rig, service, announced=False, stream=True)
+    charged = before - tpm(rig)
+    service.logged(entry(ex.link or "", None, cut_short=True))
+    assert before - tpm(rig) == charged
+    assert rig.count("kvgate_logged_usage_total") == 0
