@@ -13,7 +13,9 @@ import pytest
 from envoy.data.accesslog.v3 import accesslog_pb2
 
 from extproc import usage_log
-from extproc.exchange import LINK_KEY, METADATA_NAMESPACE, Exchange
+from extproc.endings import LINK_KEY, ReleaseMode
+from extproc.exchange import Exchange
+from extproc.gate import METADATA_NAMESPACE
 from extproc.server import ExtProcService
 from tests.unit.test_access_log import NO_RESPONSE
 from tests.unit.test_exchange import Rig, body_msg, chat, route_metadata
@@ -23,7 +25,8 @@ MAX_TOKENS = 500
 
 
 def admit(rig: Rig, service: ExtProcService, *, announced: bool = True, **fields: Any) -> tuple[Exchange, Any]:
-    """admit admits a chat on an access-log route, parked as the Process loop parks it;
+    """admit admits a chat on an access-log route, handed to the service's endings as the
+    Process loop hands it;
     ``announced``: the usage filter's mark is in the request's metadata."""
     meta = route_metadata(pool="default", release="access_log")
     if announced:
@@ -31,8 +34,9 @@ def admit(rig: Rig, service: ExtProcService, *, announced: bool = True, **fields
     ex = Exchange(rig.gate)
     resp = asyncio.run(ex.request_body(body_msg(chat(max_tokens=MAX_TOKENS, **fields)), None, attrs(),
                                        meta, NO_RESPONSE))
-    assert ex.link is not None and ex.released_by_access_log
-    service.parked[ex.link] = (ex, rig.clock.now())
+    assert ex.link is not None and ex.mode is ReleaseMode.ACCESS_LOG
+    service.endings.admitted(ex)
+    assert service.endings.handed_over(ex)
     return ex, resp
 
 
@@ -105,7 +109,7 @@ def test_a_stream_is_settled_with_what_the_filter_saw(found: dict[str, Any], cut
     before = tpm(rig)
     ex, _ = admit(rig, service, stream=True)
     prompt = before - tpm(rig) - MAX_TOKENS
-    assert service.logged(entry(ex.link or "", found, cut_short=cut_short, **flags)) == "released"
+    assert service.endings.logged(entry(ex.link or "", found, cut_short=cut_short, **flags)) == "released"
     assert before - tpm(rig) == prompt + completion
     assert rig.count("kvgate_logged_usage_total", result=result) == 1
 
@@ -118,7 +122,7 @@ def test_a_hostile_count_is_refused_and_counted(value: Any) -> None:
     before = tpm(rig)
     ex, _ = admit(rig, service, stream=True)
     charged = before - tpm(rig)
-    service.logged(entry(ex.link or "", {usage_log.COMPLETION_KEY: value, usage_log.EVENTS_KEY: 3}))
+    service.endings.logged(entry(ex.link or "", {usage_log.COMPLETION_KEY: value, usage_log.EVENTS_KEY: 3}))
     assert before - tpm(rig) == charged  # the reservation: nothing refunded
     assert rig.count("kvgate_logged_usage_total", result="invalid") == 1
 
@@ -130,7 +134,7 @@ def test_a_hostile_event_count_charges_the_reservation(events: Any) -> None:
     before = tpm(rig)
     ex, _ = admit(rig, service, stream=True)
     charged = before - tpm(rig)
-    service.logged(entry(ex.link or "", {usage_log.EVENTS_KEY: events}, cut_short=True))
+    service.endings.logged(entry(ex.link or "", {usage_log.EVENTS_KEY: events}, cut_short=True))
     assert before - tpm(rig) == charged
     assert rig.count("kvgate_logged_usage_total", result="invalid") == 1
 
@@ -141,7 +145,7 @@ def test_a_count_above_the_reservation_is_capped_by_the_core() -> None:
     before = tpm(rig)
     ex, _ = admit(rig, service, stream=True)
     prompt = before - tpm(rig) - MAX_TOKENS
-    service.logged(entry(ex.link or "", {usage_log.COMPLETION_KEY: str(1 << 39)}))
+    service.endings.logged(entry(ex.link or "", {usage_log.COMPLETION_KEY: str(1 << 39)}))
     assert before - tpm(rig) == prompt + 4096  # the pool's context window
 
 
@@ -149,7 +153,7 @@ def test_done_seen_by_the_filter_is_a_completion_even_if_the_client_closed_first
     rig = Rig()
     service = ExtProcService(rig.gate, rig.metrics)
     ex, _ = admit(rig, service, stream=True)
-    service.logged(entry(ex.link or "", {usage_log.DONE_KEY: 1, usage_log.COMPLETION_KEY: "3"},
+    service.endings.logged(entry(ex.link or "", {usage_log.DONE_KEY: 1, usage_log.COMPLETION_KEY: "3"},
                          cut_short=True, downstream_connection_termination=True))
     assert rig.count("kvgate_releases_total", cause="completed") == 1
 
@@ -160,6 +164,6 @@ def test_without_the_filter_the_reservation_is_charged_as_before() -> None:
     before = tpm(rig)
     ex, _ = admit(rig, service, announced=False, stream=True)
     charged = before - tpm(rig)
-    service.logged(entry(ex.link or "", None, cut_short=True))
+    service.endings.logged(entry(ex.link or "", None, cut_short=True))
     assert before - tpm(rig) == charged
     assert rig.count("kvgate_logged_usage_total") == 0
