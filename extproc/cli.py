@@ -114,7 +114,7 @@ def _check_envoy(config: Config, path: str, envoy_path: str) -> int:
     import yaml
 
     from extproc import yamlload
-    from extproc.envoyconf import check_envoy
+    from extproc.envoycheck import check_envoy
     try:
         with open(envoy_path, encoding="utf-8") as f:
             doc = yamlload.load(f.read())

@@ -14,7 +14,8 @@ import pytest
 import yaml
 
 from extproc.config import load_config, parse_config
-from extproc.envoyconf import MODES, check_envoy, envoy_bootstrap, envoy_filter
+from extproc.envoycheck import check_envoy
+from extproc.envoyconf import MODES, envoy_bootstrap, envoy_filter
 from tests.deploy.support import K8S, ROOT, docs, envoy_binary, envoy_validate
 
 KVGATE = ROOT / "deploy" / "kvgate.yaml"

@@ -17,7 +17,8 @@ import pytest
 import yaml
 
 from extproc.config import parse_config
-from extproc.envoyconf import check_envoy, envoy_bootstrap
+from extproc.envoycheck import check_envoy
+from extproc.envoyconf import envoy_bootstrap
 from kvgate_testkit.stack import Stack, openai_client
 from kvgate_testkit.procs import wait_until
 

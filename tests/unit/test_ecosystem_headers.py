@@ -11,7 +11,8 @@ import pytest
 from google.protobuf import struct_pb2
 
 from extproc.config import parse_config
-from extproc.envoyconf import MODES, check_envoy, envoy_bootstrap, header_strip
+from extproc.envoycheck import check_envoy
+from extproc.envoyconf import MODES, envoy_bootstrap, header_strip
 from extproc.errors import ConfigError
 from extproc.exchange import Exchange
 from tests.unit.test_exchange import API_KEY, BASE_CONFIG, Rig, body_msg, chat, headers_msg, route_metadata
