@@ -210,7 +210,9 @@ Layout = type[tuple[Any, ...]]
 
 
 def _fields(layout: Layout) -> tuple[str, ...]:
-    fields: tuple[str, ...] = layout._fields  # type: ignore[attr-defined]
+    """_fields is a layout's field names, in order (a NamedTuple's ``_fields``, which the
+    ``type[tuple]`` that stands for any NamedTuple class does not declare)."""
+    fields: tuple[str, ...] = getattr(layout, "_fields")
     return fields
 
 
