@@ -46,6 +46,14 @@ class Section:
     def section(self, name: str) -> Section:
         return Section(self.path(name), self.raw(name))
 
+    def _given(self, name: str, default: Any, optional: bool) -> Any:
+        """_given is ``name``'s value, else ``default``; None only when neither is given and the
+        key is ``optional`` (a required key missing raises ConfigError)."""
+        value = self.raw(name, default)
+        if value is None and not optional:
+            raise ConfigError(self.path(name), "is required")
+        return value
+
     @overload
     def integer(self, name: str, default: int | None, *, minimum: int = 1,
                 optional: Literal[False] = False) -> int: ...
@@ -58,11 +66,9 @@ class Section:
                 optional: bool = False) -> int | None:
         """integer reads an integer >= ``minimum`` (a whole float too); absent or null: the
         default, and with no default it is required unless ``optional`` (then None)."""
-        value = self.raw(name, default)
+        value = self._given(name, default, optional)
         if value is None:
-            if optional:
-                return None
-            raise ConfigError(self.path(name), "is required")
+            return None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(self.path(name), f"must be an integer, got {value!r}")
         if isinstance(value, float):
@@ -99,11 +105,9 @@ class Section:
                optional: bool = False) -> str | None:
         """string reads a non-empty string, one of ``choices`` when given; absent or null: the
         default, and with no default it is required unless ``optional`` (then None)."""
-        value = self.raw(name, default)
+        value = self._given(name, default, optional)
         if value is None:
-            if optional:
-                return None
-            raise ConfigError(self.path(name), "is required")
+            return None
         if not isinstance(value, str) or not value:
             raise ConfigError(self.path(name), f"must be a non-empty string, got {value!r}")
         if choices and value not in choices:
