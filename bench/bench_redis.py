@@ -55,7 +55,7 @@ BIG = 10_000_000_000
 PREFIX = "bench:"
 
 
-def config(url: str | None) -> Config:
+def config(url: str | None, replicas: int = 1) -> Config:
     """config is one pool with every budget, four tenants, and the Redis store when ``url`` is set."""
     data: dict[str, Any] = {
         "pools": {"default": {"max_concurrency": 100_000, "tpm": BIG, "kv_budget_tokens": BIG}},
@@ -69,7 +69,9 @@ def config(url: str | None) -> Config:
     }
     if url is not None:
         data["store"] = {"redis": {"url": url, "key_prefix": PREFIX, "lease_ttl_s": 30,
-                                   "timeout_s": 0.05, "on_unavailable": "local_share"}}
+                                   "timeout_s": 0.05, "on_unavailable": "local_share",
+                                   # A replica whose first round trip is slow must know its share.
+                                   "expected_replicas": replicas}}
     return parse_config(data)
 
 
@@ -91,8 +93,9 @@ class Errors:
         pass
 
 
-def make(url: str | None, errors: Errors | None = None) -> tuple[Admission, RedisStore | None]:
-    cfg = config(url)
+def make(url: str | None, errors: Errors | None = None,
+         replicas: int = 1) -> tuple[Admission, RedisStore | None]:
+    cfg = config(url, replicas)
     store = None
     if url is not None:
         assert cfg.store.redis is not None
@@ -136,7 +139,8 @@ async def latency(url: str | None, n: int) -> tuple[list[float], int]:
     return out, local
 
 
-async def throughput(url: str | None, concurrency: int, seconds: float) -> dict[str, Any]:
+async def throughput(url: str | None, concurrency: int, seconds: float,
+                     replicas: int = 1) -> dict[str, Any]:
     """throughput runs ``concurrency`` coroutines of pairs for ``seconds``.
 
     Returns admissions per second decided by Redis (``per_s``; with the memory store, all
@@ -144,7 +148,7 @@ async def throughput(url: str | None, concurrency: int, seconds: float) -> dict[
     (``local``), and the failed round trips by reason.
     """
     errors = Errors()
-    adm, store = make(url, errors)
+    adm, store = make(url, errors, replicas)
     if store is not None:
         await store.start()
     ds = demands(adm)
@@ -192,7 +196,8 @@ def run_loop(coro: Any) -> Any:
 
 def child(args: argparse.Namespace) -> int:
     """child is one replica process of measure 3: prints its result as JSON."""
-    print(json.dumps(run_loop(throughput(args.url, args.concurrency, args.seconds))), flush=True)
+    print(json.dumps(run_loop(throughput(args.url, args.concurrency, args.seconds, args.replicas))),
+          flush=True)
     return 0
 
 
@@ -230,7 +235,8 @@ def main() -> int:
         one = run_loop(throughput(url, args.concurrency, args.seconds))
         assert held(url) == (0, 0), f"leaked after one replica: {held(url)}"
         procs = [subprocess.Popen([sys.executable, __file__, "--child", "--url", url,
-                                   "--seconds", str(args.seconds), "--concurrency", str(args.concurrency)],
+                                   "--seconds", str(args.seconds), "--concurrency", str(args.concurrency),
+                                   "--replicas", str(args.replicas)],
                                   stdout=subprocess.PIPE, text=True, cwd=ROOT)
                  for _ in range(args.replicas)]
         many = []
