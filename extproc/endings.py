@@ -201,6 +201,9 @@ class Endings:
         self.links: dict[str, Link] = {}
         self.parked: dict[str, tuple[Exchange, float]] = {}
         self.causes: dict[str, tuple[Exchange, float]] = {}
+        # Parked requests whose stream ended before the write of their answer returned, and
+        # when: kept for their log entry at most CAUSE_WAIT_S (``stream_ended``).
+        self.unsure: dict[str, float] = {}
         # Set by give_up: every release from then on is a timeout.
         self.given_up = False
 
@@ -234,15 +237,23 @@ class Endings:
     def stream_ended(self, ex: Exchange, handed_over: bool) -> Link | None:
         """stream_ended follows the end of a request's admission stream, however it ended.
 
-        A request handed over to the access log stays parked. An observed request whose
-        response has not been seen to end is returned: ``settle`` releases it once the
-        observing stream shows its end. Any other is released now (``Exchange.finish``).
+        A request handed over to the access log stays parked; so does, for at most
+        CAUSE_WAIT_S, a parked one whose stream ended before the write of its answer
+        returned (``unsure``). An observed request whose response has not been seen to end
+        is returned: ``settle`` releases it once the observing stream shows its end. Any
+        other is released now (``Exchange.finish``).
         """
         if handed_over:
             return None
         link_key = ex.link
-        if link_key is not None:
-            self.parked.pop(link_key, None)  # the answer may not have reached Envoy
+        if (link_key is not None and link_key in self.parked and ex.outcome is None
+                and not self.given_up):
+            # Parked, but the stream ended before the write of its answer returned: a fast
+            # answer (JSON) can finish the request that soon, and its log entry then tells its
+            # end and usage. If the answer never reached Envoy, no entry will name the link:
+            # ``sweep_parked`` releases it CAUSE_WAIT_S after this.
+            self.unsure.setdefault(link_key, self._clock.now())
+            return None
         link = self.links.get(link_key) if link_key is not None else None
         if link is not None and ex.outcome is None and not self.given_up:
             return link
@@ -323,6 +334,7 @@ class Endings:
         link = space.fields[LINK_KEY].string_value
         cut_short, upstream_failed = _cut_short(entry)
         parked = self.parked.pop(link, None)
+        self.unsure.pop(link, None)
         if parked is not None:
             parked[0].ended_by_log(entry.response.response_code.value, cut_short, upstream_failed,
                                    usage_log.from_entry(entry))
@@ -359,12 +371,18 @@ class Endings:
         broke); returns how many."""
         stale = [link for link, (_, at) in self.parked.items() if now - at >= ttl_s]
         for link in stale:
+            self.unsure.pop(link, None)
             self.parked.pop(link)[0].finish(gave_up=True)
+        unsure = [link for link, at in self.unsure.items() if now - at >= CAUSE_WAIT_S]
+        for link in unsure:
+            del self.unsure[link]
+            self.parked.pop(link)[0].finish()  # the answer never reached Envoy: as a disconnect
         if stale:
             log.warning("released %d requests whose access log entry never came within %.0f s",
                         len(stale), ttl_s)
+        if stale or unsure:
             self._changed()
-        return len(stale)
+        return len(stale) + len(unsure)
 
     def give_up(self) -> int:
         """give_up releases every parked request with cause ``timeout`` and counts every cause
@@ -373,6 +391,7 @@ class Endings:
         self.given_up = True
         parked = list(self.parked.values())
         self.parked.clear()
+        self.unsure.clear()
         for ex, _ in parked:
             ex.finish(gave_up=True)
         self.settle_causes(float("inf"), 0.0)

@@ -12,12 +12,13 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc import endings
 from extproc.admission import Outcome
-from extproc.endings import Endings, ReleaseMode, cause_of, charged_completion
+from extproc.endings import CAUSE_WAIT_S, Endings, ReleaseMode, cause_of, charged_completion
 from extproc.envoyconf import MODES
 from extproc.exchange import Exchange
 from extproc.gate import RouteRelease
 from tests.unit.test_exchange import (BASE_CONFIG, Rig, body_msg, chat, headers_msg,
                                       response_headers_msg, route_metadata)
+from tests.unit.test_access_log import entry
 from tests.unit.test_exchange_attributes import attrs
 
 S, A, L = RouteRelease.STREAM, RouteRelease.ACCESS_LOG, RouteRelease.STREAM_AND_LOG
@@ -139,6 +140,32 @@ def test_the_registry_holds_each_mode_where_its_end_comes_from() -> None:
     assert parked.outcome is Outcome.TIMEOUT
     assert reg.stream_ended(observed, False) is None and observed.outcome is Outcome.TIMEOUT
     assert rig.inflight() == 1  # the stream_and_log request's stream has not ended yet
+
+
+def test_a_parked_request_whose_stream_ended_before_its_answer_was_written_waits_for_its_entry(
+        ) -> None:
+    # A fast JSON answer can end the request, and Envoy its ext_proc stream, before kvgate's
+    # write of the admitted body answer returns: the entry still tells the end and the usage.
+    rig = Rig({"pools": {"default": {**BASE_CONFIG["pools"]["default"], "max_concurrency": 4}}})
+    reg = Endings(rig.clock, rig.metrics, lambda: None)
+    told, lost = [], []
+    for ex_list in (told, lost):
+        ex = Exchange(rig.gate)
+        asyncio.run(ex.request_body(body_msg(chat(max_tokens=20)), None, attrs(),
+                                    route_metadata(pool="default", release="access_log"),
+                                    _protocol(pm.ProcessingMode.NONE)))
+        reg.admitted(ex)
+        ex_list.append(ex)
+    (a,), (b,) = told, lost
+    at = rig.clock.now()
+    assert reg.stream_ended(a, False) is None and reg.stream_ended(b, False) is None
+    assert rig.inflight() == 2 and a.outcome is None and b.outcome is None
+    assert reg.logged(entry(a.link)) == "released" and a.outcome is Outcome.COMPLETED
+    # No entry names b: its answer never reached Envoy; held no longer than CAUSE_WAIT_S.
+    assert reg.sweep_parked(at + CAUSE_WAIT_S - 0.01, 900.0) == 0 and b.outcome is None
+    assert reg.sweep_parked(at + CAUSE_WAIT_S, 900.0) == 1
+    assert b.outcome is Outcome.CLIENT_DISCONNECT
+    assert not reg.parked and not reg.unsure and rig.inflight() == 0
 
 
 def test_the_module_doc_names_every_mode_and_every_envoy_file() -> None:
