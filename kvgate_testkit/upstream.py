@@ -115,13 +115,22 @@ class FakeUpstream:
                 else "InternalServerError", "param": None, "code": status}
         return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
 
-    async def embeddings(self, request: web.Request) -> web.Response:
+    async def _accepted(self, request: web.Request) -> tuple[dict[str, Any], bytes] | web.Response:
+        """_accepted is the request's JSON body and raw bytes, or the error the fake answers
+        instead (``x-fake-status`` >= 400, or a body that is not a JSON object)."""
         body, raw = await self._read(request)
         status = int(request.headers.get("x-fake-status", "200"))
         if status >= 400:
             return self._error(status, "fake upstream error")
         if body is None:
             return self._error(400, "body is not a JSON object")
+        return body, raw
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        got = await self._accepted(request)
+        if isinstance(got, web.Response):
+            return got
+        body, _ = got
         inputs = body.get("input")
         items = inputs if isinstance(inputs, list) and inputs and not isinstance(inputs[0], int) else [inputs]
         prompt = sum(max(1, len(str(i)) // 4) for i in items)
@@ -131,12 +140,10 @@ class FakeUpstream:
         return web.Response(body=orjson.dumps(out), content_type="application/json")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body, raw = await self._read(request)
-        status = int(request.headers.get("x-fake-status", "200"))
-        if status >= 400:
-            return self._error(status, "fake upstream error")
-        if body is None:
-            return self._error(400, "body is not a JSON object")
+        got = await self._accepted(request)
+        if isinstance(got, web.Response):
+            return got
+        body, raw = got
         chat = request.path.endswith("/chat/completions")
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
         tokens = int(request.headers.get("x-fake-tokens", max_tokens or DEFAULT_TOKENS))

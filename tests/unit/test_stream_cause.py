@@ -17,6 +17,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from extproc.endings import CAUSE_WAIT_S, LINK_KEY
 from extproc.gate import METADATA_NAMESPACE, STREAM_AND_LOG
 from extproc.service import ExtProcService
+from tests.unit.test_access_log import entry as log_entry
 from tests.unit.test_exchange import (Rig, body_msg, chat, response_headers_msg, route_metadata,
                                       sse, token_chunk)
 from tests.unit.test_exchange_attributes import attrs
@@ -58,15 +59,9 @@ def link_of(ctx: Context) -> str:
 
 
 def entry(link: str, *, cut_short: bool = True, **flags: bool) -> accesslog_pb2.HTTPAccessLogEntry:
-    e = accesslog_pb2.HTTPAccessLogEntry()
+    e = log_entry(link, upstream_done=not cut_short, **flags)
     space = e.common_properties.metadata.filter_metadata[METADATA_NAMESPACE]
-    space.fields[LINK_KEY].string_value = link
     space.fields["release"].string_value = STREAM_AND_LOG  # set_metadata's, merged with kvgate's
-    e.response.response_code.value = 200
-    if not cut_short:
-        e.common_properties.time_to_last_upstream_rx_byte.nanos = 5_000_000
-    for name, value in flags.items():
-        setattr(e.common_properties.response_flags, name, value)
     return e
 
 

@@ -18,6 +18,7 @@ from extproc.exchange import Exchange
 from extproc.gate import METADATA_NAMESPACE
 from extproc.server import ExtProcService
 from tests.unit.test_access_log import NO_RESPONSE
+from tests.unit.test_access_log import entry as log_entry
 from tests.unit.test_exchange import Rig, body_msg, chat, route_metadata
 from tests.unit.test_exchange_attributes import attrs
 
@@ -44,16 +45,10 @@ def entry(link: str, found: dict[str, Any] | None, *, cut_short: bool = False,
           **flags: bool) -> accesslog_pb2.HTTPAccessLogEntry:
     """entry is Envoy's log entry of a request whose usage filter wrote ``found`` (None: no
     filter on the path)."""
-    e = accesslog_pb2.HTTPAccessLogEntry()
-    e.common_properties.metadata.filter_metadata[METADATA_NAMESPACE].fields[LINK_KEY].string_value = link
+    e = log_entry(link, upstream_done=not cut_short, **flags)
     if found is not None:
         space = e.common_properties.metadata.filter_metadata[usage_log.NAMESPACE]
         space.update({usage_log.FILTER_KEY: 1, **found})
-    e.response.response_code.value = 200
-    if not cut_short:
-        e.common_properties.time_to_last_upstream_rx_byte.nanos = 5_000_000
-    for name, value in flags.items():
-        setattr(e.common_properties.response_flags, name, value)
     return e
 
 
