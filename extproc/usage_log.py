@@ -27,7 +27,7 @@ client only receives whole events. An event longer than ``MAX_EVENT_BYTES`` stop
 parsing and everything passes on as it comes.
 
 What the filter writes comes from the upstream, which may send anything: ``from_entry``
-takes only a whole number in [0, 2^40) as a count; anything else is ``invalid`` and counted
+takes only a whole number in [0, 2^40), written as JSON writes it, as a count; anything else is ``invalid`` and counted
 (``kvgate_logged_usage_total``), and the lease then falls back as it would without usage
 (the events for a stream cut short, the reservation otherwise), never below 0 and never
 above the admission core's cap.
@@ -62,7 +62,8 @@ MAX_EVENT_BYTES = 1 << 20
 JSON_OVERLAP_BYTES = 256
 # Counts above this are not counts (as oai's tracker).
 _MAX_COUNT = 1 << 40
-_DIGITS = re.compile(r"[0-9]{1,13}")
+# A JSON whole number (no leading zero: "007" is no JSON, and the tracker refuses it).
+_DIGITS = re.compile(r"0|[1-9][0-9]{0,12}")
 # kvgate_logged_usage_total's result label.
 RESULTS = ("reported", "invalid", "none")
 
@@ -103,9 +104,26 @@ local function follow_json(h)
   end
 end
 
+-- One whole event: writes the usage and [DONE] it carries. Returns whether it is an event
+-- with choices, and whether it passes (false: the usage event hidden from the client).
+local function read_event(h, ev, strip)
+  if string.find(ev, "[DONE]", 1, true) and string.find("\\n" .. ev .. "\\n", "\\ndata: ?%[DONE%]\\r?\\n") then
+    put(h, "{DONE_KEY}", 1)
+    return false, true
+  end
+  local keep = true
+  if string.find(ev, '"usage"', 1, true) then
+    local c = count_in(ev)
+    if c ~= nil then put(h, "{COMPLETION_KEY}", c) end
+    if strip and string.find(ev, '"choices"%s*:%s*%[%s*%]') then keep = false end
+  end
+  return string.find(ev, '"choices"%s*:%s*%[%s*{{') ~= nil, keep
+end
+
 local function follow_sse(h, strip)
-  local tail, events, overflow = "", 0, false
+  local tail, events, overflow, last = "", 0, false, nil
   for chunk in h:bodyChunks() do
+    last = chunk
     local got = chunk:getBytes(0, chunk:length())
     if not overflow then
       local s = got
@@ -117,18 +135,8 @@ local function follow_sse(h, strip)
       while true do
         local a, b = string.find(s, "\\r?\\n\\r?\\n", pos)
         if a == nil then break end
-        local ev = string.sub(s, pos, a - 1)
-        local keep = true
-        if string.find(ev, "[DONE]", 1, true) and string.find("\\n" .. ev .. "\\n", "\\ndata: ?%[DONE%]\\r?\\n") then
-          put(h, "{DONE_KEY}", 1)
-        else
-          if string.find(ev, '"usage"', 1, true) then
-            local c = count_in(ev)
-            if c ~= nil then put(h, "{COMPLETION_KEY}", c) end
-            if strip and string.find(ev, '"choices"%s*:%s*%[%s*%]') then keep = false end
-          end
-          if string.find(ev, '"choices"%s*:%s*%[%s*{{') then events = events + 1 end
-        end
+        local counted, keep = read_event(h, string.sub(s, pos, a - 1), strip)
+        if counted then events = events + 1 end
         if out ~= nil then
           if keep then out[#out + 1] = string.sub(s, pos, b) else changed = true end
         end
@@ -143,6 +151,15 @@ local function follow_sse(h, strip)
       if out ~= nil and (changed or #tail > 0) then chunk:setBytes(table.concat(out)) end
       if events ~= before then put(h, "{EVENTS_KEY}", events) end
     end
+  end
+  -- The body ended (the iterator returns at once after the last chunk, whose buffer is
+  -- still this filter's) without the blank line after its last event: that event is read
+  -- as a whole one, and what was held of it passes with the last chunk.
+  if #tail > 0 and last ~= nil then
+    local counted, keep = read_event(h, tail, strip)
+    if counted then put(h, "{EVENTS_KEY}", events + 1) end
+    -- A body ended by trailers has passed its last chunk already: nothing to add it to.
+    if strip and keep then pcall(function() last:setBytes(last:getBytes(0, last:length()) .. tail) end) end
   end
 end
 
