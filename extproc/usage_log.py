@@ -23,8 +23,10 @@ The protocol between the two, one definition here:
 
 An SSE event may be split across chunks anywhere: the filter carries the unfinished tail
 to the next chunk, and while it hides the usage chunk it holds that tail back, so that the
-client only receives whole events. An event longer than ``MAX_EVENT_BYTES`` stops the
-parsing and everything passes on as it comes.
+client only receives whole events. A line ends in CRLF, LF or CR alone (the SSE spec's
+three). A body that ends without the blank line after its last event has that event read
+at the end, and what was held of it passes with the last chunk. An event longer than
+``MAX_EVENT_BYTES`` stops the parsing and everything passes on as it comes.
 
 What the filter writes comes from the upstream, which may send anything: ``from_entry``
 takes only a whole number in [0, 2^40), written as JSON writes it, as a count; anything else is ``invalid`` and counted
@@ -104,10 +106,34 @@ local function follow_json(h)
   end
 end
 
+-- The next blank line from pos: where the line end before it starts and where it ends. A
+-- line ends in \\r\\n, \\n or \\r (the SSE spec's three); a \\r last in s may be the first
+-- half of \\r\\n: nil until more comes.
+local function blank_line(s, pos)
+  while true do
+    local a = string.find(s, "[\\r\\n]", pos)
+    if a == nil then return nil end
+    local e = a
+    if string.byte(s, a) == 13 then
+      if a == #s then return nil end
+      if string.byte(s, a + 1) == 10 then e = a + 1 end
+    end
+    local c = string.byte(s, e + 1)
+    if c == nil then return nil end
+    if c == 10 then return a, e + 1 end
+    if c == 13 then
+      if e + 1 == #s then return nil end
+      if string.byte(s, e + 2) == 10 then return a, e + 2 end
+      return a, e + 1
+    end
+    pos = e + 1
+  end
+end
+
 -- One whole event: writes the usage and [DONE] it carries. Returns whether it is an event
 -- with choices, and whether it passes (false: the usage event hidden from the client).
 local function read_event(h, ev, strip)
-  if string.find(ev, "[DONE]", 1, true) and string.find("\\n" .. ev .. "\\n", "\\ndata: ?%[DONE%]\\r?\\n") then
+  if string.find(ev, "[DONE]", 1, true) and string.find("\\n" .. ev .. "\\n", "[\\r\\n]data: ?%[DONE%][\\r\\n]") then
     put(h, "{DONE_KEY}", 1)
     return false, true
   end
@@ -133,7 +159,7 @@ local function follow_sse(h, strip)
       if strip then out = {{}} end
       local pos, before = 1, events
       while true do
-        local a, b = string.find(s, "\\r?\\n\\r?\\n", pos)
+        local a, b = blank_line(s, pos)
         if a == nil then break end
         local counted, keep = read_event(h, string.sub(s, pos, a - 1), strip)
         if counted then events = events + 1 end
