@@ -15,10 +15,10 @@ The protocol between the two, one definition here:
   nobody would hide that chunk from the client;
 - kvgate's answer to the request body sets ``STRIP_KEY`` = true in its own namespace
   (``ask_to_strip``) when the usage chunk is its own and must be hidden;
-- on the response the filter writes ``COMPLETION_KEY`` (the text of the last
-  ``completion_tokens``, or the Responses API's ``output_tokens``, it saw, at most
-  ``MAX_VALUE_CHARS`` characters), ``EVENTS_KEY`` (SSE events with choices, about one
-  token each: what a stream cut short is charged) and ``DONE_KEY`` (``data: [DONE]`` passed
+- on the response the filter writes ``COMPLETION_KEY`` (the text of the
+  ``completion_tokens``, or the Responses API's ``output_tokens``, of the last usage object
+  it saw, at most ``MAX_VALUE_CHARS`` characters), ``EVENTS_KEY`` (SSE events whose own
+  ``choices`` are not empty, about one token each: what a stream cut short is charged) and ``DONE_KEY`` (``data: [DONE]`` passed
   to the client: the generation ended even if the client closed before the upstream did).
 
 An SSE event may be split across chunks anywhere: the filter carries the unfinished tail
@@ -86,12 +86,11 @@ local function put(h, key, value)
   h:streamInfo():dynamicMetadata():set(NS, key, value)
 end
 
+-- The usage object's count: the first after "usage" (the same key elsewhere is not it).
 local function count_in(s)
-  local found
-  for v in string.gmatch(s, '"completion_tokens"%s*:%s*([^,}}%s]*)') do found = v end
-  if found == nil then
-    for v in string.gmatch(s, '"output_tokens"%s*:%s*([^,}}%s]*)') do found = v end
-  end
+  local from = string.find(s, '"usage"%s*:') or 1
+  local found = string.match(s, '"completion_tokens"%s*:%s*([^,}}%s]*)', from)
+  if found == nil then found = string.match(s, '"output_tokens"%s*:%s*([^,}}%s]*)', from) end
   if found ~= nil then return string.sub(found, 1, {MAX_VALUE_CHARS}) end
   return nil
 end
@@ -137,13 +136,15 @@ local function read_event(h, ev, strip)
     put(h, "{DONE_KEY}", 1)
     return false, true
   end
+  -- The event's own choices (the first key of the name): "]" when the list is empty.
+  local first = string.match(ev, '"choices"%s*:%s*%[%s*(.)')
   local keep = true
   if string.find(ev, '"usage"', 1, true) then
     local c = count_in(ev)
     if c ~= nil then put(h, "{COMPLETION_KEY}", c) end
-    if strip and string.find(ev, '"choices"%s*:%s*%[%s*%]') then keep = false end
+    if strip and first == "]" then keep = false end
   end
-  return string.find(ev, '"choices"%s*:%s*%[%s*{{') ~= nil, keep
+  return first ~= nil and first ~= "]", keep
 end
 
 local function follow_sse(h, strip)
