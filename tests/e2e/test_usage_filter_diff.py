@@ -213,6 +213,23 @@ def corpus() -> list[Case]:
                 + b"}\n\n" + DONE)
         cases.append(Case(f"usage-without-count/{label}", (body,)))
 
+    # Counts and choices elsewhere than where the API puts them: only the usage object's
+    # count and the event's own choices are read.
+    head = b'data: {"id":"chatcmpl-d","object":"chat.completion.chunk","created":1,"model":"fake",'
+    count3 = b'"usage":{"prompt_tokens":9,"completion_tokens":3,"total_tokens":12}'
+    for label, event in (
+            ("count-after-usage", head + b'"choices":[],' + count3 + b',"x":{"completion_tokens":99}}'),
+            ("count-before-usage", head + b'"x":{"completion_tokens":99},"choices":[],' + count3 + b"}"),
+            ("choices-nested", head + b'"choices":[],' + count3 + b',"x":{"choices":[{"a":1}]}}'),
+            ("choices-not-objects", head + b'"choices":[1,2]}'),
+            # OpenAI's usage, its details included.
+            ("openai-details", head + b'"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":3,'
+             b'"total_tokens":12,"prompt_tokens_details":{"cached_tokens":0},"completion_tokens_details":'
+             b'{"reasoning_tokens":2,"accepted_prediction_tokens":0,"rejected_prediction_tokens":0}}}')):
+        for asked in (False, True):
+            body = data(token_event(0)) + event + b"\n\n" + DONE
+            cases.append(Case(f"{label}/{'asked' if asked else 'not-asked'}", (body,), asked=asked))
+
     # Garbage: comments, fields other than data, data that is no JSON, no object, bad UTF-8.
     garbage = (b": keep-alive\n\n" + b"event: message\nid: 1\nretry: 5\n" + data(token_event(0))
                + b"data: not json\n\n" + b"data: [1, 2]\n\n" + b"data: \xff\xfe{\n\n"
