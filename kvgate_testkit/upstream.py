@@ -18,12 +18,7 @@ Behaviour per request is chosen with request headers, so one process serves ever
   JSON as it is (a hostile server's count, or one that differs from the chunks sent);
 - ``x-fake-split-usage: 1``: the usage (the streamed usage chunk, or the JSON answer) is
   written in two parts, split inside ``completion_tokens``, the pace of ``x-fake-delay-ms``
-  (at least 20 ms) apart, so that a proxy reads it in two chunks;
-- ``x-fake-script: KEY``: the answer is the script posted before to ``POST
-  /_fake/script/KEY`` (JSON: ``content_type``, ``chunks``, the body's bytes as latin-1
-  strings, each written on its own ``pause_ms`` milliseconds after the previous, and
-  ``cut``: the connection aborted after the last chunk instead of the body's end), as it
-  is: byte streams no real server would send, split where a test wants.
+  (at least 20 ms) apart, so that a proxy reads it in two chunks.
 
 ``GET /_fake/requests`` returns the last requests received (path, headers, body) so tests
 can check what the gateway forwarded; ``GET /_fake/stats`` returns counters (``started``,
@@ -63,7 +58,6 @@ class FakeUpstream:
         self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT)
         self.holds: dict[str, asyncio.Event] = {}
         self.stats = {"started": 0, "finished": 0, "aborted": 0}
-        self.scripts: dict[str, dict[str, Any]] = {}
 
     def app(self) -> web.Application:
         """app builds the aiohttp application that serves the fake."""
@@ -76,7 +70,6 @@ class FakeUpstream:
         app.router.add_get("/_fake/stats", self.get_stats)
         app.router.add_post("/_fake/release/{key}", self.release)
         app.router.add_post("/_fake/reset", self.reset)
-        app.router.add_post("/_fake/script/{key}", self.add_script)
         return app
 
     # --- control ---------------------------------------------------------------
@@ -97,18 +90,9 @@ class FakeUpstream:
         for event in self.holds.values():  # held streams finish rather than hang
             event.set()
         self.holds.clear()
-        self.scripts.clear()
         for k in self.stats:
             self.stats[k] = 0
         return web.Response(text="reset")
-
-    async def add_script(self, request: web.Request) -> web.Response:
-        script = orjson.loads(await request.read())
-        self.scripts[request.match_info["key"]] = {
-            "content_type": str(script["content_type"]),
-            "chunks": [str(c).encode("latin-1") for c in script["chunks"]],
-            "pause_s": float(script.get("pause_ms", 0)) / 1000.0, "cut": bool(script.get("cut"))}
-        return web.Response(text="scripted")
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model"}]})
@@ -160,9 +144,6 @@ class FakeUpstream:
         if isinstance(got, web.Response):
             return got
         body, raw = got
-        script = request.headers.get("x-fake-script")
-        if script is not None:
-            return await self._scripted(request, self.scripts[script])
         chat = request.path.endswith("/chat/completions")
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
         tokens = int(request.headers.get("x-fake-tokens", max_tokens or DEFAULT_TOKENS))
@@ -193,25 +174,6 @@ class FakeUpstream:
             await resp.write_eof()
             return resp
         return await self._stream(request, body, chat, tokens, usage, finish, model, created)
-
-    async def _scripted(self, request: web.Request, script: dict[str, Any]) -> web.StreamResponse:
-        """_scripted answers with a posted script's chunks, each written on its own."""
-        resp = web.StreamResponse(headers={"content-type": script["content_type"]})
-        await resp.prepare(request)
-        self.stats["started"] += 1
-        for i, data in enumerate(script["chunks"]):
-            if i and script["pause_s"]:
-                # Apart in time, so that Envoy reads each chunk in a read of its own.
-                await asyncio.sleep(script["pause_s"])
-            await resp.write(data)
-        if script["cut"]:
-            assert request.transport is not None
-            request.transport.abort()
-            self.stats["aborted"] += 1
-            return resp
-        await resp.write_eof()
-        self.stats["finished"] += 1
-        return resp
 
     async def _stream(self, request: web.Request, body: dict[str, Any], chat: bool, tokens: int,
                       usage: dict[str, int], finish: str, model: str, created: int) -> web.StreamResponse:
