@@ -4,10 +4,9 @@ kvgate reads a response's usage two ways: ``openai_api.ResponseTracker`` where i
 chunks itself, and the Lua filter of ``extproc/usage_log.py`` where only Envoy does
 (deploy/envoy-access-log.yaml), its findings brought by the access log. Both must read the
 same bytes the same way. Here the real filter runs in the real Envoy, in front of the real
-kvgate, over a corpus of response streams the fake upstream sends as scripted (chat and
-completions, usage present or not, asked for or not, split at every kind of boundary,
-hostile counts, garbage, a JSON answer, a gzip body, streams cut by the upstream), and for
-each request three readings must agree:
+kvgate, over a corpus of response streams (chat and completions, usage present or not,
+asked for or not, split at every kind of boundary, hostile counts, garbage, a JSON answer,
+a gzip body, streams cut by the upstream), and for each request three readings must agree:
 
 - what the access log brings kvgate (``usage_log.from_entry`` of the very entry, read by a
   tap beside kvgate's logger), and what ``ResponseTracker`` reads from the same chunks:
@@ -16,19 +15,21 @@ each request three readings must agree:
   the usage event kvgate asked for removed, or untouched;
 - what kvgate counted (``kvgate_logged_usage_total``), and the tap's results.
 
-Chunks are written 1 ms apart so that Envoy reads each on its own. Both parsers take
-any split, so a chunk Envoy happens to read with the next (a loaded machine) makes a case
-weaker, never wrong. The splits are seeded: a failure names its case, and the case is
-the same on the next run.
+The answers come from an HTTP/2 upstream of the test's own (``kvgate_testkit.h2script``),
+one DATA frame per chunk: Envoy hands the filter each frame on its own, so the filter gets
+the split as written however loaded the machine (over HTTP/1 a slow read merges chunks; a
+filter of the test's own counts the chunks to hold the corpus to that). The splits are
+seeded: a failure names its case, and the case is the same on the next run.
 """
 
 from __future__ import annotations
 
+import copy
 import gzip
 import http.client
 import random
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,7 @@ import pytest
 
 from extproc import openai_api as oai
 from extproc import usage_log
+from kvgate_testkit.h2script import Script, ScriptServer
 from kvgate_testkit.logtap import LogTap
 from kvgate_testkit.procs import LOOPBACK, ROOT, wait_until
 from kvgate_testkit.stack import Stack
@@ -46,7 +48,8 @@ pytestmark = pytest.mark.e2e
 
 SEED = 17
 CASE_HEADER = "x-diff-case"
-PAUSE_MS = 1
+SCRIPT_HEADER = "x-diff-script"
+SCRIPTED_CLUSTER = "scripted"
 SSE = "text/event-stream"
 CONFIG: dict[str, Any] = {
     "pools": {"default": {"max_concurrency": 64, "tpm": 100_000_000, "context_window": 8192,
@@ -59,7 +62,8 @@ CONFIG: dict[str, Any] = {
 class Case:
     """Case is one scripted answer and the request that gets it.
 
-    ``chat``: /v1/chat/completions (else /v1/completions); ``stream`` and ``asked`` (for
+    ``chat``: /v1/chat/completions (else /v1/completions; ``responses``: /v1/responses, the
+    Responses API, whose stream always reports usage); ``stream`` and ``asked`` (for
     ``stream_options.include_usage``): what the client's request says; ``chunks``: the
     upstream's body, as written; ``cut``: the upstream aborts its connection after them.
     """
@@ -67,11 +71,13 @@ class Case:
     name: str
     chunks: tuple[bytes, ...]
     chat: bool = True
+    responses: bool = False
     stream: bool = True
     asked: bool = False
     content_type: str = SSE
     cut: bool = False
     headers: tuple[tuple[str, str], ...] = ()
+    response_headers: tuple[tuple[str, str], ...] = ()
 
     @property
     def body(self) -> bytes:
@@ -230,6 +236,16 @@ def corpus() -> list[Case]:
             body = data(token_event(0)) + event + b"\n\n" + DONE
             cases.append(Case(f"{label}/{'asked' if asked else 'not-asked'}", (body,), asked=asked))
 
+    # The Responses API: usage in response.completed's response, as input/output_tokens.
+    created = b'event: response.created\ndata: {"type":"response.created","response":{"id":"resp_d","usage":null}}\n\n'
+    delta = b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","delta":"tok0 "}\n\n'
+    for count in ("3", "-1"):
+        completed = (b'event: response.completed\ndata: {"type":"response.completed","response":{"id":"resp_d",'
+                     b'"status":"completed","usage":{"input_tokens":9,"input_tokens_details":{"cached_tokens":0},'
+                     b'"output_tokens":' + count.encode() + b',"output_tokens_details":{"reasoning_tokens":0},'
+                     b'"total_tokens":12}}}\n\n')
+        add(f"responses/{count}", created + delta * 2 + completed, responses=True)
+
     # Garbage: comments, fields other than data, data that is no JSON, no object, bad UTF-8.
     garbage = (b": keep-alive\n\n" + b"event: message\nid: 1\nretry: 5\n" + data(token_event(0))
                + b"data: not json\n\n" + b"data: [1, 2]\n\n" + b"data: \xff\xfe{\n\n"
@@ -246,7 +262,7 @@ def corpus() -> list[Case]:
     # gzip: the body reaches both parsers compressed; nothing can be read from it.
     packed = gzip.compress(stream_body(3, "3"), mtime=0)
     cases.append(Case("gzip", split_at(packed, [len(packed) // 2]),
-                      headers=(("accept-encoding", "gzip"),)))
+                      headers=(("accept-encoding", "gzip"),), response_headers=(("content-encoding", "gzip"),)))
 
     # Cut by the upstream: after whole events, and inside the usage event.
     cut_body = stream_body(3, None, done=False)
@@ -281,6 +297,8 @@ class Run:
 
 def request_body(case: Case) -> bytes:
     body: dict[str, Any] = {"model": "fake", "max_tokens": 16, "stream": case.stream}
+    if case.responses:
+        return orjson.dumps({"model": "fake", "input": "Say hello", "stream": case.stream})
     if case.chat:
         body["messages"] = [{"role": "user", "content": "Say hello"}]
     else:
@@ -297,8 +315,9 @@ def send(stack: Stack, tap: LogTap, index: int) -> Run:
     case = CORPUS[index]
     conn = http.client.HTTPConnection(LOOPBACK, stack.envoy_port, timeout=30)
     try:
-        path = "/v1/chat/completions" if case.chat else "/v1/completions"
-        headers = {"content-type": "application/json", "x-fake-script": str(index),
+        path = ("/v1/responses" if case.responses else
+                "/v1/chat/completions" if case.chat else "/v1/completions")
+        headers = {"content-type": "application/json", SCRIPT_HEADER: str(index),
                    CASE_HEADER: case.name, **dict(case.headers)}
         conn.request("POST", path, body=request_body(case), headers=headers)
         resp = conn.getresponse()
@@ -312,9 +331,15 @@ def send(stack: Stack, tap: LogTap, index: int) -> Run:
     return Run(received, tap.wait(case.name))
 
 
-def script(case: Case) -> bytes:
-    return orjson.dumps({"content_type": case.content_type, "cut": case.cut, "pause_ms": PAUSE_MS,
-                         "chunks": [c.decode("latin-1") for c in case.chunks]})
+def script(case: Case) -> Script:
+    return Script(case.chunks, (("content-type", case.content_type), *case.response_headers), cut=case.cut)
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[ScriptServer]:
+    server = ScriptServer({str(i): script(case) for i, case in enumerate(CORPUS)}, SCRIPT_HEADER).start()
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -324,10 +349,49 @@ def tap() -> Iterator[LogTap]:
     t.stop()
 
 
+# A filter of the test's own, next to the usage filter on the response's path (just after it
+# in the list: a response meets it first), that counts the chunks with bytes the usage
+# filter is handed; it reads, and changes nothing.
+CHUNKS_NAMESPACE = "kvgate.test"
+COUNT_CHUNKS = f"""
+function envoy_on_response(h)
+  local n = 0
+  for chunk in h:bodyChunks() do
+    if chunk:length() > 0 then
+      n = n + 1
+      h:streamInfo():dynamicMetadata():set("{CHUNKS_NAMESPACE}", "chunks", n)
+    end
+  end
+end
+"""
+
+
+def scripted(tap: LogTap, upstream: ScriptServer) -> Callable[[dict[str, Any]], None]:
+    """scripted is the stack's Envoy edit: the scripted requests routed to ``upstream``
+    (the file's own route, on another cluster), the tap, and the chunk counter."""
+
+    def edit(cfg: dict[str, Any]) -> None:
+        tap.add_to(cfg)
+        cfg["static_resources"]["clusters"].append(upstream.cluster(SCRIPTED_CLUSTER))
+        hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+        route = copy.deepcopy(routes[-1])  # the file's route to the inference servers
+        route["match"] = {"prefix": "/", "headers": [{"name": SCRIPT_HEADER, "present_match": True}]}
+        route["route"]["cluster"] = SCRIPTED_CLUSTER
+        routes.insert(len(routes) - 1, route)
+        filters = hcm["http_filters"]
+        at = next(i for i, f in enumerate(filters) if f["name"] == "envoy.filters.http.lua")
+        filters.insert(at + 1, {"name": "count_chunks", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
+            "default_source_code": {"inline_string": COUNT_CHUNKS}}})
+
+    return edit
+
+
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, tap: LogTap) -> Iterator[Stack]:
+def stack(tmp_path_factory: pytest.TempPathFactory, tap: LogTap, upstream: ScriptServer) -> Iterator[Stack]:
     s = Stack(tmp_path_factory.mktemp("usage-diff"), CONFIG,
-              envoy_template=ROOT / "deploy" / "envoy-access-log.yaml", envoy_edit=tap.add_to)
+              envoy_template=ROOT / "deploy" / "envoy-access-log.yaml", envoy_edit=scripted(tap, upstream))
     s.start()
     yield s
     s.stop()
@@ -341,13 +405,6 @@ def logged_before(stack: Stack) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def runs(stack: Stack, tap: LogTap, logged_before: dict[str, float]) -> dict[str, Run]:
     """runs sends the whole corpus, eight requests at a time, once for the module."""
-    import urllib.request
-
-    for i, case in enumerate(CORPUS):
-        req = urllib.request.Request(f"{stack.upstream_url}/_fake/script/{i}",
-                                     data=script(case), method="POST")
-        with urllib.request.urlopen(req, timeout=5):
-            pass
     with ThreadPoolExecutor(max_workers=8) as pool:
         got = list(pool.map(lambda i: send(stack, tap, i), range(len(CORPUS))))
     return {case.name: run for case, run in zip(CORPUS, got)}
@@ -392,7 +449,7 @@ def test_the_filter_and_the_tracker_read_the_same(case: Case, runs: dict[str, Ru
     logged = usage_log.from_entry(run.entry)
     assert logged is not None, "the usage filter did not run"
     strip = strip_asked(run.entry)
-    assert strip is (case.stream and not case.asked)
+    assert strip is (case.stream and not case.asked and not case.responses)
     expected, passed = tracked(case, strip)
     filtered = Reading(logged.completion_tokens, logged.events or 0, logged.done)
     assert filtered == expected
@@ -411,3 +468,16 @@ def test_kvgate_counted_what_the_access_log_brought(stack: Stack, runs: dict[str
     wait_until(lambda: counted() == {r: results[r] for r in usage_log.RESULTS}, timeout=15,
                what=f"kvgate's logged usage counts {dict(results)}")
     stack.wait_inflight(0, timeout=15)
+
+
+def chunks_seen(entry: Any) -> int:
+    """chunks_seen is how many chunks with bytes the usage filter was handed."""
+    space = entry.common_properties.metadata.filter_metadata.get(CHUNKS_NAMESPACE)
+    return int(space.fields["chunks"].number_value) if space is not None and "chunks" in space.fields else 0
+
+
+def test_every_split_reaches_the_filter_as_written(runs: dict[str, Run]) -> None:
+    """The corpus tests the splits it means to: the filter was handed each case's chunks as
+    they were written (HTTP/2 frames), none merged by a slow read."""
+    seen = {c.name: (chunks_seen(runs[c.name].entry), len([x for x in c.chunks if x])) for c in CORPUS}
+    assert {name: got for name, got in seen.items() if got[0] != got[1]} == {}
