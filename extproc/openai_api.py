@@ -410,6 +410,7 @@ def upstream_body(req: ParsedRequest, *, cap_max_tokens: int | None = None,
 
 _LINE_END = re.compile(rb"\r\n|\r|\n")
 _MAX_USAGE = 1 << 40
+_NO_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 
 
 def _usage_int(x: Any) -> int | None:
@@ -423,8 +424,8 @@ class ResponseTracker:
     final JSON (over the cap, usage stays unknown). Streamed (SSE): events are parsed as
     they pass, partial lines kept across chunks (split anywhere: mid-line, mid-UTF-8,
     between ``\\r`` and ``\\n``); ``delivered_chunks`` counts events with choices (about
-    one token each). With ``strip_usage_chunk`` the usage-only event (``"choices": []``)
-    is removed; partial events are then held back until complete so the client only gets
+    one token each). With ``strip_usage_chunk`` the usage event (``"choices": []`` and a
+    ``usage``, whatever it holds) is removed; partial events are then held back until complete so the client only gets
     whole events. Garbage never raises; an event over ``max_buffer`` stops the parsing
     and everything held passes on.
 
@@ -487,9 +488,12 @@ class ResponseTracker:
         if prompt is None and completion is None:  # the Responses API's names
             prompt = _usage_int(usage.get("input_tokens"))
             completion = _usage_int(usage.get("output_tokens"))
-        if completion is None and prompt is not None:
+        if completion is None and prompt is not None and not ("completion_tokens" in usage
+                                                              or "output_tokens" in usage):
+            # Embeddings report no completion. A completion count that is there but is not
+            # a count is refused, not rebuilt from the same answer's total.
             total = _usage_int(usage.get("total_tokens"))
-            if total is not None and total >= prompt:  # embeddings report no completion
+            if total is not None and total >= prompt:
                 completion = total - prompt
         if prompt is not None:
             self.prompt_tokens = prompt
@@ -572,7 +576,9 @@ class ResponseTracker:
         try:
             obj = orjson.loads(payload)
         except orjson.JSONDecodeError:
-            return True
+            # No JSON (a count such as 007), yet the usage event asked for if it reads as one.
+            return not (self.strip_usage_chunk and b'"usage"' in payload
+                        and _NO_CHOICES.search(payload) is not None)
         if not isinstance(obj, dict):
             return True
         has_usage = self._take_usage(obj.get("usage"))
@@ -583,7 +589,9 @@ class ResponseTracker:
         if isinstance(choices, list):
             if choices:
                 self.delivered_chunks += 1
-            elif has_usage and self.strip_usage_chunk:
+            elif "usage" in obj and self.strip_usage_chunk:
+                # The event answers kvgate's stream_options, whatever its usage holds: the
+                # client did not ask for it.
                 return False
         return True
 

@@ -15,19 +15,21 @@ The protocol between the two, one definition here:
   nobody would hide that chunk from the client;
 - kvgate's answer to the request body sets ``STRIP_KEY`` = true in its own namespace
   (``ask_to_strip``) when the usage chunk is its own and must be hidden;
-- on the response the filter writes ``COMPLETION_KEY`` (the text of the last
-  ``completion_tokens``, or the Responses API's ``output_tokens``, it saw, at most
-  ``MAX_VALUE_CHARS`` characters), ``EVENTS_KEY`` (SSE events with choices, about one
-  token each: what a stream cut short is charged) and ``DONE_KEY`` (``data: [DONE]`` passed
+- on the response the filter writes ``COMPLETION_KEY`` (the text of the
+  ``completion_tokens``, or the Responses API's ``output_tokens``, of the last usage object
+  it saw, at most ``MAX_VALUE_CHARS`` characters), ``EVENTS_KEY`` (SSE events whose own
+  ``choices`` are not empty, about one token each: what a stream cut short is charged) and ``DONE_KEY`` (``data: [DONE]`` passed
   to the client: the generation ended even if the client closed before the upstream did).
 
 An SSE event may be split across chunks anywhere: the filter carries the unfinished tail
 to the next chunk, and while it hides the usage chunk it holds that tail back, so that the
-client only receives whole events. An event longer than ``MAX_EVENT_BYTES`` stops the
-parsing and everything passes on as it comes.
+client only receives whole events. A line ends in CRLF, LF or CR alone (the SSE spec's
+three). A body that ends without the blank line after its last event has that event read
+at the end, and what was held of it passes with the last chunk. An event longer than
+``MAX_EVENT_BYTES`` stops the parsing and everything passes on as it comes.
 
 What the filter writes comes from the upstream, which may send anything: ``from_entry``
-takes only a whole number in [0, 2^40) as a count; anything else is ``invalid`` and counted
+takes only a whole number in [0, 2^40), written as JSON writes it, as a count; anything else is ``invalid`` and counted
 (``kvgate_logged_usage_total``), and the lease then falls back as it would without usage
 (the events for a stream cut short, the reservation otherwise), never below 0 and never
 above the admission core's cap.
@@ -62,7 +64,8 @@ MAX_EVENT_BYTES = 1 << 20
 JSON_OVERLAP_BYTES = 256
 # Counts above this are not counts (as oai's tracker).
 _MAX_COUNT = 1 << 40
-_DIGITS = re.compile(r"[0-9]{1,13}")
+# A JSON whole number (no leading zero: "007" is no JSON, and the tracker refuses it).
+_DIGITS = re.compile(r"0|[1-9][0-9]{0,12}")
 # kvgate_logged_usage_total's result label.
 RESULTS = ("reported", "invalid", "none")
 
@@ -83,12 +86,11 @@ local function put(h, key, value)
   h:streamInfo():dynamicMetadata():set(NS, key, value)
 end
 
+-- The usage object's count: the first after "usage" (the same key elsewhere is not it).
 local function count_in(s)
-  local found
-  for v in string.gmatch(s, '"completion_tokens"%s*:%s*([^,}}%s]*)') do found = v end
-  if found == nil then
-    for v in string.gmatch(s, '"output_tokens"%s*:%s*([^,}}%s]*)') do found = v end
-  end
+  local from = string.find(s, '"usage"%s*:') or 1
+  local found = string.match(s, '"completion_tokens"%s*:%s*([^,}}%s]*)', from)
+  if found == nil then found = string.match(s, '"output_tokens"%s*:%s*([^,}}%s]*)', from) end
   if found ~= nil then return string.sub(found, 1, {MAX_VALUE_CHARS}) end
   return nil
 end
@@ -103,9 +105,52 @@ local function follow_json(h)
   end
 end
 
+-- The next blank line from pos: where the line end before it starts and where it ends. A
+-- line ends in \\r\\n, \\n or \\r (the SSE spec's three); a \\r last in s may be the first
+-- half of \\r\\n: nil until more comes.
+local function blank_line(s, pos)
+  while true do
+    local a = string.find(s, "[\\r\\n]", pos)
+    if a == nil then return nil end
+    local e = a
+    if string.byte(s, a) == 13 then
+      if a == #s then return nil end
+      if string.byte(s, a + 1) == 10 then e = a + 1 end
+    end
+    local c = string.byte(s, e + 1)
+    if c == nil then return nil end
+    if c == 10 then return a, e + 1 end
+    if c == 13 then
+      if e + 1 == #s then return nil end
+      if string.byte(s, e + 2) == 10 then return a, e + 2 end
+      return a, e + 1
+    end
+    pos = e + 1
+  end
+end
+
+-- One whole event: writes the usage and [DONE] it carries. Returns whether it is an event
+-- with choices, and whether it passes (false: the usage event hidden from the client).
+local function read_event(h, ev, strip)
+  if string.find(ev, "[DONE]", 1, true) and string.find("\\n" .. ev .. "\\n", "[\\r\\n]data: ?%[DONE%][\\r\\n]") then
+    put(h, "{DONE_KEY}", 1)
+    return false, true
+  end
+  -- The event's own choices (the first key of the name): "]" when the list is empty.
+  local first = string.match(ev, '"choices"%s*:%s*%[%s*(.)')
+  local keep = true
+  if string.find(ev, '"usage"', 1, true) then
+    local c = count_in(ev)
+    if c ~= nil then put(h, "{COMPLETION_KEY}", c) end
+    if strip and first == "]" then keep = false end
+  end
+  return first ~= nil and first ~= "]", keep
+end
+
 local function follow_sse(h, strip)
-  local tail, events, overflow = "", 0, false
+  local tail, events, overflow, last = "", 0, false, nil
   for chunk in h:bodyChunks() do
+    last = chunk
     local got = chunk:getBytes(0, chunk:length())
     if not overflow then
       local s = got
@@ -115,20 +160,10 @@ local function follow_sse(h, strip)
       if strip then out = {{}} end
       local pos, before = 1, events
       while true do
-        local a, b = string.find(s, "\\r?\\n\\r?\\n", pos)
+        local a, b = blank_line(s, pos)
         if a == nil then break end
-        local ev = string.sub(s, pos, a - 1)
-        local keep = true
-        if string.find(ev, "[DONE]", 1, true) and string.find("\\n" .. ev .. "\\n", "\\ndata: ?%[DONE%]\\r?\\n") then
-          put(h, "{DONE_KEY}", 1)
-        else
-          if string.find(ev, '"usage"', 1, true) then
-            local c = count_in(ev)
-            if c ~= nil then put(h, "{COMPLETION_KEY}", c) end
-            if strip and string.find(ev, '"choices"%s*:%s*%[%s*%]') then keep = false end
-          end
-          if string.find(ev, '"choices"%s*:%s*%[%s*{{') then events = events + 1 end
-        end
+        local counted, keep = read_event(h, string.sub(s, pos, a - 1), strip)
+        if counted then events = events + 1 end
         if out ~= nil then
           if keep then out[#out + 1] = string.sub(s, pos, b) else changed = true end
         end
@@ -143,6 +178,15 @@ local function follow_sse(h, strip)
       if out ~= nil and (changed or #tail > 0) then chunk:setBytes(table.concat(out)) end
       if events ~= before then put(h, "{EVENTS_KEY}", events) end
     end
+  end
+  -- The body ended (the iterator returns at once after the last chunk, whose buffer is
+  -- still this filter's) without the blank line after its last event: that event is read
+  -- as a whole one, and what was held of it passes with the last chunk.
+  if #tail > 0 and last ~= nil then
+    local counted, keep = read_event(h, tail, strip)
+    if counted then put(h, "{EVENTS_KEY}", events + 1) end
+    -- A body ended by trailers has passed its last chunk already: nothing to add it to.
+    if strip and keep then pcall(function() last:setBytes(last:getBytes(0, last:length()) .. tail) end) end
   end
 end
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import sys
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -113,14 +113,18 @@ class Stack(LoopbackStack):
 
     ``kvgate_config`` is the kvgate configuration as a mapping (written to a file in
     ``workdir``). ``processor``: "kvgate", None (plain Envoy), or an argv with ``{port}``.
+    ``envoy_edit`` changes the rendered Envoy configuration in place before Envoy starts
+    (what a test adds beside the file, e.g. a listener of its own for the access log).
     """
 
     def __init__(self, workdir: Path, kvgate_config: dict[str, Any] | None = None, *,
                  processor: str | Sequence[str] | None = "kvgate",
                  routes: Sequence[dict[str, Any]] = (), envoy_concurrency: int = 1,
                  envoy_template: Path = ENVOY_TEMPLATE, upstream_args: Sequence[str] = (),
-                 envoy_admin: bool = False, tenant_header_from_client: bool = False) -> None:
+                 envoy_admin: bool = False, tenant_header_from_client: bool = False,
+                 envoy_edit: Callable[[dict[str, Any]], None] | None = None) -> None:
         super().__init__()
+        self.envoy_edit = envoy_edit
         self.workdir = workdir
         self.envoy_admin_port = free_port() if envoy_admin else None
         self.tenant_header_from_client = tenant_header_from_client
@@ -169,6 +173,8 @@ class Stack(LoopbackStack):
                                max_body_bytes=limit if self.processor == "kvgate" else None,
                                admin=self.envoy_admin_port,
                                tenant_header_from_client=self.tenant_header_from_client)
+            if self.envoy_edit is not None:
+                self.envoy_edit(cfg)
             envoy_yaml = self.workdir / "envoy.yaml"
             envoy_yaml.write_text(yaml.safe_dump(cfg, sort_keys=False))
             envoy = self._spawn("envoy", [str(VENV_BIN / "envoy"), "-c", str(envoy_yaml),

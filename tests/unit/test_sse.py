@@ -161,12 +161,28 @@ def test_continuous_usage_keeps_the_last_report_and_strips_nothing_else() -> Non
     None,
     [],
 ])
-def test_hostile_usage_values_are_ignored(usage: object) -> None:
+def test_hostile_usage_values_are_ignored_and_their_event_hidden(usage: object) -> None:
     tracker = ResponseTracker(streamed=True, strip_usage_chunk=True)
     stream = event({**HEAD, "choices": [], "usage": usage}) + b"data: [DONE]\n\n"
     received = feed_split(tracker, stream, [20])
     assert (tracker.prompt_tokens, tracker.completion_tokens) == (None, None)
-    assert received == stream  # not recognised as usage: passed as it came
+    # The answer to kvgate's stream_options all the same (as the Lua usage filter reads
+    # it): a client that did not ask for it would index its empty choices.
+    assert received == b"data: [DONE]\n\n"
+
+
+def test_a_usage_event_that_is_no_json_is_hidden_all_the_same() -> None:
+    usage = b'data: {"choices": [], "usage": {"completion_tokens": 007}}\n\n'
+    tracker = ResponseTracker(streamed=True, strip_usage_chunk=True)
+    assert feed_split(tracker, EVENTS[1] + usage + b"data: [DONE]\n\n", [30]) == EVENTS[1] + b"data: [DONE]\n\n"
+    assert tracker.completion_tokens is None
+
+
+def test_a_completion_count_that_is_no_count_is_not_rebuilt_from_the_total() -> None:
+    tracker = ResponseTracker(streamed=False, strip_usage_chunk=False)
+    feed_split(tracker, orjson.dumps({"usage": {"prompt_tokens": 9, "completion_tokens": -5,
+                                                 "total_tokens": 21}}), [])
+    assert (tracker.prompt_tokens, tracker.completion_tokens) == (9, None)
 
 
 @settings(max_examples=300, deadline=None)

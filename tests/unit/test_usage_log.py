@@ -109,7 +109,7 @@ def test_a_stream_is_settled_with_what_the_filter_saw(found: dict[str, Any], cut
     assert rig.count("kvgate_logged_usage_total", result=result) == 1
 
 
-@pytest.mark.parametrize("value", ["-5", "1e30", '"7"', "7.5", "null", "", "99999999999999999999",
+@pytest.mark.parametrize("value", ["-5", "1e30", '"7"', "7.5", "null", "", "99999999999999999999", "007",
                                    str(1 << 40), -1.0, 2.5, float("inf"), True])
 def test_a_hostile_count_is_refused_and_counted(value: Any) -> None:
     rig = Rig()
