@@ -88,8 +88,12 @@ def attribute_values(attributes: Any) -> dict[str, str]:
     """attribute_values flattens Envoy's request attributes (name -> string value)."""
     values: dict[str, str] = {}
     if attributes:
-        for struct in attributes.values():
-            for key, value in struct.fields.items():
+        # Keys, then lookups: the protobuf maps' items() and values() are the generic
+        # Mapping views, several times slower per entry on every request.
+        for namespace in attributes:
+            fields = attributes[namespace].fields
+            for key in fields:
+                value = fields[key]
                 if value.WhichOneof("kind") == "string_value":
                     values[key] = value.string_value
     return values
