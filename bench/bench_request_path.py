@@ -10,10 +10,15 @@ to any processor's floor (grpc.aio and the event loop, which ``bench_cpu`` measu
 the rest), steady enough on a loaded machine to weigh small levers.
 
 Every body is a different ~2 KB chat (``bench_overhead.ChatBodies``), so every prompt is
-tokenized. ``--profile`` runs one more pass under cProfile and prints the functions with the
-most own time.
+tokenized in the first round (later rounds meet tokens.py's count cache: this bench weighs the
+rest of the path). ``--profile`` runs one more pass under cProfile and prints the functions
+with the most own time. ``--baseline REF`` runs this tree and ``extproc`` as it is at git
+revision REF in two worker processes, round for round in turn, and reports the median of
+the paired ratios: on a shared machine only a paired figure resolves a lever of a few
+microseconds.
 
-    python bench/bench_request_path.py [--requests 20000] [--rounds 5] [--profile]
+    python bench/bench_request_path.py [--requests 5000] [--rounds 5] [--profile]
+    python bench/bench_request_path.py --baseline main --rounds 20 --requests 1000 [--out FILE]
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import asyncio  # noqa: E402
 import cProfile  # noqa: E402
 import io  # noqa: E402
 import os  # noqa: E402
+import platform  # noqa: E402
 import pstats  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -185,17 +191,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="one more round under cProfile")
     ap.add_argument("--baseline", metavar="REF",
                     help="compare with extproc as it is at this git revision, round for round")
+    ap.add_argument("--out", type=Path, help="with --baseline: also write the table to this file")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         _worker(args.requests)
         return 0
     if args.baseline:
+        load = os.getloadavg()
         with tempfile.TemporaryDirectory(prefix="kvgate-path-") as tmp:
             source = _checkout(args.baseline, Path(tmp))
             lines = _paired(source, args.baseline, args.requests, args.rounds)
-        print("| extproc | us CPU per request, median | min |\n|---|---:|---:|")
-        print("\n".join(lines))
+        command = "python bench/bench_request_path.py" + "".join(
+            f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+        text = "\n".join([
+            "# kvgate's own request path, this tree against a git revision", "",
+            f"Command: `{command}`", "",
+            f"Python {platform.python_version()}; load average at the start {load[0]:.2f} "
+            f"{load[1]:.2f} {load[2]:.2f}. One admitted ~2 KB chat per request (request body with "
+            "its attributes, response headers, JSON response body), no gRPC, in two worker "
+            "processes run round for round in turn; CPU time of the worker per request.", "",
+            "| extproc | us CPU per request, median | min |", "|---|---:|---:|", *lines, ""])
+        print(text)
+        if args.out is not None:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(text)
         return 0
     bodies = ChatBodies(seed=3)
     # The HTTP request bytes end with the JSON body: cut it out.
