@@ -12,9 +12,12 @@ the figure is CPU per request and its ratio to the bare processor's in the same 
 at git revision REF (checked out into a temporary directory), so that a change is weighed
 before and after in the same run, on the same loaded machine.
 
-``--profile SECONDS`` samples each kvgate process with py-spy (``pip install py-spy``; not
-a dependency of kvgate) for that long during one extra round, and writes the functions that
-took most of its CPU (own time and with callees) next to the report.
+``--profile SECONDS`` samples each processor with py-spy (``pip install py-spy``; not a
+dependency of kvgate) for that long under load after the rounds, and lists the functions
+with the most samples (own and with callees). Read them as shares, not as CPU: on a loaded
+machine py-spy also counts a thread that waits for a core, and without ``--native`` the
+time of grpc's C core, upb and the tokenizer goes to the Python line that called them
+(bench/results/cpu-levers.md).
 
     python bench/bench_cpu.py [--variants recommended access-log] [--baseline main] [--out FILE]
 """
@@ -140,8 +143,8 @@ def _profile(stacks: dict[str, Stack], seconds: float, clients: int, out_dir: Pa
 def summarize_profile(path: Path, requests: int, top: int = 25) -> list[str]:
     """summarize_profile reads py-spy's collapsed stacks and lists the functions with the most
     samples, own (the innermost frame) and inclusive (anywhere on the stack), as shares of
-    all samples and as microseconds of CPU per request (one sample is 1/PROFILE_HZ s of one
-    thread's CPU; the last request or so of the load may fall outside the sampled time)."""
+    all samples and as sampled microseconds per request (one sample stands for 1/PROFILE_HZ
+    s of one thread; waiting for a core counts too, see the module doc)."""
     own: collections.Counter[str] = collections.Counter()
     inclusive: collections.Counter[str] = collections.Counter()
     total = 0
