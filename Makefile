@@ -15,7 +15,7 @@ VLLM_VERSION ?= 0.32.0
 # e.g. BENCH_VLLM_ARGS="--runs 3 --rows direct,kvgate"
 BENCH_VLLM_ARGS ?=
 
-.PHONY: install run test test-under-load test-unit test-e2e test-vllm bench bench-admission bench-overhead bench-picker bench-protection bench-redis bench-redis-timeout bench-scrape bench-tokens bench-trace bench-vllm bench-loop-lag bench-big-prompt install-vllm check-config clean
+.PHONY: install run test test-under-load test-unit test-e2e test-vllm bench bench-admission bench-overhead bench-cpu bench-picker bench-protection bench-redis bench-redis-timeout bench-scrape bench-tokens bench-trace bench-vllm bench-loop-lag bench-big-prompt install-vllm check-config clean
 
 install: $(STAMP)
 
@@ -60,6 +60,15 @@ bench-admission: install
 bench-overhead: install
 	mkdir -p $(BENCH_OUT)
 	$(PY) bench/bench_overhead.py --out $(BENCH_OUT)/overhead.md
+
+# kvgate's processor CPU per request against a bare processor, and against kvgate as it is at
+# CPU_BASELINE (a git revision) in the same interleaved run.
+CPU_BASELINE ?= main
+
+bench-cpu: install
+	mkdir -p $(BENCH_OUT)
+	$(PY) bench/bench_cpu.py --baseline $(CPU_BASELINE) --out $(BENCH_OUT)/cpu.md
+	$(PY) bench/bench_request_path.py --baseline $(CPU_BASELINE) --rounds 20 --requests 1000 --out $(BENCH_OUT)/request-path.md
 
 bench-picker: install
 	mkdir -p $(BENCH_OUT)
@@ -121,7 +130,7 @@ bench-big-prompt: install
 	mkdir -p $(BENCH_OUT)
 	$(PY) bench/bench_big_prompt.py --out $(BENCH_OUT)/big-prompt.md
 
-bench: bench-admission bench-scrape bench-tokens bench-overhead bench-picker bench-protection bench-trace bench-redis bench-redis-timeout bench-loop-lag bench-big-prompt
+bench: bench-admission bench-scrape bench-tokens bench-overhead bench-cpu bench-picker bench-protection bench-trace bench-redis bench-redis-timeout bench-loop-lag bench-big-prompt
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

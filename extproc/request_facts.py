@@ -11,6 +11,7 @@ from them by the ``Gate``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,11 +89,41 @@ def attribute_values(attributes: Any) -> dict[str, str]:
     """attribute_values flattens Envoy's request attributes (name -> string value)."""
     values: dict[str, str] = {}
     if attributes:
-        for struct in attributes.values():
-            for key, value in struct.fields.items():
+        # Keys, then lookups: the protobuf maps' items() and values() are the generic
+        # Mapping views, several times slower per entry on every request.
+        for namespace in attributes:
+            fields = attributes[namespace].fields
+            for key in fields:
+                value = fields[key]
                 if value.WhichOneof("kind") == "string_value":
                     values[key] = value.string_value
     return values
+
+
+@dataclass(frozen=True, slots=True)
+class _AttributeNames:
+    """_AttributeNames are the request attributes that carry the headers kvgate reads, for
+    one set of configured header names (None: a header kvgate does not read)."""
+
+    tenant: str
+    fairness: str | None
+    objective: str | None
+    known: frozenset[str]
+
+
+@functools.lru_cache(maxsize=16)
+def _attribute_names(header: str, fairness_header: str | None,
+                     objective_header: str | None) -> _AttributeNames:
+    """_attribute_names builds the attribute names of a tenants configuration once: they are
+    read on every request, and their header names change only with a reload (a reload with
+    other names gets its own entry)."""
+    named = [tenant_attribute(h) if h else None for h in (header, fairness_header, objective_header)]
+    known = frozenset([ATTR_CONTENT_TYPE, ATTR_AUTHORIZATION, *(n for n in named if n)])
+    return _AttributeNames(named[0] or "", named[1], named[2], known)
+
+
+def _names_of(tenants: TenantsConfig) -> _AttributeNames:
+    return _attribute_names(tenants.header, tenants.fairness_header, tenants.objective_header)
 
 
 def from_attributes(values: dict[str, str], tenants: TenantsConfig) -> RequestFacts:
@@ -103,28 +134,28 @@ def from_attributes(values: dict[str, str], tenants: TenantsConfig) -> RequestFa
     with a comma is a repeated header. Envoy copied the header's bytes, which were UTF-8
     (the message decoded): their encoding gives the bytes the header itself would have.
     """
+    names = _names_of(tenants)
     authorization = values.get(ATTR_AUTHORIZATION)
     return RequestFacts(
         path=values.get(ATTR_PATH), post=values.get(ATTR_METHOD) == "POST",
         content_type=values.get(ATTR_CONTENT_TYPE),
         authorization=None if authorization is None else authorization.encode(),
-        tenant=_header_values(values, tenants.header),
-        fairness=_header_values(values, tenants.fairness_header),
-        objective=_header_values(values, tenants.objective_header))
+        tenant=_header_values(values, names.tenant),
+        fairness=_header_values(values, names.fairness),
+        objective=_header_values(values, names.objective))
 
 
 def unread_header_attributes(values: dict[str, str], tenants: TenantsConfig) -> list[str]:
     """unread_header_attributes names the request-header attributes among ``values`` that
     kvgate does not read (a request_attributes list naming another tenant header)."""
-    known = (ATTR_CONTENT_TYPE, ATTR_AUTHORIZATION, tenant_attribute(tenants.header),
-             *(tenant_attribute(h) for h in (tenants.fairness_header, tenants.objective_header) if h))
+    known = _names_of(tenants).known
     return [k for k in values if k.startswith("request.headers[") and k not in known]
 
 
-def _header_values(values: dict[str, str], header: str | None) -> list[bytes]:
-    """_header_values is the values of request header ``header`` among the request
-    attributes, one per repeated header ([] for None: a header kvgate does not read)."""
-    if header is None:
+def _header_values(values: dict[str, str], attribute: str | None) -> list[bytes]:
+    """_header_values is the values of the request header that ``attribute`` carries, one
+    per repeated header ([] for None: a header kvgate does not read)."""
+    if attribute is None:
         return []
-    value = values.get(tenant_attribute(header))
+    value = values.get(attribute)
     return [] if value is None else [v.encode() for v in value.split(",")]

@@ -38,3 +38,20 @@ def test_a_missing_path_attribute_is_told_apart_from_an_empty_path() -> None:
 def test_a_header_attribute_kvgate_does_not_read_is_named() -> None:
     values = attribute_values(attrs(**{tenant_attribute("x-team"): "a"}))
     assert unread_header_attributes(values, TENANTS) == [tenant_attribute("x-team")]
+
+
+def test_each_tenants_configuration_reads_its_own_header_names() -> None:
+    # The attribute names are computed once per set of header names (a cache): a reload to
+    # other names must read the new ones, and going back must read the old ones again.
+    values = attribute_values(attrs(**{tenant_attribute("x-team"): "blue",
+                                       tenant_attribute("x-tenant-id"): "acme",
+                                       tenant_attribute("x-prio"): "gold"}))
+    renamed = TenantsConfig(header="x-team", fairness_header=None, objective_header="x-prio")
+    for _ in range(2):
+        before = from_attributes(values, TENANTS)
+        assert before.tenant == [b"acme"] and before.objective == [] and before.fairness == []
+        assert unread_header_attributes(values, TENANTS) == [tenant_attribute("x-team"),
+                                                             tenant_attribute("x-prio")]
+        after = from_attributes(values, renamed)
+        assert after.tenant == [b"blue"] and after.objective == [b"gold"] and after.fairness == []
+        assert unread_header_attributes(values, renamed) == [tenant_attribute("x-tenant-id")]

@@ -1,0 +1,250 @@
+"""bench_cpu: kvgate's processor CPU per admitted request against a bare processor's, one lever at a time.
+
+A smaller, steadier cut of ``bench_overhead``'s latency scenario for weighing CPU levers:
+for each Envoy file of ``--variants`` one stack with the bare processor (answers CONTINUE,
+parses nothing) and one with kvgate, each an Envoy (one worker thread) in front of its own
+fast fake upstream; ~2 KB non-streaming chats, every body different (each one tokenized), at
+``--clients`` concurrent keep-alive clients. The setups are measured in shuffled rounds
+within one run, and the processor's CPU (user + system, from /proc) is summed per setup:
+the figure is CPU per request and its ratio to the bare processor's in the same file.
+
+``--baseline REF`` adds a ``kvgate@REF`` stack per file: the ``extproc`` package as it is
+at git revision REF (checked out into a temporary directory), so that a change is weighed
+before and after in the same run, on the same loaded machine.
+
+``--profile SECONDS`` samples each processor with py-spy (``pip install py-spy``; not a
+dependency of kvgate) for that long under load after the rounds, and lists the functions
+with the most samples (own and with callees). Read them as shares, not as CPU: on a loaded
+machine py-spy also counts a thread that waits for a core, and without ``--native`` the
+time of grpc's C core, upb and the tokenizer goes to the Python line that called them
+(bench/results/cpu-levers.md).
+
+    python bench/bench_cpu.py [--variants recommended access-log] [--baseline main] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from the repository root
+    sys.path.insert(0, str(ROOT))
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import collections  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import random  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+from bench.bench_overhead import (BENCH_CONFIG, ChatBodies, _run, closed_loop, cpu_seconds,  # noqa: E402
+                                  pct, variant_file)
+from kvgate_testkit.procs import Proc  # noqa: E402
+from kvgate_testkit.stack import Stack  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+PROFILE_HZ = 250  # py-spy's samples per second
+
+
+class _SourceStack(Stack):
+    """_SourceStack is a kvgate stack whose kvgate runs from another copy of the sources
+    (``source``: a directory holding an ``extproc`` package), for before/after runs."""
+
+    def __init__(self, workdir: Path, config: dict[str, Any], source: Path, **kwargs: Any) -> None:
+        super().__init__(workdir, config, **kwargs)
+        self.source = source
+
+    def _spawn(self, name: str, argv: list[str]) -> Proc:
+        if name != "kvgate":
+            return super()._spawn(name, argv)
+        # ``python -m`` puts the working directory first on sys.path: that picks the copy.
+        proc = Proc(argv, self.workdir / f"{name}.log", cwd=self.source)
+        self.procs[name] = proc
+        return proc
+
+
+def _checkout(ref: str, into: Path) -> Path:
+    """_checkout writes the ``extproc`` package as it is at git revision ``ref`` into ``into``."""
+    into.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "extproc"],
+                             check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into
+
+
+def _processor_pid(stack: Stack) -> int:
+    return stack.procs["kvgate" if "kvgate" in stack.procs else "processor"].pid
+
+
+async def _rounds(stacks: dict[str, Stack], clients: int, requests: int, rounds: int,
+                  seed: int) -> tuple[dict[str, float], dict[str, list[float]], dict[str, int]]:
+    """_rounds runs ``rounds`` shuffled rounds of ``requests`` requests against every setup;
+    returns each setup's processor CPU seconds, latencies (s) and request count."""
+    rng = random.Random(seed)
+    bodies = ChatBodies(seed=seed)
+    for stack in stacks.values():  # warm-up: connections, tokenizer, lazy paths
+        await closed_loop(stack.envoy_port, bodies, clients, 300)
+    cpu: dict[str, float] = collections.defaultdict(float)
+    lat: dict[str, list[float]] = collections.defaultdict(list)
+    count: dict[str, int] = collections.defaultdict(int)
+    order = list(stacks)
+    for i in range(rounds):
+        rng.shuffle(order)
+        for name in order:
+            pid = _processor_pid(stacks[name])
+            before = cpu_seconds(pid)
+            got = await closed_loop(stacks[name].envoy_port, bodies, clients, requests)
+            cpu[name] += cpu_seconds(pid) - before
+            lat[name].extend(got)
+            count[name] += len(got)
+        print(f"round {i + 1}/{rounds}: " + ", ".join(
+            f"{n} {cpu[n] / count[n] * 1e6:.0f} us" for n in stacks), flush=True)
+    return cpu, lat, count
+
+
+def _profile(stacks: dict[str, Stack], seconds: float, clients: int, out_dir: Path,
+             native: bool = False) -> list[tuple[Path, int]]:
+    """_profile samples every processor with py-spy while load runs through its stack, one
+    at a time (``native``: C frames too); returns the raw (collapsed stacks) files written,
+    each with the number of requests answered while it was sampled."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    written = []
+    for name, stack in stacks.items():
+        path = out_dir / f"cpu-profile-{name.replace(' ', '-').replace('@', '-at-')}.txt"
+        path.unlink(missing_ok=True)
+        spy_proc = subprocess.Popen([spy, "record", "--pid", str(_processor_pid(stack)), "--duration",
+                                     str(int(seconds)), "--rate", str(PROFILE_HZ), "--format", "raw",
+                                     *(["--native"] if native else ["--nonblocking"]),
+                                     "--output", str(path)],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        bodies = ChatBodies(seed=11)
+        deadline = time.monotonic() + seconds + 2
+        answered = 0
+
+        async def load() -> None:
+            nonlocal answered
+            while spy_proc.poll() is None and time.monotonic() < deadline:
+                answered += len(await closed_loop(stack.envoy_port, bodies, clients, 200))
+        _run(load())
+        spy_proc.wait(timeout=30)
+        if path.exists():
+            written.append((path, answered))
+        else:
+            print(f"py-spy wrote nothing for {name}: {spy_proc.stderr.read().decode()[-500:]}")
+    return written
+
+
+def summarize_profile(path: Path, requests: int, top: int = 25) -> list[str]:
+    """summarize_profile reads py-spy's collapsed stacks and lists the functions with the most
+    samples, own (the innermost frame) and inclusive (anywhere on the stack), as shares of
+    all samples and as sampled microseconds per request (one sample stands for 1/PROFILE_HZ
+    s of one thread; waiting for a core counts too, see the module doc)."""
+    own: collections.Counter[str] = collections.Counter()
+    inclusive: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        count = int(n)
+        total += count
+        names = [_frame(f) for f in stack.split(";")]
+        own[names[-1]] += count
+        for f in set(names):
+            inclusive[f] += count
+    if not total or not requests:
+        return ["(no samples)"]
+    per = 1e6 / PROFILE_HZ / requests
+    lines = [f"{total} samples over {requests} requests ({total * per:.0f} us per request)", "",
+             "| own | us/req | function |", "|---:|---:|---|"]
+    lines += [f"| {c / total:.1%} | {c * per:.0f} | `{f}` |" for f, c in own.most_common(top)]
+    lines += ["", "| with callees | us/req | function |", "|---:|---:|---|"]
+    lines += [f"| {c / total:.1%} | {c * per:.0f} | `{f}` |" for f, c in inclusive.most_common(top)]
+    return lines
+
+
+def _frame(frame: str) -> str:
+    """_frame shortens py-spy's ``func (path/file.py:line)`` to ``func (file.py:line)``."""
+    func, _, where = frame.partition(" (")
+    return f"{func} ({where.rsplit('/', 1)[-1]}" if where else func
+
+
+def main(argv: list[str] | None = None) -> int:
+    """main runs the comparison and writes the report (bench/results/cpu.md by default)."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variants", nargs="+", default=["recommended", "access-log"],
+                    choices=("recommended", "four-message", "observe", "reservation", "access-log",
+                             "endpoint-picker"))
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=2000, help="requests per setup and round")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--baseline", metavar="REF", help="also run kvgate as it is at this git revision")
+    ap.add_argument("--profile", type=float, metavar="SECONDS",
+                    help="sample each kvgate with py-spy for this long and list its hottest functions")
+    ap.add_argument("--native", action="store_true", help="profile C frames too (py-spy --native)")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=RESULTS / "cpu.md")
+    args = ap.parse_args(argv)
+    load = os.getloadavg()
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="kvgate-bench-cpu-") as tmp:
+        work = Path(tmp)
+        base = _checkout(args.baseline, work / "baseline") if args.baseline else None
+        bare = [sys.executable, str(ROOT / "bench" / "bench_overhead.py"), "--serve-bare", "{port}"]
+        stacks: dict[str, Stack] = {}
+        for variant in args.variants:
+            envoy_file = variant_file(variant, work)
+            common: dict[str, Any] = {"envoy_template": envoy_file, "upstream_args": ["--fast"]}
+            stacks[f"bare {variant}"] = Stack(work / f"bare-{variant}", None, processor=bare, **common)
+            stacks[f"kvgate {variant}"] = Stack(work / f"kvgate-{variant}", BENCH_CONFIG, **common)
+            if base is not None:
+                stacks[f"kvgate@{args.baseline} {variant}"] = _SourceStack(
+                    work / f"kvgate-base-{variant}", BENCH_CONFIG, base, **common)
+        try:
+            for stack in stacks.values():
+                stack.start()
+            cpu, lat, count = _run(_rounds(stacks, args.clients, args.requests, args.rounds, args.seed))
+            profiles = (_profile(stacks, args.profile, args.clients, args.out.parent, args.native)
+                        if args.profile else [])
+        finally:
+            for stack in stacks.values():
+                stack.stop()
+    command = "python bench/bench_cpu.py" + "".join(
+        f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    lines = ["# kvgate's processor CPU per request against a bare processor", "",
+             f"Command: `{command}`", "",
+             f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, Python "
+             f"{platform.python_version()}; load average at the start {load[0]:.2f} {load[1]:.2f} "
+             f"{load[2]:.2f}; run took {time.monotonic() - started:.0f} s. ~2 KB non-streaming "
+             f"chats at {args.clients} clients, {args.rounds} shuffled rounds of "
+             f"{args.requests} requests per setup. CPU: user + system of the processor process "
+             "(from /proc), per request.", "",
+             "| file | setup | requests | p50 (ms) | p99 (ms) | processor CPU/req | x bare |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for variant in args.variants:
+        bare_cpu = cpu[f"bare {variant}"] / count[f"bare {variant}"]
+        for name in stacks:
+            if not name.endswith(" " + variant):
+                continue
+            per = cpu[name] / count[name]
+            lines.append(f"| {variant} | {name.rsplit(' ', 1)[0]} | {count[name]} | "
+                         f"{pct(lat[name], 0.5) * 1e3:.2f} | {pct(lat[name], 0.99) * 1e3:.2f} | "
+                         f"{per * 1e6:.0f} us | {per / bare_cpu:.2f}x |")
+    for path, requests in profiles:
+        lines += ["", f"## Profile: {path.stem.removeprefix('cpu-profile-')} (py-spy, every thread)",
+                  "", *summarize_profile(path, requests)]
+    text = "\n".join(lines) + "\n"
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,249 @@
+"""bench_request_path: kvgate's own CPU per admitted request, without gRPC, Envoy or the network.
+
+``ExtProcService.Process`` is driven in one process by a stand-in for grpc.aio's stream
+context that hands it, for every request, the ext_proc messages Envoy sends in the
+recommended file (deploy/envoy.yaml: the request body first, with its request attributes
+and the route's ``kvgate`` metadata; the response headers; the JSON response body with its
+end of stream) and takes its answers, serialized as grpc.aio would send them. The figure
+is the process's CPU time (``time.process_time``) per request: what kvgate's Python adds
+to any processor's floor (grpc.aio and the event loop, which ``bench_cpu`` measures with
+the rest), steady enough on a loaded machine to weigh small levers.
+
+Every body is a different ~2 KB chat (``bench_overhead.ChatBodies``), so every prompt is
+tokenized in the first round (later rounds meet tokens.py's count cache: this bench weighs the
+rest of the path). ``--profile`` runs one more pass under cProfile and prints the functions
+with the most own time. ``--baseline REF`` runs this tree and ``extproc`` as it is at git
+revision REF in two worker processes, round for round in turn, and reports the median of
+the paired ratios: on a shared machine only a paired figure resolves a lever of a few
+microseconds.
+
+    python bench/bench_request_path.py [--requests 5000] [--rounds 5] [--profile]
+    python bench/bench_request_path.py --baseline main --rounds 20 --requests 1000 [--out FILE]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from the repository root
+    sys.path.insert(0, str(ROOT))
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import cProfile  # noqa: E402
+import io  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import pstats  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+import grpc  # noqa: E402
+import orjson  # noqa: E402
+from envoy.config.core.v3 import base_pb2  # noqa: E402
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode  # noqa: E402
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb  # noqa: E402
+from google.protobuf import struct_pb2  # noqa: E402
+from prometheus_client import CollectorRegistry  # noqa: E402
+
+from bench.bench_cpu import _checkout  # noqa: E402
+from bench.bench_overhead import BENCH_CONFIG, ChatBodies  # noqa: E402
+from extproc.admission import Admission  # noqa: E402
+from extproc.clock import MonotonicClock  # noqa: E402
+from extproc.config import parse_config  # noqa: E402
+from extproc.gate import Gate  # noqa: E402
+from extproc.metrics import Metrics  # noqa: E402
+from extproc.request_facts import ATTR_CONTENT_TYPE, ATTR_METHOD, ATTR_PATH  # noqa: E402
+from extproc.service import ExtProcService, decode_request  # noqa: E402
+
+RESPONSE = orjson.dumps({"id": "cmpl-1", "object": "chat.completion", "model": "fake",
+                         "choices": [{"index": 0, "finish_reason": "length", "message": {
+                             "role": "assistant", "content": "word " * 16}}],
+                         "usage": {"prompt_tokens": 420, "completion_tokens": 16,
+                                   "total_tokens": 436}})
+
+
+def _first_message(body: bytes) -> bytes:
+    """_first_message is the serialized request-body message of deploy/envoy.yaml: the body,
+    the request attributes it lists, the route's kvgate metadata and the protocol config."""
+    req = pb.ProcessingRequest()
+    req.request_body.body = body
+    req.request_body.end_of_stream = True
+    attrs = struct_pb2.Struct()
+    # Absent headers (authorization, the tenant header) are left out, as Envoy does.
+    attrs.update({ATTR_PATH: "/v1/chat/completions", ATTR_METHOD: "POST",
+                  ATTR_CONTENT_TYPE: "application/json"})
+    req.attributes["envoy.filters.http.ext_proc"].CopyFrom(attrs)
+    route = struct_pb2.Struct()
+    route.update({"pool": "default", "release": "stream_and_log"})
+    req.metadata_context.filter_metadata["kvgate"].CopyFrom(route)
+    req.protocol_config.request_body_mode = ProcessingMode.BUFFERED
+    req.protocol_config.response_body_mode = ProcessingMode.STREAMED
+    return req.SerializeToString()
+
+
+def _response_messages() -> list[bytes]:
+    headers = pb.ProcessingRequest()
+    for key, value in ((":status", b"200"), ("content-type", b"application/json"),
+                       ("content-length", str(len(RESPONSE)).encode()), ("server", b"fake")):
+        headers.response_headers.headers.headers.append(base_pb2.HeaderValue(key=key, raw_value=value))
+    body = pb.ProcessingRequest()
+    body.response_body.body = RESPONSE
+    body.response_body.end_of_stream = True
+    return [headers.SerializeToString(), body.SerializeToString()]
+
+
+class _Context:
+    """_Context stands in for grpc.aio's servicer context of one stream: ``read`` decodes the
+    next message as kvgate's registered deserializer does, ``write`` serializes the answer."""
+
+    __slots__ = ("_messages", "_at", "written")
+
+    def __init__(self, messages: list[bytes]) -> None:
+        self._messages = messages
+        self._at = 0
+        self.written = 0
+
+    async def read(self) -> Any:
+        if self._at == len(self._messages):
+            return grpc.aio.EOF
+        data = self._messages[self._at]
+        self._at += 1
+        return decode_request(data)
+
+    async def write(self, resp: pb.ProcessingResponse) -> None:
+        self.written += len(resp.SerializeToString())
+
+
+def _service() -> tuple[ExtProcService, Admission]:
+    config = parse_config(orjson.loads(orjson.dumps(BENCH_CONFIG)))
+    clock = MonotonicClock()
+    admission = Admission(config, clock)
+    metrics = Metrics(CollectorRegistry())
+    metrics.attach(admission, tuple(config.tenants.classes))
+    gate = Gate(config, admission, metrics, clock)
+    return ExtProcService(gate, metrics), admission
+
+
+async def _requests(service: ExtProcService, firsts: list[bytes], rest: list[bytes]) -> None:
+    for first in firsts:
+        await service.Process(None, _Context([first, *rest]))
+
+
+def _worker(requests: int) -> None:
+    """_worker serves rounds on demand: one line on stdin runs a round, the CPU per request
+    (seconds) is written back as one line; it ends at the end of stdin."""
+    bodies = ChatBodies(seed=3)
+    # The HTTP request bytes end with the JSON body: cut it out.
+    firsts = [_first_message(bodies().split(b"\r\n\r\n", 1)[1]) for _ in range(requests)]
+    rest = _response_messages()
+    service, admission = _service()
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(_requests(service, firsts[:200], rest))  # warm-up
+    for _ in sys.stdin:
+        t0 = time.process_time()
+        loop.run_until_complete(_requests(service, firsts, rest))
+        print((time.process_time() - t0) / len(firsts), flush=True)
+    assert admission.snapshot("default").inflight == 0, "a lease was left held"
+
+
+def _paired(source: Path, label: str, requests: int, rounds: int) -> list[str]:
+    """_paired runs this tree's request path and ``source``'s (a directory holding another
+    ``extproc``) in two worker processes, round for round in turn, so that both meet the
+    same machine; returns the report lines (medians and the median of the paired ratios)."""
+    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--requests", str(requests)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(source), str(ROOT)])}
+    workers = {"this tree": subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                             text=True, cwd=ROOT),
+               label: subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                       text=True, cwd=source, env=env)}
+    got: dict[str, list[float]] = {name: [] for name in workers}
+    try:
+        for i in range(rounds):
+            order = list(workers) if i % 2 == 0 else list(reversed(workers))
+            for name in order:
+                proc = workers[name]
+                assert proc.stdin is not None and proc.stdout is not None
+                proc.stdin.write("go\n")
+                proc.stdin.flush()
+                got[name].append(float(proc.stdout.readline()))
+    finally:
+        for proc in workers.values():
+            assert proc.stdin is not None
+            proc.stdin.close()
+            proc.wait(timeout=30)
+    ratios = [a / b for a, b in zip(got["this tree"], got[label])]
+    return [f"| {name} | {statistics.median(v) * 1e6:.1f} | {min(v) * 1e6:.1f} |" for name, v in got.items()] + [
+        "", f"this tree / {label}, median of {rounds} paired rounds: {statistics.median(ratios):.3f} "
+        f"(spread {min(ratios):.3f} to {max(ratios):.3f})"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """main runs the rounds and prints CPU per request (median and spread over rounds)."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=5000, help="requests per round")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--profile", action="store_true", help="one more round under cProfile")
+    ap.add_argument("--baseline", metavar="REF",
+                    help="compare with extproc as it is at this git revision, round for round")
+    ap.add_argument("--out", type=Path, help="with --baseline: also write the table to this file")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        _worker(args.requests)
+        return 0
+    if args.baseline:
+        load = os.getloadavg()
+        with tempfile.TemporaryDirectory(prefix="kvgate-path-") as tmp:
+            source = _checkout(args.baseline, Path(tmp))
+            lines = _paired(source, args.baseline, args.requests, args.rounds)
+        command = "python bench/bench_request_path.py" + "".join(
+            f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+        text = "\n".join([
+            "# kvgate's own request path, this tree against a git revision", "",
+            f"Command: `{command}`", "",
+            f"Python {platform.python_version()}; load average at the start {load[0]:.2f} "
+            f"{load[1]:.2f} {load[2]:.2f}. One admitted ~2 KB chat per request (request body with "
+            "its attributes, response headers, JSON response body), no gRPC, in two worker "
+            "processes run round for round in turn; CPU time of the worker per request.", "",
+            "| extproc | us CPU per request, median | min |", "|---|---:|---:|", *lines, ""])
+        print(text)
+        if args.out is not None:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(text)
+        return 0
+    bodies = ChatBodies(seed=3)
+    # The HTTP request bytes end with the JSON body: cut it out.
+    firsts = [_first_message(bodies().split(b"\r\n\r\n", 1)[1]) for _ in range(args.requests)]
+    rest = _response_messages()
+    service, admission = _service()
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(_requests(service, firsts[:200], rest))  # warm-up
+    per: list[float] = []
+    for _ in range(args.rounds):
+        t0 = time.process_time()
+        loop.run_until_complete(_requests(service, firsts, rest))
+        per.append((time.process_time() - t0) / len(firsts))
+    assert admission.snapshot("default").inflight == 0, "a lease was left held"
+    print(f"kvgate request path: {statistics.median(per) * 1e6:.1f} us CPU per request "
+          f"(median of {args.rounds} rounds of {args.requests}; min {min(per) * 1e6:.1f}, "
+          f"max {max(per) * 1e6:.1f})")
+    if args.profile:
+        prof = cProfile.Profile()
+        prof.enable()
+        loop.run_until_complete(_requests(service, firsts, rest))
+        prof.disable()
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(40)
+        print(out.getvalue())
+    loop.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
