@@ -126,8 +126,7 @@ class CountPool:
     ``specs`` are the tokenizer specs each worker loads at start (others load on their
     first count). ``count`` blocks its thread, never the GIL: ``wait_s`` seconds at most
     for a free worker, then ``timeout_s`` at most for the count. ``start=False`` starts the
-    workers at the first count instead (that count waits for their start, ``wait_s`` at
-    most).
+    workers at the first count instead; until one is up, ``count`` answers None.
     """
 
     def __init__(self, specs: tuple[str, ...] = (), *, workers: int = COUNT_WORKERS,
@@ -153,6 +152,7 @@ class CountPool:
         """replaced counts the workers killed (timeout) or found dead and started anew."""
         self._started = False
         self._in_pool = 0
+        self._up = 0  # workers started and not dropped since
         if start:
             self.start()
 
@@ -198,6 +198,8 @@ class CountPool:
             if worker.answers.poll(self.start_timeout_s):
                 said = worker.answers.recv_bytes()
                 if said == b"ready":
+                    with self._lock:
+                        self._up += 1
                     self._idle.put(worker)
                     return
                 log.error("a count worker did not start: %s", said.decode("utf-8", "replace"))
@@ -205,9 +207,9 @@ class CountPool:
                 log.error("a count worker did not start within %.0f s", self.start_timeout_s)
         except (EOFError, OSError):
             log.error("a count worker died while starting (exit code %s)", worker.exitcode)
-        # Not replaced: a worker that cannot start would fail again, in a loop. Counts
-        # meet TokenizerBusy until the next pool (kvgate's restart).
-        self._drop(worker)
+        # Not replaced: a worker that cannot start would fail again, in a loop. Counts are
+        # made by their callers while no worker is up.
+        self._drop(worker, was_up=False)
 
     def wait_ready(self, timeout_s: float) -> bool:
         """wait_ready waits up to ``timeout_s`` seconds until every worker has started;
@@ -224,20 +226,26 @@ class CountPool:
         with self._lock:
             return [w.process.pid for w in self._live]
 
-    def count(self, spec: str, text: str) -> int:
-        """count returns the tokens of ``text`` under ``spec``, counted in a worker.
+    def count(self, spec: str, text: str) -> int | None:
+        """count returns the tokens of ``text`` under ``spec``, counted in a worker, or None
+        while no worker is up (before the first has started, or while the only one is
+        replaced): the caller counts it itself then, as it would without a pool.
 
         Raises TokenizerBusy when ``capacity`` counts are already in the pool or no worker
         came free within ``wait_s``; TokenizerFailed when the count ran past
         ``timeout_s`` or its worker died or answered with an error.
         """
-        if self._closed or not self._admit.acquire(blocking=False):
+        if self._closed:
+            raise TokenizerBusy()
+        if not self._started:
+            self.start()
+        if self._up == 0:
+            return None
+        if not self._admit.acquire(blocking=False):
             raise TokenizerBusy()
         with self._lock:
             self._in_pool += 1
         try:
-            if not self._started:
-                self.start()
             try:
                 worker = self._idle.get(timeout=self.wait_s)
             except queue.Empty:
@@ -287,16 +295,18 @@ class CountPool:
         requests.send_bytes(b"")
 
     def _replace(self, worker: _Worker) -> None:
-        self._drop(worker)
+        self._drop(worker, was_up=True)
         with self._lock:
             if self._closed:
                 return
             self.replaced += 1
         self._start_worker()
 
-    def _drop(self, worker: _Worker) -> None:
+    def _drop(self, worker: _Worker, *, was_up: bool) -> None:
         with self._lock:
-            self._live.discard(worker)
+            if worker in self._live:
+                self._live.discard(worker)
+                self._up -= was_up
         self._stop(worker)
 
     @staticmethod
@@ -314,6 +324,7 @@ class CountPool:
         """close stops every worker; later counts are refused with TokenizerBusy."""
         with self._lock:
             self._closed = True
+            self._up = 0
             live, self._live = self._live, set()
         for worker in live:
             self._stop(worker)

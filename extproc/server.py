@@ -126,7 +126,8 @@ class Server:
             self.store = RedisStore(config.store.redis, observer=self.metrics)
         self.admission = Admission(config, self.clock, self.store)
         # Long prompt stretches without word breaks are counted in a worker process (the
-        # GIL of this one stays free), started at the first such count. A tokenizing
+        # GIL of this one stays free), started at the first such count (counted here until
+        # it is up: a server that never meets one never starts it). A tokenizing
         # thread waits in the pool while it counts: the pool's capacity is added to the
         # threads, so those waits never take a thread from other counts.
         self.count_pool = CountPool(tuple(sorted(self._bpe_specs(config))), start=False)

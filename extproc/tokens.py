@@ -8,6 +8,7 @@ counted (messages, chat-template overhead, prompts) is ``extproc.openai_shapes``
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import functools
@@ -67,9 +68,10 @@ _CUT_RE = re.compile(r"(?<=[^\W\d_])[^\w\r\n](?=[^\W\d_])")
 
 class FarCounter(Protocol):
     """FarCounter counts a text under a tokenizer spec elsewhere than in this thread's
-    process (``extproc.countpool.CountPool``); it raises RequestError when it cannot."""
+    process (``extproc.countpool.CountPool``): None when it is not up (count it here), a
+    RequestError when it cannot."""
 
-    def count(self, spec: str, text: str) -> int: ...
+    def count(self, spec: str, text: str) -> int | None: ...
 
 
 _far: FarCounter | None = None
@@ -82,6 +84,20 @@ def use_count_pool(pool: FarCounter | None, *, only_if: FarCounter | None = None
     global _far
     if only_if is None or _far is only_if:
         _far = pool
+
+
+def _far_from_here() -> FarCounter | None:
+    """_far_from_here is the count pool in use, unless this thread runs an event loop: a
+    wait for a worker there would hold every stream (small bodies are counted on the loop,
+    and their stretches are short enough to count in one call)."""
+    far = _far
+    if far is None:
+        return None
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return far
+    return None
 
 
 class Tokenizer(Protocol):
@@ -268,7 +284,7 @@ class BpeOpenAITokenizer(_CachedCounter):
     def _count(self, text: str) -> int:
         if not self._pieces or len(text) <= 2 * _GIL_PIECE_CHARS:
             return self._one(text)
-        far = _far
+        far = _far_from_here()
         if far is None:
             pieces = _exact_pieces(text, _GIL_PIECE_CHARS)
         else:
@@ -277,10 +293,8 @@ class BpeOpenAITokenizer(_CachedCounter):
             pieces = _exact_pieces(text, _GIL_PIECE_CHARS, _FAR_PIECE_CHARS - _GIL_PIECE_CHARS)
         total = 0
         for piece in pieces:
-            if far is not None and len(piece) > _FAR_PIECE_CHARS:
-                total += far.count(self.name, piece)
-            else:
-                total += self._one(piece)
+            n = far.count(self.name, piece) if far is not None and len(piece) > _FAR_PIECE_CHARS else None
+            total += self._one(piece) if n is None else n
             time.sleep(0)  # the GIL to a thread that waits for it (the event loop)
         return total
 

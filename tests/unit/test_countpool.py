@@ -10,6 +10,7 @@ count past its timeout, a dead worker, a closed pool) is a clear 503 that holds 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import random
 import signal
@@ -33,16 +34,16 @@ SPEC = "cl100k_base"
 MIB = 1 << 20
 
 
+@functools.lru_cache(maxsize=64)
 def word(chars: int, seed: int) -> str:
     """word is one hostile 'word' of random letters: no point where the pre-split cuts."""
-    rng = random.Random(seed)
-    return "".join(rng.choice("abcdefghijk") for _ in range(chars))
+    return "".join(random.Random(seed).choices("abcdefghijk", k=chars))
 
 
+@functools.lru_cache(maxsize=64)
 def cjk_run(chars: int, seed: int) -> str:
     """cjk_run is ideographs without punctuation: one pre-token, 3 bytes a character."""
-    rng = random.Random(seed)
-    return "".join(chr(rng.randint(0x4E00, 0x9FFF)) for _ in range(chars))
+    return "".join(map(chr, random.Random(seed).choices(range(0x4E00, 0xA000), k=chars)))
 
 
 class Recording:
@@ -59,7 +60,19 @@ class Recording:
 
 @pytest.fixture(scope="module")
 def pool() -> Iterator[CountPool]:
-    p = CountPool((SPEC,), workers=1, waiting=1, timeout_s=30.0)
+    """pool is one worker with the tokenizer loaded, no wait line; generous bounds (a loaded
+    machine is slow, and these tests are about counts, not time)."""
+    p = CountPool((SPEC,), workers=1, waiting=0, timeout_s=60.0, wait_s=60.0)
+    assert p.wait_ready(120.0), "the count worker did not start"
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def bare() -> Iterator[CountPool]:
+    """bare is a pool whose worker loads no tokenizer: it starts in a fraction of the time,
+    for the tests of its failures."""
+    p = CountPool((), workers=1, waiting=0, timeout_s=60.0, wait_s=60.0)
     assert p.wait_ready(120.0), "the count worker did not start"
     yield p
     p.close()
@@ -78,7 +91,10 @@ def one_call(text: str) -> int:
 
 
 def fresh() -> tk.Tokenizer:
-    return load_tokenizer.__wrapped__(SPEC)  # an empty count cache
+    """fresh is the spec's engine behind an empty count cache (no second load of its ranks)."""
+    engine = load_tokenizer(SPEC)
+    assert isinstance(engine, tk.BpeOpenAITokenizer)
+    return tk.BpeOpenAITokenizer(SPEC, engine._engine)
 
 
 # --- exact counts ------------------------------------------------------------------
@@ -129,7 +145,7 @@ _PARTS = st.one_of(
 )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(_PARTS, min_size=1, max_size=12), st.integers(1, 40))
 def test_pieces_and_far_pieces_sum_to_the_one_call_count(parts: list[str], repeat: int) -> None:
     text = "".join(parts) * (1 if len(parts) > 3 else repeat)
@@ -142,6 +158,17 @@ def test_pieces_and_far_pieces_sum_to_the_one_call_count(parts: list[str], repea
 
 
 # --- the event loop keeps running -----------------------------------------------------
+
+async def test_a_count_on_the_event_loop_never_waits_on_the_pool(far: Recording) -> None:
+    """A wait for a worker on the loop's thread would hold every stream: a text counted
+    there (a small body) is counted in one call, as without a pool."""
+    text = word(30_000, 14)
+    assert fresh().count(text) == one_call(text)
+    assert far.asked == []
+    loop = asyncio.get_running_loop()
+    assert await loop.run_in_executor(None, fresh().count, text) == one_call(text)
+    assert far.asked == [30_000]
+
 
 async def _longest_stall(count: object, text: str) -> tuple[float, float]:
     """_longest_stall counts ``text`` in a thread (``count(text)``) while a probe task on
@@ -187,8 +214,10 @@ async def test_hf_counts_a_long_text_as_encode_does_with_the_gil_handed_over() -
     ``encode_batch`` (the same tokens), which hands it over while it runs."""
     from tests.unit.real_tokenizers import LLAMA_JSON
 
-    hf = load_tokenizer.__wrapped__(f"hf:{LLAMA_JSON}")
-    text = ("Prose with words, numbers 12345 and 数据，" + word(3000, 13) + " 🤖\n") * 60
+    loaded = load_tokenizer(f"hf:{LLAMA_JSON}")
+    assert isinstance(loaded, tk.HFTokenizer)
+    hf = tk.HFTokenizer(loaded.name, loaded._tok)  # an empty count cache
+    text = ("Prose with words, numbers 12345 and 数据，" + word(3000, 13) + " 🤖\n") * 30
     assert len(text) > tk._HF_BATCH_CHARS
     assert hf.count(text) == len(hf._tok.encode(text, add_special_tokens=False))
     took, stall = await _longest_stall(hf.count, text + "!")
@@ -200,68 +229,80 @@ async def test_hf_counts_a_long_text_as_encode_does_with_the_gil_handed_over() -
 
 # --- failures: clear errors, workers replaced ---------------------------------------
 
-def test_a_count_past_its_timeout_is_refused_and_its_worker_replaced() -> None:
-    p = CountPool((SPEC,), workers=1, waiting=0, timeout_s=30.0)
+def test_a_count_past_its_timeout_is_refused_and_its_worker_replaced(bare: CountPool) -> None:
+    before = bare.pids()
+    bare.timeout_s = 1e-6  # no count answers that fast: the count "runs past" its bound
+    with pytest.raises(TokenizerFailed, match="longer than") as err:
+        bare.count(SPEC, "hello world")
+    assert err.value.status == 503 and err.value.retry_after_s is None
+    assert bare.replaced == 1
+    assert bare.wait_ready(120.0) and bare.pids() != before
+
+
+def test_a_dead_worker_fails_its_count_and_is_replaced(bare: CountPool) -> None:
+    [pid] = bare.pids()
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(TokenizerFailed, match="died"):
+        bare.count(SPEC, word(50_000, 10))
+    assert bare.replaced == 1
+    assert bare.wait_ready(120.0) and bare.pids() != [pid]
+    # The new worker answers; an error inside it is a clear refusal that keeps the worker.
+    with pytest.raises(TokenizerFailed, match="unknown tokenizer"):
+        bare.count("no-such-tokenizer", "hello")
+    assert bare.replaced == 1 and bare.in_pool == 0
+
+
+def test_a_full_pool_refuses_at_once_with_a_retryable_busy(pool: CountPool) -> None:
+    first: list[object] = []
+    long = word(2 * MIB, 11)  # a count long enough to still run when the next one comes
+    th = threading.Thread(target=lambda: first.append(pool.count(SPEC, long)))
+    th.start()
+    deadline = time.monotonic() + 60
+    while pool.in_pool == 0 and time.monotonic() < deadline:  # wait for the first to enter
+        time.sleep(0.001)
+    assert pool.in_pool == 1
+    with pytest.raises(TokenizerBusy) as err:
+        pool.count(SPEC, "anything")
+    assert err.value.status == 503 and err.value.retry_after_s == 1.0
+    th.join()
+    assert first == [one_call(long)]
+    assert pool.in_pool == 0
+
+
+def test_a_lazy_pool_starts_at_its_first_count_which_it_leaves_to_the_caller() -> None:
+    p = CountPool((), workers=1, start=False, wait_s=60.0)
     try:
+        assert p.pids() == []
+        assert p.count(SPEC, "hello world") is None  # no worker up yet: the caller counts
+        assert len(p.pids()) == 1
         assert p.wait_ready(120.0)
-        before = p.pids()
-        p.timeout_s = 1e-6  # no count answers that fast: the count "runs past" its bound
-        with pytest.raises(TokenizerFailed, match="longer than") as err:
-            p.count(SPEC, word(MIB, 9))
-        assert err.value.status == 503 and err.value.retry_after_s is None
-        assert p.replaced == 1 and p.pids() != before
-        p.timeout_s = 30.0
-        assert p.wait_ready(120.0)
-        assert p.count(SPEC, "hello world") == 2
+        with pytest.raises(TokenizerFailed, match="unknown tokenizer"):  # up: it answers
+            p.count("no-such-tokenizer", "hello")
     finally:
         p.close()
-
-
-def test_a_dead_worker_fails_its_count_and_is_replaced() -> None:
-    p = CountPool((SPEC,), workers=1, waiting=0, timeout_s=30.0)
-    try:
-        assert p.wait_ready(120.0)
-        [pid] = p.pids()
-        os.kill(pid, signal.SIGKILL)
-        with pytest.raises(TokenizerFailed, match="died"):
-            p.count(SPEC, word(50_000, 10))
-        assert p.replaced == 1
-        assert p.wait_ready(120.0) and p.pids() != [pid]
-        assert p.count(SPEC, word(50_000, 10)) == one_call(word(50_000, 10))
-    finally:
-        p.close()
-
-
-def test_a_full_pool_refuses_at_once_with_a_retryable_busy() -> None:
-    p = CountPool((SPEC,), workers=1, waiting=0, timeout_s=30.0)
-    try:
-        assert p.wait_ready(120.0)
-        first: list[object] = []
-        long = word(4 * MIB, 11)
-        th = threading.Thread(target=lambda: first.append(p.count(SPEC, long)))
-        th.start()
-        deadline = time.monotonic() + 60
-        while p.in_pool == 0 and time.monotonic() < deadline:  # wait for the first to enter
-            time.sleep(0.001)
-        assert p.in_pool == 1
-        with pytest.raises(TokenizerBusy) as err:
-            p.count(SPEC, "anything")
-        assert err.value.status == 503 and err.value.retry_after_s == 1.0
-        th.join()
-        assert first == [one_call(long)]
-        assert p.in_pool == 0
-    finally:
-        p.close()
-
-
-def test_a_closed_pool_refuses_and_the_constructor_checks_its_bounds() -> None:
-    p = CountPool((SPEC,), start=False)
-    p.close()
-    with pytest.raises(TokenizerBusy):
+    with pytest.raises(TokenizerBusy):  # closed: refused, not counted here behind its back
         p.count(SPEC, "x")
     assert p.pids() == []
     with pytest.raises(ValueError):
         CountPool(workers=0, start=False)
+
+
+async def test_a_server_installs_its_pool_sizes_its_threads_and_stops_both() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from extproc.config import parse_config
+    from extproc.metrics import Metrics
+    from extproc.server import TOKENIZE_THREADS, Server
+
+    config = parse_config({"pools": {"default": {"max_concurrency": 4, "tokenizer": SPEC}}})
+    server = Server(config, metrics=Metrics(CollectorRegistry()), scrape=False)
+    try:
+        assert tk._far is server.count_pool and server.count_pool.specs == (SPEC,)
+        assert server.count_pool.pids() == []  # started at the first long uncuttable count
+        assert server.executor._max_workers == TOKENIZE_THREADS + server.count_pool.capacity
+    finally:
+        await server.close()
+    assert tk._far is None
 
 
 # --- through the exchange: a 503 that holds nothing -------------------------------
