@@ -339,3 +339,11 @@ async def test_a_count_the_pool_cannot_make_is_a_503_and_nothing_is_held(error: 
     assert rig.count("kvgate_requests_total", outcome="rejected_tokenizer_unavailable") == 1
     ex.finish()
     assert rig.inflight() == 0
+
+
+def test_the_cache_key_of_a_long_text_is_hashed_in_parts_to_the_digest_of_the_whole() -> None:
+    import hashlib
+
+    text = cjk_run(200_000, 15) + "\ud800" + word(70_000, 15)  # a lone surrogate too
+    whole = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    assert tk._CountCache.key(text) == whole
