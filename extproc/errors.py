@@ -21,17 +21,21 @@ class ConfigError(KvgateError):
 
 
 class RequestError(KvgateError):
-    """RequestError is a client request kvgate refuses as malformed (answered with 4xx).
+    """RequestError is a client request kvgate refuses as malformed (answered with 4xx),
+    or cannot evaluate now (a 503 of the tokenizer's count pool).
 
     ``status`` is the HTTP status, ``code`` the OpenAI error code (or None), ``param``
-    the request field at fault (or None).
+    the request field at fault (or None), ``retry_after_s`` the seconds after which the
+    same request may succeed (None: it never will; the answer says not to retry).
     """
 
     def __init__(self, message: str, *, status: int = 400, code: str | None = None,
-                 param: str | None = None, error_type: str = "invalid_request_error") -> None:
+                 param: str | None = None, error_type: str = "invalid_request_error",
+                 retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.code = code
         self.param = param
         self.error_type = error_type
+        self.retry_after_s = retry_after_s

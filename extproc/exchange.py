@@ -355,6 +355,7 @@ class Exchange:
         except RequestError as err:
             outcome = (RequestOutcome.REJECTED_CONTEXT_LENGTH if err.code == "context_length_exceeded"
                        else RequestOutcome.REJECTED_BODY_TOO_LARGE if err.status == 413
+                       else RequestOutcome.REJECTED_TOKENIZER_UNAVAILABLE if err.status == 503
                        else RequestOutcome.REJECTED_INVALID)
             return self._refuse(err, outcome)
         self.streamed = parsed.stream

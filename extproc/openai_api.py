@@ -679,7 +679,14 @@ def rejection_response(rej: Rejection) -> tuple[int, list[tuple[str, str]], byte
 
 
 def request_error_response(err: RequestError) -> tuple[int, list[tuple[str, str]], bytes]:
-    """request_error_response is the 4xx a malformed request gets, with ``x-should-retry: false``."""
-    headers = [("content-type", "application/json"), ("x-should-retry", "false")]
+    """request_error_response is the answer to a request kvgate refuses before admission:
+    with ``x-should-retry: false`` (a malformed request), or ``retry-after`` when the same
+    request may pass later (``err.retry_after_s``, seconds)."""
+    if err.retry_after_s is None:
+        headers = [("content-type", "application/json"), ("x-should-retry", "false")]
+    else:
+        headers = [("content-type", "application/json"),
+                   ("retry-after", str(max(1, math.ceil(err.retry_after_s)))),
+                   ("retry-after-ms", str(max(1, math.ceil(err.retry_after_s * 1000))))]
     body = error_body(err.message, error_type=err.error_type, code=err.code, param=err.param)
     return err.status, headers, body

@@ -29,6 +29,9 @@ class RequestOutcome(StrEnum):
     REJECTED_UNAUTHENTICATED = "rejected_unauthenticated"
     REJECTED_PATH = "rejected_path"
     REJECTED_NO_ENDPOINT = "rejected_no_endpoint"
+    # The count pool could not count a long prompt without word breaks (busy, or its
+    # worker ran past its timeout or died): a 503.
+    REJECTED_TOKENIZER_UNAVAILABLE = "rejected_tokenizer_unavailable"
 
     @property
     def reason(self) -> str:

@@ -36,12 +36,13 @@ from extproc.admin import AdminServer, Readiness
 from extproc.admission import Admission, UnknownPoolError
 from extproc.clock import Clock, MonotonicClock
 from extproc.config import Config
+from extproc.countpool import CountPool
 from extproc.endings import AccessLogReceiver
 from extproc.errors import ConfigError
 from extproc.gate import Gate
 from extproc.metrics import Metrics
 from extproc.service import ExtProcService, decode_request
-from extproc.tokens import load_tokenizer
+from extproc.tokens import BpeOpenAITokenizer, load_tokenizer, use_count_pool
 
 log = logging.getLogger("kvgate.server")
 
@@ -124,7 +125,14 @@ class Server:
             from extproc.admission.store.redis import RedisStore  # only with a shared store
             self.store = RedisStore(config.store.redis, observer=self.metrics)
         self.admission = Admission(config, self.clock, self.store)
-        self.executor = ThreadPoolExecutor(max_workers=TOKENIZE_THREADS,
+        # Long prompt stretches without word breaks are counted in a worker process (the
+        # GIL of this one stays free), started at the first such count (counted here until
+        # it is up: a server that never meets one never starts it). A tokenizing
+        # thread waits in the pool while it counts: the pool's capacity is added to the
+        # threads, so those waits never take a thread from other counts.
+        self.count_pool = CountPool(tuple(sorted(self._bpe_specs(config))), start=False)
+        use_count_pool(self.count_pool)
+        self.executor = ThreadPoolExecutor(max_workers=TOKENIZE_THREADS + self.count_pool.capacity,
                                            thread_name_prefix="kvgate-tokenize")
         self.gate = Gate(config, self.admission, self.metrics, self.clock, self.executor)
         self._tokenizers_ready = {pc.tokenizer for pc in config.pools.values()}
@@ -423,6 +431,21 @@ class Server:
             await self.store.close()  # queued settles go to Redis; this replica deregisters
             self.store = None
         self.executor.shutdown(wait=False, cancel_futures=True)
+        use_count_pool(None, only_if=self.count_pool)
+        self.count_pool.close()
+
+    @staticmethod
+    def _bpe_specs(config: Config) -> set[str]:
+        """_bpe_specs are the specs of ``config`` that bpe-openai counts (what the count
+        pool's workers load when they start); the others' tokenizers release the GIL."""
+        specs = set()
+        for pc in config.pools.values():
+            try:
+                if isinstance(load_tokenizer(pc.tokenizer), BpeOpenAITokenizer):
+                    specs.add(pc.tokenizer)
+            except ConfigError:
+                pass  # the gate reports it
+        return specs
 
 
 async def serve(config: Config, *, grpc_listen: str | None = None, admin_listen: str | None = None,

@@ -8,6 +8,7 @@ counted (messages, chat-template overhead, prompts) is ``extproc.openai_shapes``
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import functools
@@ -37,6 +38,7 @@ _MAX_RANK_FILE_BYTES = 64 * 1024 * 1024
 _CACHE_ENTRIES = 32768
 _CACHE_MIN_CHARS = 32       # shorter texts are cheaper to count than to hash
 _SHORT_KEY_CHARS = 64       # up to this length the text itself is the cache key
+_KEY_PART_CHARS = 65536
 
 # Texts longer than _CHUNK_MIN_CHARS are counted in pieces of about _CHUNK_CHARS, cut at
 # a point where the tokenizer's own pre-split is known to cut (see _safe_cut): the sum is
@@ -51,9 +53,52 @@ _CHUNK_SEARCH_CHARS = 1024
 # stays exact), the GIL handed over between pieces; a stretch without such a point (one
 # hostile "word") is still counted in one call.
 _GIL_PIECE_CHARS = 4096
+# A piece that long (a hostile "word", a long run of digits and commas) would hold the GIL
+# for milliseconds (bpe-openai: ~1 ms per 16 KiB on one core here): with a count pool
+# installed (``use_count_pool``), a cut is looked for only that far, and where there is
+# none the rest of the text is counted in the pool's worker process; without one, here.
+_FAR_PIECE_CHARS = 16384
+# HF ``tokenizers`` holds the GIL in ``encode`` and hands it over in ``encode_batch``
+# (measured: a 256 KiB text kept another thread waiting for the whole call with the first);
+# texts longer than this are counted as a batch of one, the same tokens.
+_HF_BATCH_CHARS = 4096
 # A letter, then a character that is neither letter, digit, underscore nor line break,
 # then a letter. ``[^\W\d_]`` also admits a few non-decimal numerics: checked again below.
 _CUT_RE = re.compile(r"(?<=[^\W\d_])[^\w\r\n](?=[^\W\d_])")
+
+
+class FarCounter(Protocol):
+    """FarCounter counts a text under a tokenizer spec elsewhere than in this thread's
+    process (``extproc.countpool.CountPool``): None when it is not up (count it here), a
+    RequestError when it cannot."""
+
+    def count(self, spec: str, text: str) -> int | None: ...
+
+
+_far: FarCounter | None = None
+
+
+def use_count_pool(pool: FarCounter | None, *, only_if: FarCounter | None = None) -> None:
+    """use_count_pool makes bpe-openai counters send their long uncuttable pieces to ``pool``
+    (None: count them here, in one call that holds the GIL). With ``only_if``, only while
+    that pool is the one in use (a server that stops leaves another's in place)."""
+    global _far
+    if only_if is None or _far is only_if:
+        _far = pool
+
+
+def _far_from_here() -> FarCounter | None:
+    """_far_from_here is the count pool in use, unless this thread runs an event loop: a
+    wait for a worker there would hold every stream (small bodies are counted on the loop,
+    and their stretches are short enough to count in one call)."""
+    far = _far
+    if far is None:
+        return None
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return far
+    return None
 
 
 class Tokenizer(Protocol):
@@ -84,7 +129,12 @@ class _CountCache:
     def key(text: str) -> str | bytes:
         if len(text) <= _SHORT_KEY_CHARS:
             return text
-        return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+        # Encoded in parts: a whole megabyte of CJK takes milliseconds to encode, all of it
+        # holding the GIL (the hash itself hands it over). The digest is the same.
+        digest = hashlib.blake2b(digest_size=16)
+        for i in range(0, len(text), _KEY_PART_CHARS):
+            digest.update(text[i:i + _KEY_PART_CHARS].encode("utf-8", "surrogatepass"))
+        return digest.digest()
 
     def get(self, key: str | bytes) -> int | None:
         return self._entries.get(key)
@@ -145,12 +195,18 @@ def split_for_counting(text: str, chunk_chars: int = _CHUNK_CHARS,
     return pieces, hard
 
 
-def _exact_pieces(text: str, chunk_chars: int) -> Iterator[str]:
+def _exact_pieces(text: str, chunk_chars: int, scan_chars: int | None = None) -> Iterator[str]:
     """_exact_pieces cuts ``text`` into pieces of at least ``chunk_chars`` characters, only
-    where the pre-split cuts: their counts sum to the text's."""
+    where the pre-split cuts: their counts sum to the text's.
+
+    ``scan_chars`` bounds the search for each cut to that many characters after the
+    target (the search is one regex call that holds the GIL: ~45 ms on a hostile MiB);
+    where none lies within it, the rest of the text is the last piece, however long.
+    """
     start, n = 0, len(text)
     while n - start > chunk_chars:
-        cut = _safe_cut(text, start + chunk_chars, n)
+        target = start + chunk_chars
+        cut = _safe_cut(text, target, n if scan_chars is None else min(n, target + scan_chars))
         if cut is None:
             break
         yield text[start:cut]
@@ -169,6 +225,11 @@ class _CachedCounter:
 
     def _count(self, text: str) -> int:
         raise NotImplementedError
+
+    def count_whole(self, text: str) -> int:
+        """count_whole returns the tokens of ``text`` counted here, uncached (what a count
+        pool's worker runs)."""
+        return self._count(text)
 
     def count(self, text: str) -> int:
         """count returns the number of tokens in ``text``, without special tokens."""
@@ -208,8 +269,10 @@ class BpeOpenAITokenizer(_CachedCounter):
     """BpeOpenAITokenizer counts with the ``bpe-openai`` package: the same ranks and split
     as tiktoken's ``cl100k_base`` / ``o200k_base`` (the counts are equal), in time linear
     in the text. A call holds the GIL throughout: texts longer than twice
-    ``_GIL_PIECE_CHARS`` are counted in exact pieces with the GIL handed over between them
-    (``pieces=False``: in one call).
+    ``_GIL_PIECE_CHARS`` are counted in exact pieces with the GIL handed over between them,
+    and a piece over ``_FAR_PIECE_CHARS`` (a stretch with no cut point) in the count pool's
+    worker process when one is installed (``use_count_pool``), where it holds only that
+    process's GIL (``pieces=False``: every text in one call, here).
 
     Measured (``make bench-tokens``): about 3x faster than tiktoken on a 2 KB prompt and
     10-40x on hostile megabytes, exact where chunked tiktoken is off by a few tokens, so
@@ -227,11 +290,23 @@ class BpeOpenAITokenizer(_CachedCounter):
     def _count(self, text: str) -> int:
         if not self._pieces or len(text) <= 2 * _GIL_PIECE_CHARS:
             return self._one(text)
+        far = _far_from_here()
+        if far is None:
+            pieces = _exact_pieces(text, _GIL_PIECE_CHARS)
+        else:
+            # A cut is looked for within a bounded stretch; where there is none, the rest
+            # goes to the worker in one piece: no long scan or count holds the GIL here.
+            pieces = _exact_pieces(text, _GIL_PIECE_CHARS, _FAR_PIECE_CHARS - _GIL_PIECE_CHARS)
         total = 0
-        for piece in _exact_pieces(text, _GIL_PIECE_CHARS):
-            total += self._one(piece)
+        for piece in pieces:
+            n = far.count(self.name, piece) if far is not None and len(piece) > _FAR_PIECE_CHARS else None
+            total += self._one(piece) if n is None else n
             time.sleep(0)  # the GIL to a thread that waits for it (the event loop)
         return total
+
+    def count_whole(self, text: str) -> int:
+        """count_whole returns the tokens of ``text`` in one call of the engine, uncached."""
+        return self._one(text)
 
     def _one(self, text: str) -> int:
         try:
@@ -244,7 +319,9 @@ class HFTokenizer(_CachedCounter):
     """HFTokenizer counts tokens with a Hugging Face ``tokenizers`` tokenizer.json.
 
     Slower than tiktoken (about 8x on the same text) and counted in one call: any
-    model's tokenizer.json loads, but its pre-split is not known well enough to cut.
+    model's tokenizer.json loads, but its pre-split is not known well enough to cut. Texts
+    over ``_HF_BATCH_CHARS`` go through ``encode_batch``, which hands the GIL over while it
+    runs (``encode`` does not): the same tokens, the event loop free meanwhile.
     """
 
     __slots__ = ("_tok",)
@@ -254,6 +331,8 @@ class HFTokenizer(_CachedCounter):
         self._tok = tok
 
     def _count(self, text: str) -> int:
+        if len(text) > _HF_BATCH_CHARS:
+            return len(self._tok.encode_batch([text], add_special_tokens=False)[0])
         return len(self._tok.encode(text, add_special_tokens=False))
 
 
