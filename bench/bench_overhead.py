@@ -1223,6 +1223,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     ap.add_argument("--open-streams", type=int, help="streams held open at once for memory")
     ap.add_argument("--disconnects", type=int, help="disconnects timed for release")
+    ap.add_argument("--progress-streams", type=int, help="streams held open for progress")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", type=Path, default=RESULTS / "overhead.md")
     ap.add_argument("--previous", type=Path,
@@ -1241,7 +1242,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     sizes = QUICK if args.quick else FULL
     overrides = {k: v for k, v in (("open_streams", args.open_streams),
-                                   ("disconnects", args.disconnects)) if v is not None}
+                                   ("disconnects", args.disconnects),
+                                   ("progress_streams", args.progress_streams)) if v is not None}
     if overrides:
         sizes = Sizes(**{**sizes.__dict__, **overrides})
     load = os.getloadavg()

@@ -118,6 +118,7 @@ def test_a_streams_progress_reaches_its_nodes_ledger_while_it_streams(stack):
         # (the ext_proc stream ended with the request), while the request is in flight.
         wait_until(lambda: held(stack)[node] >= start + 50, timeout=15, what="the ledger grown")
         assert stack.metric("kvgate_inflight_requests") == 1 and not done.done()
+        assert stack.metric("kvgate_streams_active") == 0  # its ext_proc stream ended with the request
         assert progress_entries(stack) > entries0
         assert held(stack)[node] <= start + 1_200
         assert done.result(timeout=30) > 1_200
