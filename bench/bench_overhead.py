@@ -1150,9 +1150,9 @@ def variant_file(variant: str, workdir: Path) -> Path:
                    "endpoint-picker-log"):
         return ENVOY_TEMPLATE.parent / f"envoy-{variant}.yaml"
     import yaml
-    source = {"access-log-no-lua": "envoy-access-log.yaml", "endpoint-picker-log-100ms":
-              "envoy-endpoint-picker-log.yaml", "endpoint-picker-log-500ms":
-              "envoy-endpoint-picker-log.yaml"}.get(variant)
+    source = ("envoy-access-log.yaml" if variant == "access-log-no-lua"
+              else "envoy-endpoint-picker-log.yaml" if variant.startswith("endpoint-picker-log-")
+              else None)
     cfg = yaml.safe_load((ENVOY_TEMPLATE.parent / source if source else ENVOY_TEMPLATE).read_text())
     hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     filters = hcm["http_filters"]
