@@ -13,8 +13,8 @@ What reaches kvgate, by file of deploy/ (``kvgate envoy-filter --mode``):
   -reservation, -observe, -access-log): the body message is the first, and the few request
   facts kvgate needs come with it as request attributes (``request_facts``), one
   blocking round trip fewer;
-- request headers sent (envoy-four-message, -endpoint-picker, -inference-pool): the
-  request is identified from them;
+- request headers sent (envoy-four-message, -endpoint-picker, -endpoint-picker-log,
+  -inference-pool): the request is identified from them;
 - the response on this stream (STREAMED in envoy.yaml, -jwt, -four-message,
   -endpoint-picker; FULL_DUPLEX_STREAMED in -inference-pool), read for usage and delivered
   chunks; its headers only (-reservation: no body, the completion charged at the
@@ -32,7 +32,10 @@ the request until kvgate has answered its body, so the answer can name the node 
 the Gateway API Inference Extension's endpoint picker does (request header
 ``x-gateway-destination-endpoint`` and dynamic metadata ``envoy.lb``, with the route
 cache cleared), and a refused request never opens an upstream request. The tokens seen
-on the response stream tell the node's ledger how far the request has got.
+on the response stream tell the node's ledger how far the request has got. In
+deploy/envoy-endpoint-picker-log.yaml the response is not sent (the request's end comes by
+the access log, as in -access-log), and Envoy's periodic access log entries of the stream in
+flight bring the tokens so far and the node that serves (``progressed``).
 
 The same pool is served as an ``InferencePool``'s endpoint picker, in the modes the
 picker protocol fixes (deploy/envoy-inference-pool.yaml; ``picker_protocol``): both bodies
