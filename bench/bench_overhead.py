@@ -24,7 +24,11 @@ each run against every setup:
 - ``memory``: resident memory of the processor and of Envoy with N streams open at once
   (10,000, or what the open-file limit allows), as bytes per in-flight request;
 - ``release`` (kvgate only): N times, open a stream, read its first chunk, disconnect, and
-  time until kvgate's ``kvgate_inflight_requests`` is back to 0.
+  time until kvgate's ``kvgate_inflight_requests`` is back to 0;
+- ``progress`` (kvgate, files with periodic access log entries: endpoint-picker-log and its
+  interval levers): N streams held open for a window, the periodic entries kvgate received a
+  second and its CPU per entry; and how late kvgate's ledger hears of a stream's first token
+  (from the client's read of the first chunk to the first progress entry counted).
 
 The load generator is a bare asyncio HTTP/1.1 client (uvloop), so that the processes
 measured get as much of the machine as possible. It writes ``bench/results/overhead.md``.
@@ -81,7 +85,8 @@ TARGETS = {
 }
 # Files whose completion refund comes from the response stream (reported usage, or the
 # chunks delivered); the others charge the completion at its reservation.
-EXACT_REFUND = ("recommended", "four-message", "observe", "endpoint-picker", "access-log")
+EXACT_REFUND = ("recommended", "four-message", "observe", "endpoint-picker", "access-log",
+                "endpoint-picker-log", "endpoint-picker-log-100ms", "endpoint-picker-log-500ms")
 
 
 @dataclass(frozen=True)
@@ -98,15 +103,20 @@ class Sizes:
     open_streams: int
     disconnects: int
     warmup: int
+    progress_streams: int
+    progress_window_s: float
+    progress_samples: int
 
 
 FULL = Sizes(latency_requests={1: 600, 16: 3000, 64: 3000}, latency_rounds=2, streams=64,
              stream_chunks=50, stream_rounds=2,
              rates=(250, 500, 750, 1000, 1250, 1500, 1750, 2000, 2500, 3000),
-             rate_step_s=2.0, open_streams=10000, disconnects=1000, warmup=300)
+             rate_step_s=2.0, open_streams=10000, disconnects=1000, warmup=300,
+             progress_streams=1000, progress_window_s=5.0, progress_samples=40)
 QUICK = Sizes(latency_requests={1: 20, 16: 64, 64: 64}, latency_rounds=1, streams=8,
               stream_chunks=5, stream_rounds=1, rates=(50, 100), rate_step_s=0.3,
-              open_streams=40, disconnects=10, warmup=20)
+              open_streams=40, disconnects=10, warmup=20, progress_streams=20,
+              progress_window_s=0.6, progress_samples=3)
 
 
 # --- the bare processor -------------------------------------------------------------------
@@ -569,9 +579,11 @@ def _retrieved(fut: asyncio.Future[Any]) -> None:
 
 
 class Inflight:
-    """Inflight reads kvgate's ``kvgate_inflight_requests`` (summed) over one keep-alive connection."""
+    """Inflight reads kvgate's ``kvgate_inflight_requests`` (summed) over one keep-alive
+    connection, and other lines of its /metrics (``read_sum``)."""
 
     _LINE = re.compile(rb"^kvgate_inflight_requests\{[^}]*\} ([0-9.e+-]+)$", re.M)
+    PROGRESS = re.compile(rb'^kvgate_access_log_entries_total\{result="progress"\} ([0-9.e+-]+)$', re.M)
 
     def __init__(self, conn: Conn) -> None:
         self.conn = conn
@@ -581,8 +593,12 @@ class Inflight:
         return cls(await Conn.open(admin_port))
 
     async def read(self) -> float:
+        return await self.read_sum(self._LINE)
+
+    async def read_sum(self, line: re.Pattern[bytes]) -> float:
+        """read_sum is the sum of the values of the /metrics lines ``line`` matches."""
         await self.conn.request(b"GET /metrics HTTP/1.1\r\nhost: bench\r\n\r\n")
-        return sum(float(v) for v in self._LINE.findall(bytes(self.conn._buf)))
+        return sum(float(v) for v in line.findall(bytes(self.conn._buf)))
 
     async def wait(self, value: float, timeout: float = 10.0, interval: float = 0.001) -> float:
         """wait polls until the value is ``value``; returns when it was first seen (monotonic)."""
@@ -618,6 +634,64 @@ async def release_times(stack: Stack, count: int) -> list[float]:
     return samples
 
 
+@dataclass
+class ProgressCost:
+    """ProgressCost is what periodic access log entries cost one kvgate setup: ``streams``
+    held for ``window_s`` seconds brought ``entries`` progress entries using ``cpu_s``
+    seconds of kvgate's CPU; ``late`` are the delays (s) from a client's first chunk to the
+    first progress entry of its stream."""
+
+    interval_s: float
+    streams: int
+    window_s: float
+    entries: float
+    cpu_s: float
+    late: list[float] = field(default_factory=list)
+
+
+async def progress_cost(stack: Stack, interval_s: float, sizes: Sizes) -> ProgressCost:
+    """progress_cost holds ``sizes.progress_streams`` streams (each after its first chunk, as
+    a generation in progress) for ``sizes.progress_window_s`` seconds and counts the periodic
+    entries kvgate applied and the CPU it used meanwhile; then, one stream at a time, times
+    the first progress entry after the client read the first chunk."""
+    meter = await Inflight.open(stack.admin_port)
+    pid = stack.procs["kvgate"].pid
+    try:
+        conns = await hold_streams(stack.envoy_port, sizes.progress_streams)
+        e0, c0, t0 = await meter.read_sum(Inflight.PROGRESS), cpu_seconds(pid), time.monotonic()
+        await asyncio.sleep(sizes.progress_window_s)  # a rate over a window of wall time
+        e1, c1, t1 = await meter.read_sum(Inflight.PROGRESS), cpu_seconds(pid), time.monotonic()
+        for conn in conns:
+            conn.close()
+        await meter.wait(0, timeout=60, interval=0.05)
+        cost = ProgressCost(interval_s, len(conns), t1 - t0, e1 - e0, c1 - c0)
+        for _ in range(sizes.progress_samples):
+            before = await meter.read_sum(Inflight.PROGRESS)
+            (conn,) = await hold_streams(stack.envoy_port, 1)
+            first = time.monotonic()
+            deadline = first + 10 * interval_s + 1
+            while await meter.read_sum(Inflight.PROGRESS) == before:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("no progress entry came for a held stream")
+                await asyncio.sleep(0.001)
+            cost.late.append(time.monotonic() - first)
+            conn.close()
+            await meter.wait(0)
+    finally:
+        meter.close()
+    return cost
+
+
+def flush_interval_s(envoy_file: Path) -> float | None:
+    """flush_interval_s is an Envoy file's ``access_log_flush_interval`` (seconds; None: no
+    periodic entries)."""
+    import yaml
+    cfg = yaml.safe_load(envoy_file.read_text())
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    text = hcm.get("access_log_options", {}).get("access_log_flush_interval")
+    return float(text.removesuffix("s")) if text else None
+
+
 # --- measurement -------------------------------------------------------------------------------
 
 def pct(values: Sequence[float], q: float) -> float:
@@ -647,6 +721,7 @@ class Results:
     release: list[float] = field(default_factory=list)
     setups: list[str] = field(default_factory=list)
     release_by: dict[str, list[float]] = field(default_factory=dict)  # other variants' kvgate
+    progress: dict[str, ProgressCost] = field(default_factory=dict)
 
 
 async def measure(stacks: dict[str, Stack], sizes: Sizes, scenarios: Sequence[str],
@@ -724,6 +799,15 @@ async def measure(stacks: dict[str, Stack], sizes: Sizes, scenarios: Sequence[st
             res.release_by[name] = await release_times(stacks[name], sizes.disconnects)
         _progress("release after disconnect (ms)", {"p50": pct(res.release, 0.5) * 1e3,
                                                     "p99": pct(res.release, 0.99) * 1e3})
+    if "progress" in scenarios:
+        for setup in order:
+            stack = stacks[setup]
+            interval = flush_interval_s(stack.envoy_template)
+            if stack.processor == "kvgate" and interval is not None:
+                res.progress[setup] = await progress_cost(stack, interval, sizes)
+        _progress("progress entries, kvgate CPU per entry (us)",
+                  {s: c.cpu_s / c.entries * 1e6 if c.entries else float("nan")
+                   for s, c in res.progress.items()})
     return res
 
 
@@ -864,6 +948,25 @@ def report(res: Results, *, command: str, variants: Sequence[str], sizes: Sizes,
             lines.append(f"| {name} | {_f(pct(r, 0.5) * 1e3)} | {_f(pct(r, 0.99) * 1e3)} | "
                          f"{_f(max(r) * 1e3)} |")
         lines.append("")
+    if res.progress:
+        lines += ["## Progress by periodic access log entries", "",
+                  "Files whose connection manager writes a periodic entry of every stream in flight "
+                  "(`access_log_flush_interval`): the streams held open (each after its first chunk), "
+                  "the progress entries kvgate applied a second against the expected streams / "
+                  "interval, kvgate's CPU per entry and in all (share of one core), and how late its "
+                  "node ledger hears of a stream's first token: from the client's read of the first "
+                  "chunk to the first progress entry counted (read from `/metrics` every millisecond).",
+                  "", "| setup | interval (s) | streams | entries/s | expected/s | CPU per entry (us) "
+                  "| kvgate CPU (% of a core) | first token late p50 (ms) | p99 (ms) |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for name, c in res.progress.items():
+            per_s = c.entries / c.window_s if c.window_s else float("nan")
+            lines.append(f"| {name} | {c.interval_s:g} | {c.streams} | {per_s:.0f} | "
+                         f"{c.streams / c.interval_s:.0f} | "
+                         f"{_f(c.cpu_s / c.entries * 1e6 if c.entries else None, 1)} | "
+                         f"{_f(c.cpu_s / c.window_s * 100 if c.window_s else None, 1)} | "
+                         f"{_f(pct(c.late, 0.5) * 1e3, 1)} | {_f(pct(c.late, 0.99) * 1e3, 1)} |")
+        lines.append("")
     lines += _targets(res, variants)
     return "\n".join(lines)
 
@@ -996,8 +1099,12 @@ def _cpus() -> int:
 # --- Envoy variants (levers) ------------------------------------------------------------------
 
 VARIANTS = ("recommended", "four-message", "observe", "reservation", "access-log",
-            "endpoint-picker", "full-duplex", "no-response-headers", "request-only", "no-buffer",
-            "access-log-no-lua")
+            "endpoint-picker", "endpoint-picker-log", "full-duplex", "no-response-headers",
+            "request-only", "no-buffer", "access-log-no-lua", "endpoint-picker-log-100ms",
+            "endpoint-picker-log-500ms")
+# Variants whose node the processor names (the picker files and their levers).
+PICKED = ("endpoint-picker", "endpoint-picker-log", "endpoint-picker-log-100ms",
+          "endpoint-picker-log-500ms")
 # The header by which the picker file's ORIGINAL_DST cluster routes (the node kvgate names).
 PICKER_HEADER = "x-gateway-destination-endpoint"
 # Variants kvgate does not serve (the bare processor shows what they would be worth).
@@ -1031,15 +1138,22 @@ def variant_file(variant: str, workdir: Path) -> Path:
       until the decision costs;
     - ``access-log-no-lua``: deploy/envoy-access-log.yaml without its Lua usage filter, as
       it was before issue 17 (the completion charged at its reservation): what reading the
-      usage in Envoy costs.
+      usage in Envoy costs;
+    - ``endpoint-picker-log``: deploy/envoy-endpoint-picker-log.yaml (the node named as in
+      the picker file, the request's ext_proc stream ends with the request body, the progress
+      and the end come by the access log), and its levers ``endpoint-picker-log-100ms`` and
+      ``-500ms`` with another ``access_log_flush_interval`` (the shipped one is 0.25 s).
     """
     if variant == "recommended":
         return ENVOY_TEMPLATE
-    if variant in ("four-message", "observe", "reservation", "access-log", "endpoint-picker"):
+    if variant in ("four-message", "observe", "reservation", "access-log", "endpoint-picker",
+                   "endpoint-picker-log"):
         return ENVOY_TEMPLATE.parent / f"envoy-{variant}.yaml"
     import yaml
-    source = ENVOY_TEMPLATE.parent / "envoy-access-log.yaml" if variant == "access-log-no-lua" else ENVOY_TEMPLATE
-    cfg = yaml.safe_load(source.read_text())
+    source = ("envoy-access-log.yaml" if variant == "access-log-no-lua"
+              else "envoy-endpoint-picker-log.yaml" if variant.startswith("endpoint-picker-log-")
+              else None)
+    cfg = yaml.safe_load((ENVOY_TEMPLATE.parent / source if source else ENVOY_TEMPLATE).read_text())
     hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     filters = hcm["http_filters"]
     at = next(i for i, f in enumerate(filters) if f["typed_config"]["@type"] == EXT_PROC_TYPE)
@@ -1053,6 +1167,9 @@ def variant_file(variant: str, workdir: Path) -> Path:
     elif variant == "request-only":
         mode["response_header_mode"] = "SKIP"
         mode["response_body_mode"] = "NONE"
+    elif variant.startswith("endpoint-picker-log-"):
+        interval_ms = int(variant.rsplit("-", 1)[1].removesuffix("ms"))
+        hcm["access_log_options"]["access_log_flush_interval"] = f"{interval_ms / 1000:g}s"
     elif variant == "access-log-no-lua":
         hcm["http_filters"] = [f for f in filters if f["name"] != "envoy.filters.http.lua"]
     elif variant == "no-buffer":
@@ -1082,7 +1199,7 @@ def _picks_the_upstream(stack: Stack) -> None:
 
 # --- main ------------------------------------------------------------------------------------
 
-SCENARIOS = ("latency", "streaming", "max_rate", "memory", "release")
+SCENARIOS = ("latency", "streaming", "max_rate", "memory", "release", "progress")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1091,7 +1208,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny counts: a smoke test, not a measurement")
     ap.add_argument("--variants", nargs="+",
                     default=["recommended", "four-message", "observe", "reservation", "access-log",
-                             "endpoint-picker"],
+                             "endpoint-picker", "endpoint-picker-log"],
                     choices=VARIANTS,
                     help="Envoy configurations to compare (levers); the first one's bare and "
                          "kvgate setups are the plain names, the others' are suffixed")
@@ -1106,6 +1223,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     ap.add_argument("--open-streams", type=int, help="streams held open at once for memory")
     ap.add_argument("--disconnects", type=int, help="disconnects timed for release")
+    ap.add_argument("--progress-streams", type=int, help="streams held open for progress")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", type=Path, default=RESULTS / "overhead.md")
     ap.add_argument("--previous", type=Path,
@@ -1124,7 +1242,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     sizes = QUICK if args.quick else FULL
     overrides = {k: v for k, v in (("open_streams", args.open_streams),
-                                   ("disconnects", args.disconnects)) if v is not None}
+                                   ("disconnects", args.disconnects),
+                                   ("progress_streams", args.progress_streams)) if v is not None}
     if overrides:
         sizes = Sizes(**{**sizes.__dict__, **overrides})
     load = os.getloadavg()
@@ -1144,7 +1263,7 @@ def main(argv: list[str] | None = None) -> int:
                                              BENCH_CONFIG if setup == "kvgate" else None,
                                              processor=processors[setup], envoy_template=envoy_file,
                                              upstream_args=["--fast"])
-                if variant == "endpoint-picker":
+                if variant in PICKED:
                     _picks_the_upstream(stack)
         for lever in args.bare_levers:
             stacks[f"bare {lever}"] = Stack(work / f"bare-{lever}", None, processor=[*bare, f"--{lever}"],

@@ -22,7 +22,7 @@ OBSERVED            observe, a route without the key            the same, withou
 UNREAD              reservation                                  when the admission stream ends
                                                                  (cause ``ended``, the completion
                                                                  charged at its reservation)
-ACCESS_LOG          access-log                                   when the access log entry comes
+ACCESS_LOG          access-log, endpoint-picker-log              when the access log entry comes
                                                                  (parked until then, at most
                                                                  ``server.access_log_ttl_s``)
 ==================  ===========================================  ==================================
@@ -38,7 +38,11 @@ client left or the upstream died, so a stream cut short is released at once and 
 counting of its cause waits for the entry (written only for requests with a response flag),
 at most ``CAUSE_WAIT_S``: then it is counted ``client_disconnect`` (the fallback, logged).
 ``Endings.logged`` is where each entry of Envoy's access log is handled; the entry's
-``_cut_short`` reading says whether the response was cut short and by whom.
+``_cut_short`` reading says whether the response was cut short and by whom. Only an entry
+of a stream's end settles anything: a periodic entry of a stream in flight (the
+endpoint-picker-log file's ``access_log_flush_interval``) tells a parked request's node
+ledger its tokens so far and the node that serves it (``Exchange.progressed``), and nothing
+else.
 
 ``cause_of`` and ``charged_completion`` are the table the exchange's ``finish`` applies:
 which cause, and how many completion tokens the lease is settled with.
@@ -53,6 +57,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
 from extproc import usage_log
@@ -79,6 +84,10 @@ LINK_GRACE_S = 0.05
 # The most an ended admission stream waits for its observing stream to end (seconds),
 # whatever deferred_close_timeout Envoy is given.
 OBSERVE_CAP_S = 10.0
+# The entries that tell a request's end: written when its stream ends (DownstreamEnd), or by an
+# Envoy that does not name the type (NotSet). Any other (a periodic entry of a stream in flight,
+# one at the request's start) never releases.
+_FINAL_TYPES = (accesslog_pb2.AccessLogType.NotSet, accesslog_pb2.AccessLogType.DownstreamEnd)
 # How long the cause of a stream cut short waits for its access log entry (seconds): the
 # entry comes within milliseconds (buffer_flush_interval 5 ms); past this it was lost.
 CAUSE_WAIT_S = 5.0
@@ -327,11 +336,16 @@ class Endings:
     def logged(self, entry: Any) -> LogResult:
         """logged handles one entry of Envoy's access log (an ``HTTPAccessLogEntry``): it
         releases the parked request it tells the end of, or tells the cause of a request
-        released by its stream (``causes``). Returns what it did (``LogResult``)."""
-        space = entry.common_properties.metadata.filter_metadata.get(METADATA_NAMESPACE)
+        released by its stream (``causes``); a periodic entry only tells a parked request's
+        progress (``_progressed``). Returns what it did (``LogResult``)."""
+        common = entry.common_properties
+        space = common.metadata.filter_metadata.get(METADATA_NAMESPACE)
+        final = common.access_log_type in _FINAL_TYPES and not common.intermediate_log_entry
         if space is None or LINK_KEY not in space.fields:
-            return LogResult.NO_LEASE
+            return LogResult.NO_LEASE if final else LogResult.PERIODIC
         link = space.fields[LINK_KEY].string_value
+        if not final:
+            return self._progressed(link, entry)
         cut_short, upstream_failed = _cut_short(entry)
         parked = self.parked.pop(link, None)
         self.unsure.pop(link, None)
@@ -351,6 +365,18 @@ class Endings:
         if ex.outcome is not None:  # finished: nothing more to learn of it
             del self.causes[link]
         return LogResult.CAUSE
+
+    def _progressed(self, link: str, entry: Any) -> LogResult:
+        """_progressed applies a periodic entry (a stream still in flight) to the parked request
+        it names: its tokens so far and the node that serves it (``Exchange.progressed``).
+        Nothing is released, settled or unparked, whatever the entry says."""
+        parked = self.parked.get(link)
+        if parked is None:
+            return LogResult.PERIODIC
+        usage = usage_log.from_entry(entry)
+        if parked[0].progressed(usage, upstream_address(entry)):
+            return LogResult.PROGRESS
+        return LogResult.PROGRESS_INVALID
 
     def settle_causes(self, now: float, wait_s: float = CAUSE_WAIT_S) -> int:
         """settle_causes counts as ``client_disconnect`` the releases whose cause has waited
@@ -396,6 +422,16 @@ class Endings:
             ex.finish(gave_up=True)
         self.settle_causes(float("inf"), 0.0)
         return len(parked)
+
+
+def upstream_address(entry: Any) -> str | None:
+    """upstream_address is the upstream host an access log entry names (``HOST:PORT``, an
+    IPv6 host in brackets): the node Envoy connected to; None when none is named yet."""
+    sock = entry.common_properties.upstream_remote_address.socket_address
+    if not sock.address or not sock.port_value:
+        return None
+    host = f"[{sock.address}]" if ":" in sock.address else sock.address
+    return f"{host}:{sock.port_value}"
 
 
 def _cut_short(entry: Any) -> tuple[bool, bool]:

@@ -11,18 +11,27 @@ Envoy file and names every disagreement by the kvgate key it breaks (``kvgate ch
 
 A mode names one of the Envoy files in ``deploy/`` (how a request's end reaches kvgate):
 
-==============  =======================  ====================================================
-mode            file                     what Envoy sends kvgate
-==============  =======================  ====================================================
-three-message   ``envoy.yaml``           body (with request attributes), response headers, body
-four-message    ``envoy-four-message``   request headers too
-reservation     ``envoy-reservation``    no response body: the reservation is charged in full
-observe         ``envoy-observe``        the response on a second, observability-mode filter
-access-log      ``envoy-access-log``     no response: the access-log entry releases the lease,
-                                         with the usage a Lua filter read (``usage_log``)
-endpoint-picker ``envoy-endpoint-picker`` request headers too, held until kvgate names the node
-inference-pool  ``envoy-inference-pool``  as an InferencePool's picker: bodies FULL_DUPLEX_STREAMED
-==============  =======================  ====================================================
+===================  ============================  =============================================
+mode                 file                          what Envoy sends kvgate
+===================  ============================  =============================================
+three-message        ``envoy.yaml``                body (with request attributes), response
+                                                   headers, body
+four-message         ``envoy-four-message``        request headers too
+reservation          ``envoy-reservation``         no response body: the reservation is charged
+                                                   in full
+observe              ``envoy-observe``             the response on a second, observability-mode
+                                                   filter
+access-log           ``envoy-access-log``          no response: the access-log entry releases
+                                                   the lease, with the usage a Lua filter read
+                                                   (``usage_log``)
+endpoint-picker      ``envoy-endpoint-picker``     request headers too, held until kvgate names
+                                                   the node
+endpoint-picker-log  ``envoy-endpoint-picker-log`` the request as endpoint-picker, no response:
+                                                   the access log brings the progress (periodic
+                                                   entries) and the end, as access-log
+inference-pool       ``envoy-inference-pool``      as an InferencePool's picker: bodies
+                                                   FULL_DUPLEX_STREAMED
+===================  ============================  =============================================
 
 ``inference-pool`` is the ext_proc filter the way gateways that implement the Gateway API
 Inference Extension configure it for an InferencePool's endpoint picker (processing modes,
@@ -34,6 +43,12 @@ Where kvgate sees the response (three-message, four-message, observe, endpoint-p
 file also sends kvgate the access log entries of requests with a response flag, and its
 routes say ``release: stream_and_log``: the stream's end releases the lease, the entry tells
 whether a stream cut short was the client's doing or the upstream's.
+
+Where kvgate sees no response (access-log, endpoint-picker-log) every request's entry goes to
+kvgate and releases its lease; in endpoint-picker-log the connection manager also writes a
+periodic entry of every stream in flight (``access_log_options.access_log_flush_interval``,
+``PROGRESS_INTERVAL_S``), which tells the node's ledger how far the request has got (the usage
+filter's event count) and which node serves it, and never releases.
 """
 
 from __future__ import annotations
@@ -51,11 +66,23 @@ from extproc.usage_log import LUA_SOURCE
 from extproc.usage_log import NAMESPACE as USAGE_NAMESPACE
 
 MODES = ("three-message", "four-message", "reservation", "observe", "access-log", "endpoint-picker",
-         "inference-pool")
+         "endpoint-picker-log", "inference-pool")
 # Modes in which kvgate sees the request headers (and so decides before Envoy routes).
-_HEADERS_SENT = ("four-message", "endpoint-picker", "inference-pool")
+_HEADERS_SENT = ("four-message", "endpoint-picker", "endpoint-picker-log", "inference-pool")
 # Modes in which kvgate names the node and Envoy's ORIGINAL_DST cluster goes there.
-_PICKED = ("endpoint-picker", "inference-pool")
+_PICKED = ("endpoint-picker", "endpoint-picker-log", "inference-pool")
+# Modes in which kvgate sees no response: every request's access log entry releases its lease,
+# with the usage the Lua filter read (``usage_log``).
+_LOGGED = ("access-log", "endpoint-picker-log")
+# How often Envoy writes a periodic access log entry of each stream in flight in the
+# endpoint-picker-log mode (seconds): how late a node's ledger learns a request's first token
+# and its growth, against kvgate's CPU (some 40-50 us per entry on 2 loaded cores: 1,000
+# streams in flight cost ~18% of a core at 0.25 s, ~45% at 0.1 s). A first token counts in a
+# node's report from the next scrape mark (``adaptive.poll_interval_s``, 1 s by default); it
+# misses a mark it would have made with a chance of interval / poll interval: 1 in 4 at 0.25 s,
+# 1 in 2 at 0.5 s, so 0.1 s would buy little for 2.5 times the CPU.
+# bench/results/overhead-picker-log-intervals.md has the measurements.
+PROGRESS_INTERVAL_S = 0.25
 HEADER_TO_METADATA_TYPE = ("type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3."
                            "Config")
 # Modes in which kvgate sees the response stream: its end releases the lease, and the access
@@ -165,7 +192,7 @@ def _ext_proc(config: Config, mode: str) -> dict[str, Any]:
     skip_headers = mode not in _HEADERS_SENT
     response_body = {"three-message": "STREAMED", "four-message": "STREAMED",
                      "endpoint-picker": "STREAMED"}.get(mode, "NONE")
-    response_headers = "SKIP" if mode in ("observe", "access-log") else "SEND"
+    response_headers = "SKIP" if mode in ("observe", *_LOGGED) else "SEND"
     cfg: dict[str, Any] = {
         "@type": EXT_PROC_TYPE,
         "grpc_service": {"envoy_grpc": {"cluster_name": CLUSTER}},
@@ -188,15 +215,15 @@ def _ext_proc(config: Config, mode: str) -> dict[str, Any]:
         cfg["request_attributes"] = request_attributes(config)
     if mode in ("three-message", "four-message", "reservation", "endpoint-picker"):
         cfg["allow_mode_override"] = True
-    if mode == "endpoint-picker":  # kvgate's answer sets the destination and clears the route
+    if mode in ("endpoint-picker", "endpoint-picker-log"):  # the answer names the node, clears the route
         cfg["mutation_rules"] = {"allow_all_routing": True}
     forwarded = [METADATA_NAMESPACE]
     if mode == "inference-pool":  # the subset hint (request) and the endpoint served (response)
         forwarded += [SUBSET_NAMESPACE, LB_NAMESPACE]
-    if mode == "access-log":  # the usage filter's mark: kvgate may ask for stream usage
+    if mode in _LOGGED:  # the usage filter's mark: kvgate may ask for stream usage
         forwarded.append(USAGE_NAMESPACE)
     options: dict[str, Any] = {"forwarding_namespaces": {"untyped": forwarded}}
-    if mode in ("access-log", *_STREAMING):  # the link, for the access log (and the observer)
+    if mode in (*_LOGGED, *_STREAMING):  # the link, for the access log (and the observer)
         options["receiving_namespaces"] = {"untyped": [METADATA_NAMESPACE]}
     cfg["metadata_options"] = options
     return cfg
@@ -223,7 +250,7 @@ def _http_filters(config: Config, mode: str) -> list[dict[str, Any]]:
             "@type": HEADER_MUTATION_TYPE, "mutations": {"request_mutations": header_strip(config)}}},
         {"name": "envoy.filters.http.set_metadata", "typed_config": {"@type": SET_METADATA_TYPE}},
     ]
-    if mode == "access-log":
+    if mode in _LOGGED:
         # Before ext_proc: its mark on the request reaches kvgate with the body. On the way
         # back it reads each response chunk as it passes, for the access log (usage_log).
         filters.append({"name": "envoy.filters.http.lua", "typed_config": {
@@ -310,7 +337,7 @@ def _routes(config: Config, mode: str, upstream_cluster: str) -> list[dict[str, 
             "response_headers_to_add": _JSON_REFUSAL,
         })
     value: dict[str, Any] = {"pool": config.default_pool}
-    if mode == "access-log":
+    if mode in _LOGGED:
         value["release"] = "access_log"
     elif mode in _STREAMING:
         value["release"] = STREAM_AND_LOG
@@ -330,12 +357,12 @@ def _routes(config: Config, mode: str, upstream_cluster: str) -> list[dict[str, 
 
 
 def _access_log(mode: str) -> list[dict[str, Any]]:
-    """_access_log is the gRPC access log to kvgate: every request's entry in the access-log
-    mode (it releases the lease), otherwise only the entries of requests with a response
-    flag (cut short, reset, refused by Envoy), which tell a dead upstream from a client
-    that left."""
+    """_access_log is the gRPC access log to kvgate: every request's entry in the modes where
+    kvgate sees no response (it releases the lease), otherwise only the entries of requests
+    with a response flag (cut short, reset, refused by Envoy), which tell a dead upstream
+    from a client that left."""
     log: dict[str, Any] = {"name": "envoy.access_loggers.http_grpc"}
-    if mode != "access-log":
+    if mode not in _LOGGED:
         log["filter"] = {"response_flag_filter": {}}  # no flags listed: any flag set
     return [{**log, "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
@@ -351,8 +378,8 @@ def envoy_filter(config: Config, mode: str = DEFAULT_MODE) -> dict[str, Any]:
     (the kvgate cluster), ``routes`` (for the virtual host: the refusals Envoy answers itself
     and the default route with its ``kvgate`` metadata), ``per_connection_buffer_limit_bytes``
     (for the listener), and where the mode needs them ``access_log`` (for the connection
-    manager) and ``response_headers_to_add`` (for the virtual host). Raises ValueError for
-    an unknown mode.
+    manager), ``access_log_options`` (for the connection manager: periodic entries) and
+    ``response_headers_to_add`` (for the virtual host). Raises ValueError for an unknown mode.
     """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: expected one of {', '.join(MODES)}")
@@ -362,9 +389,11 @@ def envoy_filter(config: Config, mode: str = DEFAULT_MODE) -> dict[str, Any]:
         "routes": _routes(config, mode, "nodes" if mode in _PICKED else "inference"),
         "clusters": [_kvgate_cluster(config)],
     }
-    if mode == "access-log" or mode in _STREAMING:
+    if mode in _LOGGED or mode in _STREAMING:
         out["access_log"] = _access_log(mode)
-    if mode in ("observe", "access-log"):
+    if mode == "endpoint-picker-log":
+        out["access_log_options"] = {"access_log_flush_interval": seconds_text(PROGRESS_INTERVAL_S)}
+    if mode in ("observe", *_LOGGED):
         out["response_headers_to_add"] = [
             {"header": {"key": h, "value": f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{h})%"}}
             for h in _RATE_HEADERS]
@@ -398,6 +427,8 @@ def envoy_bootstrap(config: Config, mode: str = DEFAULT_MODE, *, listen: str = "
     hcm: dict[str, Any] = {"@type": HCM_TYPE, "stat_prefix": "inference"}
     if "access_log" in piece:
         hcm["access_log"] = piece["access_log"]
+    if "access_log_options" in piece:
+        hcm["access_log_options"] = piece["access_log_options"]
     hcm.update({
         "normalize_path": True, "merge_slashes": True,
         "path_with_escaped_slashes_action": "UNESCAPE_AND_FORWARD",

@@ -13,8 +13,8 @@ What reaches kvgate, by file of deploy/ (``kvgate envoy-filter --mode``):
   -reservation, -observe, -access-log): the body message is the first, and the few request
   facts kvgate needs come with it as request attributes (``request_facts``), one
   blocking round trip fewer;
-- request headers sent (envoy-four-message, -endpoint-picker, -inference-pool): the
-  request is identified from them;
+- request headers sent (envoy-four-message, -endpoint-picker, -endpoint-picker-log,
+  -inference-pool): the request is identified from them;
 - the response on this stream (STREAMED in envoy.yaml, -jwt, -four-message,
   -endpoint-picker; FULL_DUPLEX_STREAMED in -inference-pool), read for usage and delivered
   chunks; its headers only (-reservation: no body, the completion charged at the
@@ -32,7 +32,10 @@ the request until kvgate has answered its body, so the answer can name the node 
 the Gateway API Inference Extension's endpoint picker does (request header
 ``x-gateway-destination-endpoint`` and dynamic metadata ``envoy.lb``, with the route
 cache cleared), and a refused request never opens an upstream request. The tokens seen
-on the response stream tell the node's ledger how far the request has got.
+on the response stream tell the node's ledger how far the request has got. In
+deploy/envoy-endpoint-picker-log.yaml the response is not sent (the request's end comes by
+the access log, as in -access-log), and Envoy's periodic access log entries of the stream in
+flight bring the tokens so far and the node that serves (``progressed``).
 
 The same pool is served as an ``InferencePool``'s endpoint picker, in the modes the
 picker protocol fixes (deploy/envoy-inference-pool.yaml; ``picker_protocol``): both bodies
@@ -170,6 +173,8 @@ class Exchange:
             return CONTINUE_REQUEST_HEADERS
         self.duplex = epp.full_duplex(protocol)
         self.response_duplex = epp.response_full_duplex(protocol)
+        if protocol is not None:  # Envoy sends it with the stream's first message only
+            self.response_sent = protocol.response_body_mode != processing_mode_pb2.ProcessingMode.NONE
         self.hint = epp.subset_hint(metadata)
         facts = facts_of.from_headers(msg.headers.headers, self.gate.config.tenants)
         refusal = self._begin(facts, metadata)
@@ -446,7 +451,7 @@ class Exchange:
             # usage filter reads it and hides it (told in the answer's metadata).
             usage = mode is ReleaseMode.ACCESS_LOG and self.usage_filter
             capped, strip = oai.upstream_body(parsed, cap_max_tokens=cap, stream_usage=usage)
-            resp = self._linked_continue(lease, capped)
+            resp = self._linked_continue(lease, capped, node=lease.node)
             if strip:
                 usage_log.ask_to_strip(resp)
             return resp
@@ -637,6 +642,26 @@ class Exchange:
         self.upstream_error = status >= 400 or (cut_short and upstream_failed)
         self.response_done = status != 0 and not cut_short
         return self.finish()
+
+    def progressed(self, usage: usage_log.LoggedUsage | None, served: str | None) -> bool:
+        """progressed takes a periodic access log entry of an ACCESS_LOG request still in
+        flight (deploy/envoy-endpoint-picker-log.yaml): the SSE events with choices the usage
+        filter has seen so far become the tokens its node's ledger counts as generated
+        (``Lease.progress``, which also notes the first token), and ``served``, the upstream
+        address Envoy connected to, re-homes the node charge when it is another node than the
+        one picked. Never releases nor settles. False when the entry's event count is not a
+        count (ignored: the ledger keeps what it knew)."""
+        lease = self.lease
+        if lease is None or lease.released or lease.node is None:
+            return True
+        self._served_by(lease, served)
+        if usage is None:
+            return True
+        if usage.events is None:
+            return False
+        if usage.events:
+            lease.progress(usage.events)
+        return True
 
     def told_by_log(self, cut_by_upstream: bool) -> Outcome | None:
         """told_by_log takes what Envoy's access log entry tells of a request released by its

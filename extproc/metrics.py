@@ -228,7 +228,9 @@ class Metrics:
             "kvgate_access_log_entries_total",
             "Envoy access log entries received: released a parked request, told the cause "
             "of a stream's end, came after a complete stream's end, had no lease (refused, "
-            "passed through), or named a lease known nowhere here.",
+            "passed through), or named a lease known nowhere here; periodic entries of "
+            "streams in flight: progress applied, progress_invalid (a count that is not one, "
+            "ignored), periodic (no parked request).",
             ["result"], registry=r)
         self.logged_usage_counts = Counter(
             "kvgate_logged_usage_total",

@@ -62,3 +62,12 @@ class LogResult(StrEnum):
     NO_LEASE = "no_lease"
     # Its link is known nowhere here (released by the TTL, another kvgate's, a restart's).
     UNMATCHED = "unmatched"
+    # A periodic entry of a request in flight, parked here: its progress went to its node's
+    # ledger (deploy/envoy-endpoint-picker-log.yaml). Never a release.
+    PROGRESS = "progress"
+    # A periodic entry whose event count is not a count (the upstream's stream is outside
+    # input): ignored, the ledger keeps what it knew.
+    PROGRESS_INVALID = "progress_invalid"
+    # A periodic entry of a request not parked here (refused, passed through, released,
+    # another mode's): nothing to do.
+    PERIODIC = "periodic"

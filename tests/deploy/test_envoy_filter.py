@@ -22,6 +22,7 @@ KVGATE = ROOT / "deploy" / "kvgate.yaml"
 SHIPPED = {"three-message": "envoy.yaml", "four-message": "envoy-four-message.yaml",
            "reservation": "envoy-reservation.yaml", "observe": "envoy-observe.yaml",
            "access-log": "envoy-access-log.yaml", "endpoint-picker": "envoy-endpoint-picker.yaml",
+           "endpoint-picker-log": "envoy-endpoint-picker-log.yaml",
            "inference-pool": "envoy-inference-pool.yaml"}
 
 

@@ -254,7 +254,8 @@ def test_a_slow_upload_is_cut_by_the_request_timeout(tmp_path: Path) -> None:
         s.stop()
 
 
-@pytest.mark.parametrize("name", [*FILES, "envoy-jwt.yaml", "envoy-endpoint-picker.yaml"])
+@pytest.mark.parametrize("name", [*FILES, "envoy-jwt.yaml", "envoy-endpoint-picker.yaml",
+                                  "envoy-endpoint-picker-log.yaml"])
 def test_every_shipped_file_carries_the_blocks(name: str, tmp_path: Path) -> None:
     """The blocks each shipped file must carry (the files run above, the JWT example, whose
     requests need a token, tested in test_jwt_tenant.py, and the endpoint-picker file, run
@@ -276,7 +277,7 @@ def test_every_shipped_file_carries_the_blocks(name: str, tmp_path: Path) -> Non
     assert filters[-2:] == ["envoy.filters.http.buffer", "envoy.filters.http.router"]
     # Where kvgate sees the response stream, the access log tells it a dead upstream from a
     # client that left (the other two files: no response body, or the log releases).
-    if name not in ("envoy-reservation.yaml", "envoy-access-log.yaml"):
+    if name not in ("envoy-reservation.yaml", "envoy-access-log.yaml", "envoy-endpoint-picker-log.yaml"):
         logs = [log["typed_config"]["common_config"]["grpc_service"]["envoy_grpc"]["cluster_name"]
                 for log in hcm.get("access_log", [])]
         assert logs == ["kvgate"], name

@@ -17,5 +17,6 @@ def test_every_budget_that_refuses_has_its_own_outcome() -> None:
 def test_metric_label_values_are_the_enum_values_in_order() -> None:
     assert OUTCOMES == tuple(o.value for o in RequestOutcome)
     assert OUTCOMES[0] == "admitted" and all(o.startswith("rejected_") for o in OUTCOMES[1:])
-    assert ACCESS_LOG_RESULTS == ("released", "cause", "complete", "no_lease", "unmatched")
+    assert ACCESS_LOG_RESULTS == ("released", "cause", "complete", "no_lease", "unmatched", "progress",
+                                  "progress_invalid", "periodic")
     assert tuple(LogResult) == ACCESS_LOG_RESULTS
