@@ -13,11 +13,19 @@ certainly in the node's KV cache when the node renders its metrics, so the repor
 follows the mark carries them. ``report`` subtracts their footprint at the mark from the
 reported usage: what is left is KV that kvgate did not admit (``foreign``), and kvgate's
 own requests are then counted once, by their footprint now and growth to come. A charge
-admitted after the mark, or with no first token yet, is not subtracted (it may be missing
-from the report): if the node did hold it, it is counted twice until the next report,
-which errs on the safe side. A charge released before its report arrives is not
-subtracted either, for the same reason. A report without a mark (the loop was too busy
-to take one) subtracts nothing.
+admitted after the mark is not subtracted (it may be missing from the report): if the
+node did hold it, it is counted twice until the next report, which errs on the safe side.
+A charge released before its report arrives is not subtracted either, for the same reason.
+A report without a mark (the loop was too busy to take one) subtracts nothing.
+
+A charge with no first token at the mark is *settled* when it has been held longer than
+any of the pool's recent requests took from admission to their first token
+(``PoolNodes.settle_s``): the node has had time to prefill it. It is subtracted when the
+report also says the node queues nothing (``NodeReport.waiting`` == 0), so it cannot be
+waiting there for blocks; otherwise, or before any first token was seen, it is not. This
+is what counts a request whose response is not streamed once: kvgate sees no token of it
+before its end, and counted it twice, in its footprint and as foreign KV, for its whole life
+(one 10k-token document looked like 20k on its node, which then took no second one).
 
 Foreign KV on the rise. While a node's foreign KV grows (a batch job ramping up, another
 gateway's burst), it may go on growing at the same rate, and kvgate's requests on the node
@@ -47,6 +55,8 @@ from extproc.config import BackendConfig, PickingConfig, PoolConfig
 
 # Completion lengths remembered per class to learn the growth to expect.
 LENGTH_SAMPLES = 1000
+# Admission-to-first-token times remembered to learn when a request is surely prefilled.
+FIRST_TOKEN_SAMPLES = 200
 
 
 def allows(among: frozenset[str] | None, address: str) -> bool:
@@ -91,7 +101,8 @@ class NodeReport:
     ``kv_usage``: KV-cache usage ratio in [0, 1] (None: no usable sample this round);
     ``capacity_tokens``: the KV capacity the node reports (None: not reported); ``at``: the
     instant (s) the sample was read; ``refused``: the scrape's connection was refused;
-    ``mark``: the id of the mark taken before the scrape (None: none was taken).
+    ``mark``: the id of the mark taken before the scrape (None: none was taken);
+    ``waiting``: requests the node queues (None: not reported).
     """
 
     kv_usage: float | None
@@ -99,6 +110,7 @@ class NodeReport:
     at: float
     refused: bool = False
     mark: int | None = None
+    waiting: int | None = None
 
 
 class Charge:
@@ -152,8 +164,9 @@ class Node:
         self.rise = 0                   # tokens foreign KV grew by over the last interval (module doc)
         self.rise_s = 0.0               # that interval, seconds
         self.charges: set[Charge] = set()
-        # mark id -> footprint at the mark of each charge certainly in the node's cache.
-        self.marks: dict[int, dict[Charge, int]] = {}
+        # mark id -> (footprint at the mark, first token seen) of each charge certainly in
+        # the node's cache (first token seen) or settled there (module doc).
+        self.marks: dict[int, dict[Charge, tuple[int, bool]]] = {}
         self.picks = 0
         self.passed_over: dict[PassedOver, int] = {}
 
@@ -172,9 +185,13 @@ class Node:
             return NodeState.STALE
         return NodeState.UP
 
-    def mark(self, mark: int) -> None:
-        """mark records the charges certainly in the node's cache at this instant (see module doc)."""
-        self.marks[mark] = {c: c.footprint for c in self.charges if c.first_at is not None}
+    def mark(self, mark: int, now: float, settle_s: float | None) -> None:
+        """mark records the charges certainly in the node's cache at ``now``, and those settled
+        there (held ``settle_s`` seconds or more without a first token; None: none is), see
+        the module doc."""
+        self.marks[mark] = {c: (c.footprint, c.first_at is not None) for c in self.charges
+                            if c.first_at is not None
+                            or (settle_s is not None and now - c.admitted_at >= settle_s)}
         while len(self.marks) > 4:  # reports lost or never taken: keep the newest few
             del self.marks[next(iter(self.marks))]
 
@@ -196,7 +213,8 @@ class Node:
             self.foreign, self.floor, self.rise = 0, None, 0
             return
         used = math.ceil(self.usage * scale)
-        ours = sum(fp for c, fp in seen.items() if c.held) if seen else 0
+        idle = r.waiting == 0
+        ours = sum(fp for c, (fp, first) in seen.items() if c.held and (first or idle)) if seen else 0
         foreign = max(0, used - ours)
         floor = max(0, used - sum(c.footprint for c in self.charges))
         self.rise = (0 if self.floor is None
@@ -286,6 +304,8 @@ class PoolNodes:
         self.stale_after_s = stale_after_s
         self.lengths: dict[str, Lengths] = {}
         self.holds = HoldTimes()
+        # Seconds from admission to the first token of the latest requests that streamed one.
+        self.first_tokens: deque[float] = deque(maxlen=FIRST_TOKEN_SAMPLES)
         self._turn = 0  # rotates the order in which equal nodes are offered
         self.reconfigure(config, stale_after_s)
 
@@ -309,10 +329,17 @@ class PoolNodes:
 
     # --- reports -------------------------------------------------------------------
 
-    def mark(self, mark: int) -> None:
-        """mark starts a scrape round: see the module doc."""
+    def mark(self, mark: int, now: float) -> None:
+        """mark starts a scrape round at ``now``: see the module doc."""
+        settle = self.settle_s()
         for n in self.nodes.values():
-            n.mark(mark)
+            n.mark(mark, now, settle)
+
+    def settle_s(self) -> float | None:
+        """settle_s is how long a request is held before the node surely has it in its cache,
+        first token seen or not: the longest of the latest admission-to-first-token times
+        (seconds; None before any first token was seen)."""
+        return max(self.first_tokens) if self.first_tokens else None
 
     def report(self, name: str, r: NodeReport) -> bool:
         """report hands one node's scrape in; False for a node not configured (any more)."""
@@ -511,6 +538,7 @@ class PoolNodes:
             return
         if charge.first_at is None and generated > 0:
             charge.first_at = now
+            self.first_tokens.append(max(0.0, now - charge.admitted_at))
         if generated > charge.generated:
             charge.generated = generated
 

@@ -29,10 +29,11 @@ def nodes_pool(n: int = 3, growth: str = "worst_case", reserve: float = 0.0, **p
 
 
 def report(adm: Admission, clock: ManualClock, usage: dict[str, float], mark: int | None = None,
-           refused: tuple[str, ...] = ()) -> None:
+           refused: tuple[str, ...] = (), waiting: int | None = None) -> None:
     for name, u in usage.items():
         adm.report_node("default", name, NodeReport(kv_usage=u, capacity_tokens=CAP, at=clock.now(),
-                                                    refused=name in refused, mark=mark))
+                                                    refused=name in refused, mark=mark,
+                                                    waiting=waiting))
 
 
 def demand(prompt: int, completion: int, class_name: str = "standard") -> Demand:
@@ -100,6 +101,40 @@ def test_a_request_without_its_first_token_at_the_mark_is_not_subtracted():
     adm.mark_nodes(1)
     lease.progress(1)                                       # after the mark: maybe not in the report
     report(adm, clock, {"n0": 0.2}, mark=1)
+    assert adm.nodes("default")[0].foreign_tokens == 20_000
+
+
+def test_a_request_never_streamed_counts_once_when_settled_on_a_node_that_queues_nothing():
+    """A response that is not streamed shows no token before its end: once held longer than
+    any recent request took to its first token, on a node that queues nothing, it is in the
+    cache, and is subtracted from the report like a request whose first token was seen."""
+    clock = ManualClock(T0)
+    adm = Admission(config(pool=nodes_pool(1)), clock)
+    report(adm, clock, {"n0": 0.0}, waiting=0)
+    document = adm.try_acquire(demand(20_000, 0))
+    assert isinstance(document, Lease)
+    clock.advance(0.5)
+    adm.mark_nodes(1)                                       # no first token seen yet in the pool
+    report(adm, clock, {"n0": 0.2}, mark=1, waiting=0)
+    assert adm.nodes("default")[0].foreign_tokens == 20_000  # nothing says it is prefilled
+    chat = adm.try_acquire(demand(1_000, 0))
+    assert isinstance(chat, Lease)
+    clock.advance(0.3)
+    chat.progress(1)                                        # prefilled 0.3 s after admission
+    chat.release(Outcome.COMPLETED, 1)
+    late = adm.try_acquire(demand(5_000, 0))                # admitted 0.1 s before the mark
+    assert isinstance(late, Lease)
+    clock.advance(0.1)
+    adm.mark_nodes(2)
+    report(adm, clock, {"n0": 0.2}, mark=2, waiting=1)      # the node queues: maybe not in yet
+    assert adm.nodes("default")[0].foreign_tokens == 20_000
+    adm.mark_nodes(3)
+    report(adm, clock, {"n0": 0.2}, mark=3, waiting=0)      # the document is counted once
+    node = adm.nodes("default")[0]
+    assert node.foreign_tokens == 0
+    assert node.headroom_tokens == CAP - 20_000 - 5_000
+    adm.mark_nodes(4)
+    report(adm, clock, {"n0": 0.2}, mark=4)                 # queue not reported: not subtracted
     assert adm.nodes("default")[0].foreign_tokens == 20_000
 
 
