@@ -31,7 +31,8 @@ Foreign KV on the rise. While a node's foreign KV grows (a batch job ramping up,
 gateway's burst), it may go on growing at the same rate, and kvgate's requests on the node
 cannot be taken back: they free their KV only as they end. So a node's room keeps free
 the last rise projected over the time kvgate's requests typically hold a node (the pool's
-median hold time; at least one report interval): ``Node.foreign_ahead``. The rise counted is the smaller of two readings' growth, the
+median hold time, from the report's instant, so a report read a while ago projects
+further; at least one report interval): ``Node.foreign_ahead``. The rise counted is the smaller of two readings' growth, the
 foreign KV above and the floor (usage minus every held charge's footprint): kvgate's own
 requests missing from one of them (admitted after the mark, or not yet in the cache at
 the last report) make only that one jump, so they are not taken for a rise.
@@ -222,15 +223,18 @@ class Node:
         self.rise_s = r.at - last_at if last_at is not None else 0.0
         self.foreign, self.floor = foreign, floor
 
-    def foreign_ahead(self, horizon_s: float) -> int:
+    def foreign_ahead(self, horizon_s: float, now: float) -> int:
         """foreign_ahead is the KV (tokens) the node may hold for others while requests admitted
-        now run: foreign + the last rise, scaled from its interval to ``horizon_s`` seconds
-        (never below one interval's rise; module doc)."""
+        at ``now`` run, ``horizon_s`` seconds: foreign + the last rise, scaled from its
+        interval to the time from the report to the end of that horizon (never below one
+        interval's rise; module doc). The report's age counts: a rise read 0.9 s ago has
+        had 0.9 s more to go on."""
         if self.rise <= 0:
             return self.foreign
-        if self.rise_s <= 0 or horizon_s <= self.rise_s:
+        ahead = horizon_s + max(0.0, now - self.report_at) if self.report_at is not None else horizon_s
+        if self.rise_s <= 0 or ahead <= self.rise_s:
             return self.foreign + self.rise
-        return self.foreign + math.ceil(self.rise * horizon_s / self.rise_s)
+        return self.foreign + math.ceil(self.rise * ahead / self.rise_s)
 
     def pass_over(self, why: PassedOver) -> None:
         self.passed_over[why] = self.passed_over.get(why, 0) + 1
@@ -405,13 +409,14 @@ class PoolNodes:
             total += self.hold(extra[1], extra[2], 0, extra[0])
         return total
 
-    def headroom(self, n: Node) -> int | None:
-        """headroom is the room left on ``n`` for a new request (tokens; None: capacity unknown)."""
+    def headroom(self, n: Node, now: float) -> int | None:
+        """headroom is the room left on ``n`` for a new request at ``now`` (tokens; None:
+        capacity unknown)."""
         cap = n.capacity
         if cap is None:
             return None
         return rules.node_headroom(cap, self.picking.reserve_fraction,
-                                   n.foreign_ahead(self._horizon_s()), self.held(n))
+                                   n.foreign_ahead(self._horizon_s(), now), self.held(n))
 
     def _horizon_s(self) -> float:
         """_horizon_s is how long a request admitted now typically holds its node (s; 0 before any ended)."""
@@ -470,7 +475,7 @@ class PoolNodes:
                 # What the request adds to the node's pooled bound is its need there: handed
                 # to pick_node as held + need, whose sum is the bound with the request.
                 held = self.held(n, (class_name, prompt, reserved)) - need
-            candidates.append((n.name, cap, n.foreign_ahead(horizon), held))
+            candidates.append((n.name, cap, n.foreign_ahead(horizon, now), held))
         verdict = rules.pick_node(candidates, need, self.picking.reserve_fraction,
                                   self._node_watermark(watermark))
         for name, why in verdict.passed:
@@ -493,7 +498,7 @@ class PoolNodes:
         for their state are counted as passed over here.
         """
         horizon = self._horizon_s()
-        rows = [(n.name, cap, n.foreign_ahead(horizon), self.held(n))
+        rows = [(n.name, cap, n.foreign_ahead(horizon, now), self.held(n))
                 for n, cap in self._eligible_in_turn(among, now)]
         return NodeAsk(candidates_of(rows), self.hold(prompt, reserved, 0, class_name),
                        self.picking.reserve_fraction, self._node_watermark(watermark))
@@ -600,7 +605,7 @@ class PoolNodes:
         for n in self.nodes.values():
             if n.state(now, self.stale_after_s) is not NodeState.UP:
                 continue
-            room = self.headroom(n)
+            room = self.headroom(n, now)
             if room is None:
                 continue
             t = expected_wait(((now - c.admitted_at, self.hold(c.prompt, c.reserved, c.generated,
@@ -618,7 +623,7 @@ class PoolNodes:
                 name=n.name, address=n.address, state=n.state(now, self.stale_after_s),
                 requests=len(n.charges), inflight_tokens=sum(c.footprint for c in n.charges),
                 held_tokens=self.held(n), foreign_tokens=n.foreign, capacity_tokens=n.capacity,
-                headroom_tokens=self.headroom(n) if n.report_at is not None else None,
+                headroom_tokens=self.headroom(n, now) if n.report_at is not None else None,
                 kv_usage=n.usage, picks=n.picks,
                 passed_over={k.value: v for k, v in n.passed_over.items()}))
         return tuple(out)

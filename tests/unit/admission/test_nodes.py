@@ -185,6 +185,23 @@ def test_a_rise_is_projected_over_the_time_kvgates_requests_hold_a_node():
     assert isinstance(adm.try_acquire(demand(50_001, 0)), Rejection)
 
 
+def test_a_rise_read_a_while_ago_is_projected_from_its_report_not_from_now():
+    clock = ManualClock(T0)
+    adm = Admission(config(pool=nodes_pool(1)), clock)
+    report(adm, clock, {"n0": 0.0})
+    lease = adm.try_acquire(demand(1_000, 0))
+    clock.advance(4.0)
+    lease.release(Outcome.COMPLETED, 0)                     # requests hold a node 4 s here
+    report(adm, clock, {"n0": 0.0})
+    clock.advance(2.0)
+    report(adm, clock, {"n0": 0.05})                       # others: +5k in 2 s
+    assert adm.nodes("default")[0].headroom_tokens == CAP - 5_000 - 10_000
+    clock.advance(1.0)                                      # no report since: 1 s more to rise,
+    assert adm.nodes("default")[0].headroom_tokens == CAP - 5_000 - 12_500   # 5 s ahead in all
+    assert isinstance(adm.try_acquire(demand(82_501, 0)), Rejection)
+    assert isinstance(adm.try_acquire(demand(82_500, 0)), Lease)
+
+
 def test_a_rise_of_kvgates_own_requests_in_the_report_is_no_foreign_rise():
     clock = ManualClock(T0)
     adm = Admission(config(pool=nodes_pool(1)), clock)
