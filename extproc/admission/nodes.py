@@ -19,13 +19,16 @@ A charge released before its report arrives is not subtracted either, for the sa
 A report without a mark (the loop was too busy to take one) subtracts nothing.
 
 A charge with no first token at the mark is *settled* when it has been held longer than
-any of the pool's recent requests took from admission to their first token
-(``PoolNodes.settle_s``): the node has had time to prefill it. It is subtracted when the
-report also says the node queues nothing (``NodeReport.waiting`` == 0), so it cannot be
-waiting there for blocks; otherwise, or before any first token was seen, it is not. This
-is what counts a request whose response is not streamed once: kvgate sees no token of it
-before its end, and counted it twice, in its footprint and as foreign KV, for its whole life
-(one 10k-token document looked like 20k on its node, which then took no second one).
+the pool's recent requests typically took from admission to their first token (the
+median, ``PoolNodes.settle_s``). A node schedules a request, and allocates its blocks, as
+the first thing it does with it; the first token comes after its prefill and is seen
+after the way back through the proxy, so a request older than that has reached the
+cache unless the node queues it. It is therefore subtracted when the report also says the
+node queues nothing (``NodeReport.waiting`` == 0); otherwise, or before any first token
+was seen, it is not. This is what counts a request whose response is not streamed once:
+kvgate sees no token of it before its end, and counted it twice, in its footprint and as
+foreign KV, for its whole life (one 10k-token document looked like 20k on its node, which
+then took no second one).
 
 Foreign KV on the rise. While a node's foreign KV grows (a batch job ramping up, another
 gateway's burst), it may go on growing at the same rate, and kvgate's requests on the node
@@ -340,10 +343,13 @@ class PoolNodes:
             n.mark(mark, now, settle)
 
     def settle_s(self) -> float | None:
-        """settle_s is how long a request is held before the node surely has it in its cache,
-        first token seen or not: the longest of the latest admission-to-first-token times
-        (seconds; None before any first token was seen)."""
-        return max(self.first_tokens) if self.first_tokens else None
+        """settle_s is how long a request is held before the node has it in its cache, first
+        token seen or not, unless the node queues it: the median of the latest
+        admission-to-first-token times (seconds; None before any first token was seen). Not
+        the longest: one slow stream would keep every document counted twice."""
+        if not self.first_tokens:
+            return None
+        return sorted(self.first_tokens)[len(self.first_tokens) // 2]
 
     def report(self, name: str, r: NodeReport) -> bool:
         """report hands one node's scrape in; False for a node not configured (any more)."""

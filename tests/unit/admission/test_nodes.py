@@ -106,22 +106,34 @@ def test_a_request_without_its_first_token_at_the_mark_is_not_subtracted():
 
 def test_a_request_never_streamed_counts_once_when_settled_on_a_node_that_queues_nothing():
     """A response that is not streamed shows no token before its end: once held longer than
-    any recent request took to its first token, on a node that queues nothing, it is in the
-    cache, and is subtracted from the report like a request whose first token was seen."""
+    recent requests typically took to their first token, on a node that queues nothing, it
+    is in the cache, and is subtracted from the report like a request whose first token was
+    seen."""
     clock = ManualClock(T0)
     adm = Admission(config(pool=nodes_pool(1)), clock)
     report(adm, clock, {"n0": 0.0}, waiting=0)
-    document = adm.try_acquire(demand(20_000, 0))
-    assert isinstance(document, Lease)
+    first = adm.try_acquire(demand(20_000, 0))
+    assert isinstance(first, Lease)
     clock.advance(0.5)
     adm.mark_nodes(1)                                       # no first token seen yet in the pool
     report(adm, clock, {"n0": 0.2}, mark=1, waiting=0)
     assert adm.nodes("default")[0].foreign_tokens == 20_000  # nothing says it is prefilled
-    chat = adm.try_acquire(demand(1_000, 0))
-    assert isinstance(chat, Lease)
+    first.release(Outcome.COMPLETED, 100)
+    report(adm, clock, {"n0": 0.0}, waiting=0)
+    slow = adm.try_acquire(demand(1_000, 0))                # its stream lags: 2.5 s to a token
+    chats = [adm.try_acquire(demand(1_000, 0)) for _ in range(2)]
+    assert isinstance(slow, Lease) and all(isinstance(c, Lease) for c in chats)
     clock.advance(0.3)
-    chat.progress(1)                                        # prefilled 0.3 s after admission
-    chat.release(Outcome.COMPLETED, 1)
+    for chat in chats:
+        chat.progress(1)                                    # prefilled 0.3 s after admission
+        chat.release(Outcome.COMPLETED, 1)
+    clock.advance(2.2)
+    slow.progress(1)
+    slow.release(Outcome.COMPLETED, 1)                      # the typical request took 0.3 s
+    report(adm, clock, {"n0": 0.0}, waiting=0)
+    document = adm.try_acquire(demand(20_000, 0))
+    assert isinstance(document, Lease)
+    clock.advance(1.0)                                      # older than 0.3 s, younger than 2.5 s
     late = adm.try_acquire(demand(5_000, 0))                # admitted 0.1 s before the mark
     assert isinstance(late, Lease)
     clock.advance(0.1)
