@@ -33,12 +33,17 @@ then took no second one).
 Foreign KV on the rise. While a node's foreign KV grows (a batch job ramping up, another
 gateway's burst), it may go on growing at the same rate, and kvgate's requests on the node
 cannot be taken back: they free their KV only as they end. So a node's room keeps free
-the last rise projected over the time kvgate's requests typically hold a node (the pool's
+the rise projected over the time kvgate's requests typically hold a node (the pool's
 median hold time, from the report's instant, so a report read a while ago projects
-further; at least one report interval): ``Node.foreign_ahead``. The rise counted is the smaller of two readings' growth, the
-foreign KV above and the floor (usage minus every held charge's footprint): kvgate's own
-requests missing from one of them (admitted after the mark, or not yet in the cache at
-the last report) make only that one jump, so they are not taken for a rise.
+further; at least one report interval): ``Node.foreign_ahead``. The rise is read at the
+faster of two rates: over the last report interval, and over the reports of the last
+hold time. The second remembers a load that rises in steps: one report interval between
+two steps shows no growth, and the first rate alone then opened the node again in the
+middle of the ramp (the trace replay's background load, 4 steps 1 s apart, preempted so).
+A rise is the smaller of two readings' growth, the foreign KV above and the floor (usage
+minus every held charge's footprint): kvgate's own requests missing from one of them
+(admitted after the mark, or not yet in the cache at the last report) make only that one
+jump, so they are not taken for a rise.
 
 Everything runs on the event-loop thread; times are seconds on the admission clock.
 """
@@ -61,6 +66,8 @@ from extproc.config import BackendConfig, PickingConfig, PoolConfig
 LENGTH_SAMPLES = 1000
 # Admission-to-first-token times remembered to learn when a request is surely prefilled.
 FIRST_TOKEN_SAMPLES = 200
+# Reports remembered per node to read the foreign KV's rise over the last hold time.
+RISE_REPORTS = 32
 
 
 def allows(among: frozenset[str] | None, address: str) -> bool:
@@ -152,7 +159,7 @@ class Node:
     """Node is one node's ledger: capacity, last report, foreign KV and kvgate's charges."""
 
     __slots__ = ("name", "address", "configured_capacity", "reported_capacity", "usage",
-                 "report_at", "refused", "foreign", "floor", "rise", "rise_s", "charges", "marks", "picks",
+                 "report_at", "refused", "foreign", "floor", "rise", "rise_s", "history", "charges", "marks", "picks",
                  "passed_over")
 
     def __init__(self, backend: BackendConfig) -> None:
@@ -167,6 +174,8 @@ class Node:
         self.floor: int | None = None   # tokens used minus every held charge's footprint, last report
         self.rise = 0                   # tokens foreign KV grew by over the last interval (module doc)
         self.rise_s = 0.0               # that interval, seconds
+        # (instant, foreign, floor) of the latest reports with a usable sample, oldest first.
+        self.history: deque[tuple[float, int, int]] = deque(maxlen=RISE_REPORTS)
         self.charges: set[Charge] = set()
         # mark id -> (footprint at the mark, first token seen) of each charge certainly in
         # the node's cache (first token seen) or settled there (module doc).
@@ -215,6 +224,7 @@ class Node:
         last_at, self.report_at = self.report_at, r.at
         if scale is None:
             self.foreign, self.floor, self.rise = 0, None, 0
+            self.history.clear()
             return
         used = math.ceil(self.usage * scale)
         idle = r.waiting == 0
@@ -225,19 +235,27 @@ class Node:
                      else max(0, min(foreign - self.foreign, floor - self.floor)))
         self.rise_s = r.at - last_at if last_at is not None else 0.0
         self.foreign, self.floor = foreign, floor
+        self.history.append((r.at, foreign, floor))
 
     def foreign_ahead(self, horizon_s: float, now: float) -> int:
         """foreign_ahead is the KV (tokens) the node may hold for others while requests admitted
-        at ``now`` run, ``horizon_s`` seconds: foreign + the last rise, scaled from its
-        interval to the time from the report to the end of that horizon (never below one
-        interval's rise; module doc). The report's age counts: a rise read 0.9 s ago has
-        had 0.9 s more to go on."""
-        if self.rise <= 0:
+        at ``now`` run, ``horizon_s`` seconds: foreign + its rise at the faster of its rates
+        over the last report interval and over the reports of the last ``horizon_s``, from
+        the report to the end of that horizon (never below the last interval's rise; module
+        doc). The report's age counts: a rise read 0.9 s ago has had 0.9 s more to go on."""
+        if self.report_at is None:
             return self.foreign
-        ahead = horizon_s + max(0.0, now - self.report_at) if self.report_at is not None else horizon_s
-        if self.rise_s <= 0 or ahead <= self.rise_s:
-            return self.foreign + self.rise
-        return self.foreign + math.ceil(self.rise * ahead / self.rise_s)
+        ahead = horizon_s + max(0.0, now - self.report_at)
+        extra = 0
+        if self.rise > 0:
+            extra = (self.rise if self.rise_s <= 0 or ahead <= self.rise_s
+                     else math.ceil(self.rise * ahead / self.rise_s))
+        oldest = next((h for h in self.history if h[0] >= self.report_at - horizon_s), None)
+        if oldest is not None and self.floor is not None and oldest[0] < self.report_at:
+            grew = min(self.foreign - oldest[1], self.floor - oldest[2])
+            if grew > 0:
+                extra = max(extra, math.ceil(grew * ahead / (self.report_at - oldest[0])))
+        return self.foreign + extra
 
     def pass_over(self, why: PassedOver) -> None:
         self.passed_over[why] = self.passed_over.get(why, 0) + 1

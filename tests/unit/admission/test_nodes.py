@@ -197,6 +197,30 @@ def test_a_rise_is_projected_over_the_time_kvgates_requests_hold_a_node():
     assert isinstance(adm.try_acquire(demand(50_001, 0)), Rejection)
 
 
+def test_a_rise_in_steps_stays_projected_through_a_report_between_two_steps():
+    """Load that rises in steps 1 s apart, read every second: a report may fall between two
+    steps and show no growth. Its rise over the last hold time still keeps the node's room
+    free, until the load has held still for a whole hold time."""
+    clock = ManualClock(T0)
+    adm = Admission(config(pool=nodes_pool(1)), clock)
+    report(adm, clock, {"n0": 0.0})
+    lease = adm.try_acquire(demand(1_000, 0))
+    clock.advance(4.0)
+    lease.release(Outcome.COMPLETED, 0)                     # requests hold a node 4 s here
+    report(adm, clock, {"n0": 0.0})
+    clock.advance(1.0)
+    report(adm, clock, {"n0": 0.10})                       # a first step: +10k in 1 s
+    assert adm.nodes("default")[0].headroom_tokens == CAP - 10_000 - 40_000
+    clock.advance(1.0)
+    report(adm, clock, {"n0": 0.10})                       # between two steps: flat for 1 s...
+    assert adm.nodes("default")[0].headroom_tokens == CAP - 10_000 - 20_000   # 10k in 2 s, 4 s on
+    assert isinstance(adm.try_acquire(demand(70_001, 0)), Rejection)
+    for _ in range(4):
+        clock.advance(1.0)
+        report(adm, clock, {"n0": 0.10})
+    assert adm.nodes("default")[0].headroom_tokens == CAP - 10_000   # still for 4 s: it stopped
+
+
 def test_a_rise_read_a_while_ago_is_projected_from_its_report_not_from_now():
     clock = ManualClock(T0)
     adm = Admission(config(pool=nodes_pool(1)), clock)
