@@ -638,7 +638,9 @@ class Client:
 _GAUGES = {"kvgate_inflight_requests", "kvgate_kv_inflight_tokens", "kvgate_kv_budget_tokens",
            "kvgate_admission_scale", "kvgate_pool_alarm"}
 # The picker's per-node readings (issue 13's contract), kept per backend label.
-_PER_BACKEND = {"kvgate_backend_kv_inflight_tokens", "kvgate_backend_picks_total"}
+_PER_BACKEND = {"kvgate_backend_kv_inflight_tokens", "kvgate_backend_kv_expected_tokens",
+                "kvgate_backend_kv_foreign_tokens", "kvgate_backend_kv_headroom_tokens",
+                "kvgate_backend_picks_total"}
 # kvgate's decisions, kept per class and outcome: which class a tenant's requests landed in.
 _PER_CLASS = {"kvgate_requests_total"}
 

@@ -200,9 +200,10 @@ class Admission:
 
         ``mark`` is an increasing id that the round's ``report_node`` calls carry.
         """
+        now = self._clock.now()
         for p in self._pools.values():
             if p.nodes is not None:
-                p.nodes.mark(mark)
+                p.nodes.mark(mark, now)
 
     def report_node(self, pool: str, backend: str, report: NodeReport) -> None:
         """report_node hands in one node's scrape of a picking pool (on the event-loop thread).

@@ -13,20 +13,37 @@ certainly in the node's KV cache when the node renders its metrics, so the repor
 follows the mark carries them. ``report`` subtracts their footprint at the mark from the
 reported usage: what is left is KV that kvgate did not admit (``foreign``), and kvgate's
 own requests are then counted once, by their footprint now and growth to come. A charge
-admitted after the mark, or with no first token yet, is not subtracted (it may be missing
-from the report): if the node did hold it, it is counted twice until the next report,
-which errs on the safe side. A charge released before its report arrives is not
-subtracted either, for the same reason. A report without a mark (the loop was too busy
-to take one) subtracts nothing.
+admitted after the mark is not subtracted (it may be missing from the report): if the
+node did hold it, it is counted twice until the next report, which errs on the safe side.
+A charge released before its report arrives is not subtracted either, for the same reason.
+A report without a mark (the loop was too busy to take one) subtracts nothing.
+
+A charge with no first token at the mark is *settled* when it has been held longer than
+the pool's recent requests typically took from admission to their first token (the
+median, ``PoolNodes.settle_s``). A node schedules a request, and allocates its blocks, as
+the first thing it does with it; the first token comes after its prefill and is seen
+after the way back through the proxy, so a request older than that has reached the
+cache unless the node queues it. It is therefore subtracted when the report also says the
+node queues nothing (``NodeReport.waiting`` == 0); otherwise, or before any first token
+was seen, it is not. This is what counts a request whose response is not streamed once:
+kvgate sees no token of it before its end, and counted it twice, in its footprint and as
+foreign KV, for its whole life (one 10k-token document looked like 20k on its node, which
+then took no second one).
 
 Foreign KV on the rise. While a node's foreign KV grows (a batch job ramping up, another
 gateway's burst), it may go on growing at the same rate, and kvgate's requests on the node
 cannot be taken back: they free their KV only as they end. So a node's room keeps free
-the last rise projected over the time kvgate's requests typically hold a node (the pool's
-median hold time; at least one report interval): ``Node.foreign_ahead``. The rise counted is the smaller of two readings' growth, the
-foreign KV above and the floor (usage minus every held charge's footprint): kvgate's own
-requests missing from one of them (admitted after the mark, or not yet in the cache at
-the last report) make only that one jump, so they are not taken for a rise.
+the rise projected over the time kvgate's requests typically hold a node (the pool's
+median hold time, from the report's instant, so a report read a while ago projects
+further; at least one report interval): ``Node.foreign_ahead``. The rise is read at the
+faster of two rates: over the last report interval, and over the reports of the last
+hold time. The second remembers a load that rises in steps: one report interval between
+two steps shows no growth, and the first rate alone then opened the node again in the
+middle of the ramp (the trace replay's background load, 4 steps 1 s apart, preempted so).
+A rise is the smaller of two readings' growth, the foreign KV above and the floor (usage
+minus every held charge's footprint): kvgate's own requests missing from one of them
+(admitted after the mark, or not yet in the cache at the last report) make only that one
+jump, so they are not taken for a rise.
 
 Everything runs on the event-loop thread; times are seconds on the admission clock.
 """
@@ -47,6 +64,10 @@ from extproc.config import BackendConfig, PickingConfig, PoolConfig
 
 # Completion lengths remembered per class to learn the growth to expect.
 LENGTH_SAMPLES = 1000
+# Admission-to-first-token times remembered to learn when a request is surely prefilled.
+FIRST_TOKEN_SAMPLES = 200
+# Reports remembered per node to read the foreign KV's rise over the last hold time.
+RISE_REPORTS = 32
 
 
 def allows(among: frozenset[str] | None, address: str) -> bool:
@@ -91,7 +112,8 @@ class NodeReport:
     ``kv_usage``: KV-cache usage ratio in [0, 1] (None: no usable sample this round);
     ``capacity_tokens``: the KV capacity the node reports (None: not reported); ``at``: the
     instant (s) the sample was read; ``refused``: the scrape's connection was refused;
-    ``mark``: the id of the mark taken before the scrape (None: none was taken).
+    ``mark``: the id of the mark taken before the scrape (None: none was taken);
+    ``waiting``: requests the node queues (None: not reported).
     """
 
     kv_usage: float | None
@@ -99,6 +121,7 @@ class NodeReport:
     at: float
     refused: bool = False
     mark: int | None = None
+    waiting: int | None = None
 
 
 class Charge:
@@ -136,7 +159,7 @@ class Node:
     """Node is one node's ledger: capacity, last report, foreign KV and kvgate's charges."""
 
     __slots__ = ("name", "address", "configured_capacity", "reported_capacity", "usage",
-                 "report_at", "refused", "foreign", "floor", "rise", "rise_s", "charges", "marks", "picks",
+                 "report_at", "refused", "foreign", "floor", "rise", "rise_s", "history", "charges", "marks", "picks",
                  "passed_over")
 
     def __init__(self, backend: BackendConfig) -> None:
@@ -151,9 +174,12 @@ class Node:
         self.floor: int | None = None   # tokens used minus every held charge's footprint, last report
         self.rise = 0                   # tokens foreign KV grew by over the last interval (module doc)
         self.rise_s = 0.0               # that interval, seconds
+        # (instant, foreign, floor) of the latest reports with a usable sample, oldest first.
+        self.history: deque[tuple[float, int, int]] = deque(maxlen=RISE_REPORTS)
         self.charges: set[Charge] = set()
-        # mark id -> footprint at the mark of each charge certainly in the node's cache.
-        self.marks: dict[int, dict[Charge, int]] = {}
+        # mark id -> (footprint at the mark, first token seen) of each charge certainly in
+        # the node's cache (first token seen) or settled there (module doc).
+        self.marks: dict[int, dict[Charge, tuple[int, bool]]] = {}
         self.picks = 0
         self.passed_over: dict[PassedOver, int] = {}
 
@@ -172,9 +198,13 @@ class Node:
             return NodeState.STALE
         return NodeState.UP
 
-    def mark(self, mark: int) -> None:
-        """mark records the charges certainly in the node's cache at this instant (see module doc)."""
-        self.marks[mark] = {c: c.footprint for c in self.charges if c.first_at is not None}
+    def mark(self, mark: int, now: float, settle_s: float | None) -> None:
+        """mark records the charges certainly in the node's cache at ``now``, and those settled
+        there (held ``settle_s`` seconds or more without a first token; None: none is), see
+        the module doc."""
+        self.marks[mark] = {c: (c.footprint, c.first_at is not None) for c in self.charges
+                            if c.first_at is not None
+                            or (settle_s is not None and now - c.admitted_at >= settle_s)}
         while len(self.marks) > 4:  # reports lost or never taken: keep the newest few
             del self.marks[next(iter(self.marks))]
 
@@ -194,25 +224,38 @@ class Node:
         last_at, self.report_at = self.report_at, r.at
         if scale is None:
             self.foreign, self.floor, self.rise = 0, None, 0
+            self.history.clear()
             return
         used = math.ceil(self.usage * scale)
-        ours = sum(fp for c, fp in seen.items() if c.held) if seen else 0
+        idle = r.waiting == 0
+        ours = sum(fp for c, (fp, first) in seen.items() if c.held and (first or idle)) if seen else 0
         foreign = max(0, used - ours)
         floor = max(0, used - sum(c.footprint for c in self.charges))
         self.rise = (0 if self.floor is None
                      else max(0, min(foreign - self.foreign, floor - self.floor)))
         self.rise_s = r.at - last_at if last_at is not None else 0.0
         self.foreign, self.floor = foreign, floor
+        self.history.append((r.at, foreign, floor))
 
-    def foreign_ahead(self, horizon_s: float) -> int:
+    def foreign_ahead(self, horizon_s: float, now: float) -> int:
         """foreign_ahead is the KV (tokens) the node may hold for others while requests admitted
-        now run: foreign + the last rise, scaled from its interval to ``horizon_s`` seconds
-        (never below one interval's rise; module doc)."""
-        if self.rise <= 0:
+        at ``now`` run, ``horizon_s`` seconds: foreign + its rise at the faster of its rates
+        over the last report interval and over the reports of the last ``horizon_s``, from
+        the report to the end of that horizon (never below the last interval's rise; module
+        doc). The report's age counts: a rise read 0.9 s ago has had 0.9 s more to go on."""
+        if self.report_at is None:
             return self.foreign
-        if self.rise_s <= 0 or horizon_s <= self.rise_s:
-            return self.foreign + self.rise
-        return self.foreign + math.ceil(self.rise * horizon_s / self.rise_s)
+        ahead = horizon_s + max(0.0, now - self.report_at)
+        extra = 0
+        if self.rise > 0:
+            extra = (self.rise if self.rise_s <= 0 or ahead <= self.rise_s
+                     else math.ceil(self.rise * ahead / self.rise_s))
+        oldest = next((h for h in self.history if h[0] >= self.report_at - horizon_s), None)
+        if oldest is not None and self.floor is not None and oldest[0] < self.report_at:
+            grew = min(self.foreign - oldest[1], self.floor - oldest[2])
+            if grew > 0:
+                extra = max(extra, math.ceil(grew * ahead / (self.report_at - oldest[0])))
+        return self.foreign + extra
 
     def pass_over(self, why: PassedOver) -> None:
         self.passed_over[why] = self.passed_over.get(why, 0) + 1
@@ -286,6 +329,8 @@ class PoolNodes:
         self.stale_after_s = stale_after_s
         self.lengths: dict[str, Lengths] = {}
         self.holds = HoldTimes()
+        # Seconds from admission to the first token of the latest requests that streamed one.
+        self.first_tokens: deque[float] = deque(maxlen=FIRST_TOKEN_SAMPLES)
         self._turn = 0  # rotates the order in which equal nodes are offered
         self.reconfigure(config, stale_after_s)
 
@@ -309,10 +354,20 @@ class PoolNodes:
 
     # --- reports -------------------------------------------------------------------
 
-    def mark(self, mark: int) -> None:
-        """mark starts a scrape round: see the module doc."""
+    def mark(self, mark: int, now: float) -> None:
+        """mark starts a scrape round at ``now``: see the module doc."""
+        settle = self.settle_s()
         for n in self.nodes.values():
-            n.mark(mark)
+            n.mark(mark, now, settle)
+
+    def settle_s(self) -> float | None:
+        """settle_s is how long a request is held before the node has it in its cache, first
+        token seen or not, unless the node queues it: the median of the latest
+        admission-to-first-token times (seconds; None before any first token was seen). Not
+        the longest: one slow stream would keep every document counted twice."""
+        if not self.first_tokens:
+            return None
+        return sorted(self.first_tokens)[len(self.first_tokens) // 2]
 
     def report(self, name: str, r: NodeReport) -> bool:
         """report hands one node's scrape in; False for a node not configured (any more)."""
@@ -378,13 +433,14 @@ class PoolNodes:
             total += self.hold(extra[1], extra[2], 0, extra[0])
         return total
 
-    def headroom(self, n: Node) -> int | None:
-        """headroom is the room left on ``n`` for a new request (tokens; None: capacity unknown)."""
+    def headroom(self, n: Node, now: float) -> int | None:
+        """headroom is the room left on ``n`` for a new request at ``now`` (tokens; None:
+        capacity unknown)."""
         cap = n.capacity
         if cap is None:
             return None
         return rules.node_headroom(cap, self.picking.reserve_fraction,
-                                   n.foreign_ahead(self._horizon_s()), self.held(n))
+                                   n.foreign_ahead(self._horizon_s(), now), self.held(n))
 
     def _horizon_s(self) -> float:
         """_horizon_s is how long a request admitted now typically holds its node (s; 0 before any ended)."""
@@ -443,7 +499,7 @@ class PoolNodes:
                 # What the request adds to the node's pooled bound is its need there: handed
                 # to pick_node as held + need, whose sum is the bound with the request.
                 held = self.held(n, (class_name, prompt, reserved)) - need
-            candidates.append((n.name, cap, n.foreign_ahead(horizon), held))
+            candidates.append((n.name, cap, n.foreign_ahead(horizon, now), held))
         verdict = rules.pick_node(candidates, need, self.picking.reserve_fraction,
                                   self._node_watermark(watermark))
         for name, why in verdict.passed:
@@ -466,7 +522,7 @@ class PoolNodes:
         for their state are counted as passed over here.
         """
         horizon = self._horizon_s()
-        rows = [(n.name, cap, n.foreign_ahead(horizon), self.held(n))
+        rows = [(n.name, cap, n.foreign_ahead(horizon, now), self.held(n))
                 for n, cap in self._eligible_in_turn(among, now)]
         return NodeAsk(candidates_of(rows), self.hold(prompt, reserved, 0, class_name),
                        self.picking.reserve_fraction, self._node_watermark(watermark))
@@ -511,6 +567,7 @@ class PoolNodes:
             return
         if charge.first_at is None and generated > 0:
             charge.first_at = now
+            self.first_tokens.append(max(0.0, now - charge.admitted_at))
         if generated > charge.generated:
             charge.generated = generated
 
@@ -572,7 +629,7 @@ class PoolNodes:
         for n in self.nodes.values():
             if n.state(now, self.stale_after_s) is not NodeState.UP:
                 continue
-            room = self.headroom(n)
+            room = self.headroom(n, now)
             if room is None:
                 continue
             t = expected_wait(((now - c.admitted_at, self.hold(c.prompt, c.reserved, c.generated,
@@ -590,7 +647,7 @@ class PoolNodes:
                 name=n.name, address=n.address, state=n.state(now, self.stale_after_s),
                 requests=len(n.charges), inflight_tokens=sum(c.footprint for c in n.charges),
                 held_tokens=self.held(n), foreign_tokens=n.foreign, capacity_tokens=n.capacity,
-                headroom_tokens=self.headroom(n) if n.report_at is not None else None,
+                headroom_tokens=self.headroom(n, now) if n.report_at is not None else None,
                 kv_usage=n.usage, picks=n.picks,
                 passed_over={k.value: v for k, v in n.passed_over.items()}))
         return tuple(out)

@@ -260,6 +260,11 @@ def test_tiny_replay_runs_the_policies_and_writes_the_report(tmp_path):
     decided = [row["kvgate"] for row in kvgate["timeline"] if "kvgate" in row][-1]
     assert decided.get("kvgate_requests_total/online/admitted", 0) > 0
     assert not any(k.startswith("kvgate_requests_total/standard/") for k in decided)
+    if not picker_missing:
+        # kvgate's view of each node beside the node's own, to explain a preemption
+        for what in ("inflight", "expected", "foreign", "headroom"):
+            assert any(f"kvgate_backend_kv_{what}_tokens/node-2" in row.get("kvgate", {})
+                       for row in kvgate["timeline"])
 
 
 def test_background_load_rises_in_steps_and_its_preemptions_are_told_apart():

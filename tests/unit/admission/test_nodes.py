@@ -29,10 +29,11 @@ def nodes_pool(n: int = 3, growth: str = "worst_case", reserve: float = 0.0, **p
 
 
 def report(adm: Admission, clock: ManualClock, usage: dict[str, float], mark: int | None = None,
-           refused: tuple[str, ...] = ()) -> None:
+           refused: tuple[str, ...] = (), waiting: int | None = None) -> None:
     for name, u in usage.items():
         adm.report_node("default", name, NodeReport(kv_usage=u, capacity_tokens=CAP, at=clock.now(),
-                                                    refused=name in refused, mark=mark))
+                                                    refused=name in refused, mark=mark,
+                                                    waiting=waiting))
 
 
 def demand(prompt: int, completion: int, class_name: str = "standard") -> Demand:
@@ -103,6 +104,52 @@ def test_a_request_without_its_first_token_at_the_mark_is_not_subtracted():
     assert adm.nodes("default")[0].foreign_tokens == 20_000
 
 
+def test_a_request_never_streamed_counts_once_when_settled_on_a_node_that_queues_nothing():
+    """A response that is not streamed shows no token before its end: once held longer than
+    recent requests typically took to their first token, on a node that queues nothing, it
+    is in the cache, and is subtracted from the report like a request whose first token was
+    seen."""
+    clock = ManualClock(T0)
+    adm = Admission(config(pool=nodes_pool(1)), clock)
+    report(adm, clock, {"n0": 0.0}, waiting=0)
+    first = adm.try_acquire(demand(20_000, 0))
+    assert isinstance(first, Lease)
+    clock.advance(0.5)
+    adm.mark_nodes(1)                                       # no first token seen yet in the pool
+    report(adm, clock, {"n0": 0.2}, mark=1, waiting=0)
+    assert adm.nodes("default")[0].foreign_tokens == 20_000  # nothing says it is prefilled
+    first.release(Outcome.COMPLETED, 100)
+    report(adm, clock, {"n0": 0.0}, waiting=0)
+    slow = adm.try_acquire(demand(1_000, 0))                # its stream lags: 2.5 s to a token
+    chats = [adm.try_acquire(demand(1_000, 0)) for _ in range(2)]
+    assert isinstance(slow, Lease) and all(isinstance(c, Lease) for c in chats)
+    clock.advance(0.3)
+    for chat in chats:
+        chat.progress(1)                                    # prefilled 0.3 s after admission
+        chat.release(Outcome.COMPLETED, 1)
+    clock.advance(2.2)
+    slow.progress(1)
+    slow.release(Outcome.COMPLETED, 1)                      # the typical request took 0.3 s
+    report(adm, clock, {"n0": 0.0}, waiting=0)
+    document = adm.try_acquire(demand(20_000, 0))
+    assert isinstance(document, Lease)
+    clock.advance(1.0)                                      # older than 0.3 s, younger than 2.5 s
+    late = adm.try_acquire(demand(5_000, 0))                # admitted 0.1 s before the mark
+    assert isinstance(late, Lease)
+    clock.advance(0.1)
+    adm.mark_nodes(2)
+    report(adm, clock, {"n0": 0.2}, mark=2, waiting=1)      # the node queues: maybe not in yet
+    assert adm.nodes("default")[0].foreign_tokens == 20_000
+    adm.mark_nodes(3)
+    report(adm, clock, {"n0": 0.2}, mark=3, waiting=0)      # the document is counted once
+    node = adm.nodes("default")[0]
+    assert node.foreign_tokens == 0
+    assert node.headroom_tokens == CAP - 20_000 - 5_000
+    adm.mark_nodes(4)
+    report(adm, clock, {"n0": 0.2}, mark=4)                 # queue not reported: not subtracted
+    assert adm.nodes("default")[0].foreign_tokens == 20_000
+
+
 def test_a_request_released_before_its_report_arrives_is_not_subtracted():
     clock = ManualClock(T0)
     adm = Admission(config(pool=nodes_pool(1)), clock)
@@ -148,6 +195,47 @@ def test_a_rise_is_projected_over_the_time_kvgates_requests_hold_a_node():
     report(adm, clock, {"n0": 0.10})                       # +5k in 0.5 s: 40k more in 4 s
     assert adm.nodes("default")[0].headroom_tokens == CAP - 10_000 - 40_000
     assert isinstance(adm.try_acquire(demand(50_001, 0)), Rejection)
+
+
+def test_a_rise_in_steps_stays_projected_through_a_report_between_two_steps():
+    """Load that rises in steps 1 s apart, read every second: a report may fall between two
+    steps and show no growth. Its rise over the last hold time still keeps the node's room
+    free, until the load has held still for a whole hold time."""
+    clock = ManualClock(T0)
+    adm = Admission(config(pool=nodes_pool(1)), clock)
+    report(adm, clock, {"n0": 0.0})
+    lease = adm.try_acquire(demand(1_000, 0))
+    clock.advance(4.0)
+    lease.release(Outcome.COMPLETED, 0)                     # requests hold a node 4 s here
+    report(adm, clock, {"n0": 0.0})
+    clock.advance(1.0)
+    report(adm, clock, {"n0": 0.10})                       # a first step: +10k in 1 s
+    assert adm.nodes("default")[0].headroom_tokens == CAP - 10_000 - 40_000
+    clock.advance(1.0)
+    report(adm, clock, {"n0": 0.10})                       # between two steps: flat for 1 s...
+    assert adm.nodes("default")[0].headroom_tokens == CAP - 10_000 - 20_000   # 10k in 2 s, 4 s on
+    assert isinstance(adm.try_acquire(demand(70_001, 0)), Rejection)
+    for _ in range(4):
+        clock.advance(1.0)
+        report(adm, clock, {"n0": 0.10})
+    assert adm.nodes("default")[0].headroom_tokens == CAP - 10_000   # still for 4 s: it stopped
+
+
+def test_a_rise_read_a_while_ago_is_projected_from_its_report_not_from_now():
+    clock = ManualClock(T0)
+    adm = Admission(config(pool=nodes_pool(1)), clock)
+    report(adm, clock, {"n0": 0.0})
+    lease = adm.try_acquire(demand(1_000, 0))
+    clock.advance(4.0)
+    lease.release(Outcome.COMPLETED, 0)                     # requests hold a node 4 s here
+    report(adm, clock, {"n0": 0.0})
+    clock.advance(2.0)
+    report(adm, clock, {"n0": 0.05})                       # others: +5k in 2 s
+    assert adm.nodes("default")[0].headroom_tokens == CAP - 5_000 - 10_000
+    clock.advance(1.0)                                      # no report since: 1 s more to rise,
+    assert adm.nodes("default")[0].headroom_tokens == CAP - 5_000 - 12_500   # 5 s ahead in all
+    assert isinstance(adm.try_acquire(demand(82_501, 0)), Rejection)
+    assert isinstance(adm.try_acquire(demand(82_500, 0)), Lease)
 
 
 def test_a_rise_of_kvgates_own_requests_in_the_report_is_no_foreign_rise():
