@@ -379,7 +379,8 @@ def envoy_filter(config: Config, mode: str = DEFAULT_MODE) -> dict[str, Any]:
     and the default route with its ``kvgate`` metadata), ``per_connection_buffer_limit_bytes``
     (for the listener), and where the mode needs them ``access_log`` (for the connection
     manager), ``access_log_options`` (for the connection manager: periodic entries) and
-    ``response_headers_to_add`` (for the virtual host). Raises ValueError for an unknown mode.
+    ``response_headers_to_add`` and ``request_headers_to_remove`` (for the virtual host).
+    Raises ValueError for an unknown mode.
     """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: expected one of {', '.join(MODES)}")
@@ -393,6 +394,11 @@ def envoy_filter(config: Config, mode: str = DEFAULT_MODE) -> dict[str, Any]:
         out["access_log"] = _access_log(mode)
     if mode == "endpoint-picker-log":
         out["access_log_options"] = {"access_log_flush_interval": seconds_text(PROGRESS_INTERVAL_S)}
+    if mode != "reservation":
+        # kvgate or the usage filter reads the completion count in the response body: a
+        # compressed body hides it (charged at its reservation), so the upstream is asked for
+        # none. An inference server next to its gateway gains nothing from compressing.
+        out["request_headers_to_remove"] = ["accept-encoding"]
     if mode in ("observe", *_LOGGED):
         out["response_headers_to_add"] = [
             {"header": {"key": h, "value": f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{h})%"}}
@@ -422,8 +428,9 @@ def envoy_bootstrap(config: Config, mode: str = DEFAULT_MODE, *, listen: str = "
     uhost, uport = split_address(upstream)
     ahost, aport = split_address(admin)
     vhost: dict[str, Any] = {"name": "inference", "domains": ["*"], "routes": piece["routes"]}
-    if "response_headers_to_add" in piece:
-        vhost["response_headers_to_add"] = piece["response_headers_to_add"]
+    for key in ("response_headers_to_add", "request_headers_to_remove"):
+        if key in piece:
+            vhost[key] = piece[key]
     hcm: dict[str, Any] = {"@type": HCM_TYPE, "stat_prefix": "inference"}
     if "access_log" in piece:
         hcm["access_log"] = piece["access_log"]

@@ -128,6 +128,17 @@ def test_client_sent_tenant_and_internal_headers_reach_neither_kvgate_nor_the_up
     assert admitted(stack, **{"class": "gold"}) == gold + 1
 
 
+def test_the_upstream_is_asked_for_an_uncompressed_body_where_kvgate_reads_its_usage(
+        stack: Stack, request: pytest.FixtureRequest) -> None:
+    # The openai client sends accept-encoding: gzip; a compressed answer hides its usage from
+    # kvgate and from the usage filter, so every file that reads it removes the header.
+    status, _, _ = send(stack, headers={"accept-encoding": "gzip, deflate"})
+    assert status == 200
+    forwarded = {k.lower(): v for k, v in stack.upstream_json("/_fake/requests")[-1]["headers"].items()}
+    reads_usage = request.node.callspec.params["stack"] != "envoy-reservation.yaml"
+    assert ("accept-encoding" not in forwarded) is reads_usage, forwarded
+
+
 @pytest.mark.parametrize("path", ["/v1/./chat/completions", "//v1/chat/completions",
                                   "/v1/chat/../chat/completions"])
 def test_paths_are_normalised_so_no_spelling_passes_unadmitted(stack: Stack, path: str) -> None:
