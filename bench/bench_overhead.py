@@ -86,7 +86,8 @@ TARGETS = {
 # Files whose completion refund comes from the response stream (reported usage, or the
 # chunks delivered); the others charge the completion at its reservation.
 EXACT_REFUND = ("recommended", "four-message", "observe", "endpoint-picker", "access-log",
-                "endpoint-picker-log", "endpoint-picker-log-100ms", "endpoint-picker-log-500ms")
+                "endpoint-picker-log", "endpoint-picker-log-100ms", "endpoint-picker-log-500ms",
+                "endpoint-picker-log-60000ms")
 
 
 @dataclass(frozen=True)
@@ -1052,7 +1053,7 @@ def _targets(res: Results, variants: Sequence[str]) -> list[str]:
     return ["## Targets (issue 17)", "",
             "Ratios are over the bare processor in the same Envoy file and run (`kvgate X` "
             "against `bare X`). The tokenizer target (a 1 MiB prompt never delays another "
-            "decision by more than 5 ms) is `make bench-loop-lag`'s (bench/results/loop-lag.md).",
+            "decision by more than 5 ms) is `make bench-big-prompt`'s (bench/results/big-prompt.md).",
             "", "| target | goal | " + " | ".join(setups) + " |",
             "|---|---|" + "---|" * len(setups),
             *(f"| {name} | {goal} | " + " | ".join(got) + " |" for name, goal, got in rows), ""]
@@ -1101,10 +1102,10 @@ def _cpus() -> int:
 VARIANTS = ("recommended", "four-message", "observe", "reservation", "access-log",
             "endpoint-picker", "endpoint-picker-log", "full-duplex", "no-response-headers",
             "request-only", "no-buffer", "access-log-no-lua", "endpoint-picker-log-100ms",
-            "endpoint-picker-log-500ms")
+            "endpoint-picker-log-500ms", "endpoint-picker-log-60000ms")
 # Variants whose node the processor names (the picker files and their levers).
 PICKED = ("endpoint-picker", "endpoint-picker-log", "endpoint-picker-log-100ms",
-          "endpoint-picker-log-500ms")
+          "endpoint-picker-log-500ms", "endpoint-picker-log-60000ms")
 # The header by which the picker file's ORIGINAL_DST cluster routes (the node kvgate names).
 PICKER_HEADER = "x-gateway-destination-endpoint"
 # Variants kvgate does not serve (the bare processor shows what they would be worth).
@@ -1142,7 +1143,8 @@ def variant_file(variant: str, workdir: Path) -> Path:
     - ``endpoint-picker-log``: deploy/envoy-endpoint-picker-log.yaml (the node named as in
       the picker file, the request's ext_proc stream ends with the request body, the progress
       and the end come by the access log), and its levers ``endpoint-picker-log-100ms`` and
-      ``-500ms`` with another ``access_log_flush_interval`` (the shipped one is 0.25 s).
+      ``-500ms`` with another ``access_log_flush_interval`` (the shipped one is 0.25 s), and
+      ``-60000ms``: nearly no periodic entry, to tell their traffic from what a request holds.
     """
     if variant == "recommended":
         return ENVOY_TEMPLATE
