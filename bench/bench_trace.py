@@ -770,8 +770,9 @@ def _wait_signals(admin_url: str, timeout: float = 10.0) -> None:
 
 
 def run_policy(policy: Policy, reqs: list[Req], sc: Scenario, node: Node, speedup: float, seed: int,
-               workdir: Path, label: str) -> Run:
-    """run_policy starts three fresh nodes (+ kvgate) + Envoy, replays the requests, stops them."""
+               workdir: Path, label: str, picker_envoy: Path = PICKER_ENVOY) -> Run:
+    """run_policy starts three fresh nodes (+ kvgate) + Envoy, replays the requests, stops them;
+    the picking policies run behind ``picker_envoy``."""
     run = Run(policy)
     run.skipped = skip_reason(policy)
     if run.skipped is not None:
@@ -804,7 +805,8 @@ def run_policy(policy: Policy, reqs: list[Req], sc: Scenario, node: Node, speedu
         envoy_port = free_port()
         envoy_yaml = workdir / "envoy.yaml"
         envoy_yaml.write_text(yaml.safe_dump(envoy_for(policy, listen=envoy_port, grpc=grpc_port,
-                                                       sim_ports=sim_ports), sort_keys=False))
+                                                       sim_ports=sim_ports, picker_template=picker_envoy),
+                                              sort_keys=False))
         for sim, port in zip(sims, sim_ports):
             sim.wait_port(port)
         admin_url = None
@@ -1142,6 +1144,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--reserve", type=float, default=None,
                     help="override every picking policy's reserve_fraction (to weigh the reserve's cost)")
+    ap.add_argument("--picker-envoy", type=Path, default=PICKER_ENVOY,
+                    help="the Envoy file of the picking policies (e.g. deploy/envoy-endpoint-picker-log.yaml)")
     ap.add_argument("--out", type=Path, default=RESULTS, help="where trace.md goes")
     ap.add_argument("--raw", type=Path, default=None,
                     help="also write each policy's requests and timeline as JSON to this folder")
@@ -1186,7 +1190,8 @@ def main(argv: list[str] | None = None) -> int:
             policy = known[key]
             label = f"{i + 1}/{len(keys)} {key}"
             print(f"- {policy.title}", flush=True)
-            run = run_policy(policy, reqs, sc, NODE, args.speedup, args.seed, Path(tmp) / key, label)
+            run = run_policy(policy, reqs, sc, NODE, args.speedup, args.seed, Path(tmp) / key, label,
+                             args.picker_envoy if args.picker_envoy.is_absolute() else ROOT / args.picker_envoy)
             if run.skipped is not None:
                 print(f"  [{label}] {run.skipped}", flush=True)
             else:
@@ -1204,11 +1209,14 @@ def main(argv: list[str] | None = None) -> int:
             if args.raw is not None:
                 dump_raw(run, args.raw / f"trace_{key}.json")
     shown = [] if args.trace == DEFAULT_TRACE else ["--trace", str(args.trace)]
+    every = [p.key for p in POLICIES]
     command = " ".join(["python bench/bench_trace.py", *(["--tiny"] if args.tiny else []), *shown,
+                        *([] if keys == every else ["--policies", ",".join(keys)]),
                         *([] if args.speedup == 3.0 else ["--speedup", f"{args.speedup:g}"]),
                         *([] if args.compress is None else ["--compress", f"{args.compress:g}"]),
                         *([] if args.seed == 1 else ["--seed", str(args.seed)]),
-                        *([] if args.reserve is None else ["--reserve", f"{args.reserve:g}"])])
+                        *([] if args.reserve is None else ["--reserve", f"{args.reserve:g}"]),
+                        *([] if args.picker_envoy == PICKER_ENVOY else ["--picker-envoy", str(args.picker_envoy)])])
     for line in report(runs, sc, NODE, args.trace, len(rows), reqs, args.speedup, args.seed,
                        time.monotonic() - started, args.out, command):
         print(line)
