@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from extproc.envoyconf import HEADER_MUTATION_TYPE
 from extproc.localstack import render_envoy
 from kvgate_testkit.kvmetrics import LoopbackStack
 from kvgate_testkit.procs import LOOPBACK, ROOT, VENV_BIN, Proc, free_port
@@ -31,6 +32,29 @@ MODEL = "sim-llama-3-8b"
 def _endpoint(port: int) -> dict[str, Any]:
     return {"endpoint": {"address": {"socket_address": {"address": LOOPBACK, "port_value": port}}}}
 
+
+
+def mutation_filters(cfg: dict[str, Any], *, after: Sequence[str] = (),
+                     before: Sequence[str] = ()) -> dict[str, Any]:
+    """mutation_filters inserts header_mutation filters that do nothing until a route
+    configures them (``header_set``): those named ``after`` right after kvgate's ext_proc
+    filter (a gateway's fallback to another endpoint), ``before`` right before it (an
+    authentication filter). Returns the connection manager's config."""
+    hcm: dict[str, Any] = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    filters = hcm["http_filters"]
+    at = next(i for i, f in enumerate(filters) if f["name"] == "envoy.filters.http.ext_proc")
+    for name in after:
+        filters.insert(at + 1, {"name": name, "typed_config": {"@type": HEADER_MUTATION_TYPE, "mutations": {}}})
+    for name in before:
+        filters.insert(at, {"name": name, "typed_config": {"@type": HEADER_MUTATION_TYPE, "mutations": {}}})
+    return hcm
+
+
+def header_set(key: str, value: str) -> dict[str, Any]:
+    """header_set is a route's config of a ``mutation_filters`` filter: set ``key`` to ``value``."""
+    return {"@type": HEADER_MUTATION_TYPE + "PerRoute",
+            "mutations": {"request_mutations": [{"append": {
+                "header": {"key": key, "value": value}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}}]}}
 
 class NodesStack(LoopbackStack):
     """NodesStack is ``nodes`` simulators, kvgate and Envoy, each a child process.

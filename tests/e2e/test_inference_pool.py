@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from extproc import picker_protocol as epp
-from extproc.envoyconf import HEADER_MUTATION_TYPE, SET_METADATA_TYPE
-from kvgate_testkit.nodes_stack import MODEL, NodesStack
+from extproc.envoyconf import SET_METADATA_TYPE
+from kvgate_testkit.nodes_stack import MODEL, NodesStack, header_set, mutation_filters
 from kvgate_testkit.procs import ROOT, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -36,13 +36,7 @@ class PoolStack(NodesStack):
 
     def envoy_config(self) -> dict[str, Any]:
         cfg = super().envoy_config()
-        hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-        filters = hcm["http_filters"]
-        at = next(i for i, f in enumerate(filters) if f["name"] == "envoy.filters.http.ext_proc")
-        filters.insert(at + 1, {"name": OVERRIDE_FILTER, "typed_config": {
-            "@type": HEADER_MUTATION_TYPE, "mutations": {}}})
-        filters.insert(at, {"name": VERIFIED_FILTER, "typed_config": {
-            "@type": HEADER_MUTATION_TYPE, "mutations": {}}})
+        hcm = mutation_filters(cfg, after=[OVERRIDE_FILTER], before=[VERIFIED_FILTER])
         vhost = hcm["route_config"]["virtual_hosts"][0]
         default = vhost["routes"][-1]
         hinted = {"two": [self.address(0), self.address(1)], "nowhere": ["127.0.0.1:1"],
@@ -56,17 +50,9 @@ class PoolStack(NodesStack):
                         {"metadata_namespace": epp.SUBSET_NAMESPACE, "value": {epp.SUBSET_KEY: hint}}]
             per = {"envoy.filters.http.set_metadata": {"@type": SET_METADATA_TYPE, "metadata": metadata}}
             if name == "fallback":
-                per[OVERRIDE_FILTER] = {
-                    "@type": HEADER_MUTATION_TYPE + "PerRoute",
-                    "mutations": {"request_mutations": [{"append": {
-                        "header": {"key": epp.DESTINATION_KEY, "value": self.address(2)},
-                        "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}}]}}
+                per[OVERRIDE_FILTER] = header_set(epp.DESTINATION_KEY, self.address(2))
             if name == "verified":
-                per[VERIFIED_FILTER] = {
-                    "@type": HEADER_MUTATION_TYPE + "PerRoute",
-                    "mutations": {"request_mutations": [{"append": {
-                        "header": {"key": OBJECTIVE, "value": "batch"},
-                        "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}}]}}
+                per[VERIFIED_FILTER] = header_set(OBJECTIVE, "batch")
             route["typed_per_filter_config"] = per
             routes.append(route)
         vhost["routes"][-1:-1] = routes

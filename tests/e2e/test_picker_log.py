@@ -18,8 +18,7 @@ from typing import Any
 import pytest
 
 from extproc import picker_protocol as epp
-from extproc.envoyconf import HEADER_MUTATION_TYPE
-from kvgate_testkit.nodes_stack import MODEL, NodesStack
+from kvgate_testkit.nodes_stack import MODEL, NodesStack, header_set, mutation_filters
 from kvgate_testkit.procs import ROOT, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -38,18 +37,11 @@ class PickerLogStack(NodesStack):
 
     def envoy_config(self) -> dict[str, Any]:
         cfg = super().envoy_config()
-        hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-        filters = hcm["http_filters"]
-        at = next(i for i, f in enumerate(filters) if f["name"] == "envoy.filters.http.ext_proc")
-        filters.insert(at + 1, {"name": OVERRIDE_FILTER, "typed_config": {
-            "@type": HEADER_MUTATION_TYPE, "mutations": {}}})
+        hcm = mutation_filters(cfg, after=[OVERRIDE_FILTER])
         vhost = hcm["route_config"]["virtual_hosts"][0]
         default = vhost["routes"][-1]
-        per = {**default["typed_per_filter_config"], OVERRIDE_FILTER: {
-            "@type": HEADER_MUTATION_TYPE + "PerRoute",
-            "mutations": {"request_mutations": [{"append": {
-                "header": {"key": epp.DESTINATION_KEY, "value": self.address(0)},
-                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}}]}}}
+        per = {**default["typed_per_filter_config"],
+               OVERRIDE_FILTER: header_set(epp.DESTINATION_KEY, self.address(0))}
         vhost["routes"].insert(len(vhost["routes"]) - 1, {
             **default, "name": "fallback", "typed_per_filter_config": per,
             "match": {"prefix": "/", "headers": [{"name": ROUTE_HEADER,

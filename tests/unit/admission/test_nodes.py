@@ -180,14 +180,21 @@ def test_foreign_kv_on_the_rise_keeps_its_last_rise_free_until_it_stops():
     assert adm.nodes("default")[0].headroom_tokens == 96_000
 
 
-def test_a_rise_is_projected_over_the_time_kvgates_requests_hold_a_node():
-    clock = ManualClock(T0)
+def one_node_held_for(clock: ManualClock, seconds: float) -> Admission:
+    """one_node_held_for is a one-node pool whose requests hold the node ``seconds`` (one
+    admitted and ended), the node reported empty before and after."""
     adm = Admission(config(pool=nodes_pool(1)), clock)
     report(adm, clock, {"n0": 0.0})
     lease = adm.try_acquire(demand(1_000, 0))
-    clock.advance(4.0)
-    lease.release(Outcome.COMPLETED, 0)                     # requests hold a node 4 s here
+    clock.advance(seconds)
+    lease.release(Outcome.COMPLETED, 0)
     report(adm, clock, {"n0": 0.0})
+    return adm
+
+
+def test_a_rise_is_projected_over_the_time_kvgates_requests_hold_a_node():
+    clock = ManualClock(T0)
+    adm = one_node_held_for(clock, 4.0)
     clock.advance(2.0)
     report(adm, clock, {"n0": 0.05})                       # others: +5k in 2 s...
     assert adm.nodes("default")[0].headroom_tokens == CAP - 5_000 - 10_000   # ...and 10k more in 4 s
@@ -202,12 +209,7 @@ def test_a_rise_in_steps_stays_projected_through_a_report_between_two_steps():
     steps and show no growth. Its rise over the last hold time still keeps the node's room
     free, until the load has held still for a whole hold time."""
     clock = ManualClock(T0)
-    adm = Admission(config(pool=nodes_pool(1)), clock)
-    report(adm, clock, {"n0": 0.0})
-    lease = adm.try_acquire(demand(1_000, 0))
-    clock.advance(4.0)
-    lease.release(Outcome.COMPLETED, 0)                     # requests hold a node 4 s here
-    report(adm, clock, {"n0": 0.0})
+    adm = one_node_held_for(clock, 4.0)
     clock.advance(1.0)
     report(adm, clock, {"n0": 0.10})                       # a first step: +10k in 1 s
     assert adm.nodes("default")[0].headroom_tokens == CAP - 10_000 - 40_000
@@ -223,12 +225,7 @@ def test_a_rise_in_steps_stays_projected_through_a_report_between_two_steps():
 
 def test_a_rise_read_a_while_ago_is_projected_from_its_report_not_from_now():
     clock = ManualClock(T0)
-    adm = Admission(config(pool=nodes_pool(1)), clock)
-    report(adm, clock, {"n0": 0.0})
-    lease = adm.try_acquire(demand(1_000, 0))
-    clock.advance(4.0)
-    lease.release(Outcome.COMPLETED, 0)                     # requests hold a node 4 s here
-    report(adm, clock, {"n0": 0.0})
+    adm = one_node_held_for(clock, 4.0)
     clock.advance(2.0)
     report(adm, clock, {"n0": 0.05})                       # others: +5k in 2 s
     assert adm.nodes("default")[0].headroom_tokens == CAP - 5_000 - 10_000
