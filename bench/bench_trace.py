@@ -80,6 +80,8 @@ RESULTS = ROOT / "bench" / "results"
 DEFAULT_TRACE = Path("..") / "shared" / "traces" / "azure-conv-2023.csv"
 TRACE_SLICE = ROOT / "bench" / "traces" / "azure-conv-2023-slice.csv"
 PICKER_ENVOY = ROOT / "deploy" / "envoy-endpoint-picker.yaml"
+# The batch class's kv_watermark: a document is admitted only where the node stays below it.
+BATCH_WATERMARK = 0.7
 # The oracle routes with this header (Envoy matches it to one cluster per node); no
 # other policy sends it.
 NODE_HEADER = "x-bench-node"
@@ -346,9 +348,10 @@ def key_digest(tenant: str) -> str:
 
 
 def kvgate_config(policy: Policy, sc: Scenario, speedup: float, sim_ports: Sequence[int],
-                  node: Node = NODE) -> dict[str, Any]:
+                  node: Node = NODE, batch_watermark: float = BATCH_WATERMARK) -> dict[str, Any]:
     """kvgate_config is kvgate's configuration for a policy; every duration is divided by
     ``speedup`` so that kvgate acts at the same simulated instants as on a real node.
+    ``batch_watermark`` is the batch class's ``kv_watermark``.
 
     The pool has the three nodes as backends; a picking policy adds each node's
     inference ``address`` and the pool's ``picking`` section (the picker's contract).
@@ -382,7 +385,7 @@ def kvgate_config(policy: Policy, sc: Scenario, speedup: float, sim_ports: Seque
                 "online": {"priority": 10, "guaranteed_slots": 64, "max_wait_s": 2.0 / speedup},
                 "standard": {"priority": 0},
                 "batch": {"priority": -10, "sheddable": True, "max_wait_s": 10.0 / speedup,
-                          "kv_watermark": 0.7},
+                          "kv_watermark": batch_watermark},
             },
             # Envoy's files strip a client's x-tenant-id: tenants are known by their API keys.
             "tenants": {**{f"online-{i + 1}": {"class": "online", "api_key_sha256": key_digest(f"online-{i + 1}")}
@@ -770,7 +773,8 @@ def _wait_signals(admin_url: str, timeout: float = 10.0) -> None:
 
 
 def run_policy(policy: Policy, reqs: list[Req], sc: Scenario, node: Node, speedup: float, seed: int,
-               workdir: Path, label: str, picker_envoy: Path = PICKER_ENVOY) -> Run:
+               workdir: Path, label: str, picker_envoy: Path = PICKER_ENVOY,
+               batch_watermark: float = BATCH_WATERMARK) -> Run:
     """run_policy starts three fresh nodes (+ kvgate) + Envoy, replays the requests, stops them;
     the picking policies run behind ``picker_envoy``."""
     run = Run(policy)
@@ -795,7 +799,7 @@ def run_policy(policy: Policy, reqs: list[Req], sc: Scenario, node: Node, speedu
         if policy.kvgate is not None:
             grpc_port, admin_port = free_port(), free_port()
             cfg_path = workdir / "kvgate.yaml"
-            cfg_path.write_text(yaml.safe_dump(kvgate_config(policy, sc, speedup, sim_ports, node),
+            cfg_path.write_text(yaml.safe_dump(kvgate_config(policy, sc, speedup, sim_ports, node, batch_watermark),
                                                sort_keys=False))
             kv = Proc([sys.executable, "-m", "extproc", "serve", "--config", str(cfg_path),
                        "--grpc-listen", f"{LOOPBACK}:{grpc_port}",
@@ -1056,8 +1060,9 @@ def report(runs: list[Run], sc: Scenario, node: Node, trace: Path, rows: int, re
               "- kvgate (policies 2, 3, 5-8): the three nodes as backends, KV budget 0.9 x their reported "
               "capacity, adaptive scale on the fullest node (watermarks 0.70/0.85), classes `online` "
               "(priority 10, may wait 2 s) and `batch` (priority -10, sheddable, may wait 10 s, "
-              "kv_watermark 0.7). Policies 5-8 add each node's `address` and the pool's `picking` section, "
-              f"with `{PICKER_ENVOY.relative_to(ROOT)}`.",
+              f"kv_watermark {BATCH_WATERMARK:g} unless the command gives `--batch-watermark`). Policies 5-8 add "
+              "each node's `address` and the pool's `picking` section, "
+              f"with `{PICKER_ENVOY.relative_to(ROOT)}` unless the command gives `--picker-envoy`.",
               "- Oracle (policy 4): knows each request's true output and each node's true KV; admits a "
               "request to the node with the most room once prompt + true output fits there (keeping room "
               f"for the background load from {ORACLE_LEAD_S:g} s before it comes, since it knows when); online first; "
@@ -1146,6 +1151,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="override every picking policy's reserve_fraction (to weigh the reserve's cost)")
     ap.add_argument("--picker-envoy", type=Path, default=PICKER_ENVOY,
                     help="the Envoy file of the picking policies (e.g. deploy/envoy-endpoint-picker-log.yaml)")
+    ap.add_argument("--batch-watermark", type=float, default=BATCH_WATERMARK,
+                    help="the batch class's kv_watermark (what it costs the documents' goodput)")
     ap.add_argument("--out", type=Path, default=RESULTS, help="where trace.md goes")
     ap.add_argument("--raw", type=Path, default=None,
                     help="also write each policy's requests and timeline as JSON to this folder")
@@ -1191,7 +1198,8 @@ def main(argv: list[str] | None = None) -> int:
             label = f"{i + 1}/{len(keys)} {key}"
             print(f"- {policy.title}", flush=True)
             run = run_policy(policy, reqs, sc, NODE, args.speedup, args.seed, Path(tmp) / key, label,
-                             args.picker_envoy if args.picker_envoy.is_absolute() else ROOT / args.picker_envoy)
+                             args.picker_envoy if args.picker_envoy.is_absolute() else ROOT / args.picker_envoy,
+                             args.batch_watermark)
             if run.skipped is not None:
                 print(f"  [{label}] {run.skipped}", flush=True)
             else:
@@ -1216,7 +1224,9 @@ def main(argv: list[str] | None = None) -> int:
                         *([] if args.compress is None else ["--compress", f"{args.compress:g}"]),
                         *([] if args.seed == 1 else ["--seed", str(args.seed)]),
                         *([] if args.reserve is None else ["--reserve", f"{args.reserve:g}"]),
-                        *([] if args.picker_envoy == PICKER_ENVOY else ["--picker-envoy", str(args.picker_envoy)])])
+                        *([] if args.picker_envoy == PICKER_ENVOY else ["--picker-envoy", str(args.picker_envoy)]),
+                        *([] if args.batch_watermark == BATCH_WATERMARK
+                          else ["--batch-watermark", f"{args.batch_watermark:g}"])])
     for line in report(runs, sc, NODE, args.trace, len(rows), reqs, args.speedup, args.seed,
                        time.monotonic() - started, args.out, command):
         print(line)
