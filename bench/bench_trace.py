@@ -13,6 +13,8 @@ policy gets the same requests, in one run:
 4. ``oracle``:      the upper bound: the benchmark knows each request's true output length and
                     each node's true KV (background included) and sends a request, through
                     Envoy, to the node with the most room as soon as its final size fits there;
+   ``oracle-classes``: the same bound under the class policy kvgate is given: a batch
+                    document goes only where the node stays within the class's kv_watermark;
 5. ``picker-worst``: kvgate picking the node (``picking: {growth: worst_case}``);
 6. ``picker-learned``: kvgate picking the node with its recommended setting where other load
    shares the nodes (``picking: {growth: learned, quantile: 0.9, reserve_fraction: 0.1}``);
@@ -82,6 +84,8 @@ TRACE_SLICE = ROOT / "bench" / "traces" / "azure-conv-2023-slice.csv"
 PICKER_ENVOY = ROOT / "deploy" / "envoy-endpoint-picker.yaml"
 # The batch class's kv_watermark: a document is admitted only where the node stays below it.
 BATCH_WATERMARK = 0.7
+# How long (simulated s) kvgate lets an online chat wait for room before its 429.
+ONLINE_WAIT_S = 2.0
 # The oracle routes with this header (Envoy matches it to one cluster per node); no
 # other policy sends it.
 NODE_HEADER = "x-bench-node"
@@ -319,6 +323,7 @@ class Policy:
     balance: str
     kvgate: str | None = None
     picking: dict[str, Any] | None = None
+    keeps_classes: bool = False   # an oracle that keeps the class watermarks kvgate is given
 
 
 POLICIES: tuple[Policy, ...] = (
@@ -326,6 +331,8 @@ POLICIES: tuple[Policy, ...] = (
     Policy("pool-rr", "2. kvgate at the pool level, Envoy round robin", "rr", "pool"),
     Policy("pool-lr", "3. kvgate at the pool level, Envoy least-request", "least_request", "pool"),
     Policy("oracle", "4. oracle: true output lengths and true KV per node", "oracle"),
+    Policy("oracle-classes", "4b. oracle that keeps the batch class's kv_watermark, as kvgate does", "oracle",
+           keeps_classes=True),
     Policy("picker-worst", "5. kvgate picking nodes, worst-case growth", "picker", "picker",
            {"growth": "worst_case"}),
     Policy("picker-learned", "6. kvgate picking nodes, recommended: learned growth, reserve 0.1", "picker",
@@ -348,10 +355,12 @@ def key_digest(tenant: str) -> str:
 
 
 def kvgate_config(policy: Policy, sc: Scenario, speedup: float, sim_ports: Sequence[int],
-                  node: Node = NODE, batch_watermark: float = BATCH_WATERMARK) -> dict[str, Any]:
+                  node: Node = NODE, batch_watermark: float = BATCH_WATERMARK,
+                  online_wait_s: float = ONLINE_WAIT_S) -> dict[str, Any]:
     """kvgate_config is kvgate's configuration for a policy; every duration is divided by
     ``speedup`` so that kvgate acts at the same simulated instants as on a real node.
-    ``batch_watermark`` is the batch class's ``kv_watermark``.
+    ``batch_watermark`` is the batch class's ``kv_watermark``; ``online_wait_s`` the online
+    class's ``max_wait_s`` (simulated s).
 
     The pool has the three nodes as backends; a picking policy adds each node's
     inference ``address`` and the pool's ``picking`` section (the picker's contract).
@@ -382,7 +391,7 @@ def kvgate_config(policy: Policy, sc: Scenario, speedup: float, sim_ports: Seque
         "tenants": {
             "header": "x-tenant-id", "default_class": "standard",
             "classes": {
-                "online": {"priority": 10, "guaranteed_slots": 64, "max_wait_s": 2.0 / speedup},
+                "online": {"priority": 10, "guaranteed_slots": 64, "max_wait_s": online_wait_s / speedup},
                 "standard": {"priority": 0},
                 "batch": {"priority": -10, "sheddable": True, "max_wait_s": 10.0 / speedup,
                           "kv_watermark": batch_watermark},
@@ -454,12 +463,16 @@ class Oracle:
 
     It knows the background schedule and keeps its room from ``lead_s`` simulated seconds
     before the load arrives, so work it placed earlier is not caught by it. Online
-    requests go first, FIFO within a class; nothing is refused.
+    requests go first, FIFO within a class; nothing is refused. ``watermarks`` (class ->
+    share of a node's KV, as a class's ``kv_watermark``): a request of such a class is
+    admitted only where the node, everything counted, stays within that share.
     """
 
     def __init__(self, node: Node, nodes: int, background: Background, lead_s: float,
-                 now: Callable[[], float]) -> None:
+                 now: Callable[[], float], watermarks: dict[str, float] | None = None) -> None:
         self.total = node.kv_capacity_tokens // node.block_size
+        # Blocks a class may fill a node up to, everything the node holds counted (its kv_watermark).
+        self.ceilings = {k: math.floor(w * self.total) for k, w in (watermarks or {}).items() if w < 1.0}
         self.block_size = node.block_size
         self.held = [0] * nodes
         self.background = background
@@ -484,7 +497,8 @@ class Oracle:
                 if fut.done():
                     continue
                 best = max(range(len(self.held)), key=self._room)
-                if self._room(best) >= blocks:
+                above = self.total - self.ceilings.get(klass, self.total)  # blocks the class leaves alone
+                if self._room(best) - above >= blocks:
                     self.held[best] += blocks
                     fut.set_result(best)
                 else:
@@ -705,13 +719,16 @@ async def _background(session: aiohttp.ClientSession, client: Client, sim_urls: 
 
 
 async def drive(run: Run, reqs: list[Req], sc: Scenario, speedup: float, envoy_port: int,
-                sim_urls: Sequence[str], admin_url: str | None, label: str, node: Node) -> None:
-    """drive sends the requests, places the background load and samples until every request has ended."""
+                sim_urls: Sequence[str], admin_url: str | None, label: str, node: Node,
+                batch_watermark: float = BATCH_WATERMARK) -> None:
+    """drive sends the requests, places the background load and samples until every request has
+    ended; ``batch_watermark`` is what an oracle that keeps the classes gives the batch class."""
     t0 = time.monotonic() + 0.2
     client = Client(f"http://{LOOPBACK}:{envoy_port}/v1/chat/completions", speedup, t0,
                     t0 + (sc.duration_s + sc.drain_s) / speedup, None)
     if run.policy.balance == "oracle":
-        client.oracle = Oracle(node, len(sim_urls), sc.background, lead_s=ORACLE_LEAD_S, now=client.sim_now)
+        client.oracle = Oracle(node, len(sim_urls), sc.background, lead_s=ORACLE_LEAD_S, now=client.sim_now,
+                               watermarks={"batch": batch_watermark} if run.policy.keeps_classes else None)
     run.results = [Result(r) for r in reqs]
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
     connector = aiohttp.TCPConnector(limit=0)
@@ -774,7 +791,7 @@ def _wait_signals(admin_url: str, timeout: float = 10.0) -> None:
 
 def run_policy(policy: Policy, reqs: list[Req], sc: Scenario, node: Node, speedup: float, seed: int,
                workdir: Path, label: str, picker_envoy: Path = PICKER_ENVOY,
-               batch_watermark: float = BATCH_WATERMARK) -> Run:
+               batch_watermark: float = BATCH_WATERMARK, online_wait_s: float = ONLINE_WAIT_S) -> Run:
     """run_policy starts three fresh nodes (+ kvgate) + Envoy, replays the requests, stops them;
     the picking policies run behind ``picker_envoy``."""
     run = Run(policy)
@@ -799,7 +816,8 @@ def run_policy(policy: Policy, reqs: list[Req], sc: Scenario, node: Node, speedu
         if policy.kvgate is not None:
             grpc_port, admin_port = free_port(), free_port()
             cfg_path = workdir / "kvgate.yaml"
-            cfg_path.write_text(yaml.safe_dump(kvgate_config(policy, sc, speedup, sim_ports, node, batch_watermark),
+            cfg_path.write_text(yaml.safe_dump(kvgate_config(policy, sc, speedup, sim_ports, node, batch_watermark,
+                                                             online_wait_s),
                                                sort_keys=False))
             kv = Proc([sys.executable, "-m", "extproc", "serve", "--config", str(cfg_path),
                        "--grpc-listen", f"{LOOPBACK}:{grpc_port}",
@@ -824,7 +842,8 @@ def run_policy(policy: Policy, reqs: list[Req], sc: Scenario, node: Node, speedu
         procs.append(envoy)
         envoy.wait_port(envoy_port)
         asyncio.run(drive(run, reqs, sc, speedup, envoy_port,
-                          [f"http://{LOOPBACK}:{p}" for p in sim_ports], admin_url, label, node))
+                          [f"http://{LOOPBACK}:{p}" for p in sim_ports], admin_url, label, node,
+                          batch_watermark))
         for p in procs:
             if not p.alive():
                 run.error = (run.error or "") + f" {Path(p.argv[0]).name} exited during the run"
@@ -1001,6 +1020,7 @@ def report(runs: list[Run], sc: Scenario, node: Node, trace: Path, rows: int, re
     ran = [r for r in runs if r.skipped is None]
     sums = {r.policy.key: summarize(r, sc.background) for r in ran}
     oracle = sums.get("oracle")
+    kept = sums.get("oracle-classes")
     lines = [
         "# Trace replay: Azure LLM inference trace 2023 (conversation) over three nodes",
         "",
@@ -1009,20 +1029,22 @@ def report(runs: list[Run], sc: Scenario, node: Node, trace: Path, rows: int, re
         f"{os.cpu_count()} cores ({platform.python_implementation()} {platform.python_version()}).",
         "",
         "| policy | preemptions: node 0 / 1 / 2 = total (as the background arrived) | KV utilization while demand waits "
-        "| goodput (tok/s) | share of the oracle's | online TTFT p50 / p99 (s) | online TTFT <= 2 s "
+        "| goodput (tok/s) | share of the oracle's | share of the class-keeping oracle's "
+        "| online TTFT p50 / p99 (s) | online TTFT <= 2 s "
         "| online ok / refused / error | batch ok / refused / error | 429s seen (online, batch) |",
-        "|---|---|---:|---:|---:|---|---:|---|---|---|",
+        "|---|---|---:|---:|---:|---:|---|---:|---|---|---|",
     ]
     for run in runs:
         if run.skipped is not None:
-            lines.append(f"| {run.policy.title} | {run.skipped} | | | | | | | | |")
+            lines.append(f"| {run.policy.title} | {run.skipped} | | | | | | | | | |")
             continue
         s = sums[run.policy.key]
         o, b = s.by_class["online"], s.by_class["batch"]
         share = _pct_fmt(s.goodput / oracle.goodput) if oracle and oracle.goodput > 0 else "n/a"
+        share_kept = _pct_fmt(s.goodput / kept.goodput) if kept and kept.goodput > 0 else "n/a"
         name = run.policy.title + (f" (**error**: {run.error})" if run.error else "")
         pre = " / ".join(str(p) for p in s.preemptions) + f" = {sum(s.preemptions)} ({s.at_arrival})"
-        lines.append(f"| {name} | {pre} | {_pct_fmt(s.kv_utilization)} | {s.goodput:,.0f} | {share} "
+        lines.append(f"| {name} | {pre} | {_pct_fmt(s.kv_utilization)} | {s.goodput:,.0f} | {share} | {share_kept} "
                      f"| {_fmt(s.ttft_p50)} / {_fmt(s.ttft_p99)} | {_pct_fmt(s.under_target)} "
                      f"| {o['ok']} / {o['refused']} / {o['error']} | {b['ok']} / {b['refused']} / {b['error']} "
                      f"| {o['429s']}, {b['429s']} |")
@@ -1059,7 +1081,7 @@ def report(runs: list[Run], sc: Scenario, node: Node, trace: Path, rows: int, re
               + "; preemptions in parentheses are those seen while it rose and 3 s after.",
               "- kvgate (policies 2, 3, 5-8): the three nodes as backends, KV budget 0.9 x their reported "
               "capacity, adaptive scale on the fullest node (watermarks 0.70/0.85), classes `online` "
-              "(priority 10, may wait 2 s) and `batch` (priority -10, sheddable, may wait 10 s, "
+              f"(priority 10, may wait {ONLINE_WAIT_S:g} s unless the command gives `--online-wait`) and `batch` (priority -10, sheddable, may wait 10 s, "
               f"kv_watermark {BATCH_WATERMARK:g} unless the command gives `--batch-watermark`). Policies 5-8 add "
               "each node's `address` and the pool's `picking` section, "
               f"with `{PICKER_ENVOY.relative_to(ROOT)}` unless the command gives `--picker-envoy`.",
@@ -1068,7 +1090,9 @@ def report(runs: list[Run], sc: Scenario, node: Node, trace: Path, rows: int, re
               f"for the background load from {ORACLE_LEAD_S:g} s before it comes, since it knows when); online first; "
               "never refuses. It lets a small request pass a large one that does not fit yet: it maximizes "
               "goodput, not tail latency (hence its TTFT p99). Routed through the same Envoy, by a header "
-              "matched to one cluster per node.",
+              "matched to one cluster per node. Policy 4b is the same oracle bound by the batch class's "
+              "kv_watermark, as kvgate is (a document goes only where the node, everything counted, stays "
+              "within it): the upper bound under the operator's class policy; 4 ignores that policy.",
               "- KV utilization: mean, over the samples taken while some arrived request was not running on a "
               "node, of the KV blocks requests held / the blocks the background load left them (three nodes). "
               "Goodput: prompt + "
@@ -1109,6 +1133,9 @@ def verdicts(runs: list[Run], sums: dict[str, Summary]) -> list[str]:
         if share is not None and oracle is not None and run.policy.key != "oracle":
             text += (f", goodput {share:.0%} of the oracle's ({s.tokens / max(1, oracle.tokens):.0%} of its "
                      f"tokens, the last done at {s.span_s:.0f} s against its {oracle.span_s:.0f} s)")
+        kept = sums.get("oracle-classes")
+        if kept is not None and kept.goodput > 0 and not run.policy.key.startswith("oracle"):
+            text += f", {s.goodput / kept.goodput:.0%} of the class-keeping oracle's"
         if run.policy.key == "picker-learned":
             met = total == 0 and share is not None and share >= 0.9
             text += f"; target (0 preemptions, >= 90% of the oracle) **{'met' if met else 'NOT met'}**"
@@ -1153,6 +1180,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the Envoy file of the picking policies (e.g. deploy/envoy-endpoint-picker-log.yaml)")
     ap.add_argument("--batch-watermark", type=float, default=BATCH_WATERMARK,
                     help="the batch class's kv_watermark (what it costs the documents' goodput)")
+    ap.add_argument("--online-wait", type=float, default=ONLINE_WAIT_S,
+                    help="simulated seconds kvgate lets an online chat wait for room before its 429 "
+                         "(the oracle never refuses)")
     ap.add_argument("--out", type=Path, default=RESULTS, help="where trace.md goes")
     ap.add_argument("--raw", type=Path, default=None,
                     help="also write each policy's requests and timeline as JSON to this folder")
@@ -1164,6 +1194,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown policies {unknown}; choose from {', '.join(known)}")
     if not 0 < args.speedup <= 100:
         ap.error("--speedup must be in (0, 100]")
+    if not 0 < args.online_wait <= 60:
+        ap.error("--online-wait must be in (0, 60]")
     if args.reserve is not None:
         if not 0 <= args.reserve <= 0.5:
             ap.error("--reserve must be in [0, 0.5]")
@@ -1199,7 +1231,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"- {policy.title}", flush=True)
             run = run_policy(policy, reqs, sc, NODE, args.speedup, args.seed, Path(tmp) / key, label,
                              args.picker_envoy if args.picker_envoy.is_absolute() else ROOT / args.picker_envoy,
-                             args.batch_watermark)
+                             args.batch_watermark, args.online_wait)
             if run.skipped is not None:
                 print(f"  [{label}] {run.skipped}", flush=True)
             else:
@@ -1226,7 +1258,8 @@ def main(argv: list[str] | None = None) -> int:
                         *([] if args.reserve is None else ["--reserve", f"{args.reserve:g}"]),
                         *([] if args.picker_envoy == PICKER_ENVOY else ["--picker-envoy", str(args.picker_envoy)]),
                         *([] if args.batch_watermark == BATCH_WATERMARK
-                          else ["--batch-watermark", f"{args.batch_watermark:g}"])])
+                          else ["--batch-watermark", f"{args.batch_watermark:g}"]),
+                        *([] if args.online_wait == ONLINE_WAIT_S else ["--online-wait", f"{args.online_wait:g}"])])
     for line in report(runs, sc, NODE, args.trace, len(rows), reqs, args.speedup, args.seed,
                        time.monotonic() - started, args.out, command):
         print(line)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -210,6 +211,34 @@ async def test_the_oracle_admits_what_fits_online_first_and_keeps_room_for_the_b
     await asyncio.sleep(0)
     assert big.result() == (1, total - 10)             # the background is gone: the whole node is free
     assert oracle.held == [total - 1, total - 10]
+
+
+async def test_the_class_keeping_oracle_puts_a_document_only_where_the_node_stays_within_its_watermark():
+    total = NODE.kv_capacity_tokens // NODE.block_size
+    ceiling = math.floor(0.7 * total)
+    never = Background(node=0, tokens=0, start_s=1e9, end_s=1e9 + 1)
+    oracle = Oracle(NODE, 1, never, lead_s=10.0, now=lambda: 0.0, watermarks={"batch": 0.7})
+    chat = asyncio.ensure_future(oracle.acquire(_req(0, "online", total // 2)))
+    await asyncio.sleep(0)
+    assert chat.result() == (0, total // 2)
+    # the node has room for the document, but not within 70% of it
+    doc = asyncio.ensure_future(oracle.acquire(_req(1, "batch", ceiling - total // 2 + 1)))
+    await asyncio.sleep(0)
+    assert not doc.done()
+    # an online request is not bound by the batch class's watermark: it fills the node
+    more = asyncio.ensure_future(oracle.acquire(_req(2, "online", total - total // 2)))
+    await asyncio.sleep(0)
+    assert more.result() == (0, total - total // 2)
+    oracle.release(*chat.result())
+    oracle.release(*more.result())
+    await asyncio.sleep(0)
+    assert doc.result() == (0, ceiling - total // 2 + 1)   # the node is empty: the document is within it
+    # the oracle without watermarks would have put the same document beside the first chat
+    free = Oracle(NODE, 1, never, lead_s=10.0, now=lambda: 0.0)
+    first = asyncio.ensure_future(free.acquire(_req(0, "online", total // 2)))
+    same = asyncio.ensure_future(free.acquire(_req(1, "batch", ceiling - total // 2 + 1)))
+    await asyncio.sleep(0)
+    assert first.done() and same.done()
 
 
 @pytest.mark.timeout(200)
