@@ -31,7 +31,7 @@ def test_envoyfilter_structure() -> None:
     assert ef["metadata"]["namespace"] == "istio-system"
     assert ef["spec"]["workloadSelector"] == {"labels": {"istio": "ingressgateway"}}
     assert {p["applyTo"] for p in ef["spec"]["configPatches"]} == {"CLUSTER", "HTTP_FILTER", "HTTP_ROUTE",
-                                                                    "NETWORK_FILTER"}
+                                                                    "NETWORK_FILTER", "VIRTUAL_HOST"}
     for p in ef["spec"]["configPatches"]:
         assert p["match"]["context"] == "GATEWAY"
     filters = patches("HTTP_FILTER")
@@ -57,6 +57,13 @@ def test_envoyfilter_structure() -> None:
     assert ext_proc["grpc_service"]["envoy_grpc"]["cluster_name"] == value["name"]
     (route,) = patches("HTTP_ROUTE")
     assert route["patch"]["operation"] == "MERGE"
+    # The upstream is asked for an uncompressed body, as by deploy/envoy.yaml's virtual host
+    # (tests/e2e/test_hardening.py shows the header gone upstream there).
+    (vhost,) = patches("VIRTUAL_HOST")
+    assert vhost["patch"]["operation"] == "MERGE" and "routeConfiguration" not in vhost["match"]
+    ref_vhost = reference["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+        "typed_config"]["route_config"]["virtual_hosts"][0]
+    assert vhost["patch"]["value"] == {"request_headers_to_remove": ref_vhost["request_headers_to_remove"]}
     # The access log that tells kvgate a dead upstream from a client that left, to kvgate.
     (hcm,) = patches("NETWORK_FILTER")
     assert hcm["patch"]["operation"] == "MERGE"
@@ -94,7 +101,9 @@ def gateway_bootstrap(filter_patches: list[dict[str, Any]], cluster: dict[str, A
                                     "http_connection_manager.v3.HttpConnectionManager",
                            "stat_prefix": "gateway",
                            "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"],
-                                                               "routes": [route]}]},
+                                                               "routes": [route],
+                                                               **{k: v for p in patches("VIRTUAL_HOST")
+                                                                  for k, v in p["patch"]["value"].items()}}]},
                            "http_filters": filters,
                            **{k: v for p in patches("NETWORK_FILTER")
                               for k, v in p["patch"]["value"]["typed_config"].items() if k != "@type"},
