@@ -411,6 +411,14 @@ def upstream_body(req: ParsedRequest, *, cap_max_tokens: int | None = None,
 _LINE_END = re.compile(rb"\r\n|\r|\n")
 _MAX_USAGE = 1 << 40
 _NO_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
+# A JSON answer over the buffer is searched for its count as the usage filter does
+# (extproc/usage_log.py): the first completion_tokens (else output_tokens) after the first
+# "usage" key of each chunk and the tail of the one before; the last found counts.
+_USAGE_KEY = re.compile(rb'"usage"\s*:')
+_COMPLETION_TEXT = re.compile(rb'"completion_tokens"\s*:\s*([^,}\s]*)')
+_OUTPUT_TEXT = re.compile(rb'"output_tokens"\s*:\s*([^,}\s]*)')
+_COUNT_TEXT = re.compile(rb"0|[1-9][0-9]{0,12}")  # a JSON whole number, as from_entry takes it
+_JSON_OVERLAP = 256   # bytes of a chunk searched again with the next (usage_log.JSON_OVERLAP_BYTES)
 
 
 def _usage_int(x: Any) -> int | None:
@@ -421,7 +429,9 @@ class ResponseTracker:
     """ResponseTracker follows one response body: usage, delivered chunks, the usage chunk.
 
     Non-streamed: the body is buffered up to ``max_buffer`` bytes and usage read from the
-    final JSON (over the cap, usage stays unknown). Streamed (SSE): events are parsed as
+    final JSON; over the cap (a long answer with logprobs passes 1 MiB at a few thousand
+    tokens) the completion count is searched for in the chunks as they pass, as the usage
+    filter of ``usage_log`` does, and the prompt count stays unknown. Streamed (SSE): events are parsed as
     they pass, partial lines kept across chunks (split anywhere: mid-line, mid-UTF-8,
     between ``\\r`` and ``\\n``); ``delivered_chunks`` counts events with choices (about
     one token each). With ``strip_usage_chunk`` the usage event (``"choices": []`` and a
@@ -433,7 +443,8 @@ class ResponseTracker:
     """
 
     __slots__ = ("streamed", "strip_usage_chunk", "max_buffer", "completion_tokens", "prompt_tokens",
-                 "delivered_chunks", "done_seen", "overflowed", "_buf", "_scan", "_line_start", "_data")
+                 "delivered_chunks", "done_seen", "overflowed", "_buf", "_scan", "_line_start", "_data",
+                 "_json_tail", "_json_count")
 
     def __init__(self, *, streamed: bool, strip_usage_chunk: bool, max_buffer: int = 1 << 20) -> None:
         self.streamed = streamed
@@ -448,6 +459,8 @@ class ResponseTracker:
         self._scan = 0
         self._line_start = 0
         self._data: list[bytearray] = []  # the data lines of the event being read
+        self._json_tail: bytes | None = None  # over the cap: the last bytes searched
+        self._json_count: bytes | None = None  # over the cap: the last count text found
 
     def feed(self, chunk: bytes, end_of_stream: bool) -> bytes | None:
         """feed takes the next body chunk; returns its replacement, or None to pass it as is."""
@@ -465,9 +478,11 @@ class ResponseTracker:
     # non-streamed
 
     def _feed_json(self, chunk: bytes, end_of_stream: bool) -> None:
-        if len(self._buf) + len(chunk) > self.max_buffer:
-            self.overflowed = True
+        if self._json_tail is None and len(self._buf) + len(chunk) > self.max_buffer:
+            self._json_tail = bytes(self._buf)
             self._buf = bytearray()
+        if self._json_tail is not None:
+            self._search_count(chunk, end_of_stream)
             return
         self._buf += chunk
         if not end_of_stream:
@@ -479,6 +494,21 @@ class ResponseTracker:
         self._buf = bytearray()
         if isinstance(obj, dict):
             self._take_usage(obj.get("usage"))
+
+    def _search_count(self, chunk: bytes, end_of_stream: bool) -> None:
+        """_search_count follows a JSON answer over the buffer: see ``_USAGE_KEY``."""
+        text = (self._json_tail or b"") + chunk
+        usage = _USAGE_KEY.search(text)
+        at = usage.start() if usage is not None else 0
+        found = _COMPLETION_TEXT.search(text, at) or _OUTPUT_TEXT.search(text, at)
+        if found is not None:
+            self._json_count = found.group(1)[:24]
+        self._json_tail = text[-_JSON_OVERLAP:]
+        if end_of_stream:
+            count = (self._json_count or b"").strip()
+            if _COUNT_TEXT.fullmatch(count) and int(count) < _MAX_USAGE:
+                self.completion_tokens = int(count)
+            self._json_tail = b""
 
     def _take_usage(self, usage: Any) -> bool:
         if not isinstance(usage, dict):

@@ -259,6 +259,14 @@ def corpus() -> list[Case]:
         body = json_answer(count)
         add(f"json/{count}", body, stream=False, content_type="application/json")
 
+    # A usage event in two data lines (the SSE spec joins them with a line feed: still JSON).
+    add("usage-in-two-data-lines", data(token_event(0)) + b'data: {"id":"chatcmpl-d","choices":[],\n'
+        b'data: "usage":{"prompt_tokens":9,"completion_tokens":1,"total_tokens":10}}\n\n' + DONE)
+    # A JSON answer above 1 MiB (a long completion, not streamed), its usage at the end.
+    big = json_answer("5").replace(b"tok0 tok1", b"tok " * 300_000)
+    cases.append(Case("json/above-1-mib", split_at(big, list(range(16_000, len(big), 16_000))),  # a DATA frame is at most 16 KiB
+                      stream=False, content_type="application/json"))
+
     # gzip: the body reaches both parsers compressed; nothing can be read from it.
     packed = gzip.compress(stream_body(3, "3"), mtime=0)
     cases.append(Case("gzip", split_at(packed, [len(packed) // 2]),

@@ -229,10 +229,25 @@ def test_json_usage_with_any_split(cuts: list[int]) -> None:
     assert tracker.delivered_chunks == 0
 
 
-def test_json_over_the_buffer_cap_gives_up_on_usage() -> None:
+@settings(max_examples=100, deadline=None)
+@given(cuts=st.lists(st.integers(0, len(CHAT_JSON)), max_size=12))
+def test_json_over_the_buffer_cap_has_its_count_searched_for_as_the_usage_filter_does(cuts: list[int]) -> None:
+    # Over the cap no JSON is parsed: the completion count is found in the chunks (the
+    # usage filter's reading, which the access log brings in the other files); a count
+    # split across two chunks is found in the overlap. The prompt count stays unknown.
     tracker = ResponseTracker(streamed=False, strip_usage_chunk=False, max_buffer=50)
-    assert feed_split(tracker, CHAT_JSON, [40, 80]) == CHAT_JSON
-    assert tracker.overflowed and tracker.completion_tokens is None
+    assert feed_split(tracker, CHAT_JSON, cuts) == CHAT_JSON
+    assert (tracker.prompt_tokens, tracker.completion_tokens) == (None, 9)
+
+
+@pytest.mark.parametrize("count,expected", [(b"7", 7), (b"007", None), (b"-5", None), (b'"7"', None),
+                                            (b"7.5", None), (b"1099511627776", None), (b"1099511627775", 2**40 - 1)])
+def test_json_over_the_buffer_cap_takes_only_a_whole_number_as_its_count(count: bytes, expected: int | None) -> None:
+    body = (b'{"choices":[{"text":"' + b"x" * 200 + b'","completion_tokens":99}],'
+            b'"usage":{"prompt_tokens":3,"completion_tokens":' + count + b',"total_tokens":1}}')
+    tracker = ResponseTracker(streamed=False, strip_usage_chunk=False, max_buffer=50)
+    feed_split(tracker, body, [60, 120])
+    assert tracker.completion_tokens == expected   # never the 99 before "usage"
 
 
 def test_embeddings_usage_means_zero_completion() -> None:
