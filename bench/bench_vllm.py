@@ -72,6 +72,9 @@ RESULTS = ROOT / "bench" / "results"
 MODEL_SCRIPT = ROOT / "bench" / "vllm_model.py"
 POOL_ENVOY = ROOT / "deploy" / "envoy.yaml"
 PICKER_ENVOY = ROOT / "deploy" / "envoy-endpoint-picker.yaml"
+# The picker file whose ext_proc stream ends with the request: progress and the release come
+# from Envoy's access log (periodic entries), the usage from its Lua filter.
+PICKER_LOG_ENVOY = ROOT / "deploy" / "envoy-endpoint-picker-log.yaml"
 MODEL_NAME = "tiny-llama"
 # Envoy's max_message_timeout in both files is 60 s: a class wait above it turns every
 # waiting request into a 504 (VLLM-CPU.md), so kvgate's wait stays below it.
@@ -158,6 +161,10 @@ ROWS = (
     Row("direct-2", "straight to two vLLM processes, requests alternated between them", nodes=2),
     Row("picker-learned-2", "Envoy + kvgate picking between two vLLM processes, growth learned (q 0.9)",
         PICKER_ENVOY, {"growth": "learned", "quantile": 0.9}, nodes=2),
+    Row("picker-log-learned", "the same picking, behind deploy/envoy-endpoint-picker-log.yaml",
+        PICKER_LOG_ENVOY, {"growth": "learned", "quantile": 0.9}),
+    Row("picker-log-learned-2", "the same picking between two vLLM processes, behind "
+        "deploy/envoy-endpoint-picker-log.yaml", PICKER_LOG_ENVOY, {"growth": "learned", "quantile": 0.9}, nodes=2),
 )
 
 

@@ -13,8 +13,8 @@ import pytest
 import yaml
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from bench.bench_vllm import (PICKER_ENVOY, POOL_ENVOY, ROWS, Burst, EngineFlags, KvCheck, Outcome,
-                              descendants, kvgate_config, parse_metrics, preemption_cell, prompts,
+from bench.bench_vllm import (PICKER_ENVOY, PICKER_LOG_ENVOY, POOL_ENVOY, ROWS, Burst, EngineFlags, KvCheck,
+                              Outcome, descendants, kvgate_config, parse_metrics, preemption_cell, prompts,
                               render_envoy, report, skipped_rows, spread)
 from tests.deploy.support import envoy_validate
 from kvgate_testkit.procs import ROOT, wait_until
@@ -95,6 +95,20 @@ def test_render_envoy_points_the_pool_file_at_loopback(tmp_path: Path) -> None:
              ["socket_address"] for c in cfg["static_resources"]["clusters"]}
     assert ports == {"inference": {"address": "127.0.0.1", "port_value": 18000},
                      "kvgate": {"address": "127.0.0.1", "port_value": 15051}}
+    done = envoy_validate(cfg, tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_picker_log_rows_pick_as_the_picker_rows_behind_the_picker_log_file(tmp_path: Path) -> None:
+    rows = {r.key: r for r in ROWS}
+    for key, twin in (("picker-log-learned", "picker-learned"), ("picker-log-learned-2", "picker-learned-2")):
+        assert rows[key].envoy == PICKER_LOG_ENVOY
+        assert (rows[key].picking, rows[key].nodes) == (rows[twin].picking, rows[twin].nodes)
+    cfg = render_envoy(yaml.safe_load(PICKER_LOG_ENVOY.read_text()), listen=18080, grpc=15051, upstream=18000)
+    for cluster in cfg["static_resources"]["clusters"]:
+        if cluster.get("type") != "ORIGINAL_DST":   # the node kvgate names; the rest on loopback
+            (ep,) = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+            assert ep["endpoint"]["address"]["socket_address"]["address"] == "127.0.0.1"
     done = envoy_validate(cfg, tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
 
