@@ -43,7 +43,18 @@ middle of the ramp (the trace replay's background load, 4 steps 1 s apart, preem
 A rise is the smaller of two readings' growth, the foreign KV above and the floor (usage
 minus every held charge's footprint): kvgate's own requests missing from one of them
 (admitted after the mark, or not yet in the cache at the last report) make only that one
-jump, so they are not taken for a rise.
+jump, so they are not taken for a rise. The two always differ by the footprint of the
+charges not subtracted, and from the numbers alone a foreign step cannot be told from one
+of them entering the cache: a request admitted just before a report and not yet in the
+cache hides a step of its size from the floor (the trace replay's background rose by 4k
+beside a 4k prompt in flight, and the node stayed open for a report interval). The node's
+running count tells them apart: when it runs no more requests than the charges subtracted
+(``NodeReport.running``), none of the others is in its cache, the foreign reading holds
+nothing of kvgate's, and its growth is taken: never below the smaller reading, and a lower
+bound of the true rise (the reading before may have held some of kvgate's). One of
+kvgate's requests ending on the node just as another enters its cache can pass that test
+with the second in the foreign reading: a rise read too high for one report, on the safe
+side.
 
 Everything runs on the event-loop thread; times are seconds on the admission clock.
 """
@@ -113,7 +124,8 @@ class NodeReport:
     ``capacity_tokens``: the KV capacity the node reports (None: not reported); ``at``: the
     instant (s) the sample was read; ``refused``: the scrape's connection was refused;
     ``mark``: the id of the mark taken before the scrape (None: none was taken);
-    ``waiting``: requests the node queues (None: not reported).
+    ``waiting``: requests the node queues (None: not reported); ``running``: requests in
+    its batch, those that hold KV (None: not reported).
     """
 
     kv_usage: float | None
@@ -122,6 +134,7 @@ class NodeReport:
     refused: bool = False
     mark: int | None = None
     waiting: int | None = None
+    running: int | None = None
 
 
 class Charge:
@@ -160,7 +173,7 @@ class Node:
 
     __slots__ = ("name", "address", "configured_capacity", "reported_capacity", "usage",
                  "report_at", "refused", "foreign", "floor", "rise", "rise_s", "history", "charges", "marks", "picks",
-                 "passed_over")
+                 "passed_over", "exact")
 
     def __init__(self, backend: BackendConfig) -> None:
         self.name = backend.name
@@ -182,6 +195,7 @@ class Node:
         self.marks: dict[int, dict[Charge, tuple[int, bool]]] = {}
         self.picks = 0
         self.passed_over: dict[PassedOver, int] = {}
+        self.exact = False  # the last report's foreign KV holds none of kvgate's (module doc)
 
     @property
     def capacity(self) -> int | None:
@@ -228,11 +242,18 @@ class Node:
             return
         used = math.ceil(self.usage * scale)
         idle = r.waiting == 0
-        ours = sum(fp for c, (fp, first) in seen.items() if c.held and (first or idle)) if seen else 0
+        subtracted = [fp for c, (fp, first) in seen.items() if c.held and (first or idle)] if seen else []
+        ours = sum(subtracted)
         foreign = max(0, used - ours)
         floor = max(0, used - sum(c.footprint for c in self.charges))
-        self.rise = (0 if self.floor is None
-                     else max(0, min(foreign - self.foreign, floor - self.floor)))
+        # The node runs no request beyond those subtracted: none of kvgate's others is in its
+        # cache yet, so the foreign reading holds nothing of kvgate's (module doc).
+        self.exact = r.running is not None and r.running <= len(subtracted)
+        if self.floor is None:
+            self.rise = 0
+        else:
+            rise = foreign - self.foreign if self.exact else min(foreign - self.foreign, floor - self.floor)
+            self.rise = max(0, rise)
         self.rise_s = r.at - last_at if last_at is not None else 0.0
         self.foreign, self.floor = foreign, floor
         self.history.append((r.at, foreign, floor))
@@ -252,7 +273,8 @@ class Node:
                      else math.ceil(self.rise * ahead / self.rise_s))
         oldest = next((h for h in self.history if h[0] >= self.report_at - horizon_s), None)
         if oldest is not None and self.floor is not None and oldest[0] < self.report_at:
-            grew = min(self.foreign - oldest[1], self.floor - oldest[2])
+            grew = (self.foreign - oldest[1] if self.exact
+                    else min(self.foreign - oldest[1], self.floor - oldest[2]))
             if grew > 0:
                 extra = max(extra, math.ceil(grew * ahead / (self.report_at - oldest[0])))
         return self.foreign + extra

@@ -303,7 +303,8 @@ class Scraper:
         report = NodeReport(kv_usage=usable.kv_usage if usable is not None else None,
                             capacity_tokens=usable.kv_capacity_tokens if usable is not None else None,
                             at=now, refused=failure is not None and failure.reason is ScrapeError.CONNECT,
-                            mark=mark, waiting=usable.waiting if usable is not None else None)
+                            mark=mark, waiting=usable.waiting if usable is not None else None,
+                            running=usable.running if usable is not None else None)
         try:
             sink.report(node.pool, node.backend.name, report)
         except Exception:

@@ -516,3 +516,32 @@ def test_stale_pool_and_broken_node_say_so_in_logs_without_flooding(new_scraper,
     stale = [r for r in caplog.records if "pool q" in r.getMessage()]
     assert len(stale) == 1 and stale[0].levelname == "WARNING" and "min_scale" in stale[0].getMessage()
     assert not [r for r in caplog.records if "pool p" in r.getMessage()]
+
+
+class NodeReports:
+    """NodeReports is a node sink (``scraper.NodeSink``) that keeps what it is handed."""
+
+    def __init__(self) -> None:
+        self.marks: list[int] = []
+        self.reports: list[tuple[str, str, Any]] = []
+
+    def mark(self, mark: int) -> bool:
+        self.marks.append(mark)
+        return True
+
+    def report(self, pool: str, backend: str, report: Any) -> None:
+        self.reports.append((pool, backend, report))
+
+
+def test_a_picking_pool_hears_each_nodes_usage_queue_and_batch(new_scraper, servers):
+    node = serve(servers, Behavior(vllm_body(0.5, waiting=3)))
+    cfg = make_config({"llama": [{"name": "n0", "metrics_url": node.url, "engine": "vllm",
+                                  "address": "127.0.0.1:9"}]})
+    sink, clock = NodeReports(), ManualClock(100.0)
+    new_scraper(cfg, Published(), Recorder(), clock, nodes=sink).poll_once()
+    assert len(sink.marks) == 1                            # a round starts with a mark
+    ((pool, backend, report),) = sink.reports
+    assert (pool, backend) == ("llama", "n0")
+    # the sample's batch (vllm:num_requests_running 7): what tells a foreign rise from
+    # kvgate's own request entering the cache (admission/nodes.py)
+    assert (report.kv_usage, report.waiting, report.running, report.mark) == (0.5, 3, 7, sink.marks[0])

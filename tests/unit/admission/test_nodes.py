@@ -29,11 +29,11 @@ def nodes_pool(n: int = 3, growth: str = "worst_case", reserve: float = 0.0, **p
 
 
 def report(adm: Admission, clock: ManualClock, usage: dict[str, float], mark: int | None = None,
-           refused: tuple[str, ...] = (), waiting: int | None = None) -> None:
+           refused: tuple[str, ...] = (), waiting: int | None = None, running: int | None = None) -> None:
     for name, u in usage.items():
         adm.report_node("default", name, NodeReport(kv_usage=u, capacity_tokens=CAP, at=clock.now(),
                                                     refused=name in refused, mark=mark,
-                                                    waiting=waiting))
+                                                    waiting=waiting, running=running))
 
 
 def demand(prompt: int, completion: int, class_name: str = "standard") -> Demand:
@@ -255,6 +255,34 @@ def test_a_rise_of_kvgates_own_requests_in_the_report_is_no_foreign_rise():
     clock.advance(1)
     report(adm, clock, {"n0": 0.0}, mark=None)
     assert adm.nodes("default")[0].headroom_tokens == 100_000
+
+
+@pytest.mark.parametrize("running", [1, 2])
+def test_the_nodes_running_count_tells_a_foreign_step_from_a_request_entering_the_cache(running):
+    """The same report either way: usage 50k with 25k subtracted. Either the request kvgate
+    admitted just before the report (25k, not yet subtracted) is in the cache, or it is not
+    and others took 25k. Only the node's running count tells which."""
+    clock = ManualClock(T0)
+    adm = one_node_held_for(clock, 4.0)                    # requests hold the node 4 s
+    a = adm.try_acquire(demand(24_999, 100))
+    assert isinstance(a, Lease)
+    clock.advance(1.0)
+    a.progress(1)                                          # in the cache: 25k
+    adm.mark_nodes(1)
+    report(adm, clock, {"n0": 0.25}, mark=1, waiting=0, running=1)
+    x = adm.try_acquire(demand(25_000, 0))                 # admitted just before the next report
+    assert isinstance(x, Lease)
+    adm.mark_nodes(2)
+    clock.advance(1.0)
+    report(adm, clock, {"n0": 0.50}, mark=2, waiting=0, running=running)
+    (node,) = adm.nodes("default")
+    assert node.foreign_tokens == 25_000
+    held = (25_000 + 99) + 25_000                          # both requests, growth to come included
+    if running == 2:   # the request is in the cache: kvgate's own, no rise
+        assert node.headroom_tokens == CAP - 25_000 - held
+    else:              # it is not: others took 25k in 1 s, and may take 25k a second for 4 s more
+        assert node.headroom_tokens == CAP - (25_000 + 100_000) - held
+        assert isinstance(adm.try_acquire(demand(1_000, 0)), Rejection)
 
 
 @settings(max_examples=150, deadline=None)
