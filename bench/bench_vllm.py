@@ -500,11 +500,19 @@ async def frozen_check(engines: Sequence[Engine], gate: Gate, out: Outcome, min_
     for two more of kvgate's scrape rounds, compares the readings per engine, and resumes them."""
     def busy() -> bool:
         return all(e.metrics().get("vllm:kv_cache_usage_perc", 0.0) >= min_usage for e in engines)
-    await asyncio.to_thread(wait_until, busy, 120.0, 0.1, f"vLLM KV usage >= {min_usage}")
     pids = [pid for e in engines for pid in e.engine_pids()]
-    started = time.monotonic()
-    for pid in pids:
-        os.kill(pid, signal.SIGSTOP)
+    for _ in range(20):
+        await asyncio.to_thread(wait_until, busy, 120.0, 0.1, f"vLLM KV usage >= {min_usage}")
+        started = time.monotonic()
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        # A request may have ended between the reading and the stop (through kvgate one
+        # request at a time holds the cache): then the engine is let go until it is busy again.
+        if await asyncio.to_thread(busy):
+            break
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+        out.frozen_s += time.monotonic() - started
     try:
         def settled() -> tuple[list[dict[str, float]], dict[str, float]]:
             before = [e.metrics() for e in engines]
