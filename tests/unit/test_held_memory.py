@@ -17,21 +17,12 @@ import gc
 import tracemalloc
 from typing import Any
 
-import grpc
-import orjson
 import pytest
-from envoy.config.core.v3 import base_pb2
-from envoy.data.accesslog.v3 import accesslog_pb2
-from envoy.service.accesslog.v3 import als_pb2
 
-from extproc import usage_log
-from extproc.admission.nodes import NodeReport
 from extproc.endings import AccessLogReceiver
 from extproc.service import ExtProcService
-from tests.unit.test_access_log import NO_RESPONSE
-from tests.unit.test_exchange import Rig, route_metadata
-from tests.unit.test_exchange_attributes import attrs
-from tests.unit.test_usage_log import entry as usage_entry
+from kvgate_testkit.held import chat, config_for, hold, nodes_up, periodic_message
+from tests.unit.test_exchange import Rig
 
 # Requests held at once, by file: picking a node costs more with every charge on it.
 HELD = {"access-log": 600, "endpoint-picker-log": 300}
@@ -41,71 +32,13 @@ WARM = 50
 # 961, 1,034 and 1,157 while a parked request kept its instant in a tuple of its own and the
 # request facts only its decision reads (the content type, the subset hint).
 BUDGET = {"access-log": 940, "endpoint-picker-log": 1100}
-POOL: dict[str, Any] = {"max_concurrency": 1_000_000, "tpm": 10**13, "context_window": 32768,
-                        "default_max_tokens": 1024, "tokenizer": "cl100k_base"}
-NODES = [{"name": f"n{i}", "metrics_url": f"http://127.0.0.1:9/{i}",
-          "address": f"127.0.0.1:{7000 + i}", "kv_capacity_tokens": 10**9} for i in range(2)]
-
-
-class _Stream:
-    """_Stream is the grpc.aio context of one ext_proc stream: Envoy's messages, then its end."""
-
-    def __init__(self, messages: list[Any]) -> None:
-        self._messages = messages
-
-    async def read(self) -> Any:
-        return self._messages.pop(0) if self._messages else grpc.aio.EOF
-
-    async def write(self, resp: Any) -> None:
-        pass
 
 
 def rig_for(file: str) -> Rig:
-    """rig_for is a gate whose pool admits every request here; in the picker-log file the
-    pool picks one of two up nodes."""
-    pool = dict(POOL, backends=NODES) if file == "endpoint-picker-log" else POOL
-    rig = Rig({"pools": {"default": pool}, "limits": {"max_body_bytes": 1 << 20}})
+    rig = Rig(config_for(file))
     if file == "endpoint-picker-log":
-        for node in NODES:
-            rig.admission.report_node("default", node["name"], NodeReport(
-                kv_usage=0.0, capacity_tokens=None, at=rig.clock.now()))
+        nodes_up(rig.admission, rig.clock.now())
     return rig
-
-
-def messages(file: str, body: bytes) -> list[Any]:
-    """messages are what Envoy sends kvgate for one streamed chat in ``file``: the body with
-    the request attributes (access-log: request headers skipped), or the headers and then
-    the body (endpoint-picker-log); each with the route's metadata and the usage filter's mark."""
-    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-    meta = route_metadata(pool="default", release="access_log")
-    meta.filter_metadata[usage_log.NAMESPACE].fields[usage_log.FILTER_KEY].number_value = 1
-    if file == "access-log":
-        req = pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True),
-                                   protocol_config=NO_RESPONSE, metadata_context=meta)
-        for k, v in attrs().items():
-            req.attributes[k].CopyFrom(v)
-        return [req]
-    headers = [(":path", "/v1/chat/completions"), (":method", "POST"), (":scheme", "http"),
-               (":authority", "gw"), ("content-type", "application/json"),
-               ("content-length", str(len(body)))]
-    return [pb.ProcessingRequest(
-                request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
-                    base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers])),
-                protocol_config=NO_RESPONSE, metadata_context=meta),
-            pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True),
-                                 metadata_context=meta)]
-
-
-def chat(prompt_chars: int) -> bytes:
-    return orjson.dumps({"model": "m", "max_tokens": 64, "stream": True,
-                         "messages": [{"role": "user", "content": "word " * (prompt_chars // 5)}]})
-
-
-async def hold(service: ExtProcService, file: str, body: bytes, count: int) -> None:
-    """hold sends ``count`` requests through the service's stream loop; each stream ends
-    after the body's answer, its request parked for its access log entry."""
-    for _ in range(count):
-        await service.Process(None, _Stream(messages(file, body)))
 
 
 def traced_growth(run: Any) -> int:
@@ -148,20 +81,10 @@ def test_periodic_entries_keep_nothing_per_entry() -> None:
     asyncio.run(hold(service, "endpoint-picker-log", chat(20), 500))
     links = list(service.endings.parked)
 
-    def message(events: int) -> als_pb2.StreamAccessLogsMessage:
-        msg = als_pb2.StreamAccessLogsMessage()
-        for link in links:
-            e = usage_entry(link, {usage_log.EVENTS_KEY: events}, cut_short=True)
-            e.common_properties.access_log_type = accesslog_pb2.AccessLogType.DownstreamPeriodic
-            sock = e.common_properties.upstream_remote_address.socket_address
-            sock.address, sock.port_value = "127.0.0.1", 7000
-            msg.http_logs.log_entry.append(e)
-        return msg
-
     async def rounds(first: int, count: int) -> None:
         async def stream() -> Any:
             for events in range(first, first + count):
-                yield message(events)
+                yield periodic_message(links, events)
         await AccessLogReceiver(service.endings, rig.metrics).StreamAccessLogs(stream(), None)
 
     asyncio.run(rounds(1, 2))  # the first token, the node re-homed: one-off state
