@@ -12,8 +12,9 @@ endpoint-picker-log file, and the access-log file it is built on). Two parts, on
   and a fast fake upstream, as ``bench_overhead``'s memory scenario): kvgate's RSS growth per
   stream right after every stream got its first chunk (what bench_overhead reports), and
   ``--settle`` seconds later; with ``--baseline REF``, kvgate as it is at git revision REF
-  runs beside it in the same run, in alternating rounds, and the ratio is this tree's over
-  REF's. RSS moves with the machine's load and the allocator: read the rounds' spread.
+  runs beside it in the same run, in rounds of fresh processes in alternating order, and the
+  ratio is this tree's over REF's. RSS moves with the machine's load and the allocator: read
+  the rounds' spread.
 
     python bench/bench_memory.py [--baseline main] [--rounds 2] [--streams 3000] [--out FILE]
 """
@@ -144,18 +145,15 @@ async def _rss_round(stack: Any, streams: int, settle_s: float) -> tuple[float, 
 
 
 async def resident(stacks: dict[str, Any], streams: int, settle_s: float,
-                   rounds: int) -> dict[str, list[tuple[float, float]]]:
-    """resident runs ``rounds`` rounds over every stack, alternating their order."""
+                   reverse: bool) -> dict[str, tuple[float, float]]:
+    """resident measures one round over every stack (``reverse``: in the other order). Each
+    stack is fresh: a process's second burst reuses the heap its first one left."""
     import bench_overhead as bo
     bodies = bo.ChatBodies(seed=7)
     for stack in stacks.values():
         await bo.closed_loop(stack.envoy_port, bodies, 8, 200)
-    res: dict[str, list[tuple[float, float]]] = {name: [] for name in stacks}
-    order = list(stacks)
-    for i in range(rounds):
-        for name in (order if i % 2 == 0 else order[::-1]):
-            res[name].append(await _rss_round(stacks[name], streams, settle_s))
-    return res
+    order = list(stacks)[::-1] if reverse else list(stacks)
+    return {name: await _rss_round(stacks[name], streams, settle_s) for name in order}
 
 
 def build_stacks(work: Path, variants: Sequence[str], baseline: str | None) -> dict[str, Any]:
@@ -215,7 +213,8 @@ def report(py: dict[str, Any] | None, rss: dict[str, list[tuple[float, float]]] 
             "## Resident memory of the kvgate process", "",
             f"{streams} streams held open at once through Envoy (each past its first chunk); kvgate's "
             "RSS growth from before the streams, divided by the streams: when every first chunk was "
-            f"read (bench_overhead's figure) and {settle_s:.0f} s later. One value per round.", "",
+            f"read (bench_overhead's figure) and {settle_s:.0f} s later. One value per round, each "
+            "round on fresh processes.", "",
             "| setup | at open (B / stream) | settled (B / stream) | settled, best round |",
             "|---|---|---|---:|"]
         for name, rounds in rss.items():
@@ -256,19 +255,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "resident" not in args.skip:
         import bench_overhead as bo
         from kvgate_testkit.procs import wait_until
-        with tempfile.TemporaryDirectory(prefix="kvgate-bench-memory-") as tmp:
-            stacks = build_stacks(Path(tmp), args.variants, args.baseline)
-            try:
-                for stack in stacks.values():
-                    stack.start()
-                for stack in stacks.values():
-                    if "backends" in stack.kvgate_config["pools"]["default"]:
-                        wait_until(lambda s=stack: s.metric("kvgate_backend_pickable") == 1, timeout=20,
-                                   what="the picker's node up")
-                rss = bo._run(resident(stacks, args.streams, args.settle, args.rounds))
-            finally:
-                for stack in stacks.values():
-                    stack.stop()
+        rss = {}
+        for i in range(args.rounds):
+            with tempfile.TemporaryDirectory(prefix="kvgate-bench-memory-") as tmp:
+                stacks = build_stacks(Path(tmp), args.variants, args.baseline)
+                try:
+                    for stack in stacks.values():
+                        stack.start()
+                    for stack in stacks.values():
+                        if "backends" in stack.kvgate_config["pools"]["default"]:
+                            wait_until(lambda s=stack: s.metric("kvgate_backend_pickable") == 1,
+                                       timeout=20, what="the picker's node up")
+                    got = bo._run(resident(stacks, args.streams, args.settle, reverse=i % 2 == 1))
+                finally:
+                    for stack in stacks.values():
+                        stack.stop()
+            for name in stacks:
+                rss.setdefault(name, []).append(got[name])
     command = "python bench/bench_memory.py" + "".join(
         f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
     text = report(py, rss, command=command, held=args.held, prompt_chars=args.prompt_chars,

@@ -10,8 +10,10 @@ against every request in flight. ``malloc_trim(0)`` releases every whole free pa
 heap as well (bench/results/memory.md has the figures).
 
 ``HeapTrimmer`` does that from a thread of its own, at most every ``every_s`` seconds and only
-when the heap's free memory moved by ``TRIM_MIN_BYTES`` since its last pass (an idle process
-is not walked every second). ctypes releases the GIL for the call, so the event loop runs
+when the process's resident memory rose by ``TRIM_MIN_BYTES`` since the lowest it was after
+its last trim (an idle process is not walked every second; the heap's own count of free
+bytes is no guide: pages given back stay counted free, and reusing them makes them resident
+again without moving it). ctypes releases the GIL for the call, so the event loop runs
 meanwhile. Where the C library has no ``malloc_trim`` (musl, macOS) it does nothing.
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 from typing import Any
 
@@ -26,21 +29,24 @@ log = logging.getLogger("kvgate.server")
 
 # How often the trimmer looks at the heap (seconds).
 TRIM_EVERY_S = 1.0
-# The least change of the heap's free bytes since the last pass that is worth a trim (bytes).
+# The least rise of resident memory since the last trim that is worth a trim (bytes).
 TRIM_MIN_BYTES = 1 << 20
-
-
-class _MallInfo2(ctypes.Structure):
-    # glibc's struct mallinfo2 (2.33 and later), every field a size_t.
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-        "fordblks", "keepcost")]
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def _libc() -> Any:
     try:
         return ctypes.CDLL(None)
     except OSError:
+        return None
+
+
+def resident_bytes() -> int | None:
+    """resident_bytes is this process's resident memory (bytes; None where /proc has no statm)."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
         return None
 
 
@@ -55,14 +61,11 @@ class HeapTrimmer:
         self.min_bytes = min_bytes
         libc = _libc()
         self._trim = getattr(libc, "malloc_trim", None) if libc is not None else None
-        self._info = getattr(libc, "mallinfo2", None) if libc is not None else None
         if self._trim is not None:
             self._trim.argtypes = [ctypes.c_size_t]
             self._trim.restype = ctypes.c_int
-        if self._info is not None:
-            self._info.argtypes = []
-            self._info.restype = _MallInfo2
-        self._last_free: int | None = None
+        # The lowest resident memory seen since the last trim (bytes; None: no trim yet).
+        self._low: int | None = None
         self.trims = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -71,22 +74,18 @@ class HeapTrimmer:
     def available(self) -> bool:
         return self._trim is not None
 
-    def free_bytes(self) -> int | None:
-        """free_bytes is the free memory inside the C heap's arenas (bytes; None: unknown)."""
-        if self._info is None:
-            return None
-        return int(self._info().fordblks)
-
     def maybe_trim(self) -> bool:
-        """maybe_trim trims the heap if its free memory moved by ``min_bytes`` since the last
-        pass (always, where that is unknown); True when it trimmed."""
+        """maybe_trim trims the heap if resident memory rose by ``min_bytes`` since the lowest
+        it was after the last trim (always, where it cannot be read); True when it trimmed."""
         if self._trim is None:
             return False
-        free = self.free_bytes()
-        if free is not None and self._last_free is not None and abs(free - self._last_free) < self.min_bytes:
-            return False
+        rss = resident_bytes()
+        if rss is not None and self._low is not None:
+            if rss - self._low < self.min_bytes:
+                self._low = min(self._low, rss)
+                return False
         self._trim(0)
-        self._last_free = self.free_bytes()
+        self._low = resident_bytes()
         self.trims += 1
         return True
 
