@@ -145,7 +145,7 @@ async def _rss_round(stack: Any, streams: int, settle_s: float) -> tuple[float, 
 
 
 async def resident(stacks: dict[str, Any], streams: int, settle_s: float,
-                   reverse: bool) -> dict[str, tuple[float, float]]:
+                   reverse: bool) -> dict[str, tuple[float, float] | None]:
     """resident measures one round over every stack (``reverse``: in the other order). Each
     stack is fresh: a process's second burst reuses the heap its first one left."""
     import bench_overhead as bo
@@ -153,7 +153,14 @@ async def resident(stacks: dict[str, Any], streams: int, settle_s: float,
     for stack in stacks.values():
         await bo.closed_loop(stack.envoy_port, bodies, 8, 200)
     order = list(stacks)[::-1] if reverse else list(stacks)
-    return {name: await _rss_round(stacks[name], streams, settle_s) for name in order}
+    out: dict[str, tuple[float, float] | None] = {}
+    for name in order:
+        try:
+            out[name] = await _rss_round(stacks[name], streams, settle_s)
+        except bo.HttpError as err:  # a loaded machine: the round is lost, not the run
+            print(f"{name}: round lost ({err})", file=sys.stderr)
+            out[name] = None
+    return out
 
 
 def build_stacks(work: Path, variants: Sequence[str], baseline: str | None) -> dict[str, Any]:
@@ -255,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "resident" not in args.skip:
         import bench_overhead as bo
         from kvgate_testkit.procs import wait_until
-        rss = {}
+        rss: dict[str, list[tuple[float, float]]] = {}
         for i in range(args.rounds):
             with tempfile.TemporaryDirectory(prefix="kvgate-bench-memory-") as tmp:
                 stacks = build_stacks(Path(tmp), args.variants, args.baseline)
@@ -270,8 +277,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 finally:
                     for stack in stacks.values():
                         stack.stop()
-            for name in stacks:
-                rss.setdefault(name, []).append(got[name])
+            for name, value in got.items():
+                if value is not None:
+                    rss.setdefault(name, []).append(value)
     command = "python bench/bench_memory.py" + "".join(
         f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
     text = report(py, rss, command=command, held=args.held, prompt_chars=args.prompt_chars,
