@@ -7,7 +7,7 @@ log entries of every stream in flight, Envoy's batches of them a few hundred KB 
 the heap's high-water mark, and glibc gives back to the system only the free memory at the
 top of its heap: what the burst freed below the objects still alive stays resident, counted
 against every request in flight. ``malloc_trim(0)`` releases every whole free page inside the
-heap as well (bench/results/memory.md has the figures).
+heap as well (bench/results/memory-levers.md has the figures).
 
 ``HeapTrimmer`` does that from a thread of its own, at most every ``every_s`` seconds and only
 when the process's resident memory rose by ``TRIM_MIN_BYTES`` since the lowest it was after
