@@ -15,7 +15,7 @@ VLLM_VERSION ?= 0.32.0
 # e.g. BENCH_VLLM_ARGS="--runs 3 --rows direct,kvgate"
 BENCH_VLLM_ARGS ?=
 
-.PHONY: install run test test-under-load test-unit test-e2e test-vllm bench bench-admission bench-overhead bench-cpu bench-picker bench-protection bench-redis bench-redis-timeout bench-scrape bench-tokens bench-trace bench-vllm bench-loop-lag bench-big-prompt install-vllm check-config clean
+.PHONY: install run test test-under-load test-unit test-e2e test-vllm bench bench-admission bench-overhead bench-cpu bench-picker bench-protection bench-redis bench-redis-timeout bench-scrape bench-tokens bench-trace bench-vllm bench-loop-lag bench-big-prompt bench-memory install-vllm check-config clean
 
 install: $(STAMP)
 
@@ -69,6 +69,14 @@ bench-cpu: install
 	mkdir -p $(BENCH_OUT)
 	$(PY) bench/bench_cpu.py --baseline $(CPU_BASELINE) --out $(BENCH_OUT)/cpu.md
 	$(PY) bench/bench_request_path.py --baseline $(CPU_BASELINE) --rounds 20 --requests 1000 --out $(BENCH_OUT)/request-path.md
+
+# What an in-flight request costs kvgate in memory: Python objects by the line that allocated
+# them, and the process's resident memory beside kvgate as it is at MEM_BASELINE (a git revision).
+MEM_BASELINE ?= main
+
+bench-memory: install
+	mkdir -p $(BENCH_OUT)
+	$(PY) bench/bench_memory.py --baseline $(MEM_BASELINE) --out $(BENCH_OUT)/memory.md
 
 bench-picker: install
 	mkdir -p $(BENCH_OUT)
@@ -130,7 +138,7 @@ bench-big-prompt: install
 	mkdir -p $(BENCH_OUT)
 	$(PY) bench/bench_big_prompt.py --out $(BENCH_OUT)/big-prompt.md
 
-bench: bench-admission bench-scrape bench-tokens bench-overhead bench-cpu bench-picker bench-protection bench-trace bench-redis bench-redis-timeout bench-loop-lag bench-big-prompt
+bench: bench-admission bench-scrape bench-tokens bench-overhead bench-memory bench-cpu bench-picker bench-protection bench-trace bench-redis bench-redis-timeout bench-loop-lag bench-big-prompt
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

@@ -197,7 +197,8 @@ class Endings:
     own ext_proc stream (module doc), and settles each when that end comes.
 
     ``links``: the OBSERVED* requests, with their observing stream's progress. ``parked``:
-    the ACCESS_LOG requests whose stream has ended, with when they were parked. ``causes``:
+    the ACCESS_LOG requests whose stream has ended (their time to live runs from their
+    lease's ``admitted_at``, on the clock the admission core shares with this one). ``causes``:
     the ``*_AND_LOG`` requests until the cause of their end is known, with when they were
     admitted or, once their release waits for the cause, released. ``changed`` is called
     when a parked request is released (the service may have become idle).
@@ -208,7 +209,9 @@ class Endings:
         self._metrics = metrics
         self._changed = changed
         self.links: dict[str, Link] = {}
-        self.parked: dict[str, tuple[Exchange, float]] = {}
+        # The exchange alone, not (exchange, instant): one request parked is one dict entry,
+        # and thousands of them stream at once.
+        self.parked: dict[str, Exchange] = {}
         self.causes: dict[str, tuple[Exchange, float]] = {}
         # Parked requests whose stream ended before the write of their answer returned, and
         # when: kept for their log entry at most CAUSE_WAIT_S (``stream_ended``).
@@ -226,7 +229,7 @@ class Endings:
         if mode is None or link is None:
             return
         if mode is ReleaseMode.ACCESS_LOG:
-            self.parked[link] = (ex, self._clock.now())
+            self.parked[link] = ex
         elif mode.observed:
             self.links[link] = Link(ex)
         if mode.cause_from_log:
@@ -350,8 +353,8 @@ class Endings:
         parked = self.parked.pop(link, None)
         self.unsure.pop(link, None)
         if parked is not None:
-            parked[0].ended_by_log(entry.response.response_code.value, cut_short, upstream_failed,
-                                   usage_log.from_entry(entry))
+            parked.ended_by_log(entry.response.response_code.value, cut_short, upstream_failed,
+                                usage_log.from_entry(entry))
             self._changed()
             return LogResult.RELEASED
         told = self.causes.get(link)
@@ -374,7 +377,7 @@ class Endings:
         if parked is None:
             return LogResult.PERIODIC
         usage = usage_log.from_entry(entry)
-        if parked[0].progressed(usage, upstream_address(entry)):
+        if parked.progressed(usage, upstream_address(entry)):
             return LogResult.PROGRESS
         return LogResult.PROGRESS_INVALID
 
@@ -395,14 +398,14 @@ class Endings:
         """sweep_parked releases, with cause ``timeout``, the requests parked for longer than
         ``ttl_s`` seconds (their log entry was lost: Envoy's buffer overflowed, the log stream
         broke); returns how many."""
-        stale = [link for link, (_, at) in self.parked.items() if now - at >= ttl_s]
+        stale = [link for link, ex in self.parked.items() if now - _admitted_at(ex) >= ttl_s]
         for link in stale:
             self.unsure.pop(link, None)
-            self.parked.pop(link)[0].finish(gave_up=True)
+            self.parked.pop(link).finish(gave_up=True)
         unsure = [link for link, at in self.unsure.items() if now - at >= CAUSE_WAIT_S]
         for link in unsure:
             del self.unsure[link]
-            self.parked.pop(link)[0].finish()  # the answer never reached Envoy: as a disconnect
+            self.parked.pop(link).finish()  # the answer never reached Envoy: as a disconnect
         if stale:
             log.warning("released %d requests whose access log entry never came within %.0f s",
                         len(stale), ttl_s)
@@ -418,10 +421,18 @@ class Endings:
         parked = list(self.parked.values())
         self.parked.clear()
         self.unsure.clear()
-        for ex, _ in parked:
+        for ex in parked:
             ex.finish(gave_up=True)
         self.settle_causes(float("inf"), 0.0)
         return len(parked)
+
+
+def _admitted_at(ex: Exchange) -> float:
+    """_admitted_at is the instant a parked exchange's lease was granted (seconds, the
+    admission core's clock): a request is parked just after, within the same message."""
+    lease = ex.lease
+    assert lease is not None  # only an admitted request is parked
+    return lease.admitted_at
 
 
 def upstream_address(entry: Any) -> str | None:

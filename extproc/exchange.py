@@ -443,6 +443,10 @@ class Exchange:
         self.mode = mode = ReleaseMode.choose(self.response_sent, self.route.release, self.duplex)
         self.lease = lease
         self.state = _ADMITTED
+        # Request facts only the decision reads: an admitted request may stay in flight (or
+        # parked for its access log entry) for minutes, thousands at once.
+        self.content_type = None
+        self.hint = None
         self.gate.metrics.request(self.pool_name, cls.name, RequestOutcome.ADMITTED)
         cap = reserved // parsed.sequences if pool.config.enforce_max_tokens and parsed.sequences else None
         if not mode.on_stream:

@@ -40,6 +40,7 @@ from extproc.countpool import CountPool
 from extproc.endings import AccessLogReceiver
 from extproc.errors import ConfigError
 from extproc.gate import Gate
+from extproc.heap import HeapTrimmer
 from extproc.metrics import Metrics
 from extproc.service import ExtProcService, decode_request
 from extproc.tokens import BpeOpenAITokenizer, load_tokenizer, use_count_pool
@@ -138,6 +139,8 @@ class Server:
         self._tokenizers_ready = {pc.tokenizer for pc in config.pools.values()}
         self._reload_generation = 0
         self._reload_tasks: set[asyncio.Task[None]] = set()
+        # Every request in flight is charged the heap's high-water mark otherwise (``heap``).
+        self.heap = HeapTrimmer()
         self.metrics.attach(self.admission, tuple(config.tenants.classes))
         self.service: ExtProcService | None = None
         self.health: HealthServicer | None = None
@@ -190,6 +193,7 @@ class Server:
         self.admin_port = self._admin.port
         await self._grpc.start()
         self._sweeper = loop.create_task(self._sweep_parked())
+        self.heap.start()
         self._ensure_scraper(self.config)
         self._ensure_discovery(self.config)
         if self._config_path is not None:
@@ -409,6 +413,7 @@ class Server:
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
+        await asyncio.get_running_loop().run_in_executor(None, self.heap.stop)
         if self._watcher is not None:
             loop = asyncio.get_running_loop()
             self._watcher.remove_sighup(loop)
