@@ -1,7 +1,7 @@
 """localstack: `make run` — three simulated nodes, kvgate and Envoy on loopback, stopped on Ctrl-C.
 
-The stack uses the repository's own files: ``deploy/envoy-endpoint-picker.yaml`` (kvgate
-picks the node of every request; ports rewritten for loopback) and
+The stack uses the repository's own files: ``deploy/envoy-endpoint-picker-log.yaml`` (kvgate
+picks the node of every request, the recommended picker file; ports rewritten for loopback) and
 ``deploy/local/kvgate.yaml`` (one pool whose backends are the simulated nodes, each with
 its address). ``--pool-level`` runs the pool-level setup instead: ``deploy/envoy.yaml``,
 Envoy's round robin over the nodes, kvgate without the addresses. Generated files go to
@@ -165,7 +165,7 @@ def banner(envoy: int, admin: int, sims: list[int], envoy_admin: int, model: str
     nodes = "\n".join(f"  node-{i} (simulated vLLM)     http://{LOOPBACK}:{p}/metrics"
                       + ("   (POST /sim/config to add pressure)" if i == 0 else "")
                       for i, p in enumerate(sims))
-    how = ("kvgate picks the node of every request (deploy/envoy-endpoint-picker.yaml)" if picking
+    how = ("kvgate picks the node of every request (deploy/envoy-endpoint-picker-log.yaml)" if picking
            else "Envoy's round robin picks the node, kvgate guards the pool (deploy/envoy.yaml)")
     watch = ("kvgate_backend_(kv_foreign_tokens|kv_headroom_tokens|picks_total)" if picking
              else "kvgate_(admission_scale|concurrency_limit)")
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     kv_path = run_dir / "kvgate.yaml"
     kv_path.write_text(yaml.safe_dump(kv_cfg, sort_keys=False))
     load_config(kv_path)  # fail here, with the key named, rather than in a child's log
-    envoy_file = "deploy/envoy-endpoint-picker.yaml" if picking else "deploy/envoy.yaml"
+    envoy_file = "deploy/envoy-endpoint-picker-log.yaml" if picking else "deploy/envoy.yaml"
     envoy_cfg = render_envoy(yaml.safe_load((ROOT / envoy_file).read_text()),
                              listen=envoy, admin=envoy_admin, grpc=grpc, upstream=sim)
     spread_upstream(envoy_cfg, sims)
