@@ -16,10 +16,11 @@ policy gets the same requests, in one run:
    ``oracle-classes``: the same bound under the class policy kvgate is given: a batch
                     document goes only where the node stays within the class's kv_watermark;
 5. ``picker-worst``: kvgate picking the node (``picking: {growth: worst_case}``);
-6. ``picker-learned``: kvgate picking the node with its recommended setting where other load
-   shares the nodes (``picking: {growth: learned, quantile: 0.9, reserve_fraction: 0.1}``);
+6. ``picker-learned``: kvgate picking the node where other load shares the nodes
+   (``picking: {growth: learned, quantile: 0.9, reserve_fraction: 0.1}``), the recommended
+   setting with the Redis store (which refuses pooled growth);
 7. ``picker-pooled``: the same with the quantile of each node's summed growth
-   (``growth: pooled``), an alternative for one replica;
+   (``growth: pooled``), the recommended setting for one replica;
 8. ``picker-thin``: learned growth with the default reserve (0.02): what the reserve buys.
 
 Policies 5-8 need ``deploy/envoy-endpoint-picker.yaml`` (kvgate's endpoint picking) and
@@ -335,9 +336,11 @@ POLICIES: tuple[Policy, ...] = (
            keeps_classes=True),
     Policy("picker-worst", "5. kvgate picking nodes, worst-case growth", "picker", "picker",
            {"growth": "worst_case"}),
-    Policy("picker-learned", "6. kvgate picking nodes, recommended: learned growth, reserve 0.1", "picker",
+    Policy("picker-learned", "6. kvgate picking nodes, learned growth, reserve 0.1 (recommended with the Redis store)",
+           "picker",
            "picker", {"growth": "learned", "quantile": 0.9, "reserve_fraction": 0.1}),
-    Policy("picker-pooled", "7. kvgate picking nodes, pooled growth (q of each node's sum), reserve 0.1",
+    Policy("picker-pooled", "7. kvgate picking nodes, recommended for one replica: pooled growth (q of each "
+           "node's sum), reserve 0.1",
            "picker", "picker", {"growth": "pooled", "quantile": 0.9, "reserve_fraction": 0.1}),
     Policy("picker-thin", "8. kvgate picking nodes, learned growth, default reserve (0.02)", "picker", "picker",
            {"growth": "learned", "quantile": 0.9}),
@@ -1136,7 +1139,7 @@ def verdicts(runs: list[Run], sums: dict[str, Summary]) -> list[str]:
         kept = sums.get("oracle-classes")
         if kept is not None and kept.goodput > 0 and not run.policy.key.startswith("oracle"):
             text += f", {s.goodput / kept.goodput:.0%} of the class-keeping oracle's"
-        if run.policy.key == "picker-learned":
+        if run.policy.key in ("picker-learned", "picker-pooled"):
             met = total == 0 and share is not None and share >= 0.9
             text += f"; target (0 preemptions, >= 90% of the oracle) **{'met' if met else 'NOT met'}**"
         elif run.policy.key == "picker-worst":
