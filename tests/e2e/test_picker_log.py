@@ -197,3 +197,29 @@ def test_a_request_envoy_sent_to_another_node_is_charged_there(stack):
             done.result(timeout=30)
     finally:
         stack.node_config(0, {"background_kv_tokens": 0})
+
+
+def test_a_node_killed_mid_stream_is_released_and_no_longer_picked(stack):
+    """Last in this module: it kills a node. Its stream is released by Envoy's final access
+    log entry, told an upstream error; the dead node is passed over and the other serves."""
+    import openai
+    before = stack.metric("kvgate_releases_total", cause="upstream_error")
+    chunks = iter(stream(stack, 2_000))
+    next(chunks)
+    (victim,) = [n for n, v in held(stack).items() if v > 0]
+    stack.procs[victim].kill()
+    with pytest.raises(openai.APIError):
+        for _ in chunks:
+            pass
+    wait_until(lambda: stack.metric("kvgate_inflight_requests") == 0, timeout=15, what="released")
+    assert stack.metric("kvgate_releases_total", cause="upstream_error") == before + 1
+    assert held(stack)[victim] == 0
+    wait_until(lambda: stack.metric("kvgate_backend_pickable", backend=victim) == 0, timeout=15,
+               what=f"{victim} not pickable")
+    picks = stack.per_node("kvgate_backend_picks_total")
+    for _ in range(3):
+        reply = client(stack).chat.completions.create(model=MODEL, max_tokens=3,
+                                                      messages=[{"role": "user", "content": "hi"}])
+        assert reply.usage.completion_tokens == 3
+    after = stack.per_node("kvgate_backend_picks_total")
+    assert after[victim] == picks[victim] and sum(after.values()) == sum(picks.values()) + 3
