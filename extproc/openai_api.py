@@ -417,8 +417,14 @@ _NO_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 _USAGE_KEY = re.compile(rb'"usage"\s*:')
 _COMPLETION_TEXT = re.compile(rb'"completion_tokens"\s*:\s*([^,}\s]*)')
 _OUTPUT_TEXT = re.compile(rb'"output_tokens"\s*:\s*([^,}\s]*)')
-_COUNT_TEXT = re.compile(rb"0|[1-9][0-9]{0,12}")  # a JSON whole number, as from_entry takes it
-_JSON_OVERLAP = 256   # bytes of a chunk searched again with the next (usage_log.JSON_OVERLAP_BYTES)
+# The usage filter's reading, shared with it (usage_log): a count is a JSON whole number (no
+# leading zero: "007" is no JSON); at most COUNT_CHARS of its text are kept (2^40 has 13
+# digits); JSON_OVERLAP_BYTES of a chunk are searched again with the next, so that a usage
+# object split across two chunks is found whole.
+COUNT_TEXT = re.compile(r"0|[1-9][0-9]{0,12}")
+COUNT_CHARS = 24
+JSON_OVERLAP_BYTES = 256
+MAX_COUNT = _MAX_USAGE
 
 
 def _usage_int(x: Any) -> int | None:
@@ -502,11 +508,11 @@ class ResponseTracker:
         at = usage.start() if usage is not None else 0
         found = _COMPLETION_TEXT.search(text, at) or _OUTPUT_TEXT.search(text, at)
         if found is not None:
-            self._json_count = found.group(1)[:24]
-        self._json_tail = text[-_JSON_OVERLAP:]
+            self._json_count = found.group(1)[:COUNT_CHARS]
+        self._json_tail = text[-JSON_OVERLAP_BYTES:]
         if end_of_stream:
-            count = (self._json_count or b"").strip()
-            if _COUNT_TEXT.fullmatch(count) and int(count) < _MAX_USAGE:
+            count = (self._json_count or b"").decode("latin-1").strip()
+            if COUNT_TEXT.fullmatch(count) and int(count) < MAX_COUNT:
                 self.completion_tokens = int(count)
             self._json_tail = b""
 

@@ -38,7 +38,6 @@ above the admission core's cap.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,17 +54,15 @@ DONE_KEY = "done"
 # body writes the link and STRIP_KEY.
 GATE_NAMESPACE = "kvgate"
 STRIP_KEY = "strip_usage"
-# The longest count text the filter copies (characters): 2^40 has 13 digits.
-MAX_VALUE_CHARS = 24
+# The longest count text the filter copies (characters), how much of a JSON body's previous
+# chunk it searches again with the next (bytes), what a count is: the tracker's own, read
+# the same way when a JSON answer outgrows its buffer (openai_api).
+MAX_VALUE_CHARS = oai.COUNT_CHARS
+JSON_OVERLAP_BYTES = oai.JSON_OVERLAP_BYTES
+_MAX_COUNT = oai.MAX_COUNT
+_DIGITS = oai.COUNT_TEXT
 # The longest SSE event the filter parses (bytes); past it the stream passes unparsed.
 MAX_EVENT_BYTES = 1 << 20
-# How much of a JSON body's previous chunk is searched again with the next (bytes): a
-# usage object split across two chunks is found whole.
-JSON_OVERLAP_BYTES = 256
-# Counts above this are not counts (as oai's tracker).
-_MAX_COUNT = 1 << 40
-# A JSON whole number (no leading zero: "007" is no JSON, and the tracker refuses it).
-_DIGITS = re.compile(r"0|[1-9][0-9]{0,12}")
 # kvgate_logged_usage_total's result label.
 RESULTS = ("reported", "invalid", "none")
 
