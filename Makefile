@@ -15,7 +15,7 @@ VLLM_VERSION ?= 0.32.0
 # e.g. BENCH_VLLM_ARGS="--runs 3 --rows direct,kvgate"
 BENCH_VLLM_ARGS ?=
 
-.PHONY: install run test test-under-load test-unit test-e2e test-vllm bench bench-admission bench-overhead bench-cpu bench-picker bench-protection bench-redis bench-redis-timeout bench-scrape bench-tokens bench-trace bench-vllm bench-loop-lag bench-big-prompt bench-memory install-vllm check-config clean
+.PHONY: install run test test-under-load test-unit test-e2e test-vllm bench bench-admission bench-overhead bench-cpu bench-picker bench-protection bench-redis bench-redis-timeout bench-scrape bench-tokens bench-trace bench-vllm bench-loop-lag bench-big-prompt bench-memory bench-pick install-vllm check-config clean
 
 install: $(STAMP)
 
@@ -69,6 +69,13 @@ bench-cpu: install
 	mkdir -p $(BENCH_OUT)
 	$(PY) bench/bench_cpu.py --baseline $(CPU_BASELINE) --out $(BENCH_OUT)/cpu.md
 	$(PY) bench/bench_request_path.py --baseline $(CPU_BASELINE) --rounds 20 --requests 1000 --out $(BENCH_OUT)/request-path.md
+
+# What a pick costs by the requests held, this tree beside PICK_BASELINE (a git revision).
+PICK_BASELINE ?= main
+
+bench-pick: install
+	mkdir -p $(BENCH_OUT)
+	$(PY) bench/bench_pick.py --baseline $(PICK_BASELINE) --out $(BENCH_OUT)/pick.md
 
 # What an in-flight request costs kvgate in memory: Python objects by the line that allocated
 # them, and the process's resident memory beside kvgate as it is at MEM_BASELINE (a git revision).
@@ -138,7 +145,7 @@ bench-big-prompt: install
 	mkdir -p $(BENCH_OUT)
 	$(PY) bench/bench_big_prompt.py --out $(BENCH_OUT)/big-prompt.md
 
-bench: bench-admission bench-scrape bench-tokens bench-overhead bench-memory bench-cpu bench-picker bench-protection bench-trace bench-redis bench-redis-timeout bench-loop-lag bench-big-prompt
+bench: bench-admission bench-scrape bench-tokens bench-overhead bench-memory bench-pick bench-cpu bench-picker bench-protection bench-trace bench-redis bench-redis-timeout bench-loop-lag bench-big-prompt
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

@@ -339,7 +339,7 @@ class Admission:
                 owner.release(charge, completion, completed, now)
             else:
                 charge.held = False
-                charge.node.charges.discard(charge)
+                charge.node.drop(charge)
         if p is not None and p.queue.size:
             self._kick(p)
 
@@ -349,7 +349,7 @@ class Admission:
         charge = grant.node
         if charge is not None and charge.held:
             charge.held = False
-            charge.node.charges.discard(charge)
+            charge.node.drop(charge)
 
     def _nodes_for(self, p: PoolRuntime, demand: Demand, plan: Plan) -> tuple[PoolNodes, ClassConfig] | Refusal:
         """_nodes_for is a picking pool's nodes and the plan's class, or the refusal, for good (no
@@ -443,7 +443,7 @@ class Admission:
     def _unpick(charge: Charge) -> None:
         """_unpick takes back a node charge the store did not grant: the node is left untouched."""
         charge.held = False
-        charge.node.charges.discard(charge)
+        charge.node.drop(charge)
         charge.node.picks -= 1
 
     def _move(self, pool: str, charge: Charge, address: str) -> bool:

@@ -30,6 +30,7 @@ With pooled growth the growth to come is bounded for the node's requests togethe
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -265,10 +266,23 @@ def pooled_growth(moments: Iterable[tuple[int, float, float]], quantile: float) 
         left += lft
         mean += m
         var += v
-    if quantile >= 1.0:
-        return left
-    bound = mean + NormalDist().inv_cdf(quantile) * math.sqrt(var)
+    return pooled_bound(left, mean, var, quantile)
+
+
+def pooled_bound(left: int, mean: float, var: float, quantile: float) -> int:
+    """pooled_bound is ``pooled_growth`` from the moments' sums: ``left`` the rests of
+    reservation (tokens), ``mean`` and ``var`` the growths' means and variances (tokens,
+    tokens squared; a sum kept as requests come and go may be a hair below 0)."""
+    if quantile >= 1.0 or left <= 0:
+        return max(0, left)
+    bound = mean + _z(quantile) * math.sqrt(max(0.0, var))
     return min(left, max(0, math.ceil(bound - 1e-9)))
+
+
+@functools.lru_cache(maxsize=16)
+def _z(quantile: float) -> float:
+    """_z is the standard normal's ``quantile``."""
+    return NormalDist().inv_cdf(quantile)
 
 
 def node_hold(prompt: int, reserved: int, generated: int, lengths: Sequence[int] | None,

@@ -1,0 +1,185 @@
+"""bench_pick: what one admission to a picking pool costs, by how many requests are held.
+
+A pool that picks nodes charges each request to a node, and a pick reads every candidate
+node's expected hold. This times, in-process on the in-memory store (real monotonic
+clock), one cycle of what a streamed request does to the admission core: ``try_acquire``
+(the pick), a ``progress`` of one held request (what a periodic access log entry or a
+streamed chunk reports), and the release of the new request with its completion count
+(which teaches its class's lengths), with ``--held`` requests held on four nodes the
+whole time, for each growth rule.
+
+``--baseline REF`` runs the same cycles with ``extproc`` as it is at git revision REF in a
+second worker process, row by row in turn, and reports both beside each other: the ratio
+of one held count's cost to no requests held says how a pick scales, whatever the machine
+is doing.
+
+    python bench/bench_pick.py [--held 0 500 2000] [--baseline main] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from the repository root
+    sys.path.insert(0, str(ROOT))
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import random  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+GROWTHS = ("worst_case", "learned", "pooled")
+NODES = 4
+BATCH = 50
+BATCHES = 200
+
+
+def _config(growth: str) -> Any:
+    from extproc.config import parse_config
+    backends = [{"name": f"n{i}", "metrics_url": f"http://127.0.0.1:9/{i}",
+                 "address": f"127.0.0.1:{8001 + i}", "kv_capacity_tokens": 1_000_000_000}
+                for i in range(NODES)]
+    return parse_config({"pools": {"default": {"max_concurrency": 1_000_000, "backends": backends,
+                                               "picking": {"growth": growth, "reserve_fraction": 0.1}}}})
+
+
+def measure(growth: str, held: int, seed: int = 7) -> float:
+    """measure is the median ns of one cycle (pick, one progress, release) with ``held``
+    requests held, over BATCHES batches of BATCH cycles."""
+    from extproc.admission import Admission, Lease, Outcome
+    from extproc.admission.nodes import NodeReport
+    from extproc.clock import MonotonicClock
+    clock = MonotonicClock()
+    adm = Admission(_config(growth), clock)
+    rng = random.Random(seed)
+
+    def report() -> None:
+        for i in range(NODES):
+            adm.report_node("default", f"n{i}", NodeReport(kv_usage=0.0, capacity_tokens=None,
+                                                           at=clock.now(), waiting=0, running=0))
+
+    def admit() -> Any:
+        lease = adm.try_acquire(adm.demand("anyone", rng.randint(200, 4000), rng.randint(100, 1000)))
+        if type(lease) is not Lease:
+            raise RuntimeError(f"the benchmark must not be refused: {lease}")
+        return lease
+
+    report()
+    for _ in range(1_000):  # the lengths the growth rules learn
+        admit().release(Outcome.COMPLETED, rng.randint(10, 600))
+    leases = []
+    for i in range(held):
+        if i % 100 == 0:
+            report()  # an old tree's slow picks outlast a report's freshness
+        leases.append(admit())
+        leases[-1].progress(rng.randint(1, 50))
+    made = [0] * len(leases)
+    completed = Outcome.COMPLETED
+
+    def cycles(n: int) -> None:
+        for i in range(n):
+            lease = admit()
+            lease.progress(5)
+            if leases:
+                k = i % len(leases)
+                made[k] += 1
+                leases[k].progress(made[k])
+            lease.release(completed, rng.randint(10, 600))
+
+    for _ in range(10):  # warm-up
+        report()
+        cycles(BATCH)
+    gc.collect()
+    per = []
+    for _ in range(BATCHES):
+        report()  # the scraper's once-a-second report, here once a batch to stay fresh
+        t0 = time.perf_counter_ns()
+        cycles(BATCH)
+        per.append((time.perf_counter_ns() - t0) / BATCH)
+    for lease in leases:
+        lease.release(completed, 10)
+    if adm.snapshot("default").inflight != 0:
+        raise RuntimeError("a lease was left held")
+    return statistics.median(per)
+
+
+def _worker() -> None:
+    """_worker measures one row per line on stdin (``growth held``), one figure per line back."""
+    for line in sys.stdin:
+        growth, held = line.split()
+        print(json.dumps(measure(growth, int(held))), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--held", type=int, nargs="+", default=[0, 500, 2000])
+    ap.add_argument("--growth", nargs="+", default=list(GROWTHS), choices=GROWTHS)
+    ap.add_argument("--baseline", metavar="REF", help="also run extproc as it is at this git revision")
+    ap.add_argument("--out", type=Path, help="write the report here too")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        _worker()
+        return 0
+    load = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="kvgate-pick-") as tmp:
+        argv_w = [sys.executable, str(Path(__file__).resolve()), "--worker"]
+        trees = {"this tree": ROOT}
+        if args.baseline:
+            from bench.bench_cpu import _checkout
+            trees[args.baseline] = _checkout(args.baseline, Path(tmp))
+        workers = {name: subprocess.Popen(argv_w, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(src), str(ROOT)])})
+                   for name, src in trees.items()}
+        got: dict[tuple[str, str, int], float] = {}
+        try:
+            for i, (growth, held) in enumerate((g, h) for g in args.growth for h in args.held):
+                order = list(workers) if i % 2 == 0 else list(reversed(workers))
+                for name in order:
+                    proc = workers[name]
+                    assert proc.stdin is not None and proc.stdout is not None
+                    proc.stdin.write(f"{growth} {held}\n")
+                    proc.stdin.flush()
+                    got[(name, growth, held)] = json.loads(proc.stdout.readline())
+        finally:
+            for proc in workers.values():
+                assert proc.stdin is not None
+                proc.stdin.close()
+                proc.wait(timeout=60)
+    command = "python bench/bench_pick.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    names = list(trees)
+    head = " | ".join(f"{n}: us per cycle | x no one held" for n in names)
+    lines = ["# A pick's cost by the requests held (bench/bench_pick.py)", "",
+             f"Command: `{command}`", "",
+             f"Python {platform.python_version()}; load average at the start {load[0]:.2f} {load[1]:.2f} "
+             f"{load[2]:.2f}. In-process, in-memory store, {NODES} nodes, reserve 0.1. One cycle: "
+             "try_acquire (the pick) + one held request's progress + the new request's release with "
+             f"its completion count; median of {BATCHES} batches of {BATCH} cycles. Each worker a "
+             "process of its own, rows in turn.", "",
+             f"| growth | held | {head} |", "|---|---:|" + "---:|---:|" * len(names)]
+    for growth in args.growth:
+        for held in args.held:
+            cells = []
+            for n in names:
+                v, zero = got[(n, growth, held)], got[(n, growth, args.held[0])]
+                cells.append(f"{v / 1000:.1f} | {v / zero:.2f}")
+            lines.append(f"| {growth} | {held:,} | {' | '.join(cells)} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
