@@ -78,7 +78,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from extproc.admission import rules
-from extproc.admission.retry import MAX_WAIT_S, HoldTimes, expected_wait
+from extproc.admission.retry import MAX_WAIT_S, HoldTimes, expected_wait_oldest_first
 from extproc.admission.shared_nodes import NodeAsk, candidates_of
 from extproc.config import BackendConfig, PickingConfig, PoolConfig
 
@@ -217,7 +217,9 @@ class Node:
         self.rise_s = 0.0               # that interval, seconds
         # (instant, foreign, floor) of the latest reports with a usable sample, oldest first.
         self.history: deque[tuple[float, int, int]] = deque(maxlen=RISE_REPORTS)
-        self.charges: set[Charge] = set()
+        # kvgate's requests on the node, oldest admitted first (a refusal's retry hint walks
+        # them in the order they are expected to end).
+        self.charges: dict[Charge, None] = {}
         # mark id -> (footprint at the mark, first token seen) of each charge certainly in
         # the node's cache (first token seen) or settled there (module doc).
         self.marks: dict[int, dict[Charge, tuple[int, bool]]] = {}
@@ -232,7 +234,11 @@ class Node:
 
     def add(self, c: Charge, own: int, moments: Moments | None) -> None:
         """add counts charge ``c`` on the node with its ``own`` hold and ``moments``."""
-        self.charges.add(c)
+        if self.charges and c.admitted_at < next(reversed(self.charges)).admitted_at:
+            # A charge moved here from another node: keep the oldest first.
+            self.charges = dict.fromkeys(sorted([*self.charges, c], key=lambda x: x.admitted_at))
+        else:
+            self.charges[c] = None
         c.own, c.moments = own, moments
         self._sum(c, 1)
 
@@ -240,7 +246,7 @@ class Node:
         """drop stops counting charge ``c`` (nothing when it is not on the node)."""
         if c not in self.charges:
             return
-        self.charges.remove(c)
+        del self.charges[c]
         if self.charges:
             self._sum(c, -1)
         else:  # exact zeros: no float left over from the sums of the variances
@@ -529,6 +535,13 @@ class PoolNodes:
         return rules.node_hold(prompt, reserved, generated, self._growth_lengths(class_name),
                                self.picking.quantile)
 
+    def _alone(self, c: Charge) -> int:
+        """_alone is what charge ``c`` is expected to hold at most, alone on its node, as it was
+        last counted (``hold`` of its request then)."""
+        if c.moments is None:
+            return c.own
+        return c.footprint + rules.pooled_bound(*c.moments, self.picking.quantile)
+
     def held(self, n: Node, extra: tuple[str, int, int] | None = None) -> int:
         """held is the tokens kvgate's charges on ``n`` are expected to hold at most; with
         ``extra`` (class, prompt, reserved), one more request that has generated nothing.
@@ -734,8 +747,8 @@ class PoolNodes:
     def retry_after(self, need: int, now: float, fallback_s: float) -> float:
         """retry_after estimates when some node has room for ``need`` tokens (seconds).
 
-        ``retry.expected_wait`` per up node, over the requests kvgate holds there; the
-        soonest wins. ``fallback_s`` before any request completed; the longest hint when
+        ``retry.expected_wait_oldest_first`` per up node, over the requests kvgate holds
+        there, oldest first, until enough would be freed; the soonest wins. ``fallback_s`` before any request completed; the longest hint when
         no release would make room (KV held by others must shrink first).
         """
         typical = self.holds.median()
@@ -748,9 +761,8 @@ class PoolNodes:
             room = self.headroom(n, now)
             if room is None:
                 continue
-            t = expected_wait(((now - c.admitted_at, self.hold(c.prompt, c.reserved, c.generated,
-                                                                c.class_name)) for c in n.charges),
-                              need - room, typical)
+            t = expected_wait_oldest_first(((now - c.admitted_at, self._alone(c)) for c in n.charges),
+                                           need - room, typical)
             if t is not None and (best is None or t < best):
                 best = t
         return best if best is not None else min(MAX_WAIT_S, max(fallback_s, typical))

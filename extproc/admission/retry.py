@@ -24,20 +24,23 @@ MAX_WAIT_S = 60.0
 class HoldTimes:
     """HoldTimes keeps the hold times (seconds) of the latest completed requests of one pool."""
 
-    __slots__ = ("_samples",)
+    __slots__ = ("_samples", "_median")
 
     def __init__(self) -> None:
         self._samples: deque[float] = deque(maxlen=HOLD_SAMPLES)
+        self._median: float | None = None
 
     def add(self, seconds: float) -> None:
         """add remembers one completed request's hold time."""
         self._samples.append(max(0.0, seconds))
+        self._median = None
 
     def median(self) -> float | None:
-        """median is the typical hold time (None before any request completed)."""
-        if not self._samples:
-            return None
-        return sorted(self._samples)[len(self._samples) // 2]
+        """median is the typical hold time (None before any request completed); worked out
+        once after each change (every pick reads it)."""
+        if self._median is None and self._samples:
+            self._median = sorted(self._samples)[len(self._samples) // 2]
+        return self._median
 
 
 def expected_wait(holders: Iterable[tuple[float, float]], short: float, typical: float) -> float | None:
@@ -48,7 +51,22 @@ def expected_wait(holders: Iterable[tuple[float, float]], short: float, typical:
     """
     if short <= 0:
         return MIN_WAIT_S
-    ends = sorted((max(typical * 0.1, typical - age), units) for age, units in holders)
+    return _freed_by(sorted((max(typical * 0.1, typical - age), units) for age, units in holders), short)
+
+
+def expected_wait_oldest_first(holders: Iterable[tuple[float, float]], short: float,
+                               typical: float) -> float | None:
+    """expected_wait_oldest_first is ``expected_wait`` for ``holders`` that come oldest first
+    (ages not increasing): they then end in that order, so the walk needs no sort and stops
+    at the first request that frees enough."""
+    if short <= 0:
+        return MIN_WAIT_S
+    return _freed_by(((max(typical * 0.1, typical - age), units) for age, units in holders), short)
+
+
+def _freed_by(ends: Iterable[tuple[float, float]], short: float) -> float | None:
+    """_freed_by walks (end in seconds, units) in order of end: the end at which ``short``
+    units are freed, within the hint's bounds (None: never)."""
     for t, units in ends:
         short -= units
         if short <= 0:

@@ -156,3 +156,22 @@ def test_the_view_pooled_growth_reads_follows_the_lengths_by_a_share_of_them():
         if rebuilt:
             break
     assert i == 11
+
+
+@given(holders=st.lists(st.tuples(st.floats(0, 100), st.integers(0, 5_000)), max_size=40),
+       short=st.integers(-10, 60_000), typical=st.floats(0.01, 50))
+def test_the_retry_walk_oldest_first_is_the_sorted_walk(holders, short, typical):
+    from extproc.admission.retry import expected_wait, expected_wait_oldest_first
+    oldest_first = sorted(holders, key=lambda h: -h[0])
+    assert expected_wait_oldest_first(oldest_first, short, typical) == expected_wait(holders, short, typical)
+
+
+def test_a_charge_moved_to_a_node_keeps_its_charges_oldest_first():
+    pool = up("worst_case")
+    a = pool.pick("standard", 10, 100, 1.0, T0)           # first node in turn
+    assert isinstance(a, Charge)
+    later = [pool.pick("standard", 10, 100, 1.0, T0 + i / 10) for i in range(1, 6)]
+    other = next(n for n in pool.nodes.values() if n is not a.node)
+    assert pool.move(a, other.address)
+    ages = [c.admitted_at for c in other.charges]
+    assert a in other.charges and ages == sorted(ages) and len(ages) == 1 + sum(c.node is other for c in later)
