@@ -343,8 +343,7 @@ class Node:
         if self.rise > 0:
             extra = (self.rise if self.rise_s <= 0 or ahead <= self.rise_s
                      else math.ceil(self.rise * ahead / self.rise_s))
-        i = bisect.bisect_left(self.history, (self.report_at - horizon_s,))  # by instant, oldest first
-        oldest = self.history[i] if i < len(self.history) else None
+        oldest = next((h for h in self.history if h[0] >= self.report_at - horizon_s), None)
         if oldest is not None and self.floor is not None and oldest[0] < self.report_at:
             grew = (self.foreign - oldest[1] if self.exact
                     else min(self.foreign - oldest[1], self.floor - oldest[2]))
