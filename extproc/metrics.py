@@ -230,7 +230,8 @@ class Metrics:
             "of a stream's end, came after a complete stream's end, had no lease (refused, "
             "passed through), or named a lease known nowhere here; periodic entries of "
             "streams in flight: progress applied, progress_invalid (a count that is not one, "
-            "ignored), periodic (no parked request).",
+            "ignored), periodic (no parked request); malformed: an entry that does not parse, or "
+            "a batch whose framing is broken (one for the batch), refused.",
             ["result"], registry=r)
         self.logged_usage_counts = Counter(
             "kvgate_logged_usage_total",
