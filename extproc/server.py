@@ -40,7 +40,7 @@ from extproc.countpool import CountPool
 from extproc.endings import AccessLogReceiver
 from extproc.errors import ConfigError
 from extproc.gate import Gate
-from extproc.heap import HeapTrimmer
+from extproc.heap import HeapTrimmer, pin_mmap_threshold
 from extproc.metrics import Metrics
 from extproc.service import ExtProcService, decode_request
 from extproc.tokens import BpeOpenAITokenizer, load_tokenizer, use_count_pool
@@ -198,6 +198,7 @@ class Server:
         self.admin_port = self._admin.port
         await self._grpc.start()
         self._sweeper = loop.create_task(self._sweep_parked())
+        pin_mmap_threshold()
         self.heap.start()
         self._ensure_scraper(self.config)
         self._ensure_discovery(self.config)
