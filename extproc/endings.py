@@ -377,8 +377,7 @@ class Endings:
         parked = self.parked.get(link)
         if parked is None:
             return LogResult.PERIODIC
-        usage = usage_log.from_entry(entry)
-        if parked.progressed(usage, upstream_address(entry)):
+        if parked.progressed(usage_log.events_so_far(entry), upstream_address(entry)):
             return LogResult.PROGRESS
         return LogResult.PROGRESS_INVALID
 
