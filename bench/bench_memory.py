@@ -111,7 +111,7 @@ def python_objects(held: int, prompt_chars: int) -> dict[str, Any]:
             async def rounds(first: int, count: int, s: Any = service, m: Any = metrics) -> None:
                 async def stream() -> Any:
                     for events in range(first, first + count):
-                        yield periodic_message(links, events)
+                        yield periodic_message(links, events).SerializeToString()
                 await AccessLogReceiver(s.endings, m).StreamAccessLogs(stream(), None)
 
             asyncio.run(rounds(1, 2))

@@ -58,9 +58,10 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 from envoy.data.accesslog.v3 import accesslog_pb2
-from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+from envoy.service.accesslog.v3 import als_pb2
+from google.protobuf.message import DecodeError
 
-from extproc import usage_log
+from extproc import logwire, usage_log
 from extproc.admission import Outcome
 from extproc.clock import Clock
 from extproc.gate import METADATA_NAMESPACE, STREAM_AND_LOG, RouteRelease
@@ -376,8 +377,7 @@ class Endings:
         parked = self.parked.get(link)
         if parked is None:
             return LogResult.PERIODIC
-        usage = usage_log.from_entry(entry)
-        if parked.progressed(usage, upstream_address(entry)):
+        if parked.progressed(usage_log.events_so_far(entry), upstream_address(entry)):
             return LogResult.PROGRESS
         return LogResult.PROGRESS_INVALID
 
@@ -462,17 +462,50 @@ def _cut_short(entry: Any) -> tuple[bool, bool]:
     return cut_short, bool(upstream_failed)
 
 
-class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
+class AccessLogReceiver:
     """AccessLogReceiver takes Envoy's gRPC access log (deploy/envoy-access-log.yaml and the
-    entries of the ``*_AND_LOG`` files): each HTTP entry goes to ``Endings.logged``."""
+    entries of the ``*_AND_LOG`` files): each HTTP entry goes to ``Endings.logged``.
+
+    The method is registered with the raw bytes of each batch (``server``; the generated
+    servicer's handler would parse a whole batch into one arena): ``logwire`` finds the
+    entries in them, and each is parsed alone, once it is its turn. A batch whose framing is
+    broken is refused whole and an entry that does not parse alone (bad UTF-8 in a string
+    field, a broken submessage), and each counts one ``malformed``: the stream goes on.
+    """
 
     def __init__(self, endings: Endings, metrics: Metrics) -> None:
         self._endings = endings
         self._metrics = metrics
 
     async def StreamAccessLogs(self, request_iterator: Any, context: Any) -> als_pb2.StreamAccessLogsResponse:  # noqa: N802
-        logged, count = self._endings.logged, self._metrics.access_log_entry
-        async for message in request_iterator:
-            for entry in message.http_logs.log_entry:
-                count(logged(entry))
+        """StreamAccessLogs reads one access log stream of Envoy's: each message the bytes of
+        a ``StreamAccessLogsMessage``, handled before the next is read."""
+        async for data in request_iterator:
+            self.batch(data)
         return als_pb2.StreamAccessLogsResponse()
+
+    def batch(self, data: bytes) -> None:
+        """batch handles the HTTP entries of one serialized ``StreamAccessLogsMessage``."""
+        logged, count = self._endings.logged, self._metrics.access_log_entry
+        try:
+            spans = logwire.http_entry_spans(data)
+        except DecodeError as err:
+            count(LogResult.MALFORMED)
+            log.error("refused an access log batch of %d bytes whose framing is broken (%s): "
+                      "its entries are lost; the requests they would release are released by "
+                      "server.access_log_ttl_s", len(data), err)
+            return
+        view = memoryview(data)
+        parse = accesslog_pb2.HTTPAccessLogEntry.FromString
+        bad = 0
+        for i in range(0, len(spans), 2):
+            try:
+                entry = parse(view[spans[i]:spans[i + 1]])
+            except DecodeError:
+                bad += 1
+                count(LogResult.MALFORMED)
+                continue
+            count(logged(entry))
+        if bad:
+            log.error("refused %d access log entries of %d in a batch: they do not parse",
+                      bad, len(spans) // 2)

@@ -647,11 +647,12 @@ class Exchange:
         self.response_done = status != 0 and not cut_short
         return self.finish()
 
-    def progressed(self, usage: usage_log.LoggedUsage | None, served: str | None) -> bool:
+    def progressed(self, events: int | None, served: str | None) -> bool:
         """progressed takes a periodic access log entry of an ACCESS_LOG request still in
-        flight (deploy/envoy-endpoint-picker-log.yaml): the SSE events with choices the usage
-        filter has seen so far become the tokens its node's ledger counts as generated
-        (``Lease.progress``, which also notes the first token), and ``served``, the upstream
+        flight (deploy/envoy-endpoint-picker-log.yaml): ``events``, the SSE events with choices
+        the usage filter has seen so far (``usage_log.events_so_far``), become the tokens its
+        node's ledger counts as generated (``Lease.progress``, which also notes the first
+        token), and ``served``, the upstream
         address Envoy connected to, re-homes the node charge when it is another node than the
         one picked. Never releases nor settles. False when the entry's event count is not a
         count (ignored: the ledger keeps what it knew)."""
@@ -659,12 +660,10 @@ class Exchange:
         if lease is None or lease.released or lease.node is None:
             return True
         self._served_by(lease, served)
-        if usage is None:
-            return True
-        if usage.events is None:
+        if events is None:
             return False
-        if usage.events:
-            lease.progress(usage.events)
+        if events:
+            lease.progress(events)
         return True
 
     def told_by_log(self, cut_by_upstream: bool) -> Outcome | None:

@@ -230,7 +230,8 @@ class Metrics:
             "of a stream's end, came after a complete stream's end, had no lease (refused, "
             "passed through), or named a lease known nowhere here; periodic entries of "
             "streams in flight: progress applied, progress_invalid (a count that is not one, "
-            "ignored), periodic (no parked request).",
+            "ignored), periodic (no parked request); malformed: an entry that does not parse, or "
+            "a batch whose framing is broken (one for the batch), refused.",
             ["result"], registry=r)
         self.logged_usage_counts = Counter(
             "kvgate_logged_usage_total",
@@ -267,6 +268,10 @@ class Metrics:
         self._request_children: dict[tuple[str, str, str], Any] = {}
         self._release_children: dict[tuple[str, str], Any] = {}
         self._decision_children: dict[str, Any] = {}
+        # One child a result, looked up once: the picker-log file counts thousands of
+        # periodic entries a second, and ``labels`` costs more than the rest of the count.
+        self._log_children = {result: self.access_log_entries.labels(result)
+                              for result in ACCESS_LOG_RESULTS}
         self._source: SnapshotSource | None = None
         self._classes: Sequence[str] = ()
         self.registry.register(_AdmissionCollector(lambda: self._source, lambda: self._classes))
@@ -340,7 +345,7 @@ class Metrics:
     def access_log_entry(self, result: str) -> None:
         """access_log_entry counts one entry of Envoy's access log (``result`` is one of
         ACCESS_LOG_RESULTS)."""
-        self.access_log_entries.labels(result).inc()
+        self._log_children[result].inc()
 
     def logged_usage(self, result: str) -> None:
         """logged_usage counts one completion count read from an access log entry (``result``

@@ -71,3 +71,6 @@ class LogResult(StrEnum):
     # A periodic entry of a request not parked here (refused, passed through, released,
     # another mode's): nothing to do.
     PERIODIC = "periodic"
+    # An entry that does not parse, or a batch whose framing is broken (one for the batch:
+    # its entries cannot be counted): refused, nothing of it applied (endings.AccessLogReceiver).
+    MALFORMED = "malformed"

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from envoy.service.accesslog.v3 import als_pb2_grpc
+from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
@@ -40,7 +40,7 @@ from extproc.countpool import CountPool
 from extproc.endings import AccessLogReceiver
 from extproc.errors import ConfigError
 from extproc.gate import Gate
-from extproc.heap import HeapTrimmer
+from extproc.heap import HeapTrimmer, pin_mmap_threshold
 from extproc.metrics import Metrics
 from extproc.service import ExtProcService, decode_request
 from extproc.tokens import BpeOpenAITokenizer, load_tokenizer, use_count_pool
@@ -180,8 +180,13 @@ class Server:
                     self.service.Process, request_deserializer=decode_request,
                     response_serializer=pb.ProcessingResponse.SerializeToString)}),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
-        als_pb2_grpc.add_AccessLogServiceServicer_to_server(
-            AccessLogReceiver(self.service.endings, self.metrics), self._grpc)
+        # The access log's batches as raw bytes: the receiver parses them entry by entry.
+        self._grpc.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "envoy.service.accesslog.v3.AccessLogService", {
+                "StreamAccessLogs": grpc.stream_unary_rpc_method_handler(
+                    AccessLogReceiver(self.service.endings, self.metrics).StreamAccessLogs,
+                    request_deserializer=None,
+                    response_serializer=als_pb2.StreamAccessLogsResponse.SerializeToString)}),))
         self.grpc_port = self._grpc.add_insecure_port(self._grpc_listen)
         if self.grpc_port == 0:
             raise OSError(f"cannot listen for gRPC on {self._grpc_listen}")
@@ -193,6 +198,7 @@ class Server:
         self.admin_port = self._admin.port
         await self._grpc.start()
         self._sweeper = loop.create_task(self._sweep_parked())
+        pin_mmap_threshold()
         self.heap.start()
         self._ensure_scraper(self.config)
         self._ensure_discovery(self.config)

@@ -262,6 +262,20 @@ def from_entry(entry: Any) -> LoggedUsage | None:
     return LoggedUsage(completion, events, DONE_KEY in fields, result)
 
 
+def events_so_far(entry: Any) -> int | None:
+    """events_so_far is the SSE events with choices the usage filter has counted so far, as a
+    periodic access log entry of a stream in flight tells them (``from_entry``'s ``events``,
+    without reading the rest): 0 when no filter ran or it has seen none yet, None when the
+    count is not a count."""
+    space = entry.common_properties.metadata.filter_metadata.get(NAMESPACE)
+    if space is None:
+        return 0
+    fields = space.fields
+    if FILTER_KEY not in fields or EVENTS_KEY not in fields:
+        return 0
+    return _count(fields[EVENTS_KEY])
+
+
 def announced(metadata: Any) -> bool:
     """announced: the usage filter runs on this request's path (its mark is in the
     ``metadata_context`` of the request body message)."""

@@ -26,6 +26,8 @@ import orjson
 import pytest
 import yaml
 from envoy.config.core.v3 import base_pb2
+from envoy.data.accesslog.v3 import accesslog_pb2
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -246,6 +248,36 @@ async def test_many_concurrent_streams_end_with_nothing_held(server: Server, stu
     assert snap.inflight == 0 and snap.kv_inflight == 0
     port = server.admin_port
     assert await ametric(port, "kvgate_releases_total") == await ametric(port, "kvgate_requests_total", outcome="admitted")
+
+
+async def test_the_access_log_service_reads_raw_batches_and_outlives_a_broken_one(server: Server) -> None:
+    """Envoy's access log reaches the receiver as raw bytes (parsed entry by entry there): a
+    batch cut short is refused and counted, and the same stream's next batch is read."""
+    entry = accesslog_pb2.HTTPAccessLogEntry()
+    entry.response.response_code.value = 200  # no link: a request without a lease here
+    batch = als_pb2.StreamAccessLogsMessage()
+    batch.identifier.log_name = "kvgate"
+    batch.http_logs.log_entry.extend([entry, entry])
+    good = batch.SerializeToString()
+
+    async def batches() -> AsyncIterator[bytes]:
+        for data in (good, good[:-1], good):
+            yield data
+
+    async with grpc.aio.insecure_channel(f"{LOOPBACK}:{server.grpc_port}") as channel:
+        send = channel.stream_unary("/envoy.service.accesslog.v3.AccessLogService/StreamAccessLogs",
+                                    request_serializer=None,
+                                    response_deserializer=als_pb2.StreamAccessLogsResponse.FromString)
+        assert isinstance(await send(batches()), als_pb2.StreamAccessLogsResponse)
+        # Envoy's own client sends messages: the same bytes.
+        stub = als_pb2_grpc.AccessLogServiceStub(channel)
+
+        async def messages() -> AsyncIterator[als_pb2.StreamAccessLogsMessage]:
+            yield batch
+
+        await stub.StreamAccessLogs(messages())
+    assert await ametric(server.admin_port, "kvgate_access_log_entries_total", result="no_lease") == 6
+    assert await ametric(server.admin_port, "kvgate_access_log_entries_total", result="malformed") == 1
 
 
 async def test_health_service_and_admin_endpoints(server: Server) -> None:

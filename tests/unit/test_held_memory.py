@@ -84,7 +84,7 @@ def test_periodic_entries_keep_nothing_per_entry() -> None:
     async def rounds(first: int, count: int) -> None:
         async def stream() -> Any:
             for events in range(first, first + count):
-                yield periodic_message(links, events)
+                yield periodic_message(links, events).SerializeToString()
         await AccessLogReceiver(service.endings, rig.metrics).StreamAccessLogs(stream(), None)
 
     asyncio.run(rounds(1, 2))  # the first token, the node re-homed: one-off state

@@ -66,7 +66,7 @@ def receive(rig: Any, service: ExtProcService, *entries: accesslog_pb2.HTTPAcces
     message.http_logs.log_entry.extend(entries)
 
     async def stream() -> Any:
-        yield message
+        yield message.SerializeToString()  # the raw bytes, as the server registers the method
 
     asyncio.run(AccessLogReceiver(service.endings, rig.metrics).StreamAccessLogs(stream(), None))
 

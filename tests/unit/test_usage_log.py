@@ -11,6 +11,8 @@ from typing import Any
 import orjson
 import pytest
 from envoy.data.accesslog.v3 import accesslog_pb2
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from extproc import usage_log
 from extproc.endings import LINK_KEY, ReleaseMode
@@ -157,3 +159,22 @@ def test_without_the_filter_the_reservation_is_charged_as_before() -> None:
     service.endings.logged(entry(ex.link or "", None, cut_short=True))
     assert before - tpm(rig) == charged
     assert rig.count("kvgate_logged_usage_total") == 0
+
+
+_VALUES = st.one_of(st.integers(-5, 2**41), st.floats(allow_nan=True), st.text(max_size=8),
+                    st.sampled_from(["12", " 7 ", "1e3", "-1", "0x10", "", "99999999999999"]),
+                    st.booleans(), st.none())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.none(), st.dictionaries(
+    st.sampled_from([usage_log.FILTER_KEY, usage_log.EVENTS_KEY, usage_log.COMPLETION_KEY,
+                     usage_log.DONE_KEY, "other"]), _VALUES, max_size=5)))
+def test_the_periodic_read_of_the_events_agrees_with_the_whole_reading(found: dict[str, Any] | None) -> None:
+    """A periodic entry reads only the events so far (``events_so_far``): what ``from_entry``
+    reads of them, 0 where it reads no usage at all (nothing to progress either way)."""
+    e = log_entry("k-1")
+    if found is not None:
+        e.common_properties.metadata.filter_metadata[usage_log.NAMESPACE].update(found)
+    whole = usage_log.from_entry(e)
+    assert usage_log.events_so_far(e) == (whole.events if whole is not None else 0)
