@@ -94,12 +94,13 @@ def _skip(data: bytes, at: int, end: int, tag: int, depth: int = 0) -> int:
     raise DecodeError(f"field {number}: wire type {wire} where no field can be")
 
 
-def _len_fields(data: bytes, at: int, end: int) -> Iterator[tuple[int, int, int]]:
-    """_len_fields walks the fields of the message in ``data[at:end]`` and yields each
-    length-delimited one: its number, and where its value starts and ends (bytes, without the
-    tag and length); fields of other wire types are passed over. Raises DecodeError when the
-    framing is broken."""
+def fields(data: bytes, at: int, end: int) -> Iterator[tuple[int, int, int, int]]:
+    """fields walks the fields of the message in ``data[at:end]``: for each, its number, where
+    it starts (its tag), and where its value starts and ends (bytes; the value of a
+    length-delimited field without its length). Raises DecodeError when the framing is
+    broken."""
     while at < end:
+        start = at
         tag, at = _varint(data, at, end)
         number = tag >> 3
         if number == 0:
@@ -108,10 +109,19 @@ def _len_fields(data: bytes, at: int, end: int) -> Iterator[tuple[int, int, int]
             size, at = _varint(data, at, end)
             if size > end - at:
                 raise DecodeError(f"field {number}: length {size} past the message's end")
-            yield number, at, at + size
+            yield number, start, at, at + size
             at += size
         else:
-            at = _skip(data, at, end, tag)
+            value, at = at, _skip(data, at, end, tag)
+            yield number, start, value, at
+
+
+def _len_fields(data: bytes, at: int, end: int) -> Iterator[tuple[int, int, int]]:
+    """_len_fields is ``fields`` of the length-delimited fields only: number, value's start
+    and end."""
+    for number, start, a, b in fields(data, at, end):
+        if data[start] & 7 == _LEN:
+            yield number, a, b
 
 
 def http_entry_spans(data: bytes) -> array[int]:

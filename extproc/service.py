@@ -24,6 +24,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf.message import DecodeError
 
+from extproc import logwire
 from extproc.answers import CONTINUE_RESPONSE_TRAILERS
 from extproc.endings import Endings, Link, ReleaseMode
 from extproc.exchange import Exchange
@@ -37,39 +38,11 @@ log = logging.getLogger("kvgate.server")
 _ATTRIBUTES_FIELD = 9
 
 
-def _varint(data: bytes, at: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        byte = data[at]
-        at += 1
-        value |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return value, at
-        shift += 7
-
-
 def _without_field(data: bytes, number: int) -> bytes:
-    """_without_field is a serialized message with every top-level ``number`` field cut out."""
-    kept = []
-    at = 0
-    while at < len(data):
-        start = at
-        tag, at = _varint(data, at)
-        wire = tag & 7
-        if wire == 0:
-            _, at = _varint(data, at)
-        elif wire == 1:
-            at += 8
-        elif wire == 2:
-            size, at = _varint(data, at)
-            at += size
-        elif wire == 5:
-            at += 4
-        else:
-            raise DecodeError(f"unsupported wire type {wire}")
-        if tag >> 3 != number:
-            kept.append(data[start:at])
-    return b"".join(kept)
+    """_without_field is a serialized message with every top-level ``number`` field cut out
+    (DecodeError when its framing is broken)."""
+    return b"".join(data[start:stop] for n, start, _, stop in logwire.fields(data, 0, len(data))
+                    if n != number)
 
 
 def decode_request(data: bytes) -> pb.ProcessingRequest:

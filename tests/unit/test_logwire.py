@@ -274,3 +274,24 @@ def test_broken_batches_keep_nothing() -> None:
     assert rig.count("kvgate_access_log_entries_total", result="malformed") == 101 * 51
     assert list(service.endings.parked) == [ex.link]
     assert grown < 16 * 1024, f"{grown} B kept after 200 broken batches"
+
+
+def test_fields_cut_a_message_into_its_fields_end_to_end():
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_pb
+
+    from extproc.service import _without_field
+    req = ext_pb.ProcessingRequest()
+    req.request_body.body = b"x" * 300
+    req.request_body.end_of_stream = True
+    req.metadata_context.filter_metadata["kvgate"].update({"pool": "default"})
+    req.observability_mode = True
+    data = req.SerializeToString()
+    spans = list(logwire.fields(data, 0, len(data)))
+    assert [start for _, start, _, _ in spans] == [0] + [stop for _, _, _, stop in spans[:-1]]
+    assert spans[-1][3] == len(data)
+    assert sorted(n for n, *_ in spans) == sorted(f.number for f, _ in req.ListFields())
+    body_field = ext_pb.ProcessingRequest.DESCRIPTOR.fields_by_name["request_body"].number
+    cut = ext_pb.ProcessingRequest.FromString(_without_field(data, body_field))
+    assert not cut.HasField("request_body") and cut.observability_mode
+    with pytest.raises(DecodeError):
+        _without_field(data[:-1], body_field)
