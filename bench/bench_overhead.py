@@ -1263,7 +1263,11 @@ def main(argv: list[str] | None = None) -> int:
                 name = setup if i == 0 or setup == "plain" else f"{setup} {variant}"
                 stack = stacks[name] = Stack(work / name.replace(" ", "-"),
                                              BENCH_CONFIG if setup == "kvgate" else None,
-                                             processor=processors[setup], envoy_template=envoy_file,
+                                             processor=processors[setup],
+                                             # Plain Envoy routes as deploy/envoy.yaml does: a
+                                             # picker file routes by what its processor picks.
+                                             envoy_template=variant_file("recommended", work)
+                                             if setup == "plain" else envoy_file,
                                              upstream_args=["--fast"])
                 if variant in PICKED:
                     _picks_the_upstream(stack)
