@@ -51,6 +51,7 @@ from google.protobuf import struct_pb2  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 from bench.bench_tokens import KINDS  # noqa: E402
+from bench.reports import publish  # noqa: E402
 from extproc.admission import Admission  # noqa: E402
 from extproc.clock import MonotonicClock  # noqa: E402
 from extproc.config import parse_config  # noqa: E402
@@ -363,10 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     probe = gil_probe(args.rounds)
     text = report(res, command=command, rounds=args.rounds, seconds=args.seconds, load=load,
                   wall_s=time.monotonic() - started, probe=probe)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text + "\n")
-    print(text)
-    return 0
+    return publish(args.out, text)
 
 
 if __name__ == "__main__":

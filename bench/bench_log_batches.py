@@ -33,6 +33,8 @@ import time  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
+from bench.reports import publish  # noqa: E402
+
 RESULTS = ROOT / "bench" / "results"
 
 
@@ -122,10 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ratio = statistics.median(times["by entry"]) / statistics.median(times["whole"])
     lines += ["", f"By entry over whole (medians): {ratio:.2f}x", ""]
     text = "\n".join(lines)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text + "\n")
-    print(text)
-    return 0
+    return publish(args.out, text)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,8 @@ from typing import Any  # noqa: E402
 
 from prometheus_client import CollectorRegistry  # noqa: E402
 
+from bench.reports import publish  # noqa: E402
+
 RESULTS = ROOT / "bench" / "results"
 
 
@@ -285,10 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = report(py, rss, command=command, held=args.held, prompt_chars=args.prompt_chars,
                   streams=args.streams, settle_s=args.settle, baseline=args.baseline,
                   wall_s=time.monotonic() - started, load=load)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text + "\n")
-    print(text)
-    return 0
+    return publish(args.out, text)
 
 
 if __name__ == "__main__":
