@@ -15,7 +15,7 @@ VLLM_VERSION ?= 0.32.0
 # e.g. BENCH_VLLM_ARGS="--runs 3 --rows direct,kvgate"
 BENCH_VLLM_ARGS ?=
 
-.PHONY: install run test test-under-load test-unit test-e2e test-vllm bench bench-admission bench-overhead bench-cpu bench-picker bench-protection bench-redis bench-redis-timeout bench-scrape bench-tokens bench-trace bench-vllm bench-loop-lag bench-big-prompt bench-memory bench-log-batches bench-pick install-vllm check-config clean
+.PHONY: install run test test-under-load test-unit test-e2e test-vllm bench bench-admission bench-overhead bench-cpu bench-picker bench-protection bench-redis bench-redis-timeout bench-scrape bench-tokens bench-trace bench-vllm bench-loop-lag bench-big-prompt bench-memory bench-log-batches bench-pick bench-usage-filter install-vllm check-config clean
 
 install: $(STAMP)
 
@@ -85,6 +85,14 @@ bench-memory: install
 	mkdir -p $(BENCH_OUT)
 	$(PY) bench/bench_memory.py --baseline $(MEM_BASELINE) --out $(BENCH_OUT)/memory.md
 
+# What Envoy's Lua usage filter costs per streamed chunk (no kvgate in the path), this tree
+# beside the filter at USAGE_FILTER_BASELINE (a git revision; 9aba953: before it was made lean).
+USAGE_FILTER_BASELINE ?= 9aba953
+
+bench-usage-filter: install
+	mkdir -p $(BENCH_OUT)
+	$(PY) bench/bench_usage_filter.py --baseline $(USAGE_FILTER_BASELINE) --out $(BENCH_OUT)/usage-filter.md
+
 bench-log-batches: install
 	mkdir -p $(BENCH_OUT)
 	$(PY) bench/bench_log_batches.py --out $(BENCH_OUT)/log-batches.md
@@ -149,7 +157,7 @@ bench-big-prompt: install
 	mkdir -p $(BENCH_OUT)
 	$(PY) bench/bench_big_prompt.py --out $(BENCH_OUT)/big-prompt.md
 
-bench: bench-admission bench-scrape bench-tokens bench-overhead bench-memory bench-log-batches bench-pick bench-cpu bench-picker bench-protection bench-trace bench-redis bench-redis-timeout bench-loop-lag bench-big-prompt
+bench: bench-admission bench-scrape bench-tokens bench-overhead bench-memory bench-log-batches bench-pick bench-usage-filter bench-cpu bench-picker bench-protection bench-trace bench-redis bench-redis-timeout bench-loop-lag bench-big-prompt
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

@@ -18,7 +18,8 @@ The protocol between the two, one definition here:
 - on the response the filter writes ``COMPLETION_KEY`` (the text of the
   ``completion_tokens``, or the Responses API's ``output_tokens``, of the last usage object
   it saw, at most ``MAX_VALUE_CHARS`` characters), ``EVENTS_KEY`` (SSE events whose own
-  ``choices`` are not empty, about one token each: what a stream cut short is charged) and ``DONE_KEY`` (``data: [DONE]`` passed
+  ``choices`` are not empty, about one token each: what a stream cut short is charged;
+  written as ``EVENTS_STEP`` says) and ``DONE_KEY`` (``data: [DONE]`` passed
   to the client: the generation ended even if the client closed before the upstream did).
 
 An SSE event may be split across chunks anywhere: the filter carries the unfinished tail
@@ -63,6 +64,12 @@ _MAX_COUNT = oai.MAX_COUNT
 _DIGITS = oai.COUNT_TEXT
 # The longest SSE event the filter parses (bytes); past it the stream passes unparsed.
 MAX_EVENT_BYTES = 1 << 20
+# How often the filter writes its event count while a stream goes on: at every chunk until
+# EVENTS_STEP events are counted, then each time the count passes a multiple of EVENTS_STEP,
+# and at the end of the body. Each write is a metadata update on Envoy's worker thread
+# (about as costly as reading the chunk); a stream cut short is charged the last count
+# written, up to EVENTS_STEP - 1 events below what it got (``least_events_written``).
+EVENTS_STEP = 8
 # kvgate_logged_usage_total's result label.
 RESULTS = ("reported", "invalid", "none")
 
@@ -72,6 +79,7 @@ LUA_SOURCE = f"""\
 -- that Envoy's access log brings to kvgate.
 local NS = "{NAMESPACE}"
 local MAX_EVENT = {MAX_EVENT_BYTES}
+local STEP = {EVENTS_STEP}
 local OVERLAP = {JSON_OVERLAP_BYTES}
 
 function envoy_on_request(h)
@@ -126,6 +134,20 @@ local function blank_line(s, pos)
   end
 end
 
+-- The first character of the event's own choices list ("]" when it is empty), nil when it
+-- has none: '"choices"%s*:%s*%[%s*(.)' as a plain search for the key, then the rest matched
+-- where the key ends (a pattern tried at every position costs several times more).
+local function choices_first(ev)
+  local init = 1
+  while true do
+    local k, e = string.find(ev, '"choices"', init, true)
+    if k == nil then return nil end
+    local c = string.match(ev, '^%s*:%s*%[%s*(.)', e + 1)
+    if c ~= nil then return c end
+    init = k + 1
+  end
+end
+
 -- One whole event: writes the usage and [DONE] it carries. Returns whether it is an event
 -- with choices, and whether it passes (false: the usage event hidden from the client).
 local function read_event(h, ev, strip)
@@ -133,8 +155,7 @@ local function read_event(h, ev, strip)
     put(h, "{DONE_KEY}", 1)
     return false, true
   end
-  -- The event's own choices (the first key of the name): "]" when the list is empty.
-  local first = string.match(ev, '"choices"%s*:%s*%[%s*(.)')
+  local first = choices_first(ev)
   local keep = true
   if string.find(ev, '"usage"', 1, true) then
     local c = count_in(ev)
@@ -144,36 +165,59 @@ local function read_event(h, ev, strip)
   return first ~= nil and first ~= "]", keep
 end
 
+-- The next blank line from pos in a text without \\r: a plain search (blank_line's answer).
+local function blank_lf(s, pos)
+  local a = string.find(s, "\\n\\n", pos, true)
+  if a == nil then return nil end
+  return a, a + 1
+end
+
 local function follow_sse(h, strip)
-  local tail, events, overflow, last = "", 0, false, nil
+  local tail, events, overflow, last, written = "", 0, false, nil, 0
   for chunk in h:bodyChunks() do
     last = chunk
     local got = chunk:getBytes(0, chunk:length())
     if not overflow then
-      local s = got
-      if #tail > 0 then s = tail .. got end
-      local changed = #tail > 0
-      local out = nil
-      if strip then out = {{}} end
+      local s, held = got, #tail > 0
+      if held then s = tail .. got end
+      local find = blank_line
+      if not string.find(s, "\\r", 1, true) then find = blank_lf end
+      -- out: what passes of s before `from`, once an event has been hidden (else all of it).
+      local out, from = nil, 1
       local pos, before = 1, events
       while true do
-        local a, b = blank_line(s, pos)
+        local a, b = find(s, pos)
         if a == nil then break end
         local counted, keep = read_event(h, string.sub(s, pos, a - 1), strip)
         if counted then events = events + 1 end
-        if out ~= nil then
-          if keep then out[#out + 1] = string.sub(s, pos, b) else changed = true end
+        if strip and not keep then
+          out = out or {{}}
+          out[#out + 1] = string.sub(s, from, pos - 1)
+          from = b + 1
         end
         pos = b + 1
       end
       tail = string.sub(s, pos)
+      local upto = pos - 1
       if #tail > MAX_EVENT then
         overflow = true
-        if out ~= nil then out[#out + 1] = tail end
         tail = ""
+        upto = #s
       end
-      if out ~= nil and (changed or #tail > 0) then chunk:setBytes(table.concat(out)) end
-      if events ~= before then put(h, "{EVENTS_KEY}", events) end
+      -- What passes now: s up to its unfinished event, less what was hidden. Unchanged when
+      -- nothing was held from the last chunk, nothing is held now and nothing was hidden.
+      if strip and (out ~= nil or held or #tail > 0) then
+        if out ~= nil then
+          out[#out + 1] = string.sub(s, from, upto)
+          chunk:setBytes(table.concat(out))
+        else
+          chunk:setBytes(string.sub(s, 1, upto))
+        end
+      end
+      if events ~= before and (events < STEP or math.floor(events / STEP) ~= math.floor(written / STEP)) then
+        put(h, "{EVENTS_KEY}", events)
+        written = events
+      end
     end
   end
   -- The body ended (the iterator returns at once after the last chunk, whose buffer is
@@ -181,10 +225,11 @@ local function follow_sse(h, strip)
   -- as a whole one, and what was held of it passes with the last chunk.
   if #tail > 0 and last ~= nil then
     local counted, keep = read_event(h, tail, strip)
-    if counted then put(h, "{EVENTS_KEY}", events + 1) end
+    if counted then events = events + 1 end
     -- A body ended by trailers has passed its last chunk already: nothing to add it to.
     if strip and keep then pcall(function() last:setBytes(last:getBytes(0, last:length()) .. tail) end) end
   end
+  if events ~= written then put(h, "{EVENTS_KEY}", events) end
 end
 
 function envoy_on_response(h)

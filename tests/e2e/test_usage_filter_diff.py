@@ -278,6 +278,14 @@ def corpus() -> list[Case]:
     partial = stream_body(3, "3", done=False)
     cases.append(Case("cut/in-usage", (partial[:-30],), cut=True))
     cases.append(Case("cut/in-usage/asked", (partial[:-30],), cut=True, asked=True))
+    # Longer than the filter's events step: a cut stream is charged the last count written
+    # (one event a chunk, two a chunk: the step passed inside a chunk); a whole one, all.
+    long_cut = stream_body(2 * usage_log.EVENTS_STEP + 4, None, done=False)
+    per_event = cuts_inside(long_cut, b"data:", 0)
+    cases.append(Case("cut/past-the-step", split_at(long_cut, per_event), cut=True))
+    cases.append(Case("cut/past-the-step/two-a-chunk", split_at(long_cut, per_event[::2]), cut=True))
+    whole = stream_body(2 * usage_log.EVENTS_STEP + 4, None)
+    cases.append(Case("past-the-step", split_at(whole, cuts_inside(whole, b"data:", 0))))
     return cases
 
 
@@ -439,16 +447,30 @@ def strip_asked(entry: Any) -> bool:
 def tracked(case: Case, strip: bool) -> tuple[Reading, bytes]:
     """tracked is what ResponseTracker reads from the case's chunks, fed as kvgate is fed
     them (an empty last message with the end of stream, none when the upstream cut the
-    stream), and the bytes it lets through."""
+    stream), and the bytes it lets through; the events as the filter writes them down."""
     tracker = oai.ResponseTracker(streamed=case.content_type.startswith(SSE), strip_usage_chunk=strip)
     out = []
+    written = 0
     for chunk in case.chunks:
+        before = tracker.delivered_chunks
         replaced = tracker.feed(chunk, False)
         out.append(chunk if replaced is None else replaced)
+        written = events_written(written, before, tracker.delivered_chunks)
     if not case.cut:
         replaced = tracker.feed(b"", True)
         out.append(b"" if replaced is None else replaced)
-    return Reading(tracker.completion_tokens, tracker.delivered_chunks, tracker.done_seen), b"".join(out)
+        written = tracker.delivered_chunks
+    return Reading(tracker.completion_tokens, written, tracker.done_seen), b"".join(out)
+
+
+def events_written(written: int, before: int, now: int) -> int:
+    """events_written is the event count in the filter's metadata after a chunk took the count
+    from ``before`` to ``now`` (usage_log.EVENTS_STEP): every chunk's below the step, then the
+    first past each multiple of it; the body's end writes the count whole."""
+    step = usage_log.EVENTS_STEP
+    if now != before and (now < step or now // step != written // step):
+        return now
+    return written
 
 
 @pytest.mark.parametrize("case", CORPUS, ids=[c.name for c in CORPUS])
