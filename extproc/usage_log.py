@@ -185,10 +185,31 @@ local function follow_sse(h, strip)
       -- out: what passes of s before `from`, once an event has been hidden (else all of it).
       local out, from = nil, 1
       local pos, before = 1, events
+      -- Where the next '"choices"', '"usage"' and '[DONE]' of s start (false: none left),
+      -- each searched for again only once passed: one scan of s per key, however many events.
+      local at_choices, at_usage, at_done = 0, 0, 0
       while true do
         local a, b = find(s, pos)
         if a == nil then break end
-        local counted, keep = read_event(h, string.sub(s, pos, a - 1), strip)
+        if at_choices and at_choices < pos then at_choices = string.find(s, '"choices"', pos, true) or false end
+        if at_usage and at_usage < pos then at_usage = string.find(s, '"usage"', pos, true) or false end
+        if at_done and at_done < pos then at_done = string.find(s, "[DONE]", pos, true) or false end
+        local counted, keep, c = false, true, nil
+        if (at_usage and at_usage < a) or (at_done and at_done < a) then
+          counted, keep = read_event(h, string.sub(s, pos, a - 1), strip)
+        elseif at_choices and at_choices + 8 < a then
+          -- A token's event: read_event's answer without copying it out, unless the list's
+          -- start is not right after the key (then read_event's search, on the event alone).
+          local _, e
+          _, e, c = string.find(s, '^%s*:%s*%[%s*(.)', at_choices + 9)
+          if e ~= nil and e < a then
+            counted = c ~= "]"
+          else
+            counted = read_event(h, string.sub(s, pos, a - 1), strip)
+          end
+        elseif at_choices and at_choices < a then
+          counted = read_event(h, string.sub(s, pos, a - 1), strip)
+        end
         if counted then events = events + 1 end
         if strip and not keep then
           out = out or {{}}

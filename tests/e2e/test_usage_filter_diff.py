@@ -201,6 +201,15 @@ def corpus() -> list[Case]:
         + usage_event("2") + DONE)
     add("empty-choices/asked", data({"id": "x", "choices": []}) + data(token_event(0))
         + usage_event("1") + DONE, asked=True)
+    # Token events whose choices are not written as vLLM writes them: spaced out, the key
+    # first met where it is not the event's list, an event whose last key is "choices", and
+    # "choices" only in the next event (each read as an event on its own).
+    spaced = (b'data: {"id":"d","choices" :\t[ {"index":0,"delta":{"content":"a"}}]}\n\n'
+              b'data: {"id":"d","x":{"choices":7},"choices":[{"index":0,"delta":{"content":"b"}}]}\n\n'
+              b'data: {"id":"d","x":"\\"choices\\"","choices":[]}\n\n'
+              b'data: {"id":"d","n":1,"choices"}\n\n'
+              b'data: {"id":"d"}\n\ndata: {"id":"d","choices":[{"index":0,"delta":{}}]}\n\n')
+    add("choices-spelled-otherwise", spaced + usage_event("3") + DONE)
 
     # Hostile counts.
     for count in ("-5", "7.5", "1e30", "99999999999999999999", '"7"', '{"n":5}', "[5]", "true",
