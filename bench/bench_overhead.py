@@ -110,7 +110,7 @@ class Sizes:
 
 
 FULL = Sizes(latency_requests={1: 600, 16: 3000, 64: 3000}, latency_rounds=2, streams=64,
-             stream_chunks=50, stream_rounds=2,
+             stream_chunks=50, stream_rounds=6,
              rates=(250, 500, 750, 1000, 1250, 1500, 1750, 2000, 2500, 3000),
              rate_step_s=2.0, open_streams=10000, disconnects=1000, warmup=300,
              progress_streams=1000, progress_window_s=5.0, progress_samples=40)
@@ -437,6 +437,7 @@ class StreamTimes:
 
     first: list[float] = field(default_factory=list)   # request sent -> first chunk read
     chunk: list[float] = field(default_factory=list)   # upstream write -> client read, per chunk
+    cpu_s: dict[str, float] = field(default_factory=dict)  # by role (processor, envoy)
 
 
 async def streams(port: int, count: int, chunks: int, interval_ms: float,
@@ -754,7 +755,11 @@ async def measure(stacks: dict[str, Stack], sizes: Sizes, scenarios: Sequence[st
             rng.shuffle(order)
             for setup in order:
                 times = res.streaming.setdefault(setup, StreamTimes())
+                pids = _pids(stacks[setup])
+                before = {role: cpu_seconds(pid) for role, pid in pids.items()}
                 await streams(stacks[setup].envoy_port, sizes.streams, sizes.stream_chunks, 20.0, times)
+                for role, pid in pids.items():
+                    times.cpu_s[role] = times.cpu_s.get(role, 0.0) + cpu_seconds(pid) - before[role]
         _progress("streaming, chunk delay p50", {s: pct(t.chunk, 0.5) * 1e3 for s, t in res.streaming.items()})
     if "max_rate" in scenarios:
         for setup in order:
@@ -827,6 +832,13 @@ def _f(value: float | None, digits: int = 2) -> str:
     return "" if value is None or value != value else f"{value:.{digits}f}"
 
 
+def _per_chunk(t: StreamTimes, role: str) -> str:
+    """_per_chunk is a role's CPU over a setup's streamed chunks (µs), blank where unmeasured."""
+    if role not in t.cpu_s or not t.chunk:
+        return ""
+    return f"{t.cpu_s[role] / len(t.chunk) * 1e6:.0f} us"
+
+
 def _ratio(value: float, base: float) -> str:
     return f"{value / base:.2f}x" if base > 0 and value == value else ""
 
@@ -877,10 +889,12 @@ def report(res: Results, *, command: str, variants: Sequence[str], sizes: Sizes,
         lines += [f"## Streaming: {sizes.streams} concurrent streams, {sizes.stream_chunks} chunks "
                   "each at 50 chunks/s", "",
                   "Time to first chunk: request sent to first chunk read. Chunk delay: the "
-                  "upstream's write to the client's read, for every chunk.", "",
+                  "upstream's write to the client's read, for every chunk. CPU per chunk: the "
+                  "process's user + system time over the streams' chunks (their requests' own "
+                  "cost included).", "",
                   "| setup | chunks | first chunk p50 | p99 | added p50 | added p99 | chunk delay p50 | "
-                  "p99 | added p50 | added p99 | chunk p50 x plain |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "p99 | added p50 | added p99 | chunk p50 x plain | Envoy CPU/chunk | processor CPU/chunk |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for setup in setups:
             if setup not in st:
                 continue
@@ -894,7 +908,8 @@ def report(res: Results, *, command: str, variants: Sequence[str], sizes: Sizes,
                 added_c = f"| {_f((c50 - pct(plain.chunk, 0.5)) * 1e3, 3)} | {_f((c99 - pct(plain.chunk, 0.99)) * 1e3, 3)} |"
             lines.append(f"| {setup} | {len(t.chunk)} | {_f(f50 * 1e3)} | {_f(f99 * 1e3)} {added_f} "
                          f"{_f(c50 * 1e3, 3)} | {_f(c99 * 1e3, 3)} {added_c} "
-                         f"{_ratio(c50, pct(plain.chunk, 0.5))} |")
+                         f"{_ratio(c50, pct(plain.chunk, 0.5))} | {_per_chunk(t, 'envoy')} "
+                         f"| {_per_chunk(t, 'processor')} |")
         lines.append("")
     if res.rates:
         lines += ["## Highest rate with p99 under 20 ms (open loop, one process each)", "",
