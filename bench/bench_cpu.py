@@ -43,9 +43,9 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
-from bench.bench_overhead import (BENCH_CONFIG, ChatBodies, _run, closed_loop, cpu_seconds,  # noqa: E402
-                                  pct, variant_file)
-from kvgate_testkit.procs import Proc  # noqa: E402
+from bench.bench_overhead import (BENCH_CONFIG, PICKED, ChatBodies, _picks_the_upstream,  # noqa: E402
+                                  _run, closed_loop, cpu_seconds, pct, variant_file)
+from kvgate_testkit.procs import Proc, wait_until  # noqa: E402
 from kvgate_testkit.stack import Stack  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variants", nargs="+", default=["recommended", "access-log"],
                     choices=("recommended", "four-message", "observe", "reservation", "access-log",
-                             "endpoint-picker"))
+                             "endpoint-picker", "endpoint-picker-log"))
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--requests", type=int, default=2000, help="requests per setup and round")
     ap.add_argument("--rounds", type=int, default=4)
@@ -206,9 +206,16 @@ def main(argv: list[str] | None = None) -> int:
             if base is not None:
                 stacks[f"kvgate@{args.baseline} {variant}"] = _SourceStack(
                     work / f"kvgate-base-{variant}", BENCH_CONFIG, base, **common)
+            if variant in PICKED:
+                for name in [n for n in stacks if n.endswith(" " + variant)]:
+                    _picks_the_upstream(stacks[name])
         try:
             for stack in stacks.values():
                 stack.start()
+            for stack in stacks.values():
+                if stack.processor == "kvgate" and "backends" in stack.kvgate_config["pools"]["default"]:
+                    wait_until(lambda s=stack: s.metric("kvgate_backend_pickable") == 1, timeout=20,
+                               what="the picker's node up")
             cpu, lat, count = _run(_rounds(stacks, args.clients, args.requests, args.rounds, args.seed))
             profiles = (_profile(stacks, args.profile, args.clients, args.out.parent, args.native)
                         if args.profile else [])

@@ -203,7 +203,8 @@ def report(res: dict[str, dict[str, Figures]], *, command: str, rounds: int, wal
                   + (f", {1000 // load.delay_ms} chunks/s" if load.delay_ms else ", as fast as the fake writes"), "",
                   "| setup | chunks | chunk delay p50 (ms) | p99 (ms) | added p50 (ms) | Envoy CPU per chunk (us) | added (us) | chunks/s | usage chunk hidden |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
-        for name, fig in figs.items():
+        for name in [n for n in sources if n in figs]:
+            fig = figs[name]
             p50, p99 = pct(fig.delays, 0.5) * 1e3, pct(fig.delays, 0.99) * 1e3
             cpu = fig.envoy_cpu_s / fig.chunks * 1e6
             if floor is None or name == "none":
