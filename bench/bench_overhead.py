@@ -1117,10 +1117,12 @@ def _cpus() -> int:
 VARIANTS = ("recommended", "four-message", "observe", "reservation", "access-log",
             "endpoint-picker", "endpoint-picker-log", "full-duplex", "no-response-headers",
             "request-only", "no-buffer", "access-log-no-lua", "endpoint-picker-log-100ms",
-            "endpoint-picker-log-500ms", "endpoint-picker-log-60000ms")
+            "endpoint-picker-log-500ms", "endpoint-picker-log-60000ms", "endpoint-picker-log-split")
 # Variants whose node the processor names (the picker files and their levers).
 PICKED = ("endpoint-picker", "endpoint-picker-log", "endpoint-picker-log-100ms",
-          "endpoint-picker-log-500ms", "endpoint-picker-log-60000ms")
+          "endpoint-picker-log-500ms", "endpoint-picker-log-60000ms", "endpoint-picker-log-split")
+# The split lever's flush interval of the periodic entries' own log (seconds).
+SPLIT_FLUSH_S = 0.1
 # The header by which the picker file's ORIGINAL_DST cluster routes (the node kvgate names).
 PICKER_HEADER = "x-gateway-destination-endpoint"
 # Variants kvgate does not serve (the bare processor shows what they would be worth).
@@ -1184,6 +1186,18 @@ def variant_file(variant: str, workdir: Path) -> Path:
     elif variant == "request-only":
         mode["response_header_mode"] = "SKIP"
         mode["response_body_mode"] = "NONE"
+    elif variant == "endpoint-picker-log-split":
+        # The end of a request on its 5 ms log as shipped; the periodic entries on a second
+        # log of their own, flushed every SPLIT_FLUSH_S: fewer, larger batches.
+        end_log = hcm["access_log"][0]
+        periodic = {"log_type_filter": {"types": ["DownstreamPeriodic"]}}
+        end_log["filter"] = {"log_type_filter": {"types": ["DownstreamPeriodic"], "exclude": True}}
+        progress_log = yaml.safe_load(yaml.safe_dump(end_log))
+        progress_log["filter"] = periodic
+        common = progress_log["typed_config"]["common_config"]
+        common["log_name"] = common["log_name"] + "-progress"
+        common["buffer_flush_interval"] = f"{SPLIT_FLUSH_S:g}s"
+        hcm["access_log"].append(progress_log)
     elif variant.startswith("endpoint-picker-log-"):
         interval_ms = int(variant.rsplit("-", 1)[1].removesuffix("ms"))
         hcm["access_log_options"]["access_log_flush_interval"] = f"{interval_ms / 1000:g}s"
