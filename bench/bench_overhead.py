@@ -1161,7 +1161,9 @@ def variant_file(variant: str, workdir: Path) -> Path:
       the picker file, the request's ext_proc stream ends with the request body, the progress
       and the end come by the access log), and its levers ``endpoint-picker-log-100ms`` and
       ``-500ms`` with another ``access_log_flush_interval`` (the shipped one is 0.25 s), and
-      ``-60000ms``: nearly no periodic entry, to tell their traffic from what a request holds.
+      ``-60000ms``: nearly no periodic entry, to tell their traffic from what a request holds;
+      ``endpoint-picker-log-split``: the periodic entries on a second log of their own, flushed
+      every SPLIT_FLUSH_S (the final ones keep the 5 ms log): fewer, larger batches.
     """
     if variant == "recommended":
         return ENVOY_TEMPLATE
