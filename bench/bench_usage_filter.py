@@ -83,6 +83,7 @@ class Load:
 
 
 LOADS = (Load("paced", 64, 50, 20, 20.0),)
+QUICK = (Load("paced", 8, 10, 20, 20.0),)  # a smoke test: its figures mean nothing
 
 
 @dataclass
@@ -161,14 +162,15 @@ def with_lua(source: str | None) -> Any:
     return edit
 
 
-async def measure(stacks: dict[str, Stack], rounds: int, seed: int) -> dict[str, dict[str, Figures]]:
+async def measure(stacks: dict[str, Stack], loads: tuple[Load, ...], rounds: int,
+                  seed: int) -> dict[str, dict[str, Figures]]:
     rng = random.Random(seed)
-    res: dict[str, dict[str, Figures]] = {load.name: {} for load in LOADS}
+    res: dict[str, dict[str, Figures]] = {load.name: {} for load in loads}
     order = list(stacks)
     for stack in stacks.values():  # warm-up: connections, the Lua state
         await run_load(stack.envoy_port, Load("warm", 8, 20, 0, 1.0), Figures(), rng)
     for _ in range(rounds):
-        for load in LOADS:
+        for load in loads:
             rng.shuffle(order)
             for name in order:
                 stack = stacks[name]
@@ -181,8 +183,8 @@ async def measure(stacks: dict[str, Stack], rounds: int, seed: int) -> dict[str,
     return res
 
 
-def report(res: dict[str, dict[str, Figures]], *, command: str, rounds: int, wall_s: float,
-           load_avg: tuple[float, float, float], sources: dict[str, str]) -> str:
+def report(res: dict[str, dict[str, Figures]], *, loads: tuple[Load, ...], command: str, rounds: int,
+           wall_s: float, load_avg: tuple[float, float, float], sources: dict[str, str]) -> str:
     lines = [
         "# The Lua usage filter's cost per streamed chunk, side by side with no filter", "",
         f"Command: `{command}`", "",
@@ -196,7 +198,7 @@ def report(res: dict[str, dict[str, Figures]], *, command: str, rounds: int, wal
         "*Added* is over `none` (the same file without the filter) in the same run. Envoy CPU per "
         "chunk is Envoy's user + system time over the load's chunks (the requests' own cost "
         "included, the same in every setup).", ""]
-    for load in LOADS:
+    for load in loads:
         figs = res[load.name]
         floor = figs.get("none")
         lines += [f"## {load.name}: {load.streams} streams of {load.chunks} chunks"
@@ -225,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lua", nargs="+", default=[], metavar="NAME=FILE",
                     help="also run these filter sources")
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--quick", action="store_true", help="tiny counts: a smoke test, not a measurement")
     ap.add_argument("--seed", type=int, default=17)
     ap.add_argument("--out", type=Path, default=RESULTS / "usage-filter.md")
     args = ap.parse_args(argv)
@@ -250,12 +253,13 @@ def main(argv: list[str] | None = None) -> int:
                 stacks[name] = Stack(Path(tmp) / name, processor=None, envoy_template=TEMPLATE,
                                      upstream_args=["--fast"], envoy_edit=with_lua(source),
                                      routes=[metadata_route(ROUTE_HEADER, ADMITTED)]).start()
-            res = asyncio.run(measure(stacks, args.rounds, args.seed))
+            loads = QUICK if args.quick else LOADS
+            res = asyncio.run(measure(stacks, loads, args.rounds, args.seed))
         finally:
             for stack in stacks.values():
                 stack.stop()
     command = "python bench/bench_usage_filter.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    publish(args.out, report(res, command=command.strip(), rounds=args.rounds,
+    publish(args.out, report(res, loads=loads, command=command.strip(), rounds=args.rounds,
                              wall_s=time.monotonic() - t0, load_avg=load_avg, sources=sources))
     return 0
 
