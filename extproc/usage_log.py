@@ -68,7 +68,7 @@ MAX_EVENT_BYTES = 1 << 20
 # EVENTS_STEP events are counted, then each time the count passes a multiple of EVENTS_STEP,
 # and at the end of the body. Each write is a metadata update on Envoy's worker thread
 # (about as costly as reading the chunk); a stream cut short is charged the last count
-# written, up to EVENTS_STEP - 1 events below what it got (``least_events_written``).
+# written, up to EVENTS_STEP - 1 events below what it got.
 EVENTS_STEP = 8
 # kvgate_logged_usage_total's result label.
 RESULTS = ("reported", "invalid", "none")
@@ -194,14 +194,13 @@ local function follow_sse(h, strip)
         if at_choices and at_choices < pos then at_choices = string.find(s, '"choices"', pos, true) or false end
         if at_usage and at_usage < pos then at_usage = string.find(s, '"usage"', pos, true) or false end
         if at_done and at_done < pos then at_done = string.find(s, "[DONE]", pos, true) or false end
-        local counted, keep, c = false, true, nil
+        local counted, keep = false, true
         if (at_usage and at_usage < a) or (at_done and at_done < a) then
           counted, keep = read_event(h, string.sub(s, pos, a - 1), strip)
         elseif at_choices and at_choices + 8 < a then
           -- A token's event: read_event's answer without copying it out, unless the list's
           -- start is not right after the key (then read_event's search, on the event alone).
-          local _, e
-          _, e, c = string.find(s, '^%s*:%s*%[%s*(.)', at_choices + 9)
+          local _, e, c = string.find(s, '^%s*:%s*%[%s*(.)', at_choices + 9)
           if e ~= nil and e < a then
             counted = c ~= "]"
           else
