@@ -73,7 +73,7 @@ end
 @dataclass
 class Load:
     """Load is one way of streaming: ``streams`` at once of ``chunks`` chunks, ``delay_ms``
-    apart (0: as fast as the fake writes), started over ``spread_ms``."""
+    apart, started over ``spread_ms``."""
 
     name: str
     streams: int
