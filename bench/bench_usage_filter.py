@@ -164,6 +164,8 @@ def with_lua(source: str | None) -> Any:
 
 async def measure(stacks: dict[str, Stack], loads: tuple[Load, ...], rounds: int,
                   seed: int) -> dict[str, dict[str, Figures]]:
+    """measure runs every load through every setup, ``rounds`` times in shuffled order after a
+    warm-up, and sums each setup's figures by load name."""
     rng = random.Random(seed)
     res: dict[str, dict[str, Figures]] = {load.name: {} for load in loads}
     order = list(stacks)
@@ -185,6 +187,8 @@ async def measure(stacks: dict[str, Stack], loads: tuple[Load, ...], rounds: int
 
 def report(res: dict[str, dict[str, Figures]], *, loads: tuple[Load, ...], command: str, rounds: int,
            wall_s: float, load_avg: tuple[float, float, float], sources: dict[str, str]) -> str:
+    """report is the Markdown report of one run: a table per load, the setups in ``sources``'
+    order, each figure beside the no-filter setup's."""
     lines = [
         "# The Lua usage filter's cost per streamed chunk, side by side with no filter", "",
         f"Command: `{command}`", "",
@@ -222,6 +226,7 @@ def report(res: dict[str, dict[str, Figures]], *, loads: tuple[Load, ...], comma
 
 
 def main(argv: list[str] | None = None) -> int:
+    """main runs the comparison and writes the report (bench/results/usage-filter.md by default)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--baseline", metavar="REV", help="also run the filter at this git revision")
     ap.add_argument("--lua", nargs="+", default=[], metavar="NAME=FILE",
