@@ -44,8 +44,9 @@ import time  # noqa: E402
 from typing import Any  # noqa: E402
 
 from bench.bench_overhead import (BENCH_CONFIG, PICKED, ChatBodies, _picks_the_upstream,  # noqa: E402
-                                  _run, closed_loop, cpu_seconds, pct, variant_file)
-from kvgate_testkit.procs import Proc, wait_until  # noqa: E402
+                                  _run, closed_loop, cpu_seconds, pct, variant_file,
+                                  wait_picker_nodes_up)
+from kvgate_testkit.procs import Proc  # noqa: E402
 from kvgate_testkit.stack import Stack  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -212,10 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for stack in stacks.values():
                 stack.start()
-            for stack in stacks.values():
-                if stack.processor == "kvgate" and "backends" in stack.kvgate_config["pools"]["default"]:
-                    wait_until(lambda s=stack: s.metric("kvgate_backend_pickable") == 1, timeout=20,
-                               what="the picker's node up")
+            wait_picker_nodes_up(stacks.values())
             cpu, lat, count = _run(_rounds(stacks, args.clients, args.requests, args.rounds, args.seed))
             profiles = (_profile(stacks, args.profile, args.clients, args.out.parent, args.native)
                         if args.profile else [])

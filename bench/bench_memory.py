@@ -263,7 +263,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     rss = None
     if "resident" not in args.skip:
         import bench_overhead as bo
-        from kvgate_testkit.procs import wait_until
         rss: dict[str, list[tuple[float, float]]] = {}
         for i in range(args.rounds):
             with tempfile.TemporaryDirectory(prefix="kvgate-bench-memory-") as tmp:
@@ -271,10 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 try:
                     for stack in stacks.values():
                         stack.start()
-                    for stack in stacks.values():
-                        if "backends" in stack.kvgate_config["pools"]["default"]:
-                            wait_until(lambda s=stack: s.metric("kvgate_backend_pickable") == 1,
-                                       timeout=20, what="the picker's node up")
+                    bo.wait_picker_nodes_up(stacks.values())
                     got = bo._run(resident(stacks, args.streams, args.settle, reverse=i % 2 == 1))
                 finally:
                     for stack in stacks.values():

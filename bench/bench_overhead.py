@@ -54,7 +54,7 @@ import re  # noqa: E402
 import resource  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-from collections.abc import Callable, Sequence  # noqa: E402
+from collections.abc import Callable, Iterable, Sequence  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -1234,6 +1234,16 @@ def _picks_the_upstream(stack: Stack) -> None:
         stack.processor = [*stack.processor, "--destination", node]
 
 
+def wait_picker_nodes_up(stacks: Iterable[Stack]) -> None:
+    """wait_picker_nodes_up waits until every kvgate of ``stacks`` whose pool picks its nodes
+    has scraped its node once (before that, every request is refused: no node is up)."""
+    from kvgate_testkit.procs import wait_until
+    for stack in stacks:
+        if stack.processor == "kvgate" and "backends" in stack.kvgate_config["pools"]["default"]:
+            wait_until(lambda s=stack: s.metric("kvgate_backend_pickable") == 1, timeout=20,
+                       what="the picker's node up")
+
+
 # --- main ------------------------------------------------------------------------------------
 
 SCENARIOS = ("latency", "streaming", "max_rate", "memory", "release", "progress")
@@ -1313,11 +1323,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for stack in stacks.values():
                 stack.start()
-            for stack in stacks.values():
-                if stack.processor == "kvgate" and "backends" in stack.kvgate_config["pools"]["default"]:
-                    from kvgate_testkit.procs import wait_until
-                    wait_until(lambda s=stack: s.metric("kvgate_backend_pickable") == 1, timeout=20,
-                               what="the picker's node up")
+            wait_picker_nodes_up(stacks.values())
             res = _run(measure(stacks, sizes, args.scenarios, args.seed))
         finally:
             for stack in stacks.values():
