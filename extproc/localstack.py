@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,8 @@ from extproc.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 LOOPBACK = "127.0.0.1"
+# The API key of tenant online-1 in deploy/local/kvgate.yaml (a local key, for trying it out).
+LOCAL_KEY = "sk-local-online-1"
 
 
 def _port_free(port: int) -> bool:
@@ -150,9 +153,10 @@ class Stack:
                 proc.kill()
         self.procs.clear()
 
-    def dead(self) -> str | None:
+    def dead(self, known: Collection[str] = ()) -> str | None:
+        """dead is the name of a process that has stopped, other than those ``known``."""
         for name, proc in self.procs:
-            if proc.poll() is not None:
+            if name not in known and proc.poll() is not None:
                 return name
         return None
 
@@ -180,12 +184,11 @@ kvgate local stack is up (Ctrl-C stops everything): {how}
 Try it:
 
   curl -s {base}/v1/chat/completions -H 'content-type: application/json' \\
-       -H 'x-tenant-id: online-1' \\
+       -H 'authorization: Bearer {LOCAL_KEY}' \\
        -d '{{"model": "{model}", "max_tokens": 16, "messages": [{{"role": "user", "content": "Hello"}}]}}'
 
   from openai import OpenAI
-  client = OpenAI(base_url="{base}/v1", api_key="unused",
-                  default_headers={{"x-tenant-id": "online-1"}})
+  client = OpenAI(base_url="{base}/v1", api_key="{LOCAL_KEY}")  # tenant online-1
   reply = client.chat.completions.create(model="{model}", max_tokens=16,
                                          messages=[{{"role": "user", "content": "Hello"}}])
   print(reply.choices[0].message.content, reply.usage)
@@ -289,13 +292,25 @@ def main(argv: list[str] | None = None) -> int:
                     b'[{"role": "user", "content": "Hello"}]}' % model.encode())
             req = urllib.request.Request(f"http://{LOOPBACK}:{envoy}/v1/chat/completions",
                                          data=body, headers={"content-type": "application/json",
-                                                             "x-tenant-id": "online-1"})
+                                                             "authorization": f"Bearer {LOCAL_KEY}"})
             with urllib.request.urlopen(req, timeout=30) as resp:
-                print(resp.status, resp.read().decode()[:300])
+                answer = f"{resp.status} {resp.read().decode()[:300]}"
+            # Which class admitted it: the key's tenant's (online), not the default.
+            with urllib.request.urlopen(f"http://{LOOPBACK}:{admin}/metrics", timeout=10) as resp:
+                print(*(line for line in resp.read().decode().splitlines()
+                        if line.startswith("kvgate_requests_total{") and 'outcome="admitted"' in line
+                        and not line.endswith(" 0.0")), sep="\n")
+            print(answer)
             return 0
+        gone: set[str] = set()  # nodes that stopped: the stack goes on without them
         while not stopping:
-            dead = stack.dead()
-            if dead:
+            dead = stack.dead(gone)
+            if dead and dead.startswith("node-"):
+                # What kvgate is for: it marks the node down and picks the others.
+                print(f"warning: {dead} stopped (see {run_dir / (dead + '.log')}); kvgate marks it "
+                      "down and sends new requests to the other nodes", file=sys.stderr, flush=True)
+                gone.add(dead)
+            elif dead:
                 print(f"error: {dead} stopped; see {run_dir / (dead + '.log')}", file=sys.stderr)
                 return 1
             time.sleep(0.5)
