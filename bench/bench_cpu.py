@@ -6,7 +6,9 @@ parses nothing) and one with kvgate, each an Envoy (one worker thread) in front 
 fast fake upstream; ~2 KB non-streaming chats, every body different (each one tokenized), at
 ``--clients`` concurrent keep-alive clients. The setups are measured in shuffled rounds
 within one run, and the processor's CPU (user + system, from /proc) is summed per setup:
-the figure is CPU per request and its ratio to the bare processor's in the same file.
+the figure is CPU per request and its ratio to the bare processor's in the same file. A
+second table splits it by the processor's threads (user and system time of each, from
+/proc/PID/task): which thread the difference is spent on, grpc's poller or the event loop.
 
 ``--baseline REF`` adds a ``kvgate@REF`` stack per file: the ``extproc`` package as it is
 at git revision REF (checked out into a temporary directory), so that a change is weighed
@@ -83,10 +85,39 @@ def _processor_pid(stack: Stack) -> int:
     return stack.procs["kvgate" if "kvgate" in stack.procs else "processor"].pid
 
 
-async def _rounds(stacks: dict[str, Stack], clients: int, requests: int, rounds: int,
-                  seed: int) -> tuple[dict[str, float], dict[str, list[float]], dict[str, int]]:
+def thread_cpu(pid: int) -> dict[str, tuple[float, float]]:
+    """thread_cpu is the user and system CPU seconds of each thread of a process so far, by
+    the thread's name (``comm``) and its rank among the threads of that name (``python#2``:
+    threads started alike get names by their order, which stays put between readings)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, tuple[float, float]] = {}
+    seen: collections.Counter[str] = collections.Counter()
+    task = Path(f"/proc/{pid}/task")
+    for tid in sorted(task.iterdir(), key=lambda t: int(t.name)):
+        try:
+            comm = (tid / "comm").read_text().strip()
+            fields = (tid / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended between the listing and the reading
+            continue
+        seen[comm] += 1
+        out[f"{comm}#{seen[comm]}"] = (int(fields[11]) / tick, int(fields[12]) / tick)
+    return out
+
+
+def _thread_delta(before: dict[str, tuple[float, float]],
+                  after: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:
+    """_thread_delta is each thread's CPU between two ``thread_cpu`` readings (a thread
+    started in between counts from zero)."""
+    return {name: (u - before.get(name, (0.0, 0.0))[0], s - before.get(name, (0.0, 0.0))[1])
+            for name, (u, s) in after.items()}
+
+
+async def _rounds(stacks: dict[str, Stack], clients: int, requests: int, rounds: int, seed: int,
+                  ) -> tuple[dict[str, float], dict[str, list[float]], dict[str, int],
+                             dict[str, dict[str, list[float]]]]:
     """_rounds runs ``rounds`` shuffled rounds of ``requests`` requests against every setup;
-    returns each setup's processor CPU seconds, latencies (s) and request count."""
+    returns each setup's processor CPU seconds, latencies (s), request count, and its CPU
+    seconds by thread (user, system)."""
     rng = random.Random(seed)
     bodies = ChatBodies(seed=seed)
     for stack in stacks.values():  # warm-up: connections, tokenizer, lazy paths
@@ -94,19 +125,45 @@ async def _rounds(stacks: dict[str, Stack], clients: int, requests: int, rounds:
     cpu: dict[str, float] = collections.defaultdict(float)
     lat: dict[str, list[float]] = collections.defaultdict(list)
     count: dict[str, int] = collections.defaultdict(int)
+    threads: dict[str, dict[str, list[float]]] = collections.defaultdict(
+        lambda: collections.defaultdict(lambda: [0.0, 0.0]))
     order = list(stacks)
     for i in range(rounds):
         rng.shuffle(order)
         for name in order:
             pid = _processor_pid(stacks[name])
-            before = cpu_seconds(pid)
+            before, by_thread = cpu_seconds(pid), thread_cpu(pid)
             got = await closed_loop(stacks[name].envoy_port, bodies, clients, requests)
             cpu[name] += cpu_seconds(pid) - before
+            for thread, (user, system) in _thread_delta(by_thread, thread_cpu(pid)).items():
+                threads[name][thread][0] += user
+                threads[name][thread][1] += system
             lat[name].extend(got)
             count[name] += len(got)
         print(f"round {i + 1}/{rounds}: " + ", ".join(
             f"{n} {cpu[n] / count[n] * 1e6:.0f} us" for n in stacks), flush=True)
-    return cpu, lat, count
+    return cpu, lat, count, threads
+
+
+def thread_table(threads: dict[str, dict[str, list[float]]], count: dict[str, int],
+                 floor_us: float = 5.0) -> list[str]:
+    """thread_table is the markdown table of each setup's CPU per request by thread (user /
+    system), busiest first; threads under ``floor_us`` a request are summed as one row."""
+    lines = ["| setup | thread | user / req | system / req | total / req |",
+             "|---|---|---:|---:|---:|"]
+    for name, by_thread in threads.items():
+        rest = [0.0, 0.0]
+        for thread, (user, system) in sorted(by_thread.items(), key=lambda kv: -sum(kv[1])):
+            u, s = user / count[name] * 1e6, system / count[name] * 1e6
+            if u + s < floor_us:
+                rest[0] += u
+                rest[1] += s
+                continue
+            lines.append(f"| {name} | {thread} | {u:.0f} us | {s:.0f} us | {u + s:.0f} us |")
+        if sum(rest):
+            lines.append(f"| {name} | (the others) | {rest[0]:.0f} us | {rest[1]:.0f} us | "
+                         f"{sum(rest):.0f} us |")
+    return lines
 
 
 def _profile(stacks: dict[str, Stack], seconds: float, clients: int, out_dir: Path,
@@ -214,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
             for stack in stacks.values():
                 stack.start()
             wait_picker_nodes_up(stacks.values())
-            cpu, lat, count = _run(_rounds(stacks, args.clients, args.requests, args.rounds, args.seed))
+            cpu, lat, count, threads = _run(_rounds(stacks, args.clients, args.requests, args.rounds, args.seed))
             profiles = (_profile(stacks, args.profile, args.clients, args.out.parent, args.native)
                         if args.profile else [])
         finally:
@@ -241,6 +298,13 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(f"| {variant} | {name.rsplit(' ', 1)[0]} | {count[name]} | "
                          f"{pct(lat[name], 0.5) * 1e3:.2f} | {pct(lat[name], 0.99) * 1e3:.2f} | "
                          f"{per * 1e6:.0f} us | {per / bare_cpu:.2f}x |")
+    lines += ["", "## By thread", "",
+              "The processor's CPU per request split by its threads (from /proc/PID/task; "
+              "`comm` names them, `#n` is the order among threads of one name). Ticks are "
+              f"1/{os.sysconf('SC_CLK_TCK')} s: a thread's figure may be off by up to "
+              f"{1e6 / os.sysconf('SC_CLK_TCK') / args.requests:.1f} us a request (a tick "
+              "a round); threads under 5 us a request are summed.", "",
+              *thread_table(threads, count)]
     for path, requests in profiles:
         lines += ["", f"## Profile: {path.stem.removeprefix('cpu-profile-')} (py-spy, every thread)",
                   "", *summarize_profile(path, requests)]
