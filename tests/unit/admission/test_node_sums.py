@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -175,3 +176,27 @@ def test_a_charge_moved_to_a_node_keeps_its_charges_oldest_first():
     assert pool.move(a, other.address)
     ages = [c.admitted_at for c in other.charges]
     assert a in other.charges and ages == sorted(ages) and len(ages) == 1 + sum(c.node is other for c in later)
+
+
+def test_the_retry_walk_reads_at_most_its_limit_and_answers_the_typical_hold_past_it():
+    from extproc.admission.retry import MAX_WAIT_S, WALK_LIMIT, expected_wait_oldest_first
+    read = 0
+
+    def holders(n: int, units: float):
+        nonlocal read
+        for i in range(n):
+            read += 1
+            yield ((n - i) / 1000, units)            # oldest first, a millisecond apart
+
+    typical = 30.0
+    # Enough is freed within the limit: the walk's own answer, as the sorted walk's.
+    assert expected_wait_oldest_first(holders(10_000, 1.0), WALK_LIMIT - 1, typical) == \
+        pytest.approx(typical - (10_000 - (WALK_LIMIT - 2)) / 1000)
+    assert read == WALK_LIMIT - 1
+    # Not within the limit: the typical hold, after reading the limit and no more.
+    read = 0
+    assert expected_wait_oldest_first(holders(10_000, 1.0), 5_000, typical) == typical
+    assert read == WALK_LIMIT
+    # Never enough among fewer than the limit: None, as before (the caller's fallback).
+    assert expected_wait_oldest_first(holders(10, 1.0), 5_000, typical) is None
+    assert expected_wait_oldest_first(holders(10_000, 1.0), 5_000, 10 * MAX_WAIT_S) == MAX_WAIT_S
