@@ -75,7 +75,7 @@ PICK_BASELINE ?= main
 
 bench-pick: install
 	mkdir -p $(BENCH_OUT)
-	$(PY) bench/bench_pick.py --baseline $(PICK_BASELINE) --out $(BENCH_OUT)/pick.md
+	$(PY) bench/bench_pick.py --refusals --baseline $(PICK_BASELINE) --out $(BENCH_OUT)/pick.md
 
 # What an in-flight request costs kvgate in memory: Python objects by the line that allocated
 # them, and the process's resident memory beside kvgate as it is at MEM_BASELINE (a git revision).

@@ -8,12 +8,18 @@ streamed chunk reports), and the release of the new request with its completion 
 (which teaches its class's lengths), with ``--held`` requests held on four nodes the
 whole time, for each growth rule.
 
+``--refusals`` adds what one refusal costs with ``--held`` requests in flight and the budget
+full: the pool's slots (``max_concurrency``), its in-flight KV (``kv_budget_tokens``), or a
+node's room in a picking pool (a prompt larger than the room, the rest of the node held by
+KV kvgate did not admit). Under overload nearly every new request is refused, so a refusal
+must not cost more with every request in flight (its retry hint walks them).
+
 ``--baseline REF`` runs the same cycles with ``extproc`` as it is at git revision REF in a
 second worker process, row by row in turn, and reports both beside each other: the ratio
 of one held count's cost to no requests held says how a pick scales, whatever the machine
 is doing.
 
-    python bench/bench_pick.py [--held 0 500 2000] [--baseline main] [--out FILE]
+    python bench/bench_pick.py [--held 0 500 2000] [--refusals] [--baseline main] [--out FILE]
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import time  # noqa: E402
 from typing import Any  # noqa: E402
 
 GROWTHS = ("worst_case", "learned", "pooled")
+REFUSALS = ("slots", "kv", "node")
 NODES = 4
 BATCH = 50
 BATCHES = 200
@@ -112,21 +119,80 @@ def measure(growth: str, held: int, seed: int = 7) -> float:
     return statistics.median(per)
 
 
+def measure_refusal(budget: str, held: int, seed: int = 7) -> float:
+    """measure_refusal is the median ns of one refused ``try_acquire`` with ``held`` requests
+    in flight filling ``budget`` (REFUSALS), over BATCHES batches of BATCH refusals."""
+    from extproc.admission import Admission, Lease, Outcome, Rejection
+    from extproc.admission.nodes import NodeReport
+    from extproc.clock import MonotonicClock
+    from extproc.config import parse_config
+    held = max(1, held)
+    size = 600  # prompt 400 + completion 200 tokens a request
+    pool: dict[str, Any] = {"max_concurrency": held if budget == "slots" else 10**9}
+    if budget == "kv":
+        pool["kv_budget_tokens"] = held * size
+    if budget == "node":
+        pool["backends"] = [{"name": "n0", "metrics_url": "http://127.0.0.1:9/0",
+                             "address": "127.0.0.1:8001", "kv_capacity_tokens": 100 * held * size}]
+        pool["picking"] = {"growth": "worst_case", "reserve_fraction": 0.0}
+    clock = MonotonicClock()
+    adm = Admission(parse_config({"pools": {"default": pool}}), clock)
+    rng = random.Random(seed)
+
+    def report(usage: float) -> None:
+        if budget == "node":
+            adm.report_node("default", "n0", NodeReport(kv_usage=usage, capacity_tokens=None,
+                                                        at=clock.now(), waiting=0, running=0))
+
+    report(0.0)
+    for _ in range(200):  # hold times learned: the hint walks the requests in flight
+        lease = adm.try_acquire(adm.demand("anyone", 400, 200))
+        if type(lease) is not Lease:
+            raise RuntimeError(f"the benchmark's warm-up must not be refused: {lease}")
+        lease.release(Outcome.COMPLETED, rng.randint(10, 200))
+    leases = [adm.try_acquire(adm.demand("anyone", 400, 200)) for _ in range(held)]
+    if any(type(x) is not Lease for x in leases):
+        raise RuntimeError("the held requests must be admitted")
+    # The node: 98 % used, most of it KV kvgate did not admit; a prompt of 3 % of it is refused.
+    prompt = 3 * held * size if budget == "node" else 400
+    per = []
+    for _ in range(BATCHES):
+        report(0.98)
+        t0 = time.perf_counter_ns()
+        for _ in range(BATCH):
+            r = adm.try_acquire(adm.demand("anyone", prompt, 200))
+        per.append((time.perf_counter_ns() - t0) / BATCH)
+        if type(r) is not Rejection:
+            raise RuntimeError(f"the benchmark's request must be refused: {r}")
+    for lease in leases:
+        lease.release(Outcome.COMPLETED, 10)
+    if adm.snapshot("default").inflight != 0:
+        raise RuntimeError("a lease was left held")
+    return statistics.median(per)
+
+
 def _worker() -> None:
-    """_worker measures one row per line on stdin (``growth held``), one figure per line back."""
+    """_worker measures one row per line on stdin (``growth held``, or ``refusal:BUDGET
+    held``), one figure per line back."""
     for line in sys.stdin:
-        growth, held = line.split()
-        print(json.dumps(measure(growth, int(held))), flush=True)
+        kind, held = line.split()
+        if kind.startswith("refusal:"):
+            print(json.dumps(measure_refusal(kind.removeprefix("refusal:"), int(held))), flush=True)
+        else:
+            print(json.dumps(measure(kind, int(held))), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--held", type=int, nargs="+", default=[0, 500, 2000])
     ap.add_argument("--growth", nargs="+", default=list(GROWTHS), choices=GROWTHS)
+    ap.add_argument("--refusals", action="store_true",
+                    help="also time one refusal with the held requests filling each budget")
     ap.add_argument("--baseline", metavar="REF", help="also run extproc as it is at this git revision")
     ap.add_argument("--out", type=Path, help="write the report here too")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    kinds = list(args.growth) + ([f"refusal:{b}" for b in REFUSALS] if args.refusals else [])
     if args.worker:
         _worker()
         return 0
@@ -142,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                    for name, src in trees.items()}
         got: dict[tuple[str, str, int], float] = {}
         try:
-            for i, (growth, held) in enumerate((g, h) for g in args.growth for h in args.held):
+            for i, (growth, held) in enumerate((g, h) for g in kinds for h in args.held):
                 order = list(workers) if i % 2 == 0 else list(reversed(workers))
                 for name in order:
                     proc = workers[name]
@@ -173,6 +239,22 @@ def main(argv: list[str] | None = None) -> int:
                 v, zero = got[(n, growth, held)], got[(n, growth, args.held[0])]
                 cells.append(f"{v / 1000:.1f} | {v / zero:.2f}")
             lines.append(f"| {growth} | {held:,} | {' | '.join(cells)} |")
+    if args.refusals:
+        head = " | ".join(f"{n}: us per refusal | x the fewest held" for n in names)
+        lines += ["", "## A refusal's cost by the requests in flight", "",
+                  "One refused `try_acquire` (its retry hint included) with the held requests "
+                  "filling the budget: `slots` the pool's max_concurrency, `kv` its "
+                  "kv_budget_tokens, `node` a picking pool's one node, 98 % used (mostly KV "
+                  "kvgate did not admit), asked for a prompt three times what kvgate holds "
+                  f"there. Median of {BATCHES} batches of {BATCH} refusals (0 held is run as 1).",
+                  "", f"| budget | held | {head} |", "|---|---:|" + "---:|---:|" * len(names)]
+        for budget in REFUSALS:
+            for held in args.held:
+                cells = []
+                for n in names:
+                    v, fewest = got[(n, f"refusal:{budget}", held)], got[(n, f"refusal:{budget}", args.held[0])]
+                    cells.append(f"{v / 1000:.1f} | {v / fewest:.2f}")
+                lines.append(f"| {budget} | {max(1, held):,} | {' | '.join(cells)} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out is not None:
