@@ -200,3 +200,15 @@ def test_the_retry_walk_reads_at_most_its_limit_and_answers_the_typical_hold_pas
     # Never enough among fewer than the limit: None, as before (the caller's fallback).
     assert expected_wait_oldest_first(holders(10, 1.0), 5_000, typical) is None
     assert expected_wait_oldest_first(holders(10_000, 1.0), 5_000, 10 * MAX_WAIT_S) == MAX_WAIT_S
+
+
+@given(holds=st.lists(st.floats(-1.0, 1e6, allow_nan=False), max_size=700))
+@settings(max_examples=100)
+def test_the_hold_times_median_is_that_of_the_latest_samples(holds):
+    from extproc.admission.retry import HOLD_SAMPLES, HoldTimes
+    times = HoldTimes()
+    for i, seconds in enumerate(holds):
+        times.add(seconds)
+        latest = sorted(max(0.0, h) for h in holds[max(0, i + 1 - HOLD_SAMPLES):i + 1])
+        assert times.median() == latest[len(latest) // 2]
+    assert times.median() is None or holds
