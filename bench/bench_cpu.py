@@ -243,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=2000, help="requests per setup and round")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--baseline", metavar="REF", help="also run kvgate as it is at this git revision")
+    ap.add_argument("--bare-levers", nargs="+", default=[], choices=("no-log-sink",),
+                    help="extra bare setups per file: `no-log-sink` refuses the access log "
+                         "(UNIMPLEMENTED) instead of taking it")
     ap.add_argument("--profile", type=float, metavar="SECONDS",
                     help="sample each kvgate with py-spy for this long and list its hottest functions")
     ap.add_argument("--native", action="store_true", help="profile C frames too (py-spy --native)")
@@ -260,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
             envoy_file = variant_file(variant, work)
             common: dict[str, Any] = {"envoy_template": envoy_file, "upstream_args": ["--fast"]}
             stacks[f"bare {variant}"] = Stack(work / f"bare-{variant}", None, processor=bare, **common)
+            for lever in args.bare_levers:
+                stacks[f"bare {lever} {variant}"] = Stack(
+                    work / f"bare-{lever}-{variant}", None, processor=[*bare, f"--{lever}"], **common)
             stacks[f"kvgate {variant}"] = Stack(work / f"kvgate-{variant}", BENCH_CONFIG, **common)
             if base is not None:
                 stacks[f"kvgate@{args.baseline} {variant}"] = _SourceStack(

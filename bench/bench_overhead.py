@@ -6,7 +6,9 @@ JSON and SSE):
 
 - ``plain``: Envoy with no ext_proc filter: the physical limit;
 - ``bare``: ext_proc to a Python processor that answers CONTINUE and nothing else (same
-  grpc.aio, same event loop): the floor of any Python processor;
+  grpc.aio, same event loop): the floor of any Python processor; in the files that send
+  Envoy's access log to the processor's cluster it also takes that log (bytes read and
+  dropped), as any processor attached to them must;
 - ``kvgate``: ext_proc to kvgate (parsing, token counting, admission, usage tracking).
 
 The Envoy files are ``--variants`` (default: every shipped file, deploy/envoy.yaml first;
@@ -132,8 +134,13 @@ def _continue_answers() -> dict[str, Any]:
         ("request_trailers", pb.TrailersResponse), ("response_trailers", pb.TrailersResponse))}
 
 
-async def _serve_bare(port: int, destination: str | None = None) -> None:
+async def _serve_bare(port: int, destination: str | None = None, log_sink: bool = True) -> None:
     """_serve_bare answers CONTINUE to every ext_proc message, reading nothing else.
+
+    With ``log_sink`` it also takes the gRPC access log that the access-log and picker-log
+    files send to the processor's cluster, each batch read as bytes and dropped: the least a
+    processor attached to those files must do. Without it (the ``no-log-sink`` lever) Envoy's
+    log stream is refused (UNIMPLEMENTED) and opened again for the next entries.
 
     With ``destination`` (HOST:PORT) the answer to the request body names that node, as
     deploy/envoy-endpoint-picker.yaml needs (the destination header and a cleared route
@@ -182,9 +189,28 @@ async def _serve_bare(port: int, destination: str | None = None) -> None:
 
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     pb_grpc.add_ExternalProcessorServicer_to_server(Bare(), server)
+    if log_sink:
+        server.add_generic_rpc_handlers((_log_sink(),))
     server.add_insecure_port(f"{LOOPBACK}:{port}")
     await server.start()
     await server.wait_for_termination()
+
+
+def _log_sink() -> Any:
+    """_log_sink is a handler of Envoy's access log service that reads each batch's bytes
+    (no parsing) and drops them."""
+    import grpc
+    from envoy.service.accesslog.v3 import als_pb2
+
+    async def stream_access_logs(request_iterator: Any, context: Any) -> Any:
+        async for _ in request_iterator:
+            pass
+        return als_pb2.StreamAccessLogsResponse()
+
+    return grpc.method_handlers_generic_handler("envoy.service.accesslog.v3.AccessLogService", {
+        "StreamAccessLogs": grpc.stream_unary_rpc_method_handler(
+            stream_access_logs, request_deserializer=None,
+            response_serializer=als_pb2.StreamAccessLogsResponse.SerializeToString)})
 
 
 async def _serve_bare_raw(port: int) -> None:
@@ -863,7 +889,8 @@ def report(res: Results, *, command: str, variants: Sequence[str], sizes: Sizes,
         "",
         "Setups: `plain` Envoy without ext_proc (the physical limit); `bare` ext_proc to a "
         "Python processor that answers CONTINUE and parses nothing (the floor of any Python "
-        "processor); `kvgate`. *Added* is a setup's figure minus plain Envoy's at the same "
+        "processor; where the file sends the access log to the processor, it takes the "
+        "batches and drops them); `kvgate`. *Added* is a setup's figure minus plain Envoy's at the same "
         "percentile; *x plain* is the ratio to plain Envoy's. Times in milliseconds.",
         "",
     ]
@@ -1260,13 +1287,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="Envoy configurations to compare (levers); the first one's bare and "
                          "kvgate setups are the plain names, the others' are suffixed")
     ap.add_argument("--setups", nargs="+", default=list(SETUPS), choices=SETUPS)
-    ap.add_argument("--bare-levers", nargs="+", default=[], choices=("raw", "asyncio", "grpclib"),
+    ap.add_argument("--bare-levers", nargs="+", default=[],
+                    choices=("raw", "asyncio", "grpclib", "no-log-sink"),
                     help="extra bare setups: `raw` reads and writes bytes (no protobuf at all), "
                          "`asyncio` runs on asyncio's own loop instead of uvloop, `grpclib` "
-                         "serves gRPC with grpclib (pure Python on the loop) instead of grpcio")
+                         "serves gRPC with grpclib (pure Python on the loop) instead of grpcio, "
+                         "`no-log-sink` refuses the access log (UNIMPLEMENTED) instead of taking it")
     ap.add_argument("--raw", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--asyncio", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--grpclib", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--no-log-sink", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     ap.add_argument("--open-streams", type=int, help="streams held open at once for memory")
     ap.add_argument("--disconnects", type=int, help="disconnects timed for release")
@@ -1281,7 +1311,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve_bare:
         serve = (_serve_bare_raw(args.serve_bare) if args.raw
                  else _serve_bare_grpclib(args.serve_bare) if args.grpclib
-                 else _serve_bare(args.serve_bare, args.destination))
+                 else _serve_bare(args.serve_bare, args.destination, log_sink=not args.no_log_sink))
         if args.asyncio:
             asyncio.run(serve)
         else:
@@ -1317,9 +1347,11 @@ def main(argv: list[str] | None = None) -> int:
                 if variant in PICKED:
                     _picks_the_upstream(stack)
         for lever in args.bare_levers:
-            stacks[f"bare {lever}"] = Stack(work / f"bare-{lever}", None, processor=[*bare, f"--{lever}"],
-                                            envoy_template=variant_file(args.variants[0], work),
-                                            upstream_args=["--fast"])
+            stack = stacks[f"bare {lever}"] = Stack(
+                work / f"bare-{lever}", None, processor=[*bare, f"--{lever}"],
+                envoy_template=variant_file(args.variants[0], work), upstream_args=["--fast"])
+            if args.variants[0] in PICKED:
+                _picks_the_upstream(stack)
         try:
             for stack in stacks.values():
                 stack.start()

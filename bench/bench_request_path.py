@@ -9,6 +9,13 @@ is the process's CPU time (``time.process_time``) per request: what kvgate's Pyt
 to any processor's floor (grpc.aio and the event loop, which ``bench_cpu`` measures with
 the rest), steady enough on a loaded machine to weigh small levers.
 
+``--file access-log`` or ``--file endpoint-picker-log`` drives the messages of those files
+instead (the body with its attributes, or the request headers and then the body; the stream
+ends once the body is answered) and then hands the access log receiver Envoy's final entry
+of the request (``kvgate_testkit.held.final_message``, a batch of one, as bytes): in the
+picker-log file a node of two is picked for every request. Only kvgate's calls are timed,
+not the building of each entry.
+
 Every body is a different ~2 KB chat (``bench_overhead.ChatBodies``), so every prompt is
 tokenized in the first round (later rounds meet tokens.py's count cache: this bench weighs the
 rest of the path). ``--profile`` runs one more pass under cProfile and prints the functions
@@ -59,7 +66,17 @@ from extproc.config import parse_config  # noqa: E402
 from extproc.gate import Gate  # noqa: E402
 from extproc.metrics import Metrics  # noqa: E402
 from extproc.request_facts import ATTR_CONTENT_TYPE, ATTR_METHOD, ATTR_PATH  # noqa: E402
+from extproc.endings import AccessLogReceiver  # noqa: E402
 from extproc.service import ExtProcService, decode_request  # noqa: E402
+from kvgate_testkit import held  # noqa: E402
+
+FILES = ("recommended", *held.FILES)
+# What kvgate is sent for one request, by file.
+MESSAGES = {
+    "recommended": "request body with its attributes, response headers, JSON response body",
+    "access-log": "request body with its attributes; the final access log entry",
+    "endpoint-picker-log": "request headers, request body, a node picked; the final access log entry",
+}
 
 RESPONSE = orjson.dumps({"id": "cmpl-1", "object": "chat.completion", "model": "fake",
                          "choices": [{"index": 0, "finish_reason": "length", "message": {
@@ -120,43 +137,68 @@ class _Context:
         self.written += len(resp.SerializeToString())
 
 
-def _service() -> tuple[ExtProcService, Admission]:
-    config = parse_config(orjson.loads(orjson.dumps(BENCH_CONFIG)))
-    clock = MonotonicClock()
-    admission = Admission(config, clock)
-    metrics = Metrics(CollectorRegistry())
-    metrics.attach(admission, tuple(config.tenants.classes))
-    gate = Gate(config, admission, metrics, clock)
-    return ExtProcService(gate, metrics), admission
+class _Path:
+    """_Path is one file's request path in one process: the service, its inputs, and a round
+    of them (``run``: kvgate's CPU seconds per request)."""
+
+    def __init__(self, file: str, requests: int) -> None:
+        raw = held.config_for(file) if file != "recommended" else BENCH_CONFIG
+        config = parse_config(orjson.loads(orjson.dumps(raw)))
+        self.clock = MonotonicClock()
+        self.admission = Admission(config, self.clock)
+        self.metrics = metrics = Metrics(CollectorRegistry())
+        metrics.attach(self.admission, tuple(config.tenants.classes))
+        self.service = ExtProcService(Gate(config, self.admission, metrics, self.clock), metrics)
+        self.receiver = AccessLogReceiver(self.service.endings, metrics)
+        self.file = file
+        bodies = ChatBodies(seed=3)
+        # The HTTP request bytes end with the JSON body: cut it out.
+        chats = [bodies().split(b"\r\n\r\n", 1)[1] for _ in range(requests)]
+        if file == "recommended":
+            rest = _response_messages()
+            self.streams = [[_first_message(body), *rest] for body in chats]
+        else:
+            self.streams = [[m.SerializeToString() for m in held.messages(file, body)] for body in chats]
+
+    async def _round(self, streams: list[list[bytes]]) -> float:
+        spent = 0.0
+        parked = self.service.endings.parked
+        for i, messages in enumerate(streams):
+            if self.file == "endpoint-picker-log" and i % 200 == 0:
+                held.nodes_up(self.admission, self.clock.now())  # the scraper's reports
+            t0 = time.process_time()
+            await self.service.Process(None, _Context(messages))
+            spent += time.process_time() - t0
+            if self.file != "recommended":
+                batch = held.final_message(next(reversed(parked)), 16).SerializeToString()
+                t0 = time.process_time()
+                self.receiver.batch(batch)
+                spent += time.process_time() - t0
+        return spent / len(streams)
+
+    def run(self, loop: asyncio.AbstractEventLoop, count: int | None = None) -> float:
+        """run sends the round's requests (the first ``count`` of them) and settles each."""
+        per = loop.run_until_complete(self._round(self.streams[:count]))
+        assert self.admission.snapshot("default").inflight == 0, "a lease was left held"
+        return per
 
 
-async def _requests(service: ExtProcService, firsts: list[bytes], rest: list[bytes]) -> None:
-    for first in firsts:
-        await service.Process(None, _Context([first, *rest]))
-
-
-def _worker(requests: int) -> None:
+def _worker(file: str, requests: int) -> None:
     """_worker serves rounds on demand: one line on stdin runs a round, the CPU per request
     (seconds) is written back as one line; it ends at the end of stdin."""
-    bodies = ChatBodies(seed=3)
-    # The HTTP request bytes end with the JSON body: cut it out.
-    firsts = [_first_message(bodies().split(b"\r\n\r\n", 1)[1]) for _ in range(requests)]
-    rest = _response_messages()
-    service, admission = _service()
+    path = _Path(file, requests)
     loop = asyncio.new_event_loop()
-    loop.run_until_complete(_requests(service, firsts[:200], rest))  # warm-up
+    path.run(loop, 200)  # warm-up
     for _ in sys.stdin:
-        t0 = time.process_time()
-        loop.run_until_complete(_requests(service, firsts, rest))
-        print((time.process_time() - t0) / len(firsts), flush=True)
-    assert admission.snapshot("default").inflight == 0, "a lease was left held"
+        print(path.run(loop), flush=True)
 
 
-def _paired(source: Path, label: str, requests: int, rounds: int) -> list[str]:
+def _paired(source: Path, label: str, file: str, requests: int, rounds: int) -> list[str]:
     """_paired runs this tree's request path and ``source``'s (a directory holding another
     ``extproc``) in two worker processes, round for round in turn, so that both meet the
     same machine; returns the report lines (medians and the median of the paired ratios)."""
-    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--requests", str(requests)]
+    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--requests", str(requests),
+            "--file", file]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(source), str(ROOT)])}
     workers = {"this tree": subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                              text=True, cwd=ROOT),
@@ -192,51 +234,44 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", metavar="REF",
                     help="compare with extproc as it is at this git revision, round for round")
     ap.add_argument("--out", type=Path, help="with --baseline: also write the table to this file")
+    ap.add_argument("--file", default="recommended", choices=FILES,
+                    help="the Envoy file whose messages kvgate is sent (deploy/envoy.yaml: recommended)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        _worker(args.requests)
+        _worker(args.file, args.requests)
         return 0
     if args.baseline:
         load = os.getloadavg()
         with tempfile.TemporaryDirectory(prefix="kvgate-path-") as tmp:
             source = _checkout(args.baseline, Path(tmp))
-            lines = _paired(source, args.baseline, args.requests, args.rounds)
+            lines = _paired(source, args.baseline, args.file, args.requests, args.rounds)
         command = "python bench/bench_request_path.py" + "".join(
             f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
         text = "\n".join([
             "# kvgate's own request path, this tree against a git revision", "",
             f"Command: `{command}`", "",
             f"Python {platform.python_version()}; load average at the start {load[0]:.2f} "
-            f"{load[1]:.2f} {load[2]:.2f}. One admitted ~2 KB chat per request (request body with "
-            "its attributes, response headers, JSON response body), no gRPC, in two worker "
-            "processes run round for round in turn; CPU time of the worker per request.", "",
+            f"{load[1]:.2f} {load[2]:.2f}. One admitted ~2 KB chat per request ({MESSAGES[args.file]}), "
+            "no gRPC, in two worker processes run round for round in turn; CPU time of the "
+            "worker per request.", "",
             "| extproc | us CPU per request, median | min |", "|---|---:|---:|", *lines, ""])
         print(text)
         if args.out is not None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(text)
         return 0
-    bodies = ChatBodies(seed=3)
-    # The HTTP request bytes end with the JSON body: cut it out.
-    firsts = [_first_message(bodies().split(b"\r\n\r\n", 1)[1]) for _ in range(args.requests)]
-    rest = _response_messages()
-    service, admission = _service()
+    path = _Path(args.file, args.requests)
     loop = asyncio.new_event_loop()
-    loop.run_until_complete(_requests(service, firsts[:200], rest))  # warm-up
-    per: list[float] = []
-    for _ in range(args.rounds):
-        t0 = time.process_time()
-        loop.run_until_complete(_requests(service, firsts, rest))
-        per.append((time.process_time() - t0) / len(firsts))
-    assert admission.snapshot("default").inflight == 0, "a lease was left held"
-    print(f"kvgate request path: {statistics.median(per) * 1e6:.1f} us CPU per request "
+    path.run(loop, 200)  # warm-up
+    per = [path.run(loop) for _ in range(args.rounds)]
+    print(f"kvgate request path ({args.file}): {statistics.median(per) * 1e6:.1f} us CPU per request "
           f"(median of {args.rounds} rounds of {args.requests}; min {min(per) * 1e6:.1f}, "
           f"max {max(per) * 1e6:.1f})")
     if args.profile:
         prof = cProfile.Profile()
         prof.enable()
-        loop.run_until_complete(_requests(service, firsts, rest))
+        path.run(loop)
         prof.disable()
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(40)

@@ -118,3 +118,22 @@ def periodic_message(links: list[str], events: int, upstream: str = "127.0.0.1")
         sock.address, sock.port_value = upstream, 7000
         e.response.response_code.value = 200
     return msg
+
+
+def final_message(link: str, completion_tokens: int, upstream: str = "127.0.0.1") -> als_pb2.StreamAccessLogsMessage:
+    """final_message is Envoy's batch of one final entry for ``link``: the stream completed
+    (200, the upstream's last byte read) and the usage filter read ``completion_tokens``
+    from it; the upstream is node 0."""
+    msg = als_pb2.StreamAccessLogsMessage()
+    e = msg.http_logs.log_entry.add()
+    common = e.common_properties
+    common.access_log_type = accesslog_pb2.AccessLogType.DownstreamEnd
+    common.metadata.filter_metadata[METADATA_NAMESPACE].fields[LINK_KEY].string_value = link
+    common.metadata.filter_metadata[usage_log.NAMESPACE].update(
+        {usage_log.FILTER_KEY: 1, usage_log.COMPLETION_KEY: completion_tokens})
+    common.time_to_last_upstream_rx_byte.nanos = 5_000_000
+    sock = common.upstream_remote_address.socket_address
+    sock.address, sock.port_value = upstream, 7000
+    e.response.response_code.value = 200
+    return msg
+
