@@ -205,7 +205,7 @@ class Gate:
         request falls into the default class, which deserves a word."""
         if not self._header_tenants:
             return  # every tenant has keys: requests without the header are the norm
-        self.metrics.tenant_header_unseen.labels("absent").inc()
+        self.metrics.header_unseen("absent")
         missing = self._header_missing
         if missing is None:
             return
@@ -243,7 +243,7 @@ class Gate:
         """other_header_attributes notes request-header attributes Envoy sent that kvgate
         does not read (``names``): a request_attributes list naming another tenant header
         than ``tenants.header``. Counted per request, logged at most once a minute."""
-        self.metrics.tenant_header_unseen.labels("other_header").inc()
+        self.metrics.header_unseen("other_header")
         if self._log_due("_other_header"):
             log.error("Envoy sends the request attribute(s) %s, which kvgate does not read; "
                       "kvgate's tenant header is %r (tenants.header). Make the two the same, "

@@ -272,6 +272,10 @@ class Metrics:
         # periodic entries a second, and ``labels`` costs more than the rest of the count.
         self._log_children = {result: self.access_log_entries.labels(result)
                               for result in ACCESS_LOG_RESULTS}
+        # The same for counts met on every request of some files (one a final log entry,
+        # one a request without the tenant header), made at the first count.
+        self._usage_children: dict[str, Any] = {}
+        self._unseen_children: dict[str, Any] = {}
         self._source: SnapshotSource | None = None
         self._classes: Sequence[str] = ()
         self.registry.register(_AdmissionCollector(lambda: self._source, lambda: self._classes))
@@ -350,7 +354,18 @@ class Metrics:
     def logged_usage(self, result: str) -> None:
         """logged_usage counts one completion count read from an access log entry (``result``
         one of usage_log.RESULTS)."""
-        self.logged_usage_counts.labels(result).inc()
+        child = self._usage_children.get(result)
+        if child is None:
+            child = self._usage_children[result] = self.logged_usage_counts.labels(result)
+        child.inc()
+
+    def header_unseen(self, why: str) -> None:
+        """header_unseen counts one request whose tenant header was not where kvgate reads
+        it (``why``: absent, other_header)."""
+        child = self._unseen_children.get(why)
+        if child is None:
+            child = self._unseen_children[why] = self.tenant_header_unseen.labels(why)
+        child.inc()
 
     def override_ignored(self, class_name: str) -> None:
         """override_ignored counts one waiting request cut at Envoy's base message timeout."""
