@@ -48,7 +48,7 @@ from typing import Any  # noqa: E402
 from bench.bench_overhead import (BENCH_CONFIG, PICKED, ChatBodies, _picks_the_upstream,  # noqa: E402
                                   _run, closed_loop, cpu_seconds, pct, variant_file,
                                   wait_picker_nodes_up)
-from kvgate_testkit.procs import Proc  # noqa: E402
+from kvgate_testkit.procs import Proc, exit_on_sigterm  # noqa: E402
 from kvgate_testkit.stack import Stack  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -252,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", type=Path, default=RESULTS / "cpu.md")
     args = ap.parse_args(argv)
+    exit_on_sigterm()  # a killed run still stops what it started
     load = os.getloadavg()
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-cpu-") as tmp:

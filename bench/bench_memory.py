@@ -44,6 +44,7 @@ from typing import Any  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 from bench.reports import publish  # noqa: E402
+from kvgate_testkit.procs import exit_on_sigterm  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 
@@ -257,6 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--skip", choices=("python", "resident"), action="append", default=[])
     ap.add_argument("--out", type=Path, default=RESULTS / "memory.md")
     args = ap.parse_args(argv)
+    exit_on_sigterm()  # a killed run still stops what it started
     load = os.getloadavg()
     started = time.monotonic()
     py = None if "python" in args.skip else python_objects(args.held, args.prompt_chars)

@@ -63,7 +63,7 @@ from typing import Any  # noqa: E402
 import orjson  # noqa: E402
 
 from kvgate_testkit.stack import ENVOY_TEMPLATE, Stack  # noqa: E402
-from kvgate_testkit.procs import LOOPBACK  # noqa: E402
+from kvgate_testkit.procs import LOOPBACK, exit_on_sigterm  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 SETUPS = ("plain", "bare", "kvgate")
@@ -1317,6 +1317,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             _run(serve)
         return 0
+    exit_on_sigterm()  # a killed run still stops what it started
     sizes = QUICK if args.quick else FULL
     overrides = {k: v for k, v in (("open_streams", args.open_streams),
                                    ("disconnects", args.disconnects),

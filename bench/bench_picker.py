@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvgate_testkit.nodes_stack import MODEL, NodesStack  # noqa: E402
-from kvgate_testkit.procs import wait_until  # noqa: E402
+from kvgate_testkit.procs import exit_on_sigterm, wait_until  # noqa: E402
 
 ROWS: list[tuple[str, dict[str, Any]]] = [
     ("pool level, Envoy round robin (deploy/envoy.yaml)", {"picking": False}),
@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "picker.md"),
                     help="results file ('-': print only)")
     args = ap.parse_args(argv)
+    exit_on_sigterm()  # a killed run still stops what it started
     prompt = "hello" + " hello" * (args.prompt_tokens - 10)
     backgrounds = [int(b) for b in args.background.split(",") if b.strip()]
     results: list[list[dict[str, Any]]] = []

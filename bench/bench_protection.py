@@ -59,7 +59,7 @@ from extproc.config import parse_config  # noqa: E402
 from sim.api import words  # noqa: E402
 from sim.engine import EngineParams  # noqa: E402
 from kvgate_testkit.stack import envoy_config  # noqa: E402
-from kvgate_testkit.procs import LOOPBACK, VENV_BIN, Proc, free_port  # noqa: E402
+from kvgate_testkit.procs import LOOPBACK, VENV_BIN, Proc, exit_on_sigterm, free_port  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 RATELIMIT_FILTER = ROOT / "bench" / "envoy_local_ratelimit.yaml"
@@ -782,6 +782,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--raw", type=Path, default=None,
                     help="also write each policy's requests and timeline as JSON to this folder")
     args = ap.parse_args(argv)
+    exit_on_sigterm()  # a killed run still stops what it started
     keys = [k.strip() for k in args.policies.split(",") if k.strip()]
     known = {p.key: p for p in POLICIES}
     unknown = [k for k in keys if k not in known]

@@ -54,6 +54,7 @@ import orjson  # noqa: E402
 from bench.bench_overhead import Conn, cpu_seconds, http_request, pct  # noqa: E402
 from bench.reports import publish  # noqa: E402
 from extproc import usage_log  # noqa: E402
+from kvgate_testkit.procs import exit_on_sigterm  # noqa: E402
 from kvgate_testkit.stack import Stack, metadata_route  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -236,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=17)
     ap.add_argument("--out", type=Path, default=RESULTS / "usage-filter.md")
     args = ap.parse_args(argv)
+    exit_on_sigterm()  # a killed run still stops what it started
     sources: dict[str, str] = {"none": "the file without the Lua filter",
                                "reader": "a Lua filter that walks every chunk and reads nothing",
                                "shipped": "the filter of this tree"}

@@ -66,7 +66,7 @@ from tokenizers import Tokenizer  # noqa: E402
 
 from extproc.config import parse_config  # noqa: E402
 from extproc.localstack import is_processor_cluster  # noqa: E402
-from kvgate_testkit.procs import LOOPBACK, VENV_BIN, Proc, free_port, wait_until  # noqa: E402
+from kvgate_testkit.procs import LOOPBACK, VENV_BIN, Proc, exit_on_sigterm, free_port, wait_until  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 MODEL_SCRIPT = ROOT / "bench" / "vllm_model.py"
@@ -882,6 +882,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="where the tiny model is built (reused when it is already there)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
+    exit_on_sigterm()  # a killed run still stops what it started
     keys = [k.strip() for k in args.rows.split(",") if k.strip()]
     unknown = [k for k in keys if k not in {r.key for r in ROWS}]
     if unknown or not keys:

@@ -16,6 +16,15 @@ VENV_BIN = Path(sys.executable).parent
 LOOPBACK = "127.0.0.1"
 
 
+def exit_on_sigterm() -> None:
+    """exit_on_sigterm makes SIGTERM end this process as Ctrl-C does, by an exception, so that
+    the ``finally`` blocks that stop the processes it started still run: each runs in a
+    session of its own (``Proc``), and nothing else would stop them."""
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, stop)
+
+
 def free_port() -> int:
     """free_port returns a TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
