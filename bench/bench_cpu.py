@@ -14,6 +14,12 @@ second table splits it by the processor's threads (user and system time of each,
 at git revision REF (checked out into a temporary directory), so that a change is weighed
 before and after in the same run, on the same loaded machine.
 
+``--refused-under N`` weighs the cost of a refusal instead: kvgate's pool admits N requests
+at once, N streams are held open through each kvgate stack (after a warm-up that teaches it
+how long requests hold), and every request of the rounds is refused with a 429 (no bare
+processor: it refuses nothing; the ratio is to ``kvgate@REF`` when ``--baseline`` is given).
+Under overload nearly every request is refused: what each costs, with N in flight.
+
 ``--profile SECONDS`` samples each processor with py-spy (``pip install py-spy``; not a
 dependency of kvgate) for that long under load after the rounds, and lists the functions
 with the most samples (own and with callees). Read them as shares, not as CPU: on a loaded
@@ -45,10 +51,12 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
+import orjson  # noqa: E402
+
 from bench.bench_overhead import (BENCH_CONFIG, PICKED, ChatBodies, _picks_the_upstream,  # noqa: E402
-                                  _run, closed_loop, cpu_seconds, pct, variant_file,
+                                  _run, closed_loop, cpu_seconds, hold_streams, pct, variant_file,
                                   wait_picker_nodes_up)
-from kvgate_testkit.procs import Proc, exit_on_sigterm  # noqa: E402
+from kvgate_testkit.procs import Proc, exit_on_sigterm, wait_until  # noqa: E402
 from kvgate_testkit.stack import Stack  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -113,15 +121,36 @@ def _thread_delta(before: dict[str, tuple[float, float]],
 
 
 async def _rounds(stacks: dict[str, Stack], clients: int, requests: int, rounds: int, seed: int,
+                  refused_under: int | None = None,
                   ) -> tuple[dict[str, float], dict[str, list[float]], dict[str, int],
                              dict[str, dict[str, list[float]]]]:
     """_rounds runs ``rounds`` shuffled rounds of ``requests`` requests against every setup;
     returns each setup's processor CPU seconds, latencies (s), request count, and its CPU
-    seconds by thread (user, system)."""
+    seconds by thread (user, system). With ``refused_under`` that many streams are held
+    through each setup after the warm-up, and every request of the rounds is refused."""
     rng = random.Random(seed)
     bodies = ChatBodies(seed=seed)
-    for stack in stacks.values():  # warm-up: connections, tokenizer, lazy paths
-        await closed_loop(stack.envoy_port, bodies, clients, 300)
+    for stack in stacks.values():  # warm-up: connections, tokenizer, lazy paths, hold times
+        # Under a small cap the log files' releases (at the log's flush) may lag the answers:
+        # a warm-up request may then be refused, which teaches no hold time but does no harm.
+        await closed_loop(stack.envoy_port, bodies, clients, 300, None if refused_under else 200)
+    held = []
+    for stack in stacks.values() if refused_under else ():
+        wait_until(lambda s=stack: s.metric("kvgate_inflight_requests") == 0, timeout=20,
+                   what="the warm-up's requests released")
+        held += await hold_streams(stack.envoy_port, refused_under)
+    expect = 429 if refused_under else 200
+    try:
+        return await _measured(stacks, bodies, clients, requests, rounds, rng, expect)
+    finally:
+        for conn in held:
+            conn.close()
+
+
+async def _measured(stacks: dict[str, Stack], bodies: ChatBodies, clients: int, requests: int,
+                    rounds: int, rng: random.Random, expect: int,
+                    ) -> tuple[dict[str, float], dict[str, list[float]], dict[str, int],
+                               dict[str, dict[str, list[float]]]]:
     cpu: dict[str, float] = collections.defaultdict(float)
     lat: dict[str, list[float]] = collections.defaultdict(list)
     count: dict[str, int] = collections.defaultdict(int)
@@ -133,7 +162,7 @@ async def _rounds(stacks: dict[str, Stack], clients: int, requests: int, rounds:
         for name in order:
             pid = _processor_pid(stacks[name])
             before, by_thread = cpu_seconds(pid), thread_cpu(pid)
-            got = await closed_loop(stacks[name].envoy_port, bodies, clients, requests)
+            got = await closed_loop(stacks[name].envoy_port, bodies, clients, requests, expect)
             cpu[name] += cpu_seconds(pid) - before
             for thread, (user, system) in _thread_delta(by_thread, thread_cpu(pid)).items():
                 threads[name][thread][0] += user
@@ -246,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bare-levers", nargs="+", default=[], choices=("no-log-sink",),
                     help="extra bare setups per file: `no-log-sink` refuses the access log "
                          "(UNIMPLEMENTED) instead of taking it")
+    ap.add_argument("--refused-under", type=int, metavar="N",
+                    help="time refusals instead: the pool admits N at once, N streams are held")
     ap.add_argument("--profile", type=float, metavar="SECONDS",
                     help="sample each kvgate with py-spy for this long and list its hottest functions")
     ap.add_argument("--native", action="store_true", help="profile C frames too (py-spy --native)")
@@ -263,8 +294,9 @@ def main(argv: list[str] | None = None) -> int:
         for variant in args.variants:
             envoy_file = variant_file(variant, work)
             common: dict[str, Any] = {"envoy_template": envoy_file, "upstream_args": ["--fast"]}
-            stacks[f"bare {variant}"] = Stack(work / f"bare-{variant}", None, processor=bare, **common)
-            for lever in args.bare_levers:
+            if not args.refused_under:
+                stacks[f"bare {variant}"] = Stack(work / f"bare-{variant}", None, processor=bare, **common)
+            for lever in args.bare_levers if not args.refused_under else ():
                 stacks[f"bare {lever} {variant}"] = Stack(
                     work / f"bare-{lever}-{variant}", None, processor=[*bare, f"--{lever}"], **common)
             stacks[f"kvgate {variant}"] = Stack(work / f"kvgate-{variant}", BENCH_CONFIG, **common)
@@ -274,11 +306,17 @@ def main(argv: list[str] | None = None) -> int:
             if variant in PICKED:
                 for name in [n for n in stacks if n.endswith(" " + variant)]:
                     _picks_the_upstream(stacks[name])
+        if args.refused_under:
+            for stack in stacks.values():
+                cfg = orjson.loads(orjson.dumps(stack.kvgate_config))
+                cfg["pools"]["default"]["max_concurrency"] = args.refused_under
+                stack.kvgate_config = cfg
         try:
             for stack in stacks.values():
                 stack.start()
             wait_picker_nodes_up(stacks.values())
-            cpu, lat, count, threads = _run(_rounds(stacks, args.clients, args.requests, args.rounds, args.seed))
+            cpu, lat, count, threads = _run(_rounds(stacks, args.clients, args.requests, args.rounds,
+                                                    args.seed, args.refused_under))
             profiles = (_profile(stacks, args.profile, args.clients, args.out.parent, args.native)
                         if args.profile else [])
         finally:
@@ -296,8 +334,17 @@ def main(argv: list[str] | None = None) -> int:
              "(from /proc), per request.", "",
              "| file | setup | requests | p50 (ms) | p99 (ms) | processor CPU/req | x bare |",
              "|---|---|---:|---:|---:|---:|---:|"]
+    if args.refused_under:
+        against = f"kvgate@{args.baseline}" if args.baseline else "kvgate"
+        lines[-2:] = [f"Every request of the rounds refused (429) with {args.refused_under} "
+                      "streams held open through each stack (the pool's max_concurrency); the "
+                      f"ratio is to {against}'s CPU per refusal.", "",
+                      "| file | setup | requests | p50 (ms) | p99 (ms) | processor CPU/req | "
+                      f"x {against} |", "|---|---|---:|---:|---:|---:|---:|"]
     for variant in args.variants:
-        bare_cpu = cpu[f"bare {variant}"] / count[f"bare {variant}"]
+        reference = (f"kvgate@{args.baseline} {variant}" if args.refused_under and args.baseline
+                     else f"kvgate {variant}" if args.refused_under else f"bare {variant}")
+        bare_cpu = cpu[reference] / count[reference]
         for name in stacks:
             if not name.endswith(" " + variant):
                 continue
