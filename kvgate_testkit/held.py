@@ -103,20 +103,28 @@ async def hold(service: Any, file: str, body: bytes, count: int) -> None:
         await service.Process(None, Stream(messages(file, body)))
 
 
+def _entry(msg: als_pb2.StreamAccessLogsMessage, kind: int, link: str, usage: dict[str, int],
+           upstream: str) -> Any:
+    """_entry adds to ``msg`` an entry of ``kind`` for ``link``: the usage filter's findings
+    ``usage``, a 200 from node 0 at ``upstream``."""
+    e = msg.http_logs.log_entry.add()
+    common = e.common_properties
+    common.access_log_type = kind
+    common.metadata.filter_metadata[METADATA_NAMESPACE].fields[LINK_KEY].string_value = link
+    common.metadata.filter_metadata[usage_log.NAMESPACE].update({usage_log.FILTER_KEY: 1, **usage})
+    sock = common.upstream_remote_address.socket_address
+    sock.address, sock.port_value = upstream, 7000
+    e.response.response_code.value = 200
+    return e
+
+
 def periodic_message(links: list[str], events: int, upstream: str = "127.0.0.1") -> als_pb2.StreamAccessLogsMessage:
     """periodic_message is one batch of Envoy's periodic entries, one per link: the usage
     filter has counted ``events`` so far, the upstream is node 0."""
     msg = als_pb2.StreamAccessLogsMessage()
     for link in links:
-        e = msg.http_logs.log_entry.add()
-        common = e.common_properties
-        common.access_log_type = accesslog_pb2.AccessLogType.DownstreamPeriodic
-        common.metadata.filter_metadata[METADATA_NAMESPACE].fields[LINK_KEY].string_value = link
-        common.metadata.filter_metadata[usage_log.NAMESPACE].update(
-            {usage_log.FILTER_KEY: 1, usage_log.EVENTS_KEY: events})
-        sock = common.upstream_remote_address.socket_address
-        sock.address, sock.port_value = upstream, 7000
-        e.response.response_code.value = 200
+        _entry(msg, accesslog_pb2.AccessLogType.DownstreamPeriodic, link,
+               {usage_log.EVENTS_KEY: events}, upstream)
     return msg
 
 
@@ -125,15 +133,7 @@ def final_message(link: str, completion_tokens: int, upstream: str = "127.0.0.1"
     (200, the upstream's last byte read) and the usage filter read ``completion_tokens``
     from it; the upstream is node 0."""
     msg = als_pb2.StreamAccessLogsMessage()
-    e = msg.http_logs.log_entry.add()
-    common = e.common_properties
-    common.access_log_type = accesslog_pb2.AccessLogType.DownstreamEnd
-    common.metadata.filter_metadata[METADATA_NAMESPACE].fields[LINK_KEY].string_value = link
-    common.metadata.filter_metadata[usage_log.NAMESPACE].update(
-        {usage_log.FILTER_KEY: 1, usage_log.COMPLETION_KEY: completion_tokens})
-    common.time_to_last_upstream_rx_byte.nanos = 5_000_000
-    sock = common.upstream_remote_address.socket_address
-    sock.address, sock.port_value = upstream, 7000
-    e.response.response_code.value = 200
+    e = _entry(msg, accesslog_pb2.AccessLogType.DownstreamEnd, link,
+               {usage_log.COMPLETION_KEY: completion_tokens}, upstream)
+    e.common_properties.time_to_last_upstream_rx_byte.nanos = 5_000_000
     return msg
-
