@@ -90,8 +90,9 @@ class PoolRuntime:
 
         ``retry.expected_wait_oldest_first`` over the pool's leases (their ages and holds) at
         the pool's median hold time (``live`` keeps them in the order they were admitted,
-        each stamped by the clock as it is added: oldest first); a longer delay from a token bucket stays (``rules.decide`` gave
-        the longest). Unchanged before any request completed, and for other budgets.
+        each stamped by the clock as it is added: oldest first); a longer delay from a token
+        bucket stays (``rules.decide`` gave the longest). Unchanged before any request
+        completed, and for other budgets.
         """
         b = refusal.budget
         if not refusal.retryable or b not in _RELEASED:
