@@ -14,12 +14,16 @@ node's room in a picking pool (a prompt larger than the room, the rest of the no
 KV kvgate did not admit). Under overload nearly every new request is refused, so a refusal
 must not cost more with every request in flight (its retry hint walks them).
 
+``--scrape-rounds`` adds what one scrape round's start costs the event loop with ``--held``
+requests held, for each growth rule: ``PoolNodes.mark`` right after a completion taught a
+length, so that the round also recounts every charge held (``relearn``).
+
 ``--baseline REF`` runs the same cycles with ``extproc`` as it is at git revision REF in a
 second worker process, row by row in turn, and reports both beside each other: the ratio
 of one held count's cost to no requests held says how a pick scales, whatever the machine
 is doing.
 
-    python bench/bench_pick.py [--held 0 500 2000] [--refusals] [--baseline main] [--out FILE]
+    python bench/bench_pick.py [--held 0 500 2000] [--refusals] [--scrape-rounds] [--baseline main] [--out FILE]
 """
 
 from __future__ import annotations
@@ -171,6 +175,50 @@ def measure_refusal(budget: str, held: int, seed: int = 7) -> float:
     return statistics.median(per)
 
 
+def measure_round(growth: str, held: int, seed: int = 7) -> float:
+    """measure_round is the median ns of one scrape round's start (``PoolNodes.mark``) with
+    ``held`` requests held on the four nodes, each round after a completion that taught a
+    length, over 20 rounds."""
+    from extproc.admission import Admission, Lease, Outcome
+    from extproc.admission.nodes import NodeReport
+    from extproc.clock import MonotonicClock
+    clock = MonotonicClock()
+    adm = Admission(_config(growth), clock)
+    rng = random.Random(seed)
+
+    def report() -> None:
+        for i in range(NODES):
+            adm.report_node("default", f"n{i}", NodeReport(kv_usage=0.0, capacity_tokens=None,
+                                                           at=clock.now(), waiting=0, running=0))
+
+    def admit(prompt: int, reserved: int) -> Any:
+        lease = adm.try_acquire(adm.demand("anyone", prompt, reserved))
+        if type(lease) is not Lease:
+            raise RuntimeError(f"the benchmark must not be refused: {lease}")
+        return lease
+
+    report()
+    for _ in range(1_000):  # the lengths the growth rules learn
+        admit(400, 300).release(Outcome.COMPLETED, rng.randint(10, 300))
+    leases = []
+    for i in range(held):
+        if i % 500 == 0:
+            report()
+        leases.append(admit(rng.randint(200, 4000), rng.randint(100, 1000)))
+        leases[-1].progress(rng.randint(1, 50))
+    nodes = adm._pools["default"].nodes
+    assert nodes is not None
+    per = []
+    for r in range(20):
+        admit(400, 300).release(Outcome.COMPLETED, rng.randint(10, 300))  # a length learned
+        t0 = time.perf_counter_ns()
+        nodes.mark(1_000 + r, clock.now())
+        per.append(time.perf_counter_ns() - t0)
+    for lease in leases:
+        lease.release(Outcome.COMPLETED, 10)
+    return statistics.median(per)
+
+
 def _worker() -> None:
     """_worker measures one row per line on stdin (``growth held``, or ``refusal:BUDGET
     held``), one figure per line back."""
@@ -178,6 +226,8 @@ def _worker() -> None:
         kind, held = line.split()
         if kind.startswith("refusal:"):
             print(json.dumps(measure_refusal(kind.removeprefix("refusal:"), int(held))), flush=True)
+        elif kind.startswith("round:"):
+            print(json.dumps(measure_round(kind.removeprefix("round:"), int(held))), flush=True)
         else:
             print(json.dumps(measure(kind, int(held))), flush=True)
 
@@ -188,11 +238,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--growth", nargs="+", default=list(GROWTHS), choices=GROWTHS)
     ap.add_argument("--refusals", action="store_true",
                     help="also time one refusal with the held requests filling each budget")
+    ap.add_argument("--scrape-rounds", action="store_true",
+                    help="also time a scrape round's start (its recount of the charges held)")
     ap.add_argument("--baseline", metavar="REF", help="also run extproc as it is at this git revision")
     ap.add_argument("--out", type=Path, help="write the report here too")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    kinds = list(args.growth) + ([f"refusal:{b}" for b in REFUSALS] if args.refusals else [])
+    kinds = (list(args.growth) + ([f"refusal:{b}" for b in REFUSALS] if args.refusals else [])
+             + ([f"round:{g}" for g in args.growth] if args.scrape_rounds else []))
     if args.worker:
         _worker()
         return 0
@@ -255,6 +308,16 @@ def main(argv: list[str] | None = None) -> int:
                     v, fewest = got[(n, f"refusal:{budget}", held)], got[(n, f"refusal:{budget}", args.held[0])]
                     cells.append(f"{v / 1000:.1f} | {v / fewest:.2f}")
                 lines.append(f"| {budget} | {max(1, held):,} | {' | '.join(cells)} |")
+    if args.scrape_rounds:
+        head = " | ".join(f"{n}: ms per round" for n in names)
+        lines += ["", "## A scrape round's start by the requests held", "",
+                  "`PoolNodes.mark` (on the event loop, once a second), each time right after a "
+                  "completion taught a length, so that it recounts every charge held; median "
+                  "of 20 rounds.", "", f"| growth | held | {head} |", "|---|---:|" + "---:|" * len(names)]
+        for growth in args.growth:
+            for held in args.held:
+                cells = [f"{got[(n, f'round:{growth}', held)] / 1e6:.2f}" for n in names]
+                lines.append(f"| {growth} | {held:,} | {' | '.join(cells)} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out is not None:
