@@ -312,8 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         head = " | ".join(f"{n}: ms per round" for n in names)
         lines += ["", "## A scrape round's start by the requests held", "",
                   "`PoolNodes.mark` (on the event loop, once a second), each time right after a "
-                  "completion taught a length, so that it recounts every charge held; median "
-                  "of 20 rounds.", "", f"| growth | held | {head} |", "|---|---:|" + "---:|" * len(names)]
+                  "completion taught a length, so that it recounts the charges held (every one "
+                  "before bbf434f, at most `nodes.RECOUNT_PER_ROUND` since); median of 20 rounds.", "", f"| growth | held | {head} |", "|---|---:|" + "---:|" * len(names)]
         for growth in args.growth:
             for held in args.held:
                 cells = [f"{got[(n, f'round:{growth}', held)] / 1e6:.2f}" for n in names]
