@@ -28,7 +28,7 @@ MIN_WAIT_S = 0.05
 MAX_WAIT_S = 60.0
 # A walk reads at most this many requests, oldest first. Those after them are younger, so
 # each is expected to end within ``typical``: a walk cut there answers ``typical``, never
-# sooner than the whole walk would have.
+# sooner than the whole walk would have where it finds an answer at all.
 WALK_LIMIT = 128
 
 
