@@ -63,36 +63,57 @@ def _config(growth: str) -> Any:
                                                "picking": {"growth": growth, "reserve_fraction": 0.1}}}})
 
 
-def measure(growth: str, held: int, seed: int = 7) -> float:
-    """measure is the median ns of one cycle (pick, one progress, release) with ``held``
-    requests held, over BATCHES batches of BATCH cycles."""
-    from extproc.admission import Admission, Lease, Outcome
-    from extproc.admission.nodes import NodeReport
-    from extproc.clock import MonotonicClock
-    clock = MonotonicClock()
-    adm = Admission(_config(growth), clock)
-    rng = random.Random(seed)
+class _HeldPool:
+    """_HeldPool is a picking pool on the in-memory store (real monotonic clock) whose growth
+    rule has learned 1,000 completion lengths, with ``held`` requests held on its four nodes."""
 
-    def report() -> None:
+    def __init__(self, growth: str, held: int, seed: int) -> None:
+        from extproc.admission import Admission, Outcome
+        from extproc.clock import MonotonicClock
+        self.clock = MonotonicClock()
+        self.adm = Admission(_config(growth), self.clock)
+        self.rng = random.Random(seed)
+        self.report()
+        for _ in range(1_000):  # the lengths the growth rules learn
+            self.admit().release(Outcome.COMPLETED, self.rng.randint(10, 600))
+        self.leases = []
+        for i in range(held):
+            if i % 100 == 0:
+                self.report()  # an old tree's slow picks outlast a report's freshness
+            self.leases.append(self.admit())
+            self.leases[-1].progress(self.rng.randint(1, 50))
+
+    def report(self) -> None:
+        """report is the scraper's report of every node, idle."""
+        from extproc.admission.nodes import NodeReport
         for i in range(NODES):
-            adm.report_node("default", f"n{i}", NodeReport(kv_usage=0.0, capacity_tokens=None,
-                                                           at=clock.now(), waiting=0, running=0))
+            self.adm.report_node("default", f"n{i}", NodeReport(kv_usage=0.0, capacity_tokens=None,
+                                                                at=self.clock.now(), waiting=0, running=0))
 
-    def admit() -> Any:
-        lease = adm.try_acquire(adm.demand("anyone", rng.randint(200, 4000), rng.randint(100, 1000)))
+    def admit(self) -> Any:
+        """admit is a new request's lease (200 to 4,000 prompt tokens, 100 to 1,000 reserved)."""
+        from extproc.admission import Lease
+        lease = self.adm.try_acquire(self.adm.demand("anyone", self.rng.randint(200, 4000),
+                                                     self.rng.randint(100, 1000)))
         if type(lease) is not Lease:
             raise RuntimeError(f"the benchmark must not be refused: {lease}")
         return lease
 
-    report()
-    for _ in range(1_000):  # the lengths the growth rules learn
-        admit().release(Outcome.COMPLETED, rng.randint(10, 600))
-    leases = []
-    for i in range(held):
-        if i % 100 == 0:
-            report()  # an old tree's slow picks outlast a report's freshness
-        leases.append(admit())
-        leases[-1].progress(rng.randint(1, 50))
+    def release_all(self) -> None:
+        """release_all ends every request held; raises if a lease was left held."""
+        from extproc.admission import Outcome
+        for lease in self.leases:
+            lease.release(Outcome.COMPLETED, 10)
+        if self.adm.snapshot("default").inflight != 0:
+            raise RuntimeError("a lease was left held")
+
+
+def measure(growth: str, held: int, seed: int = 7) -> float:
+    """measure is the median ns of one cycle (pick, one progress, release) with ``held``
+    requests held, over BATCHES batches of BATCH cycles."""
+    from extproc.admission import Outcome
+    pool = _HeldPool(growth, held, seed)
+    report, admit, rng, leases = pool.report, pool.admit, pool.rng, pool.leases
     made = [0] * len(leases)
     completed = Outcome.COMPLETED
 
@@ -116,10 +137,7 @@ def measure(growth: str, held: int, seed: int = 7) -> float:
         t0 = time.perf_counter_ns()
         cycles(BATCH)
         per.append((time.perf_counter_ns() - t0) / BATCH)
-    for lease in leases:
-        lease.release(completed, 10)
-    if adm.snapshot("default").inflight != 0:
-        raise RuntimeError("a lease was left held")
+    pool.release_all()
     return statistics.median(per)
 
 
@@ -179,43 +197,17 @@ def measure_round(growth: str, held: int, seed: int = 7) -> float:
     """measure_round is the median ns of one scrape round's start (``PoolNodes.mark``) with
     ``held`` requests held on the four nodes, each round after a completion that taught a
     length, over 20 rounds."""
-    from extproc.admission import Admission, Lease, Outcome
-    from extproc.admission.nodes import NodeReport
-    from extproc.clock import MonotonicClock
-    clock = MonotonicClock()
-    adm = Admission(_config(growth), clock)
-    rng = random.Random(seed)
-
-    def report() -> None:
-        for i in range(NODES):
-            adm.report_node("default", f"n{i}", NodeReport(kv_usage=0.0, capacity_tokens=None,
-                                                           at=clock.now(), waiting=0, running=0))
-
-    def admit(prompt: int, reserved: int) -> Any:
-        lease = adm.try_acquire(adm.demand("anyone", prompt, reserved))
-        if type(lease) is not Lease:
-            raise RuntimeError(f"the benchmark must not be refused: {lease}")
-        return lease
-
-    report()
-    for _ in range(1_000):  # the lengths the growth rules learn
-        admit(400, 300).release(Outcome.COMPLETED, rng.randint(10, 300))
-    leases = []
-    for i in range(held):
-        if i % 500 == 0:
-            report()
-        leases.append(admit(rng.randint(200, 4000), rng.randint(100, 1000)))
-        leases[-1].progress(rng.randint(1, 50))
-    nodes = adm._pools["default"].nodes
+    from extproc.admission import Outcome
+    pool = _HeldPool(growth, held, seed)
+    nodes = pool.adm._pools["default"].nodes
     assert nodes is not None
     per = []
     for r in range(20):
-        admit(400, 300).release(Outcome.COMPLETED, rng.randint(10, 300))  # a length learned
+        pool.admit().release(Outcome.COMPLETED, pool.rng.randint(10, 600))  # a length learned
         t0 = time.perf_counter_ns()
-        nodes.mark(1_000 + r, clock.now())
+        nodes.mark(1_000 + r, pool.clock.now())
         per.append(time.perf_counter_ns() - t0)
-    for lease in leases:
-        lease.release(Outcome.COMPLETED, 10)
+    pool.release_all()
     return statistics.median(per)
 
 
@@ -230,6 +222,20 @@ def _worker() -> None:
             print(json.dumps(measure_round(kind.removeprefix("round:"), int(held))), flush=True)
         else:
             print(json.dumps(measure(kind, int(held))), flush=True)
+
+
+def _rows(got: dict[tuple[str, str, int], float], names: list[str], kind: str, label: str,
+          helds: list[int], unit: float, fmt: str, *, ratio: bool, at_least: int = 0) -> list[str]:
+    """_rows is one table row per held count of ``kind`` (ns figures shown in ``unit``s),
+    each tree's figure and, with ``ratio``, its ratio to the first held count's."""
+    out = []
+    for held in helds:
+        cells = []
+        for n in names:
+            v = got[(n, kind, held)]
+            cells.append(f"{v / unit:{fmt}}" + (f" | {v / got[(n, kind, helds[0])]:.2f}" if ratio else ""))
+        out.append(f"| {label} | {max(at_least, held):,} | {' | '.join(cells)} |")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -286,12 +292,7 @@ def main(argv: list[str] | None = None) -> int:
              "process of its own, rows in turn.", "",
              f"| growth | held | {head} |", "|---|---:|" + "---:|---:|" * len(names)]
     for growth in args.growth:
-        for held in args.held:
-            cells = []
-            for n in names:
-                v, zero = got[(n, growth, held)], got[(n, growth, args.held[0])]
-                cells.append(f"{v / 1000:.1f} | {v / zero:.2f}")
-            lines.append(f"| {growth} | {held:,} | {' | '.join(cells)} |")
+        lines += _rows(got, names, growth, growth, args.held, 1e3, ".1f", ratio=True)
     if args.refusals:
         head = " | ".join(f"{n}: us per refusal | x the fewest held" for n in names)
         lines += ["", "## A refusal's cost by the requests in flight", "",
@@ -302,22 +303,17 @@ def main(argv: list[str] | None = None) -> int:
                   f"there. Median of {BATCHES} batches of {BATCH} refusals (0 held is run as 1).",
                   "", f"| budget | held | {head} |", "|---|---:|" + "---:|---:|" * len(names)]
         for budget in REFUSALS:
-            for held in args.held:
-                cells = []
-                for n in names:
-                    v, fewest = got[(n, f"refusal:{budget}", held)], got[(n, f"refusal:{budget}", args.held[0])]
-                    cells.append(f"{v / 1000:.1f} | {v / fewest:.2f}")
-                lines.append(f"| {budget} | {max(1, held):,} | {' | '.join(cells)} |")
+            lines += _rows(got, names, f"refusal:{budget}", budget, args.held, 1e3, ".1f",
+                           ratio=True, at_least=1)
     if args.scrape_rounds:
         head = " | ".join(f"{n}: ms per round" for n in names)
         lines += ["", "## A scrape round's start by the requests held", "",
                   "`PoolNodes.mark` (on the event loop, once a second), each time right after a "
                   "completion taught a length, so that it recounts the charges held (every one "
-                  "before bbf434f, at most `nodes.RECOUNT_PER_ROUND` since); median of 20 rounds.", "", f"| growth | held | {head} |", "|---|---:|" + "---:|" * len(names)]
+                  "before bbf434f, at most `nodes.RECOUNT_PER_ROUND` since); median of 20 rounds.",
+                  "", f"| growth | held | {head} |", "|---|---:|" + "---:|" * len(names)]
         for growth in args.growth:
-            for held in args.held:
-                cells = [f"{got[(n, f'round:{growth}', held)] / 1e6:.2f}" for n in names]
-                lines.append(f"| {growth} | {held:,} | {' | '.join(cells)} |")
+            lines += _rows(got, names, f"round:{growth}", growth, args.held, 1e6, ".2f", ratio=False)
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out is not None:
