@@ -62,7 +62,7 @@ the requests held (a walk of them per pick cost 0.55 us per request held: 1.6 ms
 decision with 2,000 held). A charge's expected growth follows the lengths its class had
 learned when it was admitted or last progressed; a length learned reaches the others from
 the next scrape round (``mark``) on, RECOUNT_PER_ROUND charges a round (a round, once a
-second on the event loop, recounted every charge held: 7 ms with 2,000 held, 71 ms with
+second on the event loop, recounted every charge held: 6 ms with 2,000 held, 81 ms with
 20,000, ``make bench-pick``'s scrape-round rows); a charge whose count does not change is
 not touched.
 

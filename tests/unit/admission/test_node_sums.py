@@ -117,7 +117,7 @@ def test_a_length_learned_reaches_the_requests_held_at_the_next_mark_or_their_ne
 
 @pytest.mark.parametrize("growth", ["learned", "pooled"])
 def test_a_scrape_round_recounts_a_bounded_share_of_the_charges_held(growth, monkeypatch):
-    """A round once recounted every charge held (71 ms with 20,000 held, on the event loop):
+    """A round once recounted every charge held (81 ms with 20,000 held, on the event loop):
     now at most RECOUNT_PER_ROUND of them, the rest in the next rounds; a charge released
     meanwhile is passed over, and the sums stay those of the charges as last counted."""
     from extproc.admission import nodes as nodes_mod
