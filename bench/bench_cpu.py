@@ -324,6 +324,11 @@ def main(argv: list[str] | None = None) -> int:
                 stack.stop()
     command = "python bench/bench_cpu.py" + "".join(
         f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    # The ratio column: to the bare processor, or for refusals to the baseline (or kvgate).
+    against = (f"kvgate@{args.baseline}" if args.baseline else "kvgate") if args.refused_under else "bare"
+    refused = ([f"Every request of the rounds refused (429) with {args.refused_under} streams held "
+                "open through each stack (the pool's max_concurrency); the ratio is to "
+                f"{against}'s CPU per refusal.", ""] if args.refused_under else [])
     lines = ["# kvgate's processor CPU per request against a bare processor", "",
              f"Command: `{command}`", "",
              f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, Python "
@@ -331,27 +336,19 @@ def main(argv: list[str] | None = None) -> int:
              f"{load[2]:.2f}; run took {time.monotonic() - started:.0f} s. ~2 KB non-streaming "
              f"chats at {args.clients} clients, {args.rounds} shuffled rounds of "
              f"{args.requests} requests per setup. CPU: user + system of the processor process "
-             "(from /proc), per request.", "",
-             "| file | setup | requests | p50 (ms) | p99 (ms) | processor CPU/req | x bare |",
+             "(from /proc), per request.", "", *refused,
+             f"| file | setup | requests | p50 (ms) | p99 (ms) | processor CPU/req | x {against} |",
              "|---|---|---:|---:|---:|---:|---:|"]
-    if args.refused_under:
-        against = f"kvgate@{args.baseline}" if args.baseline else "kvgate"
-        lines[-2:] = [f"Every request of the rounds refused (429) with {args.refused_under} "
-                      "streams held open through each stack (the pool's max_concurrency); the "
-                      f"ratio is to {against}'s CPU per refusal.", "",
-                      "| file | setup | requests | p50 (ms) | p99 (ms) | processor CPU/req | "
-                      f"x {against} |", "|---|---|---:|---:|---:|---:|---:|"]
     for variant in args.variants:
-        reference = (f"kvgate@{args.baseline} {variant}" if args.refused_under and args.baseline
-                     else f"kvgate {variant}" if args.refused_under else f"bare {variant}")
-        bare_cpu = cpu[reference] / count[reference]
+        reference = f"{against} {variant}"
+        ref_cpu = cpu[reference] / count[reference]
         for name in stacks:
             if not name.endswith(" " + variant):
                 continue
             per = cpu[name] / count[name]
             lines.append(f"| {variant} | {name.rsplit(' ', 1)[0]} | {count[name]} | "
                          f"{pct(lat[name], 0.5) * 1e3:.2f} | {pct(lat[name], 0.99) * 1e3:.2f} | "
-                         f"{per * 1e6:.0f} us | {per / bare_cpu:.2f}x |")
+                         f"{per * 1e6:.0f} us | {per / ref_cpu:.2f}x |")
     lines += ["", "## By thread", "",
               "The processor's CPU per request split by its threads (from /proc/PID/task; "
               "`comm` names them, `#n` is the order among threads of one name). Ticks are "
