@@ -261,6 +261,9 @@ class Metrics:
         self.store_mode_gauge = Gauge("kvgate_store_mode",
                                       "1 for where admissions are decided now (shared, local_share, "
                                       "fail_closed), 0 for the other modes seen.", ["mode"], registry=r)
+        self.store_mode_since = Gauge("kvgate_store_mode_since_seconds",
+                                      "Unix time at which the shared store entered its current mode.",
+                                      registry=r)
         self.store_errors = Counter("kvgate_store_errors_total",
                                     "Failed round trips to the shared store, by reason.", ["reason"],
                                     registry=r)
@@ -423,6 +426,7 @@ class Metrics:
     def store_mode(self, mode: str) -> None:
         """store_mode records where admissions are decided now; other modes seen drop to 0."""
         self._store_modes.add(mode)
+        self.store_mode_since.set_to_current_time()
         for m in self._store_modes:
             self.store_mode_gauge.labels(m).set(1.0 if m == mode else 0.0)
 

@@ -60,8 +60,8 @@ from typing import Any
 from extproc.admission.bucket import refilled
 from extproc.admission.store.base import Store
 from extproc.admission.store.fallback import LOCAL_PREFIX, MODES, Fallback, NullObserver, StoreObserver, StoreUnavailableError
-from extproc.admission.store.redis_client import (ERROR_DROPPED, ERROR_REASONS, ERROR_RESPONSE, MAX_CONNECTIONS,
-                                                  RedisClient, RoundTripError)
+from extproc.admission.store.redis_client import (ERROR_DROPPED, ERROR_INTERNAL, ERROR_REASONS, ERROR_RESPONSE,
+                                                  MAX_CONNECTIONS, RedisClient, RoundTripError)
 from extproc.admission.store.redis_lua import (ADMIT, HEARTBEAT, REFRESH, SETTLE, AdmitArg, AdmitPool, Guarantee,
                                                HeartbeatArg, HeartbeatKeys, PoolKeys, RefreshArg, RefreshKeys,
                                                RefreshLease, SettleArg, node_arg, pack, word)
@@ -252,7 +252,10 @@ class RedisStore(Store):
         await self.refresh()
 
     def _ensure_task(self) -> None:
-        if self._task is None and not self._closed:
+        """_ensure_task starts the refresher, or starts it again if it ever ended (it should not)."""
+        if (self._task is None or self._task.done()) and not self._closed:
+            if self._task is not None and not self._task.cancelled() and self._task.exception() is not None:
+                self._survived("refresher task", self._task.exception())  # type: ignore[arg-type]
             self._wake = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._maintain(),
                                                                 name="kvgate-redis-store")
@@ -277,19 +280,40 @@ class RedisStore(Store):
         await self._client.aclose()
 
     async def _maintain(self) -> None:
-        """_maintain refreshes leases every lease_ttl_s / 3 in shared mode, probes Redis otherwise."""
+        """_maintain refreshes leases every lease_ttl_s / 3 in shared mode, probes Redis otherwise.
+
+        Nothing ends it but ``close``: an exception it did not expect (a client library's,
+        or this store's own) is logged with its traceback, counted (``internal``), taken as
+        a failed round trip, and the loop goes on after one probe interval.
+        """
         wake = self._wake
         assert wake is not None
         while not self._closed:
-            if self._fallback.shared:
-                wake.clear()
-                try:
-                    await asyncio.wait_for(wake.wait(), self._refresh_every)
-                except TimeoutError:
-                    await self.refresh()  # the timer, not a failure, ended the wait
-            else:
+            try:
+                if self._fallback.shared:
+                    wake.clear()
+                    try:
+                        await asyncio.wait_for(wake.wait(), self._refresh_every)
+                    except TimeoutError:
+                        await self.refresh()  # the timer, not a failure, ended the wait
+                else:
+                    await asyncio.sleep(self._probe_every)
+                    await self.probe()
+            except Exception as exc:  # noqa: BLE001 - the refresher must outlive any failure
+                self._survived("refresher", exc)
                 await asyncio.sleep(self._probe_every)
-                await self.probe()
+
+    def _survived(self, what: str, exc: BaseException) -> None:
+        """_survived records an exception the store's background work ``what`` did not expect
+        and carries on: logged with its traceback, counted, and taken as a failed round trip
+        (the store degrades, or its probe starts again)."""
+        log.error("shared store: the %s survived an unexpected %s; going on", what, type(exc).__name__,
+                  exc_info=exc)
+        failure = RoundTripError(ERROR_INTERNAL, f"{what}: {type(exc).__name__}: {exc}")
+        if self._fallback.shared:
+            self._degrade(failure)
+        else:
+            self._fallback.probe_failed(failure.reason)
 
     # --- modes -------------------------------------------------------------------
 
@@ -338,7 +362,7 @@ class RedisStore(Store):
         In local_share mode the plan is decided locally at this replica's share; in
         fail_closed mode ``StoreUnavailableError`` is raised.
         """
-        if self._task is None:
+        if self._task is None or self._task.done():
             self._ensure_task()
         if not self._fallback.shared:
             # A local decision never suspends: yield once, so that callers admitting in a
@@ -517,6 +541,8 @@ class RedisStore(Store):
                     await self._flush_pending()
                 except RoundTripError as f:
                     self._degrade(f)
+                except Exception as exc:  # noqa: BLE001 - queued settles stay queued
+                    self._survived("settle flusher", exc)
         finally:
             self._flusher = None
 

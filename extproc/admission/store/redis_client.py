@@ -28,12 +28,15 @@ ERROR_TIMEOUT = "timeout"
 ERROR_CONNECTION = "connection"
 ERROR_RESPONSE = "response"
 ERROR_DROPPED = "dropped"
-ERROR_REASONS = (ERROR_TIMEOUT, ERROR_CONNECTION, ERROR_RESPONSE, ERROR_DROPPED)
+ERROR_INTERNAL = "internal"
+ERROR_REASONS = (ERROR_TIMEOUT, ERROR_CONNECTION, ERROR_RESPONSE, ERROR_DROPPED, ERROR_INTERNAL)
 """ERROR_REASONS are the values of ``kvgate_store_errors_total{reason}``.
 
 ``timeout``: no answer within ``timeout_s``; ``connection``: refused or reset; ``response``:
 Redis answered with an error or something this store does not understand; ``dropped``: a
-settle was dropped because too many were queued during an outage (its lease expires).
+settle was dropped because too many were queued during an outage (its lease expires);
+``internal``: the store's background work (probe, refresh, settles) survived an exception it
+did not expect, logged with its traceback, and went on.
 """
 
 MAX_CONNECTIONS = 32
@@ -90,6 +93,13 @@ class RedisClient:
                 raise RoundTripError(ERROR_CONNECTION, str(exc) or type(exc).__name__) from exc
             except RedisError as exc:
                 raise RoundTripError(ERROR_RESPONSE, str(exc) or type(exc).__name__) from exc
+            except (RuntimeError, EOFError, AttributeError) as exc:
+                # What a client library raises on a connection that died under it: uvloop
+                # answers a write to a reset transport with RuntimeError ("the handler is
+                # closed"), which redis-py lets through. The connection is gone, not Redis.
+                raise RoundTripError(ERROR_CONNECTION, f"{type(exc).__name__}: {exc}") from exc
+            except Exception as exc:
+                raise RoundTripError(ERROR_INTERNAL, f"{type(exc).__name__}: {exc}") from exc
             if results is None:
                 self._scripts_lost()
                 continue

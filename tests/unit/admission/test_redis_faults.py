@@ -1,0 +1,171 @@
+"""The Redis store's background work under faults it did not choose: exceptions a client
+library raises on a connection that died under it (uvloop's RuntimeError on a write to a
+reset transport), exceptions of the store's own code, and connections reset by a proxy
+between a replica and Redis. The refresher never dies: it logs, counts and goes on, and
+the store comes back to shared mode by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+
+import pytest
+import uvloop
+from redis.asyncio.connection import Connection
+
+from extproc.admission.store.fallback import MODE_LOCAL_SHARE, MODE_SHARED
+from extproc.admission.store.redis import RedisStore
+from extproc.admission.store.redis_client import ERROR_CONNECTION, RedisClient, RoundTripError
+from extproc.admission.types import Grant, Plan, PoolLimits
+from extproc.config import RedisStoreConfig
+from kvgate_testkit.faultproxy import running
+from kvgate_testkit.redis_server import RedisServer
+from tests.unit.admission.helpers import Recorder
+
+pytestmark = pytest.mark.redis
+
+# What uvloop raises on a write to a transport the peer reset (redis-py lets it through).
+UVLOOP_CLOSED = "unable to perform operation on <TCPTransport closed=True reading=False>; the handler is closed"
+
+
+def config(url: str, **kw) -> RedisStoreConfig:
+    kw.setdefault("timeout_s", 1.0)
+    kw.setdefault("lease_ttl_s", 0.6)  # refresh every 0.2 s, probe every 0.2 s
+    kw.setdefault("expected_replicas", 2)
+    return RedisStoreConfig(url=url, key_prefix=f"t{secrets.token_hex(6)}:", **kw)
+
+
+def one_plan(tokens: int = 10) -> Plan:
+    lim = PoolLimits(pool="p", scale=1.0, limit=64, base_limit=64, guarantees={}, kv_budget=None,
+                     base_kv_budget=None, kv_ceilings={}, bucket=None, retry_estimate_s=1.0)
+    return Plan(lim, "a", "standard", tokens, None)
+
+
+async def until(predicate, timeout: float = 15.0) -> None:
+    """until yields to the loop until ``predicate`` holds (real round trips and the store's
+    own timers run meanwhile), failing after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the awaited state did not come")
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+def failing_writes(monkeypatch):
+    """failing_writes makes the next ``n`` writes of every redis-py connection raise what uvloop
+    raises on a reset transport; set ``box[0] = n`` to arm it."""
+    box = [0]
+    real = Connection.send_packed_command
+
+    async def send(self, command, check_health=True):
+        if box[0] > 0:
+            box[0] -= 1
+            await self.disconnect(nowait=True)  # the transport is gone, as after a reset
+            raise RuntimeError(UVLOOP_CLOSED)
+        return await real(self, command, check_health)
+
+    monkeypatch.setattr(Connection, "send_packed_command", send)
+    return box
+
+
+async def test_a_runtime_error_on_a_dead_connection_is_a_failed_round_trip(redis_server, failing_writes):
+    client = RedisClient(config(redis_server.url), "r1", lambda: None)
+    try:
+        failing_writes[0] = 1
+        with pytest.raises(RoundTripError) as failed:
+            await client.round_trip([("PING",)])
+        assert failed.value.reason == ERROR_CONNECTION and "RuntimeError" in str(failed.value)
+        assert await client.round_trip([("PING",)]) == [True]  # a new connection, the pool is whole
+    finally:
+        await client.aclose()
+
+
+async def test_the_refresher_survives_a_client_error_and_the_store_shares_again(redis_server, failing_writes,
+                                                                                caplog):
+    caplog.set_level(logging.WARNING, logger="kvgate.store")
+    seen = Recorder()
+    store = RedisStore(config(redis_server.url), observer=seen)
+    try:
+        await store.start()
+        assert store.mode == MODE_SHARED
+        failing_writes[0] = 3  # the next refresh and the first probes meet dead connections
+        await until(lambda: store.mode == MODE_LOCAL_SHARE)
+        await until(lambda: failing_writes[0] == 0 and store.mode == MODE_SHARED)
+        assert store._task is not None and not store._task.done()
+        assert "connection" in seen.errors and seen.modes[-1] == MODE_SHARED
+        granted = await store.admit(one_plan(), 0.0)
+        assert isinstance(granted, Grant) and not granted.id.startswith("local:")
+    finally:
+        await store.close()
+
+
+async def test_the_refresher_survives_its_own_bug_logs_and_counts_it(redis_server, monkeypatch, caplog):
+    caplog.set_level(logging.WARNING, logger="kvgate.store")
+    seen = Recorder()
+    store = RedisStore(config(redis_server.url), observer=seen)
+    real = store._refresh_cmds
+    fails = [2]
+
+    def broken(now):
+        if fails[0] > 0:
+            fails[0] -= 1
+            raise ValueError("a bug in the store's own code")
+        return real(now)
+
+    try:
+        await store.start()
+        monkeypatch.setattr(store, "_refresh_cmds", broken)
+        await until(lambda: fails[0] == 0 and store.mode == MODE_SHARED and "internal" in seen.errors)
+        assert not store._task.done()
+        assert "survived an unexpected ValueError" in caplog.text and "a bug in the store" in caplog.text
+    finally:
+        await store.close()
+
+
+def test_on_uvloop_connections_reset_under_load_leave_no_replica_out_of_shared_mode():
+    """The deployment's event loop, a proxy that resets every connection between a replica
+    and Redis while admissions and settles flow; once the path heals the store is shared
+    again within a few probes, and nothing it granted is left in Redis."""
+
+    async def scenario(server: RedisServer) -> tuple[str, float, int, bool]:
+        with running(server.port) as proxy:
+            store = RedisStore(config(f"redis://127.0.0.1:{proxy.port}/0", lease_ttl_s=1.5, timeout_s=0.5))
+            await store.start()
+            stop = asyncio.Event()
+
+            async def traffic() -> None:
+                while not stop.is_set():
+                    g = await store.admit(one_plan(), time.monotonic())
+                    if isinstance(g, Grant):
+                        await asyncio.sleep(0.002)
+                        store.settle(g, 10, time.monotonic())
+                    await asyncio.sleep(0.001)
+
+            workers = [asyncio.create_task(traffic()) for _ in range(6)]
+            for _ in range(25):
+                proxy.reset_open()
+                await asyncio.sleep(0.04)
+            proxy.set_mode("reset")
+            await asyncio.sleep(0.3)
+            proxy.set_mode("pass")
+            healed = time.monotonic()
+            stop.set()
+            await asyncio.gather(*workers)
+            await until(lambda: store.mode == MODE_SHARED)
+            back = time.monotonic() - healed
+            await store.flush()
+            alive = store._task is not None and not store._task.done()
+            mode = store.mode
+            live = store.live_leases("p")
+            await store.close()
+            return mode, back, live, alive
+
+    with RedisServer() as server:
+        mode, back, live, alive = uvloop.run(scenario(server))
+    assert mode == MODE_SHARED and alive
+    assert live == 0
+    assert back < 10.0  # a few probes and the recovery time, on a busy machine too
