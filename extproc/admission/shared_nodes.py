@@ -9,8 +9,9 @@ the class's watermark. The store answers with the node picked or a node refusal.
 
 ``pick_shared`` is the Python rule the Redis admit script mirrors: ``rules.pick_node``
 with each node's ``held`` replaced by the shared total (how a ``NodeAsk`` reaches the
-script, its constants included, is ``store.redis_lua.NodeArg``). ``pick_share`` is the rule while the store is unreachable: this
-replica's share of every node (see its docstring).
+script, its constants included, is ``store.redis_lua.NodeArg``). ``pick_within`` is the
+rule while the store is unreachable: within the room this replica's own leases hold in
+the ledger (see its docstring).
 
 Which report counts: each replica scrapes every node itself and uses its own latest
 report for ``foreign`` (KV the node holds that this replica did not admit). Reports are
@@ -58,31 +59,24 @@ def pick_shared(ask: NodeAsk, held: Mapping[str, int]) -> rules.NodePass:
                            ask.need, ask.reserve_fraction, ask.watermark)
 
 
-def share_room(capacity: int, reserve_fraction: float, foreign: int, own_held: int,
-               replicas: int) -> int:
-    """share_room is the room (tokens, may be < 0) one of ``replicas`` replicas has on a node
-    without the shared ledger: floor((floor(C x (1 - r)) - foreign) / N) - own_held.
+def pick_within(ask: NodeAsk, free: Mapping[str, int] | None) -> rules.NodePass:
+    """pick_within is the per-node rule while the shared ledger cannot be reached: a node fits
+    when the request's hold fits both the node as this replica reads it (``rules.pick_node``
+    with its own holds) and ``free``, the room this replica's own leases still hold there in
+    the ledger beyond what its live requests take (tokens per node; missing: none; None:
+    no such bound, for the only replica there is).
 
-    Why it never over-fills: ``foreign`` as each replica reads it includes the other
-    replicas' requests in the node's report, so a replica admits only while
-    T + need + (N - 1) x (own + need) <= C_eff - F, T being every replica's total and F
-    the node's own foreign KV: T + need never passes C_eff - F.
+    Why it never over-fills, whatever the other replicas do meanwhile: every other replica
+    decides over the ledger, where this replica's leases keep holding that room until they
+    expire, so what this replica admits within it was already counted by all of them. The
+    class's watermark is checked on this replica's reading. Nothing is changed.
     """
-    eff = rules.effective_capacity(capacity, reserve_fraction)
-    return (eff - foreign) // max(1, replicas) - own_held
-
-
-def pick_share(ask: NodeAsk, replicas: int) -> rules.NodePass:
-    """pick_share picks like ``rules.pick_node`` with each node's room cut to this replica's
-    share (``share_room``); the class's watermark is cut the same way. Nothing is changed.
-    """
-    n = max(1, replicas)
     rooms = []
     for name, capacity, foreign, own in ask.candidates:
-        class_room = None if ask.watermark >= 1.0 else \
-            (math.floor(ask.watermark * rules.effective_capacity(capacity, ask.reserve_fraction))
-             - foreign) // n - own
-        rooms.append((name, share_room(capacity, ask.reserve_fraction, foreign, own, n), class_room))
+        eff = rules.effective_capacity(capacity, ask.reserve_fraction)
+        class_room = None if ask.watermark >= 1.0 else math.floor(ask.watermark * eff) - foreign - own
+        room = rules.node_headroom(capacity, ask.reserve_fraction, foreign, own)
+        rooms.append((name, room if free is None else min(room, free.get(name, 0)), class_room))
     return rules.choose_node(rooms, ask.need)
 
 

@@ -1,7 +1,8 @@
 """fallback: where a shared store decides while its server does not answer, and when it shares again.
 
 Three modes (``MODES``): ``shared`` (the server decides for every replica), ``local_share``
-(this replica admits alone in an in-memory store, within its share of every limit) and
+(this replica admits alone in an in-memory store, within what it holds of the shared
+ledger) and
 ``fail_closed`` (every admission is refused with ``StoreUnavailableError``). ``Fallback``
 owns the mode, the rule that changes it and the local store; the shared store tells it
 what its round trips did (``degrade``, ``probe_failed``, ``answered``) and asks it to
@@ -13,22 +14,28 @@ RECOVER_S, doubled each time the store degrades again within FLAP_WINDOW_S of a 
 up to RECOVER_MAX_S. A flapping server thus changes the mode at most once per
 ``recover_s``. Every change is loud: a log line and ``StoreObserver.store_mode``.
 
-The local share: each limit divided by the number of replicas last seen through
-heartbeats, or by ``expected_replicas`` when that is more, less what this replica still
-holds of the shared budget (``local_share``); each node's room likewise
-(``shared_nodes.pick_share``). A replica that never saw the count and has no
-``expected_replicas`` fails closed: any share could be too large.
+The local share never over-admits, whatever the other replicas do meanwhile (some may
+still reach the server and decide over the shared ledger): a replica alone admits only
+within what its own leases still hold in the ledger beyond what its live requests take
+(``Within``: the room of its requests that ended while their settles could not be sent,
+slots, KV tokens and tokens per node), because every other replica counts those leases
+until they expire; the shared store stops counting a lease a safety margin before its
+expiry. Token buckets are not held but spent, so a replica alone gets 1/N of each
+bucket, N the replicas last seen through heartbeats or ``expected_replicas`` when that
+is more; a replica that never saw the count and has no ``expected_replicas`` fails
+closed. What it admits alone reaches the ledger before it shares again (the shared
+store's business, ``store.redis``).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from extproc.admission.kvbudget import effective_kv_budget
-from extproc.admission.shared_nodes import pick_share
-from extproc.admission.slots import effective_guarantees, scaled_floor
+from extproc.admission.shared_nodes import pick_within
+from extproc.admission.slots import effective_guarantees
 from extproc.admission.store.base import StoreError
 from extproc.admission.store.memory import MemoryStore
 from extproc.admission.types import Budget, BucketSpec, Grant, Plan, Refusal
@@ -153,7 +160,8 @@ class Fallback:
         self._answering_since = None
         self.mode = self._on_unavailable
         if self.mode == MODE_LOCAL_SHARE:
-            what = f"admitting locally with 1/{self.share_replicas} of each limit"
+            what = (f"admitting locally within this replica's leases, with 1/{self.share_replicas} "
+                    "of each token bucket")
         else:
             what = "refusing every admission"
         log.warning("shared store: Redis at %s unavailable (%s: %s): %s until it answers again",
@@ -183,27 +191,29 @@ class Fallback:
         self._observer.store_mode(MODE_SHARED)
         return True
 
-    def admit(self, plan: Plan, now: float, held: tuple[int, int]) -> Grant | Refusal:
-        """admit decides ``plan`` at ``now`` in this replica alone, within its share (see the
-        module doc); ``held`` is (slots, KV tokens) of its shared grants not yet settled.
+    def admit(self, plan: Plan, now: float, within: Within) -> Grant | Refusal:
+        """admit decides ``plan`` at ``now`` in this replica alone, within what its own leases
+        hold in the ledger (``within``, see the module doc).
 
-        Raises ``StoreUnavailableError`` in fail_closed mode and when the share is unknown.
+        Raises ``StoreUnavailableError`` in fail_closed mode and when the share of the token
+        buckets is unknown.
         """
         if self.mode == MODE_FAIL_CLOSED:
             raise StoreUnavailableError(f"Redis at {self._where} does not answer")
         if not self.replicas_seen and self._expected is None:
             raise StoreUnavailableError(f"Redis at {self._where} does not answer and the number of "
                                         "replicas is unknown (set store.redis.expected_replicas)")
-        n = self.share_replicas
         picked: str | None = None
         if plan.nodes is not None:
-            verdict = pick_share(plan.nodes, n)
+            verdict = pick_within(plan.nodes, within.nodes)
             if verdict.chosen is None:
                 room = verdict.best_room or 0
                 budget = Budget.CLASS_KV if verdict.by_watermark else Budget.NODE_KV
                 return Refusal(budget, plan.limits.retry_estimate_s, True, plan.nodes.need, room, room)
             picked = verdict.chosen
-        decision = self.local.admit_now(local_share(plan, n, held), now)
+        used = self.local.usage(plan.limits.pool, now)
+        decision = self.local.admit_now(local_within(plan, self.share_replicas, within,
+                                                     (used.inflight, used.kv_inflight)), now)
         if isinstance(decision, Grant):
             decision.id = LOCAL_PREFIX + decision.id
             if picked is not None:
@@ -212,31 +222,36 @@ class Fallback:
         return decision
 
 
-def local_share(plan: Plan, replicas: int, held: tuple[int, int] = (0, 0)) -> Plan:
-    """local_share is ``plan`` with this replica's share of every limit: limit / ``replicas``,
-    less what this replica still holds of the shared budget.
+@dataclass(frozen=True, slots=True)
+class Within:
+    """Within is what one replica may still admit alone in one pool while the ledger cannot be
+    reached: what its own leases hold in the ledger (and will until they expire) beyond
+    what its live requests take now, in ``slots``, KV tokens (``kv``) and tokens per node
+    (``nodes``; missing: none; None: no bound but each node's own reading, for a replica
+    that is the only one). Negative when its requests grew past their leases."""
 
-    ``held`` is (slots, KV tokens) of this replica's shared grants not yet settled: they
-    count against its share, because they are still in the shared budget's total.
-    Slots: floor(limit / N) - held slots, which may be 0 (with more replicas than slots
-    a replica admits nothing alone: N replicas admitting one each would pass the limit);
-    guarantees, the KV budget and the classes' KV ceilings: floor(x / N) tokens or slots,
-    the KV ones less the held tokens; buckets: capacity and rate / N. Capacities at scale
-    1.0 stay whole: a request that fits the shared budget is not told it can never fit
-    because of an outage.
+    slots: int = 0
+    kv: int = 0
+    nodes: Mapping[str, int] | None = field(default_factory=dict)
+
+
+def local_within(plan: Plan, replicas: int, within: Within, local: tuple[int, int] = (0, 0)) -> Plan:
+    """local_within is ``plan`` with the limits this replica admits under alone: slots and KV
+    no more than its local grants (``local``: slots, KV tokens) plus what its leases hold
+    in the ledger beyond its live requests (``within``), and no more than the pool's own
+    limits; the classes' KV ceilings cut the same way; guarantees and the token buckets
+    (capacity and rate) at 1 / ``replicas`` of the pool's, since tokens spent are not held
+    and so cannot be kept in the ledger. Capacities at scale 1.0 stay whole: a request that
+    fits the shared budget is not told it can never fit because of an outage.
     """
-    if replicas <= 1 and held == (0, 0):
-        return plan
     share = 1.0 / max(1, replicas)
-    slots_held, kv_held = held
     lim = plan.limits
-    limit = max(0, scaled_floor(lim.limit, share) - slots_held)
-    kv = effective_kv_budget(lim.kv_budget, share)
-    limits = replace(lim, limit=limit,
-                     guarantees=effective_guarantees(lim.guarantees, share, limit),
-                     kv_budget=None if kv is None else max(0, kv - kv_held),
-                     kv_ceilings={name: (max(0, scaled_floor(now, share) - kv_held), base)
-                                  for name, (now, base) in lim.kv_ceilings.items()},
+    slots = min(lim.limit, local[0] + max(0, within.slots))
+    kv_cap = local[1] + max(0, within.kv)
+    limits = replace(lim, limit=slots,
+                     guarantees=effective_guarantees(lim.guarantees, share, slots),
+                     kv_budget=None if lim.kv_budget is None else min(lim.kv_budget, kv_cap),
+                     kv_ceilings={name: (min(now, kv_cap), base) for name, (now, base) in lim.kv_ceilings.items()},
                      bucket=_share_bucket(lim.bucket, share))
     return Plan(limits, plan.tenant, plan.class_name, plan.tokens,
                 _share_bucket(plan.tenant_bucket, share), plan.nodes)

@@ -59,7 +59,8 @@ from typing import Any
 
 from extproc.admission.bucket import refilled
 from extproc.admission.store.base import Store
-from extproc.admission.store.fallback import LOCAL_PREFIX, MODES, Fallback, NullObserver, StoreObserver, StoreUnavailableError
+from extproc.admission.store.fallback import (LOCAL_PREFIX, MODES, Fallback, NullObserver, StoreObserver,
+                                              StoreUnavailableError, Within)
 from extproc.admission.store.redis_client import (ERROR_DROPPED, ERROR_INTERNAL, ERROR_REASONS, ERROR_RESPONSE,
                                                   MAX_CONNECTIONS, RedisClient, RoundTripError)
 from extproc.admission.store.redis_lua import (ADMIT, HEARTBEAT, REFRESH, SETTLE, AdmitArg, AdmitPool, Guarantee,
@@ -81,11 +82,22 @@ _MAX_PENDING = 100_000
 # Leases per refresh script call, so that one call never blocks Redis for long.
 _REFRESH_CHUNK = 500
 
+BEAT_S = 1.0
+"""BEAT_S is the longest interval (s) between two refreshes of a replica in shared mode (less
+when lease_ttl_s / 3 is less): its heartbeat, its leases and their node holds."""
+PRESENCE_BEATS = 3
+"""PRESENCE_BEATS is how many refresh intervals a replica's heartbeat outlives its last
+refresh (plus one timeout): a replica that stops beating is absent that soon."""
+ESCROW_MARGIN_S = 5.0
+"""ESCROW_MARGIN_S is how long (s, at most half the lease TTL) before a lease's expiry in Redis
+a replica cut off from Redis stops counting on the room it holds: what it admitted alone
+has by then been seen by the nodes' reports the other replicas read."""
+
 
 class _Keys:
     """_Keys are one pool's Redis keys (see the module's key layout)."""
 
-    __slots__ = ("st", "lz", "lh", "done", "nk", "bucket_prefix", "pool_bucket", "limits")
+    __slots__ = ("st", "lz", "lh", "done", "nk", "rb", "bucket_prefix", "pool_bucket", "limits")
 
     def __init__(self, prefix: str, pool: str) -> None:
         base = f"{prefix}{{{pool}}}:"
@@ -94,6 +106,7 @@ class _Keys:
         self.lz = base + "lz"
         self.lh = base + "lh"
         self.done = base + "done"
+        self.rb = base + "rb"
         self.bucket_prefix = base + "b:"
         self.pool_bucket: str | None = None  # learnt from the plans: the pool's bucket key
         # the last PoolLimits seen and its part of the admit argument, and the guarantees
@@ -105,7 +118,8 @@ class _Keys:
     def of_plan(self, plan: Plan) -> PoolKeys:
         """of_plan is the KEYS of the admit and settle scripts for ``plan``."""
         return PoolKeys(st=self.st, lz=self.lz, lh=self.lh, done=self.done,
-                        pbk=self.bucket(plan.limits.bucket), tbk=self.bucket(plan.tenant_bucket), nk=self.nk)
+                        pbk=self.bucket(plan.limits.bucket), tbk=self.bucket(plan.tenant_bucket), nk=self.nk,
+                        rb=self.rb)
 
     def of_refresh(self) -> RefreshKeys:
         """of_refresh is the KEYS of the refresh script (the pool bucket as last learnt)."""
@@ -151,6 +165,21 @@ class _Pending:
         self.lease_id = lease_id
 
 
+class _Held:
+    """_Held is what Redis holds for one lease of this replica, as far as this replica knows:
+    its KV ``tokens``, its ``node`` (None: none) and ``hold`` there, and ``until``, the caller
+    instant (s) before which its expiry in Redis cannot come (the send of the round trip
+    that last set it, plus the lease TTL)."""
+
+    __slots__ = ("tokens", "node", "hold", "until")
+
+    def __init__(self, tokens: int, node: str | None, hold: int, until: float) -> None:
+        self.tokens = tokens
+        self.node = node
+        self.hold = hold
+        self.until = until
+
+
 class _Settled:
     """_Settled is a settle Redis has not confirmed yet, as ``usage`` takes it out of the view.
 
@@ -165,6 +194,14 @@ class _Settled:
         self.tokens = tokens
         self.refund = refund
         self.now = now
+
+
+class _Rebuilding(Exception):
+    """_Rebuilding is the admit script's answer while a pool's ledger is rebuilt (``seconds`` left)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(seconds)
+        self.seconds = seconds
 
 
 class RedisStore(Store):
@@ -190,17 +227,24 @@ class RedisStore(Store):
         self._observer: StoreObserver = observer or NullObserver()
         self._clock = clock
         self._ttl = config.lease_ttl_s
-        self._refresh_every = config.lease_ttl_s / 3.0
+        self._refresh_every = min(BEAT_S, config.lease_ttl_s / 3.0)
         self._probe_every = min(0.5, self._refresh_every)
+        # How long a heartbeat says present, and how long the ledger is rebuilt after
+        # Redis lost it: every replica in shared mode refreshes within that time.
+        self._presence_ttl = PRESENCE_BEATS * self._refresh_every + config.timeout_s
+        self._margin = min(ESCROW_MARGIN_S, config.lease_ttl_s / 2.0)
         self._prefix = config.key_prefix
         self._replicas_key = f"{config.key_prefix}replicas"
         # Tenant buckets expire a minute after they would be full; with caller instants
         # Redis's own expiry would run on another clock, so they are kept.
         self._tenant_expire = -1.0 if clock is not None else 60.0
-        self._client = RedisClient(config, self.replica_id, self._forget_order, max_connections)
+        self._client = RedisClient(config, self.replica_id, self._scripts_lost, max_connections)
         self._keys: dict[str, _Keys] = {}
         self._views: dict[str, _View] = {}
         self._live: dict[str, dict[str, Grant]] = {}
+        # pool -> lease id -> what Redis holds for it: this replica's leases there (live, or
+        # settled by a settle not sent yet), the room it may admit in alone (``Within``)
+        self._ledger: dict[str, dict[str, _Held]] = {}
         self._pending: list[_Pending] = []
         self._unconfirmed: dict[str, dict[str, _Settled]] = {}
         self._batch: asyncio.Future[None] | None = None
@@ -329,19 +373,33 @@ class RedisStore(Store):
         if self._fallback.shared:
             return True
         try:
-            await self._flush_pending()
+            # Leases first, then settles: what this replica admitted alone is in the ledger
+            # before the room of what ended goes back, so the ledger never shows less than
+            # this replica holds.
             await self._refresh_round_trip()
+            await self._flush_pending()
         except RoundTripError as f:
             self._fallback.probe_failed(f.reason)
             return False
         return self._fallback.answered(self._caller_now())
 
-    def _forget_order(self) -> None:
-        """_forget_order accepts the next view of every pool: Redis lost its scripts, so it
-        restarted and its view counters start again."""
+    def _scripts_lost(self) -> list[tuple[Any, ...]]:
+        """_scripts_lost hears that Redis lost the scripts: it restarted (empty, unless it
+        persists) or was flushed. Views start again (their counters did), and the commands
+        returned open every known pool's rebuild window before any script can run there
+        again: no replica admits until every replica in shared mode had a refresh in which
+        to take its live leases again (``_presence_ttl``)."""
         for view in self._views.values():
             view.at = -math.inf
             view.version = 0
+        if self._views:
+            log.warning("shared store: Redis at %s lost its scripts (a restart?): no admission for %.1fs "
+                        "while every replica takes its live leases again", self._client.where, self._presence_ttl)
+        ms = int(self._presence_ttl * 1000)
+        # Only the pools this replica has heard of from Redis before: a server that never
+        # ran the scripts (a new deployment) has no ledger to rebuild.
+        return [("SET", keys.rb, self.replica_id, "PX", ms, "NX") for pool, keys in self._keys.items()
+                if pool in self._views]
 
     def _now_arg(self, now: float) -> float | None:
         """_now_arg is the instant a script runs at: None (Redis TIME) or the caller's ``now`` (s)."""
@@ -380,6 +438,8 @@ class RedisStore(Store):
         if previous is not None:
             await asyncio.shield(previous)
         batch, self._pending = self._pending, []
+        sent = self._caller_now()
+        self._settles_sent(batch)
         try:
             results = await self._client.round_trip([p.cmd for p in batch] + [cmd])
         except BaseException as exc:
@@ -398,17 +458,65 @@ class RedisStore(Store):
             return self._admit_degraded(plan, now)
         self._read_settles(batch, results, now)
         try:
-            return self._read_admit(plan, lease_id, results[-1], now)
+            return self._read_admit(plan, lease_id, results[-1], now, sent)
+        except _Rebuilding as wait:
+            # Take this replica's own leases again now rather than at the next refresh.
+            await self.refresh()
+            raise StoreUnavailableError(f"Redis lost its state (a restart?): the replicas take their leases "
+                                        f"again for {wait.seconds:.1f}s more") from None
         except (IndexError, TypeError, ValueError, KeyError, AttributeError) as exc:
             self._degrade(RoundTripError(ERROR_RESPONSE, f"unexpected admit reply: {exc}"))
             self._queue(_Pending(pool, self._settle_cmd(plan, keys, lease_id, 0, now), None))
             return self._admit_degraded(plan, now)
 
     def _admit_degraded(self, plan: Plan, now: float) -> Grant | Refusal:
-        """_admit_degraded decides in this replica alone (``Fallback.admit``): its shared
-        grants not yet settled count against its share."""
-        live = self._live.get(plan.limits.pool, {})
-        return self._fallback.admit(plan, now, (len(live), sum(g.plan.tokens for g in live.values())))
+        """_admit_degraded decides in this replica alone (``Fallback.admit``), within what its
+        leases hold in Redis beyond its live requests (``_within``). A grant made so is a
+        live lease like any other: the refreshes of the probes take it into Redis (under its
+        own id) before the store shares again."""
+        pool = plan.limits.pool
+        decision = self._fallback.admit(plan, now, self._within(plan, self._caller_now()))
+        if isinstance(decision, Grant):
+            self._next += 1
+            decision.id = f"{LOCAL_PREFIX}{self.replica_id}.{self._next}"
+            self._keys_of(pool)
+            self._live.setdefault(pool, {})[decision.id] = decision
+        return decision
+
+    def _within(self, plan: Plan, now: float) -> Within:
+        """_within is what this replica may admit alone in ``plan``'s pool at ``now`` (caller
+        s): what its leases certainly hold in Redis (``_ledger``, each until a margin before
+        its expiry) less what its live requests take (slots, KV tokens, tokens per node).
+        A replica that is the only one (``Fallback.share_replicas`` 1: none seen, none
+        expected) has the pool's limits instead, and each node as it reads it."""
+        pool = plan.limits.pool
+        live = self._live.get(pool, {})
+        if self._fallback.share_replicas == 1:
+            return Within(plan.limits.limit - len(live),
+                          (plan.limits.kv_budget or 0) - sum(g.plan.tokens for g in live.values()), None)
+        slots = kv = 0
+        nodes: dict[str, int] = {}
+        for h in self._ledger.get(pool, {}).values():
+            if h.until - self._margin > now:
+                slots += 1
+                kv += h.tokens
+                if h.node is not None:
+                    nodes[h.node] = nodes.get(h.node, 0) + h.hold
+        for g in live.values():
+            slots -= 1
+            kv -= g.plan.tokens
+            if g.picked is not None:
+                nodes[g.picked] = nodes.get(g.picked, 0) - g.node_hold
+        return Within(slots, kv, nodes)
+
+    def _settles_sent(self, batch: list[_Pending]) -> None:
+        """_settles_sent forgets what Redis holds for the leases of settles now on the wire:
+        whether they land or not, their room is no longer certain."""
+        for p in batch:
+            if p.lease_id is not None:
+                ledger = self._ledger.get(p.pool)
+                if ledger is not None:
+                    ledger.pop(p.lease_id, None)
 
     def _admit_cmd(self, plan: Plan, keys: _Keys, lease_id: str, now: float) -> tuple[Any, ...]:
         """_admit_cmd is the admit script's call for ``plan`` as lease ``lease_id`` at ``now`` (s)."""
@@ -439,11 +547,14 @@ class RedisStore(Store):
         nodes = "-" if plan.nodes is None else node_arg(plan.nodes)
         return ADMIT.command(keys.of_plan(plan), pack(arg), nodes)
 
-    def _read_admit(self, plan: Plan, lease_id: str, reply: bytes, now: float) -> Grant | Refusal:
+    def _read_admit(self, plan: Plan, lease_id: str, reply: bytes, now: float, sent: float) -> Grant | Refusal:
+        """_read_admit reads the admit script's reply to lease ``lease_id`` sent at ``sent`` (caller s)."""
         head, _, view = reply.partition(b"|")
         r = head.split()
         code = int(r[0])
         self._read_view(plan.limits.pool, view, now)
+        if code == 3:
+            raise _Rebuilding(float(r[1]))
         if code == 1:
             grant = Grant(lease_id, plan, int(r[1]))
             if r[2] != b"-":
@@ -456,6 +567,8 @@ class RedisStore(Store):
                 grant.picked = r[5].decode()
                 grant.node_hold = plan.nodes.need
             self._live.setdefault(plan.limits.pool, {})[lease_id] = grant
+            self._ledger.setdefault(plan.limits.pool, {})[lease_id] = _Held(
+                int(plan.tokens), grant.picked, grant.node_hold, sent + self._ttl)
             return grant
         if code == 0:
             return Refusal(Budget(r[1].decode()), float(r[2]), r[3] == b"1", float(r[4]),
@@ -493,14 +606,19 @@ class RedisStore(Store):
         sent with this replica's next round trip (at the latest on the next loop turn),
         and kept while Redis is away. Never blocks, never raises.
         """
-        if grant.id.startswith(LOCAL_PREFIX):
-            self._fallback.local.settle(grant, charged_tokens, now)
-            return
         plan = grant.plan
         pool = plan.limits.pool
         live = self._live.get(pool)
         if live is None or live.pop(grant.id, None) is None:
             return  # not ours, or settled already: nothing is refunded twice
+        if grant.id.startswith(LOCAL_PREFIX):
+            # Its budgets were charged locally; in Redis (if a refresh took it there) it
+            # holds its slot and KV only, so it goes with no refund, and its tombstone stops
+            # a refresh on the wire from taking it again.
+            self._fallback.local.settle(grant, charged_tokens, now)
+            self._queue(_Pending(pool, self._settle_cmd(plan, self._keys_of(pool), grant.id,
+                                                        int(plan.tokens), now), grant.id))
+            return
         self._unconfirmed.setdefault(pool, {})[grant.id] = _Settled(
             plan.class_name, plan.tokens, plan.tokens - charged_tokens, now)
         self._queue(_Pending(pool, self._settle_cmd(plan, self._keys_of(pool), grant.id,
@@ -554,6 +672,7 @@ class RedisStore(Store):
             return
         batch, self._pending = self._pending, []
         self._batch = done = asyncio.get_running_loop().create_future()
+        self._settles_sent(batch)
         try:
             results = await self._client.round_trip([p.cmd for p in batch])
         except BaseException:  # a failure, or a cancelled flush (close): send them again later
@@ -608,7 +727,7 @@ class RedisStore(Store):
 
     async def _refresh_round_trip(self) -> None:
         now = self._caller_now()
-        cmds, pools = self._refresh_cmds(now)
+        cmds, pools, sent = self._refresh_cmds(now)
         results = await self._client.round_trip(cmds)
         try:
             self._fallback.saw_replicas(int(results[0]))
@@ -619,17 +738,42 @@ class RedisStore(Store):
                 self._read_view(pool, view, now)
         except (IndexError, TypeError, ValueError) as exc:
             raise RoundTripError(ERROR_RESPONSE, f"unexpected refresh reply: {exc}") from exc
+        self._refreshed(pools, sent, now, lost=restored > 0)
         if restored:
-            log.warning("shared store: Redis had lost %d live leases of this replica (restart?): taken again",
-                        restored)
+            log.warning("shared store: Redis had lost %d live leases of this replica (restart, expiry, or "
+                        "granted while Redis was away): taken again", restored)
 
-    def _refresh_cmds(self, now: float) -> tuple[list[tuple[Any, ...]], list[str]]:
+    def _refreshed(self, pools: list[str], sent: list[list[tuple[str, _Held]]], at: float, lost: bool) -> None:
+        """_refreshed keeps what a refresh sent at ``at`` (caller s) left in Redis: each lease
+        it carried, still live or settled by a settle not yet sent, is held there with the
+        hold it carried until ``at`` + TTL. ``lost``: Redis had lost some leases, so the
+        settled ones it did not carry may be gone too and are no longer counted on."""
+        until = at + self._ttl
+        carried: dict[str, set[str]] = {}
+        for pool, grants in zip(pools, sent):
+            live = self._live.get(pool, {})
+            ledger = self._ledger.setdefault(pool, {})
+            ids = carried.setdefault(pool, set())
+            for lease_id, held in grants:
+                ids.add(lease_id)
+                if lease_id in live or lease_id in ledger:
+                    held.until = until
+                    ledger[lease_id] = held
+        if lost:
+            for pool, ledger in self._ledger.items():
+                ids = carried.get(pool, set())
+                for lease_id in [i for i in ledger if i not in ids]:
+                    del ledger[lease_id]
+
+    def _refresh_cmds(self, now: float) -> tuple[list[tuple[Any, ...]], list[str], list[list[tuple[str, _Held]]]]:
         """_refresh_cmds is one refresh round trip at ``now`` (s): the heartbeat, then the
-        refresh of every known pool's live leases in chunks, and the pool of each refresh."""
+        refresh of every known pool's live leases in chunks; the pool of each refresh, and
+        the leases it carries."""
         now_arg = self._now_arg(now)
         cmds = [HEARTBEAT.command(HeartbeatKeys(self._replicas_key),
-                                  *map(word, HeartbeatArg(now_arg, self.replica_id, self._ttl)))]
+                                  *map(word, HeartbeatArg(now_arg, self.replica_id, self._presence_ttl)))]
         pools: list[str] = []
+        sent: list[list[tuple[str, _Held]]] = []
         for pool, keys in self._keys.items():
             leases = list(self._live.get(pool, {}).values())
             chunks = [leases[i:i + _REFRESH_CHUNK] for i in range(0, len(leases), _REFRESH_CHUNK)] or [[]]
@@ -641,7 +785,8 @@ class RedisStore(Store):
                                              node=g.picked or "-", hold=int(g.node_hold)))
                 cmds.append(REFRESH.command(keys.of_refresh(), *map(word, argv)))
                 pools.append(pool)
-        return cmds, pools
+                sent.append([(g.id, _Held(int(g.plan.tokens), g.picked, int(g.node_hold), 0.0)) for g in chunk])
+        return cmds, pools, sent
 
     # --- usage -------------------------------------------------------------------
 

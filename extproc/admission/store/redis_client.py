@@ -5,7 +5,9 @@ commands (``redis_lua.Script.command``) in one pipeline. Every way a round trip 
 becomes one ``RoundTripError`` with a bounded reason (``ERROR_REASONS``); what the store
 does about it (``fallback``) is not decided here. Scripts that Redis lost (a restart,
 ``SCRIPT FLUSH``) are loaded again and the round trip is sent once more: every script of
-the store is safe to repeat.
+the store is safe to repeat. Before the scripts are loaded again, the commands the store
+asks for when it hears of the loss go first (``scripts_lost``): until the scripts are
+back no replica can run one, so those commands land before any script on the new server.
 """
 
 from __future__ import annotations
@@ -55,14 +57,15 @@ class RoundTripError(Exception):
 class RedisClient:
     """RedisClient sends one replica's scripts to Redis: at most ``timeout_s`` (s) a round trip.
 
-    ``scripts_lost`` is called when Redis answered NOSCRIPT (it restarted or was flushed),
-    before the scripts are loaded again. ``where`` names the server for log lines, without
+    ``scripts_lost`` is called when Redis answered NOSCRIPT (it restarted or was flushed);
+    the plain commands it returns are sent before the scripts are loaded again. ``where`` names the server for log lines, without
     credentials.
     """
 
     __slots__ = ("_client", "_timeout", "_scripts_lost", "where")
 
-    def __init__(self, config: RedisStoreConfig, replica_id: str, scripts_lost: Callable[[], None],
+    def __init__(self, config: RedisStoreConfig, replica_id: str,
+                 scripts_lost: Callable[[], Sequence[tuple[Any, ...]]],
                  max_connections: int = MAX_CONNECTIONS) -> None:
         self._timeout = config.timeout_s
         self._scripts_lost = scripts_lost
@@ -81,11 +84,12 @@ class RedisClient:
         """round_trip sends ``cmds`` (EVALSHA) in one pipeline within timeout_s and returns
         their replies; loads the scripts and sends again once on NOSCRIPT. Raises
         ``RoundTripError``."""
+        first: Sequence[tuple[Any, ...]] = ()
         for attempt in (0, 1):
             try:
                 async with asyncio.timeout(self._timeout):
                     if attempt:
-                        await self._load_scripts()
+                        await self._load_scripts(first)
                     results = await self._send(cmds, retry_lost=attempt == 0)
             except (TimeoutError, RedisTimeoutError) as exc:
                 raise RoundTripError(ERROR_TIMEOUT, f"no answer within {self._timeout}s") from exc
@@ -101,7 +105,7 @@ class RedisClient:
             except Exception as exc:
                 raise RoundTripError(ERROR_INTERNAL, f"{type(exc).__name__}: {exc}") from exc
             if results is None:
-                self._scripts_lost()
+                first = self._scripts_lost()
                 continue
             for r in results:
                 if isinstance(r, Exception):
@@ -127,7 +131,9 @@ class RedisClient:
             return None
         return results
 
-    async def _load_scripts(self) -> None:
+    async def _load_scripts(self, first: Sequence[tuple[Any, ...]]) -> None:
+        for cmd in first:
+            await self._client.execute_command(*cmd)
         for script in SCRIPTS:
             await self._client.execute_command("SCRIPT", "LOAD", script.source)
 

@@ -43,6 +43,7 @@ class PoolKeys(NamedTuple):
     pbk: str
     tbk: str
     nk: str
+    rb: str
 
 
 class RefreshKeys(NamedTuple):
@@ -418,7 +419,8 @@ end
 
 # KEYS: PoolKeys; ARGV[1]: AdmitArg; ARGV[2]: NodeArg, or '-' when the pool picks no node.
 # Returns "1 inflight b_tok b_cap b_rate node|view" (granted; '-' without a bucket or a
-# node), "0 budget retry retryable needed used limit|view" (refused), "2|view" (id cancelled).
+# node), "0 budget retry retryable needed used limit|view" (refused), "2|view" (id cancelled),
+# "3 seconds|view" (the ledger is being rebuilt after Redis lost it: no admission for that long).
 _ADMIT = _PRELUDE + r"""
 $keys
 local a = args(ARGV[1])
@@ -449,6 +451,10 @@ if held_rec then
   local _, _, node = rec_fields(held_rec)
   return granted(inflight, node)
 end
+-- the rebuild window: Redis lost the ledger (a restart) and the replicas take their live
+-- leases again before anyone decides over it
+local rebuild_ms = redis.call('PTTL', rb)
+if rebuild_ms > 0 then return '3 ' .. fmt(rebuild_ms / 1000) .. view(now, st, pbk, pb ~= nil) end
 local function refused(r)
   save()
   return '0 ' .. r[1] .. ' ' .. fmt(r[2]) .. ' ' .. r[3] .. ' ' .. fmt(r[4]) .. ' ' .. fmt(r[5]) .. ' '

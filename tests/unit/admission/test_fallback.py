@@ -1,5 +1,5 @@
 """The shared store's modes without a server: degrade at once, share again with hysteresis,
-decide locally within the share or fail closed. Instants are fixed; nothing sleeps."""
+decide locally within what the replica's leases hold or fail closed. Instants are fixed; nothing sleeps."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from extproc.admission.shared_nodes import NodeAsk
 from extproc.admission.store.fallback import (FLAP_WINDOW_S, LOCAL_PREFIX, MODE_FAIL_CLOSED, MODE_LOCAL_SHARE,
                                               MODE_SHARED, RECOVER_MAX_S, RECOVER_S, Fallback,
-                                              StoreUnavailableError)
+                                              StoreUnavailableError, Within)
 from extproc.admission.types import Budget, Grant, Plan, PoolLimits, Refusal
 from tests.unit.admission.helpers import Recorder
 
@@ -29,7 +29,7 @@ def test_a_failure_degrades_at_once_and_loudly(caplog: pytest.LogCaptureFixture)
     with caplog.at_level(logging.WARNING, logger="kvgate.store"):
         assert f.degrade("timeout", "no answer within 0.05s", T0)
     assert f.mode == MODE_LOCAL_SHARE and heard.modes == [MODE_SHARED, MODE_LOCAL_SHARE]
-    assert "admitting locally with 1/2 of each limit" in caplog.text
+    assert "admitting locally within this replica's leases, with 1/2 of each token bucket" in caplog.text
     assert not f.degrade("connection", "refused", T0 + 0.1)  # already degraded: counted, no change
     assert heard.errors == ["timeout", "connection"] and heard.modes[-1] == MODE_LOCAL_SHARE
 
@@ -68,39 +68,42 @@ def test_fail_closed_refuses_every_admission() -> None:
     f.degrade("connection", "refused", T0)
     assert f.mode == MODE_FAIL_CLOSED
     with pytest.raises(StoreUnavailableError, match="does not answer"):
-        f.admit(Plan(LIMITS, "a", "standard", 10), T0, (0, 0))
+        f.admit(Plan(LIMITS, "a", "standard", 10), T0, Within(6, 6000))
 
 
 def test_an_unknown_share_fails_closed_until_a_heartbeat_counted_the_replicas() -> None:
     f, _ = fallback(expected=None)
     f.degrade("timeout", "", T0)
     with pytest.raises(StoreUnavailableError, match="expected_replicas"):
-        f.admit(Plan(LIMITS, "a", "standard", 10), T0, (0, 0))
+        f.admit(Plan(LIMITS, "a", "standard", 10), T0, Within(6, 6000))
     f.saw_replicas(3)
     assert f.share_replicas == 3
-    assert isinstance(f.admit(Plan(LIMITS, "a", "standard", 10), T0, (0, 0)), Grant)
+    assert isinstance(f.admit(Plan(LIMITS, "a", "standard", 10), T0, Within(6, 6000)), Grant)
 
 
-def test_local_admissions_stay_within_the_share_less_what_is_still_held() -> None:
-    f, _ = fallback(expected=2)  # a share of 3 slots and 3000 KV tokens
+def test_local_admissions_stay_within_what_the_leases_hold_beyond_the_live_requests() -> None:
+    f, _ = fallback(expected=2)
     f.degrade("timeout", "", T0)
-    grants = [f.admit(Plan(LIMITS, "a", "standard", 10), T0, (1, 100)) for _ in range(3)]
+    # the leases hold 2 slots and 3000 KV tokens more than the live requests take
+    # (what the store works out again after each grant: one slot and 10 tokens fewer)
+    grants = [f.admit(Plan(LIMITS, "a", "standard", 10), T0, Within(2 - k, 3000 - 10 * k)) for k in range(3)]
     assert [isinstance(g, Grant) for g in grants] == [True, True, False]
     assert all(g.id.startswith(LOCAL_PREFIX) for g in grants if isinstance(g, Grant))
     refusal = grants[2]
     assert isinstance(refusal, Refusal) and refusal.budget is Budget.SLOTS
-    kv = f.admit(Plan(LIMITS, "a", "standard", 2950), T0, (0, 100))
-    assert isinstance(kv, Refusal) and kv.budget is Budget.KV  # 3000 - 100 held - 20 in flight
+    kv = f.admit(Plan(LIMITS, "a", "standard", 2990), T0, Within(1, 2980))
+    assert isinstance(kv, Refusal) and kv.budget is Budget.KV  # 2980 + the 20 in flight locally
+    assert isinstance(f.admit(Plan(LIMITS, "a", "standard", 1), T0, Within(0, 5000)), Refusal)
 
 
-def test_a_local_pick_takes_a_node_within_its_share_of_the_room() -> None:
+def test_a_local_pick_takes_a_node_within_the_room_its_leases_hold() -> None:
     f, _ = fallback(expected=2)
     f.degrade("timeout", "", T0)
     ask = NodeAsk((("n0", 1000, 0, 0), ("n1", 4000, 0, 0)), 1500, 0.0, 1.0)
-    g = f.admit(Plan(LIMITS, "a", "standard", 10, None, ask), T0, (0, 0))
-    assert isinstance(g, Grant) and g.picked == "n1" and g.node_hold == 1500
+    g = f.admit(Plan(LIMITS, "a", "standard", 10, None, ask), T0, Within(6, 6000, {"n0": 3000, "n1": 2000}))
+    assert isinstance(g, Grant) and g.picked == "n1" and g.node_hold == 1500  # n0 reads too small
     too_big = NodeAsk((("n0", 1000, 0, 0), ("n1", 4000, 0, 0)), 2500, 0.0, 1.0)
-    r = f.admit(Plan(LIMITS, "a", "standard", 10, None, too_big), T0, (0, 0))
+    r = f.admit(Plan(LIMITS, "a", "standard", 10, None, too_big), T0, Within(6, 6000, {"n1": 2000}))
     assert isinstance(r, Refusal) and r.budget is Budget.NODE_KV and r.limit == 2000
 
 

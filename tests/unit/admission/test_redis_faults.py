@@ -16,10 +16,11 @@ import pytest
 import uvloop
 from redis.asyncio.connection import Connection
 
-from extproc.admission.store.fallback import MODE_LOCAL_SHARE, MODE_SHARED
+from extproc.admission.store.fallback import MODE_LOCAL_SHARE, MODE_SHARED, StoreUnavailableError
 from extproc.admission.store.redis import RedisStore
 from extproc.admission.store.redis_client import ERROR_CONNECTION, RedisClient, RoundTripError
 from extproc.admission.types import Grant, Plan, PoolLimits
+from extproc.clock import ManualClock
 from extproc.config import RedisStoreConfig
 from kvgate_testkit.faultproxy import running
 from kvgate_testkit.redis_server import RedisServer
@@ -169,3 +170,116 @@ def test_on_uvloop_connections_reset_under_load_leave_no_replica_out_of_shared_m
     assert mode == MODE_SHARED and alive
     assert live == 0
     assert back < 10.0  # a few probes and the recovery time, on a busy machine too
+
+
+# --- a replica cut off from Redis while another shares ------------------------------------------
+
+def slots_plan(limit: int = 4) -> Plan:
+    lim = PoolLimits(pool="p", scale=1.0, limit=limit, base_limit=limit, guarantees={}, kv_budget=None,
+                     base_kv_budget=None, kv_ceilings={}, bucket=None, retry_estimate_s=1.0)
+    return Plan(lim, "a", "standard", 10, None)
+
+
+async def test_a_replica_cut_off_and_one_sharing_never_pass_the_limit_together(redis_server):
+    """A reaches Redis through a proxy that stops forwarding, B directly. Whatever A admits
+    alone and whatever B admits over the ledger meanwhile, and after A is back, the
+    requests live at once never pass the limit of 4: A admits alone only into the room its
+    own leases hold in Redis, and what it admitted alone is in Redis before it shares."""
+    clock = ManualClock(1000.0)
+    live: dict[str, list[Grant]] = {"a": [], "b": []}
+    with running(redis_server.port) as proxy:
+        prefix = f"t{secrets.token_hex(6)}:"
+        a = RedisStore(RedisStoreConfig(url=f"redis://127.0.0.1:{proxy.port}/0", key_prefix=prefix,
+                                        timeout_s=0.5, lease_ttl_s=30.0, expected_replicas=2), clock=clock)
+        b = RedisStore(RedisStoreConfig(url=redis_server.url, key_prefix=prefix, timeout_s=2.0,
+                                        lease_ttl_s=30.0, expected_replicas=2), clock=clock)
+
+        async def admit(name: str, store: RedisStore, n: int) -> int:
+            got = 0
+            for _ in range(n):
+                g = await store.admit(slots_plan(), clock.now())
+                if isinstance(g, Grant):
+                    live[name].append(g)
+                    got += 1
+                assert len(live["a"]) + len(live["b"]) <= 4, live
+            return got
+
+        def end(name: str, store: RedisStore, n: int) -> None:
+            for g in live[name][:n]:
+                store.settle(g, 10, clock.now())
+            del live[name][:n]
+
+        try:
+            await a.start()
+            await b.start()
+            assert await admit("a", a, 2) == 2 and await admit("b", b, 1) == 1
+            proxy.set_mode("refuse")  # A is cut off; its leases stay in Redis
+            assert await admit("a", a, 1) == 0 and a.mode == MODE_LOCAL_SHARE  # its leases are all taken
+            end("a", a, 2)            # ended; the settles cannot be sent
+            assert await admit("a", a, 4) == 2  # into the room its two leases hold
+            assert await admit("b", b, 4) == 1  # B sees A's two leases and its own
+            proxy.set_mode("pass")
+            while not await a.probe():
+                clock.advance(0.5)
+            assert a.mode == MODE_SHARED
+            # A's two requests admitted alone are in Redis: nobody finds room
+            assert await admit("b", b, 2) == 0 and await admit("a", a, 2) == 0
+            end("a", a, 2)
+            await a.flush()
+            assert await admit("b", b, 3) == 2
+        finally:
+            await a.close()
+            await b.close()
+
+
+async def test_a_replica_cut_off_with_no_leases_admits_nothing_alone(redis_server):
+    """B shares the whole limit; A, cut off, holds nothing in Redis: a share of the limit
+    would put A's requests on top of B's."""
+    clock = ManualClock(1000.0)
+    with running(redis_server.port) as proxy:
+        prefix = f"t{secrets.token_hex(6)}:"
+        a = RedisStore(RedisStoreConfig(url=f"redis://127.0.0.1:{proxy.port}/0", key_prefix=prefix,
+                                        timeout_s=0.5, expected_replicas=2), clock=clock)
+        b = RedisStore(RedisStoreConfig(url=redis_server.url, key_prefix=prefix, timeout_s=2.0,
+                                        expected_replicas=2), clock=clock)
+        try:
+            await a.start()
+            await b.start()
+            held = [await b.admit(slots_plan(), clock.now()) for _ in range(4)]
+            assert all(isinstance(g, Grant) for g in held)
+            proxy.set_mode("refuse")
+            got = [await a.admit(slots_plan(), clock.now()) for _ in range(3)]
+            assert a.mode == MODE_LOCAL_SHARE and not any(isinstance(g, Grant) for g in got)
+        finally:
+            await a.close()
+            await b.close()
+
+
+async def test_a_redis_restarted_empty_admits_nothing_until_the_live_leases_are_back():
+    """Redis lost the ledger while a replica held 3 of 4 slots: deciding over the empty
+    ledger would let 4 more in. The first replica to meet the new server opens the
+    rebuild window before any script runs there; admissions wait until the replicas had a
+    refresh to take their live leases again, then only the free slot is granted."""
+    clock = ManualClock(1000.0)
+    with RedisServer() as server:
+        store = RedisStore(config(server.url, lease_ttl_s=0.9, timeout_s=0.5), clock=clock)
+        try:
+            held = [await store.admit(slots_plan(), clock.now()) for _ in range(3)]
+            assert all(isinstance(g, Grant) for g in held)
+            server.restart()
+            with pytest.raises(StoreUnavailableError, match="lost its state"):
+                await store.admit(slots_plan(), clock.now())
+            got: list[Grant] = []
+            deadline = time.monotonic() + 15
+            while len(got) < 1 and time.monotonic() < deadline:
+                try:
+                    g = await store.admit(slots_plan(), clock.now())
+                except StoreUnavailableError:
+                    await asyncio.sleep(0.05)  # the window runs on Redis's clock
+                    continue
+                assert isinstance(g, Grant), g
+                got.append(g)
+            assert len(got) == 1
+            assert not isinstance(await store.admit(slots_plan(), clock.now()), Grant)
+        finally:
+            await store.close()

@@ -125,9 +125,9 @@ def test_a_word_is_text_a_number_or_none(bad: object) -> None:
 
 
 def test_a_command_takes_the_keys_of_its_own_layout() -> None:
-    keys = L.PoolKeys("st", "lz", "lh", "done", "st", "st", "nk")
+    keys = L.PoolKeys("st", "lz", "lh", "done", "st", "st", "nk", "rb")
     cmd = L.SETTLE.command(keys, "arg")
-    assert cmd[:3] == ("EVALSHA", L.SETTLE.sha, 7) and cmd[3:10] == tuple(keys) and cmd[10:] == ("arg",)
+    assert cmd[:3] == ("EVALSHA", L.SETTLE.sha, 8) and cmd[3:11] == tuple(keys) and cmd[11:] == ("arg",)
     with pytest.raises(TypeError, match="RefreshKeys"):
         L.REFRESH.command(keys)
 

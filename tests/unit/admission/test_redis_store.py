@@ -9,6 +9,7 @@ restarted empty.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import secrets
@@ -25,7 +26,7 @@ from extproc.admission.slots import effective_guarantees, effective_limit
 from extproc.admission.types import Budget, BucketSpec, Grant, Plan, PoolLimits, Refusal
 from extproc.admission.store.memory import MemoryStore
 from extproc.admission.store.fallback import (LOCAL_PREFIX, MODE_FAIL_CLOSED, MODE_LOCAL_SHARE, MODE_SHARED,
-                                              RECOVER_S, StoreUnavailableError, local_share)
+                                              RECOVER_S, StoreUnavailableError, Within, local_within)
 from extproc.admission.store.redis import RedisStore
 from extproc.clock import ManualClock
 from extproc.config import RedisStoreConfig, parse_config
@@ -353,28 +354,27 @@ async def test_redis_time_drives_leases_and_tenant_buckets_expire_once_full(stor
 
 # --- degraded modes ------------------------------------------------------------------
 
-def test_local_share_divides_every_limit_by_the_replicas():
+def test_local_within_holds_the_limits_to_what_the_leases_hold():
     p = Plan(limits(1.0, base=10, kv=9000, tpm=6000.0, guarantees={"gold": 4, "batch": 1}),
              "a", "standard", 10, TENANT_A)
-    share = local_share(p, 3)
-    lim = share.limits
-    assert (lim.limit, dict(lim.guarantees), lim.kv_budget) == (3, {"gold": 1}, 3000)
-    assert dict(lim.kv_ceilings) == {"batch": (1650, 4950)}  # 0.55 x 9000 = 4950, / 3 replicas
+    within = local_within(p, 3, Within(slots=2, kv=1500), (1, 100))
+    lim = within.limits
+    # one local grant (100 tokens) and the room of 2 more slots and 1500 tokens the leases hold
+    assert (lim.limit, dict(lim.guarantees), lim.kv_budget) == (3, {"gold": 1}, 1600)
+    assert dict(lim.kv_ceilings) == {"batch": (1600, 4950)}
+    # tokens are spent, not held: the buckets are shared by the replicas seen
     assert (lim.bucket.capacity, lim.bucket.rate) == pytest.approx((2000.0, 2000.0 / 60))
-    assert share.tenant_bucket.capacity == pytest.approx(1000.0)
+    assert within.tenant_bucket.capacity == pytest.approx(1000.0)
     # what never fits stays what never fits in the whole budget
-    assert (lim.base_kv_budget, lim.bucket.base_capacity, share.tenant_bucket.base_capacity) == (9000, 6000, 3000)
-    assert local_share(p, 1) is p
-    # five replicas admitting one each would pass a limit of 2: alone, a replica admits none
-    assert local_share(Plan(limits(base=2, guarantees={}), "a", "standard", 1), 5).limits.limit == 0
-    # what this replica still holds of the shared budget counts against its share
-    held = local_share(p, 3, (2, 1000)).limits
-    assert (held.limit, held.kv_budget, dict(held.kv_ceilings)) == (1, 2000, {"batch": (650, 4950)})
-    assert local_share(p, 3, (5, 4000)).limits.limit == 0 and local_share(p, 3, (5, 4000)).limits.kv_budget == 0
-    assert local_share(p, 1, (1, 10)).limits.limit == 9
+    assert (lim.base_kv_budget, lim.bucket.base_capacity, within.tenant_bucket.base_capacity) == (9000, 6000, 3000)
+    # never more than the pool's own limits, never less than nothing
+    wide = local_within(p, 3, Within(slots=50, kv=10**6)).limits
+    assert (wide.limit, wide.kv_budget) == (10, 9000)
+    grown = local_within(p, 3, Within(slots=-2, kv=-5)).limits
+    assert (grown.limit, grown.kv_budget) == (0, 0)
 
 
-async def test_redis_down_admits_locally_with_the_share_then_recovers(stores, own_server, caplog):
+async def test_redis_down_admits_locally_within_its_leases_then_recovers(stores, own_server, caplog):
     caplog.set_level(logging.WARNING, logger="kvgate.store")
     clock = ManualClock(T0)
     config = cfg(own_server.url, timeout_s=1.0)
@@ -386,39 +386,41 @@ async def test_redis_down_admits_locally_with_the_share_then_recovers(stores, ow
     await rs.refresh()
     assert rs.replicas == 2 and seen.modes == [MODE_SHARED]
     lim = limits(base=4, kv=None, tpm=None, guarantees={})
-    shared = await rs.admit(plan(10, lim), T0)
-    assert isinstance(shared, Grant) and not shared.id.startswith(LOCAL_PREFIX)
+    shared = [await rs.admit(plan(10, lim), T0) for _ in range(2)]
+    assert all(isinstance(g, Grant) and not g.id.startswith(LOCAL_PREFIX) for g in shared)
     own_server.stop()
-    a = await rs.admit(plan(10, lim), T0)
-    b = await rs.admit(plan(10, lim), T0)
+    refused = await rs.admit(plan(10, lim), T0)
     assert rs.mode == MODE_LOCAL_SHARE and seen.modes == [MODE_SHARED, MODE_LOCAL_SHARE]
     assert seen.errors and set(seen.errors) <= {"connection", "timeout"}
-    assert "unavailable" in caplog.text and "1/2 of each limit" in caplog.text
+    assert "unavailable" in caplog.text and "within this replica's leases" in caplog.text
+    # both slots its leases hold are taken by its live requests: nothing more alone
+    assert isinstance(refused, Refusal) and refused.budget is Budget.SLOTS and refused.limit == 0
+    rs.settle(shared[0], 10, T0)  # its settle waits for Redis: the lease still holds the slot there
+    a = await rs.admit(plan(10, lim), T0)
     assert isinstance(a, Grant) and a.id.startswith(LOCAL_PREFIX)
-    # 4 / 2 replicas = 2, less the shared grant this replica still holds
-    assert isinstance(b, Refusal) and b.budget is Budget.SLOTS and b.limit == 1
-    rs.settle(shared, 10, T0)  # a shared grant's settle waits for Redis, its slot is ours again
-    c = await rs.admit(plan(10, lim), T0)
-    assert isinstance(c, Grant) and c.id.startswith(LOCAL_PREFIX)
-    rs.settle(a, 10, T0)       # local grants settle locally
-    assert rs.usage("p", T0).inflight == 1
+    assert isinstance(await rs.admit(plan(10, lim), T0), Refusal)
+    assert rs.usage("p", T0).inflight == 1 and rs.live_leases("p") == 2
     assert not await rs.probe()  # still down
-    own_server.start()
+    own_server.start()  # empty: the ledger is rebuilt from the replicas' live leases
     assert not await rs.probe()  # answers, but not yet for RECOVER_S
     clock.advance(RECOVER_S)
     assert await rs.probe()
     assert rs.mode == MODE_SHARED and seen.modes[-1] == MODE_SHARED
     assert "answers again" in caplog.text
-    rs.settle(c, 10, T0)
-    g = await rs.admit(plan(10, lim), T0)
-    assert isinstance(g, Grant) and not g.id.startswith(LOCAL_PREFIX)
-    # The restarted Redis is empty: the old shared grant's late settle released nothing.
-    assert g.inflight == 1 and rs.pending_settles == 0
+    # in Redis: the live shared lease and the local grant, taken there by the probes
+    u = rs.usage("p", T0)
+    assert (u.inflight, rs.pending_settles) == (2, 0)
+    rs.settle(a, 10, T0)
+    rs.settle(shared[1], 10, T0)
+    await rs.flush()
+    assert await rs.refresh() and rs.usage("p", T0).inflight == 0
 
 
-async def test_a_replica_that_starts_with_redis_down_shares_by_the_expected_replicas(stores, own_server, caplog):
-    """It has seen no peer: without expected_replicas it would admit the whole limit alone,
-    and every replica starting in the same outage would do the same; so it fails closed."""
+async def test_a_replica_that_starts_with_redis_down_admits_alone_only_when_it_is_the_only_one(stores, own_server,
+                                                                                               caplog):
+    """It holds no lease: with other replicas it has no room of its own (they may be sharing
+    the whole limit); the only replica there is (expected_replicas: 1) has the whole limit;
+    without expected_replicas it does not know and fails closed."""
     caplog.set_level(logging.WARNING, logger="kvgate.store")
     own_server.stop()
     lim = limits(base=6, kv=None, tpm=None, guarantees={})
@@ -434,12 +436,13 @@ async def test_a_replica_that_starts_with_redis_down_shares_by_the_expected_repl
         got = [await rs.admit(plan(10, lim), T0) for _ in range(7)]
         assert rs.mode == MODE_LOCAL_SHARE
         granted[name] = sum(isinstance(g, Grant) for g in got)
-    assert granted == {"alone": 6, "expecting": 2}  # 6 / 3 replicas
-    assert "1/3 of each limit" in caplog.text
+    assert granted == {"alone": 6, "expecting": 0}
+    assert "1/3 of each token bucket" in caplog.text
 
 
 async def test_fail_closed_refuses_while_redis_is_down(stores, own_server):
-    rs = open_store(stores, cfg(own_server.url, timeout_s=1.0, on_unavailable="fail_closed"), ManualClock(T0))
+    rs = open_store(stores, cfg(own_server.url, timeout_s=0.5, lease_ttl_s=0.6, on_unavailable="fail_closed"),
+                    ManualClock(T0))
     assert isinstance(await rs.admit(plan(1), T0), Grant)
     own_server.stop()
     with pytest.raises(StoreUnavailableError, match="shared budget store unavailable"):
@@ -447,11 +450,17 @@ async def test_fail_closed_refuses_while_redis_is_down(stores, own_server):
     assert rs.mode == MODE_FAIL_CLOSED
     with pytest.raises(StoreUnavailableError):
         await rs.admit(plan(1), T0)
-    own_server.start()
+    own_server.start()  # empty: no admission until the replicas had a refresh to take their leases again
     assert not await rs.probe()
     rs._clock.advance(RECOVER_S)
     assert await rs.probe()
-    assert isinstance(await rs.admit(plan(1), T0), Grant)
+    with pytest.raises(StoreUnavailableError, match="lost its state"):
+        await rs.admit(plan(1), T0)
+    got = None
+    while not isinstance(got, Grant):
+        with contextlib.suppress(StoreUnavailableError):
+            got = await rs.admit(plan(1), T0)
+        await asyncio.sleep(0.05)  # the rebuild window runs on Redis's clock
 
 
 async def test_a_stalled_redis_times_out_and_the_lost_admission_is_cancelled(stores, own_server):
@@ -477,8 +486,13 @@ async def test_a_stalled_redis_times_out_and_the_lost_admission_is_cancelled(sto
     while not await rs.probe():
         assert loop.time() < deadline, "the resumed Redis never answered a probe"
         clock.advance(RECOVER_S / 2)  # the next probe, half the hysteresis later
-    # Whether or not Redis ran the timed-out admission, neither it nor `held` holds a slot.
+    # Whether or not Redis ran the timed-out admission, neither it nor `held` holds a slot;
+    # the grant made alone meanwhile is there, taken by the probes, until it is settled.
     r = redis_sync.Redis.from_url(own_server.url)
+    assert int(r.hget(f"{rs.config.key_prefix}{{p}}:st", "n") or 0) == 1
+    assert r.hkeys(f"{rs.config.key_prefix}{{p}}:lh") == [lost.id.encode()]
+    rs.settle(lost, 1, T0)
+    await rs.flush()
     assert int(r.hget(f"{rs.config.key_prefix}{{p}}:st", "n") or 0) == 0
     assert r.hlen(f"{rs.config.key_prefix}{{p}}:lh") == 0
 

@@ -3,7 +3,7 @@
 The Lua admit script and ``shared_nodes.pick_shared`` (``rules.pick_node`` over every
 replica's holds) agree on random states; two replicas' requests on one node never pass its
 room; a dead replica's node holds come back with its leases; and the rule while Redis is
-unreachable (``pick_share``) keeps the replicas together within each node's room.
+unreachable (``pick_within``) keeps the replicas together within each node's room.
 Instants come from manual clocks.
 """
 
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from extproc.admission import Admission, Lease, Outcome, Rejection, rules
 from extproc.admission.nodes import NodeReport
-from extproc.admission.shared_nodes import NodeAsk, pick_share, pick_shared, share_room
+from extproc.admission.shared_nodes import NodeAsk, pick_shared, pick_within
 from extproc.admission.types import Budget, Grant, Plan, PoolLimits, Refusal
 from extproc.admission.store.fallback import FLAP_WINDOW_S, MODE_LOCAL_SHARE, MODE_SHARED, RECOVER_MAX_S, RECOVER_S
 from extproc.admission.store.redis import RedisStore
@@ -273,44 +273,72 @@ async def test_the_proxys_allowed_endpoints_bound_the_shared_pick(redis_server):
 
 # --- while Redis is unreachable -----------------------------------------------------------------
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(cap=st.integers(0, 50_000), reserve=st.sampled_from((0.0, 0.1, 0.25)),
-       foreign=st.integers(0, 20_000), replicas=st.integers(1, 5),
-       steps=st.lists(st.tuples(st.integers(1, 8000), st.booleans()), min_size=1, max_size=40))
-def test_replicas_on_their_share_never_fill_a_node_past_its_room(cap, reserve, foreign, replicas, steps):
-    """Each replica reads as foreign the node's own KV plus the other replicas' requests as of
-    the node's last report (those admitted since are unseen); each admits within
-    ``share_room``; together they stay within floor(C x (1 - r)) - foreign."""
-    own = [0] * replicas
-    reported = [0] * replicas
+       foreign=st.integers(0, 20_000),
+       before=st.lists(st.integers(1, 8000), max_size=8),
+       steps=st.lists(st.tuples(st.sampled_from(("a_admit", "a_end", "b_admit", "b_end")), st.integers(1, 8000),
+                                st.integers(0, 63)), min_size=1, max_size=60))
+def test_a_replica_alone_and_one_sharing_never_fill_a_node_past_its_room(cap, reserve, foreign, before, steps):
+    """Replica A is cut off from Redis, replica B is not. B decides over the ledger
+    (``pick_shared``), where A's leases keep their holds because A's settles cannot be
+    sent; A decides within the room its leases hold beyond its live requests
+    (``pick_within``). Neither sees the other's requests in the node's reports (none is in
+    the cache yet: the worst case): together they stay within floor(C x (1 - r)) - foreign."""
     eff = rules.effective_capacity(cap, reserve)
-    for i, (need, scrape) in enumerate(steps):
-        if scrape:
-            reported = list(own)
-        r = i % replicas
-        seen_foreign = foreign + sum(reported) - reported[r]
-        ask = NodeAsk((("n0", cap, seen_foreign, own[r]),), need, reserve, 1.0)
-        if pick_share(ask, replicas).chosen == "n0":
-            own[r] += need
-        assert sum(own) <= max(0, eff - foreign)
-    assert share_room(cap, reserve, foreign, 0, 1) == eff - foreign
+    a_ledger: list[int] = []  # holds of A's leases in the ledger
+    a_live: list[int] = []
+    b_live: list[int] = []
+
+    def shared_admit(need: int) -> bool:
+        ask = NodeAsk((("n0", cap, foreign, 0),), need, reserve, 1.0)
+        return pick_shared(ask, {"n0": sum(a_ledger) + sum(b_live)}).chosen == "n0"
+
+    for need in before:  # A's admissions while it still reached Redis
+        if shared_admit(need):
+            a_ledger.append(need)
+            a_live.append(need)
+    for op, need, k in steps:
+        if op == "a_admit":
+            ask = NodeAsk((("n0", cap, foreign, sum(a_live)),), need, reserve, 1.0)
+            if pick_within(ask, {"n0": sum(a_ledger) - sum(a_live)}).chosen == "n0":
+                a_live.append(need)
+        elif op == "a_end" and a_live:
+            a_live.pop(k % len(a_live))  # its settle waits: the lease keeps holding in the ledger
+        elif op == "b_admit" and shared_admit(need):
+            b_live.append(need)
+        elif op == "b_end" and b_live:
+            b_live.pop(k % len(b_live))
+        assert sum(a_live) + sum(b_live) <= max(0, eff - foreign) or not (a_live or b_live) or \
+            (sum(a_live) + sum(b_live) <= sum(before))
 
 
-async def test_redis_down_picks_nodes_within_this_replicas_share(redis_server):
+def test_the_only_replica_picks_by_its_own_reading():
+    ask = NodeAsk((("n0", CAP, 1000, 2000),), 7000, 0.0, 1.0)
+    assert pick_within(ask, None).chosen == "n0"
+    assert pick_within(ask, {}).chosen is None and pick_within(ask, {"n0": 7000}).chosen == "n0"
+
+
+async def test_redis_down_picks_nodes_within_the_room_of_this_replicas_leases(redis_server):
     clock = ManualClock(T0)
     server = RedisServer().start()
     rs = RedisStore(cfg(server.url, timeout_s=0.5), clock=clock)
     try:
         ask = NodeAsk((("n0", CAP, 0, 0), ("n1", CAP, 0, 0)), 3000, 0.0, 1.0)
-        assert isinstance(await rs.admit(node_plan(ask), T0), Grant)
+        held = await rs.admit(node_plan(ask), T0)
+        assert isinstance(held, Grant) and held.picked == "n0"
         server.stop()
-        # two replicas expected: 5000 of each node is this one's; 3000 of n0 is held already
-        got = await rs.admit(node_plan(NodeAsk((("n0", CAP, 0, 3000), ("n1", CAP, 0, 0)),
-                                               3000, 0.0, 1.0)), T0)
-        assert rs.mode == MODE_LOCAL_SHARE and isinstance(got, Grant) and got.picked == "n1"
-        full = await rs.admit(node_plan(NodeAsk((("n0", CAP, 0, 3000), ("n1", CAP, 0, 3000)),
-                                                3000, 0.0, 1.0)), T0)
-        assert isinstance(full, Refusal) and full.budget is Budget.NODE_KV and full.used == 2000
+        # its one lease holds 3000 on n0, all taken by its live request: no room alone
+        both = NodeAsk((("n0", CAP, 0, 3000), ("n1", CAP, 0, 0)), 3000, 0.0, 1.0)
+        full = await rs.admit(node_plan(both), T0)
+        assert rs.mode == MODE_LOCAL_SHARE
+        assert isinstance(full, Refusal) and full.budget is Budget.NODE_KV and full.used == 0
+        rs.settle(held, 1, T0)  # ended; the lease holds its room in Redis until its settle lands
+        ended = NodeAsk((("n0", CAP, 0, 0), ("n1", CAP, 0, 0)), 3000, 0.0, 1.0)
+        got = await rs.admit(node_plan(ended), T0)
+        assert isinstance(got, Grant) and got.picked == "n0" and got.id.startswith("local:")
+        assert isinstance(await rs.admit(node_plan(NodeAsk((("n0", CAP, 0, 3000), ("n1", CAP, 0, 0)),
+                                                           1, 0.0, 1.0)), T0), Refusal)
     finally:
         await rs.close()
         server.close()
@@ -324,7 +352,8 @@ async def test_a_flapping_store_waits_longer_each_time_before_it_shares_again():
     store fails again within FLAP_WINDOW_S of a return, and is RECOVER_S again otherwise."""
     clock = ManualClock(T0)
     server = RedisServer().start()
-    rs = RedisStore(cfg(server.url, timeout_s=0.5), clock=clock)
+    # the only replica: it admits alone while Redis is away (the hysteresis is under test)
+    rs = RedisStore(cfg(server.url, timeout_s=0.5, expected_replicas=1), clock=clock)
     modes: list[str] = []
     try:
         await rs.start()
