@@ -92,6 +92,9 @@ class Errors:
     def store_mode(self, mode: str) -> None:
         pass
 
+    def store_nodes(self, pool: str, held: dict[str, int]) -> None:
+        pass
+
 
 def make(url: str | None, errors: Errors | None = None,
          replicas: int = 1) -> tuple[Admission, RedisStore | None]:

@@ -267,7 +267,12 @@ class Metrics:
         self.store_errors = Counter("kvgate_store_errors_total",
                                     "Failed round trips to the shared store, by reason.", ["reason"],
                                     registry=r)
+        self.shared_node_held = Gauge("kvgate_shared_node_held_tokens",
+                                      "KV tokens every replica's leases hold on each node, as the shared "
+                                      "ledger (Redis) said at this replica's last refresh.",
+                                      ["pool", "node"], registry=r)
         self._store_modes: set[str] = set()
+        self._shared_nodes: dict[str, set[str]] = {}
         self._request_children: dict[tuple[str, str, str], Any] = {}
         self._release_children: dict[tuple[str, str], Any] = {}
         self._decision_children: dict[str, Any] = {}
@@ -429,6 +434,16 @@ class Metrics:
         self.store_mode_since.set_to_current_time()
         for m in self._store_modes:
             self.store_mode_gauge.labels(m).set(1.0 if m == mode else 0.0)
+
+    def store_nodes(self, pool: str, held: dict[str, int]) -> None:
+        """store_nodes records what every replica's leases hold on each node of ``pool``; a node
+        the ledger no longer names drops to 0."""
+        seen = self._shared_nodes.setdefault(pool, set())
+        for node in seen - held.keys():
+            self.shared_node_held.labels(pool, node).set(0)
+        for node, tokens in held.items():
+            seen.add(node)
+            self.shared_node_held.labels(pool, node).set(tokens)
 
     # --- exposition ------------------------------------------------------------------
 

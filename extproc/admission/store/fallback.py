@@ -64,13 +64,16 @@ class StoreObserver(Protocol):
 
     ``store_error(reason)``: one failed round trip or dropped settle, ``reason`` in
     ``redis_client.ERROR_REASONS``; ``store_mode(mode)``: the store now decides in ``mode``
-    (one of ``MODES``), called once at start and on every change. Both are called on the
-    event loop and must not block.
+    (one of ``MODES``), called once at start and on every change; ``store_nodes(pool,
+    held)``: what every replica's leases hold on each node of ``pool`` (tokens per node),
+    as the ledger said at a refresh. All are called on the event loop and must not block.
     """
 
     def store_error(self, reason: str) -> None: ...
 
     def store_mode(self, mode: str) -> None: ...
+
+    def store_nodes(self, pool: str, held: dict[str, int]) -> None: ...
 
 
 class NullObserver:
@@ -82,6 +85,9 @@ class NullObserver:
         pass
 
     def store_mode(self, mode: str) -> None:
+        pass
+
+    def store_nodes(self, pool: str, held: dict[str, int]) -> None:
         pass
 
 

@@ -728,6 +728,9 @@ class RedisStore(Store):
     async def _refresh_round_trip(self) -> None:
         now = self._caller_now()
         cmds, pools, sent = self._refresh_cmds(now)
+        # and what every replica's leases hold on each node, for the metrics
+        known = list(self._keys)
+        cmds += [("HGETALL", self._keys[pool].nk) for pool in known]
         results = await self._client.round_trip(cmds)
         try:
             self._fallback.saw_replicas(int(results[0]))
@@ -736,7 +739,9 @@ class RedisStore(Store):
                 head, _, view = r.partition(b"|")
                 restored += int(head)
                 self._read_view(pool, view, now)
-        except (IndexError, TypeError, ValueError) as exc:
+            for pool, held in zip(known, results[1 + len(pools):]):
+                self._observer.store_nodes(pool, {k.decode(): int(v) for k, v in held.items()})
+        except (IndexError, TypeError, ValueError, AttributeError) as exc:
             raise RoundTripError(ERROR_RESPONSE, f"unexpected refresh reply: {exc}") from exc
         self._refreshed(pools, sent, now, lost=restored > 0)
         if restored:

@@ -24,12 +24,16 @@ class Recorder:
     def __init__(self) -> None:
         self.errors: list[str] = []
         self.modes: list[str] = []
+        self.nodes: dict[str, dict[str, int]] = {}
 
     def store_error(self, reason: str) -> None:
         self.errors.append(reason)
 
     def store_mode(self, mode: str) -> None:
         self.modes.append(mode)
+
+    def store_nodes(self, pool: str, held: dict[str, int]) -> None:
+        self.nodes[pool] = dict(held)
 
 
 class YieldingStore(Store):

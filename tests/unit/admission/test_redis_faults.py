@@ -16,6 +16,7 @@ import pytest
 import uvloop
 from redis.asyncio.connection import Connection
 
+from extproc.admission.shared_nodes import NodeAsk
 from extproc.admission.store.fallback import MODE_LOCAL_SHARE, MODE_SHARED, StoreUnavailableError
 from extproc.admission.store.redis import RedisStore
 from extproc.admission.store.redis_client import ERROR_CONNECTION, RedisClient, RoundTripError
@@ -283,3 +284,39 @@ async def test_a_redis_restarted_empty_admits_nothing_until_the_live_leases_are_
             assert not isinstance(await store.admit(slots_plan(), clock.now()), Grant)
         finally:
             await store.close()
+
+
+async def test_the_ledgers_node_totals_reach_the_observer_at_each_refresh(redis_server):
+    seen = Recorder()
+    clock = ManualClock(1000.0)
+    a = RedisStore(config(redis_server.url), observer=seen, clock=clock)
+    b = RedisStore(RedisStoreConfig(url=redis_server.url, key_prefix=a.config.key_prefix, timeout_s=1.0),
+                   clock=clock)
+    try:
+        ask = NodeAsk((("n0", 10_000, 0, 0), ("n1", 10_000, 0, 0)), 3000, 0.0, 1.0)
+        plan = Plan(slots_plan(64).limits, "a", "standard", 10, None, ask)
+        ga = await a.admit(plan, clock.now())
+        gb = await b.admit(plan, clock.now())
+        assert isinstance(ga, Grant) and isinstance(gb, Grant) and {ga.picked, gb.picked} == {"n0", "n1"}
+        assert await a.refresh()
+        assert seen.nodes["p"] == {"n0": 3000, "n1": 3000}  # both replicas' holds
+        b.settle(gb, 10, clock.now())
+        await b.flush()
+        assert await a.refresh()
+        assert seen.nodes["p"] == {ga.picked: 3000, gb.picked: 0}
+    finally:
+        await a.close()
+        await b.close()
+
+
+def test_the_shared_node_gauge_follows_the_ledger_and_drops_a_node_it_no_longer_names():
+    from prometheus_client import CollectorRegistry
+
+    from extproc.metrics import Metrics
+
+    m = Metrics(CollectorRegistry())
+    m.store_nodes("p", {"n0": 3000, "n1": 1200})
+    m.store_nodes("p", {"n0": 500})
+    value = m.registry.get_sample_value
+    assert value("kvgate_shared_node_held_tokens", {"pool": "p", "node": "n0"}) == 500
+    assert value("kvgate_shared_node_held_tokens", {"pool": "p", "node": "n1"}) == 0
