@@ -287,6 +287,17 @@ def figures(rr: RowRun, background: Background, reference: float | None) -> Figu
         shared_again=again, degraded=tuple(degraded_s(rr.polls, i) for i in range(n)), kv_max=kv_max)
 
 
+def error_answers(results: Sequence[Result]) -> dict[str, int]:
+    """error_answers counts the requests that ended in an error by the last answer they got
+    (an HTTP status, or ``no answer`` when the connection failed), most frequent first."""
+    counts: dict[str, int] = {}
+    for r in results:
+        if r.status == "error":
+            key = "no answer" if r.last_status is None else str(r.last_status)
+            counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
 def verdict(row: Row, f: Figures) -> dict[str, bool | None]:
     """verdict is each target's outcome for a row: True (PASS), False (FAIL), None (does not apply)."""
     goal = NO_FAULT_GOODPUT if row.fault.kind == "none" else FAULT_GOODPUT
@@ -588,15 +599,20 @@ def report(runs: list[RowRun], sc: Scenario, trace: str, rows: int, reqs: list[R
         overall = None if rr.run.error else (all(applied) if applied else None)
         lines.append(f"| {rr.row.key} | " + " | ".join(_mark(x) for x in v.values())
                      + f" | {'**error**' if rr.run.error else _mark(overall)} |")
-    lines += ["", "## What each fault did", ""]
+    lines += ["", "## What each fault did, and the errors clients saw", ""]
     for rr in runs:
+        errors = error_answers(rr.run.results)
+        seen = ("; requests ended in an error, by their last answer: "
+                + ", ".join(f"{k} x {v}" for k, v in errors.items())) if errors else ""
         if rr.row.fault.kind == "none":
+            if seen:
+                lines.append(f"- {rr.row.key}: no fault{seen}.")
             continue
         acts = ", ".join(f"{a} at {t:.1f} s" for t, a in rr.done)
         extra = f"; Redis answered again at {rr.answered_at:.1f} s" if rr.answered_at is not None else ""
         if rr.row.fault.kind == "reset":
             extra += f"; {rr.resets} connections reset"
-        lines.append(f"- {rr.row.key}: {acts or 'nothing carried out'}{extra} (real s from the run's start).")
+        lines.append(f"- {rr.row.key}: {acts or 'nothing carried out'} (real s from the run's start){extra}{seen}.")
     online = [r for r in reqs if r.klass == "online"]
     bg = sc.background
     lines += [
@@ -609,7 +625,8 @@ def report(runs: list[RowRun], sc: Scenario, trace: str, rows: int, reqs: list[R
         "See `bench/results/trace.md` for the workload's details.",
         f"- Nodes: {NODES} simulated vLLM nodes of {NODE.kv_capacity_tokens:,} KV tokens each, shared by every "
         "replica of a row. KV use is the blocks requests and background hold / the node's blocks, sampled every "
-        f"{0.5 / speedup:.2f} real s.",
+        f"{0.5 / speedup:.2f} real s; above 100 %, the background load rose on a node whose requests held its "
+        "room (the node then preempts).",
         f"- Replicas: each a `kvgate serve` behind its own Envoy (`deploy/envoy-endpoint-picker.yaml`), "
         f"configured as bench_trace's `{POLICY.key}` policy (picking: "
         + ", ".join(f"{k} {v}" for k, v in (POLICY.picking or {}).items()) + f") with "
