@@ -15,7 +15,7 @@ VLLM_VERSION ?= 0.32.0
 # e.g. BENCH_VLLM_ARGS="--runs 3 --rows direct,kvgate"
 BENCH_VLLM_ARGS ?=
 
-.PHONY: install run test test-under-load test-unit test-e2e test-vllm bench bench-admission bench-overhead bench-cpu bench-picker bench-protection bench-redis bench-redis-timeout bench-scrape bench-tokens bench-trace bench-vllm bench-loop-lag bench-big-prompt bench-memory bench-log-batches bench-pick bench-usage-filter install-vllm check-config clean
+.PHONY: install run test test-under-load test-unit test-e2e test-vllm bench bench-admission bench-overhead bench-cpu bench-picker bench-protection bench-redis bench-redis-timeout bench-scrape bench-tokens bench-trace bench-replicas bench-vllm bench-loop-lag bench-big-prompt bench-memory bench-log-batches bench-pick bench-usage-filter install-vllm check-config clean
 
 install: $(STAMP)
 
@@ -113,6 +113,12 @@ bench-trace: install
 	mkdir -p $(BENCH_OUT)
 	$(PY) bench/bench_trace.py --trace $(TRACE) --out $(BENCH_OUT)
 
+# The same trace through one, two and three kvgate replicas sharing the nodes through Redis,
+# with Redis stopped, flapping, its connections reset, or a replica killed (issue 28).
+bench-replicas: install
+	mkdir -p $(BENCH_OUT)
+	$(PY) bench/bench_replicas.py --trace $(TRACE) --out $(BENCH_OUT)/replicas.md
+
 bench-redis: install
 	mkdir -p $(BENCH_OUT)
 	$(PY) bench/bench_redis.py --out $(BENCH_OUT)/redis.md
@@ -157,7 +163,7 @@ bench-big-prompt: install
 	mkdir -p $(BENCH_OUT)
 	$(PY) bench/bench_big_prompt.py --out $(BENCH_OUT)/big-prompt.md
 
-bench: bench-admission bench-scrape bench-tokens bench-overhead bench-memory bench-log-batches bench-pick bench-usage-filter bench-cpu bench-picker bench-protection bench-trace bench-redis bench-redis-timeout bench-loop-lag bench-big-prompt
+bench: bench-admission bench-scrape bench-tokens bench-overhead bench-memory bench-log-batches bench-pick bench-usage-filter bench-cpu bench-picker bench-protection bench-trace bench-replicas bench-redis bench-redis-timeout bench-loop-lag bench-big-prompt
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

@@ -1,0 +1,733 @@
+"""bench_replicas: the conversation trace through one, two and three kvgate replicas that pick
+among the same three simulated nodes and share them through one Redis, with Redis, or the
+path to it, broken mid-run (issue 28).
+
+Each replica is its own ``kvgate serve`` behind its own Envoy
+(``deploy/envoy-endpoint-picker.yaml``, as bench_trace's picking policies), configured as
+bench_trace's ``picker-learned`` policy (learned growth, reserve 0.1: the recommended
+setting with the Redis store) plus the Redis store (``on_unavailable: local_share``,
+``expected_replicas``: the row's replica count). The replicas share one Redis-protocol
+server (``kvgate_testkit.redis_server``), and each reaches it through a TCP fault proxy of
+its own (``kvgate_testkit.faultproxy``). Identical clients replay bench_trace's requests
+(same window, same seed), request ``i`` going to replica ``i mod N``'s Envoy; a retry goes
+back to the same Envoy. Every row starts fresh nodes, replicas, proxies and Redis.
+
+Faults (real seconds from the run's start; the fault begins at 20 % of the arrivals' span):
+
+- ``stop2`` / ``stop10``: Redis stopped with SIGSTOP for 2 s / 10 s, then SIGCONT: the
+  connections stay open and nothing answers (a hung server, not a crash; Redis keeps its
+  memory);
+- ``flap``: Redis stopped 2 s, answering 2 s, five times (20 s);
+- ``reset``: every replica's connections to Redis reset (TCP RST, new ones too) for 0.5 s
+  every 2 s, for 20 s;
+- ``kill``: the last replica's kvgate SIGKILLed; its Envoy stays and answers its share of the
+  requests without ext_proc (what the clients see is counted).
+
+Per row: preemptions (the nodes' counters), goodput and its ratio to the one-replica row,
+429s per replica and the largest replica's share of them, online TTFT p99 and request
+latency p99, the longest any replica took to report ``kvgate_store_mode{mode="shared"} 1``
+after Redis answered again (polled every 100 ms), and each node's highest KV use.
+Targets: 0 preemptions; goodput >= 0.97 of one replica's without a fault, >= 0.9 under a
+fault; no replica's share of the 429s above 1.2 / replicas (60/40 for two); every replica
+shared again within 2 s of Redis answering. Writes ``bench/results/replicas.md``.
+
+    python bench/bench_replicas.py [--trace ../shared/traces/azure-conv-2023.csv] [--tiny]
+                                   [--rows 1x-none,2x-*] [--speedup 3] [--seed 1] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from the repository root
+    sys.path.insert(0, str(ROOT))
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import fnmatch  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from datetime import datetime, timezone  # noqa: E402
+from typing import Any  # noqa: E402
+
+import aiohttp  # noqa: E402
+import orjson  # noqa: E402
+import yaml  # noqa: E402
+
+from bench.bench_trace import (DEFAULT_TRACE, FULL, NODE, NODES, POLICIES, TRACE_SLICE, Background,  # noqa: E402
+                               Burst, Client, Req, Result, Run, Scenario, Summary, _background, _fmt,
+                               _pct, _sample, _wait_signals, build_requests, envoy_for, kvgate_config,
+                               read_trace, summarize)
+from bench.bench_protection import Node  # noqa: E402
+from extproc.config import parse_config  # noqa: E402
+from kvgate_testkit.faultproxy import FaultProxy  # noqa: E402
+from kvgate_testkit.procs import LOOPBACK, VENV_BIN, Proc, exit_on_sigterm, free_port  # noqa: E402
+from kvgate_testkit.redis_server import RedisServer, _ping, redis_server_binary, server_version  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results" / "replicas.md"
+POLICY = next(p for p in POLICIES if p.key == "picker-learned")
+# Real seconds: a replica's leases outlive it by this much (30 s simulated at the default speedup,
+# as bench_trace divides kvgate's durations by the speedup).
+LEASE_TTL_S = 10.0
+# The fault starts at this share of the arrivals' span (real time).
+FAULT_AT = 0.2
+# How long (real s) after the run the benchmark still waits for every replica to be shared again.
+RECOVERY_WAIT_S = 12.0
+MODE_POLL_S = 0.1
+NO_FAULT_GOODPUT = 0.97
+FAULT_GOODPUT = 0.9
+SHARED_WITHIN_S = 2.0
+# 60/40 between two replicas: the largest share of the 429s may be 1.2 times the fair one.
+SPLIT_SLACK = 1.2
+
+# Thirty trace seconds: a smoke run with a burst and background load, a few real seconds a row.
+TINY = Scenario(
+    name="tiny", start_s=1560.0, window_s=30.0, compress=1.4, online_tenants=6,
+    max_tokens_mix=FULL.max_tokens_mix,
+    bursts=(Burst(at=6.0, count=2, prompt=(6000, 8000), output=(20, 40)),),
+    batch_max_tokens=64,
+    background=Background(node=2, tokens=16_384, start_s=5.0, end_s=14.0, ramp_s=2.0),
+    drain_s=10.0)
+
+
+# --- faults ------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """Fault is what breaks during a row, in real seconds.
+
+    ``kind``: ``none``, ``pause`` (Redis SIGSTOPped ``down_s``), ``flap`` (paused ``down_s``
+    at the start of every ``period_s`` for ``span_s``), ``reset`` (every proxy resets its
+    connections for ``down_s`` at the start of every ``period_s`` for ``span_s``) or ``kill``
+    (the last replica's kvgate gets SIGKILL).
+    """
+
+    key: str
+    title: str
+    kind: str
+    down_s: float = 0.0
+    period_s: float = 0.0
+    span_s: float = 0.0
+
+    @property
+    def redis(self) -> bool:
+        """redis tells whether the fault cuts the replicas off Redis (so recovery is timed)."""
+        return self.kind in ("pause", "flap", "reset")
+
+
+FAULTS: tuple[Fault, ...] = (
+    Fault("none", "no fault", "none"),
+    Fault("stop2", "Redis stopped 2 s", "pause", down_s=2.0),
+    Fault("stop10", "Redis stopped 10 s", "pause", down_s=10.0),
+    Fault("flap", "Redis flapping (2 s stopped, 2 s up, 20 s)", "flap", down_s=2.0, period_s=4.0, span_s=20.0),
+    Fault("reset", "connections reset (0.5 s every 2 s, 20 s)", "reset", down_s=0.5, period_s=2.0, span_s=20.0),
+    Fault("kill", "one replica SIGKILLed", "kill"),
+)
+
+
+def fault_plan(fault: Fault, at_s: float) -> list[tuple[float, str]]:
+    """fault_plan is the fault's actions in order as (real s from the run's start, action).
+
+    Actions: ``down`` / ``up`` (Redis paused / resumed), ``reset`` / ``pass`` (the proxies'
+    mode), ``kill``. The last ``up`` or ``pass`` is when Redis answers again.
+    """
+    if fault.kind == "pause":
+        return [(at_s, "down"), (at_s + fault.down_s, "up")]
+    if fault.kind in ("flap", "reset"):
+        on, off = ("down", "up") if fault.kind == "flap" else ("reset", "pass")
+        plan: list[tuple[float, str]] = []
+        t = at_s
+        while t < at_s + fault.span_s - 1e-9:
+            plan += [(t, on), (t + fault.down_s, off)]
+            t += fault.period_s
+        return plan
+    if fault.kind == "kill":
+        return [(at_s, "kill")]
+    return []
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """Row is one line of the table: ``replicas`` kvgate replicas under ``fault``."""
+
+    replicas: int
+    fault: Fault
+
+    @property
+    def key(self) -> str:
+        return f"{self.replicas}x-{self.fault.key}"
+
+
+def all_rows() -> list[Row]:
+    """all_rows is the full matrix: one replica without a fault (the reference), then two and
+    three replicas under every fault."""
+    return [Row(1, FAULTS[0]), *(Row(n, f) for n in (2, 3) for f in FAULTS)]
+
+
+TINY_ROWS = ("1x-none", "2x-none", "2x-stop2", "2x-kill")
+
+
+def select_rows(rows: Sequence[Row], patterns: Sequence[str]) -> list[Row]:
+    """select_rows keeps the rows whose key matches one of the shell patterns (``2x-*``), in order."""
+    return [r for r in rows if any(fnmatch.fnmatchcase(r.key, p) for p in patterns)]
+
+
+# --- the pure figures of a row -------------------------------------------------------------
+
+def max_share(counts: Sequence[int]) -> float | None:
+    """max_share is the largest count's share of the total (a ratio), None when the total is 0."""
+    total = sum(counts)
+    return max(counts) / total if total > 0 else None
+
+
+def split_limit(replicas: int) -> float:
+    """split_limit is the largest share of the 429s one of ``replicas`` identical replicas may get."""
+    return min(1.0, SPLIT_SLACK / replicas)
+
+
+def shared_again_s(answered_at: float, polls: Sequence[tuple[float, Sequence[str | None]]],
+                   live: Sequence[bool]) -> float | None:
+    """shared_again_s is how long (s) after ``answered_at`` the first poll came in which every
+    replica marked ``live`` reported mode ``shared``; None if none did.
+
+    ``polls``: (instant, each replica's mode or None when its metrics did not answer), in order.
+    """
+    for t, modes in polls:
+        if t >= answered_at and all(m == "shared" for m, up in zip(modes, live) if up):
+            return t - answered_at
+    return None
+
+
+def degraded_s(polls: Sequence[tuple[float, Sequence[str | None]]], replica: int) -> float:
+    """degraded_s is how long (s) ``replica`` reported a mode other than ``shared``, by the polls."""
+    total = 0.0
+    for (t, modes), (t_next, _) in zip(polls, polls[1:]):
+        if modes[replica] not in ("shared", None):
+            total += t_next - t
+    return total
+
+
+def mode_from_metrics(text: str) -> str | None:
+    """mode_from_metrics is the mode ``kvgate_store_mode`` marks 1 in an exposition, or None."""
+    for line in text.splitlines():
+        if line.startswith('kvgate_store_mode{mode="'):
+            name, _, value = line.partition("} ")
+            if float(value) == 1.0:
+                return name[len('kvgate_store_mode{mode="'):-1]
+    return None
+
+
+@dataclass(slots=True)
+class RowRun:
+    """RowRun is what one row measured; instants in real seconds from the run's start."""
+
+    row: Row
+    run: Run
+    replica_of: list[int] = field(default_factory=list)   # by request id
+    polls: list[tuple[float, list[str | None]]] = field(default_factory=list)
+    live: list[bool] = field(default_factory=list)         # replicas alive at the end
+    answered_at: float | None = None                        # Redis answering again after the fault
+    plan: list[tuple[float, str]] = field(default_factory=list)
+    done: list[tuple[float, str]] = field(default_factory=list)   # the plan as carried out
+    resets: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Figures:
+    """Figures are one row's results: counts per replica, shares, seconds (latencies simulated)."""
+
+    summary: Summary
+    preemptions: int
+    goodput_ratio: float | None
+    refusals: tuple[int, ...]       # 429 answers per replica, retries included
+    ok: tuple[int, ...]
+    refused: tuple[int, ...]
+    errors: tuple[int, ...]
+    share: float | None             # the largest share of the 429s among the replicas alive at the end
+    alive: int                      # how many replicas that share is among
+    latency_p99: float | None
+    shared_again: float | None
+    degraded: tuple[float, ...]
+    kv_max: tuple[float, ...]       # each node's highest KV use / capacity (requests + background)
+
+
+def figures(rr: RowRun, background: Background, reference: float | None) -> Figures:
+    """figures turns a row's run into its figures; ``reference`` is the one-replica goodput."""
+    s = summarize(rr.run, background)
+    n = rr.row.replicas
+    per: list[list[Result]] = [[] for _ in range(n)]
+    for r in rr.run.results:
+        per[rr.replica_of[r.req.id]].append(r)
+    refusals = tuple(sum(r.refusals for r in rs) for rs in per)
+    # A killed replica's Envoy answers 503, never 429: the split is the survivors'.
+    alive = [c for c, up in zip(refusals, rr.live) if up]
+    ok = [r for r in rr.run.results if r.status == "ok" and r.done_at is not None]
+    kv_max = tuple(max(((row["nodes"][i]["used_blocks"] + row["nodes"][i]["background_blocks"])
+                        / row["nodes"][i]["total_blocks"] for row in rr.run.timeline), default=0.0)
+                   for i in range(NODES))
+    again = None
+    if rr.row.fault.redis and rr.answered_at is not None:
+        again = shared_again_s(rr.answered_at, rr.polls, rr.live)
+    return Figures(
+        summary=s, preemptions=sum(rr.run.preemptions),
+        goodput_ratio=s.goodput / reference if reference else None,
+        refusals=refusals,
+        ok=tuple(sum(r.status == "ok" for r in rs) for rs in per),
+        refused=tuple(sum(r.status == "refused" for r in rs) for rs in per),
+        errors=tuple(sum(r.status == "error" for r in rs) for rs in per),
+        share=max_share(alive) if len(alive) > 1 else None, alive=len(alive),
+        latency_p99=_pct([r.done_at - r.req.at for r in ok if r.done_at is not None], 0.99),
+        shared_again=again, degraded=tuple(degraded_s(rr.polls, i) for i in range(n)), kv_max=kv_max)
+
+
+def error_answers(results: Sequence[Result]) -> dict[str, int]:
+    """error_answers counts the requests that ended in an error by the last answer they got
+    (an HTTP status, or ``no answer`` when the connection failed), most frequent first."""
+    counts: dict[str, int] = {}
+    for r in results:
+        if r.status == "error":
+            key = "no answer" if r.last_status is None else str(r.last_status)
+            counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def verdict(row: Row, f: Figures) -> dict[str, bool | None]:
+    """verdict is each target's outcome for a row: True (PASS), False (FAIL), None (does not apply)."""
+    goal = NO_FAULT_GOODPUT if row.fault.kind == "none" else FAULT_GOODPUT
+    return {
+        "0 preemptions": f.preemptions == 0,
+        "goodput": None if f.goodput_ratio is None or row.key == "1x-none" else f.goodput_ratio >= goal,
+        "429 split": None if f.alive < 2 else (f.share is None or f.share <= split_limit(f.alive)),
+        f"shared within {SHARED_WITHIN_S:g} s": (None if not row.fault.redis
+                                                  else f.shared_again is not None
+                                                  and f.shared_again <= SHARED_WITHIN_S),
+    }
+
+
+# --- one row ----------------------------------------------------------------------------------
+
+class Clients:
+    """Clients are the replicas' clients seen as one, for bench_trace's sampler and background load."""
+
+    def __init__(self, clients: Sequence[Client]) -> None:
+        self.clients = list(clients)
+        self.speedup = clients[0].speedup
+
+    def sim_now(self) -> float:
+        return self.clients[0].sim_now()
+
+    @property
+    def open(self) -> dict[str, int]:
+        return {k: sum(c.open[k] for c in self.clients) for k in ("online", "batch")}
+
+    @property
+    def refusals(self) -> dict[str, int]:
+        return {k: sum(c.refusals[k] for c in self.clients) for k in ("online", "batch")}
+
+
+async def _poll_modes(session: aiohttp.ClientSession, admin_urls: Sequence[str], t0: float,
+                      polls: list[tuple[float, list[str | None]]], live: list[bool]) -> None:
+    """_poll_modes reads every live replica's store mode every MODE_POLL_S real seconds."""
+    timeout = aiohttp.ClientTimeout(total=1.0)
+
+    async def one(i: int, url: str) -> str | None:
+        if not live[i]:
+            return None
+        try:
+            async with session.get(f"{url}/metrics", timeout=timeout) as resp:
+                return mode_from_metrics(await resp.text())
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return None
+
+    tick = time.monotonic()
+    while True:
+        modes = await asyncio.gather(*(one(i, u) for i, u in enumerate(admin_urls)))
+        polls.append((time.monotonic() - t0, list(modes)))
+        tick += MODE_POLL_S
+        await asyncio.sleep(max(0.0, tick - time.monotonic()))
+
+
+async def _answers(port: int, timeout: float = 30.0) -> bool:
+    """_answers waits until the Redis server on ``port`` answers PING (True), or gives up after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await asyncio.to_thread(_ping, port):
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+async def _inject(rr: RowRun, t0: float, redis: RedisServer, proxies: Sequence[FaultProxy],
+                  victim: Proc | None) -> None:
+    """_inject carries out the row's plan at its instants and notes when Redis answers again."""
+    for at, action in rr.plan:
+        await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
+        if action == "down":
+            redis.pause()
+        elif action == "up":
+            redis.resume()
+        elif action in ("reset", "pass"):
+            for p in proxies:
+                p.set_mode(action)
+        elif action == "kill" and victim is not None:
+            victim.popen.kill()  # SIGKILL: no settle, no goodbye
+            rr.live[-1] = False
+        rr.done.append((time.monotonic() - t0, action))
+        if action == "up":
+            if await _answers(redis.port):
+                rr.answered_at = time.monotonic() - t0
+        elif action == "pass":
+            rr.answered_at = time.monotonic() - t0
+
+
+async def drive_row(rr: RowRun, reqs: list[Req], sc: Scenario, speedup: float, envoy_ports: Sequence[int],
+                    sim_urls: Sequence[str], admin_urls: Sequence[str], redis: RedisServer,
+                    proxies: Sequence[FaultProxy], victim: Proc | None, label: str) -> None:
+    """drive_row sends each request to its replica's Envoy, places the background load, samples
+    the nodes, polls the replicas' store modes and injects the fault, until every request has
+    ended and every replica is shared again (or RECOVERY_WAIT_S has passed)."""
+    n = rr.row.replicas
+    t0 = time.monotonic() + 0.2
+    deadline = t0 + (sc.duration_s + sc.drain_s) / speedup
+    clients = [Client(f"http://{LOOPBACK}:{p}/v1/chat/completions", speedup, t0, deadline, None)
+               for p in envoy_ports]
+    together = Clients(clients)
+    run = rr.run
+    run.results = [Result(r) for r in reqs]
+    rr.replica_of = [r.id % n for r in reqs]
+    rr.live = [True] * n
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        tasks = [asyncio.create_task(_sample(session, together, sim_urls, None, run.timeline,  # type: ignore[arg-type]
+                                             0.5 / speedup, None)),
+                 asyncio.create_task(_background(session, together, sim_urls, sc.background,  # type: ignore[arg-type]
+                                                 run.background)),
+                 asyncio.create_task(_poll_modes(session, admin_urls, t0, rr.polls, rr.live))]
+        inject = asyncio.create_task(_inject(rr, t0, redis, proxies, victim))
+        try:
+            limit = (sc.duration_s + sc.drain_s) / speedup + 60.0
+            await asyncio.wait_for(asyncio.gather(
+                *(clients[rr.replica_of[r.req.id]].send(session, r) for r in run.results)), timeout=limit)
+            await asyncio.wait_for(inject, timeout=60.0)
+            if rr.row.fault.redis and rr.answered_at is not None:
+                until = time.monotonic() + RECOVERY_WAIT_S
+                while time.monotonic() < until and shared_again_s(rr.answered_at, rr.polls, rr.live) is None:
+                    await asyncio.sleep(MODE_POLL_S)
+        except TimeoutError:
+            run.error = "the run did not end within its time limit; unfinished requests count as errors"
+        finally:
+            for task in (*tasks, inject):
+                if not task.done():
+                    task.cancel()
+            for task in (*tasks, inject):
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+        run.preemptions = []
+        for url in sim_urls:
+            async with session.get(f"{url}/sim/state") as resp:
+                run.preemptions.append((await resp.json(loads=orjson.loads))["preemptions"])
+    for r in run.results:
+        if r.status == "pending":
+            r.status = "error"
+    print(f"  [{label}] {sum(r.status == 'ok' for r in run.results)}/{len(run.results)} completed", flush=True)
+
+
+def replica_config(sc: Scenario, speedup: float, sim_ports: Sequence[int], redis_url: str, replicas: int,
+                   node: Node = NODE) -> dict[str, Any]:
+    """replica_config is one replica's kvgate configuration: bench_trace's ``picker-learned``
+    policy with the Redis store at ``redis_url`` (lease TTL LEASE_TTL_S real seconds, the
+    default round-trip timeout, ``local_share`` while Redis is unavailable)."""
+    cfg = kvgate_config(POLICY, sc, speedup, sim_ports, node)
+    cfg["store"] = {"redis": {"url": redis_url, "key_prefix": "bench-replicas:", "lease_ttl_s": LEASE_TTL_S,
+                              "on_unavailable": "local_share", "expected_replicas": replicas}}
+    parse_config(cfg)
+    return cfg
+
+
+def run_row(row: Row, reqs: list[Req], sc: Scenario, speedup: float, seed: int, workdir: Path,
+            label: str) -> RowRun:
+    """run_row starts Redis, three nodes and the row's replicas (a fault proxy, kvgate and Envoy
+    each), replays the requests under the row's fault and stops everything."""
+    rr = RowRun(row, Run(POLICY))
+    workdir.mkdir(parents=True, exist_ok=True)
+    procs: list[Proc] = []
+    proxies: list[FaultProxy] = []
+    redis = RedisServer(workdir / "redis")
+    (workdir / "redis").mkdir(exist_ok=True)
+    started = time.monotonic()
+    try:
+        redis.start()
+        sim_ports = [free_port() for _ in range(NODES)]
+        sims = [Proc([*NODE.argv(port, speedup, seed + i, "preempt"),
+                      "--default-max-tokens", str(NODE.max_model_len)], workdir / f"sim-{i}.log")
+                for i, port in enumerate(sim_ports)]
+        procs.extend(sims)
+        kvgates: list[Proc] = []
+        admin_ports, grpc_ports, envoy_ports = [], [], []
+        for k in range(row.replicas):
+            proxy = FaultProxy(redis.port).start()
+            proxies.append(proxy)
+            grpc_port, admin_port = free_port(), free_port()
+            cfg_path = workdir / f"kvgate-{k}.yaml"
+            cfg_path.write_text(yaml.safe_dump(replica_config(sc, speedup, sim_ports,
+                                                              f"redis://{LOOPBACK}:{proxy.port}/0", row.replicas),
+                                               sort_keys=False))
+            kv = Proc([sys.executable, "-m", "extproc", "serve", "--config", str(cfg_path),
+                       "--grpc-listen", f"{LOOPBACK}:{grpc_port}", "--admin-listen", f"{LOOPBACK}:{admin_port}",
+                       "--log-level", "warning"], workdir / f"kvgate-{k}.log")
+            kvgates.append(kv)
+            grpc_ports.append(grpc_port)
+            admin_ports.append(admin_port)
+        procs.extend(kvgates)
+        for sim, port in zip(sims, sim_ports):
+            sim.wait_port(port)
+        envoys = []
+        for k in range(row.replicas):
+            envoy_port = free_port()
+            envoy_yaml = workdir / f"envoy-{k}.yaml"
+            envoy_yaml.write_text(yaml.safe_dump(envoy_for(POLICY, listen=envoy_port, grpc=grpc_ports[k],
+                                                           sim_ports=sim_ports), sort_keys=False))
+            envoys.append(Proc([str(VENV_BIN / "envoy"), "-c", str(envoy_yaml), "--log-level", "error",
+                                "--disable-hot-restart", "--concurrency", "1"], workdir / f"envoy-{k}.log"))
+            envoy_ports.append(envoy_port)
+        procs.extend(envoys)
+        for kv, admin_port, grpc_port in zip(kvgates, admin_ports, grpc_ports):
+            kv.wait_port(admin_port)
+            kv.wait_port(grpc_port)
+            _wait_signals(f"http://{LOOPBACK}:{admin_port}", timeout=20.0)
+        for envoy, port in zip(envoys, envoy_ports):
+            envoy.wait_port(port)
+        rr.plan = fault_plan(row.fault, FAULT_AT * sc.duration_s / speedup)
+        asyncio.run(drive_row(rr, reqs, sc, speedup, envoy_ports, [f"http://{LOOPBACK}:{p}" for p in sim_ports],
+                              [f"http://{LOOPBACK}:{p}" for p in admin_ports], redis, proxies,
+                              kvgates[-1] if row.fault.kind == "kill" else None, label))
+        rr.resets = sum(p.resets for p in proxies)
+        victim = kvgates[-1] if row.fault.kind == "kill" else None
+        for p in procs:
+            if p is not victim and not p.alive():
+                rr.run.error = (rr.run.error or "") + f" {Path(p.argv[0]).name} exited during the run"
+    except Exception as exc:  # one row failing must not lose the others' results
+        rr.run.error = f"{type(exc).__name__}: {exc}"[:2000]
+    finally:
+        for p in reversed(procs):
+            p.stop()
+        for proxy in proxies:
+            proxy.stop()
+        redis.stop()
+    rr.run.wall_s = time.monotonic() - started
+    return rr
+
+
+# --- the report -----------------------------------------------------------------------------
+
+def _mark(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("PASS" if ok else "**FAIL**")
+
+
+def _seconds(x: float | None, bound: float | None = None) -> str:
+    if x is not None:
+        return f"{x:.1f}"
+    return "n/a" if bound is None else f"> {bound:.0f}"
+
+
+def git_revision() -> str:
+    """git_revision is the checkout's short commit, with ``-dirty`` when tracked files changed."""
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=10"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=10, check=True)
+        return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def report(runs: list[RowRun], sc: Scenario, trace: str, rows: int, reqs: list[Req], speedup: float,
+           seed: int, wall_s: float, command: str, redis_binary: str) -> list[str]:
+    """report is the markdown report's lines: the table, the targets per row and the setup."""
+    ref_run = next((r for r in runs if r.row.key == "1x-none" and r.run.error is None), None)
+    ref = summarize(ref_run.run, sc.background).goodput if ref_run is not None else None
+    figs = {r.row.key: figures(r, sc.background, ref) for r in runs}
+    recovery_bound = RECOVERY_WAIT_S
+    lines = [
+        "# Replicas: the conversation trace through 1-3 kvgate replicas sharing three nodes through Redis",
+        "",
+        f"Generated by `{command}` (`make bench-replicas`) at revision `{git_revision()}` on "
+        f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC: scenario `{sc.name}`, seed {seed}, speedup "
+        f"{speedup:g}x, {len(runs)} rows in {wall_s:.0f} s wall time on {os.cpu_count()} cores "
+        f"({platform.python_implementation()} {platform.python_version()}, {server_version(redis_binary)}).",
+        "",
+        "| row | preemptions: node 0 / 1 / 2 = total | goodput (tok/s) | / 1 replica | 429s per replica "
+        "| largest share | online TTFT p99 (s) | latency p99 (s) | ok / refused / error per replica "
+        "| shared again after Redis answered (s) | time not shared per replica (s) | highest KV use per node |",
+        "|---|---|---:|---:|---|---:|---:|---:|---|---:|---|---|",
+    ]
+    for rr in runs:
+        f = figs[rr.row.key]
+        s = f.summary
+        name = f"{rr.row.key}: {rr.row.replicas} replica{'s' if rr.row.replicas > 1 else ''}, {rr.row.fault.title}"
+        if rr.run.error:
+            name += f" (**error**: {rr.run.error.strip()})"
+        per = " ; ".join(f"{a} / {b} / {c}" for a, b, c in zip(f.ok, f.refused, f.errors))
+        again = _seconds(f.shared_again, recovery_bound) if rr.row.fault.redis else "n/a"
+        lines.append(
+            f"| {name} | {' / '.join(map(str, rr.run.preemptions))} = {f.preemptions} | {s.goodput:,.0f} "
+            f"| {_fmt(f.goodput_ratio)} | {' / '.join(map(str, f.refusals))} "
+            f"| {'n/a' if f.share is None else f'{f.share:.0%}'} | {_fmt(s.ttft_p99)} | {_fmt(f.latency_p99)} "
+            f"| {per} | {again} | {' / '.join(f'{d:.1f}' for d in f.degraded)} "
+            f"| {' / '.join(f'{k:.0%}' for k in f.kv_max)} |")
+    names = list(verdict(runs[0].row, figs[runs[0].row.key])) if runs else []
+    lines += ["", "## Targets", "",
+              f"0 preemptions in every row; goodput >= {NO_FAULT_GOODPUT:g} of one replica's without a fault and "
+              f">= {FAULT_GOODPUT:g} under each fault; no replica's share of the 429s above "
+              f"{SPLIT_SLACK:g} / replicas (60/40 for two, 40 % for three; met when there was no 429; after a kill, among "
+              f"the survivors); every "
+              f"replica back in shared mode within {SHARED_WITHIN_S:g} s of Redis answering (Redis faults only).",
+              "",
+              "| row | " + " | ".join(names) + " | row |",
+              "|---|" + "---|" * (len(names) + 1)]
+    for rr in runs:
+        v = verdict(rr.row, figs[rr.row.key])
+        applied = [x for x in v.values() if x is not None]
+        overall = None if rr.run.error else (all(applied) if applied else None)
+        lines.append(f"| {rr.row.key} | " + " | ".join(_mark(x) for x in v.values())
+                     + f" | {'**error**' if rr.run.error else _mark(overall)} |")
+    lines += ["", "## What each fault did, and the errors clients saw", ""]
+    for rr in runs:
+        errors = error_answers(rr.run.results)
+        seen = ("; requests ended in an error, by their last answer: "
+                + ", ".join(f"{k} x {v}" for k, v in errors.items())) if errors else ""
+        if rr.row.fault.kind == "none":
+            if seen:
+                lines.append(f"- {rr.row.key}: no fault{seen}.")
+            continue
+        acts = ", ".join(f"{a} at {t:.1f} s" for t, a in rr.done)
+        extra = f"; Redis answered again at {rr.answered_at:.1f} s" if rr.answered_at is not None else ""
+        if rr.row.fault.kind == "reset":
+            extra += f"; {rr.resets} connections reset"
+        lines.append(f"- {rr.row.key}: {acts or 'nothing carried out'} (real s from the run's start){extra}{seen}.")
+    online = [r for r in reqs if r.klass == "online"]
+    bg = sc.background
+    lines += [
+        "", "## Setup", "",
+        f"- Trace and requests: bench_trace's (`{trace}`, trace seconds {sc.start_s:g}-{sc.start_s + sc.window_s:g}: "
+        f"{rows} requests compressed {sc.compress:g}x into {sc.duration_s:.1f} simulated s, i.e. "
+        f"{sc.duration_s / speedup:.1f} real s of arrivals); {len(online)} streamed online chats over "
+        f"{sc.online_tenants} tenants retried twice on 429/5xx, {len(reqs) - len(online)} batch documents; node "
+        f"{bg.node} carries {bg.tokens:,} tokens of background load from t={bg.start_s:g} to {bg.end_s:g} simulated s. "
+        "See `bench/results/trace.md` for the workload's details.",
+        f"- Nodes: {NODES} simulated vLLM nodes of {NODE.kv_capacity_tokens:,} KV tokens each, shared by every "
+        "replica of a row. KV use is the blocks requests and background hold / the node's blocks, sampled every "
+        f"{0.5 / speedup:.2f} real s; above 100 %, the background load rose on a node whose requests held its "
+        "room (the node then preempts).",
+        f"- Replicas: each a `kvgate serve` behind its own Envoy (`deploy/envoy-endpoint-picker.yaml`), "
+        f"configured as bench_trace's `{POLICY.key}` policy (picking: "
+        + ", ".join(f"{k} {v}" for k, v in (POLICY.picking or {}).items()) + f") with "
+        f"`store: {{redis: {{lease_ttl_s: {LEASE_TTL_S:g}, on_unavailable: local_share, expected_replicas: N}}}}` "
+        "and the default `timeout_s`; kvgate's other durations are divided by the speedup, as in bench_trace, "
+        "but the lease TTL, the Redis timeout and the store's return to shared mode are real seconds. "
+        "Request i goes to replica i mod N; a retry goes back to the same Envoy (no load balancer in front "
+        "steers around a dead replica).",
+        f"- Faults, in real seconds, from {FAULT_AT:.0%} of the arrivals' span: Redis stopped = SIGSTOP then SIGCONT "
+        "(connections stay open, nothing answers, memory kept; not a restart); flapping = 2 s stopped, 2 s "
+        "answering, for 20 s; connections reset = every replica's fault proxy resets its connections (TCP RST, "
+        "new ones too) for 0.5 s every 2 s for 20 s; the kill is SIGKILL to the last replica's kvgate, whose "
+        "Envoy then answers 503 to its share of the requests. Real seconds cover speedup times as much traffic: "
+        f"a 10 s stop is {10 * speedup:g} simulated seconds of arrivals.",
+        "- Redis answering again: the first PING the benchmark gets back after the last SIGCONT (after the last "
+        "reset spell: the instant the proxies pass again). Every replica's `kvgate_store_mode` is read from its "
+        f"admin `/metrics` every {MODE_POLL_S * 1000:.0f} ms; the benchmark waits up to {RECOVERY_WAIT_S:g} s after "
+        "the run for all to be shared.",
+        "- Goodput: prompt + completion tokens of completed requests per simulated second until the last completion; "
+        "the reference is the one-replica row of the same run. Latency p99: arrival to the last byte of completed "
+        "requests, TTFT p99: arrival to the first token of completed online chats (simulated s, retries included).",
+        "- Limits of this evidence: simulated nodes, one run per row on a shared machine (figures move between runs), "
+        "every process of a row (three nodes, up to three kvgates and Envoys, Redis, the clients) on the same cores.",
+        ""]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    """main runs the chosen rows in turn and writes the report; returns 1 if a row failed to run."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE,
+                    help=f"the trace CSV (default {DEFAULT_TRACE}, relative to the repository; "
+                         f"{TRACE_SLICE.relative_to(ROOT)} holds the default window)")
+    ap.add_argument("--tiny", action="store_true",
+                    help=f"30 trace seconds and the rows {','.join(TINY_ROWS)} (a smoke run)")
+    ap.add_argument("--rows", default=None,
+                    help="comma-separated row keys or shell patterns (e.g. 1x-none,2x-*); rows: "
+                         + ", ".join(r.key for r in all_rows()))
+    ap.add_argument("--speedup", type=float, default=3.0, help="simulated seconds per real second")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=RESULTS, help="the markdown report's path")
+    args = ap.parse_args(argv)
+    exit_on_sigterm()  # a killed run still stops what it started
+    if not 0 < args.speedup <= 100:
+        ap.error("--speedup must be in (0, 100]")
+    patterns = [p.strip() for p in args.rows.split(",") if p.strip()] if args.rows else (
+        list(TINY_ROWS) if args.tiny else ["*"])
+    rows = select_rows(all_rows(), patterns)
+    if not rows:
+        ap.error(f"no row matches {args.rows!r}; rows: {', '.join(r.key for r in all_rows())}")
+    sc = TINY if args.tiny else FULL
+    trace = args.trace if args.trace.is_absolute() else (ROOT / args.trace)
+    if not trace.exists():
+        ap.error(f"no trace at {args.trace}; pass --trace {TRACE_SLICE.relative_to(ROOT)} for the committed slice")
+    try:
+        trace_rows = read_trace(trace, sc.start_s, sc.window_s)
+    except (OSError, ValueError) as exc:
+        ap.error(str(exc))
+    reqs = build_requests(trace_rows, sc, args.seed)
+    redis_binary = redis_server_binary()
+    print(f"replicas benchmark: scenario {sc.name} ({len(reqs)} requests, {sc.duration_s:.1f} s simulated), "
+          f"speedup {args.speedup:g}x, rows {', '.join(r.key for r in rows)}", flush=True)
+    started = time.monotonic()
+    runs: list[RowRun] = []
+    with tempfile.TemporaryDirectory(prefix="kvgate-bench-replicas-") as tmp:
+        for i, row in enumerate(rows):
+            label = f"{i + 1}/{len(rows)} {row.key}"
+            print(f"- {row.key}: {row.replicas} replica(s), {row.fault.title}", flush=True)
+            rr = run_row(row, reqs, sc, args.speedup, args.seed, Path(tmp) / row.key, label)
+            s = summarize(rr.run, sc.background)
+            print(f"  [{label}] {rr.run.wall_s:.0f} s: preemptions {rr.run.preemptions}, goodput "
+                  f"{s.goodput:,.0f} tok/s" + (f"  ERROR: {rr.run.error}" if rr.run.error else ""), flush=True)
+            if rr.run.error:
+                for log in sorted((Path(tmp) / row.key).glob("*.log")):
+                    print(f"  --- {log.name} (tail) ---\n{log.read_text(errors='replace')[-1500:]}", file=sys.stderr)
+            runs.append(rr)
+    shown_trace = _shown(args.trace)
+    command = " ".join(["python bench/bench_replicas.py", *(["--tiny"] if args.tiny else []),
+                        *([] if args.trace == DEFAULT_TRACE else ["--trace", shown_trace]),
+                        *([] if args.rows is None else ["--rows", args.rows]),
+                        *([] if args.speedup == 3.0 else ["--speedup", f"{args.speedup:g}"]),
+                        *([] if args.seed == 1 else ["--seed", str(args.seed)]),
+                        *([] if args.out == RESULTS else ["--out", _shown(args.out)])])
+    lines = report(runs, sc, shown_trace, len(trace_rows), reqs, args.speedup, args.seed,
+                   time.monotonic() - started, command, redis_binary)
+    print("\n".join(lines))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(lines))
+    print(f"report: {args.out}")
+    return 1 if any(r.run.error for r in runs) else 0
+
+
+def _shown(path: Path) -> str:
+    """_shown is ``path`` as a report may print it: relative to the repository, never this machine's absolute path."""
+    if not path.is_absolute():
+        return str(path)
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return path.name
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""The pure parts of bench/bench_replicas.py: the faults' plans, the 429 split and its limit,
+the time until every replica is shared again, the store mode read from an exposition, the
+row filter and the targets' verdict."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.bench_replicas import (FAULTS, Fault, Figures, Row, all_rows, degraded_s, error_answers, fault_plan,
+                                  max_share, mode_from_metrics, select_rows, shared_again_s, split_limit, verdict)
+from bench.bench_trace import Req, Result, Summary
+
+pytestmark = pytest.mark.bench
+
+FAULT = {f.key: f for f in FAULTS}
+
+
+def test_a_pause_is_one_stop_and_one_resume() -> None:
+    assert fault_plan(FAULT["stop10"], 5.0) == [(5.0, "down"), (15.0, "up")]
+
+
+def test_flapping_stops_redis_two_seconds_in_every_four_for_twenty() -> None:
+    plan = fault_plan(FAULT["flap"], 1.0)
+    assert [a for _, a in plan] == ["down", "up"] * 5
+    assert plan[0] == (1.0, "down") and plan[-1] == (19.0, "up")
+
+
+def test_reset_spells_end_with_the_proxies_passing_again() -> None:
+    plan = fault_plan(FAULT["reset"], 0.0)
+    assert len(plan) == 20 and plan[1] == (0.5, "pass") and plan[-1] == (18.5, "pass")
+
+
+def test_no_fault_does_nothing_and_a_kill_is_one_action() -> None:
+    assert fault_plan(FAULT["none"], 3.0) == []
+    assert fault_plan(FAULT["kill"], 3.0) == [(3.0, "kill")]
+
+
+@pytest.mark.parametrize(("counts", "share"), [((60, 40), 0.6), ((0, 0), None), ((5,), 1.0), ((1, 1, 2), 0.5)])
+def test_max_share_is_the_largest_count_over_the_total(counts: tuple[int, ...], share: float | None) -> None:
+    assert max_share(counts) == share
+
+
+def test_the_split_limit_is_sixty_forty_for_two_and_forty_percent_for_three() -> None:
+    assert split_limit(2) == pytest.approx(0.6)
+    assert split_limit(3) == pytest.approx(0.4)
+    assert split_limit(1) == 1.0
+
+
+def test_shared_again_is_the_first_poll_after_the_answer_where_every_live_replica_is_shared() -> None:
+    polls: list[tuple[float, list[str | None]]] = [
+        (0.9, ["shared", "shared"]),            # before Redis answered: not counted
+        (1.1, ["local_share", "shared"]),
+        (1.3, ["shared", None]),                # a replica that did not answer is not shared
+        (1.5, ["shared", "shared"])]
+    assert shared_again_s(1.0, polls, [True, True]) == pytest.approx(0.5)
+    assert shared_again_s(1.0, polls, [True, False]) == pytest.approx(0.3)   # the dead one is left out
+    assert shared_again_s(2.0, polls, [True, True]) is None
+
+
+def test_degraded_counts_the_polls_a_replica_spent_out_of_shared_mode() -> None:
+    polls: list[tuple[float, list[str | None]]] = [
+        (0.0, ["shared"]), (0.1, ["local_share"]), (0.3, ["fail_closed"]), (0.4, ["shared"]), (0.5, [None])]
+    assert degraded_s(polls, 0) == pytest.approx(0.3)
+
+
+def test_the_mode_is_the_one_the_gauge_marks_one() -> None:
+    text = ('# TYPE kvgate_store_mode gauge\nkvgate_store_mode{mode="shared"} 0.0\n'
+            'kvgate_store_mode{mode="local_share"} 1.0\nkvgate_other 1.0\n')
+    assert mode_from_metrics(text) == "local_share"
+    assert mode_from_metrics("kvgate_other 1.0\n") is None
+
+
+def test_rows_are_chosen_by_key_or_shell_pattern_in_the_matrix_order() -> None:
+    rows = all_rows()
+    assert rows[0].key == "1x-none" and len(rows) == 1 + 2 * len(FAULTS)
+    assert [r.key for r in select_rows(rows, ["3x-kill", "2x-stop*"])] == ["2x-stop2", "2x-stop10", "3x-kill"]
+
+
+def _figures(preemptions: int = 0, ratio: float | None = 1.0, share: float | None = 0.5, alive: int = 2,
+             again: float | None = None) -> Figures:
+    summary = Summary(preemptions=(preemptions, 0, 0), at_arrival=0, by_class={}, ttft_p50=None, ttft_p99=None,
+                      under_target=None, kv_utilization=None, goodput=1.0, span_s=1.0)
+    return Figures(summary=summary, preemptions=preemptions, goodput_ratio=ratio, refusals=(), ok=(), refused=(),
+                   errors=(), share=share, alive=alive, latency_p99=None, shared_again=again, degraded=(),
+                   kv_max=())
+
+
+def test_the_verdict_applies_each_target_where_it_belongs() -> None:
+    stop = Row(2, FAULT["stop10"])
+    v = verdict(stop, _figures(ratio=0.92, share=0.61, again=2.5))
+    assert v == {"0 preemptions": True, "goodput": True, "429 split": False, "shared within 2 s": False}
+    # Without a fault the goodput must be 0.97 of one replica's, and recovery does not apply.
+    v = verdict(Row(2, FAULT["none"]), _figures(ratio=0.95, share=None))
+    assert v == {"0 preemptions": True, "goodput": False, "429 split": True, "shared within 2 s": None}
+    # The reference row is measured against nothing; a lone survivor has no split.
+    v = verdict(Row(1, FAULT["none"]), _figures(preemptions=2, alive=1))
+    assert v == {"0 preemptions": False, "goodput": None, "429 split": None, "shared within 2 s": None}
+
+
+def test_only_the_faults_that_cut_redis_off_are_timed_for_recovery() -> None:
+    assert [f.key for f in FAULTS if f.redis] == ["stop2", "stop10", "flap", "reset"]
+    assert not Fault("x", "x", "kill").redis
+
+
+def test_errors_are_counted_by_the_last_answer_most_frequent_first() -> None:
+    req = Req(0, 0.0, "online-1", "online", 10, 5, None, 5, b"{}")
+    results = [Result(req, status="error", last_status=503), Result(req, status="error", last_status=None),
+               Result(req, status="error", last_status=503), Result(req, status="ok", last_status=200),
+               Result(req, status="refused", last_status=429)]
+    assert list(error_answers(results).items()) == [("503", 2), ("no answer", 1)]
