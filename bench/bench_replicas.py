@@ -58,10 +58,9 @@ from datetime import datetime, timezone  # noqa: E402
 from typing import Any  # noqa: E402
 
 import aiohttp  # noqa: E402
-import orjson  # noqa: E402
 import yaml  # noqa: E402
 
-from bench.bench_trace import (DEFAULT_TRACE, FULL, NODE, NODES, POLICIES, TRACE_SLICE, Background,  # noqa: E402
+from bench.bench_trace import (DEFAULT_TRACE, close_results, read_preemptions, FULL, NODE, NODES, POLICIES, TRACE_SLICE, Background,  # noqa: E402
                                Burst, Client, Req, Result, Run, Scenario, Summary, _background, _fmt,
                                _pct, _sample, _wait_signals, build_requests, envoy_for, kvgate_config,
                                read_trace, summarize)
@@ -431,14 +430,8 @@ async def drive_row(rr: RowRun, reqs: list[Req], sc: Scenario, speedup: float, e
                     await task
                 except asyncio.CancelledError:
                     pass
-        run.preemptions = []
-        for url in sim_urls:
-            async with session.get(f"{url}/sim/state") as resp:
-                run.preemptions.append((await resp.json(loads=orjson.loads))["preemptions"])
-    for r in run.results:
-        if r.status == "pending":
-            r.status = "error"
-    print(f"  [{label}] {sum(r.status == 'ok' for r in run.results)}/{len(run.results)} completed", flush=True)
+        run.preemptions = await read_preemptions(session, sim_urls)
+    close_results(run, label)
 
 
 def replica_config(sc: Scenario, speedup: float, sim_ports: Sequence[int], redis_url: str, replicas: int,

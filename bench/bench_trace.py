@@ -755,10 +755,21 @@ async def drive(run: Run, reqs: list[Req], sc: Scenario, speedup: float, envoy_p
                     await task
                 except asyncio.CancelledError:
                     pass
-        run.preemptions = []
-        for url in sim_urls:
-            async with session.get(f"{url}/sim/state") as resp:
-                run.preemptions.append((await resp.json(loads=orjson.loads))["preemptions"])
+        run.preemptions = await read_preemptions(session, sim_urls)
+    close_results(run, label)
+
+
+async def read_preemptions(session: aiohttp.ClientSession, sim_urls: Sequence[str]) -> list[int]:
+    """read_preemptions is each simulated node's preemption count, in the order of ``sim_urls``."""
+    counts = []
+    for url in sim_urls:
+        async with session.get(f"{url}/sim/state") as resp:
+            counts.append((await resp.json(loads=orjson.loads))["preemptions"])
+    return counts
+
+
+def close_results(run: Run, label: str) -> None:
+    """close_results counts a run's unfinished requests as errors and prints how many completed."""
     for r in run.results:
         if r.status == "pending":
             r.status = "error"
