@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from extproc.admission.store.base import REPLICA_HEADER
 from extproc.metrics import Metrics
 
 
@@ -33,8 +34,10 @@ class Readiness:
 class AdminServer:
     """AdminServer serves the admin endpoints on ``host:port`` until stopped."""
 
-    def __init__(self, metrics: Metrics, readiness: Readiness, host: str, port: int) -> None:
+    def __init__(self, metrics: Metrics, readiness: Readiness, host: str, port: int,
+                 replica_id: str | None = None) -> None:
         self._metrics = metrics
+        self._replica_id = replica_id
         self._readiness = readiness
         self._host = host
         self._port = port
@@ -70,7 +73,10 @@ class AdminServer:
         return _raw_response(body, content_type)
 
     async def _get_healthz(self, request: web.Request) -> web.Response:
-        return web.Response(text="ok\n")
+        # The shared store's replica id: a peer that finds this replica's heartbeat gone
+        # asks here whether the same process still runs (see store.redis).
+        headers = {REPLICA_HEADER: self._replica_id} if self._replica_id else None
+        return web.Response(text="ok\n", headers=headers)
 
     async def _get_readyz(self, request: web.Request) -> web.Response:
         if self._readiness.ready:

@@ -20,6 +20,7 @@ import asyncio
 import gc
 import logging
 import signal
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -191,11 +192,15 @@ class Server:
         if self.grpc_port == 0:
             raise OSError(f"cannot listen for gRPC on {self._grpc_listen}")
         host, port = _split_hostport(self._admin_listen)
-        if self.store is not None:
-            await self.store.start()  # degrades (loudly) rather than fails when Redis is away
-        self._admin = AdminServer(self.metrics, self.readiness, host, port)
+        self._admin = AdminServer(self.metrics, self.readiness, host, port,
+                                  None if self.store is None else self.store.replica_id)
         await self._admin.start()
         self.admin_port = self._admin.port
+        if self.store is not None:
+            # where the other replicas ask whether this one still runs (its heartbeat gone)
+            self.store.advertise = f"{_advertised_host(host)}:{self.admin_port}"
+            self.store.know_pools(self.config.pools)
+            await self.store.start()  # degrades (loudly) rather than fails when Redis is away
         await self._grpc.start()
         self._sweeper = loop.create_task(self._sweep_parked())
         pin_mmap_threshold()
@@ -457,6 +462,17 @@ class Server:
             except ConfigError:
                 pass  # the gate reports it
         return specs
+
+
+def _advertised_host(host: str) -> str:
+    """_advertised_host is the address the other replicas reach a listener on ``host`` by: the
+    host itself, or for a wildcard this machine's name as it resolves (a pod's IP)."""
+    if host not in ("", "0.0.0.0", "::", "[::]"):
+        return host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 async def serve(config: Config, *, grpc_listen: str | None = None, admin_listen: str | None = None,

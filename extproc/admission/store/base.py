@@ -32,6 +32,11 @@ from extproc.admission.types import Grant, Plan, PoolUsage, Refusal
 from extproc.errors import KvgateError
 
 
+REPLICA_HEADER = "x-kvgate-replica"
+"""REPLICA_HEADER carries, on the admin ``/healthz``, the id under which this process shares a
+store with other replicas: how they tell that the same process still runs at an address."""
+
+
 class StoreError(KvgateError):
     """StoreError is a store that cannot answer (unreachable, timed out, bad reply)."""
 

@@ -55,17 +55,18 @@ import logging
 import math
 import secrets
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from extproc.admission.bucket import refilled
-from extproc.admission.store.base import Store
+from extproc.admission.store.base import REPLICA_HEADER, Store
 from extproc.admission.store.fallback import (LOCAL_PREFIX, MODES, Fallback, NullObserver, StoreObserver,
                                               StoreUnavailableError, Within)
 from extproc.admission.store.redis_client import (ERROR_DROPPED, ERROR_INTERNAL, ERROR_REASONS, ERROR_RESPONSE,
                                                   MAX_CONNECTIONS, RedisClient, RoundTripError)
-from extproc.admission.store.redis_lua import (ADMIT, HEARTBEAT, REFRESH, SETTLE, AdmitArg, AdmitPool, Guarantee,
-                                               HeartbeatArg, HeartbeatKeys, PoolKeys, RefreshArg, RefreshKeys,
-                                               RefreshLease, SettleArg, node_arg, pack, word)
+from extproc.admission.store.redis_lua import (ADMIT, HEARTBEAT, REFRESH, RELEASE, SETTLE, AdmitArg, AdmitPool,
+                                               Guarantee, HeartbeatArg, HeartbeatKeys, PoolKeys, RefreshArg,
+                                               RefreshKeys, RefreshLease, ReleaseArg, SettleArg, node_arg, pack, word)
 from extproc.admission.types import Budget, BucketSpec, Grant, Plan, PoolLimits, PoolUsage, Refusal
 from extproc.clock import Clock
 from extproc.config import RedisStoreConfig
@@ -235,6 +236,12 @@ class RedisStore(Store):
         self._margin = min(ESCROW_MARGIN_S, config.lease_ttl_s / 2.0)
         self._prefix = config.key_prefix
         self._replicas_key = f"{config.key_prefix}replicas"
+        self._heartbeat_keys = HeartbeatKeys(self._replicas_key, f"{config.key_prefix}replica_addrs",
+                                             f"{config.key_prefix}replicas_gone")
+        # Where this replica answers whether it runs (its admin /healthz, host:port), for the
+        # others once its heartbeat is gone; None: nowhere (then its leases wait their TTL).
+        self.advertise: str | None = None
+        self._checking: dict[str, asyncio.Task[None]] = {}
         # Tenant buckets expire a minute after they would be full; with caller instants
         # Redis's own expiry would run on another clock, so they are kept.
         self._tenant_expire = -1.0 if clock is not None else 60.0
@@ -284,6 +291,12 @@ class RedisStore(Store):
         """pending_settles is the number of settles not yet applied in Redis."""
         return len(self._pending)
 
+    def know_pools(self, pools: Iterable[str]) -> None:
+        """know_pools names the pools every replica serves, so that this one refreshes their
+        views and can release a dead replica's leases there before it admitted in them."""
+        for pool in pools:
+            self._keys_of(pool)
+
     def live_leases(self, pool: str) -> int:
         """live_leases is the number of this replica's unsettled shared grants in ``pool``."""
         return len(self._live.get(pool, ()))
@@ -309,7 +322,7 @@ class RedisStore(Store):
         if self._closed:
             return
         self._closed = True
-        for task in (self._task, self._flusher):
+        for task in (self._task, self._flusher, *self._checking.values()):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -733,7 +746,9 @@ class RedisStore(Store):
         cmds += [("HGETALL", self._keys[pool].nk) for pool in known]
         results = await self._client.round_trip(cmds)
         try:
-            self._fallback.saw_replicas(int(results[0]))
+            beat = results[0]
+            self._fallback.saw_replicas(int(beat[0]))
+            gone = [(beat[i].decode(), beat[i + 1].decode()) for i in range(1, len(beat) - 1, 2)]
             restored = 0
             for pool, r in zip(pools, results[1:]):
                 head, _, view = r.partition(b"|")
@@ -744,6 +759,10 @@ class RedisStore(Store):
         except (IndexError, TypeError, ValueError, AttributeError) as exc:
             raise RoundTripError(ERROR_RESPONSE, f"unexpected refresh reply: {exc}") from exc
         self._refreshed(pools, sent, now, lost=restored > 0)
+        for replica, addr in gone:
+            if replica != self.replica_id and addr != "-" and replica not in self._checking and not self._closed:
+                self._checking[replica] = asyncio.get_running_loop().create_task(
+                    self._check_gone(replica, addr), name=f"kvgate-check-{replica}")
         if restored:
             log.warning("shared store: Redis had lost %d live leases of this replica (restart, expiry, or "
                         "granted while Redis was away): taken again", restored)
@@ -775,8 +794,9 @@ class RedisStore(Store):
         refresh of every known pool's live leases in chunks; the pool of each refresh, and
         the leases it carries."""
         now_arg = self._now_arg(now)
-        cmds = [HEARTBEAT.command(HeartbeatKeys(self._replicas_key),
-                                  *map(word, HeartbeatArg(now_arg, self.replica_id, self._presence_ttl)))]
+        cmds = [HEARTBEAT.command(self._heartbeat_keys,
+                                  *map(word, HeartbeatArg(now_arg, self.replica_id, self._presence_ttl,
+                                                          self.advertise or "-", self._ttl)))]
         pools: list[str] = []
         sent: list[list[tuple[str, _Held]]] = []
         for pool, keys in self._keys.items():
@@ -792,6 +812,45 @@ class RedisStore(Store):
                 pools.append(pool)
                 sent.append([(g.id, _Held(int(g.plan.tokens), g.picked, int(g.node_hold), 0.0)) for g in chunk])
         return cmds, pools, sent
+
+    # --- replicas whose heartbeat is gone ------------------------------------------------
+
+    async def _check_gone(self, replica: str, addr: str) -> None:
+        """_check_gone asks the address of a replica whose heartbeat expired whether it still
+        runs, and releases its leases in every known pool when it certainly does not: its
+        port refuses connections, or another process (another replica id) answers there. A
+        replica that answers, or does not answer in time (cut off from this one as well),
+        keeps its leases until they expire: it may be admitting within them alone."""
+        try:
+            alive = await replica_runs(addr, replica, min(0.5, self.config.timeout_s))
+            if alive is not False:
+                return
+            released = await self._release(replica)
+            log.warning("shared store: replica %s at %s no longer runs (its heartbeat expired, its address "
+                        "refuses it): released its %d leases", replica, addr, released)
+        except RoundTripError as f:
+            log.info("shared store: could not release the leases of replica %s: %s", replica, f)
+        except Exception:  # noqa: BLE001 - a check must not take the store down
+            log.exception("shared store: checking replica %s at %s failed", replica, addr)
+        finally:
+            self._checking.pop(replica, None)
+
+    async def _release(self, replica: str) -> int:
+        """_release takes every lease of ``replica`` out of every known pool, in one round trip."""
+        now_arg = self._now_arg(self._caller_now())
+        pools = list(self._keys)
+        cmds: list[tuple[Any, ...]] = [
+            RELEASE.command(self._keys[p].of_refresh(), *map(word, ReleaseArg(now_arg, self._ttl, replica)))
+            for p in pools]
+        cmds += [("ZREM", self._heartbeat_keys.gone, replica), ("HDEL", self._heartbeat_keys.addrs, replica)]
+        results = await self._client.round_trip(cmds)
+        released = 0
+        for pool, r in zip(pools, results):
+            head, _, view = r.partition(b"|")
+            released += int(head)
+            with contextlib.suppress(IndexError, TypeError, ValueError):
+                self._read_view(pool, view, self._caller_now())
+        return released
 
     # --- usage -------------------------------------------------------------------
 
@@ -823,3 +882,29 @@ class RedisStore(Store):
                          by_class={c: max(0, n) for c, n in by_class.items()},
                          bucket_tokens=tokens)
 
+
+async def replica_runs(addr: str, replica: str, timeout: float) -> bool | None:
+    """replica_runs asks ``addr`` (host:port of a replica's admin endpoint) whether replica
+    ``replica`` runs there: True when its ``/healthz`` names it, False when the port refuses
+    the connection or something else answers, None when nothing answers within ``timeout``
+    (s) or the network fails otherwise (nothing can be concluded)."""
+    host, _, port = addr.rpartition(":")
+    host = host.strip("[]")
+    try:
+        async with asyncio.timeout(timeout):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            try:
+                writer.write(b"GET /healthz HTTP/1.0\r\nHost: kvgate\r\n\r\n")
+                await writer.drain()
+                head = await reader.read(4096)
+            finally:
+                writer.close()
+    except ConnectionRefusedError:
+        return False
+    except (TimeoutError, OSError, ValueError):
+        return None
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == REPLICA_HEADER.encode():
+            return value.strip().decode(errors="replace") == replica
+    return False if head.startswith(b"HTTP/") else None

@@ -58,9 +58,13 @@ class RefreshKeys(NamedTuple):
 
 
 class HeartbeatKeys(NamedTuple):
-    """HeartbeatKeys are the KEYS of the heartbeat script: the zset of live replicas."""
+    """HeartbeatKeys are the KEYS of the heartbeat script: the zset of present replicas (id ->
+    heartbeat expiry), their advertised addresses (hash id -> host:port) and the zset of
+    replicas whose heartbeat expired (id -> when to forget them)."""
 
     replicas: str
+    addrs: str
+    gone: str
 
 
 class AdmitPool(NamedTuple):
@@ -171,11 +175,24 @@ class RefreshLease(NamedTuple):
 
 
 class HeartbeatArg(NamedTuple):
-    """HeartbeatArg is the ARGV of the heartbeat script: instant, replica id, its lifetime (s)."""
+    """HeartbeatArg is the ARGV of the heartbeat script: instant, replica id, the heartbeat's
+    lifetime (s), where the replica answers whether it runs (host:port, ``-``: nowhere) and
+    how long (s) a replica whose heartbeat expired is remembered (its leases' TTL)."""
 
     now: float | None
     replica: str
     ttl: float
+    addr: str
+    gone_ttl: float
+
+
+class ReleaseArg(NamedTuple):
+    """ReleaseArg is the ARGV of the release script: the instant, the tombstones' lifetime (s)
+    and the replica whose leases go."""
+
+    now: float | None
+    ttl: float
+    replica: str
 
 
 def word(v: object) -> str:
@@ -626,13 +643,53 @@ purge(st, lz, lh, done, nk, now)
 return restored .. view(now, st, pbk, has_pb == 1)
 """
 
-# KEYS: HeartbeatKeys; ARGV: HeartbeatArg. Returns the number of live replicas, this one included.
+# KEYS: HeartbeatKeys; ARGV: HeartbeatArg. Returns {present replicas (this one included),
+# then id, address of each replica whose heartbeat expired and that is still remembered}.
 _HEARTBEAT = _CLOCK + r"""
 $keys
 $heartbeat
 redis.call('ZADD', replicas, now + ttl, replica)
-redis.call('ZREMRANGEBYSCORE', replicas, '-inf', now)
-return redis.call('ZCARD', replicas)
+redis.call('ZREM', gone, replica)
+if addr ~= '-' then redis.call('HSET', addrs, replica, addr) end
+local expired = redis.call('ZRANGEBYSCORE', replicas, '-inf', now)
+for i = 1, #expired do
+  redis.call('ZADD', gone, 'NX', now + gone_ttl, expired[i])
+  redis.call('ZREM', replicas, expired[i])
+end
+local forgotten = redis.call('ZRANGEBYSCORE', gone, '-inf', now)
+for i = 1, #forgotten do redis.call('HDEL', addrs, forgotten[i]) end
+redis.call('ZREMRANGEBYSCORE', gone, '-inf', now)
+local out = {redis.call('ZCARD', replicas)}
+local ids = redis.call('ZRANGE', gone, 0, -1)
+for i = 1, #ids do
+  out[#out + 1] = ids[i]
+  out[#out + 1] = redis.call('HGET', addrs, ids[i]) or '-'
+end
+return out
+"""
+
+# KEYS: RefreshKeys; ARGV: ReleaseArg. Releases every lease of a replica that is known to be
+# dead (its own and those it granted alone), with tombstones. Returns "released|view".
+_RELEASE = _PRELUDE + r"""
+$keys
+$release
+local mine, alone = replica .. '.', 'local:' .. replica .. '.'
+local released = 0
+local ids = redis.call('ZRANGE', lz, 0, -1)
+for i = 1, #ids do
+  local id = ids[i]
+  if string.sub(id, 1, #mine) == mine or string.sub(id, 1, #alone) == alone then
+    local rec = redis.call('HGET', lh, id)
+    if rec then
+      untake(st, nk, rec)
+      redis.call('HDEL', lh, id)
+      released = released + 1
+    end
+    redis.call('ZREM', lz, id)
+    redis.call('ZADD', done, now + ttl, id)
+  end
+end
+return released .. view(now, st, pbk, pbk ~= st)
 """
 
 
@@ -669,5 +726,6 @@ REFRESH = Script(_script(_REFRESH, keys=_keys(RefreshKeys),
                  RefreshKeys)
 HEARTBEAT = Script(_script(_HEARTBEAT, keys=_keys(HeartbeatKeys), heartbeat=lua_locals(HeartbeatArg, "ARGV")),
                    HeartbeatKeys)
-SCRIPTS = (ADMIT, SETTLE, REFRESH, HEARTBEAT)
+RELEASE = Script(_script(_RELEASE, keys=_keys(RefreshKeys), release=lua_locals(ReleaseArg, "ARGV")), RefreshKeys)
+SCRIPTS = (ADMIT, SETTLE, REFRESH, HEARTBEAT, RELEASE)
 """SCRIPTS are every script the store runs, loaded again when Redis lost them (NOSCRIPT)."""

@@ -320,3 +320,66 @@ def test_the_shared_node_gauge_follows_the_ledger_and_drops_a_node_it_no_longer_
     value = m.registry.get_sample_value
     assert value("kvgate_shared_node_held_tokens", {"pool": "p", "node": "n0"}) == 500
     assert value("kvgate_shared_node_held_tokens", {"pool": "p", "node": "n1"}) == 0
+
+
+# --- a replica whose heartbeat is gone ------------------------------------------------------------
+
+def refusing_address() -> str:
+    """refusing_address is a loopback host:port where nothing listens (a killed replica's)."""
+    from kvgate_testkit.procs import free_port
+
+    return f"127.0.0.1:{free_port()}"
+
+
+async def admin_at(replica_id: str):
+    """admin_at is a real admin endpoint answering /healthz for ``replica_id`` on a free port."""
+    from prometheus_client import CollectorRegistry
+
+    from extproc.admin import AdminServer, Readiness
+    from extproc.metrics import Metrics
+
+    admin = AdminServer(Metrics(CollectorRegistry()), Readiness(), "127.0.0.1", 0, replica_id)
+    await admin.start()
+    return admin
+
+
+@pytest.mark.parametrize("answer", ["refused", "another process", "the same process"])
+async def test_a_replica_whose_heartbeat_expired_loses_its_leases_only_when_it_no_longer_runs(redis_server,
+                                                                                                answer):
+    clock = ManualClock(1000.0)
+    prefix = f"t{secrets.token_hex(6)}:"
+
+    def store() -> RedisStore:
+        return RedisStore(RedisStoreConfig(url=redis_server.url, key_prefix=prefix, timeout_s=1.0,
+                                           lease_ttl_s=30.0, expected_replicas=2), clock=clock)
+
+    a, b = store(), store()
+    admin = None
+    if answer == "refused":
+        b.advertise = refusing_address()
+    else:
+        admin = await admin_at(b.replica_id if answer == "the same process" else "someone-else")
+        b.advertise = f"127.0.0.1:{admin.port}"
+    a.know_pools(["p"])  # the pools of the configuration, before A admitted in any
+    try:
+        await a.start()
+        await b.start()
+        held = [await b.admit(slots_plan(), clock.now()) for _ in range(3)]
+        assert all(isinstance(g, Grant) for g in held)
+        b._task.cancel()  # B stops as SIGKILL stops it: no refresh, no goodbye
+        clock.advance(b._presence_ttl + 0.1)  # its heartbeat expires; its leases have 29 s left
+        assert await a.refresh()
+        await until(lambda: not a._checking)
+        assert await a.refresh()
+        assert await a.refresh()
+        await until(lambda: not a._checking)
+        gone = a.usage("p", clock.now()).inflight == 0
+        assert gone == (answer != "the same process")
+        granted = [await a.admit(slots_plan(), clock.now()) for _ in range(4)]
+        assert sum(isinstance(g, Grant) for g in granted) == (4 if gone else 1)
+    finally:
+        if admin is not None:
+            await admin.stop()
+        await a.close()
+        b._closed = True
+        await b._client.aclose()

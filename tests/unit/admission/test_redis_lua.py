@@ -28,7 +28,8 @@ SAMPLES: list[tuple[Any, dict[str, Any], str | None]] = [
      {"pool": L.AdmitPool}, "guarantees"),
     (L.SettleArg(None, "r.2", 512, 30.0, None, None, 3000.0, 50.0, 60.0), {}, None),
     (L.RefreshArg(1000.5, 30.0, 1), {}, None),
-    (L.HeartbeatArg(7.0, "replica-a", 12.5), {}, None),
+    (L.HeartbeatArg(7.0, "replica-a", 12.5, "127.0.0.1:9464", 30.0), {}, None),
+    (L.ReleaseArg(None, 30.0, "replica-b"), {}, None),
     (L.NodeArg(640, 0.15, 0.55, L.pack(L.NodeCandidate("n0", 10000, 300))), {}, "nodes"),
 ]
 
