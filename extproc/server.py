@@ -296,6 +296,8 @@ class Server:
         self._apply_nodes(config)
         self.metrics.set_classes(tuple(config.tenants.classes))
         self.config = config
+        if self.store is not None:
+            self.store.know_pools(config.pools)
         self.metrics.reload_ok(time.time())
         log.info("configuration reloaded: pools %s", ", ".join(config.pools))
 
