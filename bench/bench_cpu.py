@@ -115,9 +115,13 @@ def thread_cpu(pid: int) -> dict[str, tuple[float, float]]:
 def _thread_delta(before: dict[str, tuple[float, float]],
                   after: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:
     """_thread_delta is each thread's CPU between two ``thread_cpu`` readings (a thread
-    started in between counts from zero)."""
-    return {name: (u - before.get(name, (0.0, 0.0))[0], s - before.get(name, (0.0, 0.0))[1])
-            for name, (u, s) in after.items()}
+    started in between counts from zero; so does a name whose CPU went down: a thread of
+    that name ended meanwhile and the ranks moved, so it is another thread)."""
+    out = {}
+    for name, (u, s) in after.items():
+        bu, bs = before.get(name, (0.0, 0.0))
+        out[name] = (u, s) if u < bu or s < bs else (u - bu, s - bs)
+    return out
 
 
 async def _rounds(stacks: dict[str, Stack], clients: int, requests: int, rounds: int, seed: int,
