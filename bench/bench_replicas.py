@@ -72,9 +72,10 @@ from kvgate_testkit.redis_server import RedisServer, _ping, redis_server_binary,
 
 RESULTS = ROOT / "bench" / "results" / "replicas.md"
 POLICY = next(p for p in POLICIES if p.key == "picker-learned")
-# Real seconds: a replica's leases outlive it by this much (30 s simulated at the default speedup,
-# as bench_trace divides kvgate's durations by the speedup).
-LEASE_TTL_S = 10.0
+# Real seconds: the store's default. A dead replica's leases go once its heartbeat expires and
+# its address refuses it, not after the TTL; a replica cut off from Redis admits within its
+# leases until shortly before they expire, so the TTL is how long an outage it rides through.
+LEASE_TTL_S = 30.0
 # The fault starts at this share of the arrivals' span (real time).
 FAULT_AT = 0.2
 # How long (real s) after the run the benchmark still waits for every replica to be shared again.

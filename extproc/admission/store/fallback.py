@@ -51,11 +51,14 @@ MODES = (MODE_SHARED, MODE_LOCAL_SHARE, MODE_FAIL_CLOSED)
 LOCAL_PREFIX = "local:"
 """LOCAL_PREFIX starts the id of every grant made locally while the server was unavailable."""
 
-RECOVER_S = 1.0
+RECOVER_S = 0.5
 """RECOVER_S is how long (s) the server must answer every probe before a degraded store returns
 to shared mode; it doubles each time the store degrades again within FLAP_WINDOW_S of a
-return, up to RECOVER_MAX_S."""
-RECOVER_MAX_S = 30.0
+return, up to RECOVER_MAX_S. Short, because a replica alone admits only within its own
+leases (the modes cost throughput, not safety): a replica is back in shared mode within
+RECOVER_MAX_S plus two probe intervals of the server answering again, and changes modes
+at most once per RECOVER_S."""
+RECOVER_MAX_S = 1.0
 FLAP_WINDOW_S = 30.0
 
 
