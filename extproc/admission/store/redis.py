@@ -7,18 +7,27 @@ admission and ONE per settle, so a decision is atomic across replicas. Time insi
 scripts is Redis ``TIME``: replicas' clocks never meet.
 
 Crash safety: every grant is a lease with an expiry (Redis time + ``lease_ttl_s``). A
-background task of each replica extends its live leases every ``lease_ttl_s / 3`` in one
-pipelined round trip (and re-takes any that Redis lost, e.g. after a restart). Every
-script first purges the expired leases of its pool, returning their slots and KV tokens:
-that is how the leases of a replica killed with SIGKILL come back within ``lease_ttl_s``.
-A settle removes the lease and leaves a tombstone; a lease that was settled or has
-expired is never refunded twice, and a tombstoned lease is never re-taken.
+background task of each replica extends its live leases every ``min(BEAT_S, lease_ttl_s /
+3)`` in one pipelined round trip with its heartbeat (and re-takes any that Redis lost,
+e.g. after a restart). Every script first purges the expired leases of its pool,
+returning their slots and KV tokens. A heartbeat lives PRESENCE_BEATS refreshes plus
+``timeout_s`` and carries where the replica answers ``/healthz`` (``advertise``); a
+replica that finds another's heartbeat gone asks there, and releases that replica's
+leases at once when its port refuses or another process answers (``replica_runs``): so
+the leases of a replica killed with SIGKILL come back within seconds, at the latest
+within ``lease_ttl_s``. A settle removes the lease and leaves a tombstone; a lease that
+was settled or has expired is never refunded twice, and a tombstoned lease is never
+re-taken. A Redis that lost its scripts (a restart) gets a rebuild window in every pool
+before any script runs there again (``_scripts_lost``): no admission until every replica
+had a refresh to take its live leases again.
 
 Redis unavailable or slower than ``timeout_s``: the store says so loudly and, with
-``on_unavailable: local_share``, admits in a local in-memory store within this replica's
-share of every limit, or fails closed (``StoreUnavailableError``); shared mode comes back
-with hysteresis. That state machine is ``fallback.Fallback``. Grants made locally are
-settled locally, never sent to Redis.
+``on_unavailable: local_share``, admits in a local in-memory store within the room its
+own leases hold in Redis beyond its live requests (``_within``, ``_ledger``), or fails
+closed (``StoreUnavailableError``); shared mode comes back with hysteresis. That state
+machine is ``fallback.Fallback``. A grant made locally is a live lease like the others:
+the probes' refreshes take it into Redis (before the queued settles) and so it is there
+before this replica shares again.
 
 Pools that pick nodes: a plan's ``nodes`` (``shared_nodes.NodeAsk``) makes the admit
 script pick the node over every replica's holds (``shared_nodes.pick_shared``) and charge
@@ -36,7 +45,10 @@ one Redis Cluster slot and one script may touch them all):
 ``P{pool}:nk``             hash    node name -> tokens every live lease holds on it (picking pools)
 ``P{pool}:done``           zset    settled lease id -> when its tombstone may go (s)
 ``P{pool}:b:<bucket key>`` hash    a token bucket: ``tok`` tokens, ``t`` instant, ``cap`` tokens, ``rate`` tokens/s
+``P{pool}:rb``             string  while set (it expires): the pool's ledger is rebuilt, no admission
 ``Preplicas``              zset    replica id -> heartbeat expiry (s)
+``Preplica_addrs``         hash    replica id -> where it answers ``/healthz`` (host:port)
+``Preplicas_gone``         zset    replica id whose heartbeat expired -> when to forget it (s)
 =========================  ======  ==========================================================
 
 Tenant buckets expire once they would be full again (a full bucket and a missing one are
@@ -337,7 +349,7 @@ class RedisStore(Store):
         await self._client.aclose()
 
     async def _maintain(self) -> None:
-        """_maintain refreshes leases every lease_ttl_s / 3 in shared mode, probes Redis otherwise.
+        """_maintain refreshes leases every min(BEAT_S, lease_ttl_s / 3) in shared mode, probes Redis otherwise.
 
         Nothing ends it but ``close``: an exception it did not expect (a client library's,
         or this store's own) is logged with its traceback, counted (``internal``), taken as
