@@ -462,6 +462,10 @@ class RedisStore(Store):
         previous = self._batch
         if previous is not None:
             await asyncio.shield(previous)
+            if not self._fallback.shared:
+                # Those settles met a failure: decide alone now rather than spend a second
+                # timeout, which together with the first would outlast Envoy's message timeout.
+                return self._admit_degraded(plan, now)
         batch, self._pending = self._pending, []
         sent = self._caller_now()
         self._settles_sent(batch)

@@ -383,3 +383,29 @@ async def test_a_replica_whose_heartbeat_expired_loses_its_leases_only_when_it_n
         await a.close()
         b._closed = True
         await b._client.aclose()
+
+
+async def test_an_admission_behind_settles_that_time_out_decides_alone_without_a_second_timeout():
+    """Settles on the wire when Redis hangs time out after timeout_s; an admission queued
+    behind them must not then spend its own timeout_s as well (two of them outlast Envoy's
+    2 s message timeout: a 504), since the store is degraded by then."""
+    clock = ManualClock(1000.0)
+    seen = Recorder()
+    with RedisServer() as server:
+        store = RedisStore(config(server.url, timeout_s=0.4, lease_ttl_s=30.0, expected_replicas=1),
+                           observer=seen, clock=clock)
+        try:
+            await store.start()
+            held = [await store.admit(slots_plan(), clock.now()) for _ in range(2)]
+            server.pause()
+            try:
+                store.settle(held[0], 10, clock.now())  # the flusher sends it, and hangs
+                await until(lambda: store._batch is not None)
+                got = await store.admit(slots_plan(), clock.now())
+                assert store.mode == MODE_LOCAL_SHARE
+                assert isinstance(got, Grant) and got.id.startswith("local:")
+                assert seen.errors == ["timeout"]  # the settles' round trip only
+            finally:
+                server.resume()
+        finally:
+            await store.close()
