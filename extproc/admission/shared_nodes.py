@@ -14,12 +14,30 @@ rule while the store is unreachable: within the room this replica's own leases h
 the ledger (see its docstring).
 
 Which report counts: each replica scrapes every node itself and uses its own latest
-report for ``foreign`` (KV the node holds that this replica did not admit). Reports are
-not shared: a replica whose report of a node is stale does not pick that node, whatever
-the other replicas read (``nodes.Node.state``). Because each replica subtracts only its
-own requests from what a node reports, another replica's requests already in the report
-are counted twice (as foreign, and in the shared holds) until they end: this errs on
-the safe side, never the other.
+report: ``foreign`` is what the node holds that this replica did not subtract (its own
+requests certainly in the cache at the report's mark, see ``nodes``). Reports are not
+shared: a replica whose report of a node is stale does not pick that node, whatever the
+other replicas read (``nodes.Node.state``).
+
+Every replica's requests counted once. Another replica's requests in a node's cache are in
+this replica's ``foreign`` too, and in the shared holds: counted twice, they left a replica
+beside one that held 7 long requests admitting none where 2 more fit, and the 429s of
+identical clients fell on one replica. So each replica publishes, with its refreshes, what
+its marks know: per node, the footprint of its leases whose first token it had seen
+(*firm*) and of those held past the settle time without one (*idle*: in the cache when the
+node queues nothing), in two generations stamped with the store's instant of the refresh
+that wrote them (``SeenGen``). A candidate carries ``since``, the store's instant of the
+latest reply this replica had received when it took the report's mark: a generation
+stamped before ``since`` was written before the node rendered the report, so its requests
+were in the cache then, unless they ended, and ``others_seen`` subtracts them (the idle
+ones only when the report said the node queued nothing). A lease's contribution leaves the
+sums in the same script that takes its hold off the node's total, so what is subtracted is
+always still held there (a hold is at least the footprint that was published): a request
+that ended before the report is then counted by its hold alone, never by nothing. Two
+generations, because a replica's newest one is usually younger than another's report; a
+replica whose both are younger is not subtracted at all (the safe side). Foreign KV on the
+rise (``rise``) is this replica's reading net of the others' published requests, and is
+never subtracted.
 """
 
 from __future__ import annotations
@@ -27,36 +45,97 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from extproc.admission import rules
+
+
+class Candidate(NamedTuple):
+    """Candidate is one node a request may be placed on, as a replica reads it (tokens).
+
+    ``foreign``: KV the node holds that this replica did not subtract, with its ``rise``
+    to come (``nodes.Node.foreign_ahead``); ``own``: what this replica's requests there hold;
+    ``since``: the store's instant of the latest reply received when the report's mark was
+    taken (None: no such reply; nothing of the others' is subtracted); ``idle``: the
+    report said the node queued nothing.
+    """
+
+    name: str
+    cap: int
+    foreign: int
+    own: int
+    rise: int = 0
+    since: float | None = None
+    idle: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class NodeAsk:
     """NodeAsk is a request's per-node question to a shared store.
 
-    ``candidates``: (name, capacity, foreign, own_held) per node that may be picked, in
-    tokens, in order of preference (ties go to the first); ``need``: the request's hold
-    (``rules.node_hold`` with nothing generated yet, tokens); ``reserve_fraction``: the
-    part of each node's capacity kvgate never fills; ``watermark``: the class's
-    ``kv_watermark`` (1.0: none).
+    ``candidates``: the nodes that may be picked, in order of preference (ties go to the
+    first); ``need``: the request's hold (``rules.node_hold`` with nothing generated yet,
+    tokens); ``reserve_fraction``: the part of each node's capacity kvgate never fills;
+    ``watermark``: the class's ``kv_watermark`` (1.0: none).
     """
 
-    candidates: tuple[tuple[str, int, int, int], ...]
+    candidates: tuple[Candidate, ...]
     need: int
     reserve_fraction: float
     watermark: float
 
 
-def pick_shared(ask: NodeAsk, held: Mapping[str, int]) -> rules.NodePass:
+class SeenGen(NamedTuple):
+    """SeenGen is one replica's published generations: the store's instants (s) of the refresh
+    that wrote the newest (``new_at``) and the one before (``old_at``; None: none yet), and
+    per node the footprints (tokens) of its leases still held that each one saw in the
+    cache: ``new``/``old`` map a node to (firm, idle)."""
+
+    new_at: float | None
+    old_at: float | None
+    new: Mapping[str, tuple[int, int]]
+    old: Mapping[str, tuple[int, int]]
+
+
+def others_seen(gens: Mapping[str, SeenGen], me: str, node: str, since: float | None, idle: bool) -> int:
+    """others_seen is the KV (tokens) of the other replicas' leases on ``node`` that were in
+    its cache when it rendered a report whose mark saw the store's instant ``since``: of
+    each replica but ``me``, its newest generation stamped before ``since``, else the one
+    before, else nothing; firm footprints, and idle ones when the report said ``idle``.
+
+    The Redis admit script computes the same (``others`` there); the differential test
+    holds them equal.
+    """
+    if since is None:
+        return 0
+    total = 0
+    for replica, g in gens.items():
+        if replica == me:
+            continue
+        sums = (g.new if g.new_at is not None and g.new_at < since
+                else g.old if g.old_at is not None and g.old_at < since else None)
+        if sums is not None:
+            firm, idle_fp = sums.get(node, (0, 0))
+            total += firm + (idle_fp if idle else 0)
+    return total
+
+
+def pick_shared(ask: NodeAsk, held: Mapping[str, int],
+                others: Mapping[str, int] | None = None) -> rules.NodePass:
     """pick_shared is ``rules.pick_node`` over ``ask``'s candidates with ``held`` (tokens per
-    node, every replica's requests; missing: 0) in place of this replica's own holds.
+    node, every replica's requests; missing: 0) in place of this replica's own holds, and
+    each node's foreign KV less ``others`` (tokens per node, ``others_seen``; missing: 0),
+    never below its rise.
 
     This is the rule the Redis admit script applies; the differential test holds them equal.
     """
-    return rules.pick_node([(name, cap, foreign, held.get(name, 0))
-                            for name, cap, foreign, _own in ask.candidates],
-                           ask.need, ask.reserve_fraction, ask.watermark)
+    rows = []
+    for c in ask.candidates:
+        foreign = c.foreign
+        if others:
+            foreign = max(c.rise, foreign - others.get(c.name, 0))
+        rows.append((c.name, c.cap, foreign, held.get(c.name, 0)))
+    return rules.pick_node(rows, ask.need, ask.reserve_fraction, ask.watermark)
 
 
 def pick_within(ask: NodeAsk, free: Mapping[str, int] | None) -> rules.NodePass:
@@ -72,7 +151,7 @@ def pick_within(ask: NodeAsk, free: Mapping[str, int] | None) -> rules.NodePass:
     class's watermark is checked on this replica's reading. Nothing is changed.
     """
     rooms = []
-    for name, capacity, foreign, own in ask.candidates:
+    for name, capacity, foreign, own, *_ in ask.candidates:
         eff = rules.effective_capacity(capacity, ask.reserve_fraction)
         class_room = None if ask.watermark >= 1.0 else math.floor(ask.watermark * eff) - foreign - own
         room = rules.node_headroom(capacity, ask.reserve_fraction, foreign, own)
@@ -80,6 +159,6 @@ def pick_within(ask: NodeAsk, free: Mapping[str, int] | None) -> rules.NodePass:
     return rules.choose_node(rooms, ask.need)
 
 
-def candidates_of(rows: Sequence[tuple[str, int, int, int]]) -> tuple[tuple[str, int, int, int], ...]:
-    """candidates_of freezes a list of (name, capacity, foreign, own_held) rows for a ``NodeAsk``."""
-    return tuple((str(n), int(c), int(f), int(h)) for n, c, f, h in rows)
+def candidates_of(rows: Sequence[tuple[str, int, int, int]]) -> tuple[Candidate, ...]:
+    """candidates_of is ``Candidate`` rows from (name, capacity, foreign, own_held) tuples."""
+    return tuple(Candidate(str(n), int(c), int(f), int(h)) for n, c, f, h in rows)

@@ -71,6 +71,17 @@ class Store(ABC):
     def usage(self, pool: str, now: float) -> PoolUsage:
         """usage reports the pool's state at ``now`` (s) for metrics (possibly a last view)."""
 
+    def instant(self) -> float | None:
+        """instant is the store's instant (s) of the latest answer received from it, for a store
+        whose replicas publish what their nodes' caches hold (``shared_nodes``); None: none."""
+        return None
+
+    def others_seen(self, pool: str, node: str, since: float | None, idle: bool) -> int:
+        """others_seen is the KV (tokens) of other replicas' requests that ``node`` of ``pool``
+        held when it rendered a report whose mark saw the store's instant ``since``, and
+        that are still held (``shared_nodes.others_seen``); 0 without other replicas."""
+        return 0
+
     async def close(self) -> None:
         """close releases the store's connections; the in-memory store has none."""
 

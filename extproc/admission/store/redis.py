@@ -35,14 +35,29 @@ it with the lease, which records its node and hold: settles, refreshes (carrying
 the controller now expects, ``Grant.node_hold``) and the purge of expired leases move
 each node's total with them.
 
+Every replica's requests counted once: a node's report counts, as its foreign KV, the
+requests of every replica that its cache held. Each refresh publishes, per node, what this
+replica's marks saw of its leases in the nodes' caches (``nodes.Charge.seen``: firm from a
+first token, idle once settled and not yet gone) as a generation stamped with the store's
+instant, keeping the generation before it; the admit script subtracts from a candidate's
+foreign KV, of every other replica, the newest generation stamped before the instant its
+report's mark saw (``shared_nodes.others_seen``), never below the node's rise. A lease that
+settles or expires takes what it contributed to both generations with it, so a request
+never counts twice (its hold and its published footprint) once it has left.
+
 Key layout (``P`` = ``key_prefix``; ``{pool}`` is a hash tag, so that a pool's keys share
 one Redis Cluster slot and one script may touch them all):
 
 =========================  ======  ==========================================================
 ``P{pool}:st``             hash    ``n`` slots in use, ``kv`` in-flight KV tokens, ``c:<class>`` slots per class
 ``P{pool}:lz``             zset    lease id -> expiry (s, store time)
-``P{pool}:lh``             hash    lease id -> ``<class>\\t<tokens>[\\t<node>\\t<hold>]``: what the lease holds
+``P{pool}:lh``             hash    lease id -> ``<class>\\t<tokens>[\\t<node>\\t<hold>\\t<round>\\t<fn>\\t<fo>]``: what
+                                   the lease holds, and what it adds to its replica's newest
+                                   (``fn``) and older (``fo``) generation (tokens; < 0: idle)
 ``P{pool}:nk``             hash    node name -> tokens every live lease holds on it (picking pools)
+``P{pool}:sn``             hash    ``<replica>\\t<node>\\t<F|I|f|i>`` -> tokens a replica's marks saw in
+                                   the node's cache: firm or idle, newest (``F``, ``I``) or older
+``P{pool}:sr``             hash    replica id -> ``<new_at> <old_at> <round>``: its generations' stamps
 ``P{pool}:done``           zset    settled lease id -> when its tombstone may go (s)
 ``P{pool}:b:<bucket key>`` hash    a token bucket: ``tok`` tokens, ``t`` instant, ``cap`` tokens, ``rate`` tokens/s
 ``P{pool}:rb``             string  while set (it expires): the pool's ledger is rebuilt, no admission
@@ -71,6 +86,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from extproc.admission.bucket import refilled
+from extproc.admission.shared_nodes import SeenGen, others_seen
 from extproc.admission.store.base import REPLICA_HEADER, Store
 from extproc.admission.store.fallback import (LOCAL_PREFIX, MODES, Fallback, NullObserver, StoreObserver,
                                               StoreUnavailableError, Within)
@@ -110,7 +126,7 @@ has by then been seen by the nodes' reports the other replicas read."""
 class _Keys:
     """_Keys are one pool's Redis keys (see the module's key layout)."""
 
-    __slots__ = ("st", "lz", "lh", "done", "nk", "rb", "bucket_prefix", "pool_bucket", "limits")
+    __slots__ = ("st", "lz", "lh", "done", "nk", "rb", "sn", "sr", "bucket_prefix", "pool_bucket", "limits")
 
     def __init__(self, prefix: str, pool: str) -> None:
         base = f"{prefix}{{{pool}}}:"
@@ -120,6 +136,8 @@ class _Keys:
         self.lh = base + "lh"
         self.done = base + "done"
         self.rb = base + "rb"
+        self.sn = base + "sn"
+        self.sr = base + "sr"
         self.bucket_prefix = base + "b:"
         self.pool_bucket: str | None = None  # learnt from the plans: the pool's bucket key
         # the last PoolLimits seen and its part of the admit argument, and the guarantees
@@ -132,12 +150,12 @@ class _Keys:
         """of_plan is the KEYS of the admit and settle scripts for ``plan``."""
         return PoolKeys(st=self.st, lz=self.lz, lh=self.lh, done=self.done,
                         pbk=self.bucket(plan.limits.bucket), tbk=self.bucket(plan.tenant_bucket), nk=self.nk,
-                        rb=self.rb)
+                        rb=self.rb, sn=self.sn, sr=self.sr)
 
     def of_refresh(self) -> RefreshKeys:
         """of_refresh is the KEYS of the refresh script (the pool bucket as last learnt)."""
         return RefreshKeys(st=self.st, lz=self.lz, lh=self.lh, done=self.done,
-                           pbk=self.pool_bucket or self.st, nk=self.nk)
+                           pbk=self.pool_bucket or self.st, nk=self.nk, sn=self.sn, sr=self.sr)
 
 
 class _View:
@@ -271,6 +289,13 @@ class RedisStore(Store):
         self._fallback = Fallback(config.on_unavailable, config.expected_replicas, self._observer,
                                   self._client.where)
         self._next = 0
+        # The refresh round (one per round trip) and, per pool, every replica's published
+        # generations as the last refresh read them (``shared_nodes.SeenGen``).
+        self._round = 0
+        self._gens: dict[str, dict[str, SeenGen]] = {}
+        # The store's instant (s) of the latest reply received: a node's report whose mark
+        # saw it was rendered after every script up to that instant.
+        self._store_at = -math.inf
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._closed = False
@@ -302,6 +327,16 @@ class RedisStore(Store):
     def pending_settles(self) -> int:
         """pending_settles is the number of settles not yet applied in Redis."""
         return len(self._pending)
+
+    def instant(self) -> float | None:
+        """instant is the store's instant (s) of the latest reply received (None: none yet)."""
+        return None if self._store_at == -math.inf else self._store_at
+
+    def others_seen(self, pool: str, node: str, since: float | None, idle: bool) -> int:
+        """others_seen is ``shared_nodes.others_seen`` over the other replicas' generations in
+        ``pool`` as the last refresh read them (tokens)."""
+        gens = self._gens.get(pool)
+        return others_seen(gens, self.replica_id, node, since, idle) if gens else 0
 
     def know_pools(self, pools: Iterable[str]) -> None:
         """know_pools names the pools every replica serves, so that this one refreshes their
@@ -608,6 +643,8 @@ class RedisStore(Store):
         """_read_view keeps what a script reported of ``pool`` (see ``view`` in the Lua prelude)."""
         v = text.split()
         store_now, version = float(v[0]), int(v[1])
+        if store_now > self._store_at:
+            self._store_at = store_now
         view = self._views.get(pool)
         if view is None:
             view = self._views[pool] = _View()
@@ -760,6 +797,8 @@ class RedisStore(Store):
         # and what every replica's leases hold on each node, for the metrics
         known = list(self._keys)
         cmds += [("HGETALL", self._keys[pool].nk) for pool in known]
+        # and every replica's published generations, for this replica's readings net of them
+        cmds += [c for pool in known for c in (("HGETALL", self._keys[pool].sr), ("HGETALL", self._keys[pool].sn))]
         results = await self._client.round_trip(cmds)
         try:
             beat = results[0]
@@ -770,8 +809,11 @@ class RedisStore(Store):
                 head, _, view = r.partition(b"|")
                 restored += int(head)
                 self._read_view(pool, view, now)
-            for pool, held in zip(known, results[1 + len(pools):]):
+            rest = results[1 + len(pools):]
+            for pool, held in zip(known, rest):
                 self._observer.store_nodes(pool, {k.decode(): int(v) for k, v in held.items()})
+            for i, pool in enumerate(known):
+                self._gens[pool] = read_gens(rest[len(known) + 2 * i], rest[len(known) + 2 * i + 1])
         except (IndexError, TypeError, ValueError, AttributeError) as exc:
             raise RoundTripError(ERROR_RESPONSE, f"unexpected refresh reply: {exc}") from exc
         self._refreshed(pools, sent, now, lost=restored > 0)
@@ -815,15 +857,18 @@ class RedisStore(Store):
                                                           self.advertise or "-", self._ttl)))]
         pools: list[str] = []
         sent: list[list[tuple[str, _Held]]] = []
+        self._round += 1
         for pool, keys in self._keys.items():
             leases = list(self._live.get(pool, {}).values())
             chunks = [leases[i:i + _REFRESH_CHUNK] for i in range(0, len(leases), _REFRESH_CHUNK)] or [[]]
-            lead = RefreshArg(now=now_arg, ttl=self._ttl, has_pb=1 if keys.pool_bucket else 0)
+            lead = RefreshArg(now=now_arg, ttl=self._ttl, has_pb=1 if keys.pool_bucket else 0,
+                              replica=self.replica_id, round=self._round)
             for chunk in chunks:
                 argv: list[object] = [*lead]
                 for g in chunk:
                     argv.extend(RefreshLease(id=g.id, cls=g.plan.class_name, tok=int(g.plan.tokens),
-                                             node=g.picked or "-", hold=int(g.node_hold)))
+                                             node=g.picked or "-", hold=int(g.node_hold),
+                                             seen=int(g.node.seen) if g.node is not None else 0))
                 cmds.append(REFRESH.command(keys.of_refresh(), *map(word, argv)))
                 pools.append(pool)
                 sent.append([(g.id, _Held(int(g.plan.tokens), g.picked, int(g.node_hold), 0.0)) for g in chunk])
@@ -897,6 +942,27 @@ class RedisStore(Store):
         return PoolUsage(inflight=max(0, inflight), kv_inflight=max(0, kv),
                          by_class={c: max(0, n) for c, n in by_class.items()},
                          bucket_tokens=tokens)
+
+
+def read_gens(stamps: dict[bytes, bytes], sums: dict[bytes, bytes]) -> dict[str, SeenGen]:
+    """read_gens is every replica's generations from a pool's ``sr`` and ``sn`` hashes (see the
+    key layout); a replica without stamps is left out."""
+    new: dict[str, dict[str, list[int]]] = {}
+    old: dict[str, dict[str, list[int]]] = {}
+    for field, value in sums.items():
+        replica, node, kind = field.decode().split("\t")
+        into = new if kind in ("F", "I") else old
+        pair = into.setdefault(replica, {}).setdefault(node, [0, 0])
+        pair[0 if kind in ("F", "f") else 1] += int(value)
+    gens: dict[str, SeenGen] = {}
+    for replica_b, value in stamps.items():
+        replica = replica_b.decode()
+        words = value.decode().split()
+        gens[replica] = SeenGen(
+            None if words[0] == "-" else float(words[0]), None if words[1] == "-" else float(words[1]),
+            {n: (f, i) for n, (f, i) in new.get(replica, {}).items()},
+            {n: (f, i) for n, (f, i) in old.get(replica, {}).items()})
+    return gens
 
 
 async def replica_runs(addr: str, replica: str, timeout: float) -> bool | None:

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple, get_type_hints
 
 from extproc.admission.bucket import FIT_SLACK
+from extproc.admission.store.fallback import LOCAL_PREFIX
 from extproc.admission.shared_nodes import NodeAsk
 from extproc.admission.types import Budget
 
@@ -44,6 +45,8 @@ class PoolKeys(NamedTuple):
     tbk: str
     nk: str
     rb: str
+    sn: str
+    sr: str
 
 
 class RefreshKeys(NamedTuple):
@@ -55,6 +58,8 @@ class RefreshKeys(NamedTuple):
     done: str
     pbk: str
     nk: str
+    sn: str
+    sr: str
 
 
 class HeartbeatKeys(NamedTuple):
@@ -132,11 +137,15 @@ class NodeArg(NamedTuple):
 
 
 class NodeCandidate(NamedTuple):
-    """NodeCandidate is one node the admit script may pick: capacity and foreign KV (tokens)."""
+    """NodeCandidate is one node the admit script may pick: ``shared_nodes.Candidate`` without
+    this replica's own holds (the script reads every replica's); ``idle`` as 1/0."""
 
     name: str
     cap: int
     foreign: int
+    rise: int
+    since: float | None
+    idle: int
 
 
 class SettleArg(NamedTuple):
@@ -156,22 +165,30 @@ class SettleArg(NamedTuple):
 
 class RefreshArg(NamedTuple):
     """RefreshArg is the ARGV of the refresh script: the instant, the leases' new lifetime
-    (s), whether the pool has a bucket (1/0) and its leases, ``RefreshLease`` words after."""
+    (s), whether the pool has a bucket (1/0), the replica and its refresh round (a number
+    that grows by one per refresh round trip: the first call of a round starts a new
+    generation of what it saw, ``shared_nodes.SeenGen``), its leases as ``RefreshLease``
+    words after."""
 
     now: float | None
     ttl: float
     has_pb: int
+    replica: str
+    round: int
 
 
 class RefreshLease(NamedTuple):
     """RefreshLease is one live lease as the refresh script extends (or re-takes) it: its
-    class, tokens, node (``-``: none) and the node hold the controller now expects (tokens)."""
+    class, tokens, node (``-``: none), the node hold the controller now expects (tokens)
+    and what its node's cache certainly holds of it (``Grant.node_seen``: its footprint,
+    negative when only a node that queues nothing holds it; 0: nothing known)."""
 
     id: str
     cls: str
     tok: int
     node: str
     hold: int
+    seen: int
 
 
 class HeartbeatArg(NamedTuple):
@@ -216,8 +233,9 @@ def node_arg(ask: NodeAsk) -> str:
     """node_arg is ``ask`` as the admit script's ``NodeArg``: the rule's constants travel in
     it, never copied into Lua; the script computes floor(C x (1 - r)) on the same double
     as ``rules.effective_capacity``."""
-    nodes = pack(w for name, capacity, foreign, _own in ask.candidates
-                 for w in NodeCandidate(name, int(capacity), int(foreign)))
+    nodes = pack(w for c in ask.candidates
+                 for w in NodeCandidate(c.name, int(c.cap), int(c.foreign), int(c.rise),
+                                        None if c.since is None else float(c.since), 1 if c.idle else 0))
     return pack(NodeArg(int(ask.need), float(ask.reserve_fraction), float(ask.watermark), nodes))
 
 
@@ -280,7 +298,7 @@ def lua_each(layout: Layout, table: str, first: str | int) -> str:
 
 def _constants() -> str:
     """_constants is the rule's constants as Lua locals: the fit slack and the budget names."""
-    lines = [f"local FIT = {FIT_SLACK!r}"]
+    lines = [f"local FIT = {FIT_SLACK!r}", f"local LOCAL = '{LOCAL_PREFIX}'"]
     lines += [f"local B_{b.name} = '{b.value}'" for b in Budget]
     return "\n".join(lines)
 
@@ -322,35 +340,79 @@ local function fmt(x) return string.format('%.17g', x) end
 # The prelude of the pool scripts: the purge of expired leases, the token bucket (a mirror
 # of extproc.admission.bucket.TokenBucket) and the view every reply ends with.
 _PRELUDE = _CLOCK + _constants() + r"""
--- rec_fields splits a lease record: class, tokens, and node and node hold ('-' and 0 when
--- the pool does not pick nodes).
+-- rec_fields splits a lease record: class, tokens, and node, node hold, and what the
+-- replica's refresh round rnd saw of it in the cache (fn) and the round before (fo) ('-'
+-- and zeros when the pool does not pick nodes).
 local function rec_fields(rec)
   local f = {}
   for w in string.gmatch(rec, '[^\t]+') do f[#f + 1] = w end
-  return f[1], tonumber(f[2]), f[3] or '-', tonumber(f[4]) or 0
+  return f[1], tonumber(f[2]), f[3] or '-', tonumber(f[4]) or 0, tonumber(f[5]) or 0,
+    tonumber(f[6]) or 0, tonumber(f[7]) or 0
 end
 -- record is what a lease holds, as rec_fields reads it.
-local function record(cls, tok, node, hold)
+local function record(cls, tok, node, hold, rnd, fn, fo)
   if node == '-' then return cls .. '\t' .. fmt(tok) end
-  return cls .. '\t' .. fmt(tok) .. '\t' .. node .. '\t' .. fmt(hold)
+  return cls .. '\t' .. fmt(tok) .. '\t' .. node .. '\t' .. fmt(hold) .. '\t' .. fmt(rnd) .. '\t'
+    .. fmt(fn) .. '\t' .. fmt(fo)
 end
-local function untake(st, nk, rec)
-  local cls, tok, node, hold = rec_fields(rec)
+-- replica_of is the replica that took a lease (ids are <replica>.<n>, LOCAL<replica>.<n>).
+local function replica_of(id)
+  if string.sub(id, 1, #LOCAL) == LOCAL then id = string.sub(id, #LOCAL + 1) end
+  return string.match(id, '^(.*)%.') or id
+end
+-- stamps is a replica's generations in sr: the instants of the newest and the one before
+-- (nil: none) and its round (nil: none yet).
+local function stamps(sr, replica)
+  local v = redis.call('HGET', sr, replica)
+  if not v then return nil, nil, nil end
+  local s = args(v)
+  return tonumber(s[1]), tonumber(s[2]), tonumber(s[3])
+end
+-- seen_add adds sign x |v| to the sum of replica's generation (old or new) on node that v
+-- belongs to: firm (v > 0: F, f) or idle (v < 0: I, i). An empty sum leaves the hash.
+local function seen_add(sn, replica, node, old, v, sign)
+  if v == 0 then return end
+  local kind = 'F'
+  if v < 0 then kind = 'I'; v = 0 - v end
+  if old then kind = string.lower(kind) end
+  local field = replica .. '\t' .. node .. '\t' .. kind
+  if redis.call('HINCRBY', sn, field, sign * v) <= 0 then redis.call('HDEL', sn, field) end
+end
+-- clamp_seen keeps what a lease's generations count within its hold, so that what another
+-- replica subtracts of it is always still held on its node.
+local function clamp_seen(v, hold)
+  if v > hold then return hold end
+  if v < 0 - hold then return 0 - hold end
+  return v
+end
+local function untake(st, nk, sn, sr, id, rec)
+  local cls, tok, node, hold, rnd, fn, fo = rec_fields(rec)
   redis.call('HINCRBY', st, 'n', -1)
   redis.call('HINCRBY', st, 'c:' .. cls, -1)
   -- 0 - tok, not -tok: Lua writes -0 as "-0", which HINCRBY refuses
   redis.call('HINCRBY', st, 'kv', 0 - tok)
   if node ~= '-' and hold ~= 0 then redis.call('HINCRBY', nk, node, 0 - hold) end
+  if node ~= '-' and (fn ~= 0 or fo ~= 0) then
+    -- what the lease's replica published of it leaves with its hold
+    local replica = replica_of(id)
+    local _, _, cur = stamps(sr, replica)
+    if cur == rnd then
+      seen_add(sn, replica, node, false, fn, -1)
+      seen_add(sn, replica, node, true, fo, -1)
+    elseif cur == rnd + 1 then
+      seen_add(sn, replica, node, true, fn, -1)
+    end
+  end
   return tok
 end
 -- purge returns the slots and KV tokens of leases whose expiry has passed (their replica
 -- stopped refreshing them: it died) and forgets tombstones that served their time.
-local function purge(st, lz, lh, done, nk, now)
+local function purge(st, lz, lh, done, nk, sn, sr, now)
   local ids = redis.call('ZRANGEBYSCORE', lz, '-inf', now, 'LIMIT', 0, 256)
   for i = 1, #ids do
     local rec = redis.call('HGET', lh, ids[i])
     if rec then
-      untake(st, nk, rec)
+      untake(st, nk, sn, sr, ids[i], rec)
       redis.call('HDEL', lh, ids[i])
     end
     redis.call('ZREM', lz, ids[i])
@@ -442,7 +504,7 @@ _ADMIT = _PRELUDE + r"""
 $keys
 local a = args(ARGV[1])
 $admit
-purge(st, lz, lh, done, nk, now)
+purge(st, lz, lh, done, nk, sn, sr, now)
 if redis.call('ZSCORE', done, id) then return '2' .. view(now, st, pbk, pcap ~= nil) end
 local sv = redis.call('HMGET', st, 'n', 'kv')
 local inflight, kvin = tonumber(sv[1]) or 0, tonumber(sv[2]) or 0
@@ -479,10 +541,35 @@ local function refused(r)
 end
 -- pick_node is shared_nodes.pick_shared (rules.pick_node over every replica's holds) on
 -- the NodeArg words q: the node picked and its hold, or nil, 0 and the refusal.
+-- others is shared_nodes.others_seen: what the other replicas' leases on node that a
+-- report with mark instant since (nil: none) saw in the cache still hold there.
+local me, gens = replica_of(id), nil
+local function others(node, since, idle)
+  if since == nil then return 0 end
+  if gens == nil then gens = redis.call('HGETALL', sr) end
+  local total = 0
+  for i = 1, #gens, 2 do
+    if gens[i] ~= me then
+      local s = args(gens[i + 1])
+      local new_at, old_at = tonumber(s[1]), tonumber(s[2])
+      local kf, ki = nil, nil
+      if new_at and new_at < since then kf, ki = 'F', 'I'
+      elseif old_at and old_at < since then kf, ki = 'f', 'i' end
+      if kf then
+        local p = gens[i] .. '\t' .. node .. '\t'
+        total = total + (tonumber(redis.call('HGET', sn, p .. kf)) or 0)
+        if idle == 1 then total = total + (tonumber(redis.call('HGET', sn, p .. ki)) or 0) end
+      end
+    end
+  end
+  return total
+end
 local function pick_node(q)
   $node
   local best, best_room, by_wm, chosen = nil, nil, false, nil
   $each_node
+    foreign = foreign - others(name, since, idle)
+    if foreign < rise then foreign = rise end
     local held = tonumber(redis.call('HGET', nk, name)) or 0
     local eff = math.floor(cap * (1.0 - reserve))
     if eff < 0 then eff = 0 end
@@ -578,7 +665,7 @@ local nin = redis.call('HINCRBY', st, 'n', 1)
 redis.call('HINCRBY', st, 'c:' .. cls, 1)
 redis.call('HINCRBY', st, 'kv', n)
 if node ~= '-' then redis.call('HINCRBY', nk, node, hold) end
-redis.call('HSET', lh, id, record(cls, n, node, hold))
+redis.call('HSET', lh, id, record(cls, n, node, hold, 0, 0, 0))
 redis.call('ZADD', lz, now + ttl, id)
 if pb then pb[1] = pb[1] - n end
 if tb then tb[1] = tb[1] - n end
@@ -592,14 +679,14 @@ _SETTLE = _PRELUDE + r"""
 $keys
 local a = args(ARGV[1])
 $settle
-purge(st, lz, lh, done, nk, now)
+purge(st, lz, lh, done, nk, sn, sr, now)
 -- the tombstone keeps a refresh or a late admit already on the wire from bringing it back
 redis.call('ZADD', done, now + ttl, id)
 local rec = redis.call('HGET', lh, id)
 if not rec then return '0' .. view(now, st, pbk, pcap ~= nil) end
 redis.call('HDEL', lh, id)
 redis.call('ZREM', lz, id)
-local tok = untake(st, nk, rec)
+local tok = untake(st, nk, sn, sr, id, rec)
 local refund = tok - charged
 if refund ~= 0 then
   if pcap then bucket_give(pbk, refund, pcap, prate, now, -1) end
@@ -617,29 +704,68 @@ $keys
 $refresh
 local exp = now + ttl
 local restored = 0
+-- the replica's generations: the first call of a round makes the newest the one before
+local new_at, old_at, cur = stamps(sr, replica)
+if cur ~= round then
+  local p = replica .. '\t'
+  local h = redis.call('HGETALL', sn)
+  for i = 1, #h, 2 do
+    local kind = string.sub(h[i], -1)
+    if string.sub(h[i], 1, #p) == p and (kind == 'f' or kind == 'i') then redis.call('HDEL', sn, h[i]) end
+  end
+  for i = 1, #h, 2 do
+    local kind = string.sub(h[i], -1)
+    if string.sub(h[i], 1, #p) == p and (kind == 'F' or kind == 'I') then
+      redis.call('HDEL', sn, h[i])
+      redis.call('HSET', sn, string.sub(h[i], 1, -2) .. string.lower(kind), h[i + 1])
+    end
+  end
+  old_at = new_at
+end
+local old_word = '-'
+if old_at then old_word = fmt(old_at) end
+redis.call('HSET', sr, replica, fmt(now) .. ' ' .. old_word .. ' ' .. round)
 $each_lease
-  local rec = record(cls, tok, node, hold)
+  seen = clamp_seen(seen, hold)
   if redis.call('ZSCORE', lz, id) then
     redis.call('ZADD', lz, exp, id)
     local old = redis.call('HGET', lh, id)
     if old and node ~= '-' then
-      local _, _, old_node, old_hold = rec_fields(old)
-      if old_node == node and old_hold ~= hold then
-        redis.call('HINCRBY', nk, node, hold - old_hold)
-        redis.call('HSET', lh, id, rec)
+      local _, _, old_node, old_hold, rnd, fn, fo = rec_fields(old)
+      if old_node == node then
+        if old_hold ~= hold then redis.call('HINCRBY', nk, node, hold - old_hold) end
+        -- what this round saw of it joins the newest generation; what the round before
+        -- saw is in the one before (older rounds' sums are gone)
+        local before = 0
+        if rnd == round then
+          before = fo
+          seen_add(sn, replica, node, false, fn, -1)
+        elseif rnd == round - 1 then
+          before = fn
+        end
+        seen_add(sn, replica, node, false, seen, 1)
+        local kept = clamp_seen(before, hold)
+        if kept ~= before then
+          seen_add(sn, replica, node, true, before, -1)
+          seen_add(sn, replica, node, true, kept, 1)
+        end
+        redis.call('HSET', lh, id, record(cls, tok, node, hold, round, seen, kept))
       end
     end
   elseif not redis.call('ZSCORE', done, id) then
     redis.call('ZADD', lz, exp, id)
-    redis.call('HSET', lh, id, rec)
+    redis.call('HSET', lh, id, record(cls, tok, node, hold, round, seen, 0))
     redis.call('HINCRBY', st, 'n', 1)
     redis.call('HINCRBY', st, 'c:' .. cls, 1)
     redis.call('HINCRBY', st, 'kv', tok)
-    if node ~= '-' then redis.call('HINCRBY', nk, node, hold) end
+    if node ~= '-' then
+      redis.call('HINCRBY', nk, node, hold)
+      seen_add(sn, replica, node, false, seen, 1)
+    end
     restored = restored + 1
   end
 end
-purge(st, lz, lh, done, nk, now)
+purge(st, lz, lh, done, nk, sn, sr, now)
 return restored .. view(now, st, pbk, has_pb == 1)
 """
 
@@ -681,13 +807,19 @@ for i = 1, #ids do
   if string.sub(id, 1, #mine) == mine or string.sub(id, 1, #alone) == alone then
     local rec = redis.call('HGET', lh, id)
     if rec then
-      untake(st, nk, rec)
+      untake(st, nk, sn, sr, id, rec)
       redis.call('HDEL', lh, id)
       released = released + 1
     end
     redis.call('ZREM', lz, id)
     redis.call('ZADD', done, now + ttl, id)
   end
+end
+redis.call('HDEL', sr, replica)
+local p = replica .. '\t'
+local h = redis.call('HKEYS', sn)
+for i = 1, #h do
+  if string.sub(h[i], 1, #p) == p then redis.call('HDEL', sn, h[i]) end
 end
 return released .. view(now, st, pbk, pbk ~= st)
 """

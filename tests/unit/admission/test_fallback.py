@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from extproc.admission.shared_nodes import NodeAsk
+from extproc.admission.shared_nodes import Candidate as C, NodeAsk
 from extproc.admission.store.fallback import (FLAP_WINDOW_S, LOCAL_PREFIX, MODE_FAIL_CLOSED, MODE_LOCAL_SHARE,
                                               MODE_SHARED, RECOVER_MAX_S, RECOVER_S, Fallback,
                                               StoreUnavailableError, Within)
@@ -99,10 +99,10 @@ def test_local_admissions_stay_within_what_the_leases_hold_beyond_the_live_reque
 def test_a_local_pick_takes_a_node_within_the_room_its_leases_hold() -> None:
     f, _ = fallback(expected=2)
     f.degrade("timeout", "", T0)
-    ask = NodeAsk((("n0", 1000, 0, 0), ("n1", 4000, 0, 0)), 1500, 0.0, 1.0)
+    ask = NodeAsk((C("n0", 1000, 0, 0), C("n1", 4000, 0, 0)), 1500, 0.0, 1.0)
     g = f.admit(Plan(LIMITS, "a", "standard", 10, None, ask), T0, Within(6, 6000, {"n0": 3000, "n1": 2000}))
     assert isinstance(g, Grant) and g.picked == "n1" and g.node_hold == 1500  # n0 reads too small
-    too_big = NodeAsk((("n0", 1000, 0, 0), ("n1", 4000, 0, 0)), 2500, 0.0, 1.0)
+    too_big = NodeAsk((C("n0", 1000, 0, 0), C("n1", 4000, 0, 0)), 2500, 0.0, 1.0)
     r = f.admit(Plan(LIMITS, "a", "standard", 10, None, too_big), T0, Within(6, 6000, {"n1": 2000}))
     assert isinstance(r, Refusal) and r.budget is Budget.NODE_KV and r.limit == 2000
 

@@ -16,7 +16,7 @@ import pytest
 import uvloop
 from redis.asyncio.connection import Connection
 
-from extproc.admission.shared_nodes import NodeAsk
+from extproc.admission.shared_nodes import Candidate as C, NodeAsk
 from extproc.admission.store.fallback import MODE_LOCAL_SHARE, MODE_SHARED, StoreUnavailableError
 from extproc.admission.store.redis import RedisStore
 from extproc.admission.store.redis_client import ERROR_CONNECTION, RedisClient, RoundTripError
@@ -293,7 +293,7 @@ async def test_the_ledgers_node_totals_reach_the_observer_at_each_refresh(redis_
     b = RedisStore(RedisStoreConfig(url=redis_server.url, key_prefix=a.config.key_prefix, timeout_s=1.0),
                    clock=clock)
     try:
-        ask = NodeAsk((("n0", 10_000, 0, 0), ("n1", 10_000, 0, 0)), 3000, 0.0, 1.0)
+        ask = NodeAsk((C("n0", 10_000, 0, 0), C("n1", 10_000, 0, 0)), 3000, 0.0, 1.0)
         plan = Plan(slots_plan(64).limits, "a", "standard", 10, None, ask)
         ga = await a.admit(plan, clock.now())
         gb = await b.admit(plan, clock.now())

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from extproc.admission.bucket import FIT_SLACK
-from extproc.admission.shared_nodes import NodeAsk
+from extproc.admission.shared_nodes import Candidate as C, NodeAsk
 from extproc.admission.store import redis_lua as L
 from extproc.admission.types import Budget
 from kvgate_testkit.redis_server import RedisServer
@@ -27,10 +27,11 @@ SAMPLES: list[tuple[Any, dict[str, Any], str | None]] = [
                 3000.0, 50.0, 3000.0, -1.0, 4400, None, L.pack(L.Guarantee("gold", 2))),
      {"pool": L.AdmitPool}, "guarantees"),
     (L.SettleArg(None, "r.2", 512, 30.0, None, None, 3000.0, 50.0, 60.0), {}, None),
-    (L.RefreshArg(1000.5, 30.0, 1), {}, None),
+    (L.RefreshArg(1000.5, 30.0, 1, "replica-a", 7), {}, None),
+    (L.RefreshLease("r.3", "gold", 700, "n1", 900, -640), {}, None),
     (L.HeartbeatArg(7.0, "replica-a", 12.5, "127.0.0.1:9464", 30.0), {}, None),
     (L.ReleaseArg(None, 30.0, "replica-b"), {}, None),
-    (L.NodeArg(640, 0.15, 0.55, L.pack(L.NodeCandidate("n0", 10000, 300))), {}, "nodes"),
+    (L.NodeArg(640, 0.15, 0.55, L.pack(L.NodeCandidate("n0", 10000, 300, 40, 1000.75, 1))), {}, "nodes"),
 ]
 
 
@@ -93,7 +94,7 @@ def _number(text: str) -> bool:
 def test_lua_walks_the_repeated_words_in_python_order(redis_server: RedisServer) -> None:
     """The nodes of a NodeArg and the guarantees of an AdmitArg come back in order, by name."""
     r = redis_sync.Redis.from_url(redis_server.url)
-    ask = NodeAsk((("n0", 10000, 300, 0), ("n1", 2000, 0, 5), ("n2", 7, 6, 1)), 640, 0.15, 0.55)
+    ask = NodeAsk((C("n0", 10000, 300, 0), C("n1", 2000, 0, 5), C("n2", 7, 6, 1)), 640, 0.15, 0.55)
     body = (L._CLOCK + "local q = args(ARGV[1])\n" + L.lua_locals(L.NodeArg, "q", group="nodes") + "\n"
             "local out = {}\n" + L.lua_each(L.NodeCandidate, "q", "nodes") + "\n"
             "  out[#out + 1] = name .. ':' .. cap .. ':' .. foreign\nend\nreturn out")
@@ -126,9 +127,9 @@ def test_a_word_is_text_a_number_or_none(bad: object) -> None:
 
 
 def test_a_command_takes_the_keys_of_its_own_layout() -> None:
-    keys = L.PoolKeys("st", "lz", "lh", "done", "st", "st", "nk", "rb")
+    keys = L.PoolKeys("st", "lz", "lh", "done", "st", "st", "nk", "rb", "sn", "sr")
     cmd = L.SETTLE.command(keys, "arg")
-    assert cmd[:3] == ("EVALSHA", L.SETTLE.sha, 8) and cmd[3:11] == tuple(keys) and cmd[11:] == ("arg",)
+    assert cmd[:3] == ("EVALSHA", L.SETTLE.sha, 10) and cmd[3:13] == tuple(keys) and cmd[13:] == ("arg",)
     with pytest.raises(TypeError, match="RefreshKeys"):
         L.REFRESH.command(keys)
 
