@@ -198,12 +198,15 @@ class Admission:
     def mark_nodes(self, mark: int) -> None:
         """mark_nodes starts a scrape round in every picking pool (``nodes.PoolNodes.mark``).
 
-        ``mark`` is an increasing id that the round's ``report_node`` calls carry.
+        ``mark`` is an increasing id that the round's ``report_node`` calls carry. A store
+        shared by replicas stamps it with its instant, so that the round's reports are read
+        net of the other replicas' requests (``shared_nodes``).
         """
         now = self._clock.now()
+        since = self._store.instant()
         for p in self._pools.values():
             if p.nodes is not None:
-                p.nodes.mark(mark, now)
+                p.nodes.mark(mark, now, since)
 
     def report_node(self, pool: str, backend: str, report: NodeReport) -> None:
         """report_node hands in one node's scrape of a picking pool (on the event-loop thread).
@@ -213,7 +216,9 @@ class Admission:
         ``UnknownPoolError`` for a pool that is not configured.
         """
         p = self._pool(pool)
-        if p.nodes is None or not p.nodes.report(backend, report):
+        store = self._store
+        others = None if not store.shares_nodes else partial(store.others_seen, pool)
+        if p.nodes is None or not p.nodes.report(backend, report, others):
             return
         if p.queue.size:
             self._kick(p)

@@ -74,7 +74,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from itertools import accumulate
 from operator import mul
 from dataclasses import dataclass, field
@@ -82,7 +82,7 @@ from enum import StrEnum
 
 from extproc.admission import rules
 from extproc.admission.retry import MAX_WAIT_S, HoldTimes, expected_wait_oldest_first
-from extproc.admission.shared_nodes import NodeAsk, candidates_of
+from extproc.admission.shared_nodes import Candidate, NodeAsk
 from extproc.config import BackendConfig, PickingConfig, PoolConfig
 
 # Completion lengths remembered per class to learn the growth to expect.
@@ -167,11 +167,14 @@ class Charge:
     ``own`` and ``moments`` what its node's sums count of it: its own expected hold
     (``rules.node_hold``, tokens; 0 with pooled growth) and its growth's ``Moments`` (None
     without pooled growth), as worked out when it was admitted, last progressed or the
-    lengths learned were last applied (``PoolNodes.relearn``).
+    lengths learned were last applied (``PoolNodes.relearn``); ``seen`` what the node's
+    cache certainly held of it at the last mark (tokens: its footprint when its first token
+    had been seen, minus its footprint when it was only settled there, 0 when neither), which
+    a shared store publishes to the other replicas (``shared_nodes``).
     """
 
     __slots__ = ("node", "class_name", "prompt", "reserved", "generated", "first_at",
-                 "admitted_at", "held", "own", "moments")
+                 "admitted_at", "held", "own", "moments", "seen")
 
     def __init__(self, node: Node, class_name: str, prompt: int, reserved: int, now: float) -> None:
         self.node = node
@@ -184,6 +187,7 @@ class Charge:
         self.held = True
         self.own = 0
         self.moments: Moments | None = None
+        self.seen = 0
 
     @property
     def address(self) -> str:
@@ -206,8 +210,8 @@ class Node:
     """
 
     __slots__ = ("name", "address", "configured_capacity", "reported_capacity", "usage",
-                 "report_at", "refused", "foreign", "floor", "rise", "rise_s", "history", "charges", "marks", "picks",
-                 "passed_over", "exact", "footprints", "owns", "left", "mean", "var")
+                 "report_at", "refused", "foreign", "net", "since", "idle", "floor", "rise", "rise_s", "history",
+                 "charges", "marks", "picks", "passed_over", "exact", "footprints", "owns", "left", "mean", "var")
 
     def __init__(self, backend: BackendConfig) -> None:
         self.name = backend.name
@@ -218,17 +222,24 @@ class Node:
         self.report_at: float | None = None
         self.refused = False
         self.foreign = 0
-        self.floor: int | None = None   # tokens used minus every held charge's footprint, last report
+        # foreign less what other replicas published of their requests there (shared_nodes)
+        self.net = 0
+        # the store's instant the last report's mark saw (None: none), and whether the node
+        # queued nothing then: what a shared store needs to subtract the other replicas'
+        self.since: float | None = None
+        self.idle = False
+        self.floor: int | None = None   # net of the others' too, last report
         self.rise = 0                   # tokens foreign KV grew by over the last interval (module doc)
         self.rise_s = 0.0               # that interval, seconds
-        # (instant, foreign, floor) of the latest reports with a usable sample, oldest first.
+        # (instant, net, floor) of the latest reports with a usable sample, oldest first.
         self.history: deque[tuple[float, int, int]] = deque(maxlen=RISE_REPORTS)
         # kvgate's requests on the node, oldest admitted first (a refusal's retry hint walks
         # them in the order they are expected to end).
         self.charges: dict[Charge, None] = {}
-        # mark id -> (footprint at the mark, first token seen) of each charge certainly in
-        # the node's cache (first token seen) or settled there (module doc).
-        self.marks: dict[int, dict[Charge, tuple[int, bool]]] = {}
+        # mark id -> the store's instant then (None: none), and (footprint at the mark, first
+        # token seen) of each charge certainly in the node's cache (first token seen) or
+        # settled there (module doc).
+        self.marks: dict[int, tuple[float | None, dict[Charge, tuple[int, bool]]]] = {}
         self.picks = 0
         self.passed_over: dict[PassedOver, int] = {}
         self.exact = False  # the last report's foreign KV holds none of kvgate's (module doc)
@@ -290,19 +301,33 @@ class Node:
             return NodeState.STALE
         return NodeState.UP
 
-    def mark(self, mark: int, now: float, settle_s: float | None) -> None:
+    def mark(self, mark: int, now: float, settle_s: float | None, since: float | None = None) -> None:
         """mark records the charges certainly in the node's cache at ``now``, and those settled
         there (held ``settle_s`` seconds or more without a first token; None: none is), see
-        the module doc."""
-        self.marks[mark] = {c: (c.footprint, c.first_at is not None) for c in self.charges
-                            if c.first_at is not None
-                            or (settle_s is not None and now - c.admitted_at >= settle_s)}
+        the module doc, with ``since``, the store's instant of the latest answer received
+        (None: none); each charge's ``seen`` follows."""
+        held: dict[Charge, tuple[int, bool]] = {}
+        for c in self.charges:
+            if c.first_at is not None:
+                c.seen = c.footprint
+                held[c] = (c.seen, True)
+            elif settle_s is not None and now - c.admitted_at >= settle_s:
+                c.seen = -c.footprint
+                held[c] = (c.footprint, False)
+            else:
+                c.seen = 0
+        self.marks[mark] = (since, held)
         while len(self.marks) > 4:  # reports lost or never taken: keep the newest few
             del self.marks[next(iter(self.marks))]
 
-    def report(self, r: NodeReport) -> None:
-        """report takes one scrape's result; a round without a usable sample keeps the last one."""
-        seen = self.marks.pop(r.mark, None) if r.mark is not None else None
+    def report(self, r: NodeReport, others: Callable[[float | None, bool], int] | None = None) -> None:
+        """report takes one scrape's result; a round without a usable sample keeps the last one.
+
+        ``others`` says what the other replicas published of their requests in the node's
+        cache for a mark's store instant and whether the node queued nothing (tokens;
+        ``Store.others_seen``; None: no other replicas): the rise is read net of it."""
+        entry = self.marks.pop(r.mark, None) if r.mark is not None else None
+        since, seen = entry if entry is not None else (None, None)
         if r.mark is not None:
             for m in [m for m in self.marks if m < r.mark]:
                 del self.marks[m]
@@ -315,7 +340,7 @@ class Node:
         self.usage = min(1.0, max(0.0, r.kv_usage))
         last_at, self.report_at = self.report_at, r.at
         if scale is None:
-            self.foreign, self.floor, self.rise = 0, None, 0
+            self.foreign, self.net, self.floor, self.rise, self.since = 0, 0, None, 0, None
             self.history.clear()
             return
         used = math.ceil(self.usage * scale)
@@ -323,27 +348,34 @@ class Node:
         subtracted = [fp for c, (fp, first) in seen.items() if c.held and (first or idle)] if seen else []
         ours = sum(subtracted)
         foreign = max(0, used - ours)
-        floor = max(0, used - self.footprints)
+        gone = others(since, idle) if others is not None and since is not None else 0
+        net = max(0, foreign - gone)
+        floor = max(0, used - self.footprints - gone)
         # The node runs no request beyond those subtracted: none of kvgate's others is in its
         # cache yet, so the foreign reading holds nothing of kvgate's (module doc).
         self.exact = r.running is not None and r.running <= len(subtracted)
         if self.floor is None:
             self.rise = 0
         else:
-            rise = foreign - self.foreign if self.exact else min(foreign - self.foreign, floor - self.floor)
+            rise = net - self.net if self.exact else min(net - self.net, floor - self.floor)
             self.rise = max(0, rise)
         self.rise_s = r.at - last_at if last_at is not None else 0.0
-        self.foreign, self.floor = foreign, floor
-        self.history.append((r.at, foreign, floor))
+        self.foreign, self.net, self.floor, self.since, self.idle = foreign, net, floor, since, idle
+        self.history.append((r.at, net, floor))
 
     def foreign_ahead(self, horizon_s: float, now: float) -> int:
         """foreign_ahead is the KV (tokens) the node may hold for others while requests admitted
-        at ``now`` run, ``horizon_s`` seconds: foreign + its rise at the faster of its rates
-        over the last report interval and over the reports of the last ``horizon_s``, from
-        the report to the end of that horizon (never below the last interval's rise; module
-        doc). The report's age counts: a rise read 0.9 s ago has had 0.9 s more to go on."""
+        at ``now`` run, ``horizon_s`` seconds: foreign + ``rise_ahead``."""
+        return self.foreign + self.rise_ahead(horizon_s, now)
+
+    def rise_ahead(self, horizon_s: float, now: float) -> int:
+        """rise_ahead is how much (tokens) the foreign KV may grow while requests admitted at
+        ``now`` run, ``horizon_s`` seconds: its rise at the faster of its rates over the last
+        report interval and over the reports of the last ``horizon_s``, from the report to
+        the end of that horizon (never below the last interval's rise; module doc). The
+        report's age counts: a rise read 0.9 s ago has had 0.9 s more to go on."""
         if self.report_at is None:
-            return self.foreign
+            return 0
         ahead = horizon_s + max(0.0, now - self.report_at)
         extra = 0
         if self.rise > 0:
@@ -351,11 +383,11 @@ class Node:
                      else math.ceil(self.rise * ahead / self.rise_s))
         oldest = next((h for h in self.history if h[0] >= self.report_at - horizon_s), None)
         if oldest is not None and self.floor is not None and oldest[0] < self.report_at:
-            grew = (self.foreign - oldest[1] if self.exact
-                    else min(self.foreign - oldest[1], self.floor - oldest[2]))
+            grew = (self.net - oldest[1] if self.exact
+                    else min(self.net - oldest[1], self.floor - oldest[2]))
             if grew > 0:
                 extra = max(extra, math.ceil(grew * ahead / (self.report_at - oldest[0])))
-        return self.foreign + extra
+        return extra
 
     def pass_over(self, why: PassedOver) -> None:
         self.passed_over[why] = self.passed_over.get(why, 0) + 1
@@ -485,11 +517,12 @@ class PoolNodes:
 
     # --- reports -------------------------------------------------------------------
 
-    def mark(self, mark: int, now: float) -> None:
-        """mark starts a scrape round at ``now``: see the module doc."""
+    def mark(self, mark: int, now: float, since: float | None = None) -> None:
+        """mark starts a scrape round at ``now``, ``since`` being the store's instant of the latest
+        answer received (None: none; see ``Node.mark``): see the module doc."""
         settle = self.settle_s()
         for n in self.nodes.values():
-            n.mark(mark, now, settle)
+            n.mark(mark, now, settle, since)
         if self._taught and not self._recount:  # a pass over every charge held, oldest first
             self._taught = False
             self._recount = [c for n in self.nodes.values() for c in reversed(n.charges)]
@@ -505,12 +538,15 @@ class PoolNodes:
             return None
         return sorted(self.first_tokens)[len(self.first_tokens) // 2]
 
-    def report(self, name: str, r: NodeReport) -> bool:
-        """report hands one node's scrape in; False for a node not configured (any more)."""
+    def report(self, name: str, r: NodeReport,
+               others: Callable[[str, float | None, bool], int] | None = None) -> bool:
+        """report hands one node's scrape in, with what the other replicas published of their
+        requests per node (``Store.others_seen``; None: no others); False for a node not
+        configured (any more)."""
         n = self.nodes.get(name)
         if n is None:
             return False
-        n.report(r)
+        n.report(r, None if others is None else lambda since, idle: others(name, since, idle))
         return True
 
     # --- the rule ------------------------------------------------------------------
@@ -669,16 +705,18 @@ class PoolNodes:
         for their state are counted as passed over here.
         """
         horizon = self._horizon_s()
-        rows = [(n.name, cap, n.foreign_ahead(horizon, now), self.held(n))
-                for n, cap in self._eligible_in_turn(among, now)]
-        return NodeAsk(candidates_of(rows), self.hold(prompt, reserved, 0, class_name),
+        rows = []
+        for n, cap in self._eligible_in_turn(among, now):
+            rise = n.rise_ahead(horizon, now)
+            rows.append(Candidate(n.name, cap, n.foreign + rise, self.held(n), rise, n.since, n.idle))
+        return NodeAsk(tuple(rows), self.hold(prompt, reserved, 0, class_name),
                        self.picking.reserve_fraction, self._node_watermark(watermark))
 
     def passed_over_all(self, ask: NodeAsk, why: PassedOver) -> None:
         """passed_over_all counts every candidate of ``ask`` as passed over for ``why`` (a shared
         store refused them all)."""
-        for name, _cap, _foreign, _own in ask.candidates:
-            n = self.nodes.get(name)
+        for c in ask.candidates:
+            n = self.nodes.get(c.name)
             if n is not None:
                 n.pass_over(why)
 
@@ -760,7 +798,7 @@ class PoolNodes:
             return False
         old = charge.node
         old.drop(charge)
-        for seen in old.marks.values():
+        for _since, seen in old.marks.values():
             seen.pop(charge, None)
         charge.node = target
         target.add(charge, charge.own, charge.moments)
@@ -796,7 +834,7 @@ class PoolNodes:
             out.append(NodeSnapshot(
                 name=n.name, address=n.address, state=n.state(now, self.stale_after_s),
                 requests=len(n.charges), inflight_tokens=n.footprints,
-                held_tokens=self.held(n), foreign_tokens=n.foreign, capacity_tokens=n.capacity,
+                held_tokens=self.held(n), foreign_tokens=n.net, capacity_tokens=n.capacity,
                 headroom_tokens=self.headroom(n, now) if n.report_at is not None else None,
                 kv_usage=n.usage, picks=n.picks,
                 passed_over={k.value: v for k, v in n.passed_over.items()}))

@@ -20,10 +20,10 @@ from hypothesis import strategies as st
 
 from extproc.admission import Admission, Lease, Outcome, Rejection, rules
 from extproc.admission.nodes import NodeReport
-from extproc.admission.shared_nodes import NodeAsk, pick_shared, pick_within
+from extproc.admission.shared_nodes import Candidate as C, NodeAsk, others_seen, pick_shared, pick_within
 from extproc.admission.types import Budget, Grant, Plan, PoolLimits, Refusal
 from extproc.admission.store.fallback import FLAP_WINDOW_S, MODE_LOCAL_SHARE, MODE_SHARED, RECOVER_MAX_S, RECOVER_S
-from extproc.admission.store.redis import RedisStore
+from extproc.admission.store.redis import RedisStore, read_gens
 from extproc.clock import ManualClock
 from extproc.config import RedisStoreConfig, parse_config
 from kvgate_testkit.redis_server import RedisServer
@@ -75,7 +75,7 @@ def test_the_lua_script_picks_like_the_python_rule(redis_server: RedisServer, op
             for op in ops:
                 if op[0] == "admit":
                     need, reserve, wm, cands = op[1]
-                    ask = NodeAsk(tuple((n, c, f, 0) for n, c, f in cands), need, reserve, wm)
+                    ask = NodeAsk(tuple(C(n, c, f, 0) for n, c, f in cands), need, reserve, wm)
                     want = pick_shared(ask, held)
                     got = await rs.admit(node_plan(ask), T0)
                     if want.chosen is None:
@@ -107,9 +107,9 @@ async def test_the_script_computes_the_effective_capacity_on_the_same_double(red
     try:
         eff = rules.effective_capacity(10_000, 1 / 3)
         assert eff == 6666
-        over = await rs.admit(node_plan(NodeAsk((("n0", 10_000, 0, 0),), eff + 1, 1 / 3, 1.0)), T0)
+        over = await rs.admit(node_plan(NodeAsk((C("n0", 10_000, 0, 0),), eff + 1, 1 / 3, 1.0)), T0)
         assert isinstance(over, Refusal) and over.used == eff
-        fits = await rs.admit(node_plan(NodeAsk((("n0", 10_000, 0, 0),), eff, 1 / 3, 1.0)), T0)
+        fits = await rs.admit(node_plan(NodeAsk((C("n0", 10_000, 0, 0),), eff, 1 / 3, 1.0)), T0)
         assert isinstance(fits, Grant) and fits.picked == "n0"
     finally:
         await rs.close()
@@ -122,7 +122,7 @@ async def test_two_replicas_never_fill_a_node_past_its_room(redis_server):
     config = cfg(redis_server.url)
     a, b = RedisStore(config, clock=clock), RedisStore(config, clock=clock)
     try:
-        ask = NodeAsk((("n0", CAP, 1000, 0),), 2000, 0.1, 1.0)  # room: 9000 - 1000 = 8000
+        ask = NodeAsk((C("n0", CAP, 1000, 0),), 2000, 0.1, 1.0)  # room: 9000 - 1000 = 8000
         got = [await (a if i % 2 else b).admit(node_plan(ask), T0) for i in range(6)]
         granted = [g for g in got if isinstance(g, Grant)]
         assert len(granted) == 4 and {g.picked for g in granted} == {"n0"}
@@ -143,7 +143,7 @@ async def test_a_dead_replicas_node_holds_come_back_with_its_leases(redis_server
     config = cfg(redis_server.url, lease_ttl_s=5.0)
     dead, alive = RedisStore(config, clock=clock), RedisStore(config, clock=clock)
     try:
-        ask = NodeAsk((("n0", CAP, 0, 0),), 5000, 0.0, 1.0)
+        ask = NodeAsk((C("n0", CAP, 0, 0),), 5000, 0.0, 1.0)
         assert isinstance(await dead.admit(node_plan(ask), T0), Grant)
         assert isinstance(await dead.admit(node_plan(ask), T0), Grant)
         # `dead` stops refreshing (SIGKILL): its holds stand until the TTL
@@ -161,7 +161,7 @@ async def test_a_refresh_moves_a_leases_node_hold_to_its_current_estimate(redis_
     clock = ManualClock(T0)
     rs = RedisStore(cfg(redis_server.url), clock=clock)
     try:
-        ask = NodeAsk((("n0", CAP, 0, 0),), 6000, 0.0, 1.0)
+        ask = NodeAsk((C("n0", CAP, 0, 0),), 6000, 0.0, 1.0)
         g = await rs.admit(node_plan(ask), T0)
         assert isinstance(g, Grant)
         assert isinstance(await rs.admit(node_plan(NodeAsk(ask.candidates, 5000, 0.0, 1.0)), T0), Refusal)
@@ -180,7 +180,7 @@ async def test_a_restarted_redis_gets_the_live_node_holds_again_and_no_settled_o
     server = RedisServer().start()
     rs = RedisStore(cfg(server.url), clock=clock)
     try:
-        ask = NodeAsk((("n0", CAP, 0, 0), ("n1", CAP, 0, 0)), 3000, 0.0, 1.0)
+        ask = NodeAsk((C("n0", CAP, 0, 0), C("n1", CAP, 0, 0)), 3000, 0.0, 1.0)
         live, settled = await rs.admit(node_plan(ask), T0), await rs.admit(node_plan(ask), T0)
         assert isinstance(live, Grant) and isinstance(settled, Grant) and live.picked != settled.picked
         server.restart()  # empty, as a crashed Redis without persistence
@@ -291,7 +291,7 @@ def test_a_replica_alone_and_one_sharing_never_fill_a_node_past_its_room(cap, re
     b_live: list[int] = []
 
     def shared_admit(need: int) -> bool:
-        ask = NodeAsk((("n0", cap, foreign, 0),), need, reserve, 1.0)
+        ask = NodeAsk((C("n0", cap, foreign, 0),), need, reserve, 1.0)
         return pick_shared(ask, {"n0": sum(a_ledger) + sum(b_live)}).chosen == "n0"
 
     for need in before:  # A's admissions while it still reached Redis
@@ -300,7 +300,7 @@ def test_a_replica_alone_and_one_sharing_never_fill_a_node_past_its_room(cap, re
             a_live.append(need)
     for op, need, k in steps:
         if op == "a_admit":
-            ask = NodeAsk((("n0", cap, foreign, sum(a_live)),), need, reserve, 1.0)
+            ask = NodeAsk((C("n0", cap, foreign, sum(a_live)),), need, reserve, 1.0)
             if pick_within(ask, {"n0": sum(a_ledger) - sum(a_live)}).chosen == "n0":
                 a_live.append(need)
         elif op == "a_end" and a_live:
@@ -314,7 +314,7 @@ def test_a_replica_alone_and_one_sharing_never_fill_a_node_past_its_room(cap, re
 
 
 def test_the_only_replica_picks_by_its_own_reading():
-    ask = NodeAsk((("n0", CAP, 1000, 2000),), 7000, 0.0, 1.0)
+    ask = NodeAsk((C("n0", CAP, 1000, 2000),), 7000, 0.0, 1.0)
     assert pick_within(ask, None).chosen == "n0"
     assert pick_within(ask, {}).chosen is None and pick_within(ask, {"n0": 7000}).chosen == "n0"
 
@@ -324,20 +324,20 @@ async def test_redis_down_picks_nodes_within_the_room_of_this_replicas_leases(re
     server = RedisServer().start()
     rs = RedisStore(cfg(server.url, timeout_s=0.5), clock=clock)
     try:
-        ask = NodeAsk((("n0", CAP, 0, 0), ("n1", CAP, 0, 0)), 3000, 0.0, 1.0)
+        ask = NodeAsk((C("n0", CAP, 0, 0), C("n1", CAP, 0, 0)), 3000, 0.0, 1.0)
         held = await rs.admit(node_plan(ask), T0)
         assert isinstance(held, Grant) and held.picked == "n0"
         server.stop()
         # its one lease holds 3000 on n0, all taken by its live request: no room alone
-        both = NodeAsk((("n0", CAP, 0, 3000), ("n1", CAP, 0, 0)), 3000, 0.0, 1.0)
+        both = NodeAsk((C("n0", CAP, 0, 3000), C("n1", CAP, 0, 0)), 3000, 0.0, 1.0)
         full = await rs.admit(node_plan(both), T0)
         assert rs.mode == MODE_LOCAL_SHARE
         assert isinstance(full, Refusal) and full.budget is Budget.NODE_KV and full.used == 0
         rs.settle(held, 1, T0)  # ended; the lease holds its room in Redis until its settle lands
-        ended = NodeAsk((("n0", CAP, 0, 0), ("n1", CAP, 0, 0)), 3000, 0.0, 1.0)
+        ended = NodeAsk((C("n0", CAP, 0, 0), C("n1", CAP, 0, 0)), 3000, 0.0, 1.0)
         got = await rs.admit(node_plan(ended), T0)
         assert isinstance(got, Grant) and got.picked == "n0" and got.id.startswith("local:")
-        assert isinstance(await rs.admit(node_plan(NodeAsk((("n0", CAP, 0, 3000), ("n1", CAP, 0, 0)),
+        assert isinstance(await rs.admit(node_plan(NodeAsk((C("n0", CAP, 0, 3000), C("n1", CAP, 0, 0)),
                                                            1, 0.0, 1.0)), T0), Refusal)
     finally:
         await rs.close()
@@ -393,3 +393,280 @@ async def test_a_flapping_store_waits_longer_each_time_before_it_shares_again():
     finally:
         await rs.close()
         server.close()
+
+
+# --- every replica's requests counted once --------------------------------------------------------
+
+def one_node_config(cap: int) -> object:
+    return parse_config({"pools": {"default": {
+        "max_concurrency": 1000,
+        "backends": [{"name": "n0", "metrics_url": "http://127.0.0.1:9/n0", "address": "127.0.0.1:8001",
+                      "kv_capacity_tokens": cap}],
+        "picking": {"growth": "worst_case", "reserve_fraction": 0.0}}}})
+
+
+async def _two_replicas_one_full(redis_server, seen_by_b: str):
+    """Replica b holds 3 requests of 2,500 tokens (2,000 prompt + 500 reserved) on one node of
+    10,000, and the node reports their footprints (or not); a then asks for a fourth."""
+    clock = ManualClock(T0)
+    config = one_node_config(10_000)
+    shared = cfg(redis_server.url)
+    sa, sb = RedisStore(shared, clock=clock), RedisStore(shared, clock=clock)
+    a, b = Admission(config, clock, sa), Admission(config, clock, sb)
+    for s in (sa, sb):
+        s.know_pools(["default"])  # as the server does at start
+    for adm in (a, b):
+        adm.report_node("default", "n0", NodeReport(kv_usage=0.0, capacity_tokens=10_000, at=T0))
+    held = []
+    for _ in range(3):
+        got = await b.acquire(b.demand("t", prompt_tokens=2000, max_tokens=500))
+        assert isinstance(got, Lease)
+        held.append(got)
+    if seen_by_b == "first token":
+        for x in held:
+            x.progress(1)      # b saw each one's first token: in the node's cache from then on
+    clock.advance(0.5)
+    b.mark_nodes(1)            # b's scrape round; its refresh publishes what the mark saw
+    assert await sb.refresh()
+    clock.advance(0.5)
+    assert await sa.refresh()  # a hears from Redis after b's refresh...
+    a.mark_nodes(1)            # ...then takes its mark, and the node renders its report
+    used = 3 * 2001 / 10_000 if seen_by_b == "first token" else 3 * 2000 / 10_000
+    a.report_node("default", "n0", NodeReport(kv_usage=used, capacity_tokens=10_000, at=clock.now(),
+                                              mark=1, waiting=0, running=3))
+    fourth = await a.acquire(a.demand("t", prompt_tokens=2000, max_tokens=500))
+    return a, b, held, fourth
+
+
+async def test_another_replicas_requests_in_a_report_are_not_counted_twice(redis_server):
+    """b's three requests are in the node's report a reads and in the shared holds: a counts
+    them once and admits the fourth that fits (10,000 - 3 x 2,500 = 2,500). Counted twice
+    (3 x 2,001 as foreign, and their holds), a refused it: 0 admitted where 1 fit."""
+    a, b, held, fourth = await _two_replicas_one_full(redis_server, "first token")
+    try:
+        assert isinstance(fourth, Lease) and fourth.node == "127.0.0.1:8001", fourth
+        # and no further: the node is full for a as for b
+        assert isinstance(await a.acquire(a.demand("t", prompt_tokens=1, max_tokens=1)), Rejection)
+        assert isinstance(await b.acquire(b.demand("t", prompt_tokens=1, max_tokens=1)), Rejection)
+        shown = {s.name: s.foreign_tokens for s in a.nodes("default")}
+        assert shown == {"n0": 0}
+    finally:
+        for x in [*held, fourth]:
+            if isinstance(x, Lease):
+                x.release(Outcome.COMPLETED, 1)
+        await a.close()
+        await b.close()
+
+
+async def test_requests_no_replica_saw_in_the_cache_stay_counted_as_foreign(redis_server):
+    """Without a first token (and not yet settled), b cannot tell whether the node's cache
+    holds its requests: nothing of them is subtracted, and a refuses (the safe side)."""
+    a, b, held, fourth = await _two_replicas_one_full(redis_server, "nothing")
+    try:
+        assert isinstance(fourth, Rejection) and fourth.message.startswith("No node")
+    finally:
+        for x in held:
+            x.release(Outcome.COMPLETED, 1)
+        await a.close()
+        await b.close()
+
+
+async def test_a_request_that_ended_after_it_was_published_is_counted_by_its_hold(redis_server):
+    """b's requests end after their generation was published and before a's report: the node no
+    longer holds them, and their holds leave Redis with what was published of them, so a's
+    next decision reads neither: the node's room comes back once, not twice."""
+    a, b, held, fourth = await _two_replicas_one_full(redis_server, "first token")
+    try:
+        assert isinstance(fourth, Lease)
+        for x in held:
+            x.release(Outcome.COMPLETED, 1)
+        await b.close()  # flushes the settles
+        r = redis_sync.Redis.from_url(redis_server.url)
+        prefix = f"{a.store.config.key_prefix}{{default}}"
+        assert r.hgetall(f"{prefix}:sn") == {}
+        assert {k: int(v) for k, v in r.hgetall(f"{prefix}:nk").items() if int(v)} == {b"n0": 2500}
+        # the report a read still shows b's three: until a reads a new one they are foreign
+        # again (6,003), as they were before b published them: 10,000 - 6,003 - 2,500 < 2,500
+        got = await a.acquire(a.demand("t", prompt_tokens=2000, max_tokens=500))
+        assert isinstance(got, Rejection) and got.message.startswith("No node")
+    finally:
+        if isinstance(fourth, Lease):
+            fourth.release(Outcome.COMPLETED, 1)
+        await a.close()
+
+
+class _Published:
+    """_Published stands for a grant's node charge where only the store runs: what its mark saw
+    of it (``nodes.Charge.seen``, tokens), the one field a refresh reads."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+
+def _expected_gens(r: redis_sync.Redis, prefix: str) -> dict[str, dict[str, dict[str, int]]]:
+    """_expected_gens is what the published sums must be, from the lease records alone."""
+    rounds = {k.decode(): int(v.split()[2]) for k, v in r.hgetall(f"{prefix}:sr").items()}
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for lease_id, rec in r.hgetall(f"{prefix}:lh").items():
+        f = rec.decode().split("\t")
+        if len(f) < 7:
+            continue
+        node, rnd, fn, fo = f[2], int(f[4]), int(f[5]), int(f[6])
+        replica = lease_id.decode().removeprefix("local:").rsplit(".", 1)[0]
+        cur = rounds.get(replica)
+        parts = [(fn, False), (fo, True)] if cur == rnd else [(fn, True)] if cur == rnd + 1 else []
+        for v, old in parts:
+            if v:
+                kind = ("F" if v > 0 else "I").lower() if old else ("F" if v > 0 else "I")
+                sums = out.setdefault(replica, {}).setdefault(node, {})
+                sums[kind] = sums.get(kind, 0) + abs(v)
+    return out
+
+
+def _stored_gens(r: redis_sync.Redis, prefix: str) -> dict[str, dict[str, dict[str, int]]]:
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for field, v in r.hgetall(f"{prefix}:sn").items():
+        replica, node, kind = field.decode().split("\t")
+        out.setdefault(replica, {}).setdefault(node, {})[kind] = int(v)
+    return out
+
+
+SEEN_OPS = st.lists(st.one_of(
+    st.tuples(st.just("admit_b"), st.sampled_from(NODES), st.integers(1, 4000)),
+    st.tuples(st.just("seen"), st.integers(0, 63), st.sampled_from((0, 1, -1)), st.floats(0.0, 1.0)),
+    st.tuples(st.just("refresh_b"), st.lists(st.tuples(st.sampled_from((0, 1, 1, -1)), st.floats(0.0, 1.0)),
+                                             min_size=1, max_size=6)),
+    st.tuples(st.just("refresh_b_without"), st.integers(0, 63)),
+    st.tuples(st.just("settle_b"), st.integers(0, 63)),
+    st.tuples(st.just("admit_a"), st.integers(0, 6000),
+              st.lists(st.tuples(st.sampled_from(NODES), st.integers(0, 20_000), st.integers(0, 9000),
+                                 st.integers(0, 3000), st.integers(-1, 4), st.booleans()),
+                       min_size=1, max_size=3, unique_by=lambda c: c[0]))),
+    min_size=4, max_size=40)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=SEEN_OPS)
+def test_the_lua_script_subtracts_what_other_replicas_published_like_python(redis_server: RedisServer,
+                                                                             ops: list[tuple]) -> None:
+    """Replica b admits, publishes what its marks saw (firm, idle, nothing), refreshes and
+    settles in random order; replica a asks with random foreign KV, rise, mark instants and
+    idle flags: the script picks as ``pick_shared`` with ``others_seen`` over the published
+    generations, and the published sums always equal what the live leases' records say."""
+
+    async def run() -> None:
+        clock = ManualClock(T0)
+        config = cfg(redis_server.url, lease_ttl_s=3600.0)
+        a, b = RedisStore(config, clock=clock), RedisStore(config, clock=clock)
+        r = redis_sync.Redis.from_url(redis_server.url)
+        prefix = f"{config.key_prefix}{{p}}"
+        live: list[Grant] = []
+        instants = [clock.now()]
+        try:
+            for op in ops:
+                clock.advance(0.25)
+                instants.append(clock.now())
+                if op[0] == "admit_b":
+                    got = await b.admit(node_plan(NodeAsk((C(op[1], 10**9, 0, 0),), op[2], 0.0, 1.0)), clock.now())
+                    assert isinstance(got, Grant)
+                    got.node = _Published()
+                    live.append(got)
+                elif op[0] == "seen" and live:
+                    g = live[op[1] % len(live)]
+                    g.node.seen = op[2] * int(op[3] * g.node_hold)
+                elif op[0] == "refresh_b":
+                    for i, g in enumerate(live):  # what b's mark saw of each, then its refresh
+                        kind, frac = op[1][i % len(op[1])]
+                        g.node.seen = kind * int(frac * g.node_hold)
+                    assert await b.refresh()
+                elif op[0] == "refresh_b_without" and live:
+                    # a round that misses one lease (a refresh cut in two by another client's
+                    # script, a chunk lost): its count of the round before ages out
+                    g = live[op[1] % len(live)]
+                    b._live["p"].pop(g.id)
+                    assert await b.refresh()
+                    b._live["p"][g.id] = g
+                elif op[0] == "settle_b" and live:
+                    b.settle(live.pop(op[1] % len(live)), 1, clock.now())
+                    await b.flush()
+                elif op[0] == "admit_a":
+                    need, rows = op[1], op[2]
+                    cands = tuple(C(n, cap, f + rise, 0, rise,
+                                    None if k < 0 else instants[max(0, len(instants) - 1 - k)] - 0.1, idle)
+                                  for n, cap, f, rise, k, idle in rows)
+                    ask = NodeAsk(cands, need, 0.0, 1.0)
+                    held = {k.decode(): int(v) for k, v in r.hgetall(f"{prefix}:nk").items()}
+                    gens = read_gens(r.hgetall(f"{prefix}:sr"), r.hgetall(f"{prefix}:sn"))
+                    others = {c.name: others_seen(gens, a.replica_id, c.name, c.since, c.idle) for c in cands}
+                    want = pick_shared(ask, held, others)
+                    got = await a.admit(node_plan(ask), clock.now())
+                    if want.chosen is None:
+                        assert isinstance(got, Refusal), (got, want)
+                        assert got.used == (want.best_room or 0)
+                    else:
+                        assert isinstance(got, Grant) and got.picked == want.chosen, (got, want)
+                        a.settle(got, 1, clock.now())  # a's own leases are not under test
+                        await a.flush()
+                assert _stored_gens(r, prefix) == _expected_gens(r, prefix)
+            for g in live:
+                b.settle(g, 1, clock.now())
+            await b.flush()
+            assert r.hgetall(f"{prefix}:sn") == {}
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(run())
+
+
+async def test_a_released_replica_leaves_no_published_generation(redis_server):
+    """A replica known dead has its leases released with what it published of them, and its
+    stamps go: nothing of it is subtracted by anyone afterwards."""
+    clock = ManualClock(T0)
+    config = cfg(redis_server.url)
+    dead, alive = RedisStore(config, clock=clock), RedisStore(config, clock=clock)
+    r = redis_sync.Redis.from_url(redis_server.url)
+    prefix = f"{config.key_prefix}{{p}}"
+    try:
+        g = await dead.admit(node_plan(NodeAsk((C("n0", CAP, 0, 0),), 3000, 0.0, 1.0)), T0)
+        assert isinstance(g, Grant)
+        g.node = _Published()
+        g.node.seen = 2000
+        assert await dead.refresh()
+        assert r.hlen(f"{prefix}:sn") == 1 and r.hexists(f"{prefix}:sr", dead.replica_id)
+        alive.know_pools(["p"])
+        assert await alive._release(dead.replica_id) == 1
+        assert r.hlen(f"{prefix}:sn") == 0 and not r.hexists(f"{prefix}:sr", dead.replica_id)
+    finally:
+        await alive.close()
+        await dead.close()
+
+
+async def test_a_report_subtracts_the_generation_its_mark_saw(redis_server):
+    """b publishes two generations of one lease (1,000 tokens seen, then 3,000): a report whose
+    mark saw the store after the second subtracts 3,000, one that saw it between the two
+    subtracts 1,000, one from before both subtracts nothing; the script as the Python rule."""
+    clock = ManualClock(T0)
+    config = cfg(redis_server.url, lease_ttl_s=3600.0)
+    a, b = RedisStore(config, clock=clock), RedisStore(config, clock=clock)
+    r = redis_sync.Redis.from_url(redis_server.url)
+    prefix = f"{config.key_prefix}{{p}}"
+    try:
+        g = await b.admit(node_plan(NodeAsk((C("n0", CAP, 0, 0),), 5000, 0.0, 1.0)), clock.now())
+        assert isinstance(g, Grant)
+        g.node = _Published()
+        stamps = []
+        for seen in (1000, 3000):
+            clock.advance(1.0)
+            g.node.seen = seen
+            assert await b.refresh()
+            stamps.append(clock.now())
+        for since, subtracted in ((stamps[1] + 0.1, 3000), (stamps[0] + 0.1, 1000), (stamps[0] - 0.1, 0)):
+            ask = NodeAsk((C("n0", 100_000, 20_000, 0, 0, since, False),), 10**6, 0.0, 1.0)
+            gens = read_gens(r.hgetall(f"{prefix}:sr"), r.hgetall(f"{prefix}:sn"))
+            assert others_seen(gens, a.replica_id, "n0", since, False) == subtracted
+            got = await a.admit(node_plan(ask), clock.now())
+            assert isinstance(got, Refusal) and got.used == 100_000 - (20_000 - subtracted) - 5000, (since, got)
+    finally:
+        await a.close()
+        await b.close()
