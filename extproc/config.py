@@ -675,13 +675,6 @@ def parse_config(data: Any) -> Config:
                  adaptive=_adaptive(root.raw("adaptive")), tenants=tenants,
                  store=_store(root.raw("store")), server=_server(root.raw("server")))
     root.done()
-    if cfg.store.kind == "redis":
-        for pool in pools.values():
-            if pool.picking.growth == "pooled":
-                # The shared ledger sums each request's own hold; a node's pooled bound is no sum.
-                raise ConfigError(f"pools.{pool.name}.picking.growth",
-                                  "'pooled' cannot be shared through the Redis store: use 'learned' "
-                                  "or 'worst_case'")
     return cfg
 
 

@@ -275,13 +275,14 @@ def pooled_bound(left: int, mean: float, var: float, quantile: float) -> int:
     tokens squared; a sum kept as requests come and go may be a hair below 0)."""
     if quantile >= 1.0 or left <= 0:
         return max(0, left)
-    bound = mean + _z(quantile) * math.sqrt(max(0.0, var))
+    bound = mean + z_of(quantile) * math.sqrt(max(0.0, var))
     return min(left, max(0, math.ceil(bound - 1e-9)))
 
 
 @functools.lru_cache(maxsize=16)
-def _z(quantile: float) -> float:
-    """_z is the standard normal's ``quantile``."""
+def z_of(quantile: float) -> float:
+    """z_of is the standard normal's ``quantile`` (below 1): the z of ``pooled_bound``, which
+    the Redis admit script is handed rather than computing it."""
     return NormalDist().inv_cdf(quantile)
 
 

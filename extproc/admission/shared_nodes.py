@@ -69,6 +69,28 @@ class Candidate(NamedTuple):
     idle: bool = False
 
 
+class Pooled(NamedTuple):
+    """Pooled is what a request adds to its node's sums with pooled growth (``growth: pooled``):
+    its ``footprint`` (tokens: prompt + generated) and its growth's moments
+    (``rules.growth_moments``: ``left`` tokens of reservation, ``mean`` and ``var``), with
+    the ``quantile`` the node's bound is taken at (``rules.pooled_bound``).
+
+    A shared store keeps, per node, the footprints (as the leases' holds) and the sums of
+    the moments of every replica's requests, so that the bound is the one rule over all of
+    them: the growth to come is pooled across replicas as within one.
+    """
+
+    footprint: int
+    left: int
+    mean: float
+    var: float
+    quantile: float
+
+
+Sums = tuple[int, float, float]
+"""Sums are the sums of the moments (left, mean, var) of the requests on one node."""
+
+
 @dataclass(frozen=True, slots=True)
 class NodeAsk:
     """NodeAsk is a request's per-node question to a shared store.
@@ -76,13 +98,15 @@ class NodeAsk:
     ``candidates``: the nodes that may be picked, in order of preference (ties go to the
     first); ``need``: the request's hold (``rules.node_hold`` with nothing generated yet,
     tokens); ``reserve_fraction``: the part of each node's capacity kvgate never fills;
-    ``watermark``: the class's ``kv_watermark`` (1.0: none).
+    ``watermark``: the class's ``kv_watermark`` (1.0: none); ``pooled``: with pooled growth,
+    what the request adds to its node's sums (``need`` is then its hold alone on a node).
     """
 
     candidates: tuple[Candidate, ...]
     need: int
     reserve_fraction: float
     watermark: float
+    pooled: Pooled | None = None
 
 
 class SeenGen(NamedTuple):
@@ -120,21 +144,31 @@ def others_seen(gens: Mapping[str, SeenGen], me: str, node: str, since: float | 
     return total
 
 
-def pick_shared(ask: NodeAsk, held: Mapping[str, int],
-                others: Mapping[str, int] | None = None) -> rules.NodePass:
+def pick_shared(ask: NodeAsk, held: Mapping[str, int], others: Mapping[str, int] | None = None,
+                sums: Mapping[str, Sums] | None = None) -> rules.NodePass:
     """pick_shared is ``rules.pick_node`` over ``ask``'s candidates with ``held`` (tokens per
     node, every replica's requests; missing: 0) in place of this replica's own holds, and
     each node's foreign KV less ``others`` (tokens per node, ``others_seen``; missing: 0),
     never below its rise.
 
+    With pooled growth (``ask.pooled``), ``held`` is the footprints and ``sums`` the sums of
+    every replica's requests' moments per node (missing: none): a node then holds its
+    footprints plus the bound of the sums with the request's, less the request's need, as
+    ``nodes.PoolNodes.pick`` hands ``rules.pick_node`` its own node's.
+
     This is the rule the Redis admit script applies; the differential test holds them equal.
     """
     rows = []
+    p = ask.pooled
     for c in ask.candidates:
         foreign = c.foreign
         if others:
             foreign = max(c.rise, foreign - others.get(c.name, 0))
-        rows.append((c.name, c.cap, foreign, held.get(c.name, 0)))
+        on = held.get(c.name, 0)
+        if p is not None:
+            left, mean, var = (sums or {}).get(c.name, (0, 0.0, 0.0))
+            on += p.footprint + rules.pooled_bound(left + p.left, mean + p.mean, var + p.var, p.quantile) - ask.need
+        rows.append((c.name, c.cap, foreign, on))
     return rules.pick_node(rows, ask.need, ask.reserve_fraction, ask.watermark)
 
 

@@ -275,7 +275,9 @@ class Grant:
     ``node`` is the node charge taken with it in a pool that picks nodes (the controller
     sets it); ``picked`` is the node a store that shares the nodes' ledger picked (None:
     the plan asked no node), and ``node_hold`` the hold (tokens) the store charged there,
-    kept current by the controller as the request generates;
+    kept current by the controller as the request generates (with pooled growth, its hold
+    alone on a node, and ``node_pooled`` the ``shared_nodes.Pooled`` the store records
+    there: its footprint as its hold, and its growth's moments);
     ``inflight`` is the pool's in-flight count just after this admission;
     ``bucket_tokens``/``bucket_capacity``/``bucket_rate`` describe the binding bucket
     (the one with fewer tokens left: tenant or pool) just after the charge, in tokens and
@@ -291,6 +293,7 @@ class Grant:
     node: Any = None
     picked: str | None = None
     node_hold: int = 0
+    node_pooled: Any = None
 
 
 # final: the hot path tells it from the other answer by type(x) is Refusal (mypy narrows on it).

@@ -228,6 +228,7 @@ class Fallback:
             if picked is not None:
                 decision.picked = picked
                 decision.node_hold = plan.nodes.need
+                decision.node_pooled = plan.nodes.pooled
         return decision
 
 

@@ -33,7 +33,11 @@ Pools that pick nodes: a plan's ``nodes`` (``shared_nodes.NodeAsk``) makes the a
 script pick the node over every replica's holds (``shared_nodes.pick_shared``) and charge
 it with the lease, which records its node and hold: settles, refreshes (carrying the hold
 the controller now expects, ``Grant.node_hold``) and the purge of expired leases move
-each node's total with them.
+each node's total with them. With pooled growth a lease holds its footprint, and its
+growth's moments join the node's sums (``P{pool}:nm``): the script bounds the growth of
+every replica's requests on a node together (``rules.pooled_bound``), as one replica does
+for its own; while Redis is away, a replica admits alone within the footprints its
+settled leases still hold there, less the growth its live ones may take alone.
 
 Every replica's requests counted once: a node's report counts, as its foreign KV, the
 requests of every replica that its cache held. Each refresh publishes, per node, what this
@@ -51,13 +55,16 @@ one Redis Cluster slot and one script may touch them all):
 =========================  ======  ==========================================================
 ``P{pool}:st``             hash    ``n`` slots in use, ``kv`` in-flight KV tokens, ``c:<class>`` slots per class
 ``P{pool}:lz``             zset    lease id -> expiry (s, store time)
-``P{pool}:lh``             hash    lease id -> ``<class>\\t<tokens>[\\t<node>\\t<hold>\\t<round>\\t<fn>\\t<fo>]``: what
-                                   the lease holds, and what it adds to its replica's newest
-                                   (``fn``) and older (``fo``) generation (tokens; < 0: idle)
+``P{pool}:lh``             hash    lease id -> ``<class>\\t<tokens>[\\t<node>\\t<hold>\\t<round>\\t<fn>\\t<fo>[\\t<l>\\t<m>\\t<v>]]``:
+                                   what the lease holds, what it adds to its replica's newest
+                                   (``fn``) and older (``fo``) generation (tokens; < 0: idle), and
+                                   its growth's moments with pooled growth
 ``P{pool}:nk``             hash    node name -> tokens every live lease holds on it (picking pools)
 ``P{pool}:sn``             hash    ``<replica>\\t<node>\\t<F|I|f|i>`` -> tokens a replica's marks saw in
                                    the node's cache: firm or idle, newest (``F``, ``I``) or older
 ``P{pool}:sr``             hash    replica id -> ``<new_at> <old_at> <round>``: its generations' stamps
+``P{pool}:nm``             hash    ``<node>\\t<l|m|v>`` -> with pooled growth, the sums of the moments of the
+                                   growth of every lease on the node (``shared_nodes.Pooled``)
 ``P{pool}:done``           zset    settled lease id -> when its tombstone may go (s)
 ``P{pool}:b:<bucket key>`` hash    a token bucket: ``tok`` tokens, ``t`` instant, ``cap`` tokens, ``rate`` tokens/s
 ``P{pool}:rb``             string  while set (it expires): the pool's ledger is rebuilt, no admission
@@ -86,7 +93,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from extproc.admission.bucket import refilled
-from extproc.admission.shared_nodes import SeenGen, others_seen
+from extproc.admission.rules import pooled_bound
+from extproc.admission.shared_nodes import SeenGen, Sums, others_seen
 from extproc.admission.store.base import REPLICA_HEADER, Store
 from extproc.admission.store.fallback import (LOCAL_PREFIX, MODES, Fallback, NullObserver, StoreObserver,
                                               StoreUnavailableError, Within)
@@ -126,7 +134,7 @@ has by then been seen by the nodes' reports the other replicas read."""
 class _Keys:
     """_Keys are one pool's Redis keys (see the module's key layout)."""
 
-    __slots__ = ("st", "lz", "lh", "done", "nk", "rb", "sn", "sr", "bucket_prefix", "pool_bucket", "limits")
+    __slots__ = ("st", "lz", "lh", "done", "nk", "rb", "sn", "sr", "nm", "bucket_prefix", "pool_bucket", "limits")
 
     def __init__(self, prefix: str, pool: str) -> None:
         base = f"{prefix}{{{pool}}}:"
@@ -138,6 +146,7 @@ class _Keys:
         self.rb = base + "rb"
         self.sn = base + "sn"
         self.sr = base + "sr"
+        self.nm = base + "nm"
         self.bucket_prefix = base + "b:"
         self.pool_bucket: str | None = None  # learnt from the plans: the pool's bucket key
         # the last PoolLimits seen and its part of the admit argument, and the guarantees
@@ -150,12 +159,12 @@ class _Keys:
         """of_plan is the KEYS of the admit and settle scripts for ``plan``."""
         return PoolKeys(st=self.st, lz=self.lz, lh=self.lh, done=self.done,
                         pbk=self.bucket(plan.limits.bucket), tbk=self.bucket(plan.tenant_bucket), nk=self.nk,
-                        rb=self.rb, sn=self.sn, sr=self.sr)
+                        rb=self.rb, sn=self.sn, sr=self.sr, nm=self.nm)
 
     def of_refresh(self) -> RefreshKeys:
         """of_refresh is the KEYS of the refresh script (the pool bucket as last learnt)."""
         return RefreshKeys(st=self.st, lz=self.lz, lh=self.lh, done=self.done,
-                           pbk=self.pool_bucket or self.st, nk=self.nk, sn=self.sn, sr=self.sr)
+                           pbk=self.pool_bucket or self.st, nk=self.nk, sn=self.sn, sr=self.sr, nm=self.nm)
 
 
 class _View:
@@ -282,6 +291,9 @@ class RedisStore(Store):
         # pool -> lease id -> what Redis holds for it: this replica's leases there (live, or
         # settled by a settle not sent yet), the room it may admit in alone (``Within``)
         self._ledger: dict[str, dict[str, _Held]] = {}
+        # pool -> the quantile its pooled growth is bounded at (from its admissions), for
+        # the shared per-node totals the metrics show
+        self._quantile: dict[str, float] = {}
         self._pending: list[_Pending] = []
         self._unconfirmed: dict[str, dict[str, _Settled]] = {}
         self._batch: asyncio.Future[None] | None = None
@@ -630,9 +642,12 @@ class RedisStore(Store):
                     raise ValueError("admit picked no node for a plan that asked one")
                 grant.picked = r[5].decode()
                 grant.node_hold = plan.nodes.need
+                grant.node_pooled = plan.nodes.pooled
+                if grant.node_pooled is not None:
+                    self._quantile[plan.limits.pool] = grant.node_pooled.quantile
             self._live.setdefault(plan.limits.pool, {})[lease_id] = grant
             self._ledger.setdefault(plan.limits.pool, {})[lease_id] = _Held(
-                int(plan.tokens), grant.picked, grant.node_hold, sent + self._ttl)
+                int(plan.tokens), grant.picked, ledger_hold(grant), sent + self._ttl)
             return grant
         if code == 0:
             return Refusal(Budget(r[1].decode()), float(r[2]), r[3] == b"1", float(r[4]),
@@ -796,7 +811,7 @@ class RedisStore(Store):
         cmds, pools, sent = self._refresh_cmds(now)
         # and what every replica's leases hold on each node, for the metrics
         known = list(self._keys)
-        cmds += [("HGETALL", self._keys[pool].nk) for pool in known]
+        cmds += [c for pool in known for c in (("HGETALL", self._keys[pool].nk), ("HGETALL", self._keys[pool].nm))]
         # and every replica's published generations, for this replica's readings net of them
         cmds += [c for pool in known for c in (("HGETALL", self._keys[pool].sr), ("HGETALL", self._keys[pool].sn))]
         results = await self._client.round_trip(cmds)
@@ -810,10 +825,9 @@ class RedisStore(Store):
                 restored += int(head)
                 self._read_view(pool, view, now)
             rest = results[1 + len(pools):]
-            for pool, held in zip(known, rest):
-                self._observer.store_nodes(pool, {k.decode(): int(v) for k, v in held.items()})
             for i, pool in enumerate(known):
-                self._gens[pool] = read_gens(rest[len(known) + 2 * i], rest[len(known) + 2 * i + 1])
+                self._observer.store_nodes(pool, node_totals(rest[2 * i], rest[2 * i + 1], self._quantile.get(pool)))
+                self._gens[pool] = read_gens(rest[2 * len(known) + 2 * i], rest[2 * len(known) + 2 * i + 1])
         except (IndexError, TypeError, ValueError, AttributeError) as exc:
             raise RoundTripError(ERROR_RESPONSE, f"unexpected refresh reply: {exc}") from exc
         self._refreshed(pools, sent, now, lost=restored > 0)
@@ -866,12 +880,16 @@ class RedisStore(Store):
             for chunk in chunks:
                 argv: list[object] = [*lead]
                 for g in chunk:
+                    p = g.node_pooled
                     argv.extend(RefreshLease(id=g.id, cls=g.plan.class_name, tok=int(g.plan.tokens),
-                                             node=g.picked or "-", hold=int(g.node_hold),
-                                             seen=int(g.node.seen) if g.node is not None else 0))
+                                             node=g.picked or "-", hold=ledger_hold(g),
+                                             seen=int(g.node.seen) if g.node is not None else 0,
+                                             l=0 if p is None else int(p.left),
+                                             m=0.0 if p is None else float(p.mean),
+                                             v=0.0 if p is None else float(p.var)))
                 cmds.append(REFRESH.command(keys.of_refresh(), *map(word, argv)))
                 pools.append(pool)
-                sent.append([(g.id, _Held(int(g.plan.tokens), g.picked, int(g.node_hold), 0.0)) for g in chunk])
+                sent.append([(g.id, _Held(int(g.plan.tokens), g.picked, ledger_hold(g), 0.0)) for g in chunk])
         return cmds, pools, sent
 
     # --- replicas whose heartbeat is gone ------------------------------------------------
@@ -942,6 +960,33 @@ class RedisStore(Store):
         return PoolUsage(inflight=max(0, inflight), kv_inflight=max(0, kv),
                          by_class={c: max(0, n) for c, n in by_class.items()},
                          bucket_tokens=tokens)
+
+
+def ledger_hold(g: Grant) -> int:
+    """ledger_hold is what lease ``g`` holds on its node in the shared ledger (tokens): its
+    hold, or with pooled growth its footprint (its growth is in the node's moments)."""
+    return int(g.node_hold) if g.node_pooled is None else int(g.node_pooled.footprint)
+
+
+def read_sums(moments: dict[bytes, bytes]) -> dict[str, Sums]:
+    """read_sums is a pool's ``nm`` hash (see the key layout) as the moments' sums per node."""
+    parts: dict[str, dict[str, float]] = {}
+    for field, value in moments.items():
+        node, kind = field.decode().rsplit("\t", 1)
+        parts.setdefault(node, {})[kind] = float(value)
+    return {node: (int(p.get("l", 0)), p.get("m", 0.0), p.get("v", 0.0)) for node, p in parts.items()}
+
+
+def node_totals(held: dict[bytes, bytes], moments: dict[bytes, bytes], quantile: float | None) -> dict[str, int]:
+    """node_totals is what every replica's leases hold on each node (tokens), from a pool's
+    ``nk`` and ``nm`` hashes: the holds, plus with pooled growth the bound of the node's
+    moments at ``quantile`` (None: no pooled admission seen yet, so the sum of the
+    reservations left, which bounds it)."""
+    totals = {k.decode(): int(v) for k, v in held.items()}
+    for node, (left, mean, var) in read_sums(moments).items():
+        grow = left if quantile is None else pooled_bound(left, mean, var, quantile)
+        totals[node] = totals.get(node, 0) + grow
+    return totals
 
 
 def read_gens(stamps: dict[bytes, bytes], sums: dict[bytes, bytes]) -> dict[str, SeenGen]:

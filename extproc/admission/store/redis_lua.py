@@ -22,6 +22,7 @@ import hashlib
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple, get_type_hints
 
+from extproc.admission import rules
 from extproc.admission.bucket import FIT_SLACK
 from extproc.admission.store.fallback import LOCAL_PREFIX
 from extproc.admission.shared_nodes import NodeAsk
@@ -47,6 +48,7 @@ class PoolKeys(NamedTuple):
     rb: str
     sn: str
     sr: str
+    nm: str
 
 
 class RefreshKeys(NamedTuple):
@@ -60,6 +62,7 @@ class RefreshKeys(NamedTuple):
     nk: str
     sn: str
     sr: str
+    nm: str
 
 
 class HeartbeatKeys(NamedTuple):
@@ -126,13 +129,20 @@ class NodeArg(NamedTuple):
     """NodeArg is ARGV[2] of the admit script when the pool picks nodes (else ``-``).
 
     ``need``: the request's hold (tokens); ``reserve``: the part of each node's capacity
-    kvgate never fills; ``wm``: the class's watermark (1.0: none); ``nodes``:
-    ``NodeCandidate`` words, packed.
+    kvgate never fills; ``wm``: the class's watermark (1.0: none); with pooled growth
+    (``shared_nodes.Pooled``, else None), ``fp``, ``pl``, ``pm``, ``pv``: its footprint
+    and moments, ``z``: ``rules.z_of`` its quantile (None: 1, no bound below the sum of the
+    reservations); ``nodes``: ``NodeCandidate`` words, packed.
     """
 
     need: int
     reserve: float
     wm: float
+    fp: int | None
+    pl: int | None
+    pm: float | None
+    pv: float | None
+    z: float | None
     nodes: str
 
 
@@ -179,9 +189,11 @@ class RefreshArg(NamedTuple):
 
 class RefreshLease(NamedTuple):
     """RefreshLease is one live lease as the refresh script extends (or re-takes) it: its
-    class, tokens, node (``-``: none), the node hold the controller now expects (tokens)
-    and what its node's cache certainly holds of it (``Grant.node_seen``: its footprint,
-    negative when only a node that queues nothing holds it; 0: nothing known)."""
+    class, tokens, node (``-``: none), the node hold the controller now expects (tokens;
+    with pooled growth its footprint), what its node's cache certainly holds of it
+    (``nodes.Charge.seen``: its footprint, negative when only a node that queues nothing
+    holds it; 0: nothing known) and, with pooled growth, its growth's moments (``l``
+    tokens, ``m``, ``v``; zeros without)."""
 
     id: str
     cls: str
@@ -189,6 +201,9 @@ class RefreshLease(NamedTuple):
     node: str
     hold: int
     seen: int
+    l: int
+    m: float
+    v: float
 
 
 class HeartbeatArg(NamedTuple):
@@ -236,7 +251,13 @@ def node_arg(ask: NodeAsk) -> str:
     nodes = pack(w for c in ask.candidates
                  for w in NodeCandidate(c.name, int(c.cap), int(c.foreign), int(c.rise),
                                         None if c.since is None else float(c.since), 1 if c.idle else 0))
-    return pack(NodeArg(int(ask.need), float(ask.reserve_fraction), float(ask.watermark), nodes))
+    p = ask.pooled
+    if p is None:
+        return pack(NodeArg(int(ask.need), float(ask.reserve_fraction), float(ask.watermark),
+                            None, None, None, None, None, nodes))
+    return pack(NodeArg(int(ask.need), float(ask.reserve_fraction), float(ask.watermark),
+                        int(p.footprint), int(p.left), float(p.mean), float(p.var),
+                        None if p.quantile >= 1.0 else rules.z_of(p.quantile), nodes))
 
 
 # --- Lua from the layouts ----------------------------------------------------------------
@@ -340,20 +361,41 @@ local function fmt(x) return string.format('%.17g', x) end
 # The prelude of the pool scripts: the purge of expired leases, the token bucket (a mirror
 # of extproc.admission.bucket.TokenBucket) and the view every reply ends with.
 _PRELUDE = _CLOCK + _constants() + r"""
--- rec_fields splits a lease record: class, tokens, and node, node hold, and what the
--- replica's refresh round rnd saw of it in the cache (fn) and the round before (fo) ('-'
--- and zeros when the pool does not pick nodes).
+-- rec_fields splits a lease record: class, tokens, and node, node hold, what the
+-- replica's refresh round rnd saw of it in the cache (fn) and the round before (fo), and
+-- its growth's moments with pooled growth (l, m, v) ('-' and zeros when the pool does not
+-- pick nodes; zero moments without pooled growth).
 local function rec_fields(rec)
   local f = {}
   for w in string.gmatch(rec, '[^\t]+') do f[#f + 1] = w end
   return f[1], tonumber(f[2]), f[3] or '-', tonumber(f[4]) or 0, tonumber(f[5]) or 0,
-    tonumber(f[6]) or 0, tonumber(f[7]) or 0
+    tonumber(f[6]) or 0, tonumber(f[7]) or 0, tonumber(f[8]) or 0, tonumber(f[9]) or 0, tonumber(f[10]) or 0
 end
 -- record is what a lease holds, as rec_fields reads it.
-local function record(cls, tok, node, hold, rnd, fn, fo)
+local function record(cls, tok, node, hold, rnd, fn, fo, l, m, v)
   if node == '-' then return cls .. '\t' .. fmt(tok) end
-  return cls .. '\t' .. fmt(tok) .. '\t' .. node .. '\t' .. fmt(hold) .. '\t' .. fmt(rnd) .. '\t'
+  local r = cls .. '\t' .. fmt(tok) .. '\t' .. node .. '\t' .. fmt(hold) .. '\t' .. fmt(rnd) .. '\t'
     .. fmt(fn) .. '\t' .. fmt(fo)
+  if l == 0 then return r end
+  return r .. '\t' .. fmt(l) .. '\t' .. fmt(m) .. '\t' .. fmt(v)
+end
+-- moments_of is the sums of the moments of the requests on node (left, mean, var).
+local function moments_of(nm, node)
+  local s = redis.call('HMGET', nm, node .. '\tl', node .. '\tm', node .. '\tv')
+  return tonumber(s[1]) or 0, tonumber(s[2]) or 0, tonumber(s[3]) or 0
+end
+-- moments_add adds sign x a request's moments to node's sums. Every request with moments
+-- has l > 0, so a left sum of 0 means none is left: the sums go, and with them what the
+-- floating sums of mean and var drifted.
+local function moments_add(nm, node, l, m, v, sign)
+  if l == 0 then return end
+  local sl, sm, sv = moments_of(nm, node)
+  sl = sl + sign * l
+  if sl <= 0 then
+    redis.call('HDEL', nm, node .. '\tl', node .. '\tm', node .. '\tv')
+  else
+    redis.call('HSET', nm, node .. '\tl', fmt(sl), node .. '\tm', fmt(sm + sign * m), node .. '\tv', fmt(sv + sign * v))
+  end
 end
 -- replica_of is the replica that took a lease (ids are <replica>.<n>, LOCAL<replica>.<n>).
 local function replica_of(id)
@@ -385,13 +427,14 @@ local function clamp_seen(v, hold)
   if v < 0 - hold then return 0 - hold end
   return v
 end
-local function untake(st, nk, sn, sr, id, rec)
-  local cls, tok, node, hold, rnd, fn, fo = rec_fields(rec)
+local function untake(st, nk, nm, sn, sr, id, rec)
+  local cls, tok, node, hold, rnd, fn, fo, l, m, v = rec_fields(rec)
   redis.call('HINCRBY', st, 'n', -1)
   redis.call('HINCRBY', st, 'c:' .. cls, -1)
   -- 0 - tok, not -tok: Lua writes -0 as "-0", which HINCRBY refuses
   redis.call('HINCRBY', st, 'kv', 0 - tok)
   if node ~= '-' and hold ~= 0 then redis.call('HINCRBY', nk, node, 0 - hold) end
+  if node ~= '-' then moments_add(nm, node, l, m, v, -1) end
   if node ~= '-' and (fn ~= 0 or fo ~= 0) then
     -- what the lease's replica published of it leaves with its hold
     local replica = replica_of(id)
@@ -407,12 +450,12 @@ local function untake(st, nk, sn, sr, id, rec)
 end
 -- purge returns the slots and KV tokens of leases whose expiry has passed (their replica
 -- stopped refreshing them: it died) and forgets tombstones that served their time.
-local function purge(st, lz, lh, done, nk, sn, sr, now)
+local function purge(st, lz, lh, done, nk, nm, sn, sr, now)
   local ids = redis.call('ZRANGEBYSCORE', lz, '-inf', now, 'LIMIT', 0, 256)
   for i = 1, #ids do
     local rec = redis.call('HGET', lh, ids[i])
     if rec then
-      untake(st, nk, sn, sr, ids[i], rec)
+      untake(st, nk, nm, sn, sr, ids[i], rec)
       redis.call('HDEL', lh, ids[i])
     end
     redis.call('ZREM', lz, ids[i])
@@ -504,7 +547,7 @@ _ADMIT = _PRELUDE + r"""
 $keys
 local a = args(ARGV[1])
 $admit
-purge(st, lz, lh, done, nk, sn, sr, now)
+purge(st, lz, lh, done, nk, nm, sn, sr, now)
 if redis.call('ZSCORE', done, id) then return '2' .. view(now, st, pbk, pcap ~= nil) end
 local sv = redis.call('HMGET', st, 'n', 'kv')
 local inflight, kvin = tonumber(sv[1]) or 0, tonumber(sv[2]) or 0
@@ -540,7 +583,8 @@ local function refused(r)
     .. fmt(r[6]) .. view(now, st, pbk, pb ~= nil)
 end
 -- pick_node is shared_nodes.pick_shared (rules.pick_node over every replica's holds) on
--- the NodeArg words q: the node picked and its hold, or nil, 0 and the refusal.
+-- the NodeArg words q: the node picked, its hold and the moments that join the node's
+-- sums (zeros without pooled growth), or nil, 0 and the refusal.
 -- others is shared_nodes.others_seen: what the other replicas' leases on node that a
 -- report with mark instant since (nil: none) saw in the cache still hold there.
 local me, gens = replica_of(id), nil
@@ -564,6 +608,12 @@ local function others(node, since, idle)
   end
   return total
 end
+-- bound is rules.pooled_bound of a node's sums with the request's, at the z of the NodeArg.
+local function bound(l, m, v, z)
+  if z == nil or l <= 0 then return math.max(0, l) end
+  local b = m + z * math.sqrt(math.max(0.0, v))
+  return math.min(l, math.max(0, math.ceil(b - 1e-9)))
+end
 local function pick_node(q)
   $node
   local best, best_room, by_wm, chosen = nil, nil, false, nil
@@ -571,6 +621,11 @@ local function pick_node(q)
     foreign = foreign - others(name, since, idle)
     if foreign < rise then foreign = rise end
     local held = tonumber(redis.call('HGET', nk, name)) or 0
+    if pl then
+      -- pooled growth: the footprints, and the bound of every request's growth with this one's
+      local sl, sm, sv = moments_of(nm, name)
+      held = held + fp + bound(sl + pl, sm + pm, sv + pv, z) - need
+    end
     local eff = math.floor(cap * (1.0 - reserve))
     if eff < 0 then eff = 0 end
     local room = eff - foreign - held
@@ -583,7 +638,11 @@ local function pick_node(q)
       best, chosen = room, name
     end
   end
-  if chosen then return chosen, need, nil end
+  if chosen then
+    -- with pooled growth the lease holds its footprint, and its moments join the node's sums
+    if pl then return chosen, fp, nil, pl, pm, pv end
+    return chosen, need, nil, 0, 0, 0
+  end
   local r = best_room or 0
   local budget = B_NODE_KV
   if by_wm then budget = B_CLASS_KV end
@@ -653,19 +712,22 @@ local function decide()
 end
 -- the node is checked before the pool's budgets, as the controller does with an
 -- in-process store
-local node, hold = '-', 0
+local node, hold, gl, gm, gv = '-', 0, 0, 0, 0
 if ARGV[2] ~= '-' then
-  local picked, need, refusal = pick_node(args(ARGV[2]))
+  local picked, need, refusal, l, m, v = pick_node(args(ARGV[2]))
   if refusal then return refused(refusal) end
-  node, hold = picked, need
+  node, hold, gl, gm, gv = picked, need, l, m, v
 end
 local refusal = decide()
 if refusal then return refused(refusal) end
 local nin = redis.call('HINCRBY', st, 'n', 1)
 redis.call('HINCRBY', st, 'c:' .. cls, 1)
 redis.call('HINCRBY', st, 'kv', n)
-if node ~= '-' then redis.call('HINCRBY', nk, node, hold) end
-redis.call('HSET', lh, id, record(cls, n, node, hold, 0, 0, 0))
+if node ~= '-' then
+  redis.call('HINCRBY', nk, node, hold)
+  moments_add(nm, node, gl, gm, gv, 1)
+end
+redis.call('HSET', lh, id, record(cls, n, node, hold, 0, 0, 0, gl, gm, gv))
 redis.call('ZADD', lz, now + ttl, id)
 if pb then pb[1] = pb[1] - n end
 if tb then tb[1] = tb[1] - n end
@@ -679,14 +741,14 @@ _SETTLE = _PRELUDE + r"""
 $keys
 local a = args(ARGV[1])
 $settle
-purge(st, lz, lh, done, nk, sn, sr, now)
+purge(st, lz, lh, done, nk, nm, sn, sr, now)
 -- the tombstone keeps a refresh or a late admit already on the wire from bringing it back
 redis.call('ZADD', done, now + ttl, id)
 local rec = redis.call('HGET', lh, id)
 if not rec then return '0' .. view(now, st, pbk, pcap ~= nil) end
 redis.call('HDEL', lh, id)
 redis.call('ZREM', lz, id)
-local tok = untake(st, nk, sn, sr, id, rec)
+local tok = untake(st, nk, nm, sn, sr, id, rec)
 local refund = tok - charged
 if refund ~= 0 then
   if pcap then bucket_give(pbk, refund, pcap, prate, now, -1) end
@@ -731,9 +793,13 @@ $each_lease
     redis.call('ZADD', lz, exp, id)
     local old = redis.call('HGET', lh, id)
     if old and node ~= '-' then
-      local _, _, old_node, old_hold, rnd, fn, fo = rec_fields(old)
+      local _, _, old_node, old_hold, rnd, fn, fo, ol, om, ov = rec_fields(old)
       if old_node == node then
         if old_hold ~= hold then redis.call('HINCRBY', nk, node, hold - old_hold) end
+        if ol ~= l or om ~= m or ov ~= v then
+          moments_add(nm, node, ol, om, ov, -1)
+          moments_add(nm, node, l, m, v, 1)
+        end
         -- what this round saw of it joins the newest generation; what the round before
         -- saw is in the one before (older rounds' sums are gone)
         local before = 0
@@ -749,23 +815,24 @@ $each_lease
           seen_add(sn, replica, node, true, before, -1)
           seen_add(sn, replica, node, true, kept, 1)
         end
-        redis.call('HSET', lh, id, record(cls, tok, node, hold, round, seen, kept))
+        redis.call('HSET', lh, id, record(cls, tok, node, hold, round, seen, kept, l, m, v))
       end
     end
   elseif not redis.call('ZSCORE', done, id) then
     redis.call('ZADD', lz, exp, id)
-    redis.call('HSET', lh, id, record(cls, tok, node, hold, round, seen, 0))
+    redis.call('HSET', lh, id, record(cls, tok, node, hold, round, seen, 0, l, m, v))
     redis.call('HINCRBY', st, 'n', 1)
     redis.call('HINCRBY', st, 'c:' .. cls, 1)
     redis.call('HINCRBY', st, 'kv', tok)
     if node ~= '-' then
       redis.call('HINCRBY', nk, node, hold)
+      moments_add(nm, node, l, m, v, 1)
       seen_add(sn, replica, node, false, seen, 1)
     end
     restored = restored + 1
   end
 end
-purge(st, lz, lh, done, nk, sn, sr, now)
+purge(st, lz, lh, done, nk, nm, sn, sr, now)
 return restored .. view(now, st, pbk, has_pb == 1)
 """
 
@@ -807,7 +874,7 @@ for i = 1, #ids do
   if string.sub(id, 1, #mine) == mine or string.sub(id, 1, #alone) == alone then
     local rec = redis.call('HGET', lh, id)
     if rec then
-      untake(st, nk, sn, sr, id, rec)
+      untake(st, nk, nm, sn, sr, id, rec)
       redis.call('HDEL', lh, id)
       released = released + 1
     end

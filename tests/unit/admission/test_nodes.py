@@ -462,12 +462,12 @@ def test_config_needs_an_address_on_every_backend_or_none():
         config(pool=pool)
 
 
-def test_pooled_growth_is_refused_with_the_redis_store():
-    """The shared ledger sums each request's hold; a node's pooled bound is not a sum."""
+def test_pooled_growth_is_taken_with_the_redis_store():
+    """The shared ledger keeps the moments' sums per node, so pooled growth is shared too."""
     pool = nodes_pool(1) | {"picking": {"growth": "pooled"}}
-    assert config(pool=pool).pools["default"].picking.growth == "pooled"  # one replica: fine
-    with pytest.raises(ConfigError, match=r"pools\.default\.picking\.growth"):
-        config(pool=pool, store={"redis": {"url": "redis://127.0.0.1:6379/0"}})
+    assert config(pool=pool).pools["default"].picking.growth == "pooled"
+    shared = config(pool=pool, store={"redis": {"url": "redis://127.0.0.1:6379/0"}})
+    assert shared.pools["default"].picking.growth == "pooled" and shared.store.kind == "redis"
 
 
 def test_a_charge_is_the_request_on_its_node():
