@@ -470,6 +470,7 @@ class Admission:
                 # What a shared store holds on the node follows at its next lease refresh.
                 grant.node_hold = p.nodes.hold(charge.prompt, charge.reserved, charge.generated,
                                                charge.class_name)
+                grant.node_pooled = p.nodes.pooled_of(charge)
         elif charge.first_at is None and generated > 0:
             charge.first_at = self._clock.now()
 

@@ -82,7 +82,7 @@ from enum import StrEnum
 
 from extproc.admission import rules
 from extproc.admission.retry import MAX_WAIT_S, HoldTimes, expected_wait_oldest_first
-from extproc.admission.shared_nodes import Candidate, NodeAsk
+from extproc.admission.shared_nodes import Candidate, NodeAsk, Pooled
 from extproc.config import BackendConfig, PickingConfig, PoolConfig
 
 # Completion lengths remembered per class to learn the growth to expect.
@@ -709,8 +709,18 @@ class PoolNodes:
         for n, cap in self._eligible_in_turn(among, now):
             rise = n.rise_ahead(horizon, now)
             rows.append(Candidate(n.name, cap, n.foreign + rise, self.held(n), rise, n.since, n.idle))
+        pooled = None
+        if self.pooled:
+            pooled = Pooled(prompt, *self._moments(reserved, 0, class_name), self.picking.quantile)
         return NodeAsk(tuple(rows), self.hold(prompt, reserved, 0, class_name),
-                       self.picking.reserve_fraction, self._node_watermark(watermark))
+                       self.picking.reserve_fraction, self._node_watermark(watermark), pooled)
+
+    def pooled_of(self, charge: Charge) -> Pooled | None:
+        """pooled_of is what ``charge`` adds to its node's sums in a shared ledger with pooled
+        growth, as last counted (None without pooled growth)."""
+        if charge.moments is None:
+            return None
+        return Pooled(charge.footprint, *charge.moments, self.picking.quantile)
 
     def passed_over_all(self, ask: NodeAsk, why: PassedOver) -> None:
         """passed_over_all counts every candidate of ``ask`` as passed over for ``why`` (a shared

@@ -20,10 +20,10 @@ from hypothesis import strategies as st
 
 from extproc.admission import Admission, Lease, Outcome, Rejection, rules
 from extproc.admission.nodes import NodeReport
-from extproc.admission.shared_nodes import Candidate as C, NodeAsk, others_seen, pick_shared, pick_within
+from extproc.admission.shared_nodes import Candidate as C, NodeAsk, Pooled, others_seen, pick_shared, pick_within
 from extproc.admission.types import Budget, Grant, Plan, PoolLimits, Refusal
 from extproc.admission.store.fallback import FLAP_WINDOW_S, MODE_LOCAL_SHARE, MODE_SHARED, RECOVER_MAX_S, RECOVER_S
-from extproc.admission.store.redis import RedisStore, read_gens
+from extproc.admission.store.redis import RedisStore, read_gens, read_sums
 from extproc.clock import ManualClock
 from extproc.config import RedisStoreConfig, parse_config
 from kvgate_testkit.redis_server import RedisServer
@@ -668,5 +668,150 @@ async def test_a_report_subtracts_the_generation_its_mark_saw(redis_server):
             got = await a.admit(node_plan(ask), clock.now())
             assert isinstance(got, Refusal) and got.used == 100_000 - (20_000 - subtracted) - 5000, (since, got)
     finally:
+        await a.close()
+        await b.close()
+
+
+# --- pooled growth shared by the replicas ---------------------------------------------------
+
+POOLED_OPS = st.lists(st.one_of(
+    st.tuples(st.just("admit"), st.integers(0, 4000), st.integers(0, 3000), st.floats(0.0, 1.0),
+              st.floats(0.0, 1.0), st.sampled_from((0.0, 0.1)),
+              st.lists(st.tuples(st.sampled_from(NODES), st.integers(0, 30_000), st.integers(0, 9000)),
+                       min_size=1, max_size=3, unique_by=lambda c: c[0])),
+    st.tuples(st.just("progress"), st.integers(0, 63), st.floats(0.0, 1.0)),
+    st.tuples(st.just("refresh")),
+    st.tuples(st.just("settle"), st.integers(0, 63))), min_size=1, max_size=40)
+
+
+def _pooled(footprint: int, left: int, mean_share: float, sd_share: float, q: float) -> Pooled:
+    mean = mean_share * left
+    return Pooled(footprint, left, mean, (sd_share * left) ** 2, q)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(q=st.sampled_from((0.5, 0.9, 0.99, 1.0)), ops=POOLED_OPS)
+def test_the_lua_script_bounds_pooled_growth_like_the_python_rule(redis_server: RedisServer, q: float,
+                                                                   ops: list[tuple]) -> None:
+    """Pooled asks (random footprints and growth moments) admitted, progressed (new moments at
+    a refresh), refreshed and settled in random order: the script picks, or refuses, as
+    ``pick_shared`` over the footprints and moments' sums in Redis; the sums are those of the
+    live leases, and nothing is left once they are gone."""
+
+    async def run() -> None:
+        clock = ManualClock(T0)
+        rs = RedisStore(cfg(redis_server.url, lease_ttl_s=3600.0), clock=clock)
+        r = redis_sync.Redis.from_url(redis_server.url)
+        prefix = f"{rs.config.key_prefix}{{p}}"
+        live: list[Grant] = []
+        try:
+            for op in ops:
+                if op[0] == "admit":
+                    _, footprint, left, mean_share, sd_share, reserve, cands = op
+                    p = _pooled(footprint, left, mean_share, sd_share, q)
+                    need = footprint + rules.pooled_bound(p.left, p.mean, p.var, q)
+                    ask = NodeAsk(tuple(C(n, c, f, 0) for n, c, f in cands), need, reserve, 1.0, p)
+                    held = {k.decode(): int(v) for k, v in r.hgetall(f"{prefix}:nk").items()}
+                    want = pick_shared(ask, held, None, read_sums(r.hgetall(f"{prefix}:nm")))
+                    got = await rs.admit(node_plan(ask), T0)
+                    if want.chosen is None:
+                        assert isinstance(got, Refusal), (got, want)
+                        assert got.used == (want.best_room or 0)
+                    else:
+                        assert isinstance(got, Grant) and got.picked == want.chosen, (got, want)
+                        assert got.node_pooled == p
+                        live.append(got)
+                elif op[0] == "progress" and live:
+                    g = live[op[1] % len(live)]
+                    p = g.node_pooled
+                    gen = int(op[2] * p.left)  # generated: the footprint grows, what is left shrinks
+                    g.node_pooled = _pooled(p.footprint + gen, p.left - gen, 0.5, 0.25, q)
+                elif op[0] == "refresh":
+                    assert await rs.refresh()
+                elif op[0] == "settle" and live:
+                    rs.settle(live.pop(op[1] % len(live)), 1, T0)
+                    await rs.flush()
+            assert await rs.refresh()  # every lease's latest moments in Redis
+            sums = read_sums(r.hgetall(f"{prefix}:nm"))
+            for node in NODES:
+                mine = [g.node_pooled for g in live if g.picked == node and g.node_pooled.left > 0]
+                left, mean, var = sums.get(node, (0, 0.0, 0.0))
+                assert left == sum(p.left for p in mine)
+                assert mean == pytest.approx(sum(p.mean for p in mine), rel=1e-9, abs=1e-6)
+                assert var == pytest.approx(sum(p.var for p in mine), rel=1e-9, abs=1e-3)
+            holds = {k.decode(): int(v) for k, v in r.hgetall(f"{prefix}:nk").items() if int(v)}
+            assert holds == {n: t for n in NODES
+                             if (t := sum(g.node_pooled.footprint for g in live if g.picked == n))}
+            for g in live:
+                rs.settle(g, 1, T0)
+            await rs.flush()
+            assert r.hgetall(f"{prefix}:nm") == {}
+        finally:
+            await rs.close()
+
+    asyncio.run(run())
+
+
+def pooled_config(cap: int, store: dict | None = None) -> object:
+    raw = {"pools": {"default": {
+        "max_concurrency": 1000,
+        "backends": [{"name": "n0", "metrics_url": "http://127.0.0.1:9/n0", "address": "127.0.0.1:8001",
+                      "kv_capacity_tokens": cap}],
+        "picking": {"growth": "pooled", "quantile": 0.9, "reserve_fraction": 0.0}}}}
+    if store is not None:
+        raw["store"] = store
+    return parse_config(raw)
+
+
+async def _fill(replicas: list[Admission], clock: ManualClock) -> list[Lease]:
+    """_fill teaches every replica the same completion lengths (0 to 490), then admits requests
+    of 1,000 prompt tokens and 1,000 reserved in turn through the replicas until one is refused."""
+    for adm in replicas:
+        adm.report_node("default", "n0", NodeReport(kv_usage=0.0, capacity_tokens=60_000, at=clock.now()))
+        for n in range(0, 500, 10):
+            got = await adm.acquire(adm.demand("t", prompt_tokens=10, max_tokens=1000))
+            assert isinstance(got, Lease)
+            got.release(Outcome.COMPLETED, n)
+        if isinstance(adm.store, RedisStore):
+            await adm.store.flush()
+    held: list[Lease] = []
+    while len(held) < 200:
+        adm = replicas[len(held) % len(replicas)]
+        got = await adm.acquire(adm.demand("t", prompt_tokens=1000, max_tokens=1000))
+        if not isinstance(got, Lease):
+            assert got.message.startswith("No node"), got
+            return held
+        held.append(got)
+    raise AssertionError("never refused")
+
+
+async def test_two_replicas_pool_their_growth_as_one_replica_does(redis_server):
+    """Pooled growth through the Redis store: two replicas fill a node of 60,000 tokens with
+    exactly as many requests as one replica alone (the growth of all of them bounded
+    together); learned growth, each request bounded alone, fits fewer."""
+    alone_clock = ManualClock(T0)
+    alone = Admission(pooled_config(60_000), alone_clock)
+    n_alone = len(await _fill([alone], alone_clock))
+    await alone.close()
+    clock = ManualClock(T0)
+    shared = cfg(redis_server.url)
+    config = pooled_config(60_000, None)
+    a, b = (Admission(config, clock, RedisStore(shared, clock=clock)) for _ in range(2))
+    held = []
+    try:
+        held = await _fill([a, b], clock)
+        assert len(held) == n_alone
+        assert {x.node for x in held} == {"127.0.0.1:8001"}
+        raw = config.pools["default"].picking
+        learned = Admission(parse_config({"pools": {"default": {
+            "max_concurrency": 1000, "backends": [{"name": "n0", "metrics_url": "http://127.0.0.1:9/n0",
+                                                   "address": "127.0.0.1:8001", "kv_capacity_tokens": 60_000}],
+            "picking": {"growth": "learned", "quantile": raw.quantile, "reserve_fraction": 0.0}}}}), clock)
+        n_learned = len(await _fill([learned], clock))
+        await learned.close()
+        assert n_learned < n_alone, (n_learned, n_alone)
+    finally:
+        for x in held:
+            x.release(Outcome.COMPLETED, 1)
         await a.close()
         await b.close()
