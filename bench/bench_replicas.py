@@ -61,7 +61,7 @@ import aiohttp  # noqa: E402
 import yaml  # noqa: E402
 
 from bench.bench_trace import (DEFAULT_TRACE, close_results, read_preemptions, FULL, NODE, NODES, POLICIES, TRACE_SLICE, Background,  # noqa: E402
-                               Burst, Client, Req, Result, Run, Scenario, Summary, _background, _fmt,
+                               Burst, Client, Policy, Req, Result, Run, Scenario, Summary, _background, _fmt,
                                _pct, _sample, _wait_signals, build_requests, envoy_for, kvgate_config,
                                read_trace, summarize)
 from bench.bench_protection import Node  # noqa: E402
@@ -71,7 +71,9 @@ from kvgate_testkit.procs import LOOPBACK, VENV_BIN, Proc, exit_on_sigterm, free
 from kvgate_testkit.redis_server import RedisServer, _ping, redis_server_binary, server_version  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "replicas.md"
-POLICY = next(p for p in POLICIES if p.key == "picker-learned")
+# bench_trace's policies a replica may run: the growth settings the store takes.
+REPLICA_POLICIES = {p.key: p for p in POLICIES if p.key in ("picker-learned", "picker-pooled")}
+DEFAULT_POLICY = "picker-pooled"
 # Real seconds: the store's default. A dead replica's leases go once its heartbeat expires and
 # its address refuses it, not after the TTL; a replica cut off from Redis admits within its
 # leases until shortly before they expire, so the TTL is how long an outage it rides through.
@@ -435,23 +437,22 @@ async def drive_row(rr: RowRun, reqs: list[Req], sc: Scenario, speedup: float, e
     close_results(run, label)
 
 
-def replica_config(sc: Scenario, speedup: float, sim_ports: Sequence[int], redis_url: str, replicas: int,
-                   node: Node = NODE) -> dict[str, Any]:
-    """replica_config is one replica's kvgate configuration: bench_trace's ``picker-learned``
-    policy with the Redis store at ``redis_url`` (lease TTL LEASE_TTL_S real seconds, the
+def replica_config(policy: Policy, sc: Scenario, speedup: float, sim_ports: Sequence[int], redis_url: str,
+                   replicas: int, node: Node = NODE) -> dict[str, Any]:
+    """replica_config is one replica's kvgate configuration: bench_trace's ``policy`` with the Redis store at ``redis_url`` (lease TTL LEASE_TTL_S real seconds, the
     default round-trip timeout, ``local_share`` while Redis is unavailable)."""
-    cfg = kvgate_config(POLICY, sc, speedup, sim_ports, node)
+    cfg = kvgate_config(policy, sc, speedup, sim_ports, node)
     cfg["store"] = {"redis": {"url": redis_url, "key_prefix": "bench-replicas:", "lease_ttl_s": LEASE_TTL_S,
                               "on_unavailable": "local_share", "expected_replicas": replicas}}
     parse_config(cfg)
     return cfg
 
 
-def run_row(row: Row, reqs: list[Req], sc: Scenario, speedup: float, seed: int, workdir: Path,
+def run_row(row: Row, policy: Policy, reqs: list[Req], sc: Scenario, speedup: float, seed: int, workdir: Path,
             label: str) -> RowRun:
     """run_row starts Redis, three nodes and the row's replicas (a fault proxy, kvgate and Envoy
     each), replays the requests under the row's fault and stops everything."""
-    rr = RowRun(row, Run(POLICY))
+    rr = RowRun(row, Run(policy))
     workdir.mkdir(parents=True, exist_ok=True)
     procs: list[Proc] = []
     proxies: list[FaultProxy] = []
@@ -472,7 +473,7 @@ def run_row(row: Row, reqs: list[Req], sc: Scenario, speedup: float, seed: int, 
             proxies.append(proxy)
             grpc_port, admin_port = free_port(), free_port()
             cfg_path = workdir / f"kvgate-{k}.yaml"
-            cfg_path.write_text(yaml.safe_dump(replica_config(sc, speedup, sim_ports,
+            cfg_path.write_text(yaml.safe_dump(replica_config(policy, sc, speedup, sim_ports,
                                                               f"redis://{LOOPBACK}:{proxy.port}/0", row.replicas),
                                                sort_keys=False))
             kv = Proc([sys.executable, "-m", "extproc", "serve", "--config", str(cfg_path),
@@ -488,7 +489,7 @@ def run_row(row: Row, reqs: list[Req], sc: Scenario, speedup: float, seed: int, 
         for k in range(row.replicas):
             envoy_port = free_port()
             envoy_yaml = workdir / f"envoy-{k}.yaml"
-            envoy_yaml.write_text(yaml.safe_dump(envoy_for(POLICY, listen=envoy_port, grpc=grpc_ports[k],
+            envoy_yaml.write_text(yaml.safe_dump(envoy_for(policy, listen=envoy_port, grpc=grpc_ports[k],
                                                            sim_ports=sim_ports), sort_keys=False))
             envoys.append(Proc([str(VENV_BIN / "envoy"), "-c", str(envoy_yaml), "--log-level", "error",
                                 "--disable-hot-restart", "--concurrency", "1"], workdir / f"envoy-{k}.log"))
@@ -543,8 +544,8 @@ def git_revision() -> str:
         return "unknown"
 
 
-def report(runs: list[RowRun], sc: Scenario, trace: str, rows: int, reqs: list[Req], speedup: float,
-           seed: int, wall_s: float, command: str, redis_binary: str) -> list[str]:
+def report(runs: list[RowRun], policy: Policy, sc: Scenario, trace: str, rows: int, reqs: list[Req],
+           speedup: float, seed: int, wall_s: float, command: str, redis_binary: str) -> list[str]:
     """report is the markdown report's lines: the table, the targets per row and the setup."""
     ref_run = next((r for r in runs if r.row.key == "1x-none" and r.run.error is None), None)
     ref = summarize(ref_run.run, sc.background).goodput if ref_run is not None else None
@@ -622,8 +623,8 @@ def report(runs: list[RowRun], sc: Scenario, trace: str, rows: int, reqs: list[R
         f"{0.5 / speedup:.2f} real s; above 100 %, the background load rose on a node whose requests held its "
         "room (the node then preempts).",
         f"- Replicas: each a `kvgate serve` behind its own Envoy (`deploy/envoy-endpoint-picker.yaml`), "
-        f"configured as bench_trace's `{POLICY.key}` policy (picking: "
-        + ", ".join(f"{k} {v}" for k, v in (POLICY.picking or {}).items()) + f") with "
+        f"configured as bench_trace's `{policy.key}` policy (picking: "
+        + ", ".join(f"{k} {v}" for k, v in (policy.picking or {}).items()) + f") with "
         f"`store: {{redis: {{lease_ttl_s: {LEASE_TTL_S:g}, on_unavailable: local_share, expected_replicas: N}}}}` "
         "and the default `timeout_s`; kvgate's other durations are divided by the speedup, as in bench_trace, "
         "but the lease TTL, the Redis timeout and the store's return to shared mode are real seconds. "
@@ -661,6 +662,8 @@ def main(argv: list[str] | None = None) -> int:
                          + ", ".join(r.key for r in all_rows()))
     ap.add_argument("--speedup", type=float, default=3.0, help="simulated seconds per real second")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--policy", choices=sorted(REPLICA_POLICIES), default=DEFAULT_POLICY,
+                    help=f"bench_trace's policy each replica runs (default {DEFAULT_POLICY}, the recommended growth)")
     ap.add_argument("--out", type=Path, default=RESULTS, help="the markdown report's path")
     args = ap.parse_args(argv)
     exit_on_sigterm()  # a killed run still stops what it started
@@ -672,6 +675,7 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
         ap.error(f"no row matches {args.rows!r}; rows: {', '.join(r.key for r in all_rows())}")
     sc = TINY if args.tiny else FULL
+    policy = REPLICA_POLICIES[args.policy]
     trace = args.trace if args.trace.is_absolute() else (ROOT / args.trace)
     if not trace.exists():
         ap.error(f"no trace at {args.trace}; pass --trace {TRACE_SLICE.relative_to(ROOT)} for the committed slice")
@@ -689,7 +693,7 @@ def main(argv: list[str] | None = None) -> int:
         for i, row in enumerate(rows):
             label = f"{i + 1}/{len(rows)} {row.key}"
             print(f"- {row.key}: {row.replicas} replica(s), {row.fault.title}", flush=True)
-            rr = run_row(row, reqs, sc, args.speedup, args.seed, Path(tmp) / row.key, label)
+            rr = run_row(row, policy, reqs, sc, args.speedup, args.seed, Path(tmp) / row.key, label)
             s = summarize(rr.run, sc.background)
             print(f"  [{label}] {rr.run.wall_s:.0f} s: preemptions {rr.run.preemptions}, goodput "
                   f"{s.goodput:,.0f} tok/s" + (f"  ERROR: {rr.run.error}" if rr.run.error else ""), flush=True)
@@ -703,8 +707,9 @@ def main(argv: list[str] | None = None) -> int:
                         *([] if args.rows is None else ["--rows", args.rows]),
                         *([] if args.speedup == 3.0 else ["--speedup", f"{args.speedup:g}"]),
                         *([] if args.seed == 1 else ["--seed", str(args.seed)]),
+                        *([] if args.policy == DEFAULT_POLICY else ["--policy", args.policy]),
                         *([] if args.out == RESULTS else ["--out", _shown(args.out)])])
-    lines = report(runs, sc, shown_trace, len(trace_rows), reqs, args.speedup, args.seed,
+    lines = report(runs, policy, sc, shown_trace, len(trace_rows), reqs, args.speedup, args.seed,
                    time.monotonic() - started, command, redis_binary)
     print("\n".join(lines))
     args.out.parent.mkdir(parents=True, exist_ok=True)
