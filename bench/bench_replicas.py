@@ -73,7 +73,7 @@ from kvgate_testkit.redis_server import RedisServer, _ping, redis_server_binary,
 RESULTS = ROOT / "bench" / "results" / "replicas.md"
 # bench_trace's policies a replica may run: the growth settings the store takes.
 REPLICA_POLICIES = {p.key: p for p in POLICIES if p.key in ("picker-learned", "picker-pooled")}
-DEFAULT_POLICY = "picker-pooled"
+DEFAULT_POLICY = "picker-learned"
 # Real seconds: the store's default. A dead replica's leases go once its heartbeat expires and
 # its address refuses it, not after the TTL; a replica cut off from Redis admits within its
 # leases until shortly before they expire, so the TTL is how long an outage it rides through.
@@ -663,7 +663,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--speedup", type=float, default=3.0, help="simulated seconds per real second")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--policy", choices=sorted(REPLICA_POLICIES), default=DEFAULT_POLICY,
-                    help=f"bench_trace's policy each replica runs (default {DEFAULT_POLICY}, the recommended growth)")
+                    help=f"bench_trace's policy each replica runs (default {DEFAULT_POLICY})")
     ap.add_argument("--out", type=Path, default=RESULTS, help="the markdown report's path")
     args = ap.parse_args(argv)
     exit_on_sigterm()  # a killed run still stops what it started
