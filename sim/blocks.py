@@ -194,6 +194,10 @@ class PrefixCache:
         """trim evicts cached free blocks that no longer fit in the free room (background load grew)."""
         self._evict(len(self.free_queue) - self.pool.free)
 
+    def clear(self) -> None:
+        """clear evicts every cached free block (held blocks keep their hash)."""
+        self._evict(len(self.free_queue))
+
     def _evict(self, n: int) -> None:
         for _ in range(max(0, n)):
             _, block = self.free_queue.popitem(last=False)

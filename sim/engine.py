@@ -13,7 +13,7 @@ What it copies from vLLM V1's scheduler (facts, not code):
   block, the newest running request is preempted: its blocks are freed, its computed
   tokens forgotten (recompute), and it goes back to the front of the waiting queue.
   With ``overflow="crash"`` the node instead fails every running request and empties the
-  pool (the OOM of an engine without preemption headroom).
+  pool and its prefix cache (the OOM of an engine without preemption headroom).
 - Waiting requests are admitted in FIFO order (a request that does not fit blocks those
   behind it), only in steps with no preemption, up to ``max_num_seqs`` running.
 - A request whose computed tokens catch up with its tokens samples one new token; it
@@ -385,7 +385,12 @@ class Engine:
         while len(hashes) < n:
             k = len(hashes)
             parent = hashes[-1] if hashes else ROOT_HASH
-            hashes.append(hash_block(parent, [self._token(seq, i) for i in range(k * bs, (k + 1) * bs)]))
+            end = (k + 1) * bs
+            if seq.token_ids is not None and end <= seq.prompt_tokens:
+                block = seq.token_ids[k * bs:end]
+            else:
+                block = [self._token(seq, i) for i in range(k * bs, end)]
+            hashes.append(hash_block(parent, block))
         return hashes[:n]
 
     def _commit(self, seq: Seq, cache: PrefixCache, tokens: int) -> None:
@@ -450,6 +455,8 @@ class Engine:
             self.finished_by_reason["error"] += 1
             self._events.append(Event(seq.id, EventKind.FAILED, at))
         self._running.clear()
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()  # a crashed engine comes back with an empty cache
 
     def _schedule(self, t: float) -> _Step | None:
         p = self.params

@@ -323,3 +323,15 @@ def test_block_accounting_holds_under_admissions_steps_ends_and_preemptions(scri
     assert s.used_blocks == 0 and s.running == 0 and s.waiting == 0
     assert s.prefix_cache_hits <= s.prefix_cache_queries
     assert s.finished["length"] + s.finished["abort"] == added
+
+
+def test_a_crash_empties_the_cache():
+    e = make(blocks=8, overflow="crash")
+    prompts = [ids(100 * k, 8) for k in range(3)]          # 2 blocks each, growing to 7
+    for p in prompts:
+        e.add(0.0, 8, 20, token_ids=p)
+    ev = run_until_idle(e)
+    assert e.stats().crashes == 1 and any(x.kind is EventKind.FAILED for x in ev)
+    # their full blocks were cached until the crash; the engine comes back without them
+    assert [cached(e, p) for p in prompts] == [0, 0, 0]
+    assert e.stats().cached_free_blocks == 0 and e.stats().used_blocks == 0
