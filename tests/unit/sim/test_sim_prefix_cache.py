@@ -281,9 +281,9 @@ def _check(e: Engine, live: list[int]) -> None:
     # every hashed block is held or waits in the free queue: none leaks, none is lost
     assert cache.cached_blocks == len(holders) + len(cache.free_queue)
     for sid in live:
-        seq = e.seq(sid)
-        if seq is not None and seq.status is SeqStatus.WAITING:
-            assert seq.blocks == 0 and not seq.cached
+        waiting = e.seq(sid)
+        if waiting is not None and waiting.status is SeqStatus.WAITING:
+            assert waiting.blocks == 0 and not waiting.cached
 
 
 ops = st.lists(st.tuples(st.sampled_from(["add", "add", "add", "abort", "bg", "advance", "advance"]),
