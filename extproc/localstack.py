@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
             stack.start(f"node-{i}", [py, "-m", "sim", "--listen", f"{LOOPBACK}:{port}",
                                       "--model", model, "--max-model-len", "32768",
                                       "--kv-capacity-tokens", "131072", "--seed", str(i),
-                                      "--speedup", "1"], port)
+                                      "--speedup", "1", "--enable-prefix-caching"], port)
         stack.start("kvgate", [py, "-m", "extproc", "serve", "--config", str(kv_path),
                                "--grpc-listen", f"{LOOPBACK}:{grpc}",
                                "--admin-listen", f"{LOOPBACK}:{admin}"], admin)

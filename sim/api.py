@@ -20,6 +20,12 @@ TOKENS_PER_MESSAGE = 3
 TOKENS_PER_NAME = 1
 TOKENS_REPLY_PRIMING = 3
 
+# Token ids of the template's own tokens in ``prompt_ids`` (ChatML's <|im_start|>, the
+# separator before a message's content, <|im_end|>, the mark before a name, and the role of
+# the reply when the tokenizer does not spell "assistant" as one token). Negative, so they
+# never equal a tokenizer's id.
+IM_START, IM_SEP, IM_END, NAME_MARK, ASSISTANT_MARK = -1, -2, -3, -4, -5
+
 # Each of these, with its leading space, is one cl100k token: generated text costs one
 # token per word, as a real model's output does on average.
 _WORDS = (" the of and to in is that it for on with as was at by be this from or are an have "
@@ -63,7 +69,9 @@ class CompletionRequest:
 
     ``texts`` are the strings to tokenize (message contents, roles, names);
     ``fixed_tokens`` tokens that need no tokenizer (template overhead, or a prompt given
-    as token ids); ``max_tokens`` None when the client set no cap.
+    as token ids); ``max_tokens`` None when the client set no cap. ``messages`` are a
+    chat's (role, content, name) triples and ``token_ids`` a prompt given as ids, for
+    ``prompt_ids``.
     """
 
     chat: bool
@@ -73,6 +81,8 @@ class CompletionRequest:
     max_tokens: int | None
     stream: bool
     include_usage: bool
+    messages: tuple[tuple[str, str, str | None], ...] = ()
+    token_ids: tuple[int, ...] | None = None
 
     def text_bytes(self) -> int:
         """text_bytes is the UTF-8 size of the text to tokenize, in bytes."""
@@ -152,6 +162,8 @@ def parse_request(raw: bytes, *, chat: bool, served_model: str) -> CompletionReq
         include_usage = bool(options.get("include_usage", False))
     texts: list[str] = []
     fixed = 0
+    triples: list[tuple[str, str, str | None]] = []
+    token_ids: tuple[int, ...] | None = None
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -164,7 +176,8 @@ def parse_request(raw: bytes, *, chat: bool, served_model: str) -> CompletionReq
             if not isinstance(role, str) or not role:
                 raise ApiError(400, f"{where}.role must be a non-empty string", param="messages")
             texts.append(role)
-            texts.append(_content_text(msg.get("content"), where))
+            content = _content_text(msg.get("content"), where)
+            texts.append(content)
             name = msg.get("name")
             if name is not None:
                 if not isinstance(name, str):
@@ -172,6 +185,7 @@ def parse_request(raw: bytes, *, chat: bool, served_model: str) -> CompletionReq
                 texts.append(name)
                 fixed += TOKENS_PER_NAME
             fixed += TOKENS_PER_MESSAGE
+            triples.append((role, content, name))
         fixed += TOKENS_REPLY_PRIMING
     else:
         prompt = body.get("prompt")
@@ -182,11 +196,13 @@ def parse_request(raw: bytes, *, chat: bool, served_model: str) -> CompletionReq
         elif isinstance(prompt, list) and prompt and all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
             fixed = len(prompt)
+            token_ids = tuple(prompt)
         else:
             raise ApiError(400, "prompt must be a string, a list of token ids, or a list with "
                                 "one of those (one prompt per request)", param="prompt")
     return CompletionRequest(chat=chat, model=model, texts=tuple(texts), fixed_tokens=fixed,
-                             max_tokens=max_tokens, stream=stream, include_usage=include_usage)
+                             max_tokens=max_tokens, stream=stream, include_usage=include_usage,
+                             messages=tuple(triples), token_ids=token_ids)
 
 
 def parse_output_tokens(values: Sequence[str]) -> int | None:
@@ -211,6 +227,33 @@ def count_prompt(req: CompletionRequest, encode: Callable[[str], Sequence[int]])
     return req.fixed_tokens + sum(len(encode(t)) for t in req.texts if t)
 
 
+def prompt_ids(req: CompletionRequest, encode: Callable[[str], Sequence[int]]) -> list[int]:
+    """prompt_ids returns the prompt's token ids after the chat template; as many as ``count_prompt`` counts.
+
+    A chat is laid out as ChatML: per message <|im_start|>, the role, (a name mark and the
+    name), a separator, the content, <|im_end|>; then the reply's priming <|im_start|>
+    assistant separator. So a reply's tokens follow the same ids as that reply sent back
+    as an assistant message, and a later turn shares the blocks of the earlier one.
+    """
+    if req.token_ids is not None:
+        return list(req.token_ids)
+    if not req.chat:
+        return [t for text in req.texts if text for t in encode(text)]
+    ids: list[int] = []
+    for role, content, name in req.messages:
+        ids.append(IM_START)
+        ids += encode(role) if role else ()
+        if name is not None:
+            ids.append(NAME_MARK)
+            ids += encode(name) if name else ()
+        ids.append(IM_SEP)
+        ids += encode(content) if content else ()
+        ids.append(IM_END)
+    assistant = encode("assistant")
+    ids += (IM_START, assistant[0] if len(assistant) == 1 else ASSISTANT_MARK, IM_SEP)
+    return ids
+
+
 def check_context(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
     """check_context raises vLLM's 400 when the prompt, or prompt + max_tokens, exceeds ``max_model_len`` tokens."""
     if prompt_tokens >= max_model_len:
@@ -224,11 +267,22 @@ def check_context(prompt_tokens: int, max_tokens: int | None, max_model_len: int
                             f"{max_model_len} - {prompt_tokens}).", param="max_tokens")
 
 
+def word_index(seq_id: int, index: int) -> int:
+    """word_index is which of ``WORDS`` is output token ``index`` of sequence ``seq_id``."""
+    return (seq_id * 7 + index) % len(WORDS)
+
+
 def words(seq_id: int, start: int, count: int) -> str:
     """words returns output tokens ``start .. start+count-1`` of sequence ``seq_id``: cheap, deterministic text."""
-    n = len(WORDS)
-    base = seq_id * 7
-    return "".join(WORDS[(base + i) % n] for i in range(start, start + count))
+    return "".join(WORDS[word_index(seq_id, i)] for i in range(start, start + count))
+
+
+def word_ids(encode: Callable[[str], Sequence[int]]) -> tuple[int, ...] | None:
+    """word_ids returns the token id of each of ``WORDS`` under ``encode``, or None if one is not one token."""
+    ids = [encode(w) for w in WORDS]
+    if any(len(i) != 1 for i in ids):
+        return None
+    return tuple(i[0] for i in ids)
 
 
 class Responder:

@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache size in tokens (num_gpu_blocks = N // block size)")
     p.add_argument("--block-size", type=_positive_int, default=16, metavar="N",
                    help="tokens per KV block (default 16)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+                   help="cache full KV blocks by the hash of their token ids and reuse them for "
+                        "later prompts with the same prefix, as vLLM V1 does (vLLM's default is on; "
+                        "the simulator's is off)")
     p.add_argument("--max-num-seqs", type=_positive_int, default=256, metavar="N",
                    help="most requests running at once (default 256)")
     p.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192, metavar="N",
@@ -99,7 +103,8 @@ async def _serve(server: SimServer, host: str, port: int) -> None:
     p = server.engine.params
     print(f"kvgate sim: serving {server.settings.model!r} on http://{host}:{bound} "
           f"({server.engine.pool.total} KV blocks of {p.block_size} tokens, "
-          f"max_model_len {server.settings.max_model_len}, speedup {server.settings.speedup:g})",
+          f"max_model_len {server.settings.max_model_len}, speedup {server.settings.speedup:g}, "
+          f"prefix caching {'on' if p.enable_prefix_caching else 'off'})",
           flush=True)
     try:
         await stop.wait()
@@ -115,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         kv_capacity_tokens=args.kv_capacity_tokens, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_tokens_per_s=args.prefill_tokens_per_s, decode_tokens_per_s=args.decode_tokens_per_s,
-        batch_slowdown=args.batch_slowdown, overflow=args.overflow)
+        batch_slowdown=args.batch_slowdown, overflow=args.overflow,
+        enable_prefix_caching=args.enable_prefix_caching)
     settings = SimSettings(
         model=args.model, max_model_len=args.max_model_len, speedup=args.speedup, seed=args.seed,
         output_lengths=args.output_lengths, default_max_tokens=args.default_max_tokens,

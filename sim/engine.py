@@ -13,7 +13,7 @@ What it copies from vLLM V1's scheduler (facts, not code):
   block, the newest running request is preempted: its blocks are freed, its computed
   tokens forgotten (recompute), and it goes back to the front of the waiting queue.
   With ``overflow="crash"`` the node instead fails every running request and empties the
-  pool (the OOM of an engine without preemption headroom).
+  pool and its prefix cache (the OOM of an engine without preemption headroom).
 - Waiting requests are admitted in FIFO order (a request that does not fit blocks those
   behind it), only in steps with no preemption, up to ``max_num_seqs`` running.
 - A request whose computed tokens catch up with its tokens samples one new token; it
@@ -22,15 +22,33 @@ What it copies from vLLM V1's scheduler (facts, not code):
 Step time: prefill tokens / ``prefill_tokens_per_s`` plus, when any request decodes,
 ``(1 / decode_tokens_per_s) * (1 + batch_slowdown * (decoding - 1))`` seconds: a decode
 step grows with batch size.
+
+Prefix caching (``enable_prefix_caching``, off by default here; vLLM V1 turns it on by
+default), as vLLM's KV cache manager and scheduler do it (vllm/v1/core/kv_cache_manager.py,
+sched/scheduler.py):
+- A waiting request (new, or preempted) starts from the longest chain of cached full blocks
+  of its tokens (prompt and, after a preemption, its generated tokens), but never all of
+  them: the last token is always computed, and hits are whole blocks, so a prompt of
+  exactly k blocks reuses k - 1. Reused tokens are computed already: they cost no prefill
+  time and take no step budget.
+- Admission needs free blocks for the new blocks and for the hit blocks that sit in the
+  free queue (taking them makes them unevictable).
+- Full blocks get their hash when they are allocated for the tokens a step computes,
+  generated tokens included, so a request admitted after that, even in the same step, can
+  hit them.
+- Prefix-cache queries and hits (in tokens) are counted when a new request is admitted;
+  a preempted request that comes back is not counted (vLLM keeps those apart and does not
+  export them).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from sim.blocks import BlockPool, blocks_for
+from sim.blocks import ROOT_HASH, BlockPool, CachedBlock, PrefixCache, blocks_for, hash_block
 
 OVERFLOW_MODES = ("preempt", "crash")
 
@@ -69,7 +87,8 @@ class EngineParams:
     Capacities in tokens, rates in tokens per simulated second. ``batch_slowdown`` is the
     relative growth of a decode step per extra decoding sequence (0.01: 100 sequences
     make a step about twice as long as one). ``background_kv_tokens`` are KV tokens held
-    by phantom load.
+    by phantom load. ``enable_prefix_caching`` (fixed at start) shares and keeps full
+    blocks by the hash of their token ids, as vLLM's flag of that name does.
     """
 
     kv_capacity_tokens: int
@@ -81,6 +100,7 @@ class EngineParams:
     batch_slowdown: float = 0.01
     overflow: str = "preempt"
     background_kv_tokens: int = 0
+    enable_prefix_caching: bool = False
 
     def validate(self) -> None:
         """validate raises ValueError naming the first setting out of range."""
@@ -108,15 +128,19 @@ class Seq:
     ``prompt_tokens`` and ``target_tokens`` (the output length it will generate) in
     tokens; ``max_tokens`` the request's cap (a target below it ends with "stop", as at an
     end-of-sequence token); ``num_computed`` is how many of its tokens have KV in the cache; ``blocks``
-    how many pool blocks it holds. Times are simulated seconds.
+    how many pool blocks it holds, of which the first ``len(cached)`` are hashed blocks
+    (shared with other sequences, with prefix caching). ``token_ids`` are the prompt's
+    token ids (None: unknown, so shared with nobody); ``hashes`` the chain hashes of its
+    full blocks so far; ``cached_tokens`` the tokens its first admission found cached.
+    Times are simulated seconds.
     """
 
     __slots__ = ("id", "prompt_tokens", "target_tokens", "max_tokens", "arrival", "status",
                  "num_computed", "output_tokens", "blocks", "first_token_at", "finished_at",
-                 "preemptions")
+                 "preemptions", "token_ids", "cached", "hashes", "cached_tokens")
 
     def __init__(self, seq_id: int, prompt_tokens: int, target_tokens: int, max_tokens: int,
-                 arrival: float) -> None:
+                 arrival: float, token_ids: Sequence[int] | None = None) -> None:
         self.id = seq_id
         self.prompt_tokens = prompt_tokens
         self.target_tokens = target_tokens
@@ -129,6 +153,10 @@ class Seq:
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
         self.preemptions = 0
+        self.token_ids = token_ids
+        self.cached: list[CachedBlock] = []
+        self.hashes: list[bytes] = []
+        self.cached_tokens: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -151,7 +179,10 @@ class EngineStats:
 
     Block counts in blocks; ``kv_usage`` a ratio in [0, 1]; counters are totals since
     start (``prompt_tokens``: prompts of requests that produced their first token;
-    ``generation_tokens``: sampled tokens).
+    ``generation_tokens``: sampled tokens; ``prefix_cache_queries`` and
+    ``prefix_cache_hits``: tokens of new requests looked up, and found, in the prefix
+    cache). ``used_blocks`` counts a shared block once; ``cached_free_blocks`` are hashed
+    blocks nobody holds (free, kept until evicted).
     """
 
     running: int
@@ -165,6 +196,10 @@ class EngineStats:
     prompt_tokens: int
     generation_tokens: int
     finished: dict[str, int] = field(default_factory=dict)
+    prefix_caching: bool = False
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    cached_free_blocks: int = 0
 
 
 class Engine:
@@ -173,17 +208,25 @@ class Engine:
     Call ``add`` when a request arrives, ``abort`` when its client leaves, and
     ``advance(now)`` to run every step that ends by ``now``; events come back from
     ``advance``. Instants passed in must not go backwards.
+
+    ``output_token(seq_id, index)`` gives the token id of a sequence's ``index``-th
+    generated token (hashed into blocks that fill with output); by default every
+    generated token is unique to its sequence.
     """
 
-    __slots__ = ("params", "pool", "_running", "_waiting", "_seqs", "_step", "_free_at",
-                 "_events", "_next_id", "preemptions", "crashes", "prompt_tokens_total",
-                 "generation_tokens_total", "finished_by_reason")
+    __slots__ = ("params", "pool", "prefix_cache", "_output_token", "_running", "_waiting", "_seqs",
+                 "_step", "_free_at", "_events", "_next_id", "preemptions", "crashes",
+                 "prompt_tokens_total", "generation_tokens_total", "finished_by_reason",
+                 "prefix_cache_queries", "prefix_cache_hits")
 
-    def __init__(self, params: EngineParams) -> None:
+    def __init__(self, params: EngineParams,
+                 output_token: Callable[[int, int], int] | None = None) -> None:
         params.validate()
         self.params = params
         self.pool = BlockPool(params.kv_capacity_tokens // params.block_size, params.block_size)
         self.pool.set_background_tokens(params.background_kv_tokens)
+        self.prefix_cache = PrefixCache(self.pool) if params.enable_prefix_caching else None
+        self._output_token = output_token
         self._running: list[Seq] = []
         self._waiting: deque[Seq] = deque()
         self._seqs: dict[int, Seq] = {}
@@ -196,23 +239,29 @@ class Engine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.finished_by_reason = {"length": 0, "stop": 0, "abort": 0, "error": 0}
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     # --- inputs ------------------------------------------------------------------
 
     def add(self, now: float, prompt_tokens: int, target_tokens: int,
-            max_tokens: int | None = None) -> int:
+            max_tokens: int | None = None, token_ids: Sequence[int] | None = None) -> int:
         """add queues a request of ``prompt_tokens`` that will generate ``target_tokens``; returns its id.
 
         ``max_tokens`` (default: ``target_tokens``) is the request's output cap, used only
-        for the finish reason. Raises ValueError for a request that could never fit the
-        KV cache.
+        for the finish reason. ``token_ids`` are the prompt's token ids (after the chat
+        template), what prefix caching hashes; without them the prompt shares no block.
+        Raises ValueError for a request that could never fit the KV cache, or ids that
+        are not ``prompt_tokens`` long.
         """
         cap = target_tokens if max_tokens is None else max_tokens
         if prompt_tokens < 1 or target_tokens < 1 or cap < target_tokens:
             raise ValueError("a request needs >= 1 prompt token and 1 <= target <= max_tokens")
         if blocks_for(prompt_tokens + target_tokens, self.pool.block_size) > self.pool.total:
             raise ValueError("request larger than the whole KV cache")
-        seq = Seq(self._next_id, prompt_tokens, target_tokens, cap, now)
+        if token_ids is not None and len(token_ids) != prompt_tokens:
+            raise ValueError(f"{len(token_ids)} token ids for a prompt of {prompt_tokens} tokens")
+        seq = Seq(self._next_id, prompt_tokens, target_tokens, cap, now, token_ids)
         self._next_id += 1
         self._seqs[seq.id] = seq
         self._waiting.append(seq)
@@ -252,6 +301,8 @@ class Engine:
         for name, value in changes.items():
             setattr(self.params, name, value)
         self.pool.set_background_tokens(self.params.background_kv_tokens)
+        if self.prefix_cache is not None:
+            self.prefix_cache.trim()  # phantom load took the room of cached free blocks
         self._kick(now)
 
     # --- time --------------------------------------------------------------------
@@ -279,17 +330,26 @@ class Engine:
 
     def stats(self) -> EngineStats:
         """stats returns a snapshot of queues, blocks and counters."""
+        cache = self.prefix_cache
         return EngineStats(
             running=len(self._running), waiting=len(self._waiting),
             total_blocks=self.pool.total, used_blocks=self.pool.used,
             background_blocks=self.pool.background, kv_usage=self.pool.usage,
             preemptions=self.preemptions, crashes=self.crashes,
             prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total,
-            finished=dict(self.finished_by_reason))
+            finished=dict(self.finished_by_reason), prefix_caching=cache is not None,
+            prefix_cache_queries=self.prefix_cache_queries, prefix_cache_hits=self.prefix_cache_hits,
+            cached_free_blocks=len(cache.free_queue) if cache is not None else 0)
 
     def held_blocks(self) -> int:
-        """held_blocks sums the blocks every live sequence holds (equals ``pool.used``)."""
-        return sum(s.blocks for s in self._seqs.values())
+        """held_blocks counts the blocks live sequences hold, a shared one once (equals ``pool.used``)."""
+        seqs = self._seqs.values()
+        shared = {id(b) for s in seqs for b in s.cached}
+        return sum(s.blocks - len(s.cached) for s in seqs) + len(shared)
+
+    def running(self) -> list[Seq]:
+        """running returns the running sequences, oldest first (a copy)."""
+        return list(self._running)
 
     # --- the scheduler -----------------------------------------------------------
 
@@ -301,14 +361,80 @@ class Engine:
 
     def _allocate(self, seq: Seq, tokens: int) -> bool:
         need = blocks_for(tokens, self.pool.block_size) - seq.blocks
-        if not self.pool.take(need):
+        cache = self.prefix_cache
+        if not (self.pool.take(need) if cache is None else cache.take(need)):
             return False
         if need > 0:
             seq.blocks += need
+        if cache is not None:
+            self._commit(seq, cache, tokens)
         return True
 
+    def _token(self, seq: Seq, i: int) -> int:
+        # The id of the sequence's i-th token (prompt, then generated).
+        if i >= seq.prompt_tokens:
+            if self._output_token is None:
+                return _unique_token(seq.id, i)
+            return self._output_token(seq.id, i - seq.prompt_tokens)
+        return _unique_token(seq.id, i) if seq.token_ids is None else seq.token_ids[i]
+
+    def _hashes(self, seq: Seq, n: int) -> list[bytes]:
+        # Chain hashes of the sequence's first n full blocks, computed once each.
+        bs = self.pool.block_size
+        hashes = seq.hashes
+        while len(hashes) < n:
+            k = len(hashes)
+            parent = hashes[-1] if hashes else ROOT_HASH
+            end = (k + 1) * bs
+            if seq.token_ids is not None and end <= seq.prompt_tokens:
+                block = seq.token_ids[k * bs:end]
+            else:
+                block = [self._token(seq, i) for i in range(k * bs, end)]
+            hashes.append(hash_block(parent, block))
+        return hashes[:n]
+
+    def _commit(self, seq: Seq, cache: PrefixCache, tokens: int) -> None:
+        # The blocks full once this step computes up to ``tokens`` get their hash now, as
+        # vLLM caches them at allocation (capped at the tokens the sequence has).
+        full = min(tokens, seq.num_tokens) // self.pool.block_size
+        if full > len(seq.cached):
+            for h in self._hashes(seq, full)[len(seq.cached):]:
+                seq.cached.append(cache.commit(h))
+
+    def _admit(self, seq: Seq, budget: int) -> int | None:
+        # A waiting sequence's first allocation: the longest cached prefix (never its last
+        # token), then new blocks for the tokens this step computes. Returns the tokens to
+        # compute, or None (nothing changed) when the blocks are not free.
+        cache = self.prefix_cache
+        if cache is None:
+            new = min(seq.num_tokens - seq.num_computed, budget)
+            return new if self._allocate(seq, seq.num_computed + new) else None
+        bs = self.pool.block_size
+        hit = cache.longest_hit(self._hashes(seq, (seq.num_tokens - 1) // bs))
+        hit_tokens = len(hit) * bs
+        new = min(seq.num_tokens - hit_tokens, budget)
+        need = blocks_for(hit_tokens + new, bs) - len(hit)
+        if need + sum(1 for b in hit if b.ref == 0) > self.pool.free:
+            return None
+        cache.touch(hit)
+        seq.cached = hit
+        seq.blocks = len(hit)
+        seq.num_computed = hit_tokens
+        if seq.cached_tokens is None:
+            seq.cached_tokens = hit_tokens
+        if seq.preemptions == 0:
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += hit_tokens
+        if not self._allocate(seq, hit_tokens + new):
+            raise AssertionError("blocks counted free must be allocatable")
+        return new
+
     def _free(self, seq: Seq) -> None:
-        self.pool.give_back(seq.blocks)
+        if self.prefix_cache is None:
+            self.pool.give_back(seq.blocks)
+        else:
+            self.prefix_cache.release(seq.cached, seq.blocks - len(seq.cached))
+            seq.cached = []
         seq.blocks = 0
 
     def _preempt(self, seq: Seq) -> None:
@@ -329,6 +455,8 @@ class Engine:
             self.finished_by_reason["error"] += 1
             self._events.append(Event(seq.id, EventKind.FAILED, at))
         self._running.clear()
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()  # a crashed engine comes back with an empty cache
 
     def _schedule(self, t: float) -> _Step | None:
         p = self.params
@@ -362,9 +490,10 @@ class Engine:
         if not preempted:
             while self._waiting and budget > 0 and len(self._running) < p.max_num_seqs:
                 seq = self._waiting[0]
-                new = min(seq.num_tokens - seq.num_computed, budget)
-                if not self._allocate(seq, seq.num_computed + new):
+                admitted = self._admit(seq, budget)
+                if admitted is None:
                     break
+                new = admitted
                 self._waiting.popleft()
                 seq.status = SeqStatus.RUNNING
                 self._running.append(seq)
@@ -408,3 +537,11 @@ class Engine:
                 self.finished_by_reason["length" if seq.output_tokens >= seq.max_tokens else "stop"] += 1
                 del self._seqs[seq.id]
                 self._events.append(Event(seq.id, EventKind.FINISHED, at))
+
+
+def _unique_token(seq_id: int, position: int) -> int:
+    """_unique_token is the id of a sequence's token at ``position`` that no other sequence has.
+
+    It lies below every tokenizer id (>= 0) and the simulator's template ids (small negatives).
+    """
+    return -(1 << 62) + (seq_id << 32) + position

