@@ -379,7 +379,8 @@ class Exchange:
         self.streamed = parsed.stream
         among = self.hint if pool.config.picks else None
         if among is not None and not gate.admission.eligible_nodes(self.pool_name, among):
-            return self._no_eligible_endpoint()
+            return self._no_eligible_endpoint(
+                retry=gate.admission.named_nodes(self.pool_name, among) > 0)
         demand = Demand(pool=self.pool_name, tenant=self.tenant, class_name=self.class_cfg.name,
                         prompt_tokens=prompt_tokens, completion_tokens=reserved, among=among)
         result = await self._acquire(demand, send, started)
@@ -480,16 +481,26 @@ class Exchange:
             return self._linked_continue(lease, new_body, rates=False, node=node)
         return body_answer(new_body, node)
 
-    def _no_eligible_endpoint(self) -> pb.ProcessingResponse:
+    def _no_eligible_endpoint(self, retry: bool) -> pb.ProcessingResponse:
         """_no_eligible_endpoint is the protocol's 503 when the proxy's subset hint allows no
-        node kvgate may pick (empty, unknown addresses, or every allowed node not up)."""
+        node kvgate may pick (empty, unknown addresses, or every allowed node not up).
+
+        ``retry``: the hint names nodes of the pool that are not up now and may come back, so
+        a retry may pass (``x-should-retry: true``, ``retry-after``); a hint that names none of
+        them (empty, or addresses of no node: a gateway/pool mismatch) would be refused again
+        (``x-should-retry: false``)."""
         self.state = _DONE
         cls = self.class_cfg
         self.gate.metrics.request(self.pool_name or self.gate.config.default_pool,
                                   cls.name if cls is not None else self.gate.config.tenants.default_class,
                                   RequestOutcome.REJECTED_NO_ENDPOINT)
-        return unavailable("no_endpoint", "None of the endpoints this request may go to can take "
-                           "it now. Retry shortly.", code="no_eligible_endpoint", retry_after_ms=False)
+        if retry:
+            return unavailable("no_endpoint", "None of the endpoints this request may go to can "
+                               "take it now. Retry shortly.", code="no_eligible_endpoint",
+                               retry_after_ms=False)
+        return unavailable("no_endpoint", "None of the endpoints this request may go to is a "
+                           "node of this pool; retrying will not change that.",
+                           code="no_eligible_endpoint", should_retry=False)
 
     def _pass_through_picked(self, duplex: bool = False) -> pb.ProcessingResponse | None:
         """_pass_through_picked lets a request kvgate does not admit go to an up node of a picking

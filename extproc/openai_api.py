@@ -722,13 +722,13 @@ def rejection_response(rej: Rejection) -> tuple[int, list[tuple[str, str]], byte
 
 def request_error_response(err: RequestError) -> tuple[int, list[tuple[str, str]], bytes]:
     """request_error_response is the answer to a request kvgate refuses before admission:
-    with ``x-should-retry: false`` (a malformed request), or ``retry-after`` when the same
-    request may pass later (``err.retry_after_s``, seconds); a 405 names the methods it
-    allows (``allow``)."""
+    with ``x-should-retry: false`` (a malformed request), or ``x-should-retry: true`` and
+    ``retry-after`` when the same request may pass later (``err.retry_after_s``, seconds);
+    a 405 names the methods it allows (``allow``)."""
     if err.retry_after_s is None:
         headers = [("content-type", "application/json"), ("x-should-retry", "false")]
     else:
-        headers = [("content-type", "application/json"),
+        headers = [("content-type", "application/json"), ("x-should-retry", "true"),
                    ("retry-after", str(max(1, math.ceil(err.retry_after_s)))),
                    ("retry-after-ms", str(max(1, math.ceil(err.retry_after_s * 1000))))]
     if err.allow is not None:

@@ -809,3 +809,12 @@ async def test_without_enforce_max_tokens_an_uncapped_request_goes_as_sent() -> 
     ex, resp = await admit(rig, chat())
     assert not resp.request_body.response.HasField("body_mutation")
     assert ex.lease.demand.completion_tokens == 256
+
+
+def test_kvgates_own_503s_and_500_say_whether_a_retry_may_pass() -> None:
+    from extproc.answers import misconfigured, unavailable
+    again = set_headers(unavailable("store_unavailable", "Retry shortly.").immediate_response)
+    assert again["x-should-retry"] == "true" and again["retry-after"] == "1"
+    never = set_headers(unavailable("no_endpoint", "No.", should_retry=False).immediate_response)
+    assert never["x-should-retry"] == "false" and "retry-after" not in never
+    assert set_headers(misconfigured().immediate_response)["x-should-retry"] == "false"

@@ -131,6 +131,8 @@ async def test_a_hint_that_allows_no_node_is_a_503_and_takes_nothing(value):
     imm = resp.immediate_response
     assert imm.status.code == 503
     assert json.loads(imm.body)["error"]["code"] == "no_eligible_endpoint"
+    # It names no node of the pool: the same request would be refused again.
+    assert set_headers(imm)["x-should-retry"] == "false" and "retry-after" not in set_headers(imm)
     assert rig.inflight() == 0 and held(rig) == {N0: 0, N1: 0}
     assert rig.count("kvgate_requests_total", outcome="rejected_no_endpoint") == 1
     assert ex.finish() is None
@@ -144,6 +146,9 @@ async def test_a_hinted_node_that_is_not_up_is_not_eligible():
                                                           at=rig.clock.now()))
     _, (resp,) = await admit(rig, chat(max_tokens=100), hint([N0]))
     assert resp.immediate_response.status.code == 503
+    # n0 may report again: a retry may pass.
+    assert set_headers(resp.immediate_response)["x-should-retry"] == "true"
+    assert set_headers(resp.immediate_response)["retry-after"] == "1"
     ex, (head, *_) = await admit(rig, chat(max_tokens=100), hint([N0, N1]))
     assert destination(head)[0] == N1
     ex.finish()
