@@ -12,7 +12,9 @@ What reaches kvgate, by file of deploy/ (``kvgate envoy-filter --mode``):
 - request headers skipped (envoy.yaml, the recommended three-message file; envoy-jwt,
   -reservation, -observe, -access-log): the body message is the first, and the few request
   facts kvgate needs come with it as request attributes (``request_facts``), one
-  blocking round trip fewer;
+  blocking round trip fewer (a request that may have no body, any method but POST or a
+  POST that declares no length, has its headers sent by routes of its own: without a
+  body it would send kvgate nothing before going upstream);
 - request headers sent (envoy-four-message, -endpoint-picker, -endpoint-picker-log,
   -inference-pool): the request is identified from them;
 - the response on this stream (STREAMED in envoy.yaml, -jwt, -four-message,
@@ -169,10 +171,11 @@ class Exchange:
         """request_headers picks the endpoint, pool, tenant and class; refuses early what it can.
 
         Answers 413 for a declared content-length above the cap (before any body is
-        read), 400 for duplicate tenant headers or a missing body; passes through paths
-        that are not admitted (``_not_admitted``). ``protocol`` is the stream's ProtocolConfiguration when
-        Envoy sent one: with a FULL_DUPLEX_STREAMED request body the answer to an admitted
-        path's headers comes with the body's decision, and None is returned here.
+        read), 400 for duplicate tenant headers or a missing body; decides on paths that
+        are not admitted (``_not_admitted``). ``protocol`` is the stream's
+        ProtocolConfiguration when Envoy sent one: with a FULL_DUPLEX_STREAMED request body
+        the answer to an admitted path's headers comes with the body's decision, and None
+        is returned here.
         """
         if self.state != _NEW:  # a second request on one stream: never from Envoy; ignore it
             return CONTINUE_REQUEST_HEADERS
