@@ -145,13 +145,18 @@ def message_timeout(seconds: float) -> pb.ProcessingResponse:
 
 
 def unavailable(reason: str, message: str, *, code: str | None = None,
-                retry_after_ms: bool = True) -> pb.ProcessingResponse:
+                retry_after_ms: bool = True, should_retry: bool = True) -> pb.ProcessingResponse:
     """unavailable is kvgate's 503 for a request it cannot place now, to be retried in a
-    second: ``reason`` goes to ``x-kvgate-reason`` and (prefixed ``kvgate_``) Envoy's
-    response code details, ``code`` (default ``reason``) into the OpenAI error body."""
-    headers = [("content-type", JSON), ("retry-after", "1")]
-    if retry_after_ms:
-        headers.append(("retry-after-ms", "1000"))
+    second (``x-should-retry: true``, ``retry-after``): ``reason`` goes to
+    ``x-kvgate-reason`` and (prefixed ``kvgate_``) Envoy's response code details, ``code``
+    (default ``reason``) into the OpenAI error body. ``should_retry`` False: a 503 that the
+    same request would get again (``x-should-retry: false``, no retry delay)."""
+    if should_retry:
+        headers = [("content-type", JSON), ("x-should-retry", "true"), ("retry-after", "1")]
+        if retry_after_ms:
+            headers.append(("retry-after-ms", "1000"))
+    else:
+        headers = [("content-type", JSON), ("x-should-retry", "false")]
     headers.append(("x-kvgate-reason", reason))
     return immediate(503, headers, oai.error_body(message, error_type="server_error",
                                                   code=code or reason), f"kvgate_{code or reason}")
@@ -160,7 +165,8 @@ def unavailable(reason: str, message: str, *, code: str | None = None,
 def misconfigured() -> pb.ProcessingResponse:
     """misconfigured is the 500 for a request Envoy's configuration keeps kvgate from serving
     (the operator is told in the log)."""
-    return immediate(500, [("content-type", JSON), ("x-kvgate-reason", "misconfigured")],
+    return immediate(500, [("content-type", JSON), ("x-should-retry", "false"),
+                           ("x-kvgate-reason", "misconfigured")],
                      oai.error_body("The admission gateway is misconfigured; the operator "
                                     "has been told.", error_type="server_error",
                                     code="gateway_misconfigured"),

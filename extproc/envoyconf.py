@@ -53,6 +53,7 @@ filter's event count) and which node serves it, and never releases.
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -119,6 +120,7 @@ ENVOY_DEFAULT_BUFFER_BYTES = 1_048_576
 MIN_BUFFER_BYTES = 4_194_304
 CLUSTER = "kvgate"
 EXT_PROC_TYPE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
+EXT_PROC_PER_ROUTE_TYPE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
 SET_METADATA_TYPE = "type.googleapis.com/envoy.extensions.filters.http.set_metadata.v3.Config"
 LUA_TYPE = "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua"
 HCM_TYPE = ("type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."
@@ -352,8 +354,35 @@ def _routes(config: Config, mode: str, upstream_cluster: str) -> list[dict[str, 
         route["response_headers_to_add"] = [{
             "header": {"key": SERVED_KEY, "value": "%UPSTREAM_REMOTE_ADDRESS%"},
             "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
+    if mode not in _HEADERS_SENT:
+        routes += _headers_sent_routes(config, mode, route)
     routes.append(route)
     return routes
+
+
+# Requests that may come without a body, in the modes that skip request headers: any method
+# but POST, and a POST that declares no length or 0 (chunked, or none at all).
+_MAY_HAVE_NO_BODY = (
+    ("not-post", {"name": ":method", "string_match": {"exact": "POST"}, "invert_match": True}),
+    ("no-content-length", {"name": "content-length", "invert_match": True,
+                           "treat_missing_header_as_empty": True,
+                           "range_match": {"start": 1, "end": 9223372036854775807}}),
+)
+
+
+def _headers_sent_routes(config: Config, mode: str, default: dict[str, Any]) -> list[dict[str, Any]]:
+    """_headers_sent_routes are the default route again for requests that may have no body,
+    with ext_proc told to send their request headers (``ExtProcPerRoute``): with the headers
+    skipped, a request without a body sends kvgate no request message at all, and would reach
+    the upstream unseen (a ``DELETE /v1/models``, a ``GET /generate``). kvgate decides on them
+    at their headers: a GET or HEAD of ``limits.pass_paths`` passes, counted, the rest is refused
+    as in the modes that send headers. A POST with a declared length, the inference request, keeps
+    the default route's one round trip fewer."""
+    modes = {**_ext_proc(config, mode)["processing_mode"], "request_header_mode": "SEND"}
+    per_filter = {**default["typed_per_filter_config"], "envoy.filters.http.ext_proc": {
+        "@type": EXT_PROC_PER_ROUTE_TYPE, "overrides": {"processing_mode": modes}}}
+    return [copy.deepcopy({**default, "name": name, "match": {"prefix": "/", "headers": [header]},
+                           "typed_per_filter_config": per_filter}) for name, header in _MAY_HAVE_NO_BODY]
 
 
 def _access_log(mode: str) -> list[dict[str, Any]]:

@@ -26,12 +26,13 @@ class RequestError(KvgateError):
 
     ``status`` is the HTTP status, ``code`` the OpenAI error code (or None), ``param``
     the request field at fault (or None), ``retry_after_s`` the seconds after which the
-    same request may succeed (None: it never will; the answer says not to retry).
+    same request may succeed (None: it never will; the answer says not to retry), ``allow``
+    the methods a 405 names in its ``allow`` header (None: no such header).
     """
 
     def __init__(self, message: str, *, status: int = 400, code: str | None = None,
                  param: str | None = None, error_type: str = "invalid_request_error",
-                 retry_after_s: float | None = None) -> None:
+                 retry_after_s: float | None = None, allow: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
@@ -39,3 +40,4 @@ class RequestError(KvgateError):
         self.param = param
         self.error_type = error_type
         self.retry_after_s = retry_after_s
+        self.allow = allow

@@ -12,7 +12,9 @@ What reaches kvgate, by file of deploy/ (``kvgate envoy-filter --mode``):
 - request headers skipped (envoy.yaml, the recommended three-message file; envoy-jwt,
   -reservation, -observe, -access-log): the body message is the first, and the few request
   facts kvgate needs come with it as request attributes (``request_facts``), one
-  blocking round trip fewer;
+  blocking round trip fewer (a request that may have no body, any method but POST or a
+  POST that declares no length, has its headers sent by routes of its own: without a
+  body it would send kvgate nothing before going upstream);
 - request headers sent (envoy-four-message, -endpoint-picker, -endpoint-picker-log,
   -inference-pool): the request is identified from them;
 - the response on this stream (STREAMED in envoy.yaml, -jwt, -four-message,
@@ -97,6 +99,11 @@ def _evaluate(endpoint: oai.Endpoint, body: bytes, content_type: str | None,
     return parsed, oai.count_prompt_tokens(parsed, pool.tokenizer, pool.template)
 
 
+def _shown(path: str) -> str:
+    """_shown is a request path as an error message may quote it (100 characters, ASCII)."""
+    return path[:100].encode("ascii", "backslashreplace").decode()
+
+
 # States of an exchange.
 _NEW, _BODY, _PASS, _ADMITTED, _DONE = range(5)
 
@@ -164,10 +171,11 @@ class Exchange:
         """request_headers picks the endpoint, pool, tenant and class; refuses early what it can.
 
         Answers 413 for a declared content-length above the cap (before any body is
-        read), 400 for duplicate tenant headers or a missing body; passes through paths
-        that are not admitted. ``protocol`` is the stream's ProtocolConfiguration when
-        Envoy sent one: with a FULL_DUPLEX_STREAMED request body the answer to an admitted
-        path's headers comes with the body's decision, and None is returned here.
+        read), 400 for duplicate tenant headers or a missing body; decides on paths that
+        are not admitted (``_not_admitted``). ``protocol`` is the stream's
+        ProtocolConfiguration when Envoy sent one: with a FULL_DUPLEX_STREAMED request body
+        the answer to an admitted path's headers comes with the body's decision, and None
+        is returned here.
         """
         if self.state != _NEW:  # a second request on one stream: never from Envoy; ignore it
             return CONTINUE_REQUEST_HEADERS
@@ -177,13 +185,19 @@ class Exchange:
             self.response_sent = protocol.response_body_mode != processing_mode_pb2.ProcessingMode.NONE
         self.hint = epp.subset_hint(metadata)
         facts = facts_of.from_headers(msg.headers.headers, self.gate.config.tenants)
-        refusal = self._begin(facts, metadata)
+        # A body follows unless the headers end the stream (a declared length of 0: an empty
+        # one, which some HTTP/2 clients still send as an empty frame).
+        refusal = self._begin(facts, metadata,
+                              body=not msg.end_of_stream and facts.content_length != b"0")
         if refusal is not None:
             return refusal
         if self.state == _PASS:
-            if self.duplex:  # no mode_override in this mode: the bodies are passed back
-                return self._pass_through_picked(duplex=True) or CONTINUE_REQUEST_HEADERS
-            return self._pass_through_picked() or PASS_THROUGH
+            # In duplex mode no mode_override: the bodies are passed back.
+            resp = self._pass_through_picked(duplex=self.duplex) or (
+                CONTINUE_REQUEST_HEADERS if self.duplex else PASS_THROUGH)
+            if self.state == _PASS:  # not the 503 of a picking pool without a node up
+                self._count_pass()
+            return resp
         if facts.content_length is not None:
             try:
                 declared = int(facts.content_length)
@@ -199,9 +213,11 @@ class Exchange:
         self.body = bytearray()
         return None if self.duplex else CONTINUE_REQUEST_HEADERS
 
-    def _begin_from_attributes(self, attributes: Any, metadata: Any) -> pb.ProcessingResponse | None:
+    def _begin_from_attributes(self, attributes: Any, metadata: Any,
+                               body: bool) -> pb.ProcessingResponse | None:
         """_begin_from_attributes identifies a request whose headers Envoy skipped, from the
-        request attributes sent with its first body message (``request_facts``).
+        request attributes sent with its first body message (``request_facts``);
+        ``body``: that message carries body bytes (or more are to come).
 
         Attributes that were not UTF-8 (a client's bad header byte; see
         service.decode_request) get a 400. Without ``request.path`` kvgate cannot tell what
@@ -222,7 +238,7 @@ class Exchange:
                 "Envoy sent a request body without the request headers and without the "
                 f"{ATTR_PATH!r} request attribute: list kvgate's request attributes in the "
                 "ext_proc filter's request_attributes (see deploy/envoy.yaml)")
-        return self._begin(facts, metadata)
+        return self._begin(facts, metadata, body)
 
     def _class_from_attributes(self, attributes: Any, metadata: Any) -> None:
         """_class_from_attributes sets the pool and class of a request refused before kvgate
@@ -239,24 +255,20 @@ class Exchange:
         self.class_cfg = (gate.config.tenants.classes[route.tenant_class] if route.tenant_class
                           else gate.config.class_of(tenant))
 
-    def _begin(self, facts: RequestFacts, metadata: Any) -> pb.ProcessingResponse | None:
+    def _begin(self, facts: RequestFacts, metadata: Any, body: bool) -> pb.ProcessingResponse | None:
         """_begin picks endpoint, pool, tenant and class; returns a refusal or None.
 
-        A path kvgate does not admit leaves the state _PASS. The class: the route's, else
-        the one the objective header names, else the tenant's.
+        A path kvgate does not admit leaves the state _PASS (``_not_admitted``; ``body``:
+        the request has one). The class: the route's, else the one the objective header
+        names, else the tenant's.
         """
         gate = self.gate
         config = gate.config
         path = facts.path or ""
         self.content_type = facts.content_type
         endpoint = oai.endpoint_for_path(path)
-        if endpoint is None or not facts.post:
-            limits = config.limits
-            if limits.unknown_paths == "pass" or oai.path_passes(oai.normalise_path(path),
-                                                                   limits.pass_paths):
-                self.state = _PASS
-                return None
-            return self._refuse_path(path, endpoint is not None)
+        if endpoint is None or facts.method != "POST":
+            return self._not_admitted(facts.method, path, endpoint is not None, body)
         self.endpoint = endpoint
         self.route = route = gate.route_settings(metadata)
         self.usage_filter = usage_log.announced(metadata)
@@ -297,7 +309,8 @@ class Exchange:
         if protocol is not None and self.state in (_NEW, _BODY):
             self.response_sent = protocol.response_body_mode != processing_mode_pb2.ProcessingMode.NONE
         if self.state == _NEW:
-            first = self._begin_at_body(attributes, metadata)
+            first = self._begin_at_body(attributes, metadata,
+                                        body=bool(msg.body) or not msg.end_of_stream)
             if first is not None:
                 return first
         if self.state != _BODY:
@@ -309,13 +322,16 @@ class Exchange:
             return raw
         return await self._decide(raw, send)
 
-    def _begin_at_body(self, attributes: Any, metadata: Any) -> pb.ProcessingResponse | None:
+    def _begin_at_body(self, attributes: Any, metadata: Any,
+                       body: bool) -> pb.ProcessingResponse | None:
         """_begin_at_body identifies a request first seen at its body (Envoy skipped the
-        request headers): a refusal or a pass-through answer, or None to read the body."""
-        first = self._begin_from_attributes(attributes, metadata)
+        request headers): a refusal or a pass-through answer, or None to read the body.
+        ``body``: the message carries body bytes, or more are to come."""
+        first = self._begin_from_attributes(attributes, metadata, body)
         if first is not None:
             return first
         if self.state == _PASS:
+            self._count_pass()
             return PASS_THROUGH_BODY
         if self.pool is not None and self.pool.config.picks:
             return self._misconfigured(
@@ -366,7 +382,8 @@ class Exchange:
         self.streamed = parsed.stream
         among = self.hint if pool.config.picks else None
         if among is not None and not gate.admission.eligible_nodes(self.pool_name, among):
-            return self._no_eligible_endpoint()
+            return self._no_eligible_endpoint(
+                retry=gate.admission.named_nodes(self.pool_name, among) > 0)
         demand = Demand(pool=self.pool_name, tenant=self.tenant, class_name=self.class_cfg.name,
                         prompt_tokens=prompt_tokens, completion_tokens=reserved, among=among)
         result = await self._acquire(demand, send, started)
@@ -467,16 +484,26 @@ class Exchange:
             return self._linked_continue(lease, new_body, rates=False, node=node)
         return body_answer(new_body, node)
 
-    def _no_eligible_endpoint(self) -> pb.ProcessingResponse:
+    def _no_eligible_endpoint(self, retry: bool) -> pb.ProcessingResponse:
         """_no_eligible_endpoint is the protocol's 503 when the proxy's subset hint allows no
-        node kvgate may pick (empty, unknown addresses, or every allowed node not up)."""
+        node kvgate may pick (empty, unknown addresses, or every allowed node not up).
+
+        ``retry``: the hint names nodes of the pool that are not up now and may come back, so
+        a retry may pass (``x-should-retry: true``, ``retry-after``); a hint that names none of
+        them (empty, or addresses of no node: a gateway/pool mismatch) would be refused again
+        (``x-should-retry: false``)."""
         self.state = _DONE
         cls = self.class_cfg
         self.gate.metrics.request(self.pool_name or self.gate.config.default_pool,
                                   cls.name if cls is not None else self.gate.config.tenants.default_class,
                                   RequestOutcome.REJECTED_NO_ENDPOINT)
-        return unavailable("no_endpoint", "None of the endpoints this request may go to can take "
-                           "it now. Retry shortly.", code="no_eligible_endpoint", retry_after_ms=False)
+        if retry:
+            return unavailable("no_endpoint", "None of the endpoints this request may go to can "
+                               "take it now. Retry shortly.", code="no_eligible_endpoint",
+                               retry_after_ms=False)
+        return unavailable("no_endpoint", "None of the endpoints this request may go to is a "
+                           "node of this pool; retrying will not change that.",
+                           code="no_eligible_endpoint", should_retry=False)
 
     def _pass_through_picked(self, duplex: bool = False) -> pb.ProcessingResponse | None:
         """_pass_through_picked lets a request kvgate does not admit go to an up node of a picking
@@ -735,14 +762,52 @@ class Exchange:
             headers = [*headers, ("x-kvgate-reason", outcome.reason)]
         return immediate(status, headers, payload, f"kvgate_{outcome}")
 
+    def _not_admitted(self, method: str, path: str, admitted_path: bool,
+                      body: bool) -> pb.ProcessingResponse | None:
+        """_not_admitted decides on a request kvgate does not admit (another path, or an
+        admitted path with another method than POST): the state _PASS, or a refusal.
+
+        With ``limits.unknown_paths: pass`` everything passes as it came. Otherwise a path of
+        ``limits.pass_paths`` (the engines' endpoints that generate nothing) passes as a GET
+        or HEAD without a body (``body`` False), all it needs: another method gets 405 with
+        ``allow: GET, HEAD``, a body 400; and any other path is refused (``_refuse_path``).
+        What passes is counted (``_count_pass``) once it has been let through.
+        """
+        limits = self.gate.config.limits
+        if limits.unknown_paths == "pass":
+            self.state = _PASS
+            return None
+        if not oai.path_passes(oai.normalise_path(path), limits.pass_paths):
+            return self._refuse_path(path, admitted_path)
+        if method not in oai.PASS_METHODS:
+            self.pool_name = self.gate.config.default_pool
+            return self._refuse(RequestError(
+                f"{_shown(path)} accepts GET and HEAD only.", status=405, code="method_not_allowed",
+                allow=oai.PASS_ALLOW), RequestOutcome.REJECTED_PATH)
+        if body:
+            self.pool_name = self.gate.config.default_pool
+            return self._refuse(RequestError(
+                f"{_shown(path)} takes no request body; send the {method} without one.",
+                code="body_not_allowed"), RequestOutcome.REJECTED_INVALID)
+        self.state = _PASS
+        return None
+
+    def _count_pass(self) -> None:
+        """_count_pass counts a request let through without admission (``passed``), in the
+        default pool and class: kvgate names no tenant for what it does not admit."""
+        config = self.gate.config
+        self.gate.metrics.request(config.default_pool, config.tenants.default_class,
+                                  RequestOutcome.PASSED)
+
     def _refuse_path(self, path: str, admitted_path: bool) -> pb.ProcessingResponse:
         """_refuse_path answers a path kvgate neither admits nor lets through (404), or an
         admitted path with another method than POST (405): on an inference route nothing
         reaches the GPUs unadmitted (``limits.unknown_paths``)."""
         self.pool_name = self.gate.config.default_pool
-        shown = path[:100].encode("ascii", "backslashreplace").decode()
+        shown = _shown(path)
         if admitted_path:
-            err = RequestError(f"{shown} accepts POST only.", status=405, code="method_not_allowed")
+            err = RequestError(f"{shown} accepts POST only.", status=405, code="method_not_allowed",
+                               allow="POST")
         else:
             err = RequestError(f"Unknown request URL: {shown}. This gateway serves "
                                "/v1/chat/completions, /v1/completions, /v1/embeddings and "

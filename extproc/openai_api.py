@@ -91,6 +91,12 @@ def endpoint_for_path(path: str) -> Endpoint | None:
     return hit if hit is not None else _PATHS.get(normalise_path(path))
 
 
+# The methods a path of ``limits.pass_paths`` (an engine's endpoint that generates nothing:
+# models, health, version, metrics) is let through with, as a 405's ``allow`` header says them.
+PASS_METHODS = frozenset({"GET", "HEAD"})
+PASS_ALLOW = "GET, HEAD"
+
+
 def path_passes(path: str, patterns: tuple[str, ...]) -> bool:
     """path_passes tells whether a normalised path matches one of ``patterns``: an exact
     path, or a prefix when the pattern ends with ``*``."""
@@ -716,13 +722,16 @@ def rejection_response(rej: Rejection) -> tuple[int, list[tuple[str, str]], byte
 
 def request_error_response(err: RequestError) -> tuple[int, list[tuple[str, str]], bytes]:
     """request_error_response is the answer to a request kvgate refuses before admission:
-    with ``x-should-retry: false`` (a malformed request), or ``retry-after`` when the same
-    request may pass later (``err.retry_after_s``, seconds)."""
+    with ``x-should-retry: false`` (a malformed request), or ``x-should-retry: true`` and
+    ``retry-after`` when the same request may pass later (``err.retry_after_s``, seconds);
+    a 405 names the methods it allows (``allow``)."""
     if err.retry_after_s is None:
         headers = [("content-type", "application/json"), ("x-should-retry", "false")]
     else:
-        headers = [("content-type", "application/json"),
+        headers = [("content-type", "application/json"), ("x-should-retry", "true"),
                    ("retry-after", str(max(1, math.ceil(err.retry_after_s)))),
                    ("retry-after-ms", str(max(1, math.ceil(err.retry_after_s * 1000))))]
+    if err.allow is not None:
+        headers.append(("allow", err.allow))
     body = error_body(err.message, error_type=err.error_type, code=err.code, param=err.param)
     return err.status, headers, body

@@ -18,6 +18,9 @@ class RequestOutcome(StrEnum):
     """RequestOutcome is kvgate's decision on one request, in the order metrics list them."""
 
     ADMITTED = "admitted"
+    # Let through without admission: a GET or HEAD without a body to a path of
+    # limits.pass_paths, or anything not admitted with limits.unknown_paths: pass. Takes nothing.
+    PASSED = "passed"
     REJECTED_CONCURRENCY = "rejected_concurrency"
     REJECTED_TPM = "rejected_tpm"
     REJECTED_KV_BUDGET = "rejected_kv_budget"

@@ -46,11 +46,12 @@ class RequestFacts:
     """RequestFacts is what kvgate reads of a request before its body.
 
     ``path`` None: Envoy sent no path attribute (its configuration lacks it).
+    ``method`` is as sent ("" when none came).
     ``content_length`` is the declared value as sent (None: not declared).
     """
 
     path: str | None = ""
-    post: bool = False
+    method: str = ""
     content_length: bytes | None = None
     content_type: str | None = None
     authorization: bytes | None = None
@@ -69,7 +70,7 @@ def from_headers(headers: Iterable[Any], tenants: TenantsConfig) -> RequestFacts
         if key == ":path":
             facts.path = h.raw_value.decode("latin-1")
         elif key == ":method":
-            facts.post = h.raw_value == b"POST"
+            facts.method = h.raw_value.decode("latin-1")
         elif key == "content-length":
             facts.content_length = h.raw_value
         elif key == "content-type":
@@ -137,7 +138,7 @@ def from_attributes(values: dict[str, str], tenants: TenantsConfig) -> RequestFa
     names = _names_of(tenants)
     authorization = values.get(ATTR_AUTHORIZATION)
     return RequestFacts(
-        path=values.get(ATTR_PATH), post=values.get(ATTR_METHOD) == "POST",
+        path=values.get(ATTR_PATH), method=values.get(ATTR_METHOD, ""),
         content_type=values.get(ATTR_CONTENT_TYPE),
         authorization=None if authorization is None else authorization.encode(),
         tenant=_header_values(values, names.tenant),

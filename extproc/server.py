@@ -7,7 +7,7 @@ ends, in every release mode, is ``endings``.
 server with the standard health service, the admin HTTP server, the backend scraper and
 the config watcher, and the SIGTERM sequence:
 
-1. ``/readyz`` and gRPC health go NOT_SERVING at once;
+1. ``/readyz`` and gRPC health (every name but ``liveness``) go NOT_SERVING at once;
 2. new streams are still served for ``server.drain_s`` seconds (load balancers notice);
 3. the gRPC server stops accepting; streams in flight get ``server.grace_s`` seconds;
 4. streams still open then are given up: their leases released with cause ``timeout``;
@@ -53,6 +53,15 @@ log = logging.getLogger("kvgate.server")
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 TOKENIZE_THREADS = 2
 
+
+# The ext_proc service's full name: where Envoy's streams come, and one of the gRPC health names.
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+# gRPC health (grpc.health.v1) names. The endpoint picker protocol asks a picker for three:
+# ``liveness`` answers SERVING while the process answers at all (draining included);
+# ``readiness`` and the ext_proc service's name follow kvgate's readiness (``/readyz``), as
+# does "", the whole server by gRPC's convention (kvgate's own probes ask it).
+LIVENESS = "liveness"
+READINESS_NAMES = ("", "readiness", EXT_PROC_SERVICE)
 
 # How often parked requests are checked against server.access_log_ttl_s (seconds).
 SWEEP_EVERY_S = 1.0
@@ -168,6 +177,8 @@ class Server:
         service = self.service
         self.metrics.streams.set_function(lambda: len(service.active))  # read at scrape time
         self.health = HealthServicer()
+        await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
+        await self._ready_health(False)
         self._grpc = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -176,7 +187,7 @@ class Server:
         ])
         # The generated registration, with a decoder that survives hostile header bytes.
         self._grpc.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-            "envoy.service.ext_proc.v3.ExternalProcessor", {
+            EXT_PROC_SERVICE, {
                 "Process": grpc.stream_stream_rpc_method_handler(
                     self.service.Process, request_deserializer=decode_request,
                     response_serializer=pb.ProcessingResponse.SerializeToString)}),))
@@ -222,11 +233,22 @@ class Server:
         # every ~70k allocations, i.e. every few hundred requests.
         gc.collect()
         gc.freeze()
-        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self.readiness.set_ready()
+        await self._ready_health(True)
         self.metrics.ready.set(1)
         log.info("kvgate serving ext_proc on %s (port %d), admin on %s (port %d)",
                  self._grpc_listen, self.grpc_port, self._admin_listen, self.admin_port)
+
+    async def _ready_health(self, ready: bool) -> None:
+        """_ready_health sets the gRPC health names that follow readiness (READINESS_NAMES) to
+        SERVING or NOT_SERVING; ``liveness`` is never touched (not even while draining: the
+        process still answers)."""
+        if self.health is None:
+            return
+        status = (health_pb2.HealthCheckResponse.SERVING if ready
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in READINESS_NAMES:
+            await self.health.set(name, status)
 
     # --- reload --------------------------------------------------------------------------
 
@@ -392,8 +414,7 @@ class Server:
         drain_s, grace_s = self.config.server.drain_s, self.config.server.grace_s
         self.readiness.set_draining()
         self.metrics.ready.set(0)
-        if self.health is not None:
-            await self.health.enter_graceful_shutdown()
+        await self._ready_health(False)
         log.info("draining: not ready; still serving new streams for %.1fs", drain_s)
         if drain_s > 0:
             await asyncio.sleep(drain_s)

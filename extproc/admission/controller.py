@@ -237,6 +237,12 @@ class Admission:
         p = self._pools.get(pool)
         return 0 if p is None or p.nodes is None else p.nodes.eligible(among, self._clock.now())
 
+    def named_nodes(self, pool: str, among: frozenset[str] | None) -> int:
+        """named_nodes counts the nodes of a picking pool that ``among`` allows, whatever their
+        state (a node down or stale now may come back); 0 for a pool that does not pick."""
+        p = self._pools.get(pool)
+        return 0 if p is None or p.nodes is None else p.nodes.named(among)
+
     def nodes(self, pool: str) -> tuple[NodeSnapshot, ...]:
         """nodes reports the nodes of a picking pool now (empty for a pool that does not pick)."""
         p = self._pool(pool)

@@ -787,6 +787,10 @@ class PoolNodes:
                 self._taught = self.picking.growth != "worst_case"
         return True
 
+    def named(self, among: frozenset[str] | None) -> int:
+        """named counts the nodes that ``among`` allows (None: all), whatever their state."""
+        return sum(1 for n in self.nodes.values() if allows(among, n.address))
+
     def eligible(self, among: frozenset[str] | None, now: float) -> int:
         """eligible counts the up nodes of known capacity that ``among`` allows (None: all)."""
         return sum(1 for n in self.nodes.values() if allows(among, n.address)

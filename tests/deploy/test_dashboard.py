@@ -130,12 +130,20 @@ def test_the_panels_operators_need_are_there() -> None:
     panel_with("kvgate_inflight_requests", "kvgate_concurrency_limit")     # in-flight vs limit
     panel_with("kvgate_admission_scale")                                   # admission scale
     panel_with("kvgate_backend_kv_cache_usage_ratio", "backend")           # KV usage per backend
-    panel_with("kvgate_requests_total", "by (outcome)", 'outcome!="admitted"')  # by reason
+    panel_with("kvgate_requests_total", "by (outcome)", 'outcome=~"rejected_.*"')  # by reason
+    panel_with("kvgate_requests_total", 'outcome="passed"')                     # let through
     panel_with("kvgate_requests_total", "by (class, outcome)", "rejected_")     # by tenant class
     panel_with("kvgate_tpm_available_tokens")                              # TPM available
     panel_with("histogram_quantile", "kvgate_decision_seconds_bucket")     # decision latency
     panel_with("kvgate_kv_inflight_tokens", "kvgate_kv_budget_tokens")
     panel_with("kvgate_config_reload_errors_total")
+
+
+def test_no_panel_counts_a_request_let_through_as_a_refusal() -> None:
+    """``passed`` (a GET to /v1/models) is neither admitted nor refused: a refusal panel that
+    selected "not admitted" would show every model listing as a refusal."""
+    for title, expr in all_queries():
+        assert 'outcome!="admitted"' not in expr, title
 
 
 def test_template_variables_carry_a_valid_current_value() -> None:

@@ -199,7 +199,9 @@ BREAKS = [
     (_route_pool, "envoy.yaml", ["pools", "pools"]),
     (_no_set_metadata, "envoy.yaml", ["pools"]),
     (_no_forwarding, "envoy.yaml", ["pools"]),
-    (_no_access_log, "envoy-access-log.yaml", ["server.access_log_ttl_s"]),
+    # Named at each route that says release: access_log (the default one and the two that
+    # send the headers of requests without a body).
+    (_no_access_log, "envoy-access-log.yaml", ["server.access_log_ttl_s"] * 3),
     (_no_tenant_strip, "envoy.yaml", ["tenants.header"]),
     (_no_tenant_strip, "envoy-endpoint-picker.yaml", ["tenants.header"]),
     (_strip_names_another_header, "envoy-four-message.yaml", ["tenants.header"]),

@@ -128,7 +128,7 @@ def test_every_refusal_and_release_cause_is_explained() -> None:
     text = GUIDE.read_text()
     section = text.split("## Refusals: what clients get", 1)[1].split("\n## ", 1)[0]
     for outcome in OUTCOMES:
-        if outcome != "admitted":
+        if outcome.startswith("rejected_"):
             assert f"`{outcome.removeprefix('rejected_')}` (`{outcome}`)" in section, outcome
     for cause in CAUSES:
         assert f"`{cause}`" in section, cause
@@ -136,6 +136,16 @@ def test_every_refusal_and_release_cause_is_explained() -> None:
         assert f"| {status}" in section
     for header in ("retry-after", "retry-after-ms", "x-should-retry", "x-ratelimit-"):
         assert header in section
+
+
+def test_every_outcome_that_is_no_refusal_is_in_the_metrics_table() -> None:
+    from extproc.metrics import OUTCOMES
+
+    rows = [line for line in GUIDE.read_text().splitlines() if line.startswith("| `kvgate_requests_total")]
+    assert len(rows) == 1
+    for outcome in OUTCOMES:
+        if not outcome.startswith("rejected_"):
+            assert f"`{outcome}`" in rows[0], outcome
 
 
 def test_per_route_keys_are_documented() -> None:

@@ -112,6 +112,10 @@ def test_a_hint_that_allows_no_node_is_the_protocols_503(stack, route):
             model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "hi"}])
     assert err.value.status_code == 503
     assert err.value.body["code"] == "no_eligible_endpoint"
+    # The hint names no node of the pool: a retry would be refused alike, and the client is
+    # told so (a hinted node that is only down gets x-should-retry: true and retry-after).
+    headers = err.value.response.headers
+    assert headers["x-should-retry"] == "false" and "retry-after" not in headers
     assert stack.metric("kvgate_requests_total", outcome="rejected_no_endpoint") >= 1
     idle(stack)
 

@@ -75,3 +75,47 @@ def test_kvgate_serve_logs_json_lines_and_answers_health(tmp_path: Path) -> None
         assert set(line) >= {"time", "level", "logger", "message"}
         at = datetime.strptime(line["time"], "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc)
         assert abs((now - at).total_seconds()) < 300
+
+
+def health_of(port: int, service: str) -> str:
+    """health_of is the gRPC health status ``kvgate serve`` gives ``service``, by name
+    (NOT_FOUND: it does not know the name)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    with grpc.insecure_channel(f"{LOOPBACK}:{port}") as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=5)
+        except grpc.RpcError as err:
+            return err.code().name
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+PICKER_NAMES = ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor")
+
+
+def test_the_endpoint_picker_protocols_health_names_follow_readiness_and_liveness(tmp_path: Path) -> None:
+    """The protocol's three gRPC health names: all SERVING once kvgate serves; when SIGTERM
+    starts the drain, readiness and the ext_proc name go NOT_SERVING with /readyz and "",
+    while liveness stays SERVING (the process still answers)."""
+    config = tmp_path / "kvgate.yaml"
+    config.write_text(yaml.safe_dump({"pools": {"default": {"max_concurrency": 2}},
+                                      "server": {"drain_s": 5, "grace_s": 0}}))
+    grpc_port, admin_port = free_port(), free_port()
+    proc = Proc([sys.executable, "-m", "extproc", "serve", "--config", str(config),
+                 "--grpc-listen", f"{LOOPBACK}:{grpc_port}", "--admin-listen", f"{LOOPBACK}:{admin_port}"],
+                tmp_path / "kvgate.log")
+    try:
+        proc.wait_port(grpc_port)
+        wait_until(lambda: "kvgate serving" in proc.output(), timeout=20.0, what="kvgate's serving line")
+        assert {name: health_of(grpc_port, name) for name in ("", *PICKER_NAMES)} == dict.fromkeys(
+            ("", *PICKER_NAMES), "SERVING")
+        assert health_of(grpc_port, "no-such-service") == "NOT_FOUND"
+        proc.signal(signal.SIGTERM)
+        wait_until(lambda: "draining" in proc.output(), timeout=10.0, what="the drain's log line")
+        assert {name: health_of(grpc_port, name) for name in ("", *PICKER_NAMES)} == {
+            "": "NOT_SERVING", "liveness": "SERVING", "readiness": "NOT_SERVING",
+            "envoy.service.ext_proc.v3.ExternalProcessor": "NOT_SERVING"}
+        assert proc.popen.wait(timeout=30) == 0
+    finally:
+        proc.stop()

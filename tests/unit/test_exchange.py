@@ -209,19 +209,62 @@ async def test_stream_that_asks_for_usage_is_left_alone() -> None:
     assert ex.outcome.value == "completed"
 
 
-@pytest.mark.parametrize("path,method,unknown", [
-    ("/v1/models", "GET", "refuse"), ("/health", "GET", "refuse"), ("/v1/models/m?x=1", "GET", "refuse"),
-    ("/v1/chat/completions", "GET", "pass"), ("/v2/other", "POST", "pass")])
+@pytest.mark.parametrize("path,method,unknown,body", [
+    ("/v1/models", "GET", "refuse", False), ("/health", "HEAD", "refuse", False),
+    ("/v1/models/m?x=1", "GET", "refuse", False),
+    ("/v1/chat/completions", "GET", "pass", True), ("/v2/other", "POST", "pass", True),
+    ("/v1/models", "DELETE", "pass", True)])
 async def test_other_paths_and_methods_pass_through_without_admission(path: str, method: str,
-                                                                        unknown: str) -> None:
+                                                                        unknown: str, body: bool) -> None:
     rig = Rig({"limits": {"max_body_bytes": 65536, "unknown_paths": unknown}})
     ex = Exchange(rig.gate)
-    assert ex.request_headers(headers_msg(path, method=method)) is PASS_THROUGH
-    # Envoy without allow_mode_override still sends the rest: answered with CONTINUE.
-    assert (await ex.request_body(body_msg(b"{}"))).WhichOneof("response") == "request_body"
+    assert ex.request_headers(headers_msg(path, method=method, end_of_stream=not body)) is PASS_THROUGH
+    if body:  # Envoy without allow_mode_override still sends the rest: answered with CONTINUE.
+        assert (await ex.request_body(body_msg(b"{}"))).WhichOneof("response") == "request_body"
     assert ex.response_headers(response_headers_msg()).WhichOneof("response") == "response_headers"
     assert ex.finish() is None
-    assert rig.count("kvgate_requests_total") == 0
+    # Counted as let through, and nothing taken.
+    assert rig.count("kvgate_requests_total") == rig.count("kvgate_requests_total", outcome="passed",
+                                                           pool="default", **{"class": "standard"}) == 1
+    assert rig.inflight() == 0
+
+
+@pytest.mark.parametrize("path,method", [("/v1/models", "POST"), ("/health", "PUT"),
+                                         ("/v1/models/m", "DELETE"), ("/version", "OPTIONS")])
+async def test_a_pass_path_takes_get_and_head_only(path: str, method: str) -> None:
+    rig = Rig()
+    for body in (False, True):
+        ex = Exchange(rig.gate)
+        imm = ex.request_headers(headers_msg(path, method=method, end_of_stream=not body)).immediate_response
+        assert imm.status.code == 405
+        assert orjson.loads(imm.body)["error"]["code"] == "method_not_allowed"
+        assert set_headers(imm)["allow"] == "GET, HEAD"
+        assert set_headers(imm)["x-kvgate-reason"] == "path"
+        assert ex.finish() is None
+    assert rig.count("kvgate_requests_total", outcome="rejected_path") == 2
+    assert rig.count("kvgate_requests_total", outcome="passed") == 0
+
+
+@pytest.mark.parametrize("method", ["GET", "HEAD"])
+async def test_a_pass_path_takes_no_body(method: str) -> None:
+    rig = Rig()
+    ex = Exchange(rig.gate)
+    imm = ex.request_headers(headers_msg("/v1/models", method=method, content_length=2)).immediate_response
+    assert imm.status.code == 400
+    err = orjson.loads(imm.body)["error"]
+    assert err["code"] == "body_not_allowed" and err["type"] == "invalid_request_error"
+    assert set_headers(imm)["x-kvgate-reason"] == "invalid"
+    assert rig.count("kvgate_requests_total", outcome="rejected_invalid") == 1
+    # A declared length of 0 is no body, though its end comes in a frame of its own.
+    ex = Exchange(rig.gate)
+    assert ex.request_headers(headers_msg("/v1/models", method=method, content_length=0)) is PASS_THROUGH
+    assert rig.count("kvgate_requests_total", outcome="passed") == 1
+
+
+async def test_an_admitted_paths_405_names_post() -> None:
+    rig = Rig()
+    imm = Exchange(rig.gate).request_headers(headers_msg(method="GET", end_of_stream=True)).immediate_response
+    assert imm.status.code == 405 and set_headers(imm)["allow"] == "POST"
 
 
 @pytest.mark.parametrize("path,method,status", [
@@ -766,3 +809,12 @@ async def test_without_enforce_max_tokens_an_uncapped_request_goes_as_sent() -> 
     ex, resp = await admit(rig, chat())
     assert not resp.request_body.response.HasField("body_mutation")
     assert ex.lease.demand.completion_tokens == 256
+
+
+def test_kvgates_own_503s_and_500_say_whether_a_retry_may_pass() -> None:
+    from extproc.answers import misconfigured, unavailable
+    again = set_headers(unavailable("store_unavailable", "Retry shortly.").immediate_response)
+    assert again["x-should-retry"] == "true" and again["retry-after"] == "1"
+    never = set_headers(unavailable("no_endpoint", "No.", should_retry=False).immediate_response)
+    assert never["x-should-retry"] == "false" and "retry-after" not in never
+    assert set_headers(misconfigured().immediate_response)["x-should-retry"] == "false"

@@ -131,18 +131,22 @@ def test_route_settings_come_with_the_body() -> None:
     assert rig.inflight("small") == 0
 
 
-def test_paths_not_admitted_pass_through_at_the_body() -> None:
+def test_paths_not_admitted_are_decided_at_the_body() -> None:
     rig = Rig()
-    for path, method in (("/v1/models", "POST"), ("/version", "GET")):
-        ex, resp = body_first(rig, b"{}", attrs(path, method))
-        assert resp == PASS_THROUGH_BODY
-        assert ex.response_headers(response_headers_msg()).WhichOneof("response") == "response_headers"
-    assert rig.count("kvgate_requests_total") == 0
-    # What kvgate does not know is refused, as with request headers.
-    for path, method, status in (("/v1/chat/completions", "PUT", 405), ("/tokenize", "POST", 404)):
+    # A pass path's GET whose (empty) end of stream came as a body message of its own.
+    ex, resp = body_first(rig, b"", attrs("/version", "GET"))
+    assert resp == PASS_THROUGH_BODY
+    assert ex.response_headers(response_headers_msg()).WhichOneof("response") == "response_headers"
+    assert rig.count("kvgate_requests_total") == rig.count("kvgate_requests_total", outcome="passed") == 1
+    # A pass path with a body or another method than GET and HEAD, and what kvgate does not
+    # know, are refused, as with request headers.
+    for path, method, status in (("/v1/models", "POST", 405), ("/version", "GET", 400),
+                                 ("/v1/chat/completions", "PUT", 405), ("/tokenize", "POST", 404)):
         _, resp = body_first(rig, b"{}", attrs(path, method))
-        assert status_of(resp) == status
-    assert rig.count("kvgate_requests_total", outcome="rejected_path") == 2
+        assert status_of(resp) == status, (path, method)
+    assert rig.count("kvgate_requests_total", outcome="rejected_path") == 3
+    assert rig.count("kvgate_requests_total", outcome="rejected_invalid") == 1
+    assert rig.inflight() == 0
 
 
 def test_without_request_path_kvgate_refuses_and_says_why(caplog: Any) -> None:

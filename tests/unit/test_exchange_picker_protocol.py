@@ -131,6 +131,8 @@ async def test_a_hint_that_allows_no_node_is_a_503_and_takes_nothing(value):
     imm = resp.immediate_response
     assert imm.status.code == 503
     assert json.loads(imm.body)["error"]["code"] == "no_eligible_endpoint"
+    # It names no node of the pool: the same request would be refused again.
+    assert set_headers(imm)["x-should-retry"] == "false" and "retry-after" not in set_headers(imm)
     assert rig.inflight() == 0 and held(rig) == {N0: 0, N1: 0}
     assert rig.count("kvgate_requests_total", outcome="rejected_no_endpoint") == 1
     assert ex.finish() is None
@@ -144,6 +146,9 @@ async def test_a_hinted_node_that_is_not_up_is_not_eligible():
                                                           at=rig.clock.now()))
     _, (resp,) = await admit(rig, chat(max_tokens=100), hint([N0]))
     assert resp.immediate_response.status.code == 503
+    # n0 may report again: a retry may pass.
+    assert set_headers(resp.immediate_response)["x-should-retry"] == "true"
+    assert set_headers(resp.immediate_response)["retry-after"] == "1"
     ex, (head, *_) = await admit(rig, chat(max_tokens=100), hint([N0, N1]))
     assert destination(head)[0] == N1
     ex.finish()
@@ -246,13 +251,19 @@ async def test_request_trailers_before_the_body_ends_are_refused():
 async def test_a_path_kvgate_does_not_admit_is_routed_and_its_bodies_passed_back():
     rig = picking_rig()
     ex = Exchange(rig.gate)
-    resp = ex.request_headers(headers_msg("/v1/models", method="GET"), hint([N1]), DUPLEX)
+    resp = ex.request_headers(headers_msg("/v1/models", method="GET", end_of_stream=True), hint([N1]), DUPLEX)
     assert not resp.HasField("mode_override")  # not allowed with FULL_DUPLEX_STREAMED bodies
     assert set_headers(resp.request_headers.response)[epp.DESTINATION_KEY] == N1
-    assert streamed(await ex.request_body(body_msg(b"{}", eos=True)), "request_body") == (b"{}", True)
     ex.response_headers(response_headers_msg())
     assert streamed(ex.response_body(body_msg(b"[]", eos=True)), "response_body") == (b"[]", True)
+    assert rig.count("kvgate_requests_total", outcome="passed") == 1
+    # With unknown_paths: pass a request body may come too, passed back as it came.
+    rig = picking_rig(limits={"max_body_bytes": 65536, "unknown_paths": "pass"})
+    ex = Exchange(rig.gate)
+    assert ex.request_headers(headers_msg("/v2/other", method="PUT"), hint([N1]), DUPLEX).HasField("request_headers")
+    assert streamed(await ex.request_body(body_msg(b"{}", eos=True)), "request_body") == (b"{}", True)
     assert all(n.picks == 0 for n in rig.admission.nodes("default"))
+    assert rig.count("kvgate_requests_total", outcome="passed") == 1
     ex = Exchange(rig.gate)
     resp = ex.request_headers(headers_msg("/v1/models", method="GET"), hint(["10.1.1.1:1"]), DUPLEX)
     assert resp.immediate_response.status.code == 503

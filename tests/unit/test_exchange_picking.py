@@ -22,8 +22,8 @@ NODES: dict[str, Any] = {
 }
 
 
-def picking_rig(usage: tuple[float, float] = (0.0, 0.0)) -> Rig:
-    rig = Rig({"pools": NODES})
+def picking_rig(usage: tuple[float, float] = (0.0, 0.0), **overrides: Any) -> Rig:
+    rig = Rig({"pools": NODES, **overrides})
     for i, u in enumerate(usage):
         rig.admission.report_node("default", f"n{i}", NodeReport(kv_usage=u, capacity_tokens=None,
                                                                  at=rig.clock.now()))

@@ -16,7 +16,7 @@ def test_every_budget_that_refuses_has_its_own_outcome() -> None:
 
 def test_metric_label_values_are_the_enum_values_in_order() -> None:
     assert OUTCOMES == tuple(o.value for o in RequestOutcome)
-    assert OUTCOMES[0] == "admitted" and all(o.startswith("rejected_") for o in OUTCOMES[1:])
+    assert OUTCOMES[:2] == ("admitted", "passed") and all(o.startswith("rejected_") for o in OUTCOMES[2:])
     assert ACCESS_LOG_RESULTS == ("released", "cause", "complete", "no_lease", "unmatched", "progress",
                                   "progress_invalid", "periodic", "malformed")
     assert tuple(LogResult) == ACCESS_LOG_RESULTS

@@ -26,7 +26,7 @@ def test_headers_and_attributes_give_the_same_facts() -> None:
     by_attributes = from_attributes(attribute_values(attrs(
         tenant="acme,other", authorization="Bearer k", **extra)), TENANTS)
     assert by_headers == by_attributes == RequestFacts(
-        path="/v1/chat/completions", post=True, content_type="application/json",
+        path="/v1/chat/completions", method="POST", content_type="application/json",
         authorization=b"Bearer k", tenant=[b"acme", b"other"], objective=[b"gold"])
 
 
