@@ -77,6 +77,7 @@ from extproc.endings import (LINK_KEY, ReleaseMode, awaits_log_cause, cause_of,
 from extproc.errors import RequestError
 from extproc.gate import ANONYMOUS_TENANT, NO_ROUTE_SETTINGS, Gate, PoolRuntime
 from extproc.outcomes import REJECTED_BY, RequestOutcome
+from extproc.prefix import prefix_of
 from extproc.request_facts import ATTR_PATH, UNDECODABLE_ATTRIBUTES, RequestFacts
 
 log = logging.getLogger("kvgate.exchange")
@@ -92,9 +93,13 @@ WAIT_TIMEOUT_MARGIN_S = 1.0
 
 def _evaluate(endpoint: oai.Endpoint, body: bytes, content_type: str | None,
               pool: PoolRuntime) -> tuple[oai.ParsedRequest, int]:
-    """_evaluate parses a body and counts its prompt tokens (may run in a worker thread)."""
+    """_evaluate parses a body, counts its prompt tokens and, where the pool counts shared
+    prefixes once, chains its prompt (``ParsedRequest.prefix``; may run in a worker thread)."""
     parsed = oai.parse_request(endpoint, body, content_type)
-    return parsed, oai.count_prompt_tokens(parsed, pool.tokenizer, pool.template)
+    tokens = oai.count_prompt_tokens(parsed, pool.tokenizer, pool.template)
+    if pool.config.picks and pool.config.picking.shared_prefix:
+        parsed.prefix = prefix_of(parsed, pool.tokenizer, pool.template)
+    return parsed, tokens
 
 
 # States of an exchange.
@@ -368,7 +373,8 @@ class Exchange:
         if among is not None and not gate.admission.eligible_nodes(self.pool_name, among):
             return self._no_eligible_endpoint()
         demand = Demand(pool=self.pool_name, tenant=self.tenant, class_name=self.class_cfg.name,
-                        prompt_tokens=prompt_tokens, completion_tokens=reserved, among=among)
+                        prompt_tokens=prompt_tokens, completion_tokens=reserved, among=among,
+                        prefix=parsed.prefix)
         result = await self._acquire(demand, send, started)
         if isinstance(result, pb.ProcessingResponse):
             return result

@@ -113,6 +113,10 @@ def _node_families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
             "kvgate_backend_kv_inflight_tokens",
             "KV tokens kvgate's admitted requests hold on the node now (prompt + generated), "
             "in pools that pick nodes.", labels=labels),
+        "shared": GaugeMetricFamily(
+            "kvgate_backend_kv_shared_prefix_tokens",
+            "KV tokens of prompt prefixes kvgate's requests on the node share, counted once "
+            "(picking.shared_prefix; one block less per request that shares).", labels=labels),
         "held": GaugeMetricFamily(
             "kvgate_backend_kv_expected_tokens",
             "KV tokens kvgate's requests on the node are expected to hold at most (with the "
@@ -146,6 +150,7 @@ def _add_nodes(families: dict[str, GaugeMetricFamily | CounterMetricFamily], poo
         key = [pool, n.name]
         families["inflight"].add_metric(key, n.inflight_tokens)
         families["held"].add_metric(key, n.held_tokens)
+        families["shared"].add_metric(key, n.shared_tokens)
         families["foreign"].add_metric(key, n.foreign_tokens)
         if n.headroom_tokens is not None:
             families["headroom"].add_metric(key, n.headroom_tokens)
