@@ -88,7 +88,9 @@ class PickingConfig:
     running on one node share is charged once there (``extproc.prefix``), as engines with
     prefix caching hold it; ``block_tokens``: the engines' KV block size (tokens), the unit
     in which they share (vLLM's default is 16), until a node reports its own (vLLM's
-    ``cache_config_info``).
+    ``cache_config_info``); ``prefix_affinity``: among the nodes where a request fits, a
+    node's room counts this many times more the tokens it shares there (0: room alone),
+    so that requests go where their prefix is cached unless another node has much more room.
     """
 
     growth: str = "learned"
@@ -97,6 +99,7 @@ class PickingConfig:
     reserve_fraction: float = 0.02
     shared_prefix: bool = False
     block_tokens: int = 16
+    prefix_affinity: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -410,6 +413,7 @@ def _picking(s: Section) -> PickingConfig:
         reserve_fraction=s.number("reserve_fraction", 0.02, low=0.0, high=0.5),
         shared_prefix=s.boolean("shared_prefix", False),
         block_tokens=s.integer("block_tokens", 16, minimum=1),
+        prefix_affinity=s.number("prefix_affinity", 1.0, low=0.0, high=100.0),
     )
     s.done()
     return picking

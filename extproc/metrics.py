@@ -137,6 +137,10 @@ def _node_families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
             "or down.", labels=labels),
         "picks": CounterMetricFamily(
             "kvgate_backend_picks", "Requests kvgate sent to the node.", labels=labels),
+        "affinity": CounterMetricFamily(
+            "kvgate_backend_prefix_affinity_picks",
+            "Requests kvgate sent to the node for the prompt prefix its requests there share, "
+            "where another node had more room.", labels=labels),
         "passed": CounterMetricFamily(
             "kvgate_backend_passed_over",
             "Times the node was not picked for a request, by reason.", labels=[*labels, "reason"]),
@@ -158,6 +162,7 @@ def _add_nodes(families: dict[str, GaugeMetricFamily | CounterMetricFamily], poo
             families["capacity"].add_metric(key, n.capacity_tokens)
         families["pickable"].add_metric(key, 1.0 if n.state == "up" else 0.0)
         families["picks"].add_metric(key, n.picks)
+        families["affinity"].add_metric(key, n.affinity_picks)
         for reason in PassedOver:
             families["passed"].add_metric([*key, reason.value], n.passed_over.get(reason.value, 0))
 

@@ -300,7 +300,7 @@ class Node:
     __slots__ = ("name", "address", "configured_capacity", "reported_capacity", "usage",
                  "report_at", "refused", "foreign", "net", "since", "idle", "floor", "rise", "rise_s", "history",
                  "charges", "marks", "picks", "passed_over", "exact", "footprints", "owns", "left", "mean", "var",
-                 "prefixes", "reported_block")
+                 "prefixes", "reported_block", "affinity_picks")
 
     def __init__(self, backend: BackendConfig, block: int = 16) -> None:
         self.name = backend.name
@@ -339,6 +339,7 @@ class Node:
         self.var = 0.0
         self.prefixes = Prefixes(block)
         self.reported_block: int | None = None  # the block size the node reported last
+        self.affinity_picks = 0  # picks its cached prefix won against a roomier node
 
     @property
     def shared(self) -> int:
@@ -574,7 +575,8 @@ class NodeSnapshot:
     they are expected to hold at most (footprint + growth to come); ``headroom_tokens``:
     room left for a new request (None: unknown capacity or report); ``foreign_tokens``: KV
     the node reported that kvgate did not admit; ``shared_tokens``: of the inflight
-    tokens, those of prompt prefixes counted once (``Node.shared``); ``picks`` and
+    tokens, those of prompt prefixes counted once (``Node.shared``); ``picks``,
+    ``affinity_picks`` (picks its cached prefix won against a roomier node) and
     ``passed_over`` are cumulative counts.
     """
 
@@ -591,6 +593,7 @@ class NodeSnapshot:
     picks: int
     passed_over: dict[str, int] = field(default_factory=dict)
     shared_tokens: int = 0
+    affinity_picks: int = 0
 
 
 class PoolNodes:
@@ -821,6 +824,7 @@ class PoolNodes:
         if not self.picking.shared_prefix:
             chain = None
         candidates: list[tuple[str, int | None, int, int]] = []
+        affinity: dict[str, int] = {}
         horizon = self._horizon_s()
         for n, cap in self._eligible_in_turn(among, now):
             held = self.held(n)
@@ -829,10 +833,13 @@ class PoolNodes:
                 # to pick_node as held + need, whose sum is the bound with the request.
                 held = self.held(n, (class_name, prompt, reserved)) - need
             # Handed to pick_node as less held, since its need is one for every node.
-            held -= min(prompt, n.prefixes.credit(chain))
+            credit = min(prompt, n.prefixes.credit(chain))
+            held -= credit
+            if credit:
+                affinity[n.name] = math.floor(credit * self.picking.prefix_affinity)
             candidates.append((n.name, cap, n.foreign_ahead(horizon, now), held))
         verdict = rules.pick_node(candidates, need, self.picking.reserve_fraction,
-                                  self._node_watermark(watermark))
+                                  self._node_watermark(watermark), affinity)
         for name, why in verdict.passed:
             self.nodes[name].pass_over(PassedOver(why))
         if verdict.chosen is None:
@@ -841,6 +848,8 @@ class PoolNodes:
         charge = Charge(n, class_name, prompt, reserved, now, chain)
         n.add(charge, *self._expect(class_name, prompt, reserved, 0))
         n.picks += 1
+        if verdict.by_affinity:
+            n.affinity_picks += 1
         return charge
 
     def ask(self, class_name: str, prompt: int, reserved: int, watermark: float,
@@ -998,7 +1007,8 @@ class PoolNodes:
                 held_tokens=self.held(n), foreign_tokens=n.net, capacity_tokens=n.capacity,
                 headroom_tokens=self.headroom(n, now) if n.report_at is not None else None,
                 kv_usage=n.usage, picks=n.picks,
-                passed_over={k.value: v for k, v in n.passed_over.items()}, shared_tokens=n.shared))
+                passed_over={k.value: v for k, v in n.passed_over.items()}, shared_tokens=n.shared,
+                affinity_picks=n.affinity_picks))
         return tuple(out)
 
     def any_address(self, now: float, skip: Iterable[str] = (),

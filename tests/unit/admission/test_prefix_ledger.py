@@ -9,7 +9,7 @@ import hashlib
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.admission import Admission, Demand, Lease, Outcome
+from extproc.admission import Admission, Demand, Lease, Outcome, Rejection
 from extproc.admission.nodes import NodeReport, Prefixes
 from extproc.admission.types import Chain
 from extproc.clock import ManualClock
@@ -218,3 +218,47 @@ def test_the_ledger_credits_nearly_all_the_engine_shares():
         ledger.add(kvgate_chain(path_to("turnA2"), {}, 16))
     shared_tokens = sum(TRIE[n][1] for n in path_to("turnA2"))
     assert ledger.shared == 4 * (shared_tokens - shared_tokens % 16 - 16)
+
+
+def two_nodes(**picking) -> Admission:
+    clock = ManualClock(T0)
+    adm = Admission(config(pool=nodes_pool(2, shared_prefix=True, block_tokens=BLOCK, **picking)), clock)
+    report(adm, clock, {"n0": 0.0, "n1": 0.0})
+    return adm
+
+
+def test_a_request_goes_where_its_prefix_runs_unless_affinity_is_off():
+    adm = two_nodes()
+    a = adm.try_acquire(ask(10_200, 800, chain_of([*SYSTEM, ("qa", 200)])))
+    b = adm.try_acquire(ask(10_200, 800, chain_of([*SYSTEM, ("qb", 200)])))
+    assert isinstance(a, Lease) and isinstance(b, Lease)
+    assert b.node == a.node      # the idle node has more room: the prefix won
+    by_node = {n.address: n for n in adm.nodes("default")}
+    assert by_node[a.node].affinity_picks == 1 and by_node[a.node].shared_tokens == 10_000 - BLOCK
+    off = two_nodes(prefix_affinity=0.0)
+    a = off.try_acquire(ask(10_200, 800, chain_of([*SYSTEM, ("qa", 200)])))
+    b = off.try_acquire(ask(10_200, 800, chain_of([*SYSTEM, ("qb", 200)])))
+    assert isinstance(a, Lease) and isinstance(b, Lease) and b.node != a.node
+
+
+def test_a_hot_prefix_does_not_pile_onto_one_node():
+    adm = two_nodes()
+    leases = [adm.try_acquire(ask(10_200, 800, chain_of([*SYSTEM, (f"q{i}", 200)]))) for i in range(24)]
+    assert all(isinstance(x, Lease) for x in leases)
+    counts = {n.name: n.requests for n in adm.nodes("default")}
+    # Each node holds the prefix once and takes its share: neither takes them all.
+    assert min(counts.values()) >= 8, counts
+    assert all(n.shared_tokens > 0 for n in adm.nodes("default"))
+
+
+def test_affinity_never_fits_a_request_where_it_does_not_fit():
+    adm = two_nodes()
+    big = adm.try_acquire(ask(80_000, 9_000, chain_of([("big", 80_000)])))
+    assert isinstance(big, Lease)
+    # Shares 80k with the request on that node, but fits there only by its credit: it does,
+    # once; a request sharing nothing of it goes to the other node.
+    same = adm.try_acquire(ask(80_000, 9_000, chain_of([("big", 80_000)])))
+    assert isinstance(same, Lease) and same.node == big.node
+    other = adm.try_acquire(ask(80_000, 9_000, chain_of([("else", 80_000)])))
+    assert isinstance(other, Lease) and other.node != big.node
+    assert isinstance(adm.try_acquire(ask(80_000, 9_000, chain_of([("third", 80_000)]))), Rejection)
