@@ -84,13 +84,22 @@ class PickingConfig:
     were settled) or ``pooled`` (from the same lengths, the ``quantile`` of the summed
     growth of a node's requests, see ``rules.pooled_growth``); ``reserve_fraction``:
     share of each node's KV capacity kept free (block rounding, reports a few
-    milliseconds off kvgate's own view).
+    milliseconds off kvgate's own view); ``shared_prefix``: a prompt prefix that requests
+    running on one node share is charged once there (``extproc.prefix``), as engines with
+    prefix caching hold it; ``block_tokens``: the engines' KV block size (tokens), the unit
+    in which they share (vLLM's default is 16), until a node reports its own (vLLM's
+    ``cache_config_info``); ``prefix_affinity``: among the nodes where a request fits, a
+    node's room counts this many times more the tokens it shares there (0: room alone),
+    so that requests go where their prefix is cached unless another node has much more room.
     """
 
     growth: str = "learned"
     quantile: float = 0.9
     min_samples: int = 20
     reserve_fraction: float = 0.02
+    shared_prefix: bool = False
+    block_tokens: int = 16
+    prefix_affinity: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -402,6 +411,9 @@ def _picking(s: Section) -> PickingConfig:
         quantile=s.number("quantile", 0.9, low=0.0, high=1.0, low_open=True),
         min_samples=s.integer("min_samples", 20, minimum=1),
         reserve_fraction=s.number("reserve_fraction", 0.02, low=0.0, high=0.5),
+        shared_prefix=s.boolean("shared_prefix", False),
+        block_tokens=s.integer("block_tokens", 16, minimum=1),
+        prefix_affinity=s.number("prefix_affinity", 1.0, low=0.0, high=100.0),
     )
     s.done()
     return picking

@@ -79,6 +79,7 @@ from extproc.endings import (LINK_KEY, ReleaseMode, awaits_log_cause, cause_of,
 from extproc.errors import RequestError
 from extproc.gate import ANONYMOUS_TENANT, NO_ROUTE_SETTINGS, Gate, PoolRuntime
 from extproc.outcomes import REJECTED_BY, RequestOutcome
+from extproc.prefix import prefix_of
 from extproc.request_facts import ATTR_PATH, UNDECODABLE_ATTRIBUTES, RequestFacts
 
 log = logging.getLogger("kvgate.exchange")
@@ -94,9 +95,13 @@ WAIT_TIMEOUT_MARGIN_S = 1.0
 
 def _evaluate(endpoint: oai.Endpoint, body: bytes, content_type: str | None,
               pool: PoolRuntime) -> tuple[oai.ParsedRequest, int]:
-    """_evaluate parses a body and counts its prompt tokens (may run in a worker thread)."""
+    """_evaluate parses a body, counts its prompt tokens and, where the pool counts shared
+    prefixes once, chains its prompt (``ParsedRequest.prefix``; may run in a worker thread)."""
     parsed = oai.parse_request(endpoint, body, content_type)
-    return parsed, oai.count_prompt_tokens(parsed, pool.tokenizer, pool.template)
+    tokens = oai.count_prompt_tokens(parsed, pool.tokenizer, pool.template)
+    if pool.config.picks and pool.config.picking.shared_prefix:
+        parsed.prefix = prefix_of(parsed, pool.tokenizer, pool.template)
+    return parsed, tokens
 
 
 def _shown(path: str) -> str:
@@ -385,7 +390,8 @@ class Exchange:
             return self._no_eligible_endpoint(
                 retry=gate.admission.named_nodes(self.pool_name, among) > 0)
         demand = Demand(pool=self.pool_name, tenant=self.tenant, class_name=self.class_cfg.name,
-                        prompt_tokens=prompt_tokens, completion_tokens=reserved, among=among)
+                        prompt_tokens=prompt_tokens, completion_tokens=reserved, among=among,
+                        prefix=parsed.prefix)
         result = await self._acquire(demand, send, started)
         if isinstance(result, pb.ProcessingResponse):
             return result

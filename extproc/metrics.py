@@ -113,6 +113,10 @@ def _node_families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
             "kvgate_backend_kv_inflight_tokens",
             "KV tokens kvgate's admitted requests hold on the node now (prompt + generated), "
             "in pools that pick nodes.", labels=labels),
+        "shared": GaugeMetricFamily(
+            "kvgate_backend_kv_shared_prefix_tokens",
+            "KV tokens of prompt prefixes kvgate's requests on the node share, counted once "
+            "(picking.shared_prefix; one block less per request that shares).", labels=labels),
         "held": GaugeMetricFamily(
             "kvgate_backend_kv_expected_tokens",
             "KV tokens kvgate's requests on the node are expected to hold at most (with the "
@@ -133,6 +137,10 @@ def _node_families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
             "or down.", labels=labels),
         "picks": CounterMetricFamily(
             "kvgate_backend_picks", "Requests kvgate sent to the node.", labels=labels),
+        "affinity": CounterMetricFamily(
+            "kvgate_backend_prefix_affinity_picks",
+            "Requests kvgate sent to the node for the prompt prefix its requests there share, "
+            "where another node had more room.", labels=labels),
         "passed": CounterMetricFamily(
             "kvgate_backend_passed_over",
             "Times the node was not picked for a request, by reason.", labels=[*labels, "reason"]),
@@ -146,6 +154,7 @@ def _add_nodes(families: dict[str, GaugeMetricFamily | CounterMetricFamily], poo
         key = [pool, n.name]
         families["inflight"].add_metric(key, n.inflight_tokens)
         families["held"].add_metric(key, n.held_tokens)
+        families["shared"].add_metric(key, n.shared_tokens)
         families["foreign"].add_metric(key, n.foreign_tokens)
         if n.headroom_tokens is not None:
             families["headroom"].add_metric(key, n.headroom_tokens)
@@ -153,6 +162,7 @@ def _add_nodes(families: dict[str, GaugeMetricFamily | CounterMetricFamily], poo
             families["capacity"].add_metric(key, n.capacity_tokens)
         families["pickable"].add_metric(key, 1.0 if n.state == "up" else 0.0)
         families["picks"].add_metric(key, n.picks)
+        families["affinity"].add_metric(key, n.affinity_picks)
         for reason in PassedOver:
             families["passed"].add_metric([*key, reason.value], n.passed_over.get(reason.value, 0))
 

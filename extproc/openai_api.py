@@ -23,7 +23,7 @@ from urllib.parse import unquote
 import orjson
 
 from extproc.admission.kvbudget import reserved_completion
-from extproc.admission.types import RateInfo, Reason, Rejection
+from extproc.admission.types import Chain, RateInfo, Reason, Rejection
 from extproc.errors import RequestError
 from extproc.openai_shapes import (
     ChatShape,
@@ -127,7 +127,8 @@ class ParsedRequest:
     absent); ``prompts``: prompts in the request (a completions batch); ``chat`` /
     ``prompt``: the validated shapes to count; ``max_prompt_tokens``: the longest single
     prompt in tokens, set by ``count_prompt_tokens``; ``suffix``: a completions suffix,
-    read by the model with every prompt.
+    read by the model with every prompt; ``prefix``: the prompt's prefix chain, where the
+    pool counts shared prefixes once (``extproc.prefix``; None: not chained).
     """
 
     endpoint: Endpoint
@@ -143,6 +144,7 @@ class ParsedRequest:
     prompt: PromptShape | None = None
     max_prompt_tokens: int | None = None
     suffix: str | None = None
+    prefix: Chain | None = None
 
     @property
     def sequences(self) -> int:

@@ -73,7 +73,9 @@ class ChatShape:
 
     ``texts``: every string the model reads (contents, names, tool calls, tools);
     ``roles``: one per message; ``names``: messages with a name; ``image_tokens``: fixed
-    image cost; ``has_system``: whether a system (or developer) message is present.
+    image cost; ``has_system``: whether a system (or developer) message is present;
+    ``message_ends``: per message, the index in ``texts`` after its last string (the
+    tools' schema, when any, follows the last message's).
     """
 
     texts: list[str]
@@ -81,6 +83,7 @@ class ChatShape:
     names: int
     image_tokens: int
     has_system: bool
+    message_ends: list[int]
 
 
 def _bad(message: str, param: str) -> RequestError:
@@ -156,6 +159,7 @@ def chat_shape(messages: Any, tools: Any = None) -> ChatShape:
     names = 0
     image_tokens = 0
     has_system = False
+    message_ends: list[int] = []
     for i, msg in enumerate(messages):
         p = f"messages[{i}]"
         if not isinstance(msg, dict):
@@ -190,6 +194,7 @@ def chat_shape(messages: Any, tools: Any = None) -> ChatShape:
             if not isinstance(call_id, str):
                 raise _bad(f"Invalid type for '{p}.tool_call_id': expected a string.", f"{p}.tool_call_id")
             texts.append(call_id)
+        message_ends.append(len(texts))
     if tools is not None:
         if not isinstance(tools, list):
             raise _bad("Invalid type for 'tools': expected an array.", "tools")
@@ -199,7 +204,7 @@ def chat_shape(messages: Any, tools: Any = None) -> ChatShape:
                 texts.append(orjson.dumps(tools).decode())
             except orjson.JSONEncodeError:  # orjson reads 1024 levels but writes only 254
                 raise _bad("Invalid 'tools': nested too deeply.", "tools") from None
-    return ChatShape(texts, roles, names, image_tokens, has_system)
+    return ChatShape(texts, roles, names, image_tokens, has_system, message_ends)
 
 
 def count_shape(shape: ChatShape, tokenizer: Tokenizer, template: ChatTemplate) -> int:

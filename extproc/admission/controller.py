@@ -381,7 +381,7 @@ class Admission:
             return got
         nodes, cls = got
         picked = nodes.pick(cls.name, demand.prompt_tokens, demand.completion_tokens, cls.kv_watermark,
-                            now, demand.among)
+                            now, demand.among, demand.prefix)
         if isinstance(picked, Charge):
             return picked
         wait = nodes.retry_after(picked.need, now, p.retry_estimate_s)
@@ -438,7 +438,7 @@ class Admission:
                 return Refusal(res.budget, wait, True, res.needed, res.used, res.limit)
             return res
         if res.picked is not None:
-            res.node = nodes.charge(res.picked, cls.name, pt, ct, now)
+            res.node = nodes.charge(res.picked, cls.name, pt, ct, now, demand.prefix)
         return res
 
     @classmethod

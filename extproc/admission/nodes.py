@@ -83,6 +83,7 @@ from enum import StrEnum
 from extproc.admission import rules
 from extproc.admission.retry import MAX_WAIT_S, HoldTimes, expected_wait_oldest_first
 from extproc.admission.shared_nodes import Candidate, NodeAsk, Pooled
+from extproc.admission.types import Chain
 from extproc.config import BackendConfig, PickingConfig, PoolConfig
 
 # Completion lengths remembered per class to learn the growth to expect.
@@ -147,7 +148,8 @@ class NodeReport:
     instant (s) the sample was read; ``refused``: the scrape's connection was refused;
     ``mark``: the id of the mark taken before the scrape (None: none was taken);
     ``waiting``: requests the node queues (None: not reported); ``running``: requests in
-    its batch, those that hold KV (None: not reported).
+    its batch, those that hold KV (None: not reported); ``block_tokens``: its KV block size
+    (None: not reported).
     """
 
     kv_usage: float | None
@@ -157,6 +159,7 @@ class NodeReport:
     mark: int | None = None
     waiting: int | None = None
     running: int | None = None
+    block_tokens: int | None = None
 
 
 class Charge:
@@ -170,14 +173,18 @@ class Charge:
     lengths learned were last applied (``PoolNodes.relearn``); ``seen`` what the node's
     cache certainly held of it at the last mark (tokens: its footprint when its first token
     had been seen, minus its footprint when it was only settled there, 0 when neither), which
-    a shared store publishes to the other replicas (``shared_nodes``).
+    a shared store publishes to the other replicas (``shared_nodes``), its prefix shared
+    with the charges seen before it counted once; ``chain``: its prompt's prefix chain
+    (None: no prefix shared, or the pool does not share them).
     """
 
     __slots__ = ("node", "class_name", "prompt", "reserved", "generated", "first_at",
-                 "admitted_at", "held", "own", "moments", "seen")
+                 "admitted_at", "held", "own", "moments", "seen", "chain")
 
-    def __init__(self, node: Node, class_name: str, prompt: int, reserved: int, now: float) -> None:
+    def __init__(self, node: Node, class_name: str, prompt: int, reserved: int, now: float,
+                 chain: Chain | None = None) -> None:
         self.node = node
+        self.chain = chain
         self.class_name = class_name
         self.prompt = prompt
         self.reserved = reserved
@@ -200,20 +207,102 @@ class Charge:
         return self.prompt + self.generated
 
 
+class Prefixes:
+    """Prefixes counts the prefix chains (``extproc.prefix``) of a set of charges on one node,
+    so that the prompt blocks they share are counted once.
+
+    ``refs``: per key, its holders and its tokens: the whole blocks of ``block`` tokens
+    between the end of the key before it and its own end (as its first holder's chain
+    had them); ``dup``: the tokens of every key counted for its holders beyond the first;
+    ``extra``: the holders beyond the first of the chains' first keys. ``shared`` is the
+    tokens counted once thanks to sharing: ``dup`` less one block per holder that shares
+    (the ends are kvgate's count, which may be off the engine's by up to a block; see
+    ``extproc.prefix``). Blocks shared with requests that ended are not counted: an engine
+    may have evicted them.
+    """
+
+    __slots__ = ("block", "refs", "dup", "extra")
+
+    def __init__(self, block: int) -> None:
+        self.block = block
+        self.refs: dict[int, list[int]] = {}
+        self.dup = 0
+        self.extra = 0
+
+    @property
+    def shared(self) -> int:
+        """shared is the tokens the set's charges share (counted once), see the class doc."""
+        return max(0, self.dup - self.block * self.extra)
+
+    def _blocks(self, chain: Chain) -> Iterable[tuple[int, int, int]]:
+        """_blocks is each key of ``chain`` with its position and its whole blocks' tokens."""
+        before = 0
+        for i, (key, end) in enumerate(zip(chain.keys, chain.ends)):
+            whole = end - end % self.block
+            yield i, key, max(0, whole - before)
+            before = max(before, whole)
+
+    def add(self, chain: Chain) -> None:
+        """add counts one more holder of ``chain``."""
+        refs = self.refs
+        for i, key, tokens in self._blocks(chain):
+            entry = refs.get(key)
+            if entry is None:
+                refs[key] = [1, tokens]
+                continue
+            entry[0] += 1
+            self.dup += entry[1]
+            if i == 0:
+                self.extra += 1
+
+    def drop(self, chain: Chain) -> None:
+        """drop counts one holder of ``chain`` less (one that ``add`` counted)."""
+        refs = self.refs
+        for i, key, _tokens in self._blocks(chain):
+            entry = refs.get(key)
+            if entry is None:
+                continue
+            entry[0] -= 1
+            if entry[0] <= 0:
+                del refs[key]
+                continue
+            self.dup -= entry[1]
+            if i == 0:
+                self.extra -= 1
+
+    def credit(self, chain: Chain | None) -> int:
+        """credit is how much ``shared`` would grow with one more holder of ``chain``: the
+        tokens a request with that prompt is counted less on the node (0: none shared)."""
+        if chain is None or not self.refs:
+            return 0
+        got = 0
+        for i, key, _tokens in self._blocks(chain):
+            entry = self.refs.get(key)
+            if entry is None:
+                if i == 0:
+                    return 0
+                break
+            got += entry[1]
+        return max(0, self.dup + got - self.block * (self.extra + 1)) - self.shared
+
+
 class Node:
     """Node is one node's ledger: capacity, last report, foreign KV and kvgate's charges.
 
     The charges are summed as they come, progress and go, so that a pick reads a node's
     hold without a walk of its requests: ``footprints`` (tokens held now), ``owns`` (the
     charges' own holds), ``left``, ``mean`` and ``var`` (the sums of their ``Moments``, for
-    pooled growth). Only ``add``, ``drop`` and ``count_again`` change the charges.
+    pooled growth), and ``prefixes``, their prompts' shared blocks (``shared``: tokens
+    counted once, to take from the sums). Only ``add``, ``drop`` and ``count_again``
+    change the charges.
     """
 
     __slots__ = ("name", "address", "configured_capacity", "reported_capacity", "usage",
                  "report_at", "refused", "foreign", "net", "since", "idle", "floor", "rise", "rise_s", "history",
-                 "charges", "marks", "picks", "passed_over", "exact", "footprints", "owns", "left", "mean", "var")
+                 "charges", "marks", "picks", "passed_over", "exact", "footprints", "owns", "left", "mean", "var",
+                 "prefixes", "reported_block", "affinity_picks")
 
-    def __init__(self, backend: BackendConfig) -> None:
+    def __init__(self, backend: BackendConfig, block: int = 16) -> None:
         self.name = backend.name
         self.address: str = backend.address or ""
         self.configured_capacity = backend.kv_capacity_tokens
@@ -248,6 +337,23 @@ class Node:
         self.left = 0
         self.mean = 0.0
         self.var = 0.0
+        self.prefixes = Prefixes(block)
+        self.reported_block: int | None = None  # the block size the node reported last
+        self.affinity_picks = 0  # picks its cached prefix won against a roomier node
+
+    @property
+    def shared(self) -> int:
+        """shared is the tokens of prompt blocks kvgate's charges on the node share, counted
+        once (``Prefixes.shared``)."""
+        return self.prefixes.shared
+
+    def count_prefixes(self, block: int) -> None:
+        """count_prefixes counts the charges' prefixes again in blocks of ``block`` tokens (the
+        node reported its block size, or the configured one changed)."""
+        self.prefixes = Prefixes(block)
+        for c in self.charges:
+            if c.chain is not None:
+                self.prefixes.add(c.chain)
 
     def add(self, c: Charge, own: int, moments: Moments | None) -> None:
         """add counts charge ``c`` on the node with its ``own`` hold and ``moments``."""
@@ -258,17 +364,22 @@ class Node:
             self.charges[c] = None
         c.own, c.moments = own, moments
         self._sum(c, 1)
+        if c.chain is not None:
+            self.prefixes.add(c.chain)
 
     def drop(self, c: Charge) -> None:
         """drop stops counting charge ``c`` (nothing when it is not on the node)."""
         if c not in self.charges:
             return
         del self.charges[c]
+        if c.chain is not None:
+            self.prefixes.drop(c.chain)
         if self.charges:
             self._sum(c, -1)
         else:  # exact zeros: no float left over from the sums of the variances
             self.footprints = self.owns = self.left = 0
             self.mean = self.var = 0.0
+            self.prefixes = Prefixes(self.prefixes.block)
 
     def count_again(self, c: Charge, generated: int, own: int, moments: Moments | None) -> None:
         """count_again recounts charge ``c`` (on the node) with ``generated`` tokens, its ``own``
@@ -307,18 +418,39 @@ class Node:
         the module doc, with ``since``, the store's instant of the latest answer received
         (None: none); each charge's ``seen`` follows."""
         held: dict[Charge, tuple[int, bool]] = {}
+        settled: list[Charge] = []
         for c in self.charges:
             if c.first_at is not None:
                 c.seen = c.footprint
                 held[c] = (c.seen, True)
             elif settle_s is not None and now - c.admitted_at >= settle_s:
-                c.seen = -c.footprint
-                held[c] = (c.footprint, False)
+                settled.append(c)
             else:
                 c.seen = 0
+        for c in settled:
+            c.seen = -c.footprint
+            held[c] = (c.footprint, False)
+        if self.prefixes.extra:
+            self._count_shared_once(held)
         self.marks[mark] = (since, held)
         while len(self.marks) > 4:  # reports lost or never taken: keep the newest few
             del self.marks[next(iter(self.marks))]
+
+    def _count_shared_once(self, held: dict[Charge, tuple[int, bool]]) -> None:
+        """_count_shared_once takes from each charge of a mark what it shares with the charges
+        before it there (firm ones first: the settled ones are subtracted only with them), so
+        that the mark's sum counts a shared prefix once, as ``shared`` does for every
+        charge: the report's foreign KV and the node's sums then agree on it."""
+        among = Prefixes(self.prefixes.block)
+        for c, (fp, first) in held.items():
+            if c.chain is None:
+                continue
+            less = among.credit(c.chain)
+            among.add(c.chain)
+            less = min(less, c.prompt)
+            if less:
+                held[c] = (fp - less, first)
+                c.seen = fp - less if first else -(fp - less)
 
     def report(self, r: NodeReport, others: Callable[[float | None, bool], int] | None = None) -> None:
         """report takes one scrape's result; a round without a usable sample keeps the last one.
@@ -332,6 +464,10 @@ class Node:
             for m in [m for m in self.marks if m < r.mark]:
                 del self.marks[m]
         self.refused = r.refused
+        if r.block_tokens is not None:
+            self.reported_block = r.block_tokens
+            if r.block_tokens != self.prefixes.block:
+                self.count_prefixes(r.block_tokens)
         if r.kv_usage is None or not math.isfinite(r.kv_usage):
             return
         if r.capacity_tokens is not None:
@@ -350,7 +486,7 @@ class Node:
         foreign = max(0, used - ours)
         gone = others(since, idle) if others is not None and since is not None else 0
         net = max(0, foreign - gone)
-        floor = max(0, used - self.footprints - gone)
+        floor = max(0, used - (self.footprints - self.shared) - gone)
         # The node runs no request beyond those subtracted: none of kvgate's others is in its
         # cache yet, so the foreign reading holds nothing of kvgate's (module doc).
         self.exact = r.running is not None and r.running <= len(subtracted)
@@ -438,8 +574,10 @@ class NodeSnapshot:
     ``inflight_tokens``: footprint now of kvgate's requests on it; ``held_tokens``: what
     they are expected to hold at most (footprint + growth to come); ``headroom_tokens``:
     room left for a new request (None: unknown capacity or report); ``foreign_tokens``: KV
-    the node reported that kvgate did not admit; ``picks`` and ``passed_over`` are
-    cumulative counts.
+    the node reported that kvgate did not admit; ``shared_tokens``: of the inflight
+    tokens, those of prompt prefixes counted once (``Node.shared``); ``picks``,
+    ``affinity_picks`` (picks its cached prefix won against a roomier node) and
+    ``passed_over`` are cumulative counts.
     """
 
     name: str
@@ -454,6 +592,8 @@ class NodeSnapshot:
     kv_usage: float | None
     picks: int
     passed_over: dict[str, int] = field(default_factory=dict)
+    shared_tokens: int = 0
+    affinity_picks: int = 0
 
 
 class PoolNodes:
@@ -484,13 +624,16 @@ class PoolNodes:
         self.picking = config.picking
         self.stale_after_s = stale_after_s
         nodes: dict[str, Node] = {}
+        block = config.picking.block_tokens
         for b in config.backends:
             old = self.nodes.get(b.name)
             if old is not None and old.address == b.address:
                 old.configured_capacity = b.kv_capacity_tokens
+                if old.reported_block is None and old.prefixes.block != block:
+                    old.count_prefixes(block)
                 nodes[b.name] = old
             else:
-                nodes[b.name] = Node(b)
+                nodes[b.name] = Node(b, block)
         self.nodes = nodes
         self.relearn()  # the growth rule or its quantile may have changed
 
@@ -604,14 +747,15 @@ class PoolNodes:
         """held is the tokens kvgate's charges on ``n`` are expected to hold at most; with
         ``extra`` (class, prompt, reserved), one more request that has generated nothing.
 
-        Read from the node's sums, whatever the requests held there."""
+        Read from the node's sums, whatever the requests held there; the prompt blocks they
+        share are counted once (``Node.shared``)."""
         if self.pooled:
-            footprint, left, mean, var = n.footprints, n.left, n.mean, n.var
+            footprint, left, mean, var = n.footprints - n.shared, n.left, n.mean, n.var
             if extra is not None:
                 more, m, v = self._moments(extra[2], 0, extra[0])
                 footprint, left, mean, var = footprint + extra[1], left + more, mean + m, var + v
             return footprint + rules.pooled_bound(left, mean, var, self.picking.quantile)
-        total = n.owns
+        total = n.owns - n.shared
         if extra is not None:
             total += self.hold(extra[1], extra[2], 0, extra[0])
         return total
@@ -663,7 +807,8 @@ class PoolNodes:
         return eligible
 
     def pick(self, class_name: str, prompt: int, reserved: int, watermark: float,
-             now: float, among: frozenset[str] | None = None) -> Charge | rules.NodePass:
+             now: float, among: frozenset[str] | None = None,
+             chain: Chain | None = None) -> Charge | rules.NodePass:
         """pick charges the node with the most room that fits the request, or says why none does.
 
         ``watermark`` is the class's ``kv_watermark`` (the share of a node's capacity up to
@@ -671,10 +816,15 @@ class PoolNodes:
         never picked. Ties go to the node with fewer of kvgate's requests, then to the next
         in turn (so equal idle nodes share light traffic instead of the first taking it all).
         ``among``: the endpoints the proxy allows (see ``allows``; None: all);
-        nodes outside it are not considered (nor counted as passed over).
+        nodes outside it are not considered (nor counted as passed over). ``chain``: the
+        prompt's prefix chain (None: none); on a node whose requests share part of it the
+        request needs that much less (``Prefixes.credit``).
         """
         need = self.hold(prompt, reserved, 0, class_name)
+        if not self.picking.shared_prefix:
+            chain = None
         candidates: list[tuple[str, int | None, int, int]] = []
+        affinity: dict[str, int] = {}
         horizon = self._horizon_s()
         for n, cap in self._eligible_in_turn(among, now):
             held = self.held(n)
@@ -682,17 +832,24 @@ class PoolNodes:
                 # What the request adds to the node's pooled bound is its need there: handed
                 # to pick_node as held + need, whose sum is the bound with the request.
                 held = self.held(n, (class_name, prompt, reserved)) - need
+            # Handed to pick_node as less held, since its need is one for every node.
+            credit = min(prompt, n.prefixes.credit(chain))
+            held -= credit
+            if credit:
+                affinity[n.name] = math.floor(credit * self.picking.prefix_affinity)
             candidates.append((n.name, cap, n.foreign_ahead(horizon, now), held))
         verdict = rules.pick_node(candidates, need, self.picking.reserve_fraction,
-                                  self._node_watermark(watermark))
+                                  self._node_watermark(watermark), affinity)
         for name, why in verdict.passed:
             self.nodes[name].pass_over(PassedOver(why))
         if verdict.chosen is None:
             return verdict
         n = self.nodes[verdict.chosen]
-        charge = Charge(n, class_name, prompt, reserved, now)
+        charge = Charge(n, class_name, prompt, reserved, now, chain)
         n.add(charge, *self._expect(class_name, prompt, reserved, 0))
         n.picks += 1
+        if verdict.by_affinity:
+            n.affinity_picks += 1
         return charge
 
     def ask(self, class_name: str, prompt: int, reserved: int, watermark: float,
@@ -708,7 +865,8 @@ class PoolNodes:
         rows = []
         for n, cap in self._eligible_in_turn(among, now):
             rise = n.rise_ahead(horizon, now)
-            rows.append(Candidate(n.name, cap, n.foreign + rise, self.held(n), rise, n.since, n.idle))
+            # The store's holds count every prompt whole: so do this replica's own here.
+            rows.append(Candidate(n.name, cap, n.foreign + rise, self.held(n) + n.shared, rise, n.since, n.idle))
         pooled = None
         if self.pooled:
             pooled = Pooled(prompt, *self._moments(reserved, 0, class_name), self.picking.quantile)
@@ -731,13 +889,15 @@ class PoolNodes:
                 n.pass_over(why)
 
     def charge(self, name: str, class_name: str, prompt: int, reserved: int,
-               now: float) -> Charge | None:
+               now: float, chain: Chain | None = None) -> Charge | None:
         """charge records a request a shared store admitted to node ``name`` (None: the node is
-        no longer configured; the store's hold there ends with the lease)."""
+        no longer configured; the store's hold there ends with the lease), with its prompt's
+        prefix ``chain`` (None: none): the store charges it whole, this replica's marks count
+        what it shares once."""
         n = self.nodes.get(name)
         if n is None:
             return None
-        c = Charge(n, class_name, prompt, reserved, now)
+        c = Charge(n, class_name, prompt, reserved, now, chain if self.picking.shared_prefix else None)
         n.add(c, *self._expect(class_name, prompt, reserved, 0))
         n.picks += 1
         return c
@@ -851,7 +1011,8 @@ class PoolNodes:
                 held_tokens=self.held(n), foreign_tokens=n.net, capacity_tokens=n.capacity,
                 headroom_tokens=self.headroom(n, now) if n.report_at is not None else None,
                 kv_usage=n.usage, picks=n.picks,
-                passed_over={k.value: v for k, v in n.passed_over.items()}))
+                passed_over={k.value: v for k, v in n.passed_over.items()}, shared_tokens=n.shared,
+                affinity_picks=n.affinity_picks))
         return tuple(out)
 
     def any_address(self, now: float, skip: Iterable[str] = (),

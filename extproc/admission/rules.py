@@ -316,7 +316,8 @@ class NodePass:
     ``chosen`` is None when no node fits; ``passed`` lists (node, reason) with reason
     ``no_room`` or ``class_watermark``; ``best_room`` is the most room any candidate has
     (tokens, None without candidates); ``by_watermark`` is True when some node had room but
-    not within the class's watermark.
+    not within the class's watermark; ``by_affinity`` is True when an affinity bonus chose
+    another node than the most room would have.
     """
 
     chosen: str | None
@@ -324,16 +325,19 @@ class NodePass:
     best_room: int | None = None
     need: int = 0
     by_watermark: bool = False
+    by_affinity: bool = False
 
 
 def pick_node(candidates: Sequence[tuple[str, int | None, int, int]], need: int,
-              reserve_fraction: float, watermark: float) -> NodePass:
+              reserve_fraction: float, watermark: float,
+              affinity: Mapping[str, int] | None = None) -> NodePass:
     """pick_node picks, among candidate nodes, the one with the most room that fits ``need``.
 
     Each candidate is (name, capacity, foreign, held) in tokens, in a stable order (ties
     go to the first, so callers order by preference). A node fits when ``need`` is within
     its headroom and, for a ``watermark`` w < 1, within floor(w x effective capacity) -
-    foreign - held. Nothing is changed.
+    foreign - held. ``affinity``: tokens added to a node's room when ranking the nodes that
+    fit, never when fitting (a prefix cached there; missing: 0). Nothing is changed.
     """
     rooms = []
     for name, capacity, foreign, held in candidates:
@@ -342,19 +346,22 @@ def pick_node(candidates: Sequence[tuple[str, int | None, int, int]], need: int,
         class_room = None if watermark >= 1.0 else \
             math.floor(watermark * effective_capacity(capacity, reserve_fraction)) - foreign - held
         rooms.append((name, node_headroom(capacity, reserve_fraction, foreign, held), class_room))
-    return choose_node(rooms, need)
+    return choose_node(rooms, need, affinity)
 
 
-def choose_node(rooms: Iterable[tuple[str, int, int | None]], need: int) -> NodePass:
+def choose_node(rooms: Iterable[tuple[str, int, int | None]], need: int,
+                affinity: Mapping[str, int] | None = None) -> NodePass:
     """choose_node picks the node with the most room that fits ``need`` (tokens): the walk of
     every per-node rule, whatever works out each node's room.
 
     Each entry is (name, room, class_room) in tokens, in order of preference (ties go to
     the first): ``room`` the node's room for one more request, ``class_room`` its room
-    within the class's watermark (None: no watermark). Nothing is changed.
+    within the class's watermark (None: no watermark). ``affinity``: see ``pick_node``.
+    Nothing is changed.
     """
     verdict = NodePass(chosen=None, need=need)
     best: int | None = None
+    roomiest: tuple[int, str] | None = None
     for name, room, class_room in rooms:
         if verdict.best_room is None or room > verdict.best_room:
             verdict.best_room = room
@@ -365,6 +372,10 @@ def choose_node(rooms: Iterable[tuple[str, int, int | None]], need: int) -> Node
             verdict.passed.append((name, "class_watermark"))
             verdict.by_watermark = True
             continue
-        if best is None or room > best:
-            best, verdict.chosen = room, name
+        if roomiest is None or room > roomiest[0]:
+            roomiest = (room, name)
+        score = room + (affinity.get(name, 0) if affinity else 0)
+        if best is None or score > best:
+            best, verdict.chosen = score, name
+    verdict.by_affinity = roomiest is not None and verdict.chosen != roomiest[1]
     return verdict

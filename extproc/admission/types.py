@@ -38,13 +38,24 @@ class Reason(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class Chain:
+    """Chain is a prompt's prefix chain (``extproc.prefix``): ``keys``, each a hash covering
+    every piece of the prompt up to its own, and ``ends``, the prompt tokens up to the end
+    of each key's piece (ascending)."""
+
+    keys: tuple[int, ...]
+    ends: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Demand:
     """Demand is what one request asks of a pool, in tokens.
 
     ``prompt_tokens`` are counted; ``completion_tokens`` are reserved (max_tokens or the
     pool default). ``tenant`` and ``class_name`` are configured names (never raw input).
     ``among``: in a pool that picks nodes, the endpoints (``HOST:PORT``) the proxy allows
-    (the endpoint picker protocol's subset hint; None: every node).
+    (the endpoint picker protocol's subset hint; None: every node). ``prefix``: the
+    prompt's prefix chain, where the pool counts shared prefixes once (None: charged in full).
     """
 
     pool: str
@@ -53,6 +64,7 @@ class Demand:
     prompt_tokens: int
     completion_tokens: int
     among: frozenset[str] | None = None
+    prefix: Chain | None = None
 
     @property
     def tokens(self) -> int:

@@ -58,7 +58,8 @@ class NodeSample:
     ``running``: requests queued / in the batch (None: not reported).
     ``preemptions_total``: the engine's preemption counter (None: not reported).
     ``kv_capacity_tokens``: the node's KV cache size in tokens (None: not reported).
-    ``problems``: what was doubtful, each counted under its reason.
+    ``block_tokens``: the tokens of one KV block, the unit its prefix cache shares (None:
+    not reported). ``problems``: what was doubtful, each counted under its reason.
     """
 
     kv_usage: float | None
@@ -67,6 +68,7 @@ class NodeSample:
     preemptions_total: int | None = None
     kv_capacity_tokens: int | None = None
     problems: tuple[Problem, ...] = ()
+    block_tokens: int | None = None
 
     @property
     def usable(self) -> bool:
@@ -141,8 +143,10 @@ class Findings:
         return int(number)
 
     def sample(self, kv_usage: float | None, waiting: int | None = None, running: int | None = None,
-               preemptions_total: int | None = None, kv_capacity_tokens: int | None = None) -> NodeSample:
+               preemptions_total: int | None = None, kv_capacity_tokens: int | None = None,
+               block_tokens: int | None = None) -> NodeSample:
         """sample builds the ``NodeSample`` carrying the problems found so far."""
         return NodeSample(kv_usage=kv_usage, waiting=waiting, running=running,
                           preemptions_total=preemptions_total,
-                          kv_capacity_tokens=kv_capacity_tokens, problems=tuple(self.problems))
+                          kv_capacity_tokens=kv_capacity_tokens, problems=tuple(self.problems),
+                          block_tokens=block_tokens)

@@ -304,7 +304,8 @@ class Scraper:
                             capacity_tokens=usable.kv_capacity_tokens if usable is not None else None,
                             at=now, refused=failure is not None and failure.reason is ScrapeError.CONNECT,
                             mark=mark, waiting=usable.waiting if usable is not None else None,
-                            running=usable.running if usable is not None else None)
+                            running=usable.running if usable is not None else None,
+                            block_tokens=usable.block_tokens if usable is not None else None)
         try:
             sink.report(node.pool, node.backend.name, report)
         except Exception:

@@ -63,6 +63,14 @@ def _capacity(f: Findings, series: list[Series]) -> int | None:
     return None if total is None else min(total, MAX_TOKENS)
 
 
+def _block(f: Findings, series: list[Series]) -> int | None:
+    """_block is the node's KV block size in tokens from its cache_config_info lines: the
+    largest its engines report (None: none does)."""
+    sizes = [f.tokens(s.labels.get("block_size"), f"{CACHE_INFO} block_size") for s in series]
+    known = [b for b in sizes if b is not None]
+    return max(known) if known else None
+
+
 def extract(index: Index, model_name: str | None) -> NodeSample:
     """extract reads one vLLM exposition (V0 or V1 names) into a ``NodeSample``."""
     f = Findings()
@@ -92,4 +100,5 @@ def extract(index: Index, model_name: str | None) -> NodeSample:
         running=queues[RUNNING],
         preemptions_total=_sum_counts(f, preempt, PREEMPTIONS) if preempt else None,
         kv_capacity_tokens=_capacity(f, _of_model(index.get(CACHE_INFO, []), model_name)),
+        block_tokens=_block(f, _of_model(index.get(CACHE_INFO, []), model_name)),
     )

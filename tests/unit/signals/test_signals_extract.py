@@ -97,6 +97,19 @@ def test_vllm_cache_config_before_profiling_reports_no_capacity_without_problem(
             'vllm:num_requests_running{model_name="m"} 0\n')
     s = read("vllm", text.encode())
     assert s.kv_capacity_tokens is None and s.problems == ()
+    assert s.block_tokens == 16   # the block size is known before profiling
+
+
+def test_vllm_block_size_is_read_and_a_hostile_one_is_a_bad_value():
+    base = ('vllm:kv_cache_usage_perc{model_name="m"} 0.1\n'
+            'vllm:num_requests_waiting{model_name="m"} 0\n'
+            'vllm:num_requests_running{model_name="m"} 0\n')
+    good = read("vllm", ('vllm:cache_config_info{block_size="32",num_gpu_blocks="1025"} 1.0\n' + base).encode())
+    assert good.block_tokens == 32 and good.kv_capacity_tokens == 32 * 1025
+    bad = read("vllm", ('vllm:cache_config_info{block_size="-4",num_gpu_blocks="10"} 1.0\n' + base).encode())
+    assert bad.block_tokens is None and ScrapeError.BAD_VALUE in reasons(bad) and bad.usable
+    none = read("vllm", base.encode())
+    assert none.block_tokens is None
 
 
 @pytest.mark.parametrize("label", ['kv_cache_size_tokens="-5"', 'kv_cache_size_tokens="1e30"',
