@@ -245,6 +245,10 @@ class TenantsConfig:
     ``fairness_header`` and ``objective_header``: the endpoint picker ecosystem's headers
     (llm-d's names by default), read as a tenant name when the tenant header is absent and
     as a class name; None: not read. Trusted like the tenant header: only as Envoy sets them.
+    ``unauthenticated_class``: the class of a request that names no configured tenant (no
+    valid key, no known name); None: such a request is refused (401). Where tenants have
+    keys it is by default the lowest priority class, so that dropping or spoiling a key
+    never buys a better class than a keyed tenant's; otherwise the default class.
     """
 
     header: str = "x-tenant-id"
@@ -254,6 +258,7 @@ class TenantsConfig:
     classes: Mapping[str, ClassConfig] = field(
         default_factory=lambda: {"standard": ClassConfig(name="standard")})
     tenants: Mapping[str, TenantConfig] = field(default_factory=dict)
+    unauthenticated_class: str | None = "standard"
 
 
 REDIS_TIMEOUT_S = 1.0
@@ -329,7 +334,7 @@ class Config:
     def class_of(self, tenant: str) -> ClassConfig:
         """class_of returns the class of a tenant; unknown tenants get the default class."""
         known = self.tenants.tenants.get(tenant)
-        name = known.class_name if known else self.tenants.default_class
+        name = known.class_name if known else (self.tenants.unauthenticated_class or self.tenants.default_class)
         return self.tenants.classes[name]
 
 
@@ -572,9 +577,32 @@ def _tenants(data: Any) -> TenantsConfig:
                                       tpm=t.integer("tpm", None, optional=True),
                                       api_key_sha256=tuple(keys))
         t.done()
+    unauthenticated = _unauthenticated(s, classes, default_class, any(t.api_key_sha256 for t in tenants.values()))
     s.done()
     return TenantsConfig(header=header, default_class=default_class, classes=classes, tenants=tenants,
-                         **optional_headers)
+                         unauthenticated_class=unauthenticated, **optional_headers)
+
+
+def _unauthenticated(s: Section, classes: Mapping[str, ClassConfig], default_class: str,
+                     keyed: bool) -> str | None:
+    """_unauthenticated reads ``tenants.unauthenticated``: a class name, or ``reject`` (None);
+    unset, the lowest priority class where tenants have keys (the default class among
+    equals), else the default class."""
+    given = s.string("unauthenticated", None, optional=True)
+    if given == "reject":
+        return None
+    if given is not None:
+        if given not in classes:
+            raise ConfigError("tenants.unauthenticated",
+                              f"names no class in tenants.classes (or 'reject'): {given!r}")
+        return given
+    if not keyed:
+        return default_class
+    lowest = min(c.priority for c in classes.values())
+    least = [c for c in classes.values() if c.priority == lowest]
+    if any(c.name == default_class for c in least):
+        return default_class
+    return min(least, key=lambda c: (c.guaranteed_slots, c.name)).name
 
 
 def _adaptive(data: Any) -> AdaptiveConfig:
