@@ -15,7 +15,7 @@ VLLM_VERSION ?= 0.32.0
 # e.g. BENCH_VLLM_ARGS="--runs 3 --rows direct,kvgate"
 BENCH_VLLM_ARGS ?=
 
-.PHONY: install run test test-under-load test-unit test-e2e test-vllm bench bench-admission bench-overhead bench-cpu bench-picker bench-protection bench-redis bench-redis-timeout bench-scrape bench-tokens bench-trace bench-replicas bench-vllm bench-loop-lag bench-big-prompt bench-memory bench-log-batches bench-pick bench-usage-filter install-vllm check-config clean
+.PHONY: install run test test-under-load test-unit test-e2e test-vllm bench bench-admission bench-overhead bench-cpu bench-picker bench-prefix bench-protection bench-redis bench-redis-timeout bench-scrape bench-tokens bench-trace bench-replicas bench-vllm bench-loop-lag bench-big-prompt bench-memory bench-log-batches bench-pick bench-usage-filter install-vllm check-config clean
 
 install: $(STAMP)
 
@@ -101,6 +101,12 @@ bench-picker: install
 	mkdir -p $(BENCH_OUT)
 	$(PY) bench/bench_picker.py --out $(BENCH_OUT)/picker.md
 
+# A burst sharing one long system prompt on a node that caches prefixes: direct, through kvgate
+# prefix-blind and counting the shared prefix once; and a unique burst (issue 29).
+bench-prefix: install
+	mkdir -p $(BENCH_OUT)
+	$(PY) bench/bench_prefix.py --out $(BENCH_OUT)/prefix.md
+
 bench-protection: install
 	mkdir -p $(BENCH_OUT)
 	$(PY) bench/bench_protection.py --out $(BENCH_OUT)
@@ -163,7 +169,7 @@ bench-big-prompt: install
 	mkdir -p $(BENCH_OUT)
 	$(PY) bench/bench_big_prompt.py --out $(BENCH_OUT)/big-prompt.md
 
-bench: bench-admission bench-scrape bench-tokens bench-overhead bench-memory bench-log-batches bench-pick bench-usage-filter bench-cpu bench-picker bench-protection bench-trace bench-replicas bench-redis bench-redis-timeout bench-loop-lag bench-big-prompt
+bench: bench-admission bench-scrape bench-tokens bench-overhead bench-memory bench-log-batches bench-pick bench-usage-filter bench-cpu bench-picker bench-prefix bench-protection bench-trace bench-replicas bench-redis bench-redis-timeout bench-loop-lag bench-big-prompt
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info
