@@ -245,7 +245,7 @@ class TenantsConfig:
     ``fairness_header`` and ``objective_header``: the endpoint picker ecosystem's headers
     (llm-d's names by default), read as a tenant name when the tenant header is absent and
     as a class name; None: not read. Trusted like the tenant header: only as Envoy sets them.
-    ``unauthenticated_class``: the class of a request that names no configured tenant (no
+    ``unauthenticated``: the class of a request that names no configured tenant (no
     valid key, no known name); None: such a request is refused (401). Where tenants have
     keys it is by default the lowest priority class, so that dropping or spoiling a key
     never buys a better class than a keyed tenant's; otherwise the default class.
@@ -258,7 +258,7 @@ class TenantsConfig:
     classes: Mapping[str, ClassConfig] = field(
         default_factory=lambda: {"standard": ClassConfig(name="standard")})
     tenants: Mapping[str, TenantConfig] = field(default_factory=dict)
-    unauthenticated_class: str | None = "standard"
+    unauthenticated: str | None = "standard"
 
 
 REDIS_TIMEOUT_S = 1.0
@@ -334,7 +334,7 @@ class Config:
     def class_of(self, tenant: str) -> ClassConfig:
         """class_of returns the class of a tenant; unknown tenants get the default class."""
         known = self.tenants.tenants.get(tenant)
-        name = known.class_name if known else (self.tenants.unauthenticated_class or self.tenants.default_class)
+        name = known.class_name if known else (self.tenants.unauthenticated or self.tenants.default_class)
         return self.tenants.classes[name]
 
 
@@ -580,7 +580,7 @@ def _tenants(data: Any) -> TenantsConfig:
     unauthenticated = _unauthenticated(s, classes, default_class, any(t.api_key_sha256 for t in tenants.values()))
     s.done()
     return TenantsConfig(header=header, default_class=default_class, classes=classes, tenants=tenants,
-                         unauthenticated_class=unauthenticated, **optional_headers)
+                         unauthenticated=unauthenticated, **optional_headers)
 
 
 def _unauthenticated(s: Section, classes: Mapping[str, ClassConfig], default_class: str,

@@ -196,7 +196,7 @@ class Gate:
                                        "(authorization: Bearer KEY); the key given is missing "
                                        "or not one of them.", status=401, code="invalid_api_key")
                 return name
-        if tenants.unauthenticated_class is None:
+        if tenants.unauthenticated is None:
             raise RequestError("This gateway requires an API key (authorization: Bearer KEY); the "
                                "key given is missing or not one of its tenants'.",
                                status=401, code="invalid_api_key")

@@ -210,20 +210,20 @@ def _keyed(classes: dict, default: str = "standard", **extra) -> dict:
 def test_without_a_valid_key_a_request_gets_the_lowest_class_where_tenants_have_keys():
     cfg = parse_config(_keyed({"online": {"priority": 10}, "batch": {"priority": -1},
                                "bulk": {"priority": -1, "guaranteed_slots": 1}}, default="online"))
-    assert cfg.tenants.unauthenticated_class == "batch"
+    assert cfg.tenants.unauthenticated == "batch"
     assert cfg.class_of("nobody").name == "batch" and cfg.class_of("k").name == "online"
     # Among the lowest, the default class when it is one of them.
     cfg = parse_config(_keyed({"standard": {}, "gold": {}}))
-    assert cfg.tenants.unauthenticated_class == "standard"
+    assert cfg.tenants.unauthenticated == "standard"
     # Without keys nothing changes: the default class.
     plain = parse_config({"pools": {"default": {"max_concurrency": 4}},
                           "tenants": {"classes": {"standard": {"priority": 5}, "low": {"priority": 0}}}})
     assert plain.class_of("nobody").name == "standard"
 
 
-def test_the_unauthenticated_class_is_set_or_refused_and_checked():
+def test_the_unauthenticated_is_set_or_refused_and_checked():
     classes = {"online": {"priority": 10}, "batch": {}}
     assert parse_config(_keyed(classes, default="online", unauthenticated="online")).class_of("x").name == "online"
-    assert parse_config(_keyed(classes, default="online", unauthenticated="reject")).tenants.unauthenticated_class is None
+    assert parse_config(_keyed(classes, default="online", unauthenticated="reject")).tenants.unauthenticated is None
     with pytest.raises(ConfigError, match="tenants.unauthenticated"):
         parse_config(_keyed(classes, default="online", unauthenticated="gold"))
