@@ -3,8 +3,9 @@
 A refused request's ``retry-after`` should be long enough that a client honouring it
 usually gets in, and no longer. For budgets freed by releases (slots, in-flight KV, a
 node's room), ``HoldTimes`` learns how long completed requests held their lease, and
-``expected_wait`` estimates, for each request in flight, when it is expected to end, and
-answers the instant at which enough is expected to be freed. Pure, times in seconds.
+``first_end`` (a slot) and ``expected_wait`` (tokens) estimate, for each request in flight,
+when it is expected to end, and answer the instant at which enough is expected to be
+freed. Pure, times in seconds.
 
 A holder of age ``a`` is expected to hold on for its *residual life* over the completed
 holds T: ``E[T - a | T > a]``, the mean of the holds longer than ``a``, less ``a``. In
@@ -28,11 +29,13 @@ Every hint is bounded by ``MIN_WAIT_S`` and ``MAX_WAIT_S`` and then spread by
 Cost. A refusal comes when the budget is full, under overload for nearly every new
 request. ``HoldTimes`` keeps a bounded window (``HOLD_SAMPLES``) sorted, with its prefix
 sums built at the first question after a change, so a residual is one bisection: O(log n).
-The requests in flight come oldest first (a pool's leases, a node's charges) and the walk
-reads at most ``WALK_LIMIT`` of them: computing every lease's end for each refusal would
-cost ~0.3 us per request in flight (1.6 ms a 429 with 5,000 in flight, ``make bench-pick``'s
-refusal rows). The younger holders it does not read are taken as fresh requests: each is
-expected to hold about a mean hold (the residual at age 0).
+The requests in flight come oldest first (a pool's leases, a node's charges), so a walk
+meets each stretch of ages between two completed holds once: one bisection there, a
+comparison for each request after it. It reads at most ``WALK_LIMIT`` of them: reading
+every request in flight for each refusal would cost ~0.3 us per request in flight (1.6 ms
+a 429 with 5,000 in flight, ``make bench-pick``'s refusal rows). The younger requests it
+does not read are taken as fresh ones: each is expected to hold about a mean hold (the
+residual at age 0).
 """
 
 from __future__ import annotations
