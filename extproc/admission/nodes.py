@@ -834,7 +834,7 @@ class PoolNodes:
             room = self.headroom(n, now)
             if room is None:
                 continue
-            t = expected_wait(((now - c.admitted_at, self._alone(c)) for c in n.charges),
+            t = expected_wait(now, ((c.admitted_at, self._alone(c)) for c in n.charges),
                               need - room, holds)
             if t is not None and (best is None or t < best):
                 best = t

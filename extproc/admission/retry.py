@@ -44,7 +44,7 @@ import bisect
 import math
 from collections import deque
 from collections.abc import Iterable
-from itertools import accumulate
+from itertools import accumulate, islice
 
 HOLD_SAMPLES = 200
 # The retry hint stays within these bounds (seconds): never 0, and not past what clients
@@ -117,45 +117,53 @@ class HoldTimes:
         return max(0.0, (sums[n] - sums[i]) / (n - i) - age)
 
 
-def first_end(ages: Iterable[float], holds: HoldTimes) -> float | None:
-    """first_end is the seconds until the first of the requests in flight is expected to end
-    (a slot back), within the hint's bounds (None: none in flight, or nothing known yet).
+def first_end(now: float, admitted: Iterable[float], holds: HoldTimes) -> float | None:
+    """first_end is the seconds from ``now`` until the first of the requests in flight is
+    expected to end (a slot back), within the hint's bounds (None: none in flight, or
+    nothing known yet).
 
-    ``ages`` are the requests' ages (seconds), oldest first; each is expected to end after
-    ``holds.residual(age)``. At most ``WALK_LIMIT`` are read; past them, the younger ones are
-    taken as fresh requests (a mean hold), and the answer is the sooner of the two.
+    ``admitted`` are the clock instants (seconds) at which the requests were admitted,
+    oldest first; each is expected to end after ``holds.residual(now - instant)``. At most
+    ``WALK_LIMIT`` are read; past them, the younger ones are taken as fresh requests (a
+    mean hold), and the answer is the sooner of the two.
     """
     held, sums = holds.window()
     n = len(held)
     if not n:
         return None
     best = math.inf
-    read = 0
-    lo, hi, mean = math.inf, -math.inf, 0.0  # no segment yet: the first age finds one
-    for age in ages:
-        if read == WALK_LIMIT:
-            best = min(best, holds.residual(0.0) or 0.0)
-            break
-        read += 1
-        if not lo <= age < hi:
+    lo, hi, mean = math.inf, -math.inf, 0.0  # no stretch yet: the first age finds one
+    them = iter(admitted)
+    for t0 in islice(them, WALK_LIMIT):
+        age = now - t0
+        if lo <= age < hi:
+            if mean >= 0.0:
+                continue  # in one stretch of ages the oldest, met first, ends first
+            end = age     # past every hold (as long again as its age): the youngest does
+        else:
             lo, hi, mean = _segment(held, sums, age)
-        end = (mean if mean >= 0.0 else 2.0 * age) - age
+            end = mean - age if mean >= 0.0 else age
         if end < best:
             best = end
-    return None if best == math.inf else _bounded(best)
+    if best == math.inf:
+        return None
+    if next(them, None) is not None:
+        best = min(best, holds.residual(0.0) or 0.0)
+    return _bounded(best)
 
 
-def expected_wait(holders: Iterable[tuple[float, float]], short: float,
+def expected_wait(now: float, holders: Iterable[tuple[float, float]], short: float,
                   holds: HoldTimes) -> float | None:
-    """expected_wait is the seconds until ``short`` units are expected to be freed, within the
-    hint's bounds (None: the holders never free that much, or nothing is known yet).
+    """expected_wait is the seconds from ``now`` until ``short`` units are expected to be
+    freed, within the hint's bounds (None: the holders never free that much, or nothing is
+    known yet).
 
-    ``holders`` are (age in seconds, units it holds) of the requests in flight, oldest first
-    (ages not increasing); each is expected to end after ``holds.residual(age)``, and the
-    wait is the end of the last one needed, taken in order of expected end. ``short`` <= 0
-    needs no wait. At most ``WALK_LIMIT`` holders are read: when they do not free enough,
-    the younger ones are taken as fresh requests (expected to end after a mean hold), so
-    the wait is the later of the last end read and that.
+    ``holders`` are (clock instant of admission in seconds, units it holds) of the requests
+    in flight, oldest first; each is expected to end after ``holds.residual(now - instant)``,
+    and the wait is the end of the last one needed, taken in order of expected end.
+    ``short`` <= 0 needs no wait. At most ``WALK_LIMIT`` holders are read: when they do not
+    free enough and there are more, the younger ones are taken as fresh requests (expected
+    to end after a mean hold), so the wait is the later of the last end read and that.
     """
     if short <= 0:
         return MIN_WAIT_S
@@ -164,21 +172,19 @@ def expected_wait(holders: Iterable[tuple[float, float]], short: float,
     if not n:
         return None
     ends: list[tuple[float, float]] = []
-    cut = False
-    lo, hi, mean = math.inf, -math.inf, 0.0  # no segment yet: the first age finds one
-    for age, units in holders:
-        if len(ends) == WALK_LIMIT:
-            cut = True
-            break
+    lo, hi, mean = math.inf, -math.inf, 0.0  # no stretch yet: the first age finds one
+    them = iter(holders)
+    for t0, units in islice(them, WALK_LIMIT):
+        age = now - t0
         if not lo <= age < hi:
             lo, hi, mean = _segment(held, sums, age)
-        ends.append(((mean if mean >= 0.0 else 2.0 * age) - age, units))
+        ends.append((mean - age if mean >= 0.0 else age, units))
     ends.sort()
     for t, units in ends:
         short -= units
         if short <= 0:
             return _bounded(t)
-    if not cut:
+    if not ends or next(them, None) is None:
         return None
     return _bounded(max(ends[-1][0], holds.residual(0.0) or 0.0))
 
@@ -187,7 +193,7 @@ def _segment(held: list[float], sums: list[float], age: float) -> tuple[float, f
     """_segment is the stretch of ages [lo, hi) between the two neighbouring completed holds
     around ``age``, and the mean of the holds longer than those ages (-1.0 past every hold:
     the residual is then the age itself), as (lo, hi, mean). Ages come oldest first, so a
-    walk finds each segment once; the holders after the first one in it cost a comparison,
+    walk finds each stretch once; the holders after the first one in it cost a comparison,
     not a bisection."""
     n = len(held)
     i = bisect.bisect_right(held, age)

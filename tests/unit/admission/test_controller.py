@@ -443,8 +443,8 @@ def test_a_slots_refusal_reads_at_most_the_walk_limit_of_leases_whatever_is_in_f
     read: list[float] = []
     walk = retry.first_end
 
-    def counting(ages, holds):
-        return walk((read.append(a) or a for a in ages), holds)
+    def counting(now, admitted, holds):
+        return walk(now, (read.append(now - t) or t for t in admitted), holds)
 
     monkeypatch.setattr("extproc.admission.pool.first_end", counting)
     r = adm.try_acquire(demand())

@@ -35,6 +35,24 @@ def bounded(t: float) -> float:
     return min(MAX_WAIT_S, max(MIN_WAIT_S, t))
 
 
+NOW = 1_000.0
+
+
+def instants(ages):
+    """instants are the clock instants at which requests of these ages were admitted, at NOW."""
+    return (NOW - a for a in ages)
+
+
+def slot(ages, h: HoldTimes) -> float | None:
+    """slot is ``first_end`` at NOW for requests of these ages (oldest first)."""
+    return first_end(NOW, instants(ages), h)
+
+
+def kv(holders, short: float, h: HoldTimes) -> float | None:
+    """kv is ``expected_wait`` at NOW for (age, tokens) holders (oldest first)."""
+    return expected_wait(NOW, ((NOW - a, u) for a, u in holders), short, h)
+
+
 # --- the residual hold given the age ----------------------------------------------------------
 
 @pytest.mark.parametrize(("age", "residual"), [
@@ -53,7 +71,7 @@ def test_the_residual_is_the_mean_of_the_longer_holds_less_the_age(age, residual
 def test_nothing_is_known_before_a_request_completed():
     h = HoldTimes()
     assert h.residual(1.0) is None and h.median() is None and len(h) == 0
-    assert first_end([1.0], h) is None and expected_wait([(1.0, 10.0)], 5.0, h) is None
+    assert slot([1.0], h) is None and kv([(1.0, 10.0)], 5.0, h) is None
 
 
 @given(holds=st.lists(st.floats(-1.0, 1e4, allow_nan=False), min_size=1, max_size=300),
@@ -94,19 +112,19 @@ def test_in_mixed_traffic_a_holder_past_the_short_holds_is_expected_to_run_as_th
     h = holds_of(*MIXED)
     assert h.median() == 0.05
     assert h.residual(0.3) == pytest.approx(1.7)
-    assert first_end([0.3, 0.25], h) == pytest.approx(1.7)   # the older of the two ends first
+    assert slot([0.3, 0.25], h) == pytest.approx(1.7)   # the older of the two ends first
     # A holder 10 ms old is most likely a chat: its slot is expected back far sooner.
     fresh = statistics.fmean(MIXED) - 0.01
-    assert first_end([0.3, 0.01], h) == pytest.approx(fresh) and fresh < 0.3
+    assert slot([0.3, 0.01], h) == pytest.approx(fresh) and fresh < 0.3
 
 
 def test_a_holder_older_than_every_sample_is_expected_to_live_as_long_again():
     h = holds_of(*([0.05] * 50))
-    assert first_end([3.0], h) == pytest.approx(3.0)
-    assert first_end([3.0, 2.0], h) == pytest.approx(2.0)    # the younger is expected to end first
-    assert first_end([100.0], h) == MAX_WAIT_S              # bounded by the ceiling
-    assert first_end([0.05], h) == pytest.approx(0.05)      # as old as the longest: as long again
-    assert first_end([0.049], h) == MIN_WAIT_S              # 1 ms left: the floor
+    assert slot([3.0], h) == pytest.approx(3.0)
+    assert slot([3.0, 2.0], h) == pytest.approx(2.0)    # the younger is expected to end first
+    assert slot([100.0], h) == MAX_WAIT_S              # bounded by the ceiling
+    assert slot([0.05], h) == pytest.approx(0.05)      # as old as the longest: as long again
+    assert slot([0.049], h) == MIN_WAIT_S              # 1 ms left: the floor
 
 
 @given(holds=st.lists(st.floats(0.0, 100.0), min_size=1, max_size=80),
@@ -116,9 +134,9 @@ def test_the_first_end_is_the_soonest_residual_of_all_holders(holds, ages):
     """Property: the walk (each segment of the window found once, oldest first) gives the
     soonest residual of all holders, as computing each one's would."""
     h = holds_of(*holds)
-    oldest_first = sorted(ages, reverse=True)
-    want = min((brute_residual(holds, a) for a in ages), default=None)
-    got = first_end(oldest_first, h)
+    admitted = sorted(NOW - a for a in ages)            # oldest first
+    want = min((brute_residual(holds, NOW - t) for t in admitted), default=None)
+    got = first_end(NOW, admitted, h)
     assert (got is None) == (want is None)
     if want is not None:
         assert got == pytest.approx(bounded(want), rel=1e-9, abs=1e-9)
@@ -127,16 +145,16 @@ def test_the_first_end_is_the_soonest_residual_of_all_holders(holds, ages):
 def test_a_slot_walk_reads_at_most_its_limit_and_takes_the_rest_as_fresh():
     read = 0
 
-    def ages(n: int):
+    def admitted(n: int):
         nonlocal read
         for i in range(n):
             read += 1
-            yield 50.0 - i / 1000            # oldest first, older than every sample
+            yield NOW - 50.0 + i / 1000      # oldest first, older than every sample
     h = holds_of(1.0, 3.0)
-    assert first_end(ages(10_000), h) == pytest.approx(2.0)   # the fresh ones: a mean hold
+    assert first_end(NOW, admitted(10_000), h) == pytest.approx(2.0)   # the fresh ones: a mean hold
     assert read == WALK_LIMIT + 1                            # the limit, and one to see there are more
     read = 0
-    assert first_end(ages(WALK_LIMIT), h) == pytest.approx(50.0 - (WALK_LIMIT - 1) / 1000)
+    assert first_end(NOW, admitted(WALK_LIMIT), h) == pytest.approx(50.0 - (WALK_LIMIT - 1) / 1000)
     assert read == WALK_LIMIT
 
 
@@ -147,11 +165,11 @@ def test_kv_sums_the_holders_in_order_of_expected_end_until_the_missing_tokens_a
     holders = [(1.5, 100.0),                   # a generation 1.5 s in: 0.5 s left
                (0.5, 50.0),                    # past the chats: 1.5 s left
                (0.05, 30.0)]                   # a chat, most likely: 0.525 s left
-    assert expected_wait(holders, 100, h) == pytest.approx(0.5)
-    assert expected_wait(holders, 120, h) == pytest.approx(0.525)   # the oldest and the chat
-    assert expected_wait(holders, 150, h) == pytest.approx(1.5)     # the young generation too
-    assert expected_wait(holders, 181, h) is None                   # never freed by these
-    assert expected_wait(holders, 0, h) == MIN_WAIT_S
+    assert kv(holders, 100, h) == pytest.approx(0.5)
+    assert kv(holders, 120, h) == pytest.approx(0.525)   # the oldest and the chat
+    assert kv(holders, 150, h) == pytest.approx(1.5)     # the young generation too
+    assert kv(holders, 181, h) is None                   # never freed by these
+    assert kv(holders, 0, h) == MIN_WAIT_S
 
 
 @given(holds=st.lists(st.floats(0.0, 100.0), min_size=1, max_size=80),
@@ -160,7 +178,8 @@ def test_kv_sums_the_holders_in_order_of_expected_end_until_the_missing_tokens_a
 @settings(max_examples=150, deadline=None)
 def test_the_kv_walk_is_the_sorted_walk_of_every_residual(holds, holders, short):
     h = holds_of(*holds)
-    ends = sorted((brute_residual(holds, a), u) for a, u in holders)
+    admitted = sorted((NOW - a, u) for a, u in holders)  # oldest first
+    ends = sorted((brute_residual(holds, NOW - t), u) for t, u in admitted)
     want = None
     left = short
     for t, u in ends:
@@ -168,7 +187,7 @@ def test_the_kv_walk_is_the_sorted_walk_of_every_residual(holds, holders, short)
         if left <= 0:
             want = bounded(t)
             break
-    got = expected_wait(sorted(holders, key=lambda x: -x[0]), short, h)
+    got = expected_wait(NOW, admitted, short, h)
     assert (got is None) == (want is None)
     if want is not None:
         assert got == pytest.approx(want, rel=1e-9, abs=1e-9)
@@ -177,8 +196,9 @@ def test_the_kv_walk_is_the_sorted_walk_of_every_residual(holds, holders, short)
 def test_a_kv_walk_cut_at_its_limit_answers_no_sooner_than_a_fresh_request():
     h = holds_of(1.0, 3.0)                     # mean 2 s
     holders = [(0.5 - i / 10_000, 1.0) for i in range(10_000)]   # each 1.5 s left
-    assert expected_wait(iter(holders), WALK_LIMIT, h) == pytest.approx(1.5 + (WALK_LIMIT - 1) / 10_000)
-    assert expected_wait(iter(holders), 5_000, h) == pytest.approx(2.0)   # the rest: as fresh ones
+    assert kv(holders, WALK_LIMIT, h) == pytest.approx(1.5 + (WALK_LIMIT - 1) / 10_000)
+    assert kv(holders, 5_000, h) == pytest.approx(2.0)   # the rest: as fresh ones
+    assert kv(holders[:WALK_LIMIT], 5_000, h) is None   # no more than those: never enough
 
 
 # --- the spread ------------------------------------------------------------------------------
