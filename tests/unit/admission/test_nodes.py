@@ -435,7 +435,7 @@ async def test_a_waiter_gets_the_node_that_frees_first():
 
 def test_retry_after_comes_from_when_room_is_expected_back():
     clock = ManualClock(T0)
-    adm = Admission(config(pool=nodes_pool(1)), clock)
+    adm = Admission(config(pool=nodes_pool(1)), clock, rand=no_jitter)
     report(adm, clock, {"n0": 0.0})
     for _ in range(4):                      # requests that each held their node for 8 s
         x = adm.try_acquire(demand(10_000, 1_000))
