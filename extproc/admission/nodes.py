@@ -906,16 +906,16 @@ class PoolNodes:
     def charge(self, name: str, class_name: str, prompt: int, reserved: int,
                now: float, chain: Chain | None = None) -> Charge | None:
         """charge records a request a shared store admitted to node ``name`` (None: the node is
-        no longer configured; the store's hold there ends with the lease), with its prompt's
-        prefix ``chain`` (None: none): the store charges it whole, this replica's marks count
-        what it shares once."""
+        no longer configured; the store's hold there ends with the lease). The store charges
+        every prompt whole, so the ledger here does too and ``chain`` is not kept: a replica
+        counting its sharing once in its reports while the store holds it whole would be
+        more cautious than without sharing."""
         n = self.nodes.get(name)
         if n is None:
             return None
-        c = Charge(n, class_name, prompt, reserved, now, chain if self.picking.shared_prefix else None)
-        credit = min(prompt, n.prefixes.credit(c.chain))
+        c = Charge(n, class_name, prompt, reserved, now)
         n.add(c, *self._expect(class_name, prompt, reserved, 0))
-        n.count_pick(prompt, credit, False)
+        n.count_pick(prompt, 0, False)
         return c
 
     def never_fits(self, class_name: str, prompt: int, reserved: int) -> int | None:
