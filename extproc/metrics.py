@@ -137,6 +137,14 @@ def _node_families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
             "or down.", labels=labels),
         "picks": CounterMetricFamily(
             "kvgate_backend_picks", "Requests kvgate sent to the node.", labels=labels),
+        "prompt": CounterMetricFamily(
+            "kvgate_backend_prompt_tokens",
+            "Prompt tokens of the requests kvgate sent to the node.", labels=labels),
+        "credit": CounterMetricFamily(
+            "kvgate_backend_prefix_credit_tokens",
+            "Of those, the tokens shared with kvgate's requests running there when sent, "
+            "counted once (picking.shared_prefix): kvgate's estimate of the node's prefix "
+            "cache hits, beside kvgate_backend_prefix_cache_hit_tokens.", labels=labels),
         "affinity": CounterMetricFamily(
             "kvgate_backend_prefix_affinity_picks",
             "Requests kvgate sent to the node for the prompt prefix its requests there share, "
@@ -163,6 +171,8 @@ def _add_nodes(families: dict[str, GaugeMetricFamily | CounterMetricFamily], poo
         families["pickable"].add_metric(key, 1.0 if n.state == "up" else 0.0)
         families["picks"].add_metric(key, n.picks)
         families["affinity"].add_metric(key, n.affinity_picks)
+        families["prompt"].add_metric(key, n.prompt_tokens)
+        families["credit"].add_metric(key, n.credit_tokens)
         for reason in PassedOver:
             families["passed"].add_metric([*key, reason.value], n.passed_over.get(reason.value, 0))
 
@@ -256,6 +266,15 @@ class Metrics:
         self.backend_waiting = Gauge("kvgate_backend_requests_waiting",
                                      "Requests queued on a backend, as last reported.",
                                      ["pool", "backend"], registry=r)
+        self.backend_prefix_hits = Gauge(
+            "kvgate_backend_prefix_cache_hit_tokens",
+            "The backend's own prefix cache hits (tokens; vLLM prefix_cache_hits_total), as last "
+            "reported: rate() it beside kvgate_backend_prefix_credit_tokens_total.",
+            ["pool", "backend"], registry=r)
+        self.backend_prefix_queries = Gauge(
+            "kvgate_backend_prefix_cache_query_tokens",
+            "The backend's own prefix cache queries (tokens; vLLM prefix_cache_queries_total), as "
+            "last reported.", ["pool", "backend"], registry=r)
         self.backend_up = Gauge("kvgate_backend_up", "1 when the backend's last scrape succeeded.",
                                 ["pool", "backend"], registry=r)
         self.scrape_errors = Counter("kvgate_backend_scrape_errors_total",
@@ -427,6 +446,11 @@ class Metrics:
             self.backend_kv.labels(pool, backend).set(kv_usage)
         if waiting is not None:
             self.backend_waiting.labels(pool, backend).set(waiting)
+
+    def prefix_cache(self, pool: str, backend: str, hits: int, queries: int) -> None:
+        """prefix_cache records a backend's own prefix cache counters (tokens), as reported."""
+        self.backend_prefix_hits.labels(pool, backend).set(hits)
+        self.backend_prefix_queries.labels(pool, backend).set(queries)
 
     def pool_stale(self, pool: str, stale: bool) -> None:
         """pool_stale records whether a pool's signals are missing or too old."""

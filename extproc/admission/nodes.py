@@ -300,7 +300,7 @@ class Node:
     __slots__ = ("name", "address", "configured_capacity", "reported_capacity", "usage",
                  "report_at", "refused", "foreign", "net", "since", "idle", "floor", "rise", "rise_s", "history",
                  "charges", "marks", "picks", "passed_over", "exact", "footprints", "owns", "left", "mean", "var",
-                 "prefixes", "reported_block", "affinity_picks")
+                 "prefixes", "reported_block", "affinity_picks", "prompt_tokens", "credit_tokens")
 
     def __init__(self, backend: BackendConfig, block: int = 16) -> None:
         self.name = backend.name
@@ -340,12 +340,23 @@ class Node:
         self.prefixes = Prefixes(block)
         self.reported_block: int | None = None  # the block size the node reported last
         self.affinity_picks = 0  # picks its cached prefix won against a roomier node
+        self.prompt_tokens = 0   # prompt tokens of the requests sent here
+        self.credit_tokens = 0   # of those, shared with requests running here when sent
 
     @property
     def shared(self) -> int:
         """shared is the tokens of prompt blocks kvgate's charges on the node share, counted
         once (``Prefixes.shared``)."""
         return self.prefixes.shared
+
+    def count_pick(self, prompt: int, credit: int, by_affinity: bool) -> None:
+        """count_pick counts a request sent to the node: its ``prompt`` tokens, the ``credit``
+        of them shared there, and whether its prefix chose the node over a roomier one."""
+        self.picks += 1
+        self.prompt_tokens += prompt
+        self.credit_tokens += credit
+        if by_affinity:
+            self.affinity_picks += 1
 
     def count_prefixes(self, block: int) -> None:
         """count_prefixes counts the charges' prefixes again in blocks of ``block`` tokens (the
@@ -576,8 +587,10 @@ class NodeSnapshot:
     room left for a new request (None: unknown capacity or report); ``foreign_tokens``: KV
     the node reported that kvgate did not admit; ``shared_tokens``: of the inflight
     tokens, those of prompt prefixes counted once (``Node.shared``); ``picks``,
-    ``affinity_picks`` (picks its cached prefix won against a roomier node) and
-    ``passed_over`` are cumulative counts.
+    ``affinity_picks`` (picks its cached prefix won against a roomier node),
+    ``prompt_tokens`` (of the requests sent there), ``credit_tokens`` (of those, shared
+    with requests running there when sent: kvgate's estimate of the node's prefix hits)
+    and ``passed_over`` are cumulative counts.
     """
 
     name: str
@@ -594,6 +607,8 @@ class NodeSnapshot:
     passed_over: dict[str, int] = field(default_factory=dict)
     shared_tokens: int = 0
     affinity_picks: int = 0
+    prompt_tokens: int = 0
+    credit_tokens: int = 0
 
 
 class PoolNodes:
@@ -825,6 +840,7 @@ class PoolNodes:
             chain = None
         candidates: list[tuple[str, int | None, int, int]] = []
         affinity: dict[str, int] = {}
+        credits: dict[str, int] = {}
         horizon = self._horizon_s()
         for n, cap in self._eligible_in_turn(among, now):
             held = self.held(n)
@@ -836,6 +852,7 @@ class PoolNodes:
             credit = min(prompt, n.prefixes.credit(chain))
             held -= credit
             if credit:
+                credits[n.name] = credit
                 affinity[n.name] = math.floor(credit * self.picking.prefix_affinity)
             candidates.append((n.name, cap, n.foreign_ahead(horizon, now), held))
         verdict = rules.pick_node(candidates, need, self.picking.reserve_fraction,
@@ -847,9 +864,7 @@ class PoolNodes:
         n = self.nodes[verdict.chosen]
         charge = Charge(n, class_name, prompt, reserved, now, chain)
         n.add(charge, *self._expect(class_name, prompt, reserved, 0))
-        n.picks += 1
-        if verdict.by_affinity:
-            n.affinity_picks += 1
+        n.count_pick(prompt, credits.get(n.name, 0), verdict.by_affinity)
         return charge
 
     def ask(self, class_name: str, prompt: int, reserved: int, watermark: float,
@@ -891,15 +906,16 @@ class PoolNodes:
     def charge(self, name: str, class_name: str, prompt: int, reserved: int,
                now: float, chain: Chain | None = None) -> Charge | None:
         """charge records a request a shared store admitted to node ``name`` (None: the node is
-        no longer configured; the store's hold there ends with the lease), with its prompt's
-        prefix ``chain`` (None: none): the store charges it whole, this replica's marks count
-        what it shares once."""
+        no longer configured; the store's hold there ends with the lease). The store charges
+        every prompt whole, so the ledger here does too and ``chain`` is not kept: a replica
+        counting its sharing once in its reports while the store holds it whole would be
+        more cautious than without sharing."""
         n = self.nodes.get(name)
         if n is None:
             return None
-        c = Charge(n, class_name, prompt, reserved, now, chain if self.picking.shared_prefix else None)
+        c = Charge(n, class_name, prompt, reserved, now)
         n.add(c, *self._expect(class_name, prompt, reserved, 0))
-        n.picks += 1
+        n.count_pick(prompt, 0, False)
         return c
 
     def never_fits(self, class_name: str, prompt: int, reserved: int) -> int | None:
@@ -1015,7 +1031,8 @@ class PoolNodes:
                 headroom_tokens=self.headroom(n, now) if n.report_at is not None else None,
                 kv_usage=n.usage, picks=n.picks,
                 passed_over={k.value: v for k, v in n.passed_over.items()}, shared_tokens=n.shared,
-                affinity_picks=n.affinity_picks))
+                affinity_picks=n.affinity_picks, prompt_tokens=n.prompt_tokens,
+                credit_tokens=n.credit_tokens))
         return tuple(out)
 
     def any_address(self, now: float, skip: Iterable[str] = (),

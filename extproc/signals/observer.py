@@ -29,6 +29,10 @@ class ScrapeObserver(Protocol):
         """backend_state reports a backend after a scrape: up (usable sample), usage ratio, queue."""
         ...
 
+    def prefix_cache(self, pool: str, backend: str, hits: int, queries: int) -> None:
+        """prefix_cache reports a backend's prefix cache counters (tokens), where it has them."""
+        ...
+
     def pool_stale(self, pool: str, stale: bool) -> None:
         """pool_stale reports, every round, whether no backend of the pool has fresh signals."""
         ...
@@ -47,6 +51,9 @@ class NullObserver:
 
     def backend_state(self, pool: str, backend: str, up: bool, kv_usage: float | None,
                       waiting: int | None) -> None:
+        pass
+
+    def prefix_cache(self, pool: str, backend: str, hits: int, queries: int) -> None:
         pass
 
     def pool_stale(self, pool: str, stale: bool) -> None:

@@ -59,7 +59,8 @@ class NodeSample:
     ``preemptions_total``: the engine's preemption counter (None: not reported).
     ``kv_capacity_tokens``: the node's KV cache size in tokens (None: not reported).
     ``block_tokens``: the tokens of one KV block, the unit its prefix cache shares (None:
-    not reported). ``problems``: what was doubtful, each counted under its reason.
+    not reported). ``prefix_hits`` and ``prefix_queries``: the engine's prefix cache
+    counters, in tokens (None: not reported). ``problems``: what was doubtful, each counted under its reason.
     """
 
     kv_usage: float | None
@@ -69,6 +70,8 @@ class NodeSample:
     kv_capacity_tokens: int | None = None
     problems: tuple[Problem, ...] = ()
     block_tokens: int | None = None
+    prefix_hits: int | None = None
+    prefix_queries: int | None = None
 
     @property
     def usable(self) -> bool:
@@ -144,9 +147,11 @@ class Findings:
 
     def sample(self, kv_usage: float | None, waiting: int | None = None, running: int | None = None,
                preemptions_total: int | None = None, kv_capacity_tokens: int | None = None,
-               block_tokens: int | None = None) -> NodeSample:
+               block_tokens: int | None = None, prefix_hits: int | None = None,
+               prefix_queries: int | None = None) -> NodeSample:
         """sample builds the ``NodeSample`` carrying the problems found so far."""
         return NodeSample(kv_usage=kv_usage, waiting=waiting, running=running,
                           preemptions_total=preemptions_total,
                           kv_capacity_tokens=kv_capacity_tokens, problems=tuple(self.problems),
-                          block_tokens=block_tokens)
+                          block_tokens=block_tokens, prefix_hits=prefix_hits,
+                          prefix_queries=prefix_queries)

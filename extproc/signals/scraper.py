@@ -278,6 +278,8 @@ class Scraper:
         self._observe("backend_state", pool, name, ok,
                       usable.kv_usage if usable is not None else None,
                       usable.waiting if usable is not None else None)
+        if usable is not None and usable.prefix_hits is not None and usable.prefix_queries is not None:
+            self._observe("prefix_cache", pool, name, usable.prefix_hits, usable.prefix_queries)
         if problems:
             held = node.gate.allow(now)
             if held is not None:

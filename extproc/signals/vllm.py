@@ -3,7 +3,9 @@
 Names: ``vllm:kv_cache_usage_perc`` (ratio 0..1; older releases ``vllm:gpu_cache_usage_perc``,
 read only when the new name is absent), ``vllm:num_requests_waiting``,
 ``vllm:num_requests_running``, ``vllm:num_preemptions_total``, ``vllm:cache_config_info``
-(labels ``kv_cache_size_tokens`` or ``num_gpu_blocks`` and ``block_size``).
+(labels ``kv_cache_size_tokens`` or ``num_gpu_blocks`` and ``block_size``), and the prefix
+cache's counters ``vllm:prefix_cache_hits_total`` / ``vllm:prefix_cache_queries_total``
+(tokens; V1).
 
 A data-parallel node exports one series per ``engine`` label value: usage is their mean
 (each engine owns an equal share of the node's KV cache), queues are summed. Capacity:
@@ -25,8 +27,11 @@ WAITING = "vllm:num_requests_waiting"
 RUNNING = "vllm:num_requests_running"
 PREEMPTIONS = "vllm:num_preemptions_total"
 CACHE_INFO = "vllm:cache_config_info"
+PREFIX_HITS = "vllm:prefix_cache_hits_total"
+PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
 
-WANTED = frozenset({KV_USAGE, KV_USAGE_OLD, WAITING, RUNNING, PREEMPTIONS, CACHE_INFO})
+WANTED = frozenset({KV_USAGE, KV_USAGE_OLD, WAITING, RUNNING, PREEMPTIONS, CACHE_INFO,
+                    PREFIX_HITS, PREFIX_QUERIES})
 
 
 def _of_model(series: list[Series], model_name: str | None) -> list[Series]:
@@ -94,6 +99,8 @@ def extract(index: Index, model_name: str | None) -> NodeSample:
         else:
             queues[metric] = _sum_counts(f, series, metric)
     preempt = _of_model(index.get(PREEMPTIONS, []), model_name)
+    hits = _of_model(index.get(PREFIX_HITS, []), model_name)
+    queries = _of_model(index.get(PREFIX_QUERIES, []), model_name)
     return f.sample(
         kv_usage=kv_usage,
         waiting=queues[WAITING],
@@ -101,4 +108,6 @@ def extract(index: Index, model_name: str | None) -> NodeSample:
         preemptions_total=_sum_counts(f, preempt, PREEMPTIONS) if preempt else None,
         kv_capacity_tokens=_capacity(f, _of_model(index.get(CACHE_INFO, []), model_name)),
         block_tokens=_block(f, _of_model(index.get(CACHE_INFO, []), model_name)),
+        prefix_hits=_sum_counts(f, hits, PREFIX_HITS) if hits else None,
+        prefix_queries=_sum_counts(f, queries, PREFIX_QUERIES) if queries else None,
     )

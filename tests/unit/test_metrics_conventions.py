@@ -73,3 +73,31 @@ def test_a_class_added_by_a_reload_gets_its_series_and_counting_still_adds_up() 
     got = samples(metrics)
     assert got[("kvgate_requests_total", frozenset({"pool": "a", "class": "batch", "outcome": "admitted"}.items()))] == 2.0
     assert got[("kvgate_requests_total", frozenset({"pool": "b", "class": "batch", "outcome": "rejected_tpm"}.items()))] == 0.0
+
+
+def test_a_nodes_prefix_hits_and_kvgates_estimate_are_exported_side_by_side() -> None:
+    from extproc.admission import Demand, Lease
+    from extproc.admission.nodes import NodeReport
+    from tests.unit.admission.test_prefix_ledger import SYSTEM, chain_of
+    cfg = parse_config({"pools": {"default": {
+        "max_concurrency": 10,
+        "backends": [{"name": "n0", "metrics_url": "http://127.0.0.1:9/m", "address": "127.0.0.1:8001",
+                      "kv_capacity_tokens": 100_000}],
+        "picking": {"shared_prefix": True, "growth": "worst_case", "reserve_fraction": 0.0}}}})
+    clock = ManualClock(1000.0)
+    adm = Admission(cfg, clock)
+    metrics = Metrics(CollectorRegistry())
+    metrics.attach(adm, tuple(cfg.tenants.classes))
+    adm.report_node("default", "n0", NodeReport(kv_usage=0.0, capacity_tokens=100_000, at=clock.now()))
+    for q in ("a", "b"):
+        lease = adm.try_acquire(Demand(pool="default", tenant="t", class_name="standard", prompt_tokens=10_200,
+                                       completion_tokens=800, prefix=chain_of([*SYSTEM, (q, 200)])))
+        assert isinstance(lease, Lease)
+    metrics.prefix_cache("default", "n0", 9_984, 20_400)
+    got = samples(metrics)
+    key = frozenset({"pool": "default", "backend": "n0"}.items())
+    assert got[("kvgate_backend_prompt_tokens_total", key)] == 20_400
+    assert got[("kvgate_backend_prefix_credit_tokens_total", key)] == 10_000 - 16
+    assert got[("kvgate_backend_kv_shared_prefix_tokens", key)] == 10_000 - 16
+    assert got[("kvgate_backend_prefix_cache_hit_tokens", key)] == 9_984
+    assert got[("kvgate_backend_prefix_cache_query_tokens", key)] == 20_400

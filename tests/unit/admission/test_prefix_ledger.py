@@ -262,3 +262,22 @@ def test_affinity_never_fits_a_request_where_it_does_not_fit():
     other = adm.try_acquire(ask(80_000, 9_000, chain_of([("else", 80_000)])))
     assert isinstance(other, Lease) and other.node != big.node
     assert isinstance(adm.try_acquire(ask(80_000, 9_000, chain_of([("third", 80_000)]))), Rejection)
+
+
+def test_with_the_redis_store_sharing_is_not_counted_and_check_config_says_so():
+    from extproc.config import parse_config, warnings
+    raw = {"pools": {"default": nodes_pool(1, shared_prefix=True)},
+           "store": {"redis": {"url": "redis://127.0.0.1:6379/0", "expected_replicas": 2}}}
+    said = warnings(parse_config(raw))
+    assert any("shared_prefix has no effect with the Redis store" in w for w in said)
+    assert not any("shared_prefix" in w for w in warnings(parse_config({"pools": {"default": nodes_pool(1, shared_prefix=True)}})))
+
+
+def test_a_request_a_shared_store_admitted_is_charged_whole_here_too():
+    from extproc.admission.nodes import PoolNodes
+    pool = PoolNodes(config(pool=nodes_pool(1, shared_prefix=True)).pools["default"], 3.0)
+    for q in ("qa", "qb"):
+        c = pool.charge("n0", "standard", 10_200, 800, T0, chain_of([*SYSTEM, (q, 200)]))
+        assert c is not None and c.chain is None
+    (snap,) = pool.snapshot(T0)
+    assert snap.shared_tokens == 0 and snap.inflight_tokens == 20_400

@@ -109,7 +109,19 @@ def test_vllm_block_size_is_read_and_a_hostile_one_is_a_bad_value():
     bad = read("vllm", ('vllm:cache_config_info{block_size="-4",num_gpu_blocks="10"} 1.0\n' + base).encode())
     assert bad.block_tokens is None and ScrapeError.BAD_VALUE in reasons(bad) and bad.usable
     none = read("vllm", base.encode())
-    assert none.block_tokens is None
+    assert none.block_tokens is None and none.prefix_hits is None and none.prefix_queries is None
+
+
+def test_vllm_prefix_cache_counters_are_summed_over_engines_and_checked():
+    text = ('vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.1\n'
+            'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1000\n'
+            'vllm:prefix_cache_queries_total{engine="1",model_name="m"} 500\n'
+            'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 640\n'
+            'vllm:prefix_cache_hits_total{engine="1",model_name="m"} 32\n')
+    s = read("vllm", text.encode())
+    assert (s.prefix_hits, s.prefix_queries) == (672, 1500)
+    bad = read("vllm", text.replace(" 32\n", " -3\n").encode())
+    assert bad.prefix_hits is None and ScrapeError.BAD_VALUE in reasons(bad) and bad.usable
 
 
 @pytest.mark.parametrize("label", ['kv_cache_size_tokens="-5"', 'kv_cache_size_tokens="1e30"',
