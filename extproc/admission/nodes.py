@@ -73,7 +73,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from itertools import accumulate
 from operator import mul
@@ -97,6 +97,9 @@ VIEW_SHARE = 64
 # The charges a scrape round recounts at most with the lengths learned since the last pass;
 # the rest follow in the next rounds, oldest first.
 RECOUNT_PER_ROUND = 1024
+# Prefix keys remembered per node of the requests that ended there (what its cache may still
+# hold, for placement only: never credited), least recently ended first out.
+RECENT_KEYS = 8192
 
 # A charge's growth to come, for pooled growth (``rules.growth_moments``): the rest of its
 # reservation, the mean and the variance of what it may still generate (tokens, tokens
@@ -270,6 +273,10 @@ class Prefixes:
             if i == 0:
                 self.extra -= 1
 
+    def whole_blocks(self, end: int) -> int:
+        """whole_blocks is ``end`` tokens rounded down to whole blocks."""
+        return end - end % self.block
+
     def credit(self, chain: Chain | None) -> int:
         """credit is how much ``shared`` would grow with one more holder of ``chain``: the
         tokens a request with that prompt is counted less on the node (0: none shared)."""
@@ -300,7 +307,8 @@ class Node:
     __slots__ = ("name", "address", "configured_capacity", "reported_capacity", "usage",
                  "report_at", "refused", "foreign", "net", "since", "idle", "floor", "rise", "rise_s", "history",
                  "charges", "marks", "picks", "passed_over", "exact", "footprints", "owns", "left", "mean", "var",
-                 "prefixes", "reported_block", "affinity_picks", "prompt_tokens", "credit_tokens")
+                 "prefixes", "reported_block", "affinity_picks", "prompt_tokens", "credit_tokens",
+                 "recent")
 
     def __init__(self, backend: BackendConfig, block: int = 16) -> None:
         self.name = backend.name
@@ -342,12 +350,36 @@ class Node:
         self.affinity_picks = 0  # picks its cached prefix won against a roomier node
         self.prompt_tokens = 0   # prompt tokens of the requests sent here
         self.credit_tokens = 0   # of those, shared with requests running here when sent
+        # prefix keys of the requests that ended here, each with its end (tokens), oldest first
+        self.recent: OrderedDict[int, int] = OrderedDict()
 
     @property
     def shared(self) -> int:
         """shared is the tokens of prompt blocks kvgate's charges on the node share, counted
         once (``Prefixes.shared``)."""
         return self.prefixes.shared
+
+    def ended(self, chain: Chain) -> None:
+        """ended remembers the prefix of a request that ended on the node: its cache may hold
+        it a while longer (at most RECENT_KEYS keys, the least recently ended first out)."""
+        recent = self.recent
+        for key, end in zip(chain.keys, chain.ends):
+            recent[key] = end
+            recent.move_to_end(key)
+        while len(recent) > RECENT_KEYS:
+            recent.popitem(last=False)
+
+    def cached(self, chain: Chain | None) -> int:
+        """cached is the whole blocks of ``chain``'s longest prefix that the node's requests
+        hold or recently held (tokens; placement only, see ``ended``)."""
+        if chain is None or not (self.recent or self.prefixes.refs):
+            return 0
+        got = 0
+        for key, end in zip(chain.keys, chain.ends):
+            if key not in self.prefixes.refs and key not in self.recent:
+                break
+            got = end
+        return self.prefixes.whole_blocks(got)
 
     def count_pick(self, prompt: int, credit: int, by_affinity: bool) -> None:
         """count_pick counts a request sent to the node: its ``prompt`` tokens, the ``credit``
@@ -853,7 +885,10 @@ class PoolNodes:
             held -= credit
             if credit:
                 credits[n.name] = credit
-                affinity[n.name] = math.floor(credit * self.picking.prefix_affinity)
+            # Ranked by what its cache may hold, running or recently ended; fitted by credit.
+            bonus = max(credit, min(prompt, n.cached(chain)))
+            if bonus:
+                affinity[n.name] = math.floor(bonus * self.picking.prefix_affinity)
             candidates.append((n.name, cap, n.foreign_ahead(horizon, now), held))
         verdict = rules.pick_node(candidates, need, self.picking.reserve_fraction,
                                   self._node_watermark(watermark), affinity)
@@ -956,6 +991,8 @@ class PoolNodes:
             return False
         charge.held = False
         charge.node.drop(charge)
+        if charge.chain is not None:
+            charge.node.ended(charge.chain)
         if completed:
             self.holds.add(now - charge.admitted_at)
             if completion_tokens is not None and completion_tokens >= 0:

@@ -9,7 +9,7 @@ import hashlib
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.admission import Admission, Demand, Lease, Outcome, Rejection
+from extproc.admission import Admission, Demand, Lease, Outcome, Rejection, rules
 from extproc.admission.nodes import NodeReport, Prefixes
 from extproc.admission.types import Chain
 from extproc.clock import ManualClock
@@ -281,3 +281,39 @@ def test_a_request_a_shared_store_admitted_is_charged_whole_here_too():
         assert c is not None and c.chain is None
     (snap,) = pool.snapshot(T0)
     assert snap.shared_tokens == 0 and snap.inflight_tokens == 20_400
+
+
+def test_a_request_goes_where_its_prefix_ended_a_moment_ago_but_is_not_credited_for_it():
+    adm = two_nodes()
+    first = adm.try_acquire(ask(10_200, 800, chain_of([*SYSTEM, ("turn1", 200)])))
+    assert isinstance(first, Lease)
+    first.release(Outcome.COMPLETED, 800)
+    # The next turn of that conversation: both nodes idle, the one that served turn 1 may
+    # still cache its prefix (placement), but it is charged whole (it may be evicted).
+    for _ in range(3):   # whatever the turn order would say
+        nxt = adm.try_acquire(ask(10_500, 800, chain_of([*SYSTEM, ("turn1", 200), ("turn2", 300)])))
+        assert isinstance(nxt, Lease) and nxt.node == first.node
+        by_node = {n.address: n for n in adm.nodes("default")}
+        assert by_node[nxt.node].shared_tokens == 0 and by_node[nxt.node].held_tokens == 11_300
+        nxt.release(Outcome.COMPLETED, 800)
+    off = two_nodes(prefix_affinity=0.0)
+    a = off.try_acquire(ask(10_200, 800, chain_of([*SYSTEM, ("turn1", 200)])))
+    assert isinstance(a, Lease)
+    a.release(Outcome.COMPLETED, 800)
+    b = off.try_acquire(ask(10_500, 800, chain_of([*SYSTEM, ("turn1", 200), ("turn2", 300)])))
+    assert isinstance(b, Lease) and b.node != a.node      # in turn, blind to the cache
+
+
+def test_the_record_of_ended_prefixes_is_bounded():
+    from extproc.admission.nodes import RECENT_KEYS, NodeReport, PoolNodes
+    pool = PoolNodes(config(pool=nodes_pool(1, shared_prefix=True)).pools["default"], 3.0)
+    pool.report("n0", NodeReport(kv_usage=0.0, capacity_tokens=CAP, at=T0))
+    for i in range(RECENT_KEYS // 2 + 10):
+        c = pool.pick("standard", 300, 10, 1.0, T0, chain=chain_of([(f"u{i}", 100), ("q", 200)]))
+        assert not isinstance(c, rules.NodePass)
+        pool.release(c, 10, True, T0)
+    (node,) = pool.nodes.values()
+    assert len(node.recent) == RECENT_KEYS
+    assert node.cached(chain_of([("u0", 100), ("q", 200)])) == 0          # the oldest went first
+    last = RECENT_KEYS // 2 + 9
+    assert node.cached(chain_of([(f"u{last}", 100), ("q", 200)])) == 288    # 300 in whole blocks of 16
