@@ -178,3 +178,10 @@ def test_guide_names_the_operator_topics() -> None:
                   "circuit_breakers", "timeout: 0s", "ghcr.io/kvgate/kvgate:0.1.0", "placeholder",
                   "min_scale", "kvgate_config_reload_errors_total"):
         assert topic in text, topic
+
+
+def test_the_readme_names_every_outcome_of_kvgate_requests_total() -> None:
+    from extproc.outcomes import RequestOutcome
+    readme = (ROOT / "README.md").read_text()
+    (row,) = [line for line in readme.splitlines() if line.startswith("| `kvgate_requests_total` |")]
+    assert [o.value for o in RequestOutcome if o.value not in row] == []
