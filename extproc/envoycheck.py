@@ -19,8 +19,7 @@ from extproc.config import Config
 from extproc.envoyconf import (ENVOY_DEFAULT_BUFFER_BYTES, EXT_PROC_TYPE, HEADER_MUTATION_TYPE,
                                buffer_limit_bytes, identity_headers, kvgate_address,
                                request_attributes, seconds_text, split_address)
-from extproc.exchange import WAIT_TIMEOUT_MARGIN_S
-from extproc.gate import METADATA_NAMESPACE, RELEASES, ROUTE_KEYS, STREAM_AND_LOG
+from extproc.gate import METADATA_NAMESPACE, RELEASES, ROUTE_KEYS, STREAM_AND_LOG, WAIT_TIMEOUT_MARGIN_S
 
 
 @dataclass(frozen=True, slots=True)

@@ -60,8 +60,7 @@ from typing import Any
 import yaml
 
 from extproc.config import Config
-from extproc.exchange import WAIT_TIMEOUT_MARGIN_S
-from extproc.gate import METADATA_NAMESPACE, STREAM_AND_LOG
+from extproc.gate import METADATA_NAMESPACE, STREAM_AND_LOG, WAIT_TIMEOUT_MARGIN_S
 from extproc.picker_protocol import LB_NAMESPACE, SERVED_KEY, SUBSET_NAMESPACE
 from extproc.usage_log import LUA_SOURCE
 from extproc.usage_log import NAMESPACE as USAGE_NAMESPACE

@@ -77,18 +77,14 @@ from extproc.config import ClassConfig
 from extproc.endings import (LINK_KEY, ReleaseMode, awaits_log_cause, cause_of,
                              charged_completion)
 from extproc.errors import RequestError
-from extproc.gate import ANONYMOUS_TENANT, NO_ROUTE_SETTINGS, Gate, PoolRuntime
+from extproc.gate import ANONYMOUS_TENANT, NO_ROUTE_SETTINGS, WAIT_TIMEOUT_MARGIN_S, Gate, PoolRuntime
 from extproc.outcomes import REJECTED_BY, RequestOutcome
 from extproc.prefix import prefix_of
 from extproc.request_facts import ATTR_PATH, UNDECODABLE_ATTRIBUTES, RequestFacts
 
 log = logging.getLogger("kvgate.exchange")
 
-__all__ = ["WAIT_TIMEOUT_MARGIN_S", "Exchange"]
-
-# The message timeout kvgate asks Envoy for while a request waits in its class's queue,
-# on top of the class's max_wait_s (seconds).
-WAIT_TIMEOUT_MARGIN_S = 1.0
+__all__ = ["Exchange"]
 
 
 # --- one request -------------------------------------------------------------------

@@ -39,6 +39,9 @@ OFFLOAD_BYTES = 32 * 1024
 # Tenant name of requests whose identity is not configured. Configured names cannot
 # start with '_', so this never collides with one.
 ANONYMOUS_TENANT = "_anonymous"
+# The message timeout kvgate asks Envoy for while a request waits in its class's queue,
+# on top of the class's max_wait_s (seconds); the Envoy files are checked against it.
+WAIT_TIMEOUT_MARGIN_S = 1.0
 # Per-route metadata keys (namespace ``kvgate``); anything else counts as "unknown".
 ROUTE_KEYS = ("pool", "tenant_class", "context_window", "max_body_bytes", "release")
 # A bad route setting is logged at most once per key in this many seconds.

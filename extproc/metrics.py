@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from extproc.admission.store.redis import ERROR_REASONS as STORE_ERROR_REASONS
+from extproc.admission.types import ERROR_REASONS as STORE_ERROR_REASONS
 from extproc.admission.types import Outcome, PoolSnapshot
 from extproc.outcomes import LogResult, RequestOutcome
 from extproc.usage_log import RESULTS as LOGGED_USAGE_RESULTS

@@ -26,13 +26,13 @@ from extproc.admission.adaptive import ScaleParams
 from extproc.admission.errors import InvalidDemandError, UnknownPoolError
 from extproc.admission.kvbudget import reserved_completion
 from extproc.admission.lease import Lease
-from extproc.admission.nodes import Charge, NodeReport, NodeSnapshot, PassedOver, PoolNodes
+from extproc.admission.nodes import Charge, NodeSnapshot, PassedOver, PoolNodes
 from extproc.admission.pool import PoolRuntime
 from extproc.admission.retry import spread
 from extproc.admission.store.base import Store, StoreError, SyncStore
 from extproc.admission.store.memory import MemoryStore
 from extproc.admission.tenants import NOT_CACHED, Tenants
-from extproc.admission.types import (Budget, Demand, Grant, Outcome, Plan, PoolLimits, PoolSignals,
+from extproc.admission.types import (Budget, Demand, Grant, NodeReport, Outcome, Plan, PoolLimits, PoolSignals,
                                      PoolSnapshot, RateInfo, Reason, Refusal, Rejection)
 from extproc.admission.waitqueue import Answer, Step, Waiter, serve
 from extproc.clock import Clock

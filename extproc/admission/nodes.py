@@ -83,7 +83,7 @@ from enum import StrEnum
 from extproc.admission import rules
 from extproc.admission.retry import MAX_WAIT_S, HoldTimes, expected_wait
 from extproc.admission.shared_nodes import Candidate, NodeAsk, Pooled
-from extproc.admission.types import Chain
+from extproc.admission.types import Chain, NodeReport
 from extproc.config import BackendConfig, PickingConfig, PoolConfig
 
 # Completion lengths remembered per class to learn the growth to expect.
@@ -140,29 +140,6 @@ class PassedOver(StrEnum):
     NO_CAPACITY = "no_capacity"
     NO_ROOM = "no_room"
     CLASS_WATERMARK = "class_watermark"
-
-
-@dataclass(frozen=True, slots=True)
-class NodeReport:
-    """NodeReport is what one scrape of a node says, as the signal layer hands it in.
-
-    ``kv_usage``: KV-cache usage ratio in [0, 1] (None: no usable sample this round);
-    ``capacity_tokens``: the KV capacity the node reports (None: not reported); ``at``: the
-    instant (s) the sample was read; ``refused``: the scrape's connection was refused;
-    ``mark``: the id of the mark taken before the scrape (None: none was taken);
-    ``waiting``: requests the node queues (None: not reported); ``running``: requests in
-    its batch, those that hold KV (None: not reported); ``block_tokens``: its KV block size
-    (None: not reported).
-    """
-
-    kv_usage: float | None
-    capacity_tokens: int | None
-    at: float
-    refused: bool = False
-    mark: int | None = None
-    waiting: int | None = None
-    running: int | None = None
-    block_tokens: int | None = None
 
 
 class Charge:

@@ -38,6 +38,29 @@ class Reason(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class NodeReport:
+    """NodeReport is what one scrape of a node says, as the signal layer hands it in.
+
+    ``kv_usage``: KV-cache usage ratio in [0, 1] (None: no usable sample this round);
+    ``capacity_tokens``: the KV capacity the node reports (None: not reported); ``at``: the
+    instant (s) the sample was read; ``refused``: the scrape's connection was refused;
+    ``mark``: the id of the mark taken before the scrape (None: none was taken);
+    ``waiting``: requests the node queues (None: not reported); ``running``: requests in
+    its batch, those that hold KV (None: not reported); ``block_tokens``: its KV block size
+    (None: not reported).
+    """
+
+    kv_usage: float | None
+    capacity_tokens: int | None
+    at: float
+    refused: bool = False
+    mark: int | None = None
+    waiting: int | None = None
+    running: int | None = None
+    block_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Chain:
     """Chain is a prompt's prefix chain (``extproc.prefix``): ``keys``, each a hash covering
     every piece of the prompt up to its own, and ``ends``, the prompt tokens up to the end
@@ -342,3 +365,21 @@ class PoolUsage:
     by_class: Mapping[str, int] = field(default_factory=dict)
     kv_inflight: int = 0
     bucket_tokens: float | None = None
+
+
+# A failed round trip to the shared store, by reason: the label tuple lives here, so that the
+# metrics name the reasons without loading the store and its client library.
+ERROR_TIMEOUT = "timeout"
+ERROR_CONNECTION = "connection"
+ERROR_RESPONSE = "response"
+ERROR_DROPPED = "dropped"
+ERROR_INTERNAL = "internal"
+ERROR_REASONS = (ERROR_TIMEOUT, ERROR_CONNECTION, ERROR_RESPONSE, ERROR_DROPPED, ERROR_INTERNAL)
+"""ERROR_REASONS are the values of ``kvgate_store_errors_total{reason}``.
+
+``timeout``: no answer within ``timeout_s``; ``connection``: refused or reset; ``response``:
+Redis answered with an error or something this store does not understand; ``dropped``: a
+settle was dropped because too many were queued during an outage (its lease expires);
+``internal``: the store's background work (probe, refresh, settles) survived an exception it
+did not expect, logged with its traceback, and went on.
+"""

@@ -28,8 +28,7 @@ from typing import Protocol
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-from extproc.admission.nodes import NodeReport
-from extproc.admission.types import PoolSignals
+from extproc.admission.types import NodeReport, PoolSignals
 from extproc.clock import Clock
 from extproc.config import BackendConfig, Config
 from extproc.signals.aggregate import NodeReading, aggregate

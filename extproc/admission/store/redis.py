@@ -98,18 +98,18 @@ from extproc.admission.shared_nodes import SeenGen, Sums, others_seen
 from extproc.admission.store.base import REPLICA_HEADER, Store
 from extproc.admission.store.fallback import (LOCAL_PREFIX, MODES, Fallback, NullObserver, StoreObserver,
                                               StoreUnavailableError, Within)
-from extproc.admission.store.redis_client import (ERROR_DROPPED, ERROR_INTERNAL, ERROR_REASONS, ERROR_RESPONSE,
-                                                  MAX_CONNECTIONS, RedisClient, RoundTripError)
+from extproc.admission.store.redis_client import MAX_CONNECTIONS, RedisClient, RoundTripError
 from extproc.admission.store.redis_lua import (ADMIT, HEARTBEAT, REFRESH, RELEASE, SETTLE, AdmitArg, AdmitPool,
                                                Guarantee, HeartbeatArg, HeartbeatKeys, PoolKeys, RefreshArg,
                                                RefreshKeys, RefreshLease, ReleaseArg, SettleArg, node_arg, pack, word)
-from extproc.admission.types import Budget, BucketSpec, Grant, Plan, PoolLimits, PoolUsage, Refusal
+from extproc.admission.types import (ERROR_DROPPED, ERROR_INTERNAL, ERROR_RESPONSE, Budget, BucketSpec, Grant, Plan,
+                                     PoolLimits, PoolUsage, Refusal)
 from extproc.clock import Clock
 from extproc.config import RedisStoreConfig
 
 # What callers outside the store use of the Redis store: the store, its errors and the
 # label values of its metrics.
-__all__ = ["ERROR_REASONS", "LOCAL_PREFIX", "MODES", "RedisStore", "StoreObserver", "StoreUnavailableError"]
+__all__ = ["LOCAL_PREFIX", "MODES", "RedisStore", "StoreObserver", "StoreUnavailableError"]
 
 log = logging.getLogger("kvgate.store")
 

@@ -24,22 +24,8 @@ from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from extproc.admission.store.redis_lua import SCRIPTS
+from extproc.admission.types import ERROR_CONNECTION, ERROR_INTERNAL, ERROR_RESPONSE, ERROR_TIMEOUT
 from extproc.config import RedisStoreConfig
-
-ERROR_TIMEOUT = "timeout"
-ERROR_CONNECTION = "connection"
-ERROR_RESPONSE = "response"
-ERROR_DROPPED = "dropped"
-ERROR_INTERNAL = "internal"
-ERROR_REASONS = (ERROR_TIMEOUT, ERROR_CONNECTION, ERROR_RESPONSE, ERROR_DROPPED, ERROR_INTERNAL)
-"""ERROR_REASONS are the values of ``kvgate_store_errors_total{reason}``.
-
-``timeout``: no answer within ``timeout_s``; ``connection``: refused or reset; ``response``:
-Redis answered with an error or something this store does not understand; ``dropped``: a
-settle was dropped because too many were queued during an outage (its lease expires);
-``internal``: the store's background work (probe, refresh, settles) survived an exception it
-did not expect, logged with its traceback, and went on.
-"""
 
 MAX_CONNECTIONS = 32
 """MAX_CONNECTIONS is the default pool size per replica: enough for concurrent admissions

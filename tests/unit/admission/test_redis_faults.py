@@ -19,7 +19,8 @@ from redis.asyncio.connection import Connection
 from extproc.admission.shared_nodes import Candidate as C, NodeAsk
 from extproc.admission.store.fallback import MODE_LOCAL_SHARE, MODE_SHARED, StoreUnavailableError
 from extproc.admission.store.redis import RedisStore
-from extproc.admission.store.redis_client import ERROR_CONNECTION, RedisClient, RoundTripError
+from extproc.admission.store.redis_client import RedisClient, RoundTripError
+from extproc.admission.types import ERROR_CONNECTION
 from extproc.admission.types import Grant, Plan, PoolLimits
 from extproc.clock import ManualClock
 from extproc.config import RedisStoreConfig
