@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,17 @@ from extproc.openai_shapes import TEMPLATES
 
 ENGINES = ("vllm", "sglang", "tgi", "dcgm")
 AGGREGATES = ("max", "mean")
-GROWTHS = ("worst_case", "learned", "pooled")
+
+
+class Growth(StrEnum):
+    """Growth is how a picking pool expects a running request to grow (``PickingConfig``)."""
+
+    WORST_CASE = "worst_case"
+    LEARNED = "learned"
+    POOLED = "pooled"
+
+
+GROWTHS = tuple(g.value for g in Growth)
 _ADDRESS = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.-]{0,252}):([0-9]{1,5})$")
 ON_UNAVAILABLE = ("local_share", "fail_closed")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
@@ -93,7 +104,7 @@ class PickingConfig:
     so that requests go where their prefix is cached unless another node has much more room.
     """
 
-    growth: str = "learned"
+    growth: Growth = Growth.LEARNED
     quantile: float = 0.9
     min_samples: int = 20
     reserve_fraction: float = 0.02
@@ -415,7 +426,7 @@ def _discovery(s: Section) -> DiscoveryConfig:
 
 
 def _picking(s: Section) -> PickingConfig:
-    growth = s.string("growth", "learned", choices=GROWTHS)
+    growth = Growth(s.string("growth", "learned", choices=GROWTHS))
     picking = PickingConfig(
         growth=growth,
         quantile=s.number("quantile", 0.9, low=0.0, high=1.0, low_open=True),

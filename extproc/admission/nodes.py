@@ -84,7 +84,7 @@ from extproc.admission import rules
 from extproc.admission.retry import MAX_WAIT_S, HoldTimes, expected_wait
 from extproc.admission.shared_nodes import Candidate, NodeAsk, Pooled
 from extproc.admission.types import Chain, NodeReport
-from extproc.config import BackendConfig, PickingConfig, PoolConfig
+from extproc.config import BackendConfig, Growth, PickingConfig, PoolConfig
 
 # Completion lengths remembered per class to learn the growth to expect.
 LENGTH_SAMPLES = 1000
@@ -719,7 +719,7 @@ class PoolNodes:
     # --- the rule ------------------------------------------------------------------
 
     def _learned(self, class_name: str) -> Lengths | None:
-        if self.picking.growth == "worst_case":
+        if self.picking.growth is Growth.WORST_CASE:
             return None
         known = self.lengths.get(class_name)
         if known is None or len(known.sorted) < self.picking.min_samples:
@@ -740,7 +740,7 @@ class PoolNodes:
     @property
     def pooled(self) -> bool:
         """pooled is True when growth is bounded per node, not per request (``growth: pooled``)."""
-        return self.picking.growth == "pooled"
+        return self.picking.growth is Growth.POOLED
 
     def _expect(self, class_name: str, prompt: int, reserved: int,
                 generated: int) -> tuple[int, Moments | None]:
@@ -974,7 +974,7 @@ class PoolNodes:
             self.holds.add(now - charge.admitted_at)
             if completion_tokens is not None and completion_tokens >= 0:
                 self.lengths.setdefault(charge.class_name, Lengths()).add(completion_tokens)
-                self._taught = self.picking.growth != "worst_case"
+                self._taught = self.picking.growth is not Growth.WORST_CASE
         return True
 
     def named(self, among: frozenset[str] | None) -> int:
