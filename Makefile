@@ -15,7 +15,7 @@ VLLM_VERSION ?= 0.32.0
 # e.g. BENCH_VLLM_ARGS="--runs 3 --rows direct,kvgate"
 BENCH_VLLM_ARGS ?=
 
-.PHONY: install run test test-under-load test-unit test-e2e test-vllm bench bench-admission bench-overhead bench-cpu bench-picker bench-prefix bench-protection bench-redis bench-redis-timeout bench-scrape bench-tokens bench-trace bench-replicas bench-vllm bench-loop-lag bench-big-prompt bench-memory bench-log-batches bench-pick bench-usage-filter install-vllm check-config clean
+.PHONY: install run test test-under-load test-unit test-e2e test-vllm bench bench-admission bench-overhead bench-cpu bench-picker bench-prefix bench-protection bench-redis bench-redis-timeout bench-scrape bench-tokens bench-trace bench-replicas bench-vllm bench-vllm-prefix bench-loop-lag bench-big-prompt bench-memory bench-log-batches bench-pick bench-usage-filter install-vllm check-config clean
 
 install: $(STAMP)
 
@@ -160,6 +160,12 @@ test-vllm: install install-vllm
 bench-vllm: install install-vllm
 	mkdir -p $(BENCH_OUT)
 	$(PY) bench/bench_vllm.py --vllm-python $(VLLM_PY) --out $(BENCH_OUT) $(BENCH_VLLM_ARGS)
+
+# Issue 29's shared-prefix burst on the real engine (its own engine flags, prompts and rows),
+# report $(BENCH_OUT)/vllm-prefix.md; like bench-vllm, outside `make bench` and `make test`.
+bench-vllm-prefix: install install-vllm
+	mkdir -p $(BENCH_OUT)
+	$(PY) bench/bench_vllm.py --scenario prefix --vllm-python $(VLLM_PY) --out $(BENCH_OUT) $(BENCH_VLLM_ARGS)
 
 bench-loop-lag: install
 	mkdir -p $(BENCH_OUT)

