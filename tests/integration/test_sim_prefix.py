@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import openai
@@ -15,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate_testkit.procs import LOOPBACK, Proc, free_port
 from sim.api import parse_request, prompt_ids
+from tests.integration.test_sim import get
 
 MODEL = "sim-model"
 BLOCK = 16
@@ -36,11 +36,6 @@ def sim(tmp_path_factory: pytest.TempPathFactory):
         yield f"http://{LOOPBACK}:{port}"
     finally:
         assert proc.stop() == 0, proc.output()[-2000:]
-
-
-def get(url: str) -> bytes:
-    with urllib.request.urlopen(url, timeout=5) as r:
-        return r.read()
 
 
 def samples(base: str) -> dict[str, tuple[dict[str, str], float]]:
