@@ -56,6 +56,9 @@ class Demand:
     ``among``: in a pool that picks nodes, the endpoints (``HOST:PORT``) the proxy allows
     (the endpoint picker protocol's subset hint; None: every node). ``prefix``: the
     prompt's prefix chain, where the pool counts shared prefixes once (None: charged in full).
+    ``fairness_id``: whom the wait queue serves in turn within the class, where that is not
+    the tenant (an anonymous request's fairness header, prefixed; None: the tenant). It is
+    client input: held only while the request waits, never a metric label.
     """
 
     pool: str
@@ -65,6 +68,7 @@ class Demand:
     completion_tokens: int
     among: frozenset[str] | None = None
     prefix: Chain | None = None
+    fairness_id: str | None = None
 
     @property
     def tokens(self) -> int:
