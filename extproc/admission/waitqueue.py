@@ -21,9 +21,10 @@ Within one class (a ``Lane``), tenants are served in turn, by weight: self-clock
 queueing (SCFQ, Golestani 1994), the virtual-time form of deficit round robin. Each waiter
 gets a tag when it is queued, ``max(V, F[flow]) + cost / weight``: ``F[flow]`` is the tag
 of its flow's last queued waiter, ``V`` the largest tag the lane has served (granted). The
-lane is walked in tag order (ties: arrival order). A flow with a backlog thus gets tags
-spaced by its costs over its weight, and a flow that was idle starts at ``V``: with the
-tags of the next round, not behind another flow's burst. Between two flows backlogged
+lane is walked in tag order; among equal tags a flow back from idle goes first, then
+arrival order. A flow with a backlog thus gets tags spaced by its costs over its weight,
+and a flow that was idle starts at ``V``: in the next round, ahead of the backlogged
+flows' waiters of that round, not behind another flow's burst. Between two flows backlogged
 over any stretch of grants, the service each got over its weight differs by at most one
 largest request of each over its weight (the SCFQ bound; ``tests/unit/admission/
 test_fairness.py`` checks it). The ``flow`` is the tenant, or the fairness id of an
@@ -111,7 +112,8 @@ _SLACK = 16
 class Lane:
     """Lane is one class's waiters at one priority, in tag order (module doc: fair queueing).
 
-    ``heap``: (tag, seq, waiter), removed waiters included until dropped; ``live``: the
+    ``heap``: (tag, rank, seq, waiter), removed waiters included until dropped (rank 0: its
+    flow had nothing queued, 1: it had); ``live``: the
     waiters queued; ``vtime``: the largest tag granted (V); ``finish``: per flow with a
     waiter queued, its last tag (F); ``count``: how many waiters each such flow has queued.
     """
@@ -119,7 +121,7 @@ class Lane:
     __slots__ = ("heap", "live", "vtime", "finish", "count")
 
     def __init__(self) -> None:
-        self.heap: list[tuple[float, int, Waiter]] = []
+        self.heap: list[tuple[float, int, int, Waiter]] = []
         self.live = 0
         self.vtime = 0.0
         self.finish: dict[str, float] = {}
@@ -128,16 +130,19 @@ class Lane:
     def add(self, w: Waiter) -> None:
         """add tags ``w`` (fair: after its flow's last waiter and ``vtime``, by its share) and queues it."""
         flow = w.flow
+        rank = 1
         if w.share is None:
             tag = self.vtime
         else:
             last = self.finish.get(flow)
-            tag = (self.vtime if last is None or last < self.vtime else last) + w.share
+            if last is None or last < self.vtime:
+                last, rank = self.vtime, 0  # back from idle: first among equal tags
+            tag = last + w.share
             self.finish[flow] = tag
         self.count[flow] = self.count.get(flow, 0) + 1
         w.tag, w.lane = tag, self
         self.live += 1
-        heapq.heappush(self.heap, (tag, w.seq, w))
+        heapq.heappush(self.heap, (tag, rank, w.seq, w))
 
     def drop(self, w: Waiter, served: bool) -> None:
         """drop forgets ``w`` (already marked not queued); ``served``: it was granted, so ``vtime`` moves up to its tag."""
@@ -153,10 +158,10 @@ class Lane:
         if served and w.tag > self.vtime:
             self.vtime = w.tag
         heap = self.heap
-        while heap and not heap[0][2].queued:
+        while heap and not heap[0][3].queued:
             heapq.heappop(heap)
         if len(heap) > 2 * self.live + _SLACK:
-            self.heap = [e for e in heap if e[2].queued]
+            self.heap = [e for e in heap if e[3].queued]
             heapq.heapify(self.heap)
 
     def in_order(self) -> Iterator[Waiter]:
@@ -174,8 +179,8 @@ class Lane:
                 heapq.heappush(frontier, (heap[c], c))
                 if c + 1 < n:
                     heapq.heappush(frontier, (heap[c + 1], c + 1))
-            if entry[2].queued:
-                yield entry[2]
+            if entry[3].queued:
+                yield entry[3]
 
 
 class WaitQueue:
@@ -253,8 +258,8 @@ class WaitQueue:
 
     def waiters(self) -> list[Waiter]:
         """waiters lists the queued waiters (any order)."""
-        out = [e[2] for level in self._levels.values() for lane in level.values()
-               for e in lane.heap if e[2].queued]
+        out = [e[3] for level in self._levels.values() for lane in level.values()
+               for e in lane.heap if e[3].queued]
         if self._walking:
             out.extend(w for w in self._added if w.queued)
         return out
