@@ -527,7 +527,7 @@ class Admission:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Lease | Rejection] = loop.create_future()
         share = None if cls.fairness == "fifo" else \
-            max(1, demand.tokens) / self._tenants.weight(demand.fairness_id or demand.tenant)
+            max(1, demand.tokens) / self._tenants.weight(demand.flow)
         w = Waiter(demand, cls.priority, now, now + cls.max_wait_s, fut, refusal, plan, share)
         w.behind = behind
         p.loop = loop

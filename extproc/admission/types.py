@@ -75,6 +75,11 @@ class Demand:
         """tokens is prompt + reserved completion: what TPM and the KV budget are charged."""
         return self.prompt_tokens + self.completion_tokens
 
+    @property
+    def flow(self) -> str:
+        """flow is whom the wait queue serves in turn within the class: ``fairness_id``, else the tenant."""
+        return self.fairness_id or self.tenant
+
 
 @dataclass(frozen=True, slots=True)
 class RateInfo:

@@ -27,8 +27,8 @@ and a flow that was idle starts at ``V``: in the next round, ahead of the backlo
 flows' waiters of that round, not behind another flow's burst. Between two flows backlogged
 over any stretch of grants, the service each got over its weight differs by at most one
 largest request of each over its weight (the SCFQ bound; ``tests/unit/admission/
-test_fairness.py`` checks it). The ``flow`` is the tenant, or the fairness id of an
-anonymous request (``Demand.fairness_id``); ``cost`` is the request's tokens (prompt +
+test_fairness.py`` checks it). The flow is the tenant, or the fairness id of an
+anonymous request (``Demand.flow``); ``cost`` is the request's tokens (prompt +
 reserved completion): the KV budget, the pool's bucket and, roughly, the slot's time are
 spent in tokens, so that counting requests would let a tenant of 30,000-token prompts
 take 100 times the KV of a tenant of 300-token ones in the same turns. Tags replace DRR's
@@ -100,7 +100,7 @@ class Waiter:
         # Its cost over its flow's weight (tokens; None: its class is served in arrival order),
         # its flow, and its tag in its lane (set when it enters one).
         self.share = share
-        self.flow = demand.fairness_id or demand.tenant
+        self.flow = demand.flow
         self.tag = 0.0
         self.lane: Lane | None = None
 

@@ -281,3 +281,21 @@ def test_each_backlogged_tenant_gets_its_share_within_one_largest_request(ops, w
                         assert gap <= largest[x] / weights[x] + largest[y] / weights[y] + 1e-9, \
                             (a, b, x, y, gap)
             both &= after[b]
+
+
+def test_a_large_waiter_is_first_after_a_bounded_number_of_fresh_tenants_small_ones():
+    # A large request (800 tokens) waits while a new tenant's 100-token request arrives
+    # before each grant: each grant moves the turn on, so the arrivals' tags soon pass the
+    # large one's and it comes first (where the STOP rule then holds everyone behind it).
+    q = WaitQueue()
+    weights = [1.0] * 4
+    large = make(1, 0, 0, 800, weights)
+    q.push(large)
+    for n in range(1, 50):
+        d = Demand(pool="default", tenant=f"fresh{n}", class_name="a", prompt_tokens=100, completion_tokens=0)
+        q.push(Waiter(d, 0, 0.0, 1e9, cast(Any, None), REFUSAL, PLAN, 100.0))
+        first = full_walk(q, [Step.STOP])[0]
+        if first is large:
+            break
+        q.remove(first, served=True)
+    assert first is large and n <= 9, n
