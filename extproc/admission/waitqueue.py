@@ -7,7 +7,8 @@ pool's bucket) STOPs the walk, so no smaller request of the same or a lower prio
 jumps it; a waiter refused by its own tenant's bucket blocks only its own tenant; a
 waiter refused because the free slots are guaranteed to other classes, or by its class's
 KV watermark, blocks only its own class. A large request therefore waits only for
-capacity, never behind a stream of small ones. One exception: a waiter larger than the
+capacity and for its turn among its class's tenants (below), never behind an endless
+stream of small ones. One exception: a waiter larger than the
 KV budget, its class's KV ceiling or the pool's bucket *at the current scale* (it fits
 only once the scale recovers) blocks nobody, since holding the others back would not
 bring the recovery sooner. ``Blocks`` keeps what the last walk stopped on (arrivals may
@@ -18,7 +19,7 @@ Waiters added or removed while a walk is under way (the walk may suspend on a sh
 store) take effect when it ends; a removed waiter is never yielded.
 
 Within one class (a ``Lane``), tenants are served in turn, by weight: self-clocked fair
-queueing (SCFQ, Golestani 1994), the virtual-time form of deficit round robin. Each waiter
+queueing (SCFQ, Golestani 1994), a virtual-time relative of deficit round robin. Each waiter
 gets a tag when it is queued, ``max(V, F[flow]) + cost / weight``: ``F[flow]`` is the tag
 of its flow's last queued waiter, ``V`` the largest tag the lane has served (granted). The
 lane is walked in tag order; among equal tags a flow back from idle goes first, then
@@ -35,15 +36,17 @@ take 100 times the KV of a tenant of 300-token ones in the same turns. Tags repl
 round pointer and deficit counters because the walk must yield an order it can resume
 from, any number of times, without serving: a refused waiter keeps its tag and its turn.
 
-A large request is still not starved: tags of arrivals are at least ``V`` plus their cost,
-``V`` grows with every grant, and a waiter's tag is fixed, so only finitely many arrivals
-can be ordered before it; once it is first, the STOP rule holds the rest behind it.
+A large request is still not starved: an arrival's tag is at least ``V`` plus its cost
+(a token at least), granting it moves ``V`` up to that tag, and a waiter's tag is fixed,
+so only finitely many arrivals can be ordered before it (``test_fairness.py``: eight
+100-token ones before an 800-token one); once it is first, the STOP rule holds the rest
+behind it.
 A lane in ``fifo`` mode (``tenants.classes.<c>.fairness: fifo``) tags every waiter ``V``:
 arrival order, as before. Memory: ``F`` and the counts keep only flows with a waiter
 queued (a flow's state goes with its last waiter: after its last grant ``V`` is at least
 its ``F`` anyway), a lane only while it has waiters, and a lane's heap at most twice its
 waiters (removed waiters are dropped lazily, the heap rebuilt past that). Push is
-O(log n); remove O(1) amortised; a walk O(log n) per waiter it yields.
+O(log n); remove O(log n) amortised; a walk O(log n) per waiter it yields.
 """
 
 from __future__ import annotations
