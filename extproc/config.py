@@ -221,7 +221,8 @@ class ClassConfig:
     pool is in alarm; ``kv_watermark``: ratio in (0, 1] of the pool's effective KV
     budget up to which requests of this class may fill it (every class's in-flight KV
     tokens count): below 1, the rest of the budget is kept for classes with a higher
-    watermark (1.0: the whole budget).
+    watermark (1.0: the whole budget). ``fairness``: how its waiters are ordered, ``tenant``
+    (tenants in turn by weight, ``waitqueue``'s module doc) or ``fifo`` (arrival order).
     """
 
     name: str
@@ -231,16 +232,26 @@ class ClassConfig:
     max_wait_s: float = 0.0
     sheddable: bool = False
     kv_watermark: float = 1.0
+    fairness: str = "tenant"
+
+
+# How a class's waiters are ordered (ClassConfig.fairness).
+FAIRNESS_MODES = ("tenant", "fifo")
+# The largest tenant weight: a ratio of turns, not a priority (that is what classes are for).
+MAX_WEIGHT = 1000.0
 
 
 @dataclass(frozen=True, slots=True)
 class TenantConfig:
-    """TenantConfig is a known tenant: its class, its own TPM (None: the class's), its API keys' SHA-256."""
+    """TenantConfig is a known tenant: its class, its own TPM (None: the class's), its API keys'
+    SHA-256, and its ``weight``: its share of its class's turns in the wait queue against
+    the other tenants of the class (1.0 each by default; 2.0: twice the tokens per turn)."""
 
     name: str
     class_name: str
     tpm: int | None = None
     api_key_sha256: tuple[str, ...] = ()
+    weight: float = 1.0
 
 
 # The fairness and objective headers of llm-d's endpoint picker (the Gateway API Inference
@@ -528,6 +539,7 @@ def _classes(s: Section) -> dict[str, ClassConfig]:
             max_wait_s=c.number("max_wait_s", 0.0, low=0.0, high=600.0),
             sheddable=c.boolean("sheddable", False),
             kv_watermark=c.number("kv_watermark", 1.0, low=0.0, high=1.0, low_open=True),
+            fairness=c.string("fairness", "tenant", choices=FAIRNESS_MODES),
         )
         c.done()
     if not classes:
@@ -591,7 +603,9 @@ def _tenants(data: Any) -> TenantsConfig:
             keys.append(k)
         tenants[tname] = TenantConfig(name=tname, class_name=cname,
                                       tpm=t.integer("tpm", None, optional=True),
-                                      api_key_sha256=tuple(keys))
+                                      api_key_sha256=tuple(keys),
+                                      weight=t.number("weight", 1.0, low=0.0, low_open=True,
+                                                      high=MAX_WEIGHT))
         t.done()
     unauthenticated = _unauthenticated(s, classes, default_class, any(t.api_key_sha256 for t in tenants.values()))
     s.done()

@@ -118,7 +118,7 @@ class Exchange:
     """
 
     __slots__ = ("gate", "state", "endpoint", "pool", "pool_name", "class_cfg", "tenant",
-                 "route", "content_type", "body", "max_body", "streamed", "lease", "strip_usage",
+                 "fairness_id", "route", "content_type", "body", "max_body", "streamed", "lease", "strip_usage",
                  "tracker", "status", "response_done", "upstream_error", "outcome",
                  "response_sent", "mode", "link", "duplex", "response_duplex", "hint",
                  "cut_by_upstream", "cause_pending", "usage_filter")
@@ -131,6 +131,7 @@ class Exchange:
         self.pool_name = ""
         self.class_cfg: ClassConfig | None = None
         self.tenant = ANONYMOUS_TENANT
+        self.fairness_id: str | None = None  # Demand.fairness_id (Gate.fairness_id_of)
         self.route = NO_ROUTE_SETTINGS
         self.content_type: str | None = None
         self.body: bytearray | None = None
@@ -278,6 +279,7 @@ class Exchange:
         self.max_body = route.max_body_bytes or config.limits.max_body_bytes
         try:
             self.tenant = gate.tenant_of(facts.tenant, facts.authorization, facts.fairness)
+            self.fairness_id = gate.fairness_id_of(self.tenant, facts.fairness)
             objective = None if route.tenant_class else gate.class_named(facts.objective)
         except RequestError as err:
             self.class_cfg = config.tenants.classes[config.tenants.default_class]
@@ -387,7 +389,7 @@ class Exchange:
                 retry=gate.admission.named_nodes(self.pool_name, among) > 0)
         demand = Demand(pool=self.pool_name, tenant=self.tenant, class_name=self.class_cfg.name,
                         prompt_tokens=prompt_tokens, completion_tokens=reserved, among=among,
-                        prefix=parsed.prefix)
+                        prefix=parsed.prefix, fairness_id=self.fairness_id)
         result = await self._acquire(demand, send, started)
         if isinstance(result, pb.ProcessingResponse):
             return result

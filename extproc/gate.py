@@ -42,6 +42,8 @@ ANONYMOUS_TENANT = "_anonymous"
 # The message timeout kvgate asks Envoy for while a request waits in its class's queue,
 # on top of the class's max_wait_s (seconds); the Envoy files are checked against it.
 WAIT_TIMEOUT_MARGIN_S = 1.0
+# The most characters of a fairness header's value kept as an anonymous request's flow.
+FAIRNESS_ID_MAX = 128
 # Per-route metadata keys (namespace ``kvgate``); anything else counts as "unknown".
 ROUTE_KEYS = ("pool", "tenant_class", "context_window", "max_body_bytes", "release")
 # A bad route setting is logged at most once per key in this many seconds.
@@ -204,6 +206,24 @@ class Gate:
                                "key given is missing or not one of its tenants'.",
                                status=401, code="invalid_api_key")
         return ANONYMOUS_TENANT
+
+    @staticmethod
+    def fairness_id_of(tenant: str, fairness_values: Sequence[bytes]) -> str | None:
+        """fairness_id_of is whom the wait queue serves in turn for a request of ``tenant``, where
+        that is not the tenant itself (``Demand.fairness_id``), or None.
+
+        A configured tenant is one flow, however its requests name it. Anonymous requests
+        (ANONYMOUS_TENANT) are one flow together, which is what keeps an anonymous flood to
+        one share of its class, unless the fairness header (``tenant_of`` has checked it is
+        given once) names a flow: then each value is a flow of its own, prefixed so that it
+        never meets a tenant's name, and cut to FAIRNESS_ID_MAX characters. The header is
+        trusted as Envoy sets it (every Envoy file kvgate writes strips the client's copy):
+        a client that could set it would get one share per value it invents.
+        """
+        if tenant != ANONYMOUS_TENANT or not fairness_values:
+            return None
+        value = fairness_values[0].decode("latin-1").strip()[:FAIRNESS_ID_MAX]
+        return f"{ANONYMOUS_TENANT}:{value}" if value else None
 
     def _tenant_header_missing(self) -> None:
         """_tenant_header_missing notes a request without the tenant header (and without a

@@ -526,7 +526,9 @@ class Admission:
                     refusal: Refusal, behind: bool, now: float) -> Lease | Rejection:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Lease | Rejection] = loop.create_future()
-        w = Waiter(demand, cls.priority, now, now + cls.max_wait_s, fut, refusal, plan)
+        share = None if cls.fairness == "fifo" else \
+            max(1, demand.tokens) / self._tenants.weight(demand.flow)
+        w = Waiter(demand, cls.priority, now, now + cls.max_wait_s, fut, refusal, plan, share)
         w.behind = behind
         p.loop = loop
         p.queue.push(w)
@@ -544,7 +546,7 @@ class Admission:
             raise
 
     def _resolve(self, p: PoolRuntime, w: Waiter, result: Lease | Rejection) -> None:
-        p.queue.remove(w)
+        p.queue.remove(w, served=type(result) is Lease)
         if w.future.done():
             if isinstance(result, Lease):
                 result.abandon()

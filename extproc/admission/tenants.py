@@ -45,6 +45,12 @@ class Tenants:
         c = self.config.classes.get(class_name)
         return c if c is not None else self.default
 
+    def weight(self, flow: str) -> float:
+        """weight is a flow's share of its class's turns in the wait queue: a configured
+        tenant's ``weight``, 1.0 for any other name (anonymous flows among them)."""
+        known = self.config.tenants.get(flow)
+        return 1.0 if known is None else known.weight
+
     def tpm_of(self, tenant: str, class_name: str) -> int | None:
         """tpm_of is the tenant's tokens per minute: its own, else its class's, else None."""
         known = self.config.tenants.get(tenant)

@@ -79,6 +79,9 @@ class Demand:
     ``among``: in a pool that picks nodes, the endpoints (``HOST:PORT``) the proxy allows
     (the endpoint picker protocol's subset hint; None: every node). ``prefix``: the
     prompt's prefix chain, where the pool counts shared prefixes once (None: charged in full).
+    ``fairness_id``: whom the wait queue serves in turn within the class, where that is not
+    the tenant (an anonymous request's fairness header, prefixed; None: the tenant). It is
+    client input: held only while the request waits, never a metric label.
     """
 
     pool: str
@@ -88,11 +91,17 @@ class Demand:
     completion_tokens: int
     among: frozenset[str] | None = None
     prefix: Chain | None = None
+    fairness_id: str | None = None
 
     @property
     def tokens(self) -> int:
         """tokens is prompt + reserved completion: what TPM and the KV budget are charged."""
         return self.prompt_tokens + self.completion_tokens
+
+    @property
+    def flow(self) -> str:
+        """flow is whom the wait queue serves in turn within the class: ``fairness_id``, else the tenant."""
+        return self.fairness_id or self.tenant
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""waitqueue: requests waiting (boundedly) for capacity: higher priority first, FIFO within one.
+"""waitqueue: requests waiting (boundedly) for capacity: higher priority first, tenants in turn within a class.
 
 The queue only orders and walks; the controller decides, for each waiter the walk
 yields, what the walk does next (``Step``). The anti-starvation rule lives in those
@@ -7,7 +7,8 @@ pool's bucket) STOPs the walk, so no smaller request of the same or a lower prio
 jumps it; a waiter refused by its own tenant's bucket blocks only its own tenant; a
 waiter refused because the free slots are guaranteed to other classes, or by its class's
 KV watermark, blocks only its own class. A large request therefore waits only for
-capacity, never behind a stream of small ones. One exception: a waiter larger than the
+capacity and for its turn among its class's tenants (below), never behind an endless
+stream of small ones. One exception: a waiter larger than the
 KV budget, its class's KV ceiling or the pool's bucket *at the current scale* (it fits
 only once the scale recovers) blocks nobody, since holding the others back would not
 bring the recovery sooner. ``Blocks`` keeps what the last walk stopped on (arrivals may
@@ -16,6 +17,36 @@ the in-process store and for a store that answers asynchronously.
 
 Waiters added or removed while a walk is under way (the walk may suspend on a shared
 store) take effect when it ends; a removed waiter is never yielded.
+
+Within one class (a ``Lane``), tenants are served in turn, by weight: self-clocked fair
+queueing (SCFQ, Golestani 1994), a virtual-time relative of deficit round robin. Each waiter
+gets a tag when it is queued, ``max(V, F[flow]) + cost / weight``: ``F[flow]`` is the tag
+of its flow's last queued waiter, ``V`` the largest tag the lane has served (granted). The
+lane is walked in tag order; among equal tags a flow back from idle goes first, then
+arrival order. A flow with a backlog thus gets tags spaced by its costs over its weight,
+and a flow that was idle starts at ``V``: in the next round, ahead of the backlogged
+flows' waiters of that round, not behind another flow's burst. Between two flows backlogged
+over any stretch of grants, the service each got over its weight differs by at most one
+largest request of each over its weight (the SCFQ bound; ``tests/unit/admission/
+test_fairness.py`` checks it). The flow is the tenant, or the fairness id of an
+anonymous request (``Demand.flow``); ``cost`` is the request's tokens (prompt +
+reserved completion): the KV budget, the pool's bucket and, roughly, the slot's time are
+spent in tokens, so that counting requests would let a tenant of 30,000-token prompts
+take 100 times the KV of a tenant of 300-token ones in the same turns. Tags replace DRR's
+round pointer and deficit counters because the walk must yield an order it can resume
+from, any number of times, without serving: a refused waiter keeps its tag and its turn.
+
+A large request is still not starved: an arrival's tag is at least ``V`` plus its cost
+(a token at least), granting it moves ``V`` up to that tag, and a waiter's tag is fixed,
+so only finitely many arrivals can be ordered before it (``test_fairness.py``: eight
+100-token ones before an 800-token one); once it is first, the STOP rule holds the rest
+behind it.
+A lane in ``fifo`` mode (``tenants.classes.<c>.fairness: fifo``) tags every waiter ``V``:
+arrival order, as before. Memory: ``F`` and the counts keep only flows with a waiter
+queued (a flow's state goes with its last waiter: after its last grant ``V`` is at least
+its ``F`` anyway), a lane only while it has waiters, and a lane's heap at most twice its
+waiters (removed waiters are dropped lazily, the heap rebuilt past that). Push is
+O(log n); remove O(log n) amortised; a walk O(log n) per waiter it yields.
 """
 
 from __future__ import annotations
@@ -54,10 +85,11 @@ class Waiter:
     """
 
     __slots__ = ("demand", "priority", "since", "deadline", "future", "refusal", "plan", "behind", "seq",
-                 "queued")
+                 "queued", "share", "flow", "tag", "lane")
 
     def __init__(self, demand: Demand, priority: int, since: float, deadline: float,
-                 future: asyncio.Future[Any], refusal: Refusal, plan: Plan) -> None:
+                 future: asyncio.Future[Any], refusal: Refusal, plan: Plan,
+                 share: float | None = None) -> None:
         self.demand = demand
         self.priority = priority
         self.since = since
@@ -68,10 +100,94 @@ class Waiter:
         self.behind = False
         self.seq = 0
         self.queued = False
+        # Its cost over its flow's weight (tokens; None: its class is served in arrival order),
+        # its flow, and its tag in its lane (set when it enters one).
+        self.share = share
+        self.flow = demand.flow
+        self.tag = 0.0
+        self.lane: Lane | None = None
+
+
+# A lane's heap may hold this many removed waiters beyond its live ones before a rebuild.
+_SLACK = 16
+
+
+class Lane:
+    """Lane is one class's waiters at one priority, in tag order (module doc: fair queueing).
+
+    ``heap``: (tag, rank, seq, waiter), removed waiters included until dropped (rank 0: its
+    flow had nothing queued, 1: it had); ``live``: the
+    waiters queued; ``vtime``: the largest tag granted (V); ``finish``: per flow with a
+    waiter queued, its last tag (F); ``count``: how many waiters each such flow has queued.
+    """
+
+    __slots__ = ("heap", "live", "vtime", "finish", "count")
+
+    def __init__(self) -> None:
+        self.heap: list[tuple[float, int, int, Waiter]] = []
+        self.live = 0
+        self.vtime = 0.0
+        self.finish: dict[str, float] = {}
+        self.count: dict[str, int] = {}
+
+    def add(self, w: Waiter) -> None:
+        """add tags ``w`` (fair: after its flow's last waiter and ``vtime``, by its share) and queues it."""
+        flow = w.flow
+        rank = 1
+        if w.share is None:
+            tag = self.vtime
+        else:
+            last = self.finish.get(flow)
+            if last is None or last < self.vtime:
+                last, rank = self.vtime, 0  # back from idle: first among equal tags
+            tag = last + w.share
+            self.finish[flow] = tag
+        self.count[flow] = self.count.get(flow, 0) + 1
+        w.tag, w.lane = tag, self
+        self.live += 1
+        heapq.heappush(self.heap, (tag, rank, w.seq, w))
+
+    def drop(self, w: Waiter, served: bool) -> None:
+        """drop forgets ``w`` (already marked not queued); ``served``: it was granted, so ``vtime`` moves up to its tag."""
+        w.lane = None
+        self.live -= 1
+        flow = w.flow
+        n = self.count[flow] - 1
+        if n:
+            self.count[flow] = n
+        else:
+            del self.count[flow]
+            self.finish.pop(flow, None)
+        if served and w.tag > self.vtime:
+            self.vtime = w.tag
+        heap = self.heap
+        while heap and not heap[0][3].queued:
+            heapq.heappop(heap)
+        if len(heap) > 2 * self.live + _SLACK:
+            self.heap = [e for e in heap if e[3].queued]
+            heapq.heapify(self.heap)
+
+    def in_order(self) -> Iterator[Waiter]:
+        """in_order yields the lane's queued waiters in tag order, without changing the heap
+        (the heap must not change meanwhile): a second heap of the frontier's indices."""
+        heap = self.heap
+        n = len(heap)
+        if not n:
+            return
+        frontier = [(heap[0], 0)]
+        while frontier:
+            entry, i = heapq.heappop(frontier)
+            c = 2 * i + 1
+            if c < n:
+                heapq.heappush(frontier, (heap[c], c))
+                if c + 1 < n:
+                    heapq.heappush(frontier, (heap[c + 1], c + 1))
+            if entry[3].queued:
+                yield entry[3]
 
 
 class WaitQueue:
-    """WaitQueue holds one pool's waiters by priority, then class, in arrival order.
+    """WaitQueue holds one pool's waiters by priority, then class (a ``Lane``: tenants in turn).
 
     ``size`` counts the waiters queued (including those added during a walk).
     """
@@ -79,16 +195,16 @@ class WaitQueue:
     __slots__ = ("_levels", "_deadlines", "_seq", "size", "_walking", "_added", "_removed")
 
     def __init__(self) -> None:
-        self._levels: dict[int, dict[str, dict[int, Waiter]]] = {}
+        self._levels: dict[int, dict[str, Lane]] = {}
         self._deadlines: list[tuple[float, int, Waiter]] = []
         self._seq = 0
         self.size = 0
         self._walking = False
         self._added: list[Waiter] = []
-        self._removed: list[Waiter] = []
+        self._removed: list[tuple[Waiter, bool]] = []
 
     def push(self, w: Waiter) -> None:
-        """push queues ``w`` behind every waiter of its priority."""
+        """push queues ``w`` in its lane: behind every waiter of its flow (module doc)."""
         self._seq += 1
         w.seq = self._seq
         w.queued = True
@@ -103,31 +219,33 @@ class WaitQueue:
         level = self._levels.get(w.priority)
         if level is None:
             level = self._levels[w.priority] = {}
-        fifo = level.get(w.demand.class_name)
-        if fifo is None:
-            fifo = level[w.demand.class_name] = {}
-        fifo[w.seq] = w
+        lane = level.get(w.demand.class_name)
+        if lane is None:
+            lane = level[w.demand.class_name] = Lane()
+        lane.add(w)
 
-    def remove(self, w: Waiter) -> bool:
-        """remove takes ``w`` out of the queue; False when it was not queued."""
+    def remove(self, w: Waiter, served: bool = False) -> bool:
+        """remove takes ``w`` out of the queue; ``served``: because it was granted (its lane's
+        turn moves on); False when it was not queued."""
         if not w.queued:
             return False
         w.queued = False
         self.size -= 1
         if self._walking:
-            self._removed.append(w)
+            self._removed.append((w, served))
         else:
-            self._delete(w)
+            self._delete(w, served)
         if not self.size:
             self._deadlines.clear()
         return True
 
-    def _delete(self, w: Waiter) -> None:
-        level = self._levels.get(w.priority)
-        fifo = None if level is None else level.get(w.demand.class_name)
-        if level is None or fifo is None or fifo.pop(w.seq, None) is None:
+    def _delete(self, w: Waiter, served: bool) -> None:
+        lane = w.lane
+        if lane is None:  # added during a walk and removed before it ended
             return
-        if not fifo:
+        lane.drop(w, served)
+        if not lane.live:
+            level = self._levels[w.priority]
             del level[w.demand.class_name]
             if not level:
                 del self._levels[w.priority]
@@ -143,8 +261,8 @@ class WaitQueue:
 
     def waiters(self) -> list[Waiter]:
         """waiters lists the queued waiters (any order)."""
-        out = [w for level in self._levels.values() for fifo in level.values()
-               for w in fifo.values() if w.queued]
+        out = [e[3] for level in self._levels.values() for lane in level.values()
+               for e in lane.heap if e[3].queued]
         if self._walking:
             out.extend(w for w in self._added if w.queued)
         return out
@@ -169,15 +287,16 @@ class WaitQueue:
     def walk(self) -> Generator[Waiter, Step, None]:
         """walk yields the queued waiters in service order and obeys the ``Step`` sent back for each.
 
-        Order: priority descending; within a priority, arrival order across its classes.
+        Order: priority descending; within a class, tag order (tenants in turn, module doc);
+        between the classes of one priority, arrival order of each class's next waiter.
         """
         self._walking = True
         try:
             skip_tenants: set[str] = set()
             for prio in sorted(self._levels, reverse=True):
                 heads: dict[str, list[Any]] = {}  # class -> [its iterator, its head waiter]
-                for cname, fifo in self._levels[prio].items():
-                    it = iter(fifo.values())
+                for cname, lane in self._levels[prio].items():
+                    it = lane.in_order()
                     head = _next_queued(it)
                     if head is not None:
                         heads[cname] = [it, head]
@@ -205,8 +324,8 @@ class WaitQueue:
         finally:
             self._walking = False
             removed, self._removed = self._removed, []
-            for w in removed:
-                self._delete(w)
+            for w, served in removed:
+                self._delete(w, served)
             added, self._added = self._added, []
             for w in added:
                 if w.queued:

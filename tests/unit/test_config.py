@@ -127,6 +127,13 @@ store:
      "tenants.classes.a.kv_watermark", "finite"),
     (with_(tenants={"tenants": {"t": {"api_key_sha256": "secret"}}}),
      "tenants.tenants.t.api_key_sha256", "64 hex"),
+    (with_(tenants={"classes": {"a": {"fairness": "drr"}}, "default_class": "a"}),
+     "tenants.classes.a.fairness", "one of tenant, fifo"),
+    (with_(tenants={"tenants": {"t": {"weight": 0}}}), "tenants.tenants.t.weight", "> 0.0"),
+    (with_(tenants={"tenants": {"t": {"weight": -2}}}), "tenants.tenants.t.weight", "> 0.0"),
+    (with_(tenants={"tenants": {"t": {"weight": "heavy"}}}), "tenants.tenants.t.weight", "number"),
+    (with_(tenants={"tenants": {"t": {"weight": float("nan")}}}), "tenants.tenants.t.weight", "finite"),
+    (with_(tenants={"tenants": {"t": {"weight": 5000}}}), "tenants.tenants.t.weight", "<= 1000.0"),
     (with_(store={"redis": {"url": "http://x"}}), "store.redis.url", "redis://"),
     (with_(store={"redis": {"on_unavailable": "pray"}}), "store.redis.on_unavailable", "one of"),
     (with_(store="etcd"), "store", "memory"),
@@ -149,6 +156,14 @@ def test_kv_watermark_defaults_to_the_whole_budget_and_reads_a_ratio():
     assert classes["standard"].kv_watermark == 1.0
     assert classes["batch"].kv_watermark == 0.7
     assert classes["full"].kv_watermark == 1.0 and isinstance(classes["full"].kv_watermark, float)
+
+
+def test_fairness_defaults_to_tenants_in_turn_with_weight_one():
+    cfg = parse_config(with_(tenants={"classes": {"standard": {}, "bulk": {"fairness": "fifo"}},
+                                      "tenants": {"a": {}, "b": {"weight": 2.5}}}))
+    assert cfg.tenants.classes["standard"].fairness == "tenant"
+    assert cfg.tenants.classes["bulk"].fairness == "fifo"
+    assert cfg.tenants.tenants["a"].weight == 1.0 and cfg.tenants.tenants["b"].weight == 2.5
 
 
 def test_shared_api_key_is_refused():

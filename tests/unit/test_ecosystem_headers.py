@@ -55,6 +55,30 @@ async def test_the_fairness_header_follows_the_tenant_headers_rules():
     assert rig.inflight() == 0
 
 
+async def flow_of(rig: Rig, extra: list[tuple[str, str]]) -> str | None:
+    ex = Exchange(rig.gate)
+    ex.request_headers(headers_msg(extra=extra))
+    await ex.request_body(body_msg(chat()))
+    assert ex.lease is not None
+    flow = ex.lease.demand.fairness_id
+    ex.finish()
+    return flow
+
+
+async def test_the_fairness_header_names_an_anonymous_requests_flow_in_the_wait_queue():
+    rig = Rig()
+    # Anonymous requests share one flow unless the fairness header names one each.
+    assert await flow_of(rig, []) is None
+    assert await flow_of(rig, [(FAIRNESS, "user-7")]) == "_anonymous:user-7"
+    assert await flow_of(rig, [(FAIRNESS, " ")]) is None
+    assert await flow_of(rig, [(FAIRNESS, "u" * 500)]) == "_anonymous:" + "u" * 128
+    # A configured tenant is one flow, whichever header names it.
+    assert await flow_of(rig, [(FAIRNESS, "acme")]) is None
+    assert await flow_of(rig, [(FAIRNESS, "user-7"), ("x-tenant-id", "acme")]) is None
+    assert await flow_of(rig, [(FAIRNESS, "user-7"), ("authorization", f"Bearer {API_KEY}")]) is None
+    assert rig.inflight() == 0
+
+
 async def test_the_objective_header_names_the_class():
     rig = Rig()
     assert await admitted_class(rig, [(OBJECTIVE, "gold")]) == ("_anonymous", "gold")
