@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Generator
+import random
+from collections.abc import Callable, Generator
 from functools import partial
 
 from extproc.admission import rules
@@ -27,6 +28,7 @@ from extproc.admission.kvbudget import reserved_completion
 from extproc.admission.lease import Lease
 from extproc.admission.nodes import Charge, NodeReport, NodeSnapshot, PassedOver, PoolNodes
 from extproc.admission.pool import PoolRuntime
+from extproc.admission.retry import spread
 from extproc.admission.store.base import Store, StoreError, SyncStore
 from extproc.admission.store.memory import MemoryStore
 from extproc.admission.tenants import NOT_CACHED, Tenants
@@ -45,12 +47,15 @@ class Admission:
     """Admission admits requests to pools by slots, tokens per minute and in-flight KV tokens.
 
     ``config`` gives the pools, classes and tenants; ``clock`` the instants (seconds);
-    ``store`` where budgets live (None: in this process). See the module docstring for
-    the threading rule.
+    ``store`` where budgets live (None: in this process); ``rand`` a uniform draw in
+    [0, 1) for each refusal, that spreads its retry hint (``retry.spread``; None: the
+    ``random`` module's). See the module docstring for the threading rule.
     """
 
-    def __init__(self, config: Config, clock: Clock, store: Store | None = None) -> None:
+    def __init__(self, config: Config, clock: Clock, store: Store | None = None,
+                 rand: Callable[[], float] | None = None) -> None:
         self._clock = clock
+        self._rand = rand or random.random
         self._store: Store = MemoryStore() if store is None else store
         self._sync: SyncStore | None = self._store if isinstance(self._store, SyncStore) else None
         self._config = config
@@ -493,14 +498,18 @@ class Admission:
 
     def _rejection(self, p: PoolRuntime, refusal: Refusal, plan: Plan, now: float,
                    behind: bool = False) -> Rejection:
-        """_rejection words a refusal; ``behind``: the refusal is that of a waiter queued ahead."""
+        """_rejection words a refusal with its retry hint (when the budget is expected back,
+        spread); ``behind``: the refusal is that of a waiter queued ahead."""
         refusal = p.expected(refusal, plan, now)
+        if refusal.retryable:
+            refusal = Refusal(refusal.budget, spread(refusal.retry_after_s, self._rand()), True,
+                              refusal.needed, refusal.used, refusal.limit)
         text = rules.queued_message(refusal, plan) if behind else rules.message(refusal, plan)
         return Rejection(reason=refusal.budget.reason, retry_after_s=refusal.retry_after_s,
                          retryable=refusal.retryable, message=text, rate=self._rate(p, plan.limits, now))
 
     def _shed(self, p: PoolRuntime, cls: ClassConfig, limits: PoolLimits) -> Rejection:
-        wait = p.retry_estimate_s
+        wait = spread(p.retry_estimate_s, self._rand())
         return Rejection(reason=Reason.SHED, retry_after_s=wait, retryable=True,
                          message=rules.shed_message(p.name, cls.name, wait),
                          rate=self._rate(p, limits, self._clock.now()))

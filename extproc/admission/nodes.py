@@ -81,7 +81,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from extproc.admission import rules
-from extproc.admission.retry import MAX_WAIT_S, HoldTimes, expected_wait_oldest_first
+from extproc.admission.retry import MAX_WAIT_S, HoldTimes, expected_wait
 from extproc.admission.shared_nodes import Candidate, NodeAsk, Pooled
 from extproc.admission.types import Chain
 from extproc.config import BackendConfig, PickingConfig, PoolConfig
@@ -981,12 +981,15 @@ class PoolNodes:
     def retry_after(self, need: int, now: float, fallback_s: float) -> float:
         """retry_after estimates when some node has room for ``need`` tokens (seconds).
 
-        ``retry.expected_wait_oldest_first`` per up node, over the requests kvgate holds
-        there, oldest first, until enough would be freed; the soonest wins. ``fallback_s`` before any request completed; the longest hint when
-        no release would make room (KV held by others must shrink first).
+        ``retry.expected_wait`` per up node, over the requests kvgate holds there (oldest
+        first), each expected to end after its residual hold given its age, summed in order
+        of expected end until enough would be freed; the soonest node wins. ``fallback_s``
+        before any request completed; when no release would make room (KV held by others
+        must shrink first), the longer of ``fallback_s`` and a mean hold (at most the hint's
+        ceiling).
         """
-        typical = self.holds.median()
-        if typical is None:
+        holds = self.holds
+        if not len(holds):
             return fallback_s
         best: float | None = None
         for n in self.nodes.values():
@@ -995,11 +998,11 @@ class PoolNodes:
             room = self.headroom(n, now)
             if room is None:
                 continue
-            t = expected_wait_oldest_first(((now - c.admitted_at, self._alone(c)) for c in n.charges),
-                                           need - room, typical)
+            t = expected_wait(now, ((c.admitted_at, self._alone(c)) for c in n.charges),
+                              need - room, holds)
             if t is not None and (best is None or t < best):
                 best = t
-        return best if best is not None else min(MAX_WAIT_S, max(fallback_s, typical))
+        return best if best is not None else min(MAX_WAIT_S, max(fallback_s, holds.residual(0.0) or 0.0))
 
     def snapshot(self, now: float) -> tuple[NodeSnapshot, ...]:
         """snapshot reports every node for metrics and health pages."""

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import math
+from operator import attrgetter
 
 from extproc.admission.adaptive import ScaleParams, ScaleTracker
 from extproc.admission.kvbudget import base_kv_budget, effective_kv_budget, kv_ceilings
 from extproc.admission.lease import Lease
 from extproc.admission.nodes import PoolNodes
-from extproc.admission.retry import HoldTimes, expected_wait_oldest_first
+from extproc.admission.retry import HoldTimes, expected_wait, first_end
 from extproc.admission.slots import effective_guarantees, effective_limit
 from extproc.admission.types import POOL_BUCKET, Budget, BucketSpec, Plan, PoolLimits, Refusal
 from extproc.admission.waitqueue import Blocks, WaitQueue
@@ -22,6 +23,8 @@ from extproc.config import PoolConfig
 
 # Budgets that come back when leases are released: their retry hint is learned.
 _RELEASED = (Budget.SLOTS, Budget.RESERVED_SLOTS, Budget.KV, Budget.CLASS_KV)
+_ADMITTED = attrgetter("admitted_at")
+_ADMITTED_TOKENS = attrgetter("admitted_at", "demand.tokens")
 
 
 class PoolRuntime:
@@ -88,25 +91,23 @@ class PoolRuntime:
     def expected(self, refusal: Refusal, plan: Plan, now: float) -> Refusal:
         """expected gives a slots or pool-KV refusal the delay (s) until its budget is expected back.
 
-        ``retry.expected_wait_oldest_first`` over the pool's leases (their ages and holds) at
-        the pool's median hold time (``live`` keeps them in the order they were admitted,
-        each stamped by the clock as it is added: oldest first); a longer delay from a token
-        bucket stays (``rules.decide`` gave the longest). Unchanged before any request
-        completed, and for other budgets.
+        Over the pool's leases (their ages and holds) against the pool's completed holds,
+        each lease is expected to end after its residual hold given its age: a slot comes
+        back at the earliest end (``retry.first_end``), KV tokens when the leases in order
+        of expected end have freed what is missing (``retry.expected_wait``). ``live`` keeps
+        the leases in the order they were admitted, each stamped by the clock as it is
+        added: oldest first. A longer delay from a token bucket stays (``rules.decide`` gave
+        the longest). Unchanged before any request completed, and for other budgets.
         """
         b = refusal.budget
-        if not refusal.retryable or b not in _RELEASED:
+        if not refusal.retryable or b not in _RELEASED or not len(self.holds):
             return refusal
-        typical = self.holds.median()
-        if typical is None:
-            return refusal
+        # map and attrgetter read the leases at C speed: a refusal reads up to WALK_LIMIT.
         if b in (Budget.SLOTS, Budget.RESERVED_SLOTS):
-            holders = ((now - x.admitted_at, 1.0) for x in self.live)
-            short = 1.0
+            wait = first_end(now, map(_ADMITTED, self.live), self.holds)
         else:
-            holders = ((now - x.admitted_at, float(x.demand.tokens)) for x in self.live)
-            short = refusal.needed + refusal.used - refusal.limit
-        wait = expected_wait_oldest_first(holders, short, typical)
+            wait = expected_wait(now, map(_ADMITTED_TOKENS, self.live),
+                                 refusal.needed + refusal.used - refusal.limit, self.holds)
         if wait is None:
             return refusal
         if refusal.retry_after_s > plan.limits.retry_estimate_s:  # a bucket's exact, longer wait

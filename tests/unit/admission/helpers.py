@@ -18,6 +18,12 @@ T0 = 1000.0
 STALE_AFTER_S = ADAPTIVE_DEFAULTS.stale_after_s
 
 
+def no_jitter() -> float:
+    """no_jitter is the random draw of a test that checks a retry hint exactly: the hint is
+    not spread (``retry.spread`` lengthens it by draw x JITTER)."""
+    return 0.0
+
+
 class Recorder:
     """Recorder is a StoreObserver that remembers what it heard."""
 

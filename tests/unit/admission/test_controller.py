@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from extproc.admission import (Admission, Demand, InvalidDemandError, Lease, Outcome, PoolSignals,
                                Reason, Rejection, UnknownPoolError)
 from extproc.admission.store.base import Store
 from extproc.clock import ManualClock
-from tests.unit.admission.helpers import STALE_AFTER_S, T0, YieldingStore, config, tenants
+from tests.unit.admission.helpers import STALE_AFTER_S, T0, YieldingStore, config, no_jitter, tenants
 
 BACKENDS = [{"name": "n1", "metrics_url": "http://127.0.0.1:9/metrics"}]
 
@@ -84,7 +86,7 @@ async def test_stale_signals_shrink_and_pools_without_backends_stay_at_one(clock
 
 
 async def test_tpm_reserves_then_refunds_with_the_exact_wait(clock: ManualClock, store: Store):
-    adm = Admission(config(pool={"tpm": 6000}), clock, store)   # 100 tokens/s
+    adm = Admission(config(pool={"tpm": 6000}), clock, store, rand=no_jitter)   # 100 tokens/s
     a = await adm.acquire(demand(1000, 2000))
     b = await adm.acquire(demand(1000, 2000))
     assert isinstance(a, Lease) and isinstance(b, Lease)
@@ -170,7 +172,7 @@ async def test_alarm_sheds_sheddable_classes_first(clock: ManualClock, store: St
 async def test_tenant_buckets_are_separate(clock: ManualClock, store: Store):
     cfg = config(pool={"tpm": 1_000_000},
                  tenants=tenants({"standard": {"tpm": 1200}}, {"big": {"class": "standard", "tpm": 6000}}))
-    adm = Admission(cfg, clock, store)
+    adm = Admission(cfg, clock, store, rand=no_jitter)
     assert isinstance(await adm.acquire(demand(1000, 200, tenant="a")), Lease)
     r = await adm.acquire(demand(10, 0, tenant="a"))
     assert isinstance(r, Rejection) and r.reason is Reason.TPM and "tenant 'a'" in r.message
@@ -310,7 +312,7 @@ async def test_a_batch_kv_watermark_keeps_chats_in_when_the_scale_shrinks(clock:
 
 
 def test_the_retry_hint_comes_from_when_a_slot_is_expected_back(clock: ManualClock):
-    adm = Admission(config(), clock)
+    adm = Admission(config(), clock, rand=no_jitter)
     for _ in range(3):                          # requests that each held a slot for 6 s
         x = adm.try_acquire(demand())
         clock.advance(6.0)
@@ -319,46 +321,133 @@ def test_the_retry_hint_comes_from_when_a_slot_is_expected_back(clock: ManualClo
     clock.advance(2.0)
     r = adm.try_acquire(demand())
     assert isinstance(r, Rejection) and r.reason is Reason.CONCURRENCY
-    assert r.retry_after_s == pytest.approx(4.0)  # the oldest holders are 2 s into a typical 6 s
+    assert r.retry_after_s == pytest.approx(4.0)  # the holders are 2 s into holds of 6 s
     assert "retry after 4.0s" in r.message
     held[0].release(Outcome.CLIENT_DISCONNECT)    # a disconnect is no hold time to learn from
     assert isinstance(adm.try_acquire(demand()), Lease)
-    assert len(adm._pools["default"].live) == 4 and len(adm._pools["default"].holds._samples) == 3
+    assert len(adm._pools["default"].live) == 4 and len(adm._pools["default"].holds) == 3
 
 
 def test_without_completed_requests_the_retry_hint_is_the_poll_interval(clock: ManualClock):
-    adm = Admission(config(), clock)
+    adm = Admission(config(), clock, rand=no_jitter)
     [adm.try_acquire(demand()) for _ in range(4)]
     r = adm.try_acquire(demand())
     assert isinstance(r, Rejection) and r.retry_after_s == 1.0
 
 
-def test_a_slots_refusal_reads_only_the_oldest_leases_whatever_is_in_flight(clock: ManualClock, monkeypatch):
+def mixed_history(adm: Admission, clock: ManualClock, tokens: tuple[int, int] = (100, 100)) -> None:
+    """mixed_history completes 18 chats of 50 ms, then 2 generations of 2 s side by side:
+    the pool's median hold is 50 ms, its mean 0.245 s."""
+    for _ in range(18):
+        x = adm.try_acquire(demand(*tokens))
+        clock.advance(0.05)
+        assert isinstance(x, Lease) and x.release(Outcome.COMPLETED, 10)
+    longs = [adm.try_acquire(demand(*tokens)) for _ in range(2)]
+    clock.advance(2.0)
+    for x in longs:
+        assert isinstance(x, Lease) and x.release(Outcome.COMPLETED, 10)
+    assert adm._pools["default"].holds.median() == pytest.approx(0.05)
+
+
+def test_in_mixed_traffic_a_slot_behind_long_generations_is_expected_back_when_they_end(clock: ManualClock):
+    """Issue 30: after many short requests the median hold is 50 ms; a request refused
+    behind two generations 0.3 s in was told 50 ms (a holder older than the median was
+    expected to end within a tenth of it). Past every chat, only the 2 s holds speak for
+    them: the slot is back in 1.7 s, when the first of them is expected to end."""
+    adm = Admission(config(pool={"max_concurrency": 2}), clock, rand=no_jitter)
+    mixed_history(adm, clock)
+    longs = [adm.try_acquire(demand()) for _ in range(2)]
+    clock.advance(0.3)
+    r = adm.try_acquire(demand())
+    assert isinstance(r, Rejection) and r.reason is Reason.CONCURRENCY
+    assert r.retry_after_s == pytest.approx(1.7) and "retry after 1.7s" in r.message
+    clock.advance(r.retry_after_s)              # the client honours it: the generations end then
+    for x in longs:
+        assert isinstance(x, Lease) and x.release(Outcome.COMPLETED, 10)
+    assert isinstance(adm.try_acquire(demand()), Lease)
+
+
+def test_a_slot_held_past_every_completed_hold_is_expected_to_take_as_long_again(clock: ManualClock):
+    """A holder older than every completed hold has nothing to go by: it is expected to live
+    as long again as its age, so a client refused again is told a longer wait each time,
+    not the 50 ms floor over and over."""
+    adm = Admission(config(pool={"max_concurrency": 1}), clock, rand=no_jitter)
+    for _ in range(10):
+        x = adm.try_acquire(demand())
+        clock.advance(0.05)
+        assert isinstance(x, Lease) and x.release(Outcome.COMPLETED, 10)
+    held = adm.try_acquire(demand())
+    assert isinstance(held, Lease)
+    waits = []
+    for _ in range(3):
+        clock.advance(waits[-1] if waits else 0.5)
+        r = adm.try_acquire(demand())
+        assert isinstance(r, Rejection)
+        waits.append(r.retry_after_s)
+    assert waits == pytest.approx([0.5, 1.0, 2.0])
+
+
+def test_in_mixed_traffic_kv_is_expected_back_when_the_holders_needed_have_ended(clock: ManualClock):
+    """A KV refusal sums the holders in order of expected end until the missing tokens are
+    freed: a young chat (300 tokens, expected to end in 0.235 s) is not enough, the
+    generation 1 s in (600 tokens, 1 s left) is needed too. The median said 50 ms."""
+    adm = Admission(config(pool={"max_concurrency": 10, "kv_budget_tokens": 1000}), clock,
+                    rand=no_jitter)
+    mixed_history(adm, clock)
+    gen = adm.try_acquire(demand(500, 100))
+    clock.advance(0.99)
+    chat = adm.try_acquire(demand(200, 100))
+    clock.advance(0.01)
+    assert isinstance(gen, Lease) and isinstance(chat, Lease)
+    r = adm.try_acquire(demand(400, 100))         # 900 in use + 500 > 1000: 400 missing
+    assert isinstance(r, Rejection) and r.reason is Reason.KV_BUDGET
+    assert r.retry_after_s == pytest.approx(1.0)
+    r = adm.try_acquire(demand(100, 100))         # 100 missing: the chat alone frees them
+    assert isinstance(r, Rejection) and r.retry_after_s == pytest.approx(0.245 - 0.01)
+
+
+def test_refusals_at_one_instant_are_told_hints_spread_over_a_quarter_of_the_wait(clock: ManualClock):
+    adm = Admission(config(pool={"max_concurrency": 2}), clock, rand=random.Random(30).random)
+    mixed_history(adm, clock)
+    [adm.try_acquire(demand()) for _ in range(2)]
+    clock.advance(0.3)
+    hints = []
+    for _ in range(200):
+        r = adm.try_acquire(demand())
+        assert isinstance(r, Rejection)
+        hints.append(r.retry_after_s)
+    assert all(1.7 - 1e-9 <= h < 1.7 * 1.25 for h in hints)
+    assert len(set(hints)) == 200 and max(hints) - min(hints) > 0.9 * 1.7 * 0.25
+
+
+def test_a_slots_refusal_reads_at_most_the_walk_limit_of_leases_whatever_is_in_flight(clock: ManualClock,
+                                                                                     monkeypatch):
     """Under overload nearly every request is refused while the pool is full: the retry hint
-    walks the leases oldest first and stops at the first that frees the slot (it once sorted
+    reads the leases oldest first, at most ``retry.WALK_LIMIT`` of them (it once sorted
     every lease in flight for each refusal: 6 ms a 429 with 20,000 in flight)."""
     from extproc.admission import retry
-    adm = Admission(config(), clock)
+    limit = retry.WALK_LIMIT + 50
+    adm = Admission(config(pool={"max_concurrency": limit}), clock, rand=no_jitter)
     for _ in range(3):                          # requests that each held a slot for 6 s
         x = adm.try_acquire(demand())
         clock.advance(6.0)
         x.release(Outcome.COMPLETED, 10)
     held = []
-    for _ in range(4):                          # admitted a second apart
+    for _ in range(limit):                      # admitted 10 ms apart
         held.append(adm.try_acquire(demand()))
-        clock.advance(1.0)
+        clock.advance(0.01)
     held.pop(0).release(Outcome.CLIENT_DISCONNECT)  # the oldest leaves: order is kept
     held.append(adm.try_acquire(demand()))
     live = adm._pools["default"].live
     assert [x.admitted_at for x in live] == sorted(x.admitted_at for x in live)
     read: list[float] = []
-    walk = retry.expected_wait_oldest_first
+    walk = retry.first_end
 
-    def counting(holders, short, typical):
-        return walk((read.append(h[0]) or h for h in holders), short, typical)
+    def counting(now, admitted, holds):
+        return walk(now, (read.append(now - t) or t for t in admitted), holds)
 
-    monkeypatch.setattr("extproc.admission.pool.expected_wait_oldest_first", counting)
+    monkeypatch.setattr("extproc.admission.pool.first_end", counting)
     r = adm.try_acquire(demand())
     assert isinstance(r, Rejection) and r.reason is Reason.CONCURRENCY
-    assert read == [3.0]                        # the oldest lease alone, 3 s into a typical 6 s
-    assert r.retry_after_s == pytest.approx(3.0)
+    assert len(read) == retry.WALK_LIMIT + 1 and read == sorted(read, reverse=True)
+    assert r.retry_after_s == pytest.approx(6.0 - read[0])  # the oldest, read[0] s into 6 s holds

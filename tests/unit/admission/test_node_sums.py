@@ -189,14 +189,6 @@ def test_the_view_pooled_growth_reads_follows_the_lengths_by_a_share_of_them():
     assert i == 11
 
 
-@given(holders=st.lists(st.tuples(st.floats(0, 100), st.integers(0, 5_000)), max_size=40),
-       short=st.integers(-10, 60_000), typical=st.floats(0.01, 50))
-def test_the_retry_walk_oldest_first_is_the_sorted_walk(holders, short, typical):
-    from extproc.admission.retry import expected_wait, expected_wait_oldest_first
-    oldest_first = sorted(holders, key=lambda h: -h[0])
-    assert expected_wait_oldest_first(oldest_first, short, typical) == expected_wait(holders, short, typical)
-
-
 def test_a_charge_moved_to_a_node_keeps_its_charges_oldest_first():
     pool = up("worst_case")
     a = pool.pick("standard", 10, 100, 1.0, T0)           # first node in turn
@@ -206,39 +198,3 @@ def test_a_charge_moved_to_a_node_keeps_its_charges_oldest_first():
     assert pool.move(a, other.address)
     ages = [c.admitted_at for c in other.charges]
     assert a in other.charges and ages == sorted(ages) and len(ages) == 1 + sum(c.node is other for c in later)
-
-
-def test_the_retry_walk_reads_at_most_its_limit_and_answers_the_typical_hold_past_it():
-    from extproc.admission.retry import MAX_WAIT_S, WALK_LIMIT, expected_wait_oldest_first
-    read = 0
-
-    def holders(n: int, units: float):
-        nonlocal read
-        for i in range(n):
-            read += 1
-            yield ((n - i) / 1000, units)            # oldest first, a millisecond apart
-
-    typical = 30.0
-    # Enough is freed within the limit: the walk's own answer, as the sorted walk's.
-    assert expected_wait_oldest_first(holders(10_000, 1.0), WALK_LIMIT - 1, typical) == \
-        pytest.approx(typical - (10_000 - (WALK_LIMIT - 2)) / 1000)
-    assert read == WALK_LIMIT - 1
-    # Not within the limit: the typical hold, after reading the limit and no more.
-    read = 0
-    assert expected_wait_oldest_first(holders(10_000, 1.0), 5_000, typical) == typical
-    assert read == WALK_LIMIT
-    # Never enough among fewer than the limit: None, as before (the caller's fallback).
-    assert expected_wait_oldest_first(holders(10, 1.0), 5_000, typical) is None
-    assert expected_wait_oldest_first(holders(10_000, 1.0), 5_000, 10 * MAX_WAIT_S) == MAX_WAIT_S
-
-
-@given(holds=st.lists(st.floats(-1.0, 1e6, allow_nan=False), max_size=700))
-@settings(max_examples=100)
-def test_the_hold_times_median_is_that_of_the_latest_samples(holds):
-    from extproc.admission.retry import HOLD_SAMPLES, HoldTimes
-    times = HoldTimes()
-    for i, seconds in enumerate(holds):
-        times.add(seconds)
-        latest = sorted(max(0.0, h) for h in holds[max(0, i + 1 - HOLD_SAMPLES):i + 1])
-        assert times.median() == latest[len(latest) // 2]
-    assert times.median() is None or holds

@@ -13,7 +13,7 @@ from extproc.admission import rules, shared_nodes
 from extproc.admission.nodes import Charge, NodeReport, NodeState, PoolNodes
 from extproc.clock import ManualClock
 from extproc.config import ConfigError
-from tests.unit.admission.helpers import T0, config
+from tests.unit.admission.helpers import T0, config, no_jitter
 
 CAP = 100_000
 
@@ -449,6 +449,31 @@ def test_retry_after_comes_from_when_room_is_expected_back():
     r = adm.try_acquire(demand(40_000, 5_000))
     assert isinstance(r, Rejection)
     assert 4.0 <= r.retry_after_s <= 6.0    # the two are 3 s into a typical 8 s
+
+
+def test_in_mixed_traffic_a_nodes_room_is_expected_back_when_the_generations_needed_end():
+    """Issue 30 on a node: after 18 chats of 50 ms and 2 generations of 2 s (median 50 ms),
+    two generations 0.3 s in fill the node; one of them must end for a third to fit,
+    expected in 1.7 s (the median said 50 ms)."""
+    clock = ManualClock(T0)
+    adm = Admission(config(pool=nodes_pool(1)), clock, rand=no_jitter)
+    report(adm, clock, {"n0": 0.0})
+    for _ in range(18):
+        x = adm.try_acquire(demand(10_000, 1_000))
+        clock.advance(0.05)
+        assert isinstance(x, Lease) and x.release(Outcome.COMPLETED, 10)
+    longs = [adm.try_acquire(demand(10_000, 1_000)) for _ in range(2)]
+    clock.advance(2.0)
+    for x in longs:
+        assert isinstance(x, Lease) and x.release(Outcome.COMPLETED, 10)
+    report(adm, clock, {"n0": 0.0})
+    held = [adm.try_acquire(demand(40_000, 5_000)) for _ in range(2)]
+    assert all(isinstance(x, Lease) for x in held)
+    clock.advance(0.3)
+    report(adm, clock, {"n0": 0.0})
+    r = adm.try_acquire(demand(40_000, 5_000))
+    assert isinstance(r, Rejection) and r.reason is Reason.KV_BUDGET
+    assert r.retry_after_s == pytest.approx(1.7)
 
 
 def test_config_needs_an_address_on_every_backend_or_none():
