@@ -24,7 +24,7 @@ README = ROOT / "README.md"  # holds the configuration table; the guide links to
 # How the schema's dataclasses map onto the file's keys, where the names differ.
 SKIPPED = {(cfg.PoolConfig, "name"), (cfg.ClassConfig, "name"), (cfg.TenantConfig, "name"),
            (cfg.StoreConfig, "kind")}  # mapping keys, and the kind derived from `store`
-RENAMED = {(cfg.TenantConfig, "class_name"): "class"}
+RENAMED = {(cfg.TenantConfig, "class_name"): "class", (cfg.TenantsConfig, "unauthenticated_class"): "unauthenticated"}
 PLACEHOLDERS = {(cfg.Config, "pools"): "<pool>", (cfg.TenantsConfig, "classes"): "<class>",
                 (cfg.TenantsConfig, "tenants"): "<tenant>"}
 # Concrete names for the placeholders, as in BASE below.
