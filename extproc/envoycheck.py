@@ -287,8 +287,8 @@ def _cluster_picks(doc: dict[str, Any], name: str) -> bool | None:
                 str(dst.get("http_header_name", "")).lower() == PICKER_HEADERS[0]:
             return True
         policies = _items(_dict(c.get("load_balancing_policy")).get("policies"))
-        return any("override_host" in str(_dict(_dict(p).get("typed_extension_config")).get(
-            "typed_config", {}).get("@type", "")).lower() for p in policies)
+        return any("override_host" in str(_dict(_dict(_dict(p).get("typed_extension_config")).get(
+            "typed_config")).get("@type", "")).lower() for p in policies)
     return None
 
 

@@ -269,12 +269,12 @@ class Server:
         or flip a pool's picking, is refused first (``configdiff.guard``) unless the new file
         sets ``allow_destructive_reload``: a file cut short while being written looks so.
         """
-        self._reload_generation += 1
-        generation = self._reload_generation
         change, refusal = guard(self._file_config, config)
-        if refusal is not None:
+        if refusal is not None:  # before the generation: a refused file cancels no pending one
             self._reload_refused(refusal)
             return
+        self._reload_generation += 1
+        generation = self._reload_generation
         missing = sorted({pc.tokenizer for pc in config.pools.values()} - self._tokenizers_ready)
         if not missing:
             self._apply_now(config, change)
