@@ -52,11 +52,13 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("file", metavar="FILE")
     check.add_argument("--envoy", metavar="ENVOY.yaml",
                        help="also report every value of this Envoy file that disagrees with FILE")
-    from extproc.envoyconf import DEFAULT_MODE, MODES
+    from extproc.envoyconf import DEFAULT_MODE, MODES, PICKING_MODE
     ef = sub.add_parser("envoy-filter", help="print the Envoy ext_proc filter and cluster for a configuration")
     ef.add_argument("--config", required=True, metavar="FILE", help="kvgate YAML configuration")
-    ef.add_argument("--mode", choices=MODES, default=DEFAULT_MODE,
-                    help=f"which Envoy file of deploy/ to follow (default: {DEFAULT_MODE})")
+    ef.add_argument("--mode", choices=MODES, default=None,
+                    help=f"which Envoy file of deploy/ to follow (default: {PICKING_MODE} where the "
+                         f"default pool picks its nodes, else {DEFAULT_MODE}); a mode that does not "
+                         f"fit the pool is refused")
     ef.add_argument("--bootstrap", action="store_true",
                     help="print a whole Envoy file (listener, routes, clusters), not only the pieces")
     ef.add_argument("--listen", type=_hostport, default="0.0.0.0:8080", metavar="HOST:PORT",
@@ -151,15 +153,16 @@ def _health(address: str, timeout_s: float) -> int:
 
 
 def _envoy_filter(args: argparse.Namespace) -> int:
-    from extproc.envoyconf import envoy_bootstrap, envoy_filter, render
+    from extproc.envoyconf import envoy_bootstrap, envoy_filter, mode_for, render
     try:
         config = load_config(args.config)
+        mode = args.mode or mode_for(config)
+        doc = (envoy_bootstrap(config, mode, listen=args.listen, upstream=args.upstream)
+               if args.bootstrap else envoy_filter(config, mode))
     except ConfigError as err:
         print(f"error: {err.key}: {err.reason}", file=sys.stderr)
         return EXIT_CONFIG
-    doc = (envoy_bootstrap(config, args.mode, listen=args.listen, upstream=args.upstream)
-           if args.bootstrap else envoy_filter(config, args.mode))
-    sys.stdout.write(render(doc, args.config, args.mode))
+    sys.stdout.write(render(doc, args.config, mode))
     return EXIT_OK
 
 

@@ -339,7 +339,12 @@ class ServerConfig:
 
 @dataclass(frozen=True, slots=True)
 class Config:
-    """Config is the whole validated configuration of one kvgate process."""
+    """Config is the whole validated configuration of one kvgate process.
+
+    ``allow_destructive_reload``: a hot reload of this file may remove pools, every backend of
+    a pool, keyed tenants or every key of a tenant, or flip a pool's picking (``configdiff``);
+    without it such a reload is refused and the configuration in force stays.
+    """
 
     pools: Mapping[str, PoolConfig]
     default_pool: str = "default"
@@ -348,6 +353,7 @@ class Config:
     tenants: TenantsConfig = field(default_factory=TenantsConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    allow_destructive_reload: bool = False
 
     def pool(self, name: str | None) -> PoolConfig:
         """pool returns the named pool, or the default pool for None."""
@@ -373,6 +379,10 @@ def warnings(config: Config) -> list[str]:
             if pool.picks and pool.picking.shared_prefix:
                 out.append(f"pools.{name}.picking.shared_prefix has no effect with the Redis store yet: "
                            "the shared ledger charges every prompt whole")
+    if config.allow_destructive_reload:
+        out.append("allow_destructive_reload is true: a reload that removes a pool, every backend of "
+                   "a pool or a keyed tenant's keys applies, even from a file cut short while being "
+                   "written; remove it once the reload it was meant for has applied")
     return out
 
 
@@ -743,7 +753,8 @@ def parse_config(data: Any) -> Config:
                               f"pools.{pool.name}.max_concurrency ({pool.max_concurrency})")
     cfg = Config(pools=pools, default_pool=default_pool, limits=limits,
                  adaptive=_adaptive(root.raw("adaptive")), tenants=tenants,
-                 store=_store(root.raw("store")), server=_server(root.raw("server")))
+                 store=_store(root.raw("store")), server=_server(root.raw("server")),
+                 allow_destructive_reload=root.boolean("allow_destructive_reload", False))
     root.done()
     return cfg
 

@@ -4,7 +4,8 @@
 ``extproc.envoyconf`` would write for the same ``Config`` (``kvgate check-config --envoy``),
 by the kvgate key it breaks: the gRPC cluster's address, the message timeouts against the
 classes' waits, the request attributes, the body limits and the 413 route, the header strip
-before ext_proc, and each route's ``kvgate`` metadata.
+before ext_proc, each route's ``kvgate`` metadata, and whether each route's cluster routes by
+the node kvgate names exactly where the route's pool picks its nodes (``picking_mismatch``).
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from typing import Any
 
 from extproc.config import Config
 from extproc.envoyconf import (ENVOY_DEFAULT_BUFFER_BYTES, EXT_PROC_TYPE, HEADER_MUTATION_TYPE,
-                               buffer_limit_bytes, identity_headers, kvgate_address,
-                               request_attributes, seconds_text, split_address)
+                               PICKER_HEADERS, buffer_limit_bytes, identity_headers,
+                               kvgate_address, picking_mismatch, request_attributes, seconds_text,
+                               split_address)
 from extproc.gate import METADATA_NAMESPACE, RELEASES, ROUTE_KEYS, STREAM_AND_LOG, WAIT_TIMEOUT_MARGIN_S
 
 
@@ -271,6 +273,68 @@ def _check_routes(config: Config, where: str, hcm: dict[str, Any], filters: list
     return out
 
 
+def _cluster_picks(doc: dict[str, Any], name: str) -> bool | None:
+    """_cluster_picks: the cluster ``name`` sends each request to the address in kvgate's
+    ``x-gateway-destination-endpoint`` header (ORIGINAL_DST reading it, or the override_host
+    load balancing policy); None when the file defines no such cluster."""
+    for c in _items(_dict(doc.get("static_resources")).get("clusters")):
+        c = _dict(c)
+        if c.get("name") != name:
+            continue
+        dst = _dict(c.get("original_dst_lb_config"))
+        if c.get("type") == "ORIGINAL_DST" and dst.get("use_http_header") and \
+                str(dst.get("http_header_name", "")).lower() == PICKER_HEADERS[0]:
+            return True
+        policies = _items(_dict(c.get("load_balancing_policy")).get("policies"))
+        return any("override_host" in str(_dict(_dict(_dict(p).get("typed_extension_config")).get(
+            "typed_config")).get("@type", "")).lower() for p in policies)
+    return None
+
+
+def _check_picking(config: Config, doc: dict[str, Any], where: str, hcm: dict[str, Any],
+                   ext: dict[str, Any]) -> list[Disagreement]:
+    """_check_picking names each (pool, cluster) pair of this connection manager's routes where
+    the pool picks its nodes and the cluster balances by itself, or the other way round; and a
+    picking pool behind a filter that skips the request headers (they go upstream first)."""
+    out = []
+    seen: set[tuple[str, str]] = set()
+    skips_headers = _dict(ext.get("processing_mode")).get("request_header_mode", "SEND") == "SKIP"
+    for vi, vh in enumerate(_items(_dict(hcm.get("route_config")).get("virtual_hosts"))):
+        vh = _dict(vh)
+        host_pool = _kvgate_value(vh).get("pool")
+        for ri, route in enumerate(_items(vh.get("routes"))):
+            route = _dict(route)
+            cluster = _dict(route.get("route")).get("cluster")
+            if not isinstance(cluster, str):
+                continue  # a direct response, a redirect, weighted clusters: nothing picked here
+            pool_name = _kvgate_value(route).get("pool", host_pool) or config.default_pool
+            pool = config.pools.get(str(pool_name))
+            envoy_picks = _cluster_picks(doc, cluster)
+            if pool is None or envoy_picks is None or (pool.name, cluster) in seen:
+                continue  # an unknown pool or cluster is named elsewhere
+            at = f"{where}.route_config.virtual_hosts[{vi}].routes[{ri}]"
+            name = route.get("name")
+            via = f"route {name!r} (to cluster {cluster!r})" if name else f"its route to cluster {cluster!r}"
+            mismatch = picking_mismatch(pool, envoy_picks, via)
+            if mismatch is None and pool.picks and skips_headers:
+                mismatch = picking_mismatch(pool, False, "the ext_proc filter skips the request "
+                                                         "headers (they go upstream first) and")
+            if mismatch:
+                seen.add((pool.name, cluster))
+                out.append(Disagreement(f"pools.{pool.name}.backends", at, mismatch))
+    return out
+
+
+def _kvgate_value(holder: dict[str, Any]) -> dict[str, Any]:
+    """_kvgate_value is the ``kvgate`` metadata a route or virtual host sets (empty if none)."""
+    per = _dict(_dict(holder.get("typed_per_filter_config")).get("envoy.filters.http.set_metadata"))
+    for entry in _items(per.get("metadata")):
+        entry = _dict(entry)
+        if entry.get("metadata_namespace") == METADATA_NAMESPACE:
+            return _dict(entry.get("value"))
+    return {}
+
+
 def _logs_to_kvgate(config: Config, doc: dict[str, Any], hcm: dict[str, Any], ext: dict[str, Any]) -> bool:
     """_logs_to_kvgate: a gRPC access log of ``hcm`` goes to the ext_proc filter's cluster, or
     to a cluster at kvgate's address (the filter's own cluster may be what is wrong)."""
@@ -308,6 +372,7 @@ def check_envoy(config: Config, doc: Any) -> list[Disagreement]:
             out += _check_body(config, where, listener, hcm, ext)
             out += _check_routes(config, where, hcm, filters, i, ext, doc)
             out += _check_strip(config, where, filters, i)
+            out += _check_picking(config, doc, where, hcm, ext)
     if not seen:
         out.append(Disagreement("-", "static_resources.listeners",
                                 "no ext_proc filter (outside observability mode) in any listener"))

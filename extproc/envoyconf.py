@@ -49,6 +49,12 @@ kvgate and releases its lease; in endpoint-picker-log the connection manager als
 periodic entry of every stream in flight (``access_log_options.access_log_flush_interval``,
 ``PROGRESS_INTERVAL_S``), which tells the node's ledger how far the request has got (the usage
 filter's event count) and which node serves it, and never releases.
+
+The last three modes (and only they) route by the node kvgate names: they fit a pool that picks
+its nodes (every backend has an ``address``, or DNS discovery) and no other, and the first five
+fit only a pool that does not. Either other pair fails every request, so ``envoy_filter``
+refuses to write one and ``check_envoy`` names it (``picking_mismatch``); without ``--mode``
+the mode that fits the default pool is written (``mode_for``).
 """
 
 from __future__ import annotations
@@ -59,7 +65,8 @@ from typing import Any
 
 import yaml
 
-from extproc.config import Config
+from extproc.config import Config, PoolConfig
+from extproc.errors import ConfigError
 from extproc.gate import METADATA_NAMESPACE, STREAM_AND_LOG, WAIT_TIMEOUT_MARGIN_S
 from extproc.picker_protocol import LB_NAMESPACE, SERVED_KEY, SUBSET_NAMESPACE
 from extproc.usage_log import LUA_SOURCE
@@ -110,6 +117,15 @@ IDLE_TIMEOUT_S = 300
 GATEWAY_UNAVAILABLE_BODY = ('{"error":{"message":"The admission gateway is unavailable; retry shortly.",'
                             '"type":"server_error","param":null,"code":"gateway_unavailable"}}')
 DEFAULT_MODE = "three-message"
+"""DEFAULT_MODE is the mode written for a configuration whose default pool does not pick its nodes."""
+PICKING_MODE = "endpoint-picker"
+"""PICKING_MODE is the mode written for a configuration whose default pool picks its nodes."""
+# What an operator is told to use instead when a pool and the Envoy file in front disagree on
+# who picks the node: the shipped files of each kind, and the mode that writes the first.
+PICKING_FILES = ("deploy/envoy-endpoint-picker.yaml", "deploy/envoy-endpoint-picker-log.yaml",
+                 "deploy/envoy-inference-pool.yaml")
+POOL_LEVEL_FILES = ("deploy/envoy.yaml", "deploy/envoy-four-message.yaml", "deploy/envoy-reservation.yaml",
+                    "deploy/envoy-observe.yaml", "deploy/envoy-access-log.yaml")
 # The shortest max_message_timeout written (seconds): room for a class added by a reload.
 MIN_MAX_MESSAGE_TIMEOUT_S = 60
 # Envoy's default per_connection_buffer_limit_bytes (bytes), when a listener sets none.
@@ -129,6 +145,47 @@ _RATE_HEADERS = ("x-ratelimit-limit-requests", "x-ratelimit-remaining-requests",
                  "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens")
 _JSON_REFUSAL = [{"header": {"key": "content-type", "value": "application/json"}},
                  {"header": {"key": "x-should-retry", "value": "false"}}]
+
+
+def mode_for(config: Config) -> str:
+    """mode_for is the mode that fits ``config``'s default pool: ``PICKING_MODE`` where it picks
+    its nodes, ``DEFAULT_MODE`` where Envoy's own load balancer spreads its requests."""
+    return PICKING_MODE if config.pool(None).picks else DEFAULT_MODE
+
+
+def picks_by_mode(mode: str) -> bool:
+    """picks_by_mode is True when an Envoy file of ``mode`` routes each request to the node
+    kvgate names (an ORIGINAL_DST cluster reading ``x-gateway-destination-endpoint``)."""
+    return mode in _PICKED
+
+
+def picking_mismatch(pool: PoolConfig, envoy_picks: bool, via: str) -> str | None:
+    """picking_mismatch says why ``pool`` cannot be served by an Envoy side that routes by the
+    node kvgate names (``envoy_picks``) or by its own load balancer, and what to use instead;
+    None when they agree. ``via`` names that Envoy side in the sentence (a mode, a route).
+
+    Either mismatch fails every request at run time: a picking pool behind a load-balanced
+    route is refused 500 ``gateway_misconfigured`` (its headers went upstream before kvgate
+    could name the node); a pool-level pool behind an ORIGINAL_DST route never names a node,
+    and Envoy answers its plain-text 503."""
+    if pool.picks == envoy_picks:
+        return None
+    if pool.picks:
+        why = "its nodes are discovered in DNS" if pool.discovery is not None else \
+            "every backend has an address"
+        return (f"pool {pool.name!r} picks its nodes ({why}), but {via} lets Envoy's own load "
+                f"balancer choose the node: every request would be refused with kvgate's 500 "
+                f"gateway_misconfigured. Use {PICKING_FILES[0]} (or {', '.join(PICKING_FILES[1:])}; "
+                f"`kvgate envoy-filter --mode {PICKING_MODE}` writes it), or remove the backends' "
+                f"addresses to guard the pool as a whole")
+    have = sum(b.address is not None for b in pool.backends)
+    why = (f"{have} of its {len(pool.backends)} backends have an address" if have
+           else "its backends have no address" if pool.backends else "it has no backends")
+    return (f"pool {pool.name!r} does not pick its nodes ({why}), but {via} routes by "
+            f"x-gateway-destination-endpoint, which kvgate sets only for a pool that picks: every "
+            f"request would get Envoy's plain-text 503. Use {POOL_LEVEL_FILES[0]} (or another "
+            f"pool-level file: {', '.join(POOL_LEVEL_FILES[1:])}; `kvgate envoy-filter --mode "
+            f"{DEFAULT_MODE}` writes it), or give every backend of {pool.name!r} an address")
 
 
 def seconds_text(value: float) -> str:
@@ -399,7 +456,7 @@ def _access_log(mode: str) -> list[dict[str, Any]]:
                           "buffer_flush_interval": "0.005s", "buffer_size_bytes": 16777216}}}]
 
 
-def envoy_filter(config: Config, mode: str = DEFAULT_MODE) -> dict[str, Any]:
+def envoy_filter(config: Config, mode: str | None = None) -> dict[str, Any]:
     """envoy_filter is what an Envoy file needs for ``config`` in ``mode``, as pieces to place.
 
     Keys: ``http_filters`` (the HTTP connection manager's filters, in order), ``clusters``
@@ -408,10 +465,19 @@ def envoy_filter(config: Config, mode: str = DEFAULT_MODE) -> dict[str, Any]:
     (for the listener), and where the mode needs them ``access_log`` (for the connection
     manager), ``access_log_options`` (for the connection manager: periodic entries) and
     ``response_headers_to_add`` and ``request_headers_to_remove`` (for the virtual host).
-    Raises ValueError for an unknown mode.
+    ``mode`` None: ``mode_for(config)``. Raises ValueError for an unknown mode, and
+    ``ConfigError`` for a mode that does not fit the default pool (``picking_mismatch``): a
+    picking pool needs a picking mode and a pool-level pool a pool-level one, or every request
+    fails; such a pair is never written.
     """
+    if mode is None:
+        mode = mode_for(config)
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: expected one of {', '.join(MODES)}")
+    pool = config.pool(None)
+    mismatch = picking_mismatch(pool, picks_by_mode(mode), f"--mode {mode}")
+    if mismatch:
+        raise ConfigError(f"pools.{pool.name}.backends", mismatch)
     out: dict[str, Any] = {
         "per_connection_buffer_limit_bytes": buffer_limit_bytes(config),
         "http_filters": _http_filters(config, mode),
@@ -447,10 +513,13 @@ def _local_reply() -> dict[str, Any]:
                                  "content_type": "application/json"}}]}
 
 
-def envoy_bootstrap(config: Config, mode: str = DEFAULT_MODE, *, listen: str = "0.0.0.0:8080",
+def envoy_bootstrap(config: Config, mode: str | None = None, *, listen: str = "0.0.0.0:8080",
                     upstream: str = "inference:8000", admin: str = "127.0.0.1:9901") -> dict[str, Any]:
     """envoy_bootstrap is a whole Envoy file around ``envoy_filter``: one listener on ``listen``
-    in front of the inference server ``upstream`` (HOST:PORT), admin on ``admin``."""
+    in front of the inference server ``upstream`` (HOST:PORT), admin on ``admin``. ``mode`` and
+    its errors as ``envoy_filter``."""
+    if mode is None:
+        mode = mode_for(config)
     piece = envoy_filter(config, mode)
     lhost, lport = split_address(listen)
     uhost, uport = split_address(upstream)

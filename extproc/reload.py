@@ -22,6 +22,11 @@ What applying a configuration means (new limits for new admissions, granted leas
 untouched), the log lines an operator reads and the metrics
 ``kvgate_config_reload_total`` / ``..._errors_total`` belong to the ``on_config`` /
 ``on_error`` callbacks that the server passes in; the watcher itself logs at debug level.
+So does the reload guard: settling keeps out the truncated states a writer passes through, not
+a file left cut short (a writer that died, an editor's half save), so the server compares each
+delivered ``Config`` with the one in force and refuses one that would remove pools, backends
+or keyed tenants unless the file allows it (``configdiff``). A refused content is not
+delivered again until it changes (or SIGHUP), like an invalid one.
 """
 
 from __future__ import annotations

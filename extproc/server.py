@@ -37,6 +37,7 @@ from extproc.admin import AdminServer, Readiness
 from extproc.admission import Admission, UnknownPoolError
 from extproc.clock import Clock, MonotonicClock
 from extproc.config import Config
+from extproc.configdiff import ConfigChange, guard
 from extproc.countpool import CountPool
 from extproc.endings import AccessLogReceiver
 from extproc.errors import ConfigError
@@ -124,6 +125,9 @@ class Server:
                  clock: Clock | None = None, metrics: Metrics | None = None,
                  scrape: bool = True) -> None:
         self.config = config
+        # The file's configuration in force (self.config adds the backends found in DNS): a
+        # reload is compared with it (configdiff).
+        self._file_config = config
         self.clock = clock or MonotonicClock()
         self.metrics = metrics or Metrics()
         self.readiness = Readiness()
@@ -260,12 +264,20 @@ class Server:
         thread (hundreds of ms for a Llama 3 rank file, unbounded on a slow volume), so
         streams keep being served meanwhile; the configuration applies once it is loaded,
         unless a newer one was applied in between. Granted leases are untouched.
+
+        A reload that would remove a pool, every backend of a pool or a keyed tenant's keys,
+        or flip a pool's picking, is refused first (``configdiff.guard``) unless the new file
+        sets ``allow_destructive_reload``: a file cut short while being written looks so.
         """
+        change, refusal = guard(self._file_config, config)
+        if refusal is not None:  # before the generation: a refused file cancels no pending one
+            self._reload_refused(refusal)
+            return
         self._reload_generation += 1
         generation = self._reload_generation
         missing = sorted({pc.tokenizer for pc in config.pools.values()} - self._tokenizers_ready)
         if not missing:
-            self._apply_now(config)
+            self._apply_now(config, change)
             return
         loop = asyncio.get_running_loop()
 
@@ -285,7 +297,7 @@ class Server:
                     self._reload_refused(err)
                 return
             if generation == self._reload_generation:
-                self._apply_now(config)
+                self._apply_now(config, change)
             else:
                 log.info("a newer configuration arrived while tokenizers loaded; skipping this one")
 
@@ -293,7 +305,7 @@ class Server:
         self._reload_tasks.add(task)
         task.add_done_callback(self._reload_tasks.discard)
 
-    def _apply_now(self, config: Config) -> None:
+    def _apply_now(self, config: Config, change: ConfigChange) -> None:
         try:
             self.gate.reconfigure(config)
         except ConfigError as err:
@@ -314,6 +326,7 @@ class Server:
         self._discovered = {p: b for p, b in self._discovered.items()
                             if p in config.pools and config.pools[p].discovery is not None}
         self._ensure_discovery(config)
+        self._file_config = config
         config = self._with_discovered(config)
         self._apply_nodes(config)
         self.metrics.set_classes(tuple(config.tenants.classes))
@@ -321,7 +334,10 @@ class Server:
         if self.store is not None:
             self.store.know_pools(config.pools)
         self.metrics.reload_ok(time.time())
-        log.info("configuration reloaded: pools %s", ", ".join(config.pools))
+        if change.destructive:  # allowed by the file: said louder, and it should not stay there
+            log.warning("configuration reloaded (allow_destructive_reload): %s", change.summary())
+        else:
+            log.info("configuration reloaded: %s", change.summary())
 
     def _apply_nodes(self, config: Config) -> None:
         """_apply_nodes hands a configuration's pools and nodes to the admission core and scraper."""

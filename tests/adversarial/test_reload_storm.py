@@ -6,6 +6,9 @@ release cleanly, reloads must never raise, and when every stream has ended nothi
 held in any pool that ever existed. Targeted tests cover waiters of a removed pool, a
 request whose pool is removed before its decision, and a reload that must not read
 tokenizer files on the event loop.
+
+Each reload here is meant (``allow_destructive_reload``): removing pools and keyed tenants is
+what is under test, not the reload guard that refuses it by default (tests/unit/test_configdiff.py).
 """
 
 from __future__ import annotations
@@ -25,12 +28,17 @@ from google.protobuf import struct_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from extproc.config import parse_config
+from extproc.config import Config, parse_config
 from tests.adversarial.support import (CONFIG, TOKEN, Rig, chat, kind, request_body,
                                        request_headers, response_body, response_headers, sse,
                                        usage_json)
 
 EXT_PROC = "envoy.filters.http.ext_proc"
+
+
+def meant(cfg: dict[str, Any]) -> Config:
+    """meant is ``cfg`` parsed as a file whose reload may remove pools, backends and keyed tenants."""
+    return parse_config({**cfg, "allow_destructive_reload": True})
 
 
 def variant(**changes: Any) -> dict[str, Any]:
@@ -160,7 +168,7 @@ def test_reload_storm_leaves_nothing_held(rig: Rig, ops: list[tuple[Any, ...]], 
                 if s is not None:
                     streams.append(s)
             elif op[0] == "reload":
-                rig.server.apply_config(parse_config(CONFIGS[op[1]]))
+                rig.server.apply_config(meant(CONFIGS[op[1]]))
             elif streams:
                 s = streams[op[1] % len(streams)]
                 if await advance(s, op[2]):
@@ -171,7 +179,7 @@ def test_reload_storm_leaves_nothing_held(rig: Rig, ops: list[tuple[Any, ...]], 
     try:
         rig.run(go())
     finally:
-        rig.server.apply_config(parse_config(CONFIG))
+        rig.server.apply_config(meant(CONFIG))
     assert held_anywhere(rig) == {}
     assert rig.count("kvgate_internal_errors_total") == errors
     assert rig.count("kvgate_config_reload_errors_total") == reload_errors
@@ -187,7 +195,7 @@ PATIENT = variant(pools={"default": {"max_concurrency": 1, "context_window": 409
 
 def test_waiters_of_a_removed_pool_are_refused_and_the_holder_still_releases(rig: Rig) -> None:
     errors = rig.count("kvgate_internal_errors_total")
-    rig.server.apply_config(parse_config(PATIENT))
+    rig.server.apply_config(meant(PATIENT))
 
     async def go() -> list[str]:
         holder = rig.stub.Process()
@@ -211,7 +219,7 @@ def test_waiters_of_a_removed_pool_are_refused_and_the_holder_still_releases(rig
         await asyncio.sleep(0)
         while rig.server.admission.snapshot("default").waiting < 3:
             await asyncio.sleep(0.002)  # bounded by the test timeout: waiting on kvgate's queue
-        rig.server.apply_config(parse_config(variant(pools={"other": {"max_concurrency": 4}},
+        rig.server.apply_config(meant(variant(pools={"other": {"max_concurrency": 4}},
                                                      tenants=PATIENT["tenants"])))
         answers = [a[1] for a in await asyncio.gather(*waiters)]
         await holder.write(response_headers(200))
@@ -226,7 +234,7 @@ def test_waiters_of_a_removed_pool_are_refused_and_the_holder_still_releases(rig
     try:
         answers = rig.run(go())
     finally:
-        rig.server.apply_config(parse_config(CONFIG))
+        rig.server.apply_config(meant(CONFIG))
     assert answers == ["immediate:429"] * 3
     assert held_anywhere(rig) == {}
     assert rig.count("kvgate_internal_errors_total") == errors
@@ -247,7 +255,7 @@ def test_a_pool_removed_before_the_decision_gets_a_clean_answer(rig: Rig, when: 
             if when == "between_headers_and_body":
                 await call.write(request_headers(extra=[("x-tenant-id", "acme")]))
                 await call.read()
-                rig.server.apply_config(parse_config(CONFIGS[2]))  # "default" becomes "main"
+                rig.server.apply_config(meant(CONFIGS[2]))  # "default" becomes "main"
                 await call.write(request_body(chat(max_tokens=5)))
             else:
                 loop = asyncio.get_running_loop()
@@ -259,7 +267,7 @@ def test_a_pool_removed_before_the_decision_gets_a_clean_answer(rig: Rig, when: 
                 while not any(ex.pool_name == "default" and ex.body is None
                               for ex in rig.server.service.active.values()):
                     await asyncio.sleep(0.002)  # until the body waits for a counting thread
-                rig.server.apply_config(parse_config(CONFIGS[2]))
+                rig.server.apply_config(meant(CONFIGS[2]))
                 gate.set()
                 await asyncio.gather(*busy)
             answer = kind(await call.read())
@@ -275,7 +283,7 @@ def test_a_pool_removed_before_the_decision_gets_a_clean_answer(rig: Rig, when: 
     try:
         answer = rig.run(go())
     finally:
-        rig.server.apply_config(parse_config(CONFIG))
+        rig.server.apply_config(meant(CONFIG))
     assert held_anywhere(rig) == {}
     assert answer.startswith("immediate:") or answer == "request_body", answer
     assert rig.count("kvgate_internal_errors_total") == errors
@@ -301,7 +309,7 @@ def test_a_reload_does_not_read_tokenizer_files_on_the_event_loop(rig: Rig, tmp_
     async def go() -> None:
         thread = threading.Thread(target=writer, daemon=True)
         thread.start()
-        loop.call_soon(rig.server.apply_config, parse_config(cfg))
+        loop.call_soon(rig.server.apply_config, meant(cfg))
         while thread.is_alive():
             await asyncio.sleep(0.005)
         thread.join()
@@ -310,5 +318,5 @@ def test_a_reload_does_not_read_tokenizer_files_on_the_event_loop(rig: Rig, tmp_
     try:
         rig.run(asyncio.wait_for(go(), 30))
     finally:
-        rig.server.apply_config(parse_config(CONFIG))
+        rig.server.apply_config(meant(CONFIG))
     assert answered_while_reading == [True]

@@ -15,15 +15,23 @@ import yaml
 
 from extproc.config import load_config, parse_config
 from extproc.envoycheck import check_envoy
-from extproc.envoyconf import MODES, envoy_bootstrap, envoy_filter
+from extproc.envoyconf import MODES, envoy_bootstrap, envoy_filter, picks_by_mode
+from extproc.errors import ConfigError
 from tests.deploy.support import K8S, ROOT, docs, envoy_binary, envoy_validate
 
-KVGATE = ROOT / "deploy" / "kvgate.yaml"
+KVGATE = ROOT / "deploy" / "kvgate.yaml"  # pool level: backends without addresses
+LOCAL = ROOT / "deploy" / "local" / "kvgate.yaml"  # picking: every backend has an address
 SHIPPED = {"three-message": "envoy.yaml", "four-message": "envoy-four-message.yaml",
            "reservation": "envoy-reservation.yaml", "observe": "envoy-observe.yaml",
            "access-log": "envoy-access-log.yaml", "endpoint-picker": "envoy-endpoint-picker.yaml",
            "endpoint-picker-log": "envoy-endpoint-picker-log.yaml",
            "inference-pool": "envoy-inference-pool.yaml"}
+
+
+def fitting(mode: str) -> Path:
+    """fitting is the shipped kvgate file a mode's Envoy file goes with: the picking one for a
+    mode that routes by the node kvgate names, the pool-level one otherwise."""
+    return LOCAL if picks_by_mode(mode) else KVGATE
 
 
 def kvgate(*args: str) -> subprocess.CompletedProcess[str]:
@@ -33,7 +41,7 @@ def kvgate(*args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_the_printed_file_validates_with_envoy_and_is_the_shipped_one(mode: str, tmp_path: Path) -> None:
-    out = kvgate("envoy-filter", "--config", str(KVGATE), "--mode", mode, "--bootstrap")
+    out = kvgate("envoy-filter", "--config", str(fitting(mode)), "--mode", mode, "--bootstrap")
     assert out.returncode == 0, out.stderr
     path = tmp_path / "envoy.yaml"
     path.write_text(out.stdout)
@@ -97,12 +105,70 @@ def test_the_values_follow_the_kvgate_file() -> None:
     assert check_envoy(config, boot) == []
 
 
-def test_every_shipped_envoy_file_agrees_with_the_shipped_kvgate_file() -> None:
-    config = load_config(KVGATE)
-    for envoy_file in SHIPPED.values():
-        assert check_envoy(config, yaml.safe_load((ROOT / "deploy" / envoy_file).read_text())) == [], envoy_file
+def test_every_shipped_envoy_file_agrees_with_the_kvgate_file_of_its_kind_and_no_other() -> None:
+    """A picking kvgate file beside a pool-level Envoy file, or a pool-level one beside a
+    picker file, fails every request at run time (500 gateway_misconfigured, or Envoy's
+    plain-text 503): the check names that one disagreement, by the pool's backends."""
+    for mode, envoy_file in SHIPPED.items():
+        doc = yaml.safe_load((ROOT / "deploy" / envoy_file).read_text())
+        for path in (KVGATE, LOCAL):
+            found = check_envoy(load_config(path), doc)
+            if path == fitting(mode):
+                assert found == [], (envoy_file, path)
+            else:
+                assert [d.key for d in found] == ["pools.default.backends"], (envoy_file, path, found)
     out = kvgate("check-config", str(KVGATE), "--envoy", str(ROOT / "deploy" / "envoy.yaml"))
     assert out.returncode == 0 and "agrees" in out.stdout, out.stderr
+
+
+@pytest.mark.parametrize(("config", "envoy_file", "said"), [
+    (LOCAL, "envoy.yaml", ["picks its nodes", "gateway_misconfigured", "deploy/envoy-endpoint-picker.yaml"]),
+    (KVGATE, "envoy-endpoint-picker.yaml", ["does not pick", "plain-text 503", "deploy/envoy.yaml"]),
+    (KVGATE, "envoy-inference-pool.yaml", ["does not pick", "plain-text 503", "deploy/envoy.yaml"]),
+])
+def test_check_config_refuses_a_picking_pair_that_disagrees(config: Path, envoy_file: str, said: list[str]) -> None:
+    out = kvgate("check-config", str(config), "--envoy", str(ROOT / "deploy" / envoy_file))
+    assert out.returncode == 2 and "agrees" not in out.stdout, out.stdout
+    assert "error: pools.default.backends:" in out.stderr
+    assert all(s in out.stderr for s in said), out.stderr
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_envoy_filter_never_writes_a_pair_that_disagrees(mode: str) -> None:
+    for path in (KVGATE, LOCAL):
+        config = load_config(path)
+        if path == fitting(mode):
+            assert check_envoy(config, envoy_bootstrap(config, mode)) == []
+        else:
+            with pytest.raises(ConfigError) as err:
+                envoy_bootstrap(config, mode)
+            assert err.value.key == "pools.default.backends"
+            with pytest.raises(ConfigError):
+                envoy_filter(config, mode)
+
+
+def test_envoy_filter_without_mode_writes_the_one_that_fits_and_refuses_one_that_does_not() -> None:
+    assert check_envoy(load_config(LOCAL), envoy_bootstrap(load_config(LOCAL))) == []
+    assert check_envoy(load_config(KVGATE), envoy_bootstrap(load_config(KVGATE))) == []
+    out = kvgate("envoy-filter", "--config", str(LOCAL), "--bootstrap")
+    assert out.returncode == 0 and "--mode endpoint-picker`" in out.stdout, out.stderr
+    out = kvgate("envoy-filter", "--config", str(LOCAL), "--mode", "three-message")
+    assert out.returncode == 2 and out.stdout == ""
+    assert "error: pools.default.backends: pool 'default' picks its nodes" in out.stderr
+
+
+def test_a_second_pool_that_picks_behind_a_route_of_the_pool_level_file_is_named() -> None:
+    """Per route: a route that names a picking pool (route metadata) in a pool-level file."""
+    cfg = yaml.safe_load(KVGATE.read_text())
+    cfg["pools"]["llama"] = {"backends": [{"name": "n0", "metrics_url": "http://10.0.0.1:8000/metrics",
+                                            "address": "10.0.0.1:8000"}]}
+    doc = copy.deepcopy(shipped("envoy.yaml"))
+    for route in hcm_of(doc)["route_config"]["virtual_hosts"][0]["routes"]:
+        for entry in route.get("typed_per_filter_config", {}).get(
+                "envoy.filters.http.set_metadata", {}).get("metadata", []):
+            entry["value"]["pool"] = "llama"
+    found = check_envoy(parse_config(cfg), doc)
+    assert [d.key for d in found] == ["pools.llama.backends"], found
 
 
 def test_the_kubernetes_envoy_file_agrees_with_the_kubernetes_kvgate_file() -> None:
@@ -214,7 +280,8 @@ BREAKS = [
 @pytest.mark.parametrize(("brk", "start", "keys"), BREAKS, ids=[f"{b[0].__name__[1:]}-{b[1]}" for b in BREAKS])
 def test_each_disagreement_is_reported_by_its_kvgate_key(brk, start: str, keys: list[str]) -> None:
     doc = copy.deepcopy(shipped(start))
-    cfg = yaml.safe_load(KVGATE.read_text())
+    mode = next(m for m, f in SHIPPED.items() if f == start)
+    cfg = yaml.safe_load(fitting(mode).read_text())
     brk(doc, cfg)
     found = check_envoy(parse_config(cfg), doc)
     assert sorted(d.key for d in found) == sorted(keys), found

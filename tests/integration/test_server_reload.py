@@ -101,3 +101,48 @@ async def test_a_reload_applies_server_timing_and_names_only_what_waits_for_a_re
         assert srv.config.server.drain_s == 0.25
     finally:
         await srv.shutdown()
+
+
+KEYED = {**BASE, "pools": {"default": {"max_concurrency": 10}, "small": {"max_concurrency": 2}},
+         "tenants": {"classes": {"gold": {"priority": 10}, "standard": {}},
+                     "tenants": {"acme": {"class": "gold", "api_key_sha256": ["a" * 64, "b" * 64]}}}}
+
+
+async def test_a_destructive_reload_is_refused_counted_and_logged_with_what_would_change(caplog) -> None:
+    registry = CollectorRegistry()
+    srv = Server(parse_config(KEYED), grpc_listen=f"{LOOPBACK}:0", admin_listen=f"{LOOPBACK}:0",
+                 metrics=Metrics(registry), scrape=False)
+    try:
+        await srv.start()
+        before = srv.config
+        cut = {"pools": {"default": {"max_concurrency": 4}}}  # the file cut before its tenants
+        with caplog.at_level("INFO", logger="kvgate.server"):
+            srv.apply_config(parse_config(cut))
+        (line,) = [r for r in caplog.records if "not reloaded" in r.getMessage()]
+        said = line.getMessage()
+        assert line.levelname == "ERROR"
+        assert "remove pool 'small'" in said and "remove tenant 'acme' and its 2 API keys" in said
+        assert "pools.default.max_concurrency 10 -> 4" in said and "a" * 64 not in said
+        assert registry.get_sample_value("kvgate_config_reload_errors_total") == 1.0
+        assert srv.config is before and srv.admission.snapshot("default").concurrency_limit == 10
+        assert not [r for r in caplog.records if "configuration reloaded" in r.getMessage()]
+        caplog.clear()
+        # An ordinary reload: applied, and its line says what changed.
+        with caplog.at_level("INFO", logger="kvgate.server"):
+            srv.apply_config(parse_config({**KEYED, "pools": {**KEYED["pools"], "default": {"max_concurrency": 6}}}))
+        (line,) = [r for r in caplog.records if "configuration reloaded" in r.getMessage()]
+        assert line.levelname == "INFO"
+        assert line.getMessage() == "configuration reloaded: pools.default.max_concurrency 10 -> 6"
+        assert srv.admission.snapshot("default").concurrency_limit == 6
+        caplog.clear()
+        # Meant: the file says so; applied, at warning level, with what it removed.
+        with caplog.at_level("INFO", logger="kvgate.server"):
+            srv.apply_config(parse_config({**cut, "allow_destructive_reload": True}))
+        (line,) = [r for r in caplog.records if "configuration reloaded" in r.getMessage()]
+        assert line.levelname == "WARNING" and "allow_destructive_reload" in line.getMessage()
+        assert "remove tenant 'acme'" in line.getMessage()
+        assert set(srv.config.pools) == {"default"} and srv.config.tenants.tenants == {}
+        assert registry.get_sample_value("kvgate_config_reload_errors_total") == 1.0
+        assert registry.get_sample_value("kvgate_config_reload_total") == 3.0  # start + 2 applied
+    finally:
+        await srv.close()

@@ -12,7 +12,7 @@ from google.protobuf import struct_pb2
 
 from extproc.config import parse_config
 from extproc.envoycheck import check_envoy
-from extproc.envoyconf import MODES, envoy_bootstrap, header_strip
+from extproc.envoyconf import MODES, envoy_bootstrap, header_strip, picks_by_mode
 from extproc.errors import ConfigError
 from extproc.exchange import Exchange
 from tests.unit.test_exchange import API_KEY, BASE_CONFIG, Rig, body_msg, chat, headers_msg, route_metadata
@@ -130,7 +130,12 @@ def test_a_bad_header_setting_is_refused_by_its_key(tenants: dict[str, Any], key
 
 @pytest.mark.parametrize("mode", MODES)
 def test_every_envoy_file_kvgate_writes_strips_the_clients_copies(mode: str):
-    config = parse_config(BASE_CONFIG)
+    base = BASE_CONFIG
+    if picks_by_mode(mode):  # a picker file is written only for a pool that picks its nodes
+        default = {**base["pools"]["default"], "backends": [
+            {"name": "n0", "metrics_url": "http://10.0.0.1:8000/metrics", "address": "10.0.0.1:8000"}]}
+        base = {**base, "pools": {**base["pools"], "default": default}}
+    config = parse_config(base)
     removed = [m.get("remove") for m in header_strip(config)]
     assert removed[:3] == ["x-tenant-id", FAIRNESS, OBJECTIVE]
     assert check_envoy(config, envoy_bootstrap(config, mode)) == []
