@@ -807,6 +807,16 @@ def versions(vllm_python: Path) -> dict[str, str]:
     return out
 
 
+def _preamble(title: str, target: str, argv: list[str], runs: str, vers: dict[str, str]) -> list[str]:
+    """_preamble is a report's first lines: its title, the command that wrote it (``make
+    target`` and the script's own arguments), ``runs`` and the date, and the machine."""
+    return [f"# The real vLLM engine: {title}", "",
+            f"Command: `make {target}` (here: `{' '.join(shlex.quote(_relative(a)) for a in argv)}`), "
+            f"{runs}, {time.strftime('%Y-%m-%d', time.gmtime())}.", "",
+            f"Machine: {platform.machine()}, {os.cpu_count()} cores shared with other work, no GPU. "
+            + ", ".join(f"{k} {v}" for k, v in vers.items()) + ".", ""]
+
+
 def _relative(arg: str) -> str:
     """_relative writes a path inside the repository relative to it (reports name no machine's paths)."""
     try:
@@ -831,14 +841,7 @@ def report(outcomes: list[Outcome], skipped: dict[str, str], flags: EngineFlags,
                f"through kvgate 0 preemptions in those runs: {'yes' if protected and gated else 'NO'}; "
                f"kvgate's KV reading equal to vLLM's in {sum(c.equal for c in checks)}/{len(checks)} frozen checks")
     lines = [
-        "# The real vLLM engine: a burst straight to it vs through Envoy + kvgate",
-        "",
-        f"Command: `make bench-vllm` (here: `{' '.join(shlex.quote(_relative(a)) for a in argv)}`), "
-        f"{runs} runs, {time.strftime('%Y-%m-%d', time.gmtime())}.",
-        "",
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores shared with other work, no GPU. "
-        + ", ".join(f"{k} {v}" for k, v in vers.items()) + ".",
-        "",
+        *_preamble("a burst straight to it vs through Envoy + kvgate", "bench-vllm", argv, f"{runs} runs", vers),
         f"Engine: vLLM's CPU build serving a 2-layer Llama with random weights and a locally trained "
         f"byte-level BPE tokenizer (bench/vllm_model.py); {flags.blocks} KV blocks of {flags.block_size} "
         f"({flags.usable_tokens:,} usable tokens), max-model-len {flags.max_model_len}, max-num-seqs "
@@ -969,14 +972,8 @@ def prefix_report(outcomes: list[Outcome], skipped: dict[str, str], scenario: Sc
         return "-" if not rs else spread(rs, 2) + "x"
 
     lines = [
-        "# The real vLLM engine: issue 29's shared-prefix burst, straight to it vs through Envoy + kvgate",
-        "",
-        f"Command: `make bench-vllm-prefix` (here: `{' '.join(shlex.quote(_relative(a)) for a in argv)}`), "
-        f"{runs} run{'s' if runs > 1 else ''} of each row, {time.strftime('%Y-%m-%d', time.gmtime())}.",
-        "",
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores shared with other work, no GPU. "
-        + ", ".join(f"{k} {v}" for k, v in vers.items()) + ".",
-        "",
+        *_preamble("issue 29's shared-prefix burst, straight to it vs through Envoy + kvgate", "bench-vllm-prefix",
+                   argv, f"{runs} run{'s' if runs > 1 else ''} of each row", vers),
         f"Engine: vLLM's CPU build serving a 2-layer Llama with random weights and a locally trained "
         f"byte-level BPE tokenizer (bench/vllm_model.py); {flags.blocks} KV blocks of {flags.block_size} "
         f"({flags.usable_tokens:,} usable tokens), max-model-len {flags.max_model_len}, max-num-seqs "
