@@ -374,11 +374,6 @@ def warnings(config: Config) -> list[str]:
         out.append("store.redis: on_unavailable is local_share but expected_replicas is not set: "
                    "a replica that has never reached Redis does not know its share and fails "
                    "closed until Redis answers (set expected_replicas to the replica count)")
-    if r is not None:
-        for name, pool in config.pools.items():
-            if pool.picks and pool.picking.shared_prefix:
-                out.append(f"pools.{name}.picking.shared_prefix has no effect with the Redis store yet: "
-                           "the shared ledger charges every prompt whole")
     if config.allow_destructive_reload:
         out.append("allow_destructive_reload is true: a reload that removes a pool, every backend of "
                    "a pool or a keyed tenant's keys applies, even from a file cut short while being "

@@ -431,7 +431,7 @@ class Admission:
             return got
         nodes, cls = got
         pt, ct = demand.prompt_tokens, demand.completion_tokens
-        ask = nodes.ask(cls.name, pt, ct, cls.kv_watermark, now, demand.among)
+        ask = nodes.ask(cls.name, pt, ct, cls.kv_watermark, now, demand.among, demand.prefix)
         res = await self._store.admit(Plan(plan.limits, plan.tenant, plan.class_name, plan.tokens,
                                            plan.tenant_bucket, ask), now)
         if isinstance(res, Refusal):
@@ -443,7 +443,8 @@ class Admission:
                 return Refusal(res.budget, wait, True, res.needed, res.used, res.limit)
             return res
         if res.picked is not None:
-            res.node = nodes.charge(res.picked, cls.name, pt, ct, now, demand.prefix)
+            res.node = nodes.charge(res.picked, cls.name, pt, ct, now, demand.prefix, res.node_credit,
+                                    res.node_by_affinity)
         return res
 
     @classmethod

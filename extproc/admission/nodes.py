@@ -83,6 +83,7 @@ from enum import StrEnum
 from extproc.admission import rules
 from extproc.admission.retry import MAX_WAIT_S, HoldTimes, expected_wait
 from extproc.admission.shared_nodes import Candidate, NodeAsk, Pooled
+from extproc.admission.sharing import Prefixes
 from extproc.admission.types import Chain, NodeReport
 from extproc.config import BackendConfig, Growth, PickingConfig, PoolConfig
 
@@ -185,89 +186,6 @@ class Charge:
     def footprint(self) -> int:
         """footprint is the KV tokens the request holds on the node now: prompt + generated."""
         return self.prompt + self.generated
-
-
-class Prefixes:
-    """Prefixes counts the prefix chains (``extproc.prefix``) of a set of charges on one node,
-    so that the prompt blocks they share are counted once.
-
-    ``refs``: per key, its holders and its tokens: the whole blocks of ``block`` tokens
-    between the end of the key before it and its own end (as its first holder's chain
-    had them); ``dup``: the tokens of every key counted for its holders beyond the first;
-    ``extra``: the holders beyond the first of the chains' first keys. ``shared`` is the
-    tokens counted once thanks to sharing: ``dup`` less one block per holder that shares
-    (the ends are kvgate's count, which may be off the engine's by up to a block; see
-    ``extproc.prefix``). Blocks shared with requests that ended are not counted: an engine
-    may have evicted them.
-    """
-
-    __slots__ = ("block", "refs", "dup", "extra")
-
-    def __init__(self, block: int) -> None:
-        self.block = block
-        self.refs: dict[int, list[int]] = {}
-        self.dup = 0
-        self.extra = 0
-
-    @property
-    def shared(self) -> int:
-        """shared is the tokens the set's charges share (counted once), see the class doc."""
-        return max(0, self.dup - self.block * self.extra)
-
-    def _blocks(self, chain: Chain) -> Iterable[tuple[int, int, int]]:
-        """_blocks is each key of ``chain`` with its position and its whole blocks' tokens."""
-        before = 0
-        for i, (key, end) in enumerate(zip(chain.keys, chain.ends)):
-            whole = end - end % self.block
-            yield i, key, max(0, whole - before)
-            before = max(before, whole)
-
-    def add(self, chain: Chain) -> None:
-        """add counts one more holder of ``chain``."""
-        refs = self.refs
-        for i, key, tokens in self._blocks(chain):
-            entry = refs.get(key)
-            if entry is None:
-                refs[key] = [1, tokens]
-                continue
-            entry[0] += 1
-            self.dup += entry[1]
-            if i == 0:
-                self.extra += 1
-
-    def drop(self, chain: Chain) -> None:
-        """drop counts one holder of ``chain`` less (one that ``add`` counted)."""
-        refs = self.refs
-        for i, key, _tokens in self._blocks(chain):
-            entry = refs.get(key)
-            if entry is None:
-                continue
-            entry[0] -= 1
-            if entry[0] <= 0:
-                del refs[key]
-                continue
-            self.dup -= entry[1]
-            if i == 0:
-                self.extra -= 1
-
-    def whole_blocks(self, end: int) -> int:
-        """whole_blocks is ``end`` tokens rounded down to whole blocks."""
-        return end - end % self.block
-
-    def credit(self, chain: Chain | None) -> int:
-        """credit is how much ``shared`` would grow with one more holder of ``chain``: the
-        tokens a request with that prompt is counted less on the node (0: none shared)."""
-        if chain is None or not self.refs:
-            return 0
-        got = 0
-        for i, key, _tokens in self._blocks(chain):
-            entry = self.refs.get(key)
-            if entry is None:
-                if i == 0:
-                    return 0
-                break
-            got += entry[1]
-        return max(0, self.dup + got - self.block * (self.extra + 1)) - self.shared
 
 
 class Node:
@@ -880,25 +798,29 @@ class PoolNodes:
         return charge
 
     def ask(self, class_name: str, prompt: int, reserved: int, watermark: float,
-            now: float, among: frozenset[str] | None = None) -> NodeAsk:
+            now: float, among: frozenset[str] | None = None, chain: Chain | None = None) -> NodeAsk:
         """ask is the per-node question for a store that shares the nodes' ledger.
 
         The same candidates as ``pick`` (up nodes of known capacity that ``among``
-        allows, in the same order of preference), each with this replica's foreign KV and
-        own holds; the store applies the rule over every replica's holds. Nodes left out
-        for their state are counted as passed over here.
+        allows, in the same order of preference), each with this replica's foreign KV, own
+        holds, block size and what it saw of ``chain`` cached there; the store applies the
+        rule over every replica's holds and prefixes. Nodes left out for their state are
+        counted as passed over here.
         """
+        if not self.picking.shared_prefix:
+            chain = None
         horizon = self._horizon_s()
         rows = []
         for n, cap in self._eligible_in_turn(among, now):
             rise = n.rise_ahead(horizon, now)
-            # The store's holds count every prompt whole: so do this replica's own here.
-            rows.append(Candidate(n.name, cap, n.foreign + rise, self.held(n) + n.shared, rise, n.since, n.idle))
+            rows.append(Candidate(n.name, cap, n.foreign + rise, self.held(n), rise, n.since, n.idle,
+                                  n.prefixes.block if chain is not None else 0, min(prompt, n.cached(chain))))
         pooled = None
         if self.pooled:
             pooled = Pooled(prompt, *self._moments(reserved, 0, class_name), self.picking.quantile)
         return NodeAsk(tuple(rows), self.hold(prompt, reserved, 0, class_name),
-                       self.picking.reserve_fraction, self._node_watermark(watermark), pooled)
+                       self.picking.reserve_fraction, self._node_watermark(watermark), pooled,
+                       chain, prompt, self.picking.prefix_affinity)
 
     def pooled_of(self, charge: Charge) -> Pooled | None:
         """pooled_of is what ``charge`` adds to its node's sums in a shared ledger with pooled
@@ -915,19 +837,22 @@ class PoolNodes:
             if n is not None:
                 n.pass_over(why)
 
-    def charge(self, name: str, class_name: str, prompt: int, reserved: int,
-               now: float, chain: Chain | None = None) -> Charge | None:
+    def charge(self, name: str, class_name: str, prompt: int, reserved: int, now: float,
+               chain: Chain | None = None, credit: int = 0, by_affinity: bool = False) -> Charge | None:
         """charge records a request a shared store admitted to node ``name`` (None: the node is
-        no longer configured; the store's hold there ends with the lease). The store charges
-        every prompt whole, so the ledger here does too and ``chain`` is not kept: a replica
-        counting its sharing once in its reports while the store holds it whole would be
-        more cautious than without sharing."""
+        no longer configured; the store's hold there ends with the lease), charged ``credit``
+        tokens less for the prefix it shares there, the node chosen by it or not.
+
+        ``chain`` is kept whole (where the pool shares prefixes) even where the store took
+        fewer of its keys or none (a request admitted alone): this replica's marks then
+        count more of its requests' sharing once than the store does, and subtract less
+        from a report: the safe side (``sharing``)."""
         n = self.nodes.get(name)
         if n is None:
             return None
-        c = Charge(n, class_name, prompt, reserved, now)
+        c = Charge(n, class_name, prompt, reserved, now, chain if self.picking.shared_prefix else None)
         n.add(c, *self._expect(class_name, prompt, reserved, 0))
-        n.count_pick(prompt, 0, False)
+        n.count_pick(prompt, credit, by_affinity)
         return c
 
     def never_fits(self, class_name: str, prompt: int, reserved: int) -> int | None:

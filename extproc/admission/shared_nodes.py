@@ -48,6 +48,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from extproc.admission import rules
+from extproc.admission.sharing import SharedPrefixes
+from extproc.admission.types import Chain
 
 
 class Candidate(NamedTuple):
@@ -57,7 +59,10 @@ class Candidate(NamedTuple):
     to come (``nodes.Node.foreign_ahead``); ``own``: what this replica's requests there hold;
     ``since``: the store's instant of the latest reply received when the report's mark was
     taken (None: no such reply; nothing of the others' is subtracted); ``idle``: the
-    report said the node queued nothing.
+    report said the node queued nothing; ``block``: the node's KV block size as this
+    replica reads it (tokens; 0: prefixes are not shared there); ``cached``: the tokens of
+    the request's prefix that this replica saw running or recently ended there (placement
+    only, ``nodes.Node.cached``).
     """
 
     name: str
@@ -67,6 +72,8 @@ class Candidate(NamedTuple):
     rise: int = 0
     since: float | None = None
     idle: bool = False
+    block: int = 0
+    cached: int = 0
 
 
 class Pooled(NamedTuple):
@@ -99,7 +106,10 @@ class NodeAsk:
     first); ``need``: the request's hold (``rules.node_hold`` with nothing generated yet,
     tokens); ``reserve_fraction``: the part of each node's capacity kvgate never fills;
     ``watermark``: the class's ``kv_watermark`` (1.0: none); ``pooled``: with pooled growth,
-    what the request adds to its node's sums (``need`` is then its hold alone on a node).
+    what the request adds to its node's sums (``need`` is then its hold alone on a node);
+    ``chain``: the prompt's prefix chain where the pool shares prefixes (None: charged
+    whole), ``prompt`` its tokens (a credit is at most that) and ``affinity`` the pool's
+    ``prefix_affinity`` (``nodes.PoolNodes.pick``).
     """
 
     candidates: tuple[Candidate, ...]
@@ -107,6 +117,9 @@ class NodeAsk:
     reserve_fraction: float
     watermark: float
     pooled: Pooled | None = None
+    chain: Chain | None = None
+    prompt: int = 0
+    affinity: float = 0.0
 
 
 class SeenGen(NamedTuple):
@@ -145,31 +158,45 @@ def others_seen(gens: Mapping[str, SeenGen], me: str, node: str, since: float | 
 
 
 def pick_shared(ask: NodeAsk, held: Mapping[str, int], others: Mapping[str, int] | None = None,
-                sums: Mapping[str, Sums] | None = None) -> rules.NodePass:
+                sums: Mapping[str, Sums] | None = None,
+                prefixes: Mapping[str, SharedPrefixes] | None = None) -> rules.NodePass:
     """pick_shared is ``rules.pick_node`` over ``ask``'s candidates with ``held`` (tokens per
     node, every replica's requests; missing: 0) in place of this replica's own holds, and
-    each node's foreign KV less ``others`` (tokens per node, ``others_seen``; missing: 0),
-    never below its rise.
+    each node's foreign KV less ``others`` (tokens per node, ``others_seen``; missing: 0)
+    beyond the node's ``cross`` (see ``sharing``), never below its rise.
 
     With pooled growth (``ask.pooled``), ``held`` is the footprints and ``sums`` the sums of
     every replica's requests' moments per node (missing: none): a node then holds its
     footprints plus the bound of the sums with the request's, less the request's need, as
     ``nodes.PoolNodes.pick`` hands ``rules.pick_node`` its own node's.
 
+    ``prefixes``: every replica's leases' prefixes per node (missing: none): a node holds
+    less their shared tokens, and the request is charged less its credit there, and
+    ranked by its credit or what this replica saw cached there, at ``ask.affinity``, as
+    ``nodes.PoolNodes.pick`` does with its own.
+
     This is the rule the Redis admit script applies; the differential test holds them equal.
     """
     rows = []
     p = ask.pooled
+    affinity: dict[str, int] = {}
     for c in ask.candidates:
-        foreign = c.foreign
-        if others:
-            foreign = max(c.rise, foreign - others.get(c.name, 0))
+        shared = (prefixes or {}).get(c.name)
+        gone = (others or {}).get(c.name, 0) - (shared.cross if shared is not None else 0)
+        foreign = max(c.rise, c.foreign - max(0, gone))
         on = held.get(c.name, 0)
         if p is not None:
             left, mean, var = (sums or {}).get(c.name, (0, 0.0, 0.0))
             on += p.footprint + rules.pooled_bound(left + p.left, mean + p.mean, var + p.var, p.quantile) - ask.need
+        credit = 0
+        if shared is not None:
+            credit = min(ask.prompt, shared.credit(ask.chain, c.block))
+            on -= shared.shared + credit
+        bonus = max(credit, c.cached)
+        if bonus:
+            affinity[c.name] = math.floor(bonus * ask.affinity)
         rows.append((c.name, c.cap, foreign, on))
-    return rules.pick_node(rows, ask.need, ask.reserve_fraction, ask.watermark)
+    return rules.pick_node(rows, ask.need, ask.reserve_fraction, ask.watermark, affinity)
 
 
 def pick_within(ask: NodeAsk, free: Mapping[str, int] | None) -> rules.NodePass:

@@ -321,7 +321,10 @@ class Grant:
     the plan asked no node), and ``node_hold`` the hold (tokens) the store charged there,
     kept current by the controller as the request generates (with pooled growth, its hold
     alone on a node, and ``node_pooled`` the ``shared_nodes.Pooled`` the store records
-    there: its footprint as its hold, and its growth's moments);
+    there: its footprint as its hold, and its growth's moments); ``node_keyed``: the tokens
+    of the whole prompt blocks its prefix keys cover in that store's ledger, ``node_credit``
+    what it was charged less for the blocks it shares there, ``node_by_affinity`` whether
+    its prefix chose the node over a roomier one (``sharing``);
     ``inflight`` is the pool's in-flight count just after this admission;
     ``bucket_tokens``/``bucket_capacity``/``bucket_rate`` describe the binding bucket
     (the one with fewer tokens left: tenant or pool) just after the charge, in tokens and
@@ -338,6 +341,9 @@ class Grant:
     picked: str | None = None
     node_hold: int = 0
     node_pooled: Any = None
+    node_keyed: int = 0
+    node_credit: int = 0
+    node_by_affinity: bool = False
 
 
 # final: the hot path tells it from the other answer by type(x) is Refusal (mypy narrows on it).

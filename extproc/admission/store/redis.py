@@ -94,14 +94,15 @@ from typing import Any
 
 from extproc.admission.bucket import refilled
 from extproc.admission.rules import pooled_bound
-from extproc.admission.shared_nodes import SeenGen, Sums, others_seen
+from extproc.admission.shared_nodes import NodeAsk, SeenGen, Sums, others_seen
 from extproc.admission.store.base import REPLICA_HEADER, Store
 from extproc.admission.store.fallback import (LOCAL_PREFIX, MODES, Fallback, NullObserver, StoreObserver,
                                               StoreUnavailableError, Within)
 from extproc.admission.store.redis_client import MAX_CONNECTIONS, RedisClient, RoundTripError
 from extproc.admission.store.redis_lua import (ADMIT, HEARTBEAT, REFRESH, RELEASE, SETTLE, AdmitArg, AdmitPool,
                                                Guarantee, HeartbeatArg, HeartbeatKeys, PoolKeys, RefreshArg,
-                                               RefreshKeys, RefreshLease, ReleaseArg, SettleArg, node_arg, pack, word)
+                                               RefreshKeys, RefreshLease, ReleaseArg, SettleArg, chain_arg, node_arg,
+                                               pack, word)
 from extproc.admission.types import (ERROR_DROPPED, ERROR_INTERNAL, ERROR_RESPONSE, Budget, BucketSpec, Grant, Plan,
                                      PoolLimits, PoolUsage, Refusal)
 from extproc.clock import Clock
@@ -134,7 +135,8 @@ has by then been seen by the nodes' reports the other replicas read."""
 class _Keys:
     """_Keys are one pool's Redis keys (see the module's key layout)."""
 
-    __slots__ = ("st", "lz", "lh", "done", "nk", "rb", "sn", "sr", "nm", "bucket_prefix", "pool_bucket", "limits")
+    __slots__ = ("st", "lz", "lh", "done", "nk", "rb", "sn", "sr", "nm", "pk", "ps", "lk", "bucket_prefix",
+                 "pool_bucket", "limits")
 
     def __init__(self, prefix: str, pool: str) -> None:
         base = f"{prefix}{{{pool}}}:"
@@ -147,6 +149,9 @@ class _Keys:
         self.sn = base + "sn"
         self.sr = base + "sr"
         self.nm = base + "nm"
+        self.pk = base + "pk"
+        self.ps = base + "ps"
+        self.lk = base + "lk"
         self.bucket_prefix = base + "b:"
         self.pool_bucket: str | None = None  # learnt from the plans: the pool's bucket key
         # the last PoolLimits seen and its part of the admit argument, and the guarantees
@@ -159,12 +164,13 @@ class _Keys:
         """of_plan is the KEYS of the admit and settle scripts for ``plan``."""
         return PoolKeys(st=self.st, lz=self.lz, lh=self.lh, done=self.done,
                         pbk=self.bucket(plan.limits.bucket), tbk=self.bucket(plan.tenant_bucket), nk=self.nk,
-                        rb=self.rb, sn=self.sn, sr=self.sr, nm=self.nm)
+                        rb=self.rb, sn=self.sn, sr=self.sr, nm=self.nm, pk=self.pk, ps=self.ps, lk=self.lk)
 
     def of_refresh(self) -> RefreshKeys:
         """of_refresh is the KEYS of the refresh script (the pool bucket as last learnt)."""
         return RefreshKeys(st=self.st, lz=self.lz, lh=self.lh, done=self.done,
-                           pbk=self.pool_bucket or self.st, nk=self.nk, sn=self.sn, sr=self.sr, nm=self.nm)
+                           pbk=self.pool_bucket or self.st, nk=self.nk, sn=self.sn, sr=self.sr, nm=self.nm,
+                           pk=self.pk, ps=self.ps, lk=self.lk)
 
 
 class _View:
@@ -305,6 +311,9 @@ class RedisStore(Store):
         # generations as the last refresh read them (``shared_nodes.SeenGen``).
         self._round = 0
         self._gens: dict[str, dict[str, SeenGen]] = {}
+        # per pool, node -> (shared, cross): the prompt tokens every replica's leases there
+        # share (counted once) and their cross-replica part (``sharing``), as last read
+        self._shares: dict[str, dict[str, tuple[int, int]]] = {}
         # The store's instant (s) of the latest reply received: a node's report whose mark
         # saw it was rendered after every script up to that instant.
         self._store_at = -math.inf
@@ -346,9 +355,13 @@ class RedisStore(Store):
 
     def others_seen(self, pool: str, node: str, since: float | None, idle: bool) -> int:
         """others_seen is ``shared_nodes.others_seen`` over the other replicas' generations in
-        ``pool`` as the last refresh read them (tokens)."""
+        ``pool`` as the last refresh read them, beyond the node's cross-replica sharing then
+        (tokens; as the admit script subtracts it, ``shared_nodes.pick_shared``)."""
         gens = self._gens.get(pool)
-        return others_seen(gens, self.replica_id, node, since, idle) if gens else 0
+        if not gens:
+            return 0
+        cross = self._shares.get(pool, {}).get(node, (0, 0))[1]
+        return max(0, others_seen(gens, self.replica_id, node, since, idle) - cross)
 
     def know_pools(self, pools: Iterable[str]) -> None:
         """know_pools names the pools every replica serves, so that this one refreshes their
@@ -582,7 +595,7 @@ class RedisStore(Store):
             slots -= 1
             kv -= g.plan.tokens
             if g.picked is not None:
-                nodes[g.picked] = nodes.get(g.picked, 0) - g.node_hold
+                nodes[g.picked] = nodes.get(g.picked, 0) - escrow_hold(g)
         return Within(slots, kv, nodes)
 
     def _settles_sent(self, batch: list[_Pending]) -> None:
@@ -620,8 +633,9 @@ class RedisStore(Store):
                        texp=self._tenant_expire,
                        ckv=None if ceiling is None else ceiling[0],
                        cbase=None if ceiling is None else ceiling[1], guarantees=cached[2])
-        nodes = "-" if plan.nodes is None else node_arg(plan.nodes)
-        return ADMIT.command(keys.of_plan(plan), pack(arg), nodes)
+        if plan.nodes is None:
+            return ADMIT.command(keys.of_plan(plan), pack(arg), "-", "-")
+        return ADMIT.command(keys.of_plan(plan), pack(arg), node_arg(plan.nodes), chain_arg(plan.nodes))
 
     def _read_admit(self, plan: Plan, lease_id: str, reply: bytes, now: float, sent: float) -> Grant | Refusal:
         """_read_admit reads the admit script's reply to lease ``lease_id`` sent at ``sent`` (caller s)."""
@@ -643,11 +657,13 @@ class RedisStore(Store):
                 grant.picked = r[5].decode()
                 grant.node_hold = plan.nodes.need
                 grant.node_pooled = plan.nodes.pooled
+                grant.node_keyed = keyed(plan.nodes, grant.picked, int(r[6]))
+                grant.node_credit, grant.node_by_affinity = int(r[7]), r[8] == b"1"
                 if grant.node_pooled is not None:
                     self._quantile[plan.limits.pool] = grant.node_pooled.quantile
             self._live.setdefault(plan.limits.pool, {})[lease_id] = grant
             self._ledger.setdefault(plan.limits.pool, {})[lease_id] = _Held(
-                int(plan.tokens), grant.picked, ledger_hold(grant), sent + self._ttl)
+                int(plan.tokens), grant.picked, escrow_hold(grant), sent + self._ttl)
             return grant
         if code == 0:
             return Refusal(Budget(r[1].decode()), float(r[2]), r[3] == b"1", float(r[4]),
@@ -814,6 +830,8 @@ class RedisStore(Store):
         cmds += [c for pool in known for c in (("HGETALL", self._keys[pool].nk), ("HGETALL", self._keys[pool].nm))]
         # and every replica's published generations, for this replica's readings net of them
         cmds += [c for pool in known for c in (("HGETALL", self._keys[pool].sr), ("HGETALL", self._keys[pool].sn))]
+        # and the sums of the prefixes every replica's leases share on each node
+        cmds += [("HGETALL", self._keys[pool].ps) for pool in known]
         results = await self._client.round_trip(cmds)
         try:
             beat = results[0]
@@ -826,7 +844,9 @@ class RedisStore(Store):
                 self._read_view(pool, view, now)
             rest = results[1 + len(pools):]
             for i, pool in enumerate(known):
-                self._observer.store_nodes(pool, node_totals(rest[2 * i], rest[2 * i + 1], self._quantile.get(pool)))
+                shares = self._shares[pool] = read_shares(rest[4 * len(known) + i])
+                self._observer.store_nodes(pool, node_totals(rest[2 * i], rest[2 * i + 1], self._quantile.get(pool),
+                                                             shares))
                 self._gens[pool] = read_gens(rest[2 * len(known) + 2 * i], rest[2 * len(known) + 2 * i + 1])
         except (IndexError, TypeError, ValueError, AttributeError) as exc:
             raise RoundTripError(ERROR_RESPONSE, f"unexpected refresh reply: {exc}") from exc
@@ -889,7 +909,7 @@ class RedisStore(Store):
                                              v=0.0 if p is None else float(p.var)))
                 cmds.append(REFRESH.command(keys.of_refresh(), *map(word, argv)))
                 pools.append(pool)
-                sent.append([(g.id, _Held(int(g.plan.tokens), g.picked, ledger_hold(g), 0.0)) for g in chunk])
+                sent.append([(g.id, _Held(int(g.plan.tokens), g.picked, escrow_hold(g), 0.0)) for g in chunk])
         return cmds, pools, sent
 
     # --- replicas whose heartbeat is gone ------------------------------------------------
@@ -968,6 +988,24 @@ def ledger_hold(g: Grant) -> int:
     return int(g.node_hold) if g.node_pooled is None else int(g.node_pooled.footprint)
 
 
+def escrow_hold(g: Grant) -> int:
+    """escrow_hold is the room lease ``g`` certainly keeps on its node in the shared ledger
+    (tokens), for what this replica may admit alone within it (``_within``): its hold less
+    the prompt blocks its prefix keys cover, which the ledger may count once with other
+    leases' (``sharing``): a lease that ends gives back at least that much."""
+    return ledger_hold(g) - g.node_keyed
+
+
+def keyed(ask: NodeAsk, node: str, keys: int) -> int:
+    """keyed is the tokens of the whole blocks that the first ``keys`` keys of ``ask``'s chain
+    cover on ``node`` (at the block size it was asked at)."""
+    if keys <= 0 or ask.chain is None:
+        return 0
+    block = next((c.block for c in ask.candidates if c.name == node), 0)
+    end = ask.chain.ends[min(keys, len(ask.chain.ends)) - 1]
+    return end - end % block if block > 0 else 0
+
+
 def read_sums(moments: dict[bytes, bytes]) -> dict[str, Sums]:
     """read_sums is a pool's ``nm`` hash (see the key layout) as the moments' sums per node."""
     parts: dict[str, dict[str, float]] = {}
@@ -977,12 +1015,24 @@ def read_sums(moments: dict[bytes, bytes]) -> dict[str, Sums]:
     return {node: (int(p.get("l", 0)), p.get("m", 0.0), p.get("v", 0.0)) for node, p in parts.items()}
 
 
-def node_totals(held: dict[bytes, bytes], moments: dict[bytes, bytes], quantile: float | None) -> dict[str, int]:
+def read_shares(sums: dict[bytes, bytes]) -> dict[str, tuple[int, int]]:
+    """read_shares is a pool's ``ps`` hash (see the key layout) as (shared, cross) tokens per node."""
+    parts: dict[str, dict[str, float]] = {}
+    for field, value in sums.items():
+        node, kind = field.decode().rsplit("\t", 1)
+        parts.setdefault(node, {})[kind] = float(value)
+    return {node: (max(0, int(p.get("d", 0) - p.get("b", 0) * p.get("e", 0))), int(p.get("x", 0)))
+            for node, p in parts.items()}
+
+
+def node_totals(held: dict[bytes, bytes], moments: dict[bytes, bytes], quantile: float | None,
+                shares: dict[str, tuple[int, int]] | None = None) -> dict[str, int]:
     """node_totals is what every replica's leases hold on each node (tokens), from a pool's
     ``nk`` and ``nm`` hashes: the holds, plus with pooled growth the bound of the node's
     moments at ``quantile`` (None: no pooled admission seen yet, so the sum of the
-    reservations left, which bounds it)."""
-    totals = {k.decode(): int(v) for k, v in held.items()}
+    reservations left, which bounds it), less the prompt tokens they share (``shares``,
+    ``read_shares``)."""
+    totals = {k.decode(): int(v) - (shares or {}).get(k.decode(), (0, 0))[0] for k, v in held.items()}
     for node, (left, mean, var) in read_sums(moments).items():
         grow = left if quantile is None else pooled_bound(left, mean, var, quantile)
         totals[node] = totals.get(node, 0) + grow

@@ -26,6 +26,7 @@ from extproc.admission import rules
 from extproc.admission.bucket import FIT_SLACK
 from extproc.admission.store.fallback import LOCAL_PREFIX
 from extproc.admission.shared_nodes import NodeAsk
+from extproc.admission.sharing import MAX_LINKS, MAX_NODE_KEYS, bounded
 from extproc.admission.types import Budget
 
 # --- layouts --------------------------------------------------------------------------
@@ -49,6 +50,9 @@ class PoolKeys(NamedTuple):
     sn: str
     sr: str
     nm: str
+    pk: str
+    ps: str
+    lk: str
 
 
 class RefreshKeys(NamedTuple):
@@ -63,6 +67,9 @@ class RefreshKeys(NamedTuple):
     sn: str
     sr: str
     nm: str
+    pk: str
+    ps: str
+    lk: str
 
 
 class HeartbeatKeys(NamedTuple):
@@ -132,7 +139,9 @@ class NodeArg(NamedTuple):
     kvgate never fills; ``wm``: the class's watermark (1.0: none); with pooled growth
     (``shared_nodes.Pooled``, else None), ``fp``, ``pl``, ``pm``, ``pv``: its footprint
     and moments, ``z``: ``rules.z_of`` its quantile (None: 1, no bound below the sum of the
-    reservations); ``nodes``: ``NodeCandidate`` words, packed.
+    reservations); ``pt``: the prompt's tokens and ``aff`` the pool's prefix affinity
+    (``shared_nodes.NodeAsk``); ``nodes``: ``NodeCandidate`` words, packed. The prompt's
+    prefix chain is ARGV[3]: ``ChainLink`` words (``-``: none).
     """
 
     need: int
@@ -143,6 +152,8 @@ class NodeArg(NamedTuple):
     pm: float | None
     pv: float | None
     z: float | None
+    pt: int
+    aff: float
     nodes: str
 
 
@@ -156,6 +167,17 @@ class NodeCandidate(NamedTuple):
     rise: int
     since: float | None
     idle: int
+    block: int
+    cached: int
+
+
+class ChainLink(NamedTuple):
+    """ChainLink is one key of a prompt's prefix chain (``types.Chain``) in ARGV[3] of the admit
+    script: the key as text (a 64-bit hash: Lua's numbers would round it) and its end (``upto``,
+    tokens)."""
+
+    key: str
+    upto: int
 
 
 class SettleArg(NamedTuple):
@@ -250,14 +272,25 @@ def node_arg(ask: NodeAsk) -> str:
     as ``rules.effective_capacity``."""
     nodes = pack(w for c in ask.candidates
                  for w in NodeCandidate(c.name, int(c.cap), int(c.foreign), int(c.rise),
-                                        None if c.since is None else float(c.since), 1 if c.idle else 0))
+                                        None if c.since is None else float(c.since), 1 if c.idle else 0,
+                                        int(c.block), int(c.cached)))
     p = ask.pooled
     if p is None:
         return pack(NodeArg(int(ask.need), float(ask.reserve_fraction), float(ask.watermark),
-                            None, None, None, None, None, nodes))
+                            None, None, None, None, None, int(ask.prompt), float(ask.affinity), nodes))
     return pack(NodeArg(int(ask.need), float(ask.reserve_fraction), float(ask.watermark),
                         int(p.footprint), int(p.left), float(p.mean), float(p.var),
-                        None if p.quantile >= 1.0 else rules.z_of(p.quantile), nodes))
+                        None if p.quantile >= 1.0 else rules.z_of(p.quantile),
+                        int(ask.prompt), float(ask.affinity), nodes))
+
+
+def chain_arg(ask: NodeAsk) -> str:
+    """chain_arg is ``ask``'s prefix chain as the admit script's ARGV[3]: its first MAX_LINKS
+    keys as ``ChainLink`` words (``-``: no chain)."""
+    if ask.chain is None or not ask.chain.keys:
+        return "-"
+    chain = bounded(ask.chain)
+    return pack(w for key, end in zip(chain.keys, chain.ends) for w in ChainLink(str(key), int(end)))
 
 
 # --- Lua from the layouts ----------------------------------------------------------------
@@ -319,7 +352,8 @@ def lua_each(layout: Layout, table: str, first: str | int) -> str:
 
 def _constants() -> str:
     """_constants is the rule's constants as Lua locals: the fit slack and the budget names."""
-    lines = [f"local FIT = {FIT_SLACK!r}", f"local LOCAL = '{LOCAL_PREFIX}'"]
+    lines = [f"local FIT = {FIT_SLACK!r}", f"local LOCAL = '{LOCAL_PREFIX}'",
+             f"local MAX_LINKS = {MAX_LINKS}", f"local MAX_NODE_KEYS = {MAX_NODE_KEYS}"]
     lines += [f"local B_{b.name} = '{b.value}'" for b in Budget]
     return "\n".join(lines)
 
@@ -427,14 +461,112 @@ local function clamp_seen(v, hold)
   if v < 0 - hold then return 0 - hold end
   return v
 end
-local function untake(st, nk, nm, sn, sr, id, rec)
+-- The shared prefixes (sharing.SharedPrefixes, mirrored here). pk: '<node>\t<key>' ->
+-- 'holders tokens replicas', '<node>\t<key>\t<replica>' -> that replica's holders; ps:
+-- '<node>\t<b|d|e|n|x>' -> the block size, dup, extra, distinct keys and cross of the node;
+-- lk: lease id -> the keys it took, in order.
+-- ps_read is a node's sums in ps: block (nil: no key held), dup, extra, keys, cross.
+local function ps_read(ps, node)
+  local v = redis.call('HMGET', ps, node .. '\tb', node .. '\td', node .. '\te', node .. '\tn', node .. '\tx')
+  return tonumber(v[1]), tonumber(v[2]) or 0, tonumber(v[3]) or 0, tonumber(v[4]) or 0, tonumber(v[5]) or 0
+end
+-- ps_shared is Prefixes.shared of a node's sums.
+local function ps_shared(b, d, e)
+  if not b then return 0 end
+  return math.max(0, d - b * e)
+end
+local function ps_write(ps, node, b, d, e, n, x)
+  if n <= 0 then
+    redis.call('HDEL', ps, node .. '\tb', node .. '\td', node .. '\te', node .. '\tn', node .. '\tx')
+  else
+    redis.call('HSET', ps, node .. '\tb', fmt(b), node .. '\td', fmt(d), node .. '\te', fmt(e),
+      node .. '\tn', fmt(n), node .. '\tx', fmt(x))
+  end
+end
+local function ref_read(v)
+  local w = args(v)
+  return tonumber(w[1]), tonumber(w[2]), tonumber(w[3])
+end
+-- prefix_take is SharedPrefixes.add of the first k links {key, end} on node, asked at
+-- block, for lease id (its replica's), recording the keys it took.
+local function prefix_take(pk, ps, lk, id, node, links, k, block)
+  if k == 0 then return end
+  local b, d, e, n, x = ps_read(ps, node)
+  if not b then b = block end
+  local me = replica_of(id)
+  local before, keys = 0, {}
+  for i = 1, k do
+    local key, fin = links[i][1], links[i][2]
+    local whole = fin - fin % b
+    local t = whole - before
+    if t < 0 then t = 0 end
+    if whole > before then before = whole end
+    local f = node .. '\t' .. key
+    local v = redis.call('HGET', pk, f)
+    local c, tk, nr = 1, t, 0
+    if v then
+      c, tk, nr = ref_read(v)
+      c = c + 1
+      d = d + tk
+      if i == 1 then e = e + 1 end
+    else
+      n = n + 1
+    end
+    if redis.call('HINCRBY', pk, f .. '\t' .. me, 1) == 1 then
+      nr = nr + 1
+      if nr >= 2 then x = x + tk end
+    end
+    redis.call('HSET', pk, f, fmt(c) .. ' ' .. fmt(tk) .. ' ' .. fmt(nr))
+    keys[i] = key
+  end
+  ps_write(ps, node, b, d, e, n, x)
+  redis.call('HSET', lk, id, table.concat(keys, ' '))
+end
+-- prefix_drop is SharedPrefixes.drop of the keys lease id took on node.
+local function prefix_drop(pk, ps, lk, id, node)
+  local ks = redis.call('HGET', lk, id)
+  if not ks then return end
+  redis.call('HDEL', lk, id)
+  local b, d, e, n, x = ps_read(ps, node)
+  if not b then return end
+  local me = replica_of(id)
+  local i = 0
+  for key in string.gmatch(ks, '%S+') do
+    i = i + 1
+    local f = node .. '\t' .. key
+    local v = redis.call('HGET', pk, f)
+    if v then
+      local c, tk, nr = ref_read(v)
+      local mine = redis.call('HINCRBY', pk, f .. '\t' .. me, -1)
+      if mine <= 0 then
+        redis.call('HDEL', pk, f .. '\t' .. me)
+        nr = nr - 1
+        if nr >= 1 then x = x - tk end
+      end
+      c = c - 1
+      if c <= 0 then
+        redis.call('HDEL', pk, f)
+        n = n - 1
+      else
+        d = d - tk
+        if i == 1 then e = e - 1 end
+        redis.call('HSET', pk, f, fmt(c) .. ' ' .. fmt(tk) .. ' ' .. fmt(nr))
+      end
+    end
+  end
+  ps_write(ps, node, b, d, e, n, x)
+end
+local function untake(st, nk, nm, sn, sr, pk, ps, lk, id, rec)
   local cls, tok, node, hold, rnd, fn, fo, l, m, v = rec_fields(rec)
   redis.call('HINCRBY', st, 'n', -1)
   redis.call('HINCRBY', st, 'c:' .. cls, -1)
   -- 0 - tok, not -tok: Lua writes -0 as "-0", which HINCRBY refuses
   redis.call('HINCRBY', st, 'kv', 0 - tok)
   if node ~= '-' and hold ~= 0 then redis.call('HINCRBY', nk, node, 0 - hold) end
-  if node ~= '-' then moments_add(nm, node, l, m, v, -1) end
+  if node ~= '-' then
+    moments_add(nm, node, l, m, v, -1)
+    prefix_drop(pk, ps, lk, id, node)
+  end
   if node ~= '-' and (fn ~= 0 or fo ~= 0) then
     -- what the lease's replica published of it leaves with its hold
     local replica = replica_of(id)
@@ -450,12 +582,12 @@ local function untake(st, nk, nm, sn, sr, id, rec)
 end
 -- purge returns the slots and KV tokens of leases whose expiry has passed (their replica
 -- stopped refreshing them: it died) and forgets tombstones that served their time.
-local function purge(st, lz, lh, done, nk, nm, sn, sr, now)
+local function purge(st, lz, lh, done, nk, nm, sn, sr, pk, ps, lk, now)
   local ids = redis.call('ZRANGEBYSCORE', lz, '-inf', now, 'LIMIT', 0, 256)
   for i = 1, #ids do
     local rec = redis.call('HGET', lh, ids[i])
     if rec then
-      untake(st, nk, nm, sn, sr, ids[i], rec)
+      untake(st, nk, nm, sn, sr, pk, ps, lk, ids[i], rec)
       redis.call('HDEL', lh, ids[i])
     end
     redis.call('ZREM', lz, ids[i])
@@ -539,15 +671,17 @@ local function view(now, st, pbk, has_pb)
 end
 """
 
-# KEYS: PoolKeys; ARGV[1]: AdmitArg; ARGV[2]: NodeArg, or '-' when the pool picks no node.
-# Returns "1 inflight b_tok b_cap b_rate node|view" (granted; '-' without a bucket or a
+# KEYS: PoolKeys; ARGV[1]: AdmitArg; ARGV[2]: NodeArg, or '-' when the pool picks no node;
+# ARGV[3]: ChainLink words, or '-'. Returns "1 inflight b_tok b_cap b_rate node keys credit
+# by_affinity|view" (granted; '-' without a bucket or a node; keys: the prefix keys the lease
+# took, credit: the tokens it was charged less, by_affinity: 1 when the prefix chose the
 # node), "0 budget retry retryable needed used limit|view" (refused), "2|view" (id cancelled),
 # "3 seconds|view" (the ledger is being rebuilt after Redis lost it: no admission for that long).
 _ADMIT = _PRELUDE + r"""
 $keys
 local a = args(ARGV[1])
 $admit
-purge(st, lz, lh, done, nk, nm, sn, sr, now)
+purge(st, lz, lh, done, nk, nm, sn, sr, pk, ps, lk, now)
 if redis.call('ZSCORE', done, id) then return '2' .. view(now, st, pbk, pcap ~= nil) end
 local sv = redis.call('HMGET', st, 'n', 'kv')
 local inflight, kvin = tonumber(sv[1]) or 0, tonumber(sv[2]) or 0
@@ -558,20 +692,25 @@ local function save()
   if pb then bucket_save(pbk, pb, -1) end
   if tb then bucket_save(tbk, tb, texp) end
 end
-local function granted(nin, node)
+-- granted's node part: the node, the prefix keys the lease took there, its credit (tokens)
+-- and whether affinity chose it over a roomier node (1/0)
+local function granted(nin, node, k, credit, by_aff)
   local b = pb
   if tb and (b == nil or tb[1] < b[1]) then b = tb end
   local head = '1 ' .. nin
   if b then head = head .. ' ' .. fmt(b[1]) .. ' ' .. fmt(b[3]) .. ' ' .. fmt(b[4])
   else head = head .. ' - - -' end
-  return head .. ' ' .. node .. view(now, st, pbk, pb ~= nil)
+  return head .. ' ' .. node .. ' ' .. k .. ' ' .. fmt(credit) .. ' ' .. by_aff .. view(now, st, pbk, pb ~= nil)
 end
 local held_rec = redis.call('HGET', lh, id)
 if held_rec then
   -- a retried round trip whose first attempt was applied: the grant stands, once
   save()
   local _, _, node = rec_fields(held_rec)
-  return granted(inflight, node)
+  local k = 0
+  local ks = redis.call('HGET', lk, id)
+  if ks then for _ in string.gmatch(ks, '%S+') do k = k + 1 end end
+  return granted(inflight, node, k, 0, 0)
 end
 -- the rebuild window: Redis lost the ledger (a restart) and the replicas take their live
 -- leases again before anyone decides over it
@@ -614,11 +753,42 @@ local function bound(l, m, v, z)
   local b = m + z * math.sqrt(math.max(0.0, v))
   return math.min(l, math.max(0, math.ceil(b - 1e-9)))
 end
+-- links: the prompt's prefix chain, {key, end} each (ARGV[3]; at most MAX_LINKS)
+local links = {}
+if ARGV[3] and ARGV[3] ~= '-' then
+  local c = args(ARGV[3])
+  $each_link
+    if #links < MAX_LINKS then links[#links + 1] = {key, upto} end
+  end
+end
+-- credit is SharedPrefixes.credit and .taken on node asked at block, whose sums are b, d, e,
+-- n: tokens charged less, and the keys a lease would take
+local function credit(node, block, b, d, e, n)
+  if #links == 0 or block <= 0 or (b and b ~= block) then return 0, 0 end
+  if not b then return 0, #links end
+  local fields = {}
+  for i = 1, #links do fields[i] = node .. '	' .. links[i][1] end
+  local got = redis.call('HMGET', pk, unpack(fields))
+  local sum, run = 0, 0
+  for i = 1, #links do
+    if not got[i] then break end
+    local _, tk = ref_read(got[i])
+    sum = sum + tk
+    run = i
+  end
+  local k = run
+  if n + #links - run <= MAX_NODE_KEYS then k = #links end
+  if run == 0 then return 0, k end
+  return math.max(0, d + sum - b * (e + 1)) - ps_shared(b, d, e), k
+end
 local function pick_node(q)
   $node
   local best, best_room, by_wm, chosen = nil, nil, false, nil
+  local roomiest, roomiest_name, got, keys, blk = nil, nil, 0, 0, 0
   $each_node
-    foreign = foreign - others(name, since, idle)
+    local b, d, e, kn, x = ps_read(ps, name)
+    local gone = others(name, since, idle) - x
+    if gone > 0 then foreign = foreign - gone end
     if foreign < rise then foreign = rise end
     local held = tonumber(redis.call('HGET', nk, name)) or 0
     if pl then
@@ -626,6 +796,12 @@ local function pick_node(q)
       local sl, sm, sv = moments_of(nm, name)
       held = held + fp + bound(sl + pl, sm + pm, sv + pv, z) - need
     end
+    -- the prompt blocks the node's leases share, and what this request shares with them
+    local cr, k = credit(name, block, b, d, e, kn)
+    if cr > pt then cr = pt end
+    held = held - ps_shared(b, d, e) - cr
+    local bonus = cr
+    if cached > bonus then bonus = cached end
     local eff = math.floor(cap * (1.0 - reserve))
     if eff < 0 then eff = 0 end
     local room = eff - foreign - held
@@ -634,14 +810,19 @@ local function pick_node(q)
       -- no room
     elseif wm < 1.0 and foreign + held + need > math.floor(wm * eff) then
       by_wm = true
-    elseif best == nil or room > best then
-      best, chosen = room, name
+    else
+      if roomiest == nil or room > roomiest then roomiest, roomiest_name = room, name end
+      local score = room
+      if bonus > 0 then score = room + math.floor(bonus * aff) end
+      if best == nil or score > best then best, chosen, got, keys, blk = score, name, cr, k, block end
     end
   end
   if chosen then
+    local by_aff = 0
+    if chosen ~= roomiest_name then by_aff = 1 end
     -- with pooled growth the lease holds its footprint, and its moments join the node's sums
-    if pl then return chosen, fp, nil, pl, pm, pv end
-    return chosen, need, nil, 0, 0, 0
+    if pl then return chosen, fp, nil, pl, pm, pv, got, keys, by_aff, blk end
+    return chosen, need, nil, 0, 0, 0, got, keys, by_aff, blk
   end
   local r = best_room or 0
   local budget = B_NODE_KV
@@ -712,11 +893,11 @@ local function decide()
 end
 -- the node is checked before the pool's budgets, as the controller does with an
 -- in-process store
-local node, hold, gl, gm, gv = '-', 0, 0, 0, 0
+local node, hold, gl, gm, gv, got, keys, by_aff, block = '-', 0, 0, 0, 0, 0, 0, 0, 0
 if ARGV[2] ~= '-' then
-  local picked, need, refusal, l, m, v = pick_node(args(ARGV[2]))
+  local picked, need, refusal, l, m, v, cr, k, ba, blk = pick_node(args(ARGV[2]))
   if refusal then return refused(refusal) end
-  node, hold, gl, gm, gv = picked, need, l, m, v
+  node, hold, gl, gm, gv, got, keys, by_aff, block = picked, need, l, m, v, cr, k, ba, blk
 end
 local refusal = decide()
 if refusal then return refused(refusal) end
@@ -726,13 +907,14 @@ redis.call('HINCRBY', st, 'kv', n)
 if node ~= '-' then
   redis.call('HINCRBY', nk, node, hold)
   moments_add(nm, node, gl, gm, gv, 1)
+  prefix_take(pk, ps, lk, id, node, links, keys, block)
 end
 redis.call('HSET', lh, id, record(cls, n, node, hold, 0, 0, 0, gl, gm, gv))
 redis.call('ZADD', lz, now + ttl, id)
 if pb then pb[1] = pb[1] - n end
 if tb then tb[1] = tb[1] - n end
 save()
-return granted(nin, node)
+return granted(nin, node, keys, got, by_aff)
 """
 
 # KEYS: PoolKeys; ARGV[1]: SettleArg.
@@ -741,14 +923,14 @@ _SETTLE = _PRELUDE + r"""
 $keys
 local a = args(ARGV[1])
 $settle
-purge(st, lz, lh, done, nk, nm, sn, sr, now)
+purge(st, lz, lh, done, nk, nm, sn, sr, pk, ps, lk, now)
 -- the tombstone keeps a refresh or a late admit already on the wire from bringing it back
 redis.call('ZADD', done, now + ttl, id)
 local rec = redis.call('HGET', lh, id)
 if not rec then return '0' .. view(now, st, pbk, pcap ~= nil) end
 redis.call('HDEL', lh, id)
 redis.call('ZREM', lz, id)
-local tok = untake(st, nk, nm, sn, sr, id, rec)
+local tok = untake(st, nk, nm, sn, sr, pk, ps, lk, id, rec)
 local refund = tok - charged
 if refund ~= 0 then
   if pcap then bucket_give(pbk, refund, pcap, prate, now, -1) end
@@ -832,7 +1014,7 @@ $each_lease
     restored = restored + 1
   end
 end
-purge(st, lz, lh, done, nk, nm, sn, sr, now)
+purge(st, lz, lh, done, nk, nm, sn, sr, pk, ps, lk, now)
 return restored .. view(now, st, pbk, has_pb == 1)
 """
 
@@ -874,7 +1056,7 @@ for i = 1, #ids do
   if string.sub(id, 1, #mine) == mine or string.sub(id, 1, #alone) == alone then
     local rec = redis.call('HGET', lh, id)
     if rec then
-      untake(st, nk, nm, sn, sr, id, rec)
+      untake(st, nk, nm, sn, sr, pk, ps, lk, id, rec)
       redis.call('HDEL', lh, id)
       released = released + 1
     end
@@ -917,6 +1099,7 @@ ADMIT = Script(_script(_ADMIT, keys=_keys(PoolKeys),
                        admit=lua_locals(AdmitArg, "a", expand={"pool": AdmitPool}, group="guarantees"),
                        node=lua_locals(NodeArg, "q", group="nodes"),
                        each_node=lua_each(NodeCandidate, "q", "nodes"),
+                       each_link=lua_each(ChainLink, "c", 1),
                        each_guarantee=lua_each(Guarantee, "a", "guarantees")), PoolKeys)
 SETTLE = Script(_script(_SETTLE, keys=_keys(PoolKeys), settle=lua_locals(SettleArg, "a")), PoolKeys)
 REFRESH = Script(_script(_REFRESH, keys=_keys(RefreshKeys),

@@ -264,23 +264,27 @@ def test_affinity_never_fits_a_request_where_it_does_not_fit():
     assert isinstance(adm.try_acquire(ask(80_000, 9_000, chain_of([("third", 80_000)]))), Rejection)
 
 
-def test_with_the_redis_store_sharing_is_not_counted_and_check_config_says_so():
+def test_with_the_redis_store_check_config_no_longer_warns_about_sharing():
     from extproc.config import parse_config, warnings
     raw = {"pools": {"default": nodes_pool(1, shared_prefix=True)},
            "store": {"redis": {"url": "redis://127.0.0.1:6379/0", "expected_replicas": 2}}}
-    said = warnings(parse_config(raw))
-    assert any("shared_prefix has no effect with the Redis store" in w for w in said)
-    assert not any("shared_prefix" in w for w in warnings(parse_config({"pools": {"default": nodes_pool(1, shared_prefix=True)}})))
+    assert not any("shared_prefix" in w for w in warnings(parse_config(raw)))
 
 
-def test_a_request_a_shared_store_admitted_is_charged_whole_here_too():
+def test_a_request_a_shared_store_admitted_keeps_its_chain_here():
+    """The store counts the sharing of every replica's leases; this replica's ledger counts its
+    own (its marks subtract its requests' shared blocks once), with the store's credit."""
     from extproc.admission.nodes import PoolNodes
-    pool = PoolNodes(config(pool=nodes_pool(1, shared_prefix=True)).pools["default"], 3.0)
+    pool = PoolNodes(config(pool=nodes_pool(1, shared_prefix=True, block_tokens=BLOCK)).pools["default"], 3.0)
     for q in ("qa", "qb"):
-        c = pool.charge("n0", "standard", 10_200, 800, T0, chain_of([*SYSTEM, (q, 200)]))
-        assert c is not None and c.chain is None
+        c = pool.charge("n0", "standard", 10_200, 800, T0, chain_of([*SYSTEM, (q, 200)]), 10_000 - BLOCK, True)
+        assert c is not None and c.chain is not None
     (snap,) = pool.snapshot(T0)
-    assert snap.shared_tokens == 0 and snap.inflight_tokens == 20_400
+    assert snap.shared_tokens == 10_000 - BLOCK and snap.inflight_tokens == 20_400
+    assert snap.credit_tokens == 2 * (10_000 - BLOCK) and snap.affinity_picks == 2
+    off = PoolNodes(config(pool=nodes_pool(1)).pools["default"], 3.0)
+    c = off.charge("n0", "standard", 10_200, 800, T0, chain_of([*SYSTEM, ("qa", 200)]))
+    assert c is not None and c.chain is None
 
 
 def test_a_request_goes_where_its_prefix_ended_a_moment_ago_but_is_not_credited_for_it():

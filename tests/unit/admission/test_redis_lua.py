@@ -31,8 +31,9 @@ SAMPLES: list[tuple[Any, dict[str, Any], str | None]] = [
     (L.RefreshLease("r.3", "gold", 700, "n1", 900, -640, 512, 200.5, 9000.25), {}, None),
     (L.HeartbeatArg(7.0, "replica-a", 12.5, "127.0.0.1:9464", 30.0), {}, None),
     (L.ReleaseArg(None, 30.0, "replica-b"), {}, None),
-    (L.NodeArg(640, 0.15, 0.55, 100, 512, 200.5, 9000.25, 1.2815515655446004,
-               L.pack(L.NodeCandidate("n0", 10000, 300, 40, 1000.75, 1))), {}, "nodes"),
+    (L.NodeArg(640, 0.15, 0.55, 100, 512, 200.5, 9000.25, 1.2815515655446004, 10_200, 1.5,
+               L.pack(L.NodeCandidate("n0", 10000, 300, 40, 1000.75, 1, 32, 9984))), {}, "nodes"),
+    (L.ChainLink("18446744073709551557", 9984), {}, None),
 ]
 
 
@@ -128,9 +129,9 @@ def test_a_word_is_text_a_number_or_none(bad: object) -> None:
 
 
 def test_a_command_takes_the_keys_of_its_own_layout() -> None:
-    keys = L.PoolKeys("st", "lz", "lh", "done", "st", "st", "nk", "rb", "sn", "sr", "nm")
+    keys = L.PoolKeys("st", "lz", "lh", "done", "st", "st", "nk", "rb", "sn", "sr", "nm", "pk", "ps", "lk")
     cmd = L.SETTLE.command(keys, "arg")
-    assert cmd[:3] == ("EVALSHA", L.SETTLE.sha, 11) and cmd[3:14] == tuple(keys) and cmd[14:] == ("arg",)
+    assert cmd[:3] == ("EVALSHA", L.SETTLE.sha, 14) and cmd[3:17] == tuple(keys) and cmd[17:] == ("arg",)
     with pytest.raises(TypeError, match="RefreshKeys"):
         L.REFRESH.command(keys)
 
