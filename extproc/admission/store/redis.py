@@ -39,6 +39,15 @@ every replica's requests on a node together (``rules.pooled_bound``), as one rep
 for its own; while Redis is away, a replica admits alone within the footprints its
 settled leases still hold there, less the growth its live ones may take alone.
 
+Prompt prefixes counted once (``picking.shared_prefix``): the admit script charges a
+request its prompt less the blocks it shares with every replica's leases running on the
+node, as one replica's ledger does with its own (``sharing.SharedPrefixes``, mirrored in
+Lua): the lease's prefix keys join the node's reference counts (``P{pool}:pk``) in the same
+script, bounded per request and per node, and leave them with the lease (settle, expiry,
+a dead replica's release); a refresh keeps them, a lease taken again (Redis lost it, or it
+was granted alone) is held whole. While Redis is away a replica counts on a lease's room
+less its prefix blocks (``escrow_hold``) and charges what it admits alone whole.
+
 Every replica's requests counted once: a node's report counts, as its foreign KV, the
 requests of every replica that its cache held. Each refresh publishes, per node, what this
 replica's marks saw of its leases in the nodes' caches (``nodes.Charge.seen``: firm from a
@@ -65,6 +74,12 @@ one Redis Cluster slot and one script may touch them all):
 ``P{pool}:sr``             hash    replica id -> ``<new_at> <old_at> <round>``: its generations' stamps
 ``P{pool}:nm``             hash    ``<node>\\t<l|m|v>`` -> with pooled growth, the sums of the moments of the
                                    growth of every lease on the node (``shared_nodes.Pooled``)
+``P{pool}:pk``             hash    ``<node>\\t<key>`` -> ``<holders> <tokens> <replicas>``, and
+                                   ``<node>\\t<key>\\t<replica>`` -> that replica's holders: the prefix
+                                   keys of the leases on the node (``sharing.SharedPrefixes``)
+``P{pool}:ps``             hash    ``<node>\\t<b|d|e|n|x>`` -> the node's block size, dup, extra,
+                                   distinct keys and cross-replica tokens of those prefixes
+``P{pool}:lk``             hash    lease id -> the prefix keys it took on its node, in order
 ``P{pool}:done``           zset    settled lease id -> when its tombstone may go (s)
 ``P{pool}:b:<bucket key>`` hash    a token bucket: ``tok`` tokens, ``t`` instant, ``cap`` tokens, ``rate`` tokens/s
 ``P{pool}:rb``             string  while set (it expires): the pool's ledger is rebuilt, no admission
