@@ -25,6 +25,7 @@ from typing import Any, NamedTuple, get_type_hints
 from extproc.admission import rules
 from extproc.admission.bucket import FIT_SLACK
 from extproc.admission.store.fallback import LOCAL_PREFIX
+from extproc.admission.store.redis_sharing import SHARING_LUA
 from extproc.admission.shared_nodes import NodeAsk
 from extproc.admission.sharing import MAX_LINKS, MAX_NODE_KEYS, bounded
 from extproc.admission.types import Budget
@@ -461,101 +462,7 @@ local function clamp_seen(v, hold)
   if v < 0 - hold then return 0 - hold end
   return v
 end
--- The shared prefixes (sharing.SharedPrefixes, mirrored here). pk: '<node>\t<key>' ->
--- 'holders tokens replicas', '<node>\t<key>\t<replica>' -> that replica's holders; ps:
--- '<node>\t<b|d|e|n|x>' -> the block size, dup, extra, distinct keys and cross of the node;
--- lk: lease id -> the keys it took, in order.
--- ps_read is a node's sums in ps: block (nil: no key held), dup, extra, keys, cross.
-local function ps_read(ps, node)
-  local v = redis.call('HMGET', ps, node .. '\tb', node .. '\td', node .. '\te', node .. '\tn', node .. '\tx')
-  return tonumber(v[1]), tonumber(v[2]) or 0, tonumber(v[3]) or 0, tonumber(v[4]) or 0, tonumber(v[5]) or 0
-end
--- ps_shared is Prefixes.shared of a node's sums.
-local function ps_shared(b, d, e)
-  if not b then return 0 end
-  return math.max(0, d - b * e)
-end
-local function ps_write(ps, node, b, d, e, n, x)
-  if n <= 0 then
-    redis.call('HDEL', ps, node .. '\tb', node .. '\td', node .. '\te', node .. '\tn', node .. '\tx')
-  else
-    redis.call('HSET', ps, node .. '\tb', fmt(b), node .. '\td', fmt(d), node .. '\te', fmt(e),
-      node .. '\tn', fmt(n), node .. '\tx', fmt(x))
-  end
-end
-local function ref_read(v)
-  local w = args(v)
-  return tonumber(w[1]), tonumber(w[2]), tonumber(w[3])
-end
--- prefix_take is SharedPrefixes.add of the first k links {key, end} on node, asked at
--- block, for lease id (its replica's), recording the keys it took.
-local function prefix_take(pk, ps, lk, id, node, links, k, block)
-  if k == 0 then return end
-  local b, d, e, n, x = ps_read(ps, node)
-  if not b then b = block end
-  local me = replica_of(id)
-  local before, keys = 0, {}
-  for i = 1, k do
-    local key, fin = links[i][1], links[i][2]
-    local whole = fin - fin % b
-    local t = whole - before
-    if t < 0 then t = 0 end
-    if whole > before then before = whole end
-    local f = node .. '\t' .. key
-    local v = redis.call('HGET', pk, f)
-    local c, tk, nr = 1, t, 0
-    if v then
-      c, tk, nr = ref_read(v)
-      c = c + 1
-      d = d + tk
-      if i == 1 then e = e + 1 end
-    else
-      n = n + 1
-    end
-    if redis.call('HINCRBY', pk, f .. '\t' .. me, 1) == 1 then
-      nr = nr + 1
-      if nr >= 2 then x = x + tk end
-    end
-    redis.call('HSET', pk, f, fmt(c) .. ' ' .. fmt(tk) .. ' ' .. fmt(nr))
-    keys[i] = key
-  end
-  ps_write(ps, node, b, d, e, n, x)
-  redis.call('HSET', lk, id, table.concat(keys, ' '))
-end
--- prefix_drop is SharedPrefixes.drop of the keys lease id took on node.
-local function prefix_drop(pk, ps, lk, id, node)
-  local ks = redis.call('HGET', lk, id)
-  if not ks then return end
-  redis.call('HDEL', lk, id)
-  local b, d, e, n, x = ps_read(ps, node)
-  if not b then return end
-  local me = replica_of(id)
-  local i = 0
-  for key in string.gmatch(ks, '%S+') do
-    i = i + 1
-    local f = node .. '\t' .. key
-    local v = redis.call('HGET', pk, f)
-    if v then
-      local c, tk, nr = ref_read(v)
-      local mine = redis.call('HINCRBY', pk, f .. '\t' .. me, -1)
-      if mine <= 0 then
-        redis.call('HDEL', pk, f .. '\t' .. me)
-        nr = nr - 1
-        if nr >= 1 then x = x - tk end
-      end
-      c = c - 1
-      if c <= 0 then
-        redis.call('HDEL', pk, f)
-        n = n - 1
-      else
-        d = d - tk
-        if i == 1 then e = e - 1 end
-        redis.call('HSET', pk, f, fmt(c) .. ' ' .. fmt(tk) .. ' ' .. fmt(nr))
-      end
-    end
-  end
-  ps_write(ps, node, b, d, e, n, x)
-end
+""" + SHARING_LUA + r"""
 local function untake(st, nk, nm, sn, sr, pk, ps, lk, id, rec)
   local cls, tok, node, hold, rnd, fn, fo, l, m, v = rec_fields(rec)
   redis.call('HINCRBY', st, 'n', -1)
@@ -761,26 +668,6 @@ if ARGV[3] and ARGV[3] ~= '-' then
     if #links < MAX_LINKS then links[#links + 1] = {key, upto} end
   end
 end
--- credit is SharedPrefixes.credit and .taken on node asked at block, whose sums are b, d, e,
--- n: tokens charged less, and the keys a lease would take
-local function credit(node, block, b, d, e, n)
-  if #links == 0 or block <= 0 or (b and b ~= block) then return 0, 0 end
-  if not b then return 0, #links end
-  local fields = {}
-  for i = 1, #links do fields[i] = node .. '	' .. links[i][1] end
-  local got = redis.call('HMGET', pk, unpack(fields))
-  local sum, run = 0, 0
-  for i = 1, #links do
-    if not got[i] then break end
-    local _, tk = ref_read(got[i])
-    sum = sum + tk
-    run = i
-  end
-  local k = run
-  if n + #links - run <= MAX_NODE_KEYS then k = #links end
-  if run == 0 then return 0, k end
-  return math.max(0, d + sum - b * (e + 1)) - ps_shared(b, d, e), k
-end
 local function pick_node(q)
   $node
   local best, best_room, by_wm, chosen = nil, nil, false, nil
@@ -797,7 +684,7 @@ local function pick_node(q)
       held = held + fp + bound(sl + pl, sm + pm, sv + pv, z) - need
     end
     -- the prompt blocks the node's leases share, and what this request shares with them
-    local cr, k = credit(name, block, b, d, e, kn)
+    local cr, k = credit(pk, links, name, block, b, d, e, kn)
     if cr > pt then cr = pt end
     held = held - ps_shared(b, d, e) - cr
     local bonus = cr

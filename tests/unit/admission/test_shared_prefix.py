@@ -148,12 +148,13 @@ def test_the_lua_script_counts_shared_prefixes_like_the_python_rule(redis_server
                     held[want.chosen] += prompt
                     got.node = _Seen()
                     live.append((got, who, path, tail, chain.keys[:k], clock.now() + TTL))
-                elif op[0] == "settle" and live:
-                    g, who = live[op[1] % len(live)][:2]
+                elif op[0] == "settle":
                     expire()
-                    end(op[1] % len(live))
-                    stores[who].settle(g, 1, clock.now())
-                    await stores[who].flush()
+                    if live:
+                        g, who = live[op[1] % len(live)][:2]
+                        end(op[1] % len(live))
+                        stores[who].settle(g, 1, clock.now())
+                        await stores[who].flush()
                 elif op[0] == "publish":
                     for g, who, *_ in live:
                         if who != "c":
