@@ -15,7 +15,7 @@ VLLM_VERSION ?= 0.32.0
 # e.g. BENCH_VLLM_ARGS="--runs 3 --rows direct,kvgate"
 BENCH_VLLM_ARGS ?=
 
-.PHONY: install run test test-under-load test-unit test-e2e test-vllm bench bench-admission bench-overhead bench-cpu bench-picker bench-prefix bench-protection bench-redis bench-redis-timeout bench-scrape bench-tokens bench-trace bench-replicas bench-vllm bench-vllm-prefix bench-loop-lag bench-big-prompt bench-memory bench-log-batches bench-pick bench-usage-filter bench-fairness install-vllm check-config clean
+.PHONY: install run test test-under-load test-unit test-e2e test-vllm bench bench-admission bench-overhead bench-cpu bench-picker bench-prefix bench-protection bench-redis bench-redis-prefix bench-redis-timeout bench-scrape bench-tokens bench-trace bench-replicas bench-vllm bench-vllm-prefix bench-loop-lag bench-big-prompt bench-memory bench-log-batches bench-pick bench-usage-filter bench-fairness install-vllm check-config clean
 
 install: $(STAMP)
 
@@ -135,6 +135,10 @@ bench-redis: install
 	mkdir -p $(BENCH_OUT)
 	$(PY) bench/bench_redis.py --out $(BENCH_OUT)/redis.md
 
+bench-redis-prefix: install
+	mkdir -p $(BENCH_OUT)
+	$(PY) bench/bench_redis_prefix.py --out $(BENCH_OUT)/redis-prefix.md
+
 bench-redis-timeout: install
 	mkdir -p $(BENCH_OUT)
 	$(PY) bench/bench_redis_timeout.py --out $(BENCH_OUT)/redis-timeout.md
@@ -181,7 +185,7 @@ bench-big-prompt: install
 	mkdir -p $(BENCH_OUT)
 	$(PY) bench/bench_big_prompt.py --out $(BENCH_OUT)/big-prompt.md
 
-bench: bench-admission bench-fairness bench-scrape bench-tokens bench-overhead bench-memory bench-log-batches bench-pick bench-usage-filter bench-cpu bench-picker bench-prefix bench-protection bench-trace bench-replicas bench-redis bench-redis-timeout bench-loop-lag bench-big-prompt
+bench: bench-admission bench-fairness bench-scrape bench-tokens bench-overhead bench-memory bench-log-batches bench-pick bench-usage-filter bench-cpu bench-picker bench-prefix bench-protection bench-trace bench-replicas bench-redis bench-redis-prefix bench-redis-timeout bench-loop-lag bench-big-prompt
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info
