@@ -13,6 +13,11 @@ script, its constants included, is ``store.redis_lua.NodeArg``). ``pick_within``
 rule while the store is unreachable: within the room this replica's own leases hold in
 the ledger (see its docstring).
 
+Shared prompt prefixes (``picking.shared_prefix``): a candidate carries the node's block
+size as this replica reads it, and the ask the prompt's chain; the store keeps every
+replica's leases' prefixes per node (``sharing.SharedPrefixes``) and charges a request its
+prompt less the blocks it shares with them, as one replica's ledger does with its own.
+
 Which report counts: each replica scrapes every node itself and uses its own latest
 report: ``foreign`` is what the node holds that this replica did not subtract (its own
 requests certainly in the cache at the report's mark, see ``nodes``). Reports are not

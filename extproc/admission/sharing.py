@@ -11,12 +11,16 @@ replica. It adds what one replica's ledger does not need:
 
 - which replicas hold each key, and ``cross``: the tokens each key counts for every
   replica holding it beyond the first (sum of tokens x (replicas - 1)). Each replica
-  subtracts from a node's report its own requests with their sharing counted once among
-  them, and the others' published ones likewise (``shared_nodes.others_seen``): a prefix
-  held through two replicas is then subtracted twice while the node holds it once.
-  ``cross`` bounds what that double subtraction can take (the replicas' sharing with each
-  other, over every running lease, which holds every lease seen in the cache), so the rule
-  gives it back (``shared_nodes.pick_shared``).
+  subtracts from a node's report its own requests seen in the cache with the blocks they
+  share counted once among them, and the others' published ones likewise: a prefix held
+  through two replicas is subtracted twice while the node holds it once, and the foreign
+  KV read would be too low by it. The blocks a set of requests shares split exactly into
+  each replica's sharing among its own plus ``cross`` over the set; ``cross`` over every
+  running lease (those seen in the cache are among them) can only be more, and the rule
+  gives back at most what the others' subtraction took (``shared_nodes.pick_shared``):
+  never more than not subtracting them at all. A replica's own ledger may count more of
+  its requests' sharing than the store (a lease that took fewer keys, or was admitted
+  alone): it then subtracts less, the safe side.
 - bounds, because prompts are client input: a chain is at most ``MAX_LINKS`` keys
   (``extproc.prefix.MAX_KEYS``), and a node at most ``MAX_NODE_KEYS`` distinct keys: a
   lease whose new keys do not fit takes only the keys already there (its credit is the
