@@ -4,7 +4,7 @@ script, side by side in one run.
 A real Redis-protocol server started here on 127.0.0.1 (``kvgate_testkit/redis_server.py``);
 one ``RedisStore`` (caller instants, so that only the script and the round trip are timed)
 admitting to a picking pool of three nodes and settling at once, one admission at a time.
-Rows, each with 12 leases running on every node beforehand (a steady state):
+Rows, each with 72 leases with chains (40 and 256 keys) running on the nodes beforehand:
 
 - ``no chain``: ``shared_prefix`` off, every prompt whole (the baseline);
 - ``40 keys, shared``: a 10,000-token prompt chained in 40 keys (``extproc.prefix``'s pieces
@@ -128,9 +128,10 @@ def main() -> int:
         f"{os.cpu_count()} CPUs shared with redis-server and everything else running; Python "
         f"{platform.python_version()}. Load average at the end: {load[0]:.2f} (1 min).",
         "",
-        f"One admit + settle pair at a time (two round trips) on a pool of {len(NODES)} nodes, each "
-        f"running {2 * RUNNING} leases with chains (see the module doc); {args.pairs} pairs a row "
-        "after 100 warm-up pairs.",
+        f"One admit + settle pair at a time (two round trips) on a pool of {len(NODES)} nodes with "
+        f"{2 * RUNNING * len(NODES)} leases with chains running there (see the module doc); {args.pairs} "
+        "pairs a row after 100 warm-up pairs. On a loaded machine every figure is inflated alike: "
+        "read the ratios.",
         "",
         "Script: the mean time Redis spent in one script call of the row (admit or settle; "
         "`INFO commandstats`, reset before the row), which blocks every replica's calls; pair: "
