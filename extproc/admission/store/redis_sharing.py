@@ -170,11 +170,15 @@ end
 local function credit(pk, links, node, block, b, d, e, n)
   if #links == 0 or block <= 0 or (b and b ~= block) then return 0, 0 end
   if not b then return 0, #links end
-  local fields = {}
-  for i = 1, #links do fields[i] = node .. '\t' .. links[i][1] end
-  local got = redis.call('HMGET', pk, unpack(fields))
+  local got = {redis.call('HGET', pk, node .. '\t' .. links[1][1])}
+  if got[1] and #links > 1 then
+    -- the node holds the chain's first key: read the rest at once (most nodes do not)
+    local fields = {}
+    for i = 1, #links do fields[i] = node .. '\t' .. links[i][1] end
+    got = redis.call('HMGET', pk, unpack(fields))
+  end
   local sum, run = 0, 0
-  for i = 1, #links do
+  for i = 1, #got do
     if not got[i] then break end
     sum = sum + ref_tokens(got[i])
     run = i
