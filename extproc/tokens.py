@@ -335,6 +335,11 @@ class HFTokenizer(_CachedCounter):
             return len(self._tok.encode_batch([text], add_special_tokens=False)[0])
         return len(self._tok.encode(text, add_special_tokens=False))
 
+    def ids(self, text: str) -> list[int]:
+        """ids is the token ids of a completions prompt as vLLM tokenizes one: with the
+        tokenizer's special tokens (a BOS where its post-processor adds one)."""
+        return list(self._tok.encode_batch([text], add_special_tokens=True)[0].ids)
+
 
 def _bpe_openai(spec: str) -> BpeOpenAITokenizer | None:
     """_bpe_openai is the bpe-openai counter of an OpenAI encoding, None without the package."""

@@ -101,10 +101,24 @@ RECOUNT_PER_ROUND = 1024
 # hold, for placement only: never credited), least recently ended first out.
 RECENT_KEYS = 8192
 
+# What a node's KV events say it caches of a prompt (``extproc.signals.kv_events``): tokens,
+# and whether that is exact (the view is complete); None where the node's events are not read.
+Seen = Callable[[str], "tuple[int, bool] | None"]
+
 # A charge's growth to come, for pooled growth (``rules.growth_moments``): the rest of its
 # reservation, the mean and the variance of what it may still generate (tokens, tokens
 # squared).
 Moments = tuple[int, float, float]
+
+
+def cached_guess(recorded: int, seen: tuple[int, bool] | None) -> int:
+    """cached_guess is the tokens of a prompt a node is taken to cache, for placement: what its
+    KV events say where they are exact, the larger of that and kvgate's ``recorded`` guess
+    where they may miss blocks, the guess alone without events (``seen`` None)."""
+    if seen is None:
+        return recorded
+    tokens, exact = seen
+    return tokens if exact else max(tokens, recorded)
 
 
 def allows(among: frozenset[str] | None, address: str) -> bool:
@@ -832,7 +846,7 @@ class PoolNodes:
 
     def pick(self, class_name: str, prompt: int, reserved: int, watermark: float,
              now: float, among: frozenset[str] | None = None,
-             chain: Chain | None = None) -> Charge | rules.NodePass:
+             chain: Chain | None = None, seen: Seen | None = None) -> Charge | rules.NodePass:
         """pick charges the node with the most room that fits the request, or says why none does.
 
         ``watermark`` is the class's ``kv_watermark`` (the share of a node's capacity up to
@@ -842,7 +856,9 @@ class PoolNodes:
         ``among``: the endpoints the proxy allows (see ``allows``; None: all);
         nodes outside it are not considered (nor counted as passed over). ``chain``: the
         prompt's prefix chain (None: none); on a node whose requests share part of it the
-        request needs that much less (``Prefixes.credit``).
+        request needs that much less (``Prefixes.credit``). ``seen``: per node, what its KV
+        events say it caches of the prompt (None: no events read): where exact it ranks the
+        node instead of kvgate's record, where partial beside it (``cached_guess``).
         """
         need = self.hold(prompt, reserved, 0, class_name)
         if not self.picking.shared_prefix:
@@ -862,8 +878,12 @@ class PoolNodes:
             held -= credit
             if credit:
                 credits[n.name] = credit
-            # Ranked by what its cache may hold, running or recently ended; fitted by credit.
-            bonus = max(credit, min(prompt, n.cached(chain)))
+            # Ranked by what its cache holds (its events) or may hold (running or recently
+            # ended); fitted by credit alone.
+            guess = n.cached(chain)
+            if seen is not None:
+                guess = cached_guess(guess, seen(n.name))
+            bonus = max(credit, min(prompt, guess))
             if bonus:
                 affinity[n.name] = math.floor(bonus * self.picking.prefix_affinity)
             candidates.append((n.name, cap, n.foreign_ahead(horizon, now), held))
