@@ -145,7 +145,7 @@ def _fields(x: Any) -> tuple[str, dict[str, Any]]:
 
 def _extra(x: Any, blocks: int) -> tuple[bool, ...]:
     if x is None:
-        return (False,) * blocks
+        return ()
     if type(x) is not list or len(x) != blocks:
         raise FrameError("shape", "extra_keys must hold one entry per block")
     return tuple(e is not None and e != [] for e in x)
