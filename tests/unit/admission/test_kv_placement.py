@@ -1,0 +1,83 @@
+"""Placement by what a node's KV events say it caches: exact where the view is live (it
+overrides kvgate's own record, both ways), beside the record where events were missed, the
+record alone without events; and the engine token ids kvgate can know for a request."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tokenizers import Tokenizer
+
+from extproc import openai_api as oai
+from extproc.admission.nodes import PoolNodes, cached_guess
+from extproc.admission.types import Chain, NodeReport
+from extproc.engine_blocks import token_keys
+from extproc.prefix import prompt_ids
+from extproc.tokens import HFTokenizer, load_tokenizer
+from tests.unit.admission.helpers import T0, config
+from tests.unit.admission.test_nodes import CAP, nodes_pool
+from tests.unit.real_tokenizers import LLAMA_JSON
+
+
+@pytest.mark.parametrize(("recorded", "seen", "want"), [
+    (500, None, 500),            # no events: kvgate's record
+    (500, (0, True), 0),         # events exact: evicted, whatever the record says
+    (0, (320, True), 320),       # events exact: cached, though kvgate never sent it there
+    (500, (320, False), 500),    # events partial: the larger
+    (100, (320, False), 320),
+])
+def test_the_guess_follows_the_events_where_they_are_exact(recorded, seen, want):
+    assert cached_guess(recorded, seen) == want
+
+
+def two_nodes() -> PoolNodes:
+    pool = PoolNodes(config(pool=nodes_pool(2, shared_prefix=True, prefix_affinity=1.0)).pools["default"], 3.0)
+    for name in ("n0", "n1"):
+        pool.report(name, NodeReport(kv_usage=0.0, capacity_tokens=CAP, at=T0))
+    return pool
+
+
+def test_live_events_override_the_record_of_a_prefix_that_ended_on_another_node():
+    pool = two_nodes()
+    chain = Chain((11, 22), (4000, 8000))
+    first = pool.pick("standard", 8000, 100, 1.0, T0, chain=chain)
+    assert hasattr(first, "node")
+    pool.release(first, 100, True, T0)                       # kvgate's record: n? may cache it
+    recorded = first.node.name
+    other = "n1" if recorded == "n0" else "n0"
+    # The engine of the recorded node evicted it; the other node's events say it caches it.
+    said = {recorded: (0, True), other: (8000, True)}
+    again = pool.pick("standard", 8000, 100, 1.0, T0, chain=chain, seen=said.get)
+    assert again.node.name == other
+    pool.release(again, 100, True, T0)
+    # Its events down, the recorded node is taken on kvgate's record again, though the other
+    # node (events live, exact) says it caches nothing now.
+    said = {recorded: None, other: (0, True)}
+    for _ in range(2):
+        back = pool.pick("standard", 8000, 100, 1.0, T0, chain=chain, seen=said.get)
+        assert back.node.name == recorded
+        pool.release(back, 100, True, T0)
+
+
+def parse(body: dict, endpoint: oai.Endpoint = oai.Endpoint.COMPLETIONS) -> oai.ParsedRequest:
+    return oai.parse_request(endpoint, json.dumps(body).encode(), "application/json")
+
+
+def test_prompt_ids_are_known_for_token_id_prompts_and_for_text_with_a_tokenizer_json():
+    counter = load_tokenizer("cl100k_base")
+    assert prompt_ids(parse({"model": "m", "prompt": [5, 6, 7]}), counter) == [5, 6, 7]
+    assert prompt_ids(parse({"model": "m", "prompt": [[5, 6, 7]]}), counter) == [5, 6, 7]
+    assert prompt_ids(parse({"model": "m", "prompt": [[5], [6]]}), counter) is None      # a batch
+    assert prompt_ids(parse({"model": "m", "prompt": "hello"}), counter) is None        # counts only
+    assert prompt_ids(parse({"model": "m", "prompt": "hello", "suffix": "x"}), counter) is None
+    chat = parse({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, oai.Endpoint.CHAT)
+    assert prompt_ids(chat, counter) is None                                            # not rendered
+    hf = load_tokenizer(f"hf:{LLAMA_JSON}")
+    assert isinstance(hf, HFTokenizer)
+    text = "The quick brown fox " * 20
+    ids = prompt_ids(parse({"model": "m", "prompt": text}), hf)
+    # As vLLM tokenizes a completions prompt: with the special tokens the file's post-processor
+    # adds (this packaged file adds none; a model's own may add a BOS).
+    assert ids == Tokenizer.from_file(str(LLAMA_JSON)).encode(text, add_special_tokens=True).ids
+    assert len(token_keys(ids)) == len(ids) // 16
