@@ -421,6 +421,9 @@ def warnings(config: Config) -> list[str]:
             if pool.picks and pool.picking.shared_prefix:
                 out.append(f"pools.{name}.picking.shared_prefix has no effect with the Redis store yet: "
                            "the shared ledger charges every prompt whole")
+            if pool.picks and pool.picking.kv_events is not None:
+                out.append(f"pools.{name}.picking.kv_events has no effect with the Redis store yet: "
+                           "the shared ledger picks the node by room alone")
     if config.allow_destructive_reload:
         out.append("allow_destructive_reload is true: a reload that removes a pool, every backend of "
                    "a pool or a keyed tenant's keys applies, even from a file cut short while being "
@@ -507,11 +510,9 @@ def _picking(s: Section) -> PickingConfig:
 _ZMQ_ENDPOINT = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})$")
 
 
-def _zmq_endpoint(s: Section, name: str, optional: bool) -> str | None:
+def _zmq_endpoint(s: Section, name: str) -> str | None:
     value = s.string(name, None, optional=True)
     if value is None:
-        if not optional:
-            raise ConfigError(s.path(name), "is required")
         return None
     m = _ZMQ_ENDPOINT.match(value)
     if m is None or not 0 < int(m.group(2)) <= 65535:
@@ -533,15 +534,17 @@ def _kv_events(s: Section) -> KvEventsConfig:
     endpoints: list[KvEventsEndpoint] = []
     for i, item in enumerate(raw):
         e = Section(f"{s.path('endpoints')}[{i}]", item)
+        # Every value is checked for its type before any is required (see _discovery).
         backend = e.string("backend", None, optional=True)
-        endpoint = _zmq_endpoint(e, "endpoint", optional=False)
-        replay = _zmq_endpoint(e, "replay_endpoint", optional=True)
+        endpoint = _zmq_endpoint(e, "endpoint")
+        replay = _zmq_endpoint(e, "replay_endpoint")
         e.done()
         if backend is None:
             raise ConfigError(e.path("backend"), "is required")
+        if endpoint is None:
+            raise ConfigError(e.path("endpoint"), "is required")
         if any(x.backend == backend for x in endpoints):
             raise ConfigError(e.path("backend"), f"duplicate backend {backend!r}")
-        assert endpoint is not None
         endpoints.append(KvEventsEndpoint(backend, endpoint, replay))
     config = KvEventsConfig(port=port, replay_port=replay_port, endpoints=tuple(endpoints),
                             topic=s.string("topic", None, optional=True) or "",

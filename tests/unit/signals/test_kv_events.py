@@ -221,3 +221,35 @@ def test_no_well_formed_msgpack_of_any_shape_breaks_the_decoder_or_the_index(obj
     for e in batch.events:
         blocks.apply(e)
     assert len(blocks) == sum(blocks.keys.values())
+
+
+# --- metrics -------------------------------------------------------------------------------
+
+def test_each_nodes_view_and_counts_are_exported():
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from extproc.metrics import Metrics
+
+    sub = subscriber()
+    sub._connected = True
+    for seq, payload in replayed()[:2]:
+        sub.handle(frames(seq, payload))
+    sub.handle([b"kv"])
+
+    class Source:
+        def views(self):
+            return [("default", "n0", sub.view)]
+
+    metrics = Metrics(CollectorRegistry())
+    metrics.attach_kv_events(Source())
+    text = generate_latest(metrics.registry).decode()
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+           for f in text_string_to_metric_families(text) for s in f.samples}
+    node = (("backend", "n0"), ("pool", "default"))
+    assert got[("kvgate_kv_events_view", (*node, ("state", "live")))] == 1.0
+    assert got[("kvgate_kv_events_view", (*node, ("state", "down")))] == 0.0
+    assert got[("kvgate_kv_events_cached_blocks", node)] == len(sub.view.blocks) == 8
+    assert got[("kvgate_kv_events_batches_total", node)] == 2
+    assert got[("kvgate_kv_events_dropped_total", (*node, ("reason", "frames")))] == 1
+    assert got[("kvgate_kv_events_unindexed_blocks_total", (*node, ("why", "orphan")))] == 0
