@@ -87,7 +87,8 @@ class DiscoveryConfig:
 @dataclass(frozen=True, slots=True)
 class KvEventsEndpoint:
     """KvEventsEndpoint is where one backend's engine publishes its KV cache events:
-    ``endpoint`` (ZMQ, ``tcp://HOST:PORT``) and ``replay_endpoint`` (None: no replay)."""
+    ``endpoint`` (ZMQ, ``tcp://HOST:PORT`` or ``ipc://PATH``) and ``replay_endpoint`` (None: no
+    replay)."""
 
     backend: str
     endpoint: str
@@ -507,6 +508,7 @@ def _picking(s: Section) -> PickingConfig:
     return picking
 
 
+_ZMQ_IPC = re.compile(r"^ipc://[^\s]+$")
 _ZMQ_ENDPOINT = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})$")
 
 
@@ -514,9 +516,11 @@ def _zmq_endpoint(s: Section, name: str) -> str | None:
     value = s.string(name, None, optional=True)
     if value is None:
         return None
+    if _ZMQ_IPC.match(value):  # a socket file: an engine on the same host (vLLM binds ipc://)
+        return value
     m = _ZMQ_ENDPOINT.match(value)
     if m is None or not 0 < int(m.group(2)) <= 65535:
-        raise ConfigError(s.path(name), f"must be a ZMQ endpoint tcp://HOST:PORT, got {value!r}")
+        raise ConfigError(s.path(name), f"must be a ZMQ endpoint tcp://HOST:PORT or ipc://PATH, got {value!r}")
     return value
 
 

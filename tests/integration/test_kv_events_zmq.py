@@ -208,3 +208,45 @@ def test_placement_goes_to_the_node_whose_events_say_it_caches_the_prompt(ctx):
         for e in engines.values():
             e.close()
     assert CAP > 0
+
+
+async def test_the_server_follows_the_config_and_exports_each_nodes_view(ctx):
+    """kvgate's server starts a subscriber per node of a pool that reads KV events, hands the
+    views to placement and to /metrics, and a reload without them stops the subscribers."""
+    import asyncio
+    import urllib.request
+
+    from prometheus_client import CollectorRegistry
+
+    from extproc.metrics import Metrics
+    from extproc.server import Server
+
+    msgs = replayed()
+    engine = Publisher(ctx, msgs)
+    raw = {"pools": {"default": nodes_pool(1)}, "server": {"drain_s": 0.0, "grace_s": 1.0}}
+    raw["pools"]["default"]["picking"]["kv_events"] = {
+        "topic": "kv", "endpoints": [{"backend": "n0", "endpoint": engine.endpoint, "replay_endpoint": engine.replay}]}
+    srv = Server(parse_config(raw), grpc_listen=f"{LOOPBACK}:0", admin_listen=f"{LOOPBACK}:0",
+                 metrics=Metrics(CollectorRegistry()), scrape=True)
+    await srv.start()
+    try:
+        await asyncio.to_thread(engine.wait_subscribed)
+        engine.send(CAPTURE.pub[0])                     # sequence 1: 0 comes from the replay
+        assert srv.admission.node_events is not None
+        view = srv.admission.node_events("default", "n0")
+        await asyncio.to_thread(wait_until, lambda: view.last_seq == 1)
+        shares = CAPTURE.requests[1][1]
+        assert view.cached(token_keys(shares)) == (len(shares) - len(shares) % 32, True)
+
+        def scraped() -> str:
+            with urllib.request.urlopen(f"http://{LOOPBACK}:{srv.admin_port}/metrics", timeout=5) as resp:
+                return resp.read().decode()
+        text = await asyncio.to_thread(scraped)
+        assert 'kvgate_kv_events_view{backend="n0",pool="default",state="live"} 1.0' in text
+        assert 'kvgate_kv_events_replayed_total{backend="n0",pool="default"} 1.0' in text
+        plain = {"pools": {"default": nodes_pool(1)}, "server": {"drain_s": 0.0, "grace_s": 1.0}}
+        srv._apply_nodes(parse_config(plain))
+        assert srv.admission.node_events("default", "n0") is None
+    finally:
+        await srv.close()
+        engine.close()

@@ -25,6 +25,9 @@ def test_a_port_gives_every_node_its_endpoints_and_endpoints_override_it():
     assert ke.endpoint_of("n1", "10.0.0.2:8000") == ("tcp://127.0.0.1:6000", None)
     assert ke.endpoint_of("n9", "[fd00::1]:8000") == ("tcp://[fd00::1]:5557", "tcp://[fd00::1]:5558")
     assert parse_config(pool({"port": 5557})).pools["p"].picking.kv_events.topic == ""
+    local = parse_config(pool({"endpoints": [{"backend": "n0", "endpoint": "ipc://run/kv.sock"}]}))
+    assert local.pools["p"].picking.kv_events.endpoint_of("n0", "10.0.0.1:8000") == ("ipc://run/kv.sock", None)
+    assert local.pools["p"].picking.kv_events.endpoint_of("n1", "10.0.0.2:8000") is None
 
 
 @pytest.mark.parametrize(("kv_events", "key", "says"), [
@@ -38,6 +41,7 @@ def test_a_port_gives_every_node_its_endpoints_and_endpoints_override_it():
     ({"endpoints": [{"endpoint": "tcp://127.0.0.1:1"}]}, "kv_events.endpoints[0].backend", "is required"),
     ({"endpoints": [{"backend": "n0", "endpoint": "http://127.0.0.1:1"}]}, "kv_events.endpoints[0].endpoint",
      "tcp://HOST:PORT"),
+    ({"endpoints": [{"backend": "n0", "endpoint": "ipc:// x"}]}, "kv_events.endpoints[0].endpoint", "ipc://PATH"),
     ({"endpoints": [{"backend": "n0", "endpoint": "tcp://127.0.0.1:0"}]}, "kv_events.endpoints[0].endpoint",
      "tcp://HOST:PORT"),
     ({"endpoints": [{"backend": "n0", "endpoint": "tcp://h:1", "replay_endpoint": "tcp://h"}]},
