@@ -28,8 +28,13 @@ up to date. Its view is:
 - ``down`` before its socket connects and after it disconnects: placement uses kvgate's
   record only.
 A gap in the sequence numbers asks the replay socket for what is missing (when one is
-configured); a sequence number that goes back to 0 is an engine that restarted, with an
-empty cache. An AllBlocksCleared event makes a partial view live again.
+configured; at most MAX_REPLAY messages, REPLAY_TIMEOUT_S); a sequence number that goes back
+to 0 is an engine that restarted, with an empty cache, one that goes back elsewhere an engine
+that restarted while the socket was down (the view starts again, from a replay from 0 where
+the buffer has it); the same number again is dropped. An AllBlocksCleared event makes a
+partial view live again. One endpoint is one engine: vLLM's data-parallel ranks publish
+on consecutive ports, each to be configured as its own endpoint (``data_parallel_rank`` is
+read, not used).
 
 Nothing the socket delivers can stop the thread: a message that is not three frames, a
 sequence number that is not 8 bytes, a payload that does not decode or does not have the
@@ -67,8 +72,10 @@ _MAX_HASH_BYTES = 64
 _HASH_INT_RANGE = (-(1 << 63), 1 << 64)
 # Seconds a poll waits before the thread looks whether it should stop.
 POLL_S = 0.1
-# Seconds a replay may take before the gap is given up (the view turns partial).
+# Seconds a replay may take before the gap is given up (the view turns partial), and the
+# messages it may bring at most (vLLM buffers 10,000 by default).
 REPLAY_TIMEOUT_S = 2.0
+MAX_REPLAY = 10_000
 _END_SEQ = -1
 
 
@@ -198,9 +205,9 @@ def decode_frames(frames: list[bytes]) -> tuple[int, Batch]:
     if len(frames) != 3:
         raise FrameError("frames", f"{len(frames)} frames, expected 3")
     seq = frames[1]
-    if len(seq) != 8:
-        raise FrameError("sequence", f"a sequence number of {len(seq)} bytes")
-    return int.from_bytes(seq, "big", signed=True), decode_batch(frames[2])
+    if len(seq) != 8 or seq[0] & 0x80:
+        raise FrameError("sequence", f"a sequence number of {len(seq)} bytes, or negative")
+    return int.from_bytes(seq, "big"), decode_batch(frames[2])
 
 
 @dataclass
@@ -247,7 +254,6 @@ class Subscriber:
         self._context = context
         self._stop = threading.Event()
         self._connected = False
-        self._resync = True  # the next message may not follow the last one applied
         self._logged: set[str] = set()
         self._thread = threading.Thread(target=self._run, name=f"kvgate-kv-events-{name}", daemon=True)
 
@@ -306,7 +312,6 @@ class Subscriber:
             log.info("kv events of node %s: connected to %s", self.name, self.endpoint)
         elif event == zmq.EVENT_DISCONNECTED:
             self._connected = False
-            self._resync = True
             log.warning("kv events of node %s: disconnected from %s", self.name, self.endpoint)
         self._update_state()
 
@@ -337,11 +342,13 @@ class Subscriber:
     def _accept(self, seq: int, batch: Batch) -> None:
         v = self.view
         last = v.last_seq
-        if seq == 0 and last is not None and last >= 0:
-            v.restarts += 1  # a new engine: its cache starts empty
+        if seq == last:
+            return  # the same message again: nothing new
         if seq == 0:
+            if last is not None:
+                v.restarts += 1  # a new engine: its cache starts empty
             v.blocks.clear(complete=True)
-        elif last is None or seq <= last:
+        elif last is None or seq < last:
             # Started while the engine ran, or an engine restarted while disconnected: what
             # came before is unknown unless a replay from its start fills it in.
             if last is not None:
@@ -353,7 +360,6 @@ class Subscriber:
             v.gaps += 1
             if not self._catch_up(last + 1, seq):
                 v.blocks.incomplete()
-        self._resync = False
         self._apply(seq, batch)
 
     def _apply(self, seq: int, batch: Batch) -> None:
@@ -398,7 +404,7 @@ class Subscriber:
             sock.connect(self.replay)
             sock.send_multipart([b"", start.to_bytes(8, "big", signed=True)])
             deadline = REPLAY_TIMEOUT_S
-            while deadline > 0 and len(got) < until - start:
+            while deadline > 0 and len(got) < min(until - start, MAX_REPLAY):
                 if not sock.poll(int(min(deadline, POLL_S) * 1000)):
                     deadline -= POLL_S
                     continue

@@ -140,6 +140,8 @@ def test_messages_from_the_engines_start_make_the_view_complete_and_a_gap_partia
     msgs = replayed()
     sub.handle(frames(*msgs[0]))
     assert sub.view.state is ViewState.LIVE and sub.view.blocks.complete
+    sub.handle(frames(*msgs[0]))          # the same message again changes nothing
+    assert sub.view.batches == 1 and sub.view.restarts == 0
     sub.handle(frames(*msgs[2]))          # 1 missed, and no replay socket to ask
     assert sub.view.gaps == 1 and sub.view.state is ViewState.PARTIAL
     sub.handle(frames(*msgs[3]))
@@ -169,6 +171,7 @@ GOOD = replayed()[0][1]
     ([b"kv", b"\0" * 8], "frames"),
     ([b"kv", b"\0" * 8, GOOD, b"x"], "frames"),
     ([b"kv", b"\0" * 4, GOOD], "sequence"),
+    ([b"kv", b"\xff" * 8, GOOD], "sequence"),
     ([b"kv", b"\0" * 8, b"\xc1"], "msgpack"),                       # never used in msgpack
     ([b"kv", b"\0" * 8, GOOD[:-3]], "msgpack"),                      # cut short
     ([b"kv", b"\0" * 8, b"\x91" * 100_000 + b"\x90"], "msgpack"),     # nested deeper than allowed
