@@ -53,7 +53,8 @@ def _prompts() -> list[tuple[str, list[int]]]:
     ]
 
 
-def _complete(url: str, prompt: list[int]) -> None:
+def complete(url: str, prompt: list[int]) -> None:
+    """complete sends one completion of token ids ``prompt`` (4 tokens) and waits for it."""
     body = json.dumps({"model": MODEL_NAME, "prompt": prompt, "max_tokens": 4,
                        "temperature": 0}).encode()
     req = urllib.request.Request(f"{url}/v1/completions", body, {"content-type": "application/json"})
@@ -102,7 +103,7 @@ def record(vllm_python: Path, model_dir: Path, workdir: Path) -> list[dict[str, 
         wait_until(healthy, timeout=300, interval=0.5, what="vLLM /health")
         time.sleep(1.0)  # the SUB socket's subscription reaches the PUB socket
         for name, prompt in _prompts():
-            _complete(url, prompt)
+            complete(url, prompt)
             last = _drain(sub, lines, QUIET_S)
             lines.append({"kind": "request", "name": name, "prompt": prompt, "after_seq": last})
         dealer = ctx.socket(zmq.DEALER)

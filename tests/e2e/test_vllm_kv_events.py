@@ -26,7 +26,8 @@ if not VLLM_PYTHON.exists():
 
 from prometheus_client import CollectorRegistry  # noqa: E402
 
-from bench.bench_vllm import ENGINE_ENV, LOOPBACK, MODEL_NAME, EngineFlags, build_model  # noqa: E402
+from bench.bench_vllm import ENGINE_ENV, LOOPBACK, EngineFlags, build_model  # noqa: E402
+from bench.record_kv_events import complete  # noqa: E402
 from extproc.config import parse_config  # noqa: E402
 from extproc.engine_blocks import token_keys  # noqa: E402
 from extproc.metrics import Metrics  # noqa: E402
@@ -39,13 +40,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 # 16 usable blocks of 32: the third 300-token prompt evicts the first ones.
 FLAGS = EngineFlags(blocks=17, block_size=32, max_model_len=512, max_num_seqs=4, max_num_batched_tokens=512)
 MODEL_DIR = ROOT / "run" / "bench-vllm-model"   # shared with `make bench-vllm` (git-ignored)
-
-
-def complete(url: str, prompt: list[int]) -> None:
-    body = json.dumps({"model": MODEL_NAME, "prompt": prompt, "max_tokens": 4, "temperature": 0}).encode()
-    req = urllib.request.Request(f"{url}/v1/completions", body, {"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        resp.read()
 
 
 @pytest.mark.timeout(600)
