@@ -15,8 +15,8 @@ hex, one JSON object per line, to ``--out``:
 - ``{"kind": "engine", ...}``: the engine's flags and vLLM's version.
 
 The cache is small (16 usable blocks of 32 tokens) so that the last requests evict the first
-ones' blocks (BlockRemoved). Run with kvgate's Python (it has pyzmq):
-``.venv/bin/python bench/record_kv_events.py --out tests/fixtures/vllm_kv_events.jsonl``
+ones' blocks (BlockRemoved). ``make record-kv-events`` runs it with kvgate's Python (it has
+pyzmq): ``.venv/bin/python bench/record_kv_events.py --out tests/fixtures/vllm_kv_events.jsonl``
 """
 
 from __future__ import annotations

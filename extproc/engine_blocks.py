@@ -197,15 +197,24 @@ class EngineBlocks:
 
     def cached(self, keys: Sequence[int]) -> int:
         """cached is the tokens of the longest prefix of the prompt of ``keys`` (``token_keys``)
-        that the node caches in whole blocks (0: none, or no block size known yet)."""
+        that the node caches in whole blocks (0: none, or no block size known yet).
+
+        A binary search over the prompt's blocks (a pick asks every node: 11 lookups for a
+        32k-token prompt rather than 2,048): it takes the cached blocks of a prompt to be a
+        prefix of them, as they are in vLLM, which evicts a request's blocks tail first and
+        reuses a block only after every block before it. Where a block in the middle was
+        evicted alone, the answer may reach past it (a ranking a few blocks long, never a
+        charge)."""
         size = self.block_size
-        if not size or not self.keys:
+        index = self.keys
+        if not size or not index:
             return 0
         per = size // GRAIN
-        index = self.keys
-        got = 0
-        for end in range(per - 1, len(keys), per):
-            if keys[end] not in index:
-                break
-            got = end + 1
-        return got * GRAIN
+        lo, hi = 0, len(keys) // per   # blocks known cached, blocks that may be
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if keys[mid * per - 1] in index:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo * per * GRAIN

@@ -91,6 +91,18 @@ def test_a_prompt_that_shares_a_prefix_with_a_cached_one_matches_the_whole_block
     assert blocks.cached(token_keys(first[:159])) == 128
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from([16, 32, 64, 128]), st.integers(0, 40), st.integers(0, 3000), st.integers(0, 3000))
+def test_the_match_is_the_whole_blocks_the_prompt_shares_with_what_is_cached(size, stored, shared, length):
+    cached_ids = list(range(1, stored * size + 1))
+    prompt = cached_ids[:shared] + [0] * max(0, length - shared)
+    blocks = EngineBlocks()
+    if stored:
+        blocks.apply(Stored(tuple(range(stored)), None, tuple(cached_ids), size))
+    same = next((i for i, (a, b) in enumerate(zip(prompt, cached_ids)) if a != b), min(len(prompt), len(cached_ids)))
+    assert blocks.cached(token_keys(prompt)) == (same // size * size if stored else 0)
+
+
 def test_blocks_the_index_cannot_key_by_tokens_are_left_out_and_counted():
     blocks = EngineBlocks()
     ids = tuple(range(64))
