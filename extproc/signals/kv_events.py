@@ -261,10 +261,17 @@ class Subscriber:
         """start runs the thread."""
         self._thread.start()
 
-    def stop(self) -> None:
-        """stop ends the thread and closes its sockets (waits at most a few POLL_S)."""
+    @property
+    def alive(self) -> bool:
+        """alive: the thread runs."""
+        return self._thread.is_alive()
+
+    def stop(self, wait: bool = True) -> None:
+        """stop ends the thread, which closes its sockets within POLL_S (REPLAY_TIMEOUT_S in a
+        replay); ``wait``: until it did."""
         self._stop.set()
-        self._thread.join(timeout=5 * POLL_S + REPLAY_TIMEOUT_S)
+        if wait:
+            self._thread.join(timeout=5 * POLL_S + REPLAY_TIMEOUT_S)
 
     def _run(self) -> None:
         try:
@@ -441,6 +448,7 @@ class KvEvents:
     def __init__(self) -> None:
         self._context: zmq.Context[Any] = zmq.Context()
         self._subs: dict[tuple[str, str], tuple[_Spec, Subscriber]] = {}
+        self._stopping: list[Subscriber] = []  # stopped by a reconfigure, joined by stop
 
     def reconfigure(self, config: Any) -> None:
         """reconfigure starts and stops subscribers to match ``config`` (an ``extproc.config.Config``)."""
@@ -453,10 +461,12 @@ class KvEvents:
                 ends = events.endpoint_of(b.name, b.address)
                 if ends is not None:
                     wanted[(pool, b.name)] = (ends[0], ends[1], events.topic, events.max_blocks)
+        self._stopping = [s for s in self._stopping if s.alive]
         for key, (spec, sub) in list(self._subs.items()):
             if wanted.get(key) != spec:
-                sub.stop()
+                sub.stop(wait=False)  # on the event loop: the thread closes its sockets itself
                 del self._subs[key]
+                self._stopping.append(sub)
         for key, spec in wanted.items():
             if key in self._subs:
                 continue
@@ -477,7 +487,11 @@ class KvEvents:
 
     def stop(self) -> None:
         """stop ends every subscriber and the ZMQ context."""
-        for _spec, sub in self._subs.values():
+        subs = [sub for _spec, sub in self._subs.values()] + self._stopping
+        for sub in subs:
+            sub.stop(wait=False)
+        for sub in subs:
             sub.stop()
         self._subs.clear()
+        self._stopping.clear()
         self._context.term()

@@ -81,3 +81,24 @@ def test_prompt_ids_are_known_for_token_id_prompts_and_for_text_with_a_tokenizer
     # adds (this packaged file adds none; a model's own may add a BOS).
     assert ids == Tokenizer.from_file(str(LLAMA_JSON)).encode(text, add_special_tokens=True).ids
     assert len(token_keys(ids)) == len(ids) // 16
+
+
+def test_the_exchange_keys_a_prompts_token_ids_only_where_the_pool_reads_kv_events():
+    from extproc.config import parse_config
+    from extproc.exchange import _evaluate
+    from extproc.gate import PoolRuntime
+    from extproc.openai_shapes import TEMPLATES
+
+    def runtime(kv_events: bool) -> PoolRuntime:
+        raw = nodes_pool(1)
+        if kv_events:
+            raw["picking"]["kv_events"] = {"port": 5557}
+        return PoolRuntime(parse_config({"pools": {"default": raw}}).pools["default"],
+                           load_tokenizer("cl100k_base"), TEMPLATES["openai"])
+
+    ids = list(range(40))
+    body = json.dumps({"model": "m", "prompt": ids, "max_tokens": 5}).encode()
+    parsed, tokens = _evaluate(oai.Endpoint.COMPLETIONS, body, "application/json", runtime(True))
+    assert tokens == 40 and parsed.blocks == token_keys(ids) and len(parsed.blocks) == 2
+    parsed, _ = _evaluate(oai.Endpoint.COMPLETIONS, body, "application/json", runtime(False))
+    assert parsed.blocks is None
