@@ -17,6 +17,7 @@ import yaml
 
 from extproc import yamlload
 from extproc.configread import Section
+from extproc.engine_blocks import MAX_BLOCKS
 from extproc.errors import ConfigError
 from extproc.openai_shapes import TEMPLATES
 
@@ -110,7 +111,7 @@ class KvEventsConfig:
     replay_port: int | None = None
     endpoints: tuple[KvEventsEndpoint, ...] = ()
     topic: str = ""
-    max_blocks: int = 1 << 20
+    max_blocks: int = MAX_BLOCKS
 
     def endpoint_of(self, backend: str, address: str | None) -> tuple[str, str | None] | None:
         """endpoint_of is a node's (endpoint, replay endpoint), None where it has none."""
@@ -552,7 +553,7 @@ def _kv_events(s: Section) -> KvEventsConfig:
         endpoints.append(KvEventsEndpoint(backend, endpoint, replay))
     config = KvEventsConfig(port=port, replay_port=replay_port, endpoints=tuple(endpoints),
                             topic=s.string("topic", None, optional=True) or "",
-                            max_blocks=s.integer("max_blocks", 1 << 20, minimum=1))
+                            max_blocks=s.integer("max_blocks", MAX_BLOCKS, minimum=1))
     s.done()
     if port is None and not endpoints:
         raise ConfigError(s.path("port"), "is required unless endpoints names every node's")
