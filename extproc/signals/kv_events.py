@@ -494,4 +494,8 @@ class KvEvents:
             sub.stop()
         self._subs.clear()
         self._stopping.clear()
+        stuck = [sub.name for sub in subs if sub.alive]
+        if stuck:  # term() would wait for their sockets forever: leave them to the process's end
+            log.warning("kv events: subscribers of %s did not stop in time", ", ".join(stuck))
+            return
         self._context.term()
