@@ -5,9 +5,9 @@ record alone without events; and the engine token ids kvgate can know for a requ
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer
 
 from extproc import openai_api as oai
 from extproc.admission.nodes import PoolNodes, cached_guess
@@ -17,7 +17,6 @@ from extproc.prefix import prompt_ids
 from extproc.tokens import HFTokenizer, load_tokenizer
 from tests.unit.admission.helpers import T0, config
 from tests.unit.admission.test_nodes import CAP, nodes_pool
-from tests.unit.real_tokenizers import LLAMA_JSON
 
 
 @pytest.mark.parametrize(("recorded", "seen", "want"), [
@@ -64,7 +63,19 @@ def parse(body: dict, endpoint: oai.Endpoint = oai.Endpoint.COMPLETIONS) -> oai.
     return oai.parse_request(endpoint, json.dumps(body).encode(), "application/json")
 
 
-def test_prompt_ids_are_known_for_token_id_prompts_and_for_text_with_a_tokenizer_json():
+def bos_tokenizer(folder: Path) -> Path:
+    """bos_tokenizer writes a word-level tokenizer.json whose post-processor adds a BOS (id 1)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "the": 3, "quick": 4, "brown": 5, "fox": 6}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    path = folder / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def test_prompt_ids_are_known_for_token_id_prompts_and_for_text_with_a_tokenizer_json(tmp_path: Path):
     counter = load_tokenizer("cl100k_base")
     assert prompt_ids(parse({"model": "m", "prompt": [5, 6, 7]}), counter) == [5, 6, 7]
     assert prompt_ids(parse({"model": "m", "prompt": [[5, 6, 7]]}), counter) == [5, 6, 7]
@@ -73,13 +84,13 @@ def test_prompt_ids_are_known_for_token_id_prompts_and_for_text_with_a_tokenizer
     assert prompt_ids(parse({"model": "m", "prompt": "hello", "suffix": "x"}), counter) is None
     chat = parse({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, oai.Endpoint.CHAT)
     assert prompt_ids(chat, counter) is None                                            # not rendered
-    hf = load_tokenizer(f"hf:{LLAMA_JSON}")
+    hf = load_tokenizer(f"hf:{bos_tokenizer(tmp_path)}")
     assert isinstance(hf, HFTokenizer)
-    text = "The quick brown fox " * 20
+    text = "the quick brown fox " * 20
     ids = prompt_ids(parse({"model": "m", "prompt": text}), hf)
     # As vLLM tokenizes a completions prompt: with the special tokens the file's post-processor
-    # adds (this packaged file adds none; a model's own may add a BOS).
-    assert ids == Tokenizer.from_file(str(LLAMA_JSON)).encode(text, add_special_tokens=True).ids
+    # adds (here a BOS), which the count leaves out.
+    assert ids == [1] + [3, 4, 5, 6] * 20 and hf.count(text) == 80
     assert len(token_keys(ids)) == len(ids) // 16
 
 

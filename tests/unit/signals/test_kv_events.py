@@ -216,7 +216,7 @@ def test_no_payload_makes_the_decoder_raise_anything_but_a_frame_error(payload):
         pass
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=8)
                     | st.binary(max_size=8) | st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared"]),
                     lambda kids: st.lists(kids, max_size=6) | st.dictionaries(
