@@ -971,7 +971,7 @@ class PoolNodes:
         if charge.chain is not None:
             charge.node.ended(charge.chain)
         if completed:
-            self.holds.add(now - charge.admitted_at)
+            self.holds.add(now - charge.admitted_at, charge.reserved)
             if completion_tokens is not None and completion_tokens >= 0:
                 self.lengths.setdefault(charge.class_name, Lengths()).add(completion_tokens)
                 self._taught = self.picking.growth is not Growth.WORST_CASE
@@ -1028,7 +1028,7 @@ class PoolNodes:
             room = self.headroom(n, now)
             if room is None:
                 continue
-            t = expected_wait(now, ((c.admitted_at, self._alone(c)) for c in n.charges),
+            t = expected_wait(now, ((c.admitted_at, self._alone(c), c.reserved) for c in n.charges),
                               need - room, holds)
             if t is not None and (best is None or t < best):
                 best = t
