@@ -69,6 +69,9 @@ BAND_MIN = 16
 TAIL_MIN = 4
 
 
+_UNSET = object()
+
+
 def band(reserved: int) -> int:
     """band is the reservation band of a request that reserved ``reserved`` completion tokens:
     bands grow by factors of 4 (0: none or 1, 1: 2-7, 2: 8-31, ... 5: 512-2,047)."""
@@ -180,10 +183,20 @@ class HoldTimes:
         return self.of(reserved).residual(age)
 
 
-# A stretch of ages between two neighbouring completed holds of one window, and what a
-# holder in it is expected to hold on for: (lo, hi, mean of the longer holds or -1.0 past
-# every hold, tail weight).
 _Stretch = tuple[float, float, float, float]
+# No stretch yet: the first age finds one.
+_NOWHERE: _Stretch = (math.inf, -math.inf, 0.0, 0.0)
+
+
+def _switch(holds: HoldTimes, reserved: int | None, win: Window, st: _Stretch,
+            at: dict[Window, _Stretch]) -> tuple[Window, _Stretch]:
+    """_switch moves a walk to the window that speaks for ``reserved``, at the stretch where
+    the walk left that window (``at`` keeps it), leaving ``st`` in ``at`` for ``win``."""
+    new = holds.of(reserved)
+    if new is win:
+        return new, st
+    at[win] = st
+    return new, at.get(new, _NOWHERE)
 
 
 def first_end(now: float, admitted: Iterable[tuple[float, int | None]],
@@ -201,17 +214,25 @@ def first_end(now: float, admitted: Iterable[tuple[float, int | None]],
     if not len(holds):
         return None
     best = math.inf
-    stretches: dict[Window, _Stretch] = {}
+    # Where the walk stands: the window of the current reservation and its stretch of ages
+    # (``_segment``), in locals: holders of one reservation mostly follow each other, so a
+    # holder costs comparisons, not a bisection nor a lookup.
+    current: object = _UNSET
+    win = holds.all
+    st = _NOWHERE
+    at: dict[Window, _Stretch] = {}
     them = iter(admitted)
     for t0, reserved in islice(them, WALK_LIMIT):
         age = now - t0
-        win = holds.of(reserved)
-        st = stretches.get(win)
-        if st is not None and st[0] <= age < st[1] and st[3] == 0.0 and st[2] >= 0.0:
+        if reserved != current:
+            current = reserved
+            win, st = _switch(holds, reserved, win, st, at)
+        if not st[0] <= age < st[1]:
+            st = _segment(*win.window(), age)
+        elif st[3] == 0.0 and st[2] >= 0.0:
             continue  # in one stretch of one window the oldest, met first, ends first
-        if st is None or not st[0] <= age < st[1]:
-            st = stretches[win] = _segment(*win.window(), age)
-        end = _end(st, age)
+        mean = st[2]
+        end = age if mean < 0.0 else max(mean - age, st[3] * age)
         if end < best:
             best = end
     if best == math.inf:
@@ -240,15 +261,20 @@ def expected_wait(now: float, holders: Iterable[tuple[float, float, int | None]]
     if not len(holds):
         return None
     ends: list[tuple[float, float]] = []
-    stretches: dict[Window, _Stretch] = {}
+    current: object = _UNSET   # where the walk stands, as in ``first_end``
+    win = holds.all
+    st = _NOWHERE
+    at: dict[Window, _Stretch] = {}
     them = iter(holders)
     for t0, units, reserved in islice(them, WALK_LIMIT):
         age = now - t0
-        win = holds.of(reserved)
-        st = stretches.get(win)
-        if st is None or not st[0] <= age < st[1]:
-            st = stretches[win] = _segment(*win.window(), age)
-        ends.append((_end(st, age), units))
+        if reserved != current:
+            current = reserved
+            win, st = _switch(holds, reserved, win, st, at)
+        if not st[0] <= age < st[1]:
+            st = _segment(*win.window(), age)
+        mean = st[2]
+        ends.append((age if mean < 0.0 else max(mean - age, st[3] * age), units))
     ends.sort()
     for t, units in ends:
         short -= units
