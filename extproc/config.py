@@ -341,9 +341,10 @@ class ServerConfig:
 class Config:
     """Config is the whole validated configuration of one kvgate process.
 
-    ``allow_destructive_reload``: a hot reload of this file may remove pools, every backend of
-    a pool, keyed tenants or every key of a tenant, or flip a pool's picking (``configdiff``);
-    without it such a reload is refused and the configuration in force stays.
+    ``allow_destructive_reload``: a hot reload of this file may remove pools, half or more of a
+    pool's backends, classes, keyed tenants or every key of a tenant, or flip a pool's picking
+    (``configdiff``), once: only the reload that sets it; without it such a reload is refused
+    and the configuration in force stays.
     """
 
     pools: Mapping[str, PoolConfig]
@@ -380,9 +381,10 @@ def warnings(config: Config) -> list[str]:
                 out.append(f"pools.{name}.picking.shared_prefix has no effect with the Redis store yet: "
                            "the shared ledger charges every prompt whole")
     if config.allow_destructive_reload:
-        out.append("allow_destructive_reload is true: a reload that removes a pool, every backend of "
-                   "a pool or a keyed tenant's keys applies, even from a file cut short while being "
-                   "written; remove it once the reload it was meant for has applied")
+        out.append("allow_destructive_reload is true: the reload that sets it may remove a pool, half "
+                   "or more of a pool's backends, a class or a keyed tenant's keys, even from a file "
+                   "cut short while being written; later reloads are guarded again while it stays, "
+                   "so remove it once the reload it was meant for has applied")
     return out
 
 
