@@ -765,6 +765,14 @@ def load_config(path: str | Path) -> Config:
 
     Raises ``ConfigError`` for unreadable files, YAML syntax errors and bad keys.
     """
+    return parse_config(read_yaml(path))
+
+
+def read_yaml(path: str | Path) -> Any:
+    """read_yaml reads a YAML file (a key given twice refused) and returns its document.
+
+    Raises ``ConfigError`` for unreadable files and YAML syntax errors.
+    """
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
@@ -776,4 +784,4 @@ def load_config(path: str | Path) -> Config:
         raise ConfigError(str(p), f"line {exc.line}: {exc}: remove one") from None
     except yaml.YAMLError as exc:
         raise ConfigError(str(p), f"is not valid YAML: {exc}") from None
-    return parse_config(data)
+    return data
