@@ -109,13 +109,7 @@ def test_a_killed_node_leaves_the_stack_up_and_requests_go_to_the_others():
                 assert resp.status == 200
         assert proc.poll() is None, "the stack stopped with its node"
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        _stop(proc)
 
 
 def _start(args: list[str]) -> tuple[subprocess.Popen[str], str]:
