@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from extproc import cli
 from extproc.cli import _parser
 from extproc.config import parse_config
 from tests import doccommands as dc
@@ -257,3 +258,25 @@ def test_every_kvgate_configuration_the_docs_show_is_valid():
 def test_the_readme_begins_with_the_two_commands():
     first = (ROOT / "README.md").read_text().split("\n```sh\n", 1)[1].split("```", 1)[0]
     assert [line.split()[:2] for line in first.splitlines()] == [["make", "run"], ["make", "test"]]
+
+
+def deploy_comment_checks() -> list[tuple[Path, list[str]]]:
+    """deploy_comment_checks returns the `kvgate check-config` commands that comments in
+    deploy/ tell an operator to run (synopses with FILE left out), with the file's folder."""
+    found = []
+    for path in sorted((ROOT / "deploy").rglob("*.yaml")):
+        for m in re.finditer(r"^\s*#.*?(kvgate check-config [^`\n]+?)\.?$", path.read_text(), re.M):
+            argv = m.group(1).split()[1:]
+            if not is_synopsis(argv):
+                found.append((path.parent, argv))
+    return found
+
+
+def test_the_check_config_commands_deploy_comments_give_pass(capsys):
+    """Run where the file is (a ConfigMap's comment names it by its own name), else at the
+    repository's root: each passes, as the comment promises."""
+    checks = deploy_comment_checks()
+    assert len(checks) >= 3  # deploy/kvgate.yaml and the two ConfigMaps that carry kvgate's file
+    for folder, argv in checks:
+        base = folder if (folder / argv[1]).exists() else ROOT
+        assert cli.main([argv[0], str(base / argv[1]), *argv[2:]]) == 0, (folder, argv, capsys.readouterr().err)
