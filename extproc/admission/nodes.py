@@ -58,12 +58,12 @@ side.
 
 What a pick reads. A node keeps the sums of its charges' footprints and expected holds,
 changed as a charge comes, progresses, moves or goes, so a pick costs the same whatever
-the requests held (a walk of them per pick cost 0.55 us per request held: 1.6 ms a
-decision with 2,000 held). A charge's expected growth follows the lengths its class had
+the requests held (a walk of them per pick grew with them: bench/results/pick.md). A
+charge's expected growth follows the lengths its class had
 learned when it was admitted or last progressed; a length learned reaches the others from
 the next scrape round (``mark``) on, RECOUNT_PER_ROUND charges a round (a round, once a
-second on the event loop, recounted every charge held: 6 ms with 2,000 held, 81 ms with
-20,000, ``make bench-pick``'s scrape-round rows); a charge whose count does not change is
+second on the event loop, recounted every charge held, a stall that grew with them:
+bench/results/pick-rounds.md); a charge whose count does not change is
 not touched.
 
 Everything runs on the event-loop thread; times are seconds on the admission clock.

@@ -37,8 +37,8 @@ sums built at the first question after a change, so a residual is one bisection:
 The requests in flight come oldest first (a pool's leases, a node's charges), so a walk
 meets each stretch of ages between two completed holds once: one bisection there, a
 comparison for each request after it. It reads at most ``WALK_LIMIT`` of them: reading
-every request in flight for each refusal would cost ~0.3 us per request in flight (1.6 ms
-a 429 with 5,000 in flight, ``make bench-pick``'s refusal rows). The younger requests it
+every request in flight for each refusal would cost in proportion to them, milliseconds a
+429 under overload (bench/results/pick-refusals.md). The younger requests it
 does not read are taken as fresh ones: each is expected to hold about a mean hold (the
 residual at age 0).
 """
@@ -83,7 +83,7 @@ class Window:
     sorted, and answers the residual life of a request of a given age over them.
 
     Each completion changes the window, which the next refusal reads: the sorted list is
-    kept by insertion (sorting the samples for each pick cost ~20 us a request), its prefix
+    kept by insertion (sorting the samples for each pick cost every refusal a sort), its prefix
     sums are rebuilt at the first question after a change (one C-level pass of
     ``HOLD_SAMPLES`` additions), not at every completion.
     """
