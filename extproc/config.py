@@ -328,11 +328,12 @@ class TenantsConfig:
 
 
 REDIS_TIMEOUT_S = 1.0
-"""REDIS_TIMEOUT_S is the default limit of one Redis round trip (s). Measured with every core
-loaded (``bench/results/redis-timeout.md``): 94 % of round trips took over 50 ms (the old
-default), 2.9 % over 0.5 s and 1.6 % over 1 s, none over 0.25 s idle. A trip costs
-throughput (the local share), not safety, and only the requests in flight when Redis
-really stops wait this long; it stays well under the Envoy message timeout (5 s)."""
+"""REDIS_TIMEOUT_S is the default limit of one Redis round trip (s): long enough for nearly
+every round trip with every core loaded, where most exceed the old 50 ms
+(``bench/results/redis-timeout.md``).
+A trip that misses it costs throughput (the local share), not safety, and only the requests
+in flight when Redis really stops wait this long; it stays well under the Envoy message
+timeout (5 s)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -385,9 +386,10 @@ class ServerConfig:
 class Config:
     """Config is the whole validated configuration of one kvgate process.
 
-    ``allow_destructive_reload``: a hot reload of this file may remove pools, every backend of
-    a pool, keyed tenants or every key of a tenant, or flip a pool's picking (``configdiff``);
-    without it such a reload is refused and the configuration in force stays.
+    ``allow_destructive_reload``: a hot reload of this file may remove pools, half or more of a
+    pool's backends, classes, keyed tenants or every key of a tenant, or flip a pool's picking
+    (``configdiff``), once: only the reload that sets it; without it such a reload is refused
+    and the configuration in force stays.
     """
 
     pools: Mapping[str, PoolConfig]
@@ -427,9 +429,10 @@ def warnings(config: Config) -> list[str]:
                 out.append(f"pools.{name}.picking.kv_events has no effect with the Redis store yet: "
                            "the shared ledger picks the node by room alone")
     if config.allow_destructive_reload:
-        out.append("allow_destructive_reload is true: a reload that removes a pool, every backend of "
-                   "a pool or a keyed tenant's keys applies, even from a file cut short while being "
-                   "written; remove it once the reload it was meant for has applied")
+        out.append("allow_destructive_reload is true: the reload that sets it may remove a pool, half "
+                   "or more of a pool's backends, a class or a keyed tenant's keys, even from a file "
+                   "cut short while being written; later reloads are guarded again while it stays, "
+                   "so remove it once the reload it was meant for has applied")
     return out
 
 
@@ -869,6 +872,14 @@ def load_config(path: str | Path) -> Config:
 
     Raises ``ConfigError`` for unreadable files, YAML syntax errors and bad keys.
     """
+    return parse_config(read_yaml(path))
+
+
+def read_yaml(path: str | Path) -> Any:
+    """read_yaml reads a YAML file (a key given twice refused) and returns its document.
+
+    Raises ``ConfigError`` for unreadable files and YAML syntax errors.
+    """
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
@@ -880,4 +891,4 @@ def load_config(path: str | Path) -> Config:
         raise ConfigError(str(p), f"line {exc.line}: {exc}: remove one") from None
     except yaml.YAMLError as exc:
         raise ConfigError(str(p), f"is not valid YAML: {exc}") from None
-    return parse_config(data)
+    return data

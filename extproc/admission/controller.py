@@ -348,7 +348,7 @@ class Admission:
         self._store.settle(grant, charged, now)
         p = self._pools.get(grant.plan.limits.pool)
         if p is not None and lease is not None and p.live.pop(lease, 0) is None and completed:
-            p.holds.add(now - lease.admitted_at)
+            p.holds.add(now - lease.admitted_at, lease.demand.completion_tokens)
         charge = grant.node
         if charge is not None:
             # The pool may have been reloaded since: the charge's node ledger is its own.

@@ -58,12 +58,12 @@ side.
 
 What a pick reads. A node keeps the sums of its charges' footprints and expected holds,
 changed as a charge comes, progresses, moves or goes, so a pick costs the same whatever
-the requests held (a walk of them per pick cost 0.55 us per request held: 1.6 ms a
-decision with 2,000 held). A charge's expected growth follows the lengths its class had
+the requests held (a walk of them per pick grew with them: bench/results/pick.md). A
+charge's expected growth follows the lengths its class had
 learned when it was admitted or last progressed; a length learned reaches the others from
 the next scrape round (``mark``) on, RECOUNT_PER_ROUND charges a round (a round, once a
-second on the event loop, recounted every charge held: 6 ms with 2,000 held, 81 ms with
-20,000, ``make bench-pick``'s scrape-round rows); a charge whose count does not change is
+second on the event loop, recounted every charge held, a stall that grew with them:
+bench/results/pick-rounds.md); a charge whose count does not change is
 not touched.
 
 Everything runs on the event-loop thread; times are seconds on the admission clock.
@@ -991,7 +991,7 @@ class PoolNodes:
         if charge.chain is not None:
             charge.node.ended(charge.chain)
         if completed:
-            self.holds.add(now - charge.admitted_at)
+            self.holds.add(now - charge.admitted_at, charge.reserved)
             if completion_tokens is not None and completion_tokens >= 0:
                 self.lengths.setdefault(charge.class_name, Lengths()).add(completion_tokens)
                 self._taught = self.picking.growth is not Growth.WORST_CASE
@@ -1048,7 +1048,7 @@ class PoolNodes:
             room = self.headroom(n, now)
             if room is None:
                 continue
-            t = expected_wait(now, ((c.admitted_at, self._alone(c)) for c in n.charges),
+            t = expected_wait(now, ((c.admitted_at, self._alone(c), c.reserved) for c in n.charges),
                               need - room, holds)
             if t is not None and (best is None or t < best):
                 best = t
