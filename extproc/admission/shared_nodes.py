@@ -127,6 +127,18 @@ class NodeAsk:
     affinity: float = 0.0
 
 
+class Shared(NamedTuple):
+    """Shared is what a shared store's pick says of a request's prefix on the node picked:
+    ``keyed``, the tokens of the whole prompt blocks its keys cover in the ledger (which
+    the ledger may count once with other leases'); ``credit``, the tokens it was charged
+    less for the blocks it shares there; ``by_affinity``, whether its prefix chose the node
+    over a roomier one. Kept with a grant only where one of them is not nothing."""
+
+    keyed: int
+    credit: int
+    by_affinity: bool
+
+
 class SeenGen(NamedTuple):
     """SeenGen is one replica's published generations: the store's instants (s) of the refresh
     that wrote the newest (``new_at``) and the one before (``old_at``; None: none yet), and

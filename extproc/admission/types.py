@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, final
+from typing import Any, Protocol, final
 
 
 class Outcome(StrEnum):
@@ -60,6 +60,15 @@ class NodeReport:
     block_tokens: int | None = None
 
 
+class CachedView(Protocol):
+    """CachedView is what one node's KV events say it caches (``extproc.signals.kv_events``)."""
+
+    def cached(self, keys: tuple[int, ...]) -> tuple[int, bool] | None:
+        """cached is the tokens of the prompt of ``keys`` the node caches and whether that is
+        exact; None while its events cannot be read."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class Chain:
     """Chain is a prompt's prefix chain (``extproc.prefix``): ``keys``, each a hash covering
@@ -81,7 +90,9 @@ class Demand:
     prompt's prefix chain, where the pool counts shared prefixes once (None: charged in full).
     ``fairness_id``: whom the wait queue serves in turn within the class, where that is not
     the tenant (an anonymous request's fairness header, prefixed; None: the tenant). It is
-    client input: held only while the request waits, never a metric label.
+    client input: held only while the request waits, never a metric label. ``blocks``: the
+    keys of the prompt's engine token ids (``engine_blocks.token_keys``), where the pool reads
+    its nodes' KV events and kvgate knows those ids (None: it does not).
     """
 
     pool: str
@@ -92,6 +103,7 @@ class Demand:
     among: frozenset[str] | None = None
     prefix: Chain | None = None
     fairness_id: str | None = None
+    blocks: tuple[int, ...] | None = None
 
     @property
     def tokens(self) -> int:
@@ -321,10 +333,9 @@ class Grant:
     the plan asked no node), and ``node_hold`` the hold (tokens) the store charged there,
     kept current by the controller as the request generates (with pooled growth, its hold
     alone on a node, and ``node_pooled`` the ``shared_nodes.Pooled`` the store records
-    there: its footprint as its hold, and its growth's moments); ``node_keyed``: the tokens
-    of the whole prompt blocks its prefix keys cover in that store's ledger, ``node_credit``
-    what it was charged less for the blocks it shares there, ``node_by_affinity`` whether
-    its prefix chose the node over a roomier one (``sharing``);
+    there: its footprint as its hold, and its growth's moments); ``node_shared``: where its
+    prompt's prefix took keys or credit in that store's ledger, the ``shared_nodes.Shared``
+    answer (None: none);
     ``inflight`` is the pool's in-flight count just after this admission;
     ``bucket_tokens``/``bucket_capacity``/``bucket_rate`` describe the binding bucket
     (the one with fewer tokens left: tenant or pool) just after the charge, in tokens and
@@ -341,9 +352,7 @@ class Grant:
     picked: str | None = None
     node_hold: int = 0
     node_pooled: Any = None
-    node_keyed: int = 0
-    node_credit: int = 0
-    node_by_affinity: bool = False
+    node_shared: Any = None
 
 
 # final: the hot path tells it from the other answer by type(x) is Refusal (mypy narrows on it).

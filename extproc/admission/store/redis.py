@@ -109,7 +109,7 @@ from typing import Any
 
 from extproc.admission.bucket import refilled
 from extproc.admission.rules import pooled_bound
-from extproc.admission.shared_nodes import NodeAsk, SeenGen, Sums, others_seen
+from extproc.admission.shared_nodes import NodeAsk, SeenGen, Shared, Sums, others_seen
 from extproc.admission.store.base import REPLICA_HEADER, Store
 from extproc.admission.store.fallback import (LOCAL_PREFIX, MODES, Fallback, NullObserver, StoreObserver,
                                               StoreUnavailableError, Within)
@@ -672,8 +672,8 @@ class RedisStore(Store):
                 grant.picked = r[5].decode()
                 grant.node_hold = plan.nodes.need
                 grant.node_pooled = plan.nodes.pooled
-                grant.node_keyed = keyed(plan.nodes, grant.picked, int(r[6]))
-                grant.node_credit, grant.node_by_affinity = int(r[7]), r[8] == b"1"
+                if r[6] != b"0" or r[7] != b"0" or r[8] != b"0":
+                    grant.node_shared = Shared(keyed(plan.nodes, grant.picked, int(r[6])), int(r[7]), r[8] == b"1")
                 if grant.node_pooled is not None:
                     self._quantile[plan.limits.pool] = grant.node_pooled.quantile
             self._live.setdefault(plan.limits.pool, {})[lease_id] = grant
@@ -1008,7 +1008,7 @@ def escrow_hold(g: Grant) -> int:
     (tokens), for what this replica may admit alone within it (``_within``): its hold less
     the prompt blocks its prefix keys cover, which the ledger may count once with other
     leases' (``sharing``): a lease that ends gives back at least that much."""
-    return ledger_hold(g) - g.node_keyed
+    return ledger_hold(g) - (g.node_shared.keyed if g.node_shared is not None else 0)
 
 
 def keyed(ask: NodeAsk, node: str, keys: int) -> int:

@@ -142,8 +142,10 @@ def test_the_lua_script_counts_shared_prefixes_like_the_python_rule(redis_server
                     assert isinstance(got, Grant) and got.picked == want.chosen, (got, want)
                     c = next(c for c in cands if c.name == want.chosen)
                     shares = model[want.chosen]
-                    assert got.node_credit == min(prompt, shares.credit(chain, c.block))
-                    assert got.node_by_affinity == want.by_affinity
+                    credit = min(prompt, shares.credit(chain, c.block))
+                    sh = got.node_shared
+                    assert (sh.credit, sh.by_affinity) == (credit, want.by_affinity) if sh else \
+                        credit == 0 and not want.by_affinity
                     k = shares.add(chain, c.block, me)
                     held[want.chosen] += prompt
                     got.node = _Seen()
@@ -363,12 +365,12 @@ async def test_hostile_prompts_cannot_grow_the_shared_ledger_without_bound(redis
             i += 1
         full = int(r.hget(f"{prefix}:ps", "n0\tn"))
         stranger = await admit(_unique_chain("stranger", MAX_LINKS))
-        assert stranger.node_credit == 0 and not r.hexists(f"{prefix}:lk", stranger.id)
+        assert stranger.node_shared is None and not r.hexists(f"{prefix}:lk", stranger.id)
         # shares the long one's first 100 keys, then goes its own way
         half = _unique_chain("long", 100)
         own = _unique_chain("tail", MAX_LINKS - 100)
         sharer = await admit(Chain(half.keys + own.keys, half.ends + tuple(6400 + e for e in own.ends)))
-        assert sharer.node_credit == 6400 - 16
+        assert sharer.node_shared.credit == 6400 - 16
         assert len(r.hget(f"{prefix}:lk", sharer.id).split()) == 100
         assert int(r.hget(f"{prefix}:ps", "n0\tn")) == full <= MAX_NODE_KEYS
         for g in grants:
@@ -393,7 +395,7 @@ async def test_alone_a_replica_counts_a_shared_lease_only_for_its_unshared_room(
         chain = chain_of([("system", SYSTEM_TOKENS), ("q", 200)])
         cand = (C("n0", 100_000, 0, 0, 0, None, False, BLOCK, 0),)
         first = await rs.admit(node_plan(NodeAsk(cand, 11_000, 0.0, 1.0, None, chain, 10_200, 0.0)), T0)
-        assert isinstance(first, Grant) and first.node_keyed == 10_192
+        assert isinstance(first, Grant) and first.node_shared.keyed == 10_192
         server.stop()
         # the first round trip fails: alone from now on, with no room while the lease runs
         assert isinstance(await rs.admit(node_plan(NodeAsk((C("n0", 100_000, 0, 11_000),), 1, 0.0, 1.0)), T0),
