@@ -8,7 +8,8 @@ the address in ``x-gateway-destination-endpoint``).
 A node of ``inference`` that dies keeps its share of the round robin until Envoy learns it is
 gone: without more, about one request in N failed for as long as the node stayed down. So the
 cluster ejects a node after ``EJECT_AFTER_FAILURES`` consecutive gateway failures (connection
-refused or reset, 502/503/504: outlier detection, immediate, not at the sweep), for
+refused or reset, 502/503/504: outlier detection, immediate, not at the sweep; never for a
+500, which may be one request's fault), for
 ``EJECTION_S`` and longer each time it is ejected again, and the virtual host retries a request
 that never reached a node (connection refused, refused stream, reset before the request was
 sent) on another node. A killed node therefore gets at most ``EJECT_AFTER_FAILURES`` requests,
@@ -73,6 +74,10 @@ def inference_cluster(host: str, port: int) -> dict[str, Any]:
         "outlier_detection": {
             "consecutive_gateway_failure": EJECT_AFTER_FAILURES,
             "enforcing_consecutive_gateway_failure": 100,
+            # Only a node that is gone: a 500 may be one request's fault, and Envoy's
+            # success-rate ejection would take out a slow but working node.
+            "enforcing_consecutive_5xx": 0,
+            "enforcing_success_rate": 0,
             "base_ejection_time": f"{EJECTION_S}s",
             "max_ejection_percent": MAX_EJECTION_PERCENT,
         },
