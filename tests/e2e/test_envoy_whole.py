@@ -20,10 +20,12 @@ from typing import Any
 
 import orjson
 import pytest
+import yaml
 
 from extproc.envoyclusters import EJECT_AFTER_FAILURES
+from extproc.envoyconf import HCM_TYPE, local_reply
 from kvgate_testkit.nodes_stack import MODEL, NodesStack
-from kvgate_testkit.procs import LOOPBACK, ROOT, free_port, wait_until
+from kvgate_testkit.procs import LOOPBACK, ROOT, VENV_BIN, Proc, free_port, wait_until
 from kvgate_testkit.stack import Stack
 
 pytestmark = pytest.mark.e2e
@@ -169,3 +171,31 @@ def test_a_killed_node_gets_at_most_two_requests_and_no_client_sees_it_fail(tmp_
         assert sum(finished(s, i) for i in range(2)) - served == 30
     finally:
         s.stop()
+
+
+def test_a_cluster_with_no_host_is_openais_503(tmp_path: Path) -> None:
+    """``no_healthy_upstream`` (an empty cluster, every host ejected, a picker cluster that
+    finds no destination): the files' local_reply_config, alone in front of plain Envoy."""
+    port = free_port()
+    hcm = {"@type": HCM_TYPE, "stat_prefix": "t", "local_reply_config": local_reply(),
+           "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
+               "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
+           "route_config": {"virtual_hosts": [{"name": "t", "domains": ["*"], "routes": [
+               {"match": {"prefix": "/"}, "route": {"cluster": "empty"}}]}]}}
+    cfg = {"static_resources": {
+        "listeners": [{"name": "t", "address": {"socket_address": {"address": LOOPBACK, "port_value": port}},
+                       "filter_chains": [{"filters": [{"name": "hcm", "typed_config": hcm}]}]}],
+        "clusters": [{"name": "empty", "type": "STATIC", "load_assignment": {"cluster_name": "empty"}}]}}
+    (tmp_path / "envoy.yaml").write_text(yaml.safe_dump(cfg))
+    envoy = Proc([str(VENV_BIN / "envoy"), "-c", str(tmp_path / "envoy.yaml"), "--log-level", "warn",
+                  "--disable-hot-restart", "--concurrency", "1"], tmp_path / "envoy.log")
+    try:
+        envoy.wait_port(port)
+        conn = http.client.HTTPConnection(LOOPBACK, port, timeout=10)
+        conn.request("GET", "/v1/models")
+        resp = conn.getresponse()
+        assert_openai_error(resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read(), 503,
+                            "upstream_unavailable")
+        conn.close()
+    finally:
+        envoy.stop()
