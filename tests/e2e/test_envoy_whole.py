@@ -36,19 +36,22 @@ CHUNK = b"x" * 65536
 BIG = 6 * 1024 * 1024  # past the 4 MiB listener buffer of every shipped file
 
 
-def chunked_post(port: int, size: int) -> tuple[int, dict[str, str], bytes]:
-    """chunked_post sends a POST of ``size`` bytes with no content-length (chunked), reading the
-    answer while it sends: Envoy answers a body past its buffer before the body has ended, and
-    closes the connection behind the answer."""
+def chunked_post(port: int, size: int, chunked: bool = True) -> tuple[int, dict[str, str], bytes]:
+    """chunked_post sends a POST of ``size`` bytes with no content-length (chunked; or with one,
+    ``chunked`` False), reading the answer while it sends: Envoy (or kvgate, at a declared
+    length) answers a body past the limit before the body has ended, and closes the connection
+    behind the answer."""
     sock = socket.create_connection((LOOPBACK, port), timeout=30)
+    framing = b"transfer-encoding: chunked" if chunked else b"content-length: %d" % (len(CHUNK) * (size // len(CHUNK)))
 
     def send() -> None:
         try:
             sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                         b"transfer-encoding: chunked\r\n\r\n")
+                         + framing + b"\r\n\r\n")
             for _ in range(size // len(CHUNK)):
-                sock.sendall(b"%x\r\n%s\r\n" % (len(CHUNK), CHUNK))
-            sock.sendall(b"0\r\n\r\n")
+                sock.sendall(b"%x\r\n%s\r\n" % (len(CHUNK), CHUNK) if chunked else CHUNK)
+            if chunked:
+                sock.sendall(b"0\r\n\r\n")
         except OSError:
             pass  # Envoy has answered and closed: the rest of the body is not wanted
     sender = threading.Thread(target=send, daemon=True)
@@ -120,12 +123,8 @@ def test_a_chunked_body_past_the_buffer_gets_openais_413_from_the_picker_file(pi
     assert_openai_error(status, headers, body, 413, "request_too_large")
     assert picker.metric("kvgate_inflight_requests") == 0
     # The same body with a declared length: refused by kvgate itself, also in OpenAI's shape.
-    conn = http.client.HTTPConnection(LOOPBACK, picker.envoy_port, timeout=30)
-    conn.request("POST", "/v1/chat/completions", body=b"x" * BIG, headers={"content-type": "application/json"})
-    resp = conn.getresponse()
-    assert_openai_error(resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read(), 413,
-                        "request_too_large")
-    conn.close()
+    status, headers, body = chunked_post(picker.envoy_port, BIG, chunked=False)
+    assert_openai_error(status, headers, body, 413, "request_too_large")
 
 
 def test_a_chunked_body_past_the_buffer_and_no_upstream_get_openais_answers_from_the_pool_file(
