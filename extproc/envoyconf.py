@@ -85,12 +85,12 @@ _PICKED = ("endpoint-picker", "endpoint-picker-log", "inference-pool")
 _LOGGED = ("access-log", "endpoint-picker-log")
 # How often Envoy writes a periodic access log entry of each stream in flight in the
 # endpoint-picker-log mode (seconds): how late a node's ledger learns a request's first token
-# and its growth, against kvgate's CPU (some 40-50 us per entry on 2 loaded cores: 1,000
-# streams in flight cost ~18% of a core at 0.25 s, ~45% at 0.1 s). A first token counts in a
+# and its growth, against kvgate's CPU (each entry costs it, so the CPU grows with the streams
+# in flight over the interval). A first token counts in a
 # node's report from the next scrape mark (``adaptive.poll_interval_s``, 1 s by default); it
 # misses a mark it would have made with a chance of interval / poll interval: 1 in 4 at 0.25 s,
 # 1 in 2 at 0.5 s, so 0.1 s would buy little for 2.5 times the CPU.
-# bench/results/overhead-picker-log-intervals.md has the measurements.
+# bench/results/overhead-picker-log-intervals.md has the CPU by interval.
 PROGRESS_INTERVAL_S = 0.25
 HEADER_TO_METADATA_TYPE = ("type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3."
                            "Config")
