@@ -3,7 +3,7 @@
     kvgate serve --config FILE [--grpc-listen HOST:PORT] [--admin-listen HOST:PORT] [--log-level LEVEL]
                  [--log-format text|json]
     kvgate check-config FILE [--envoy ENVOY.yaml]   (either may be a ConfigMap manifest carrying it)
-    kvgate envoy-filter --config FILE [--mode MODE] [--bootstrap [--listen HOST:PORT] [--upstream HOST:PORT]]
+    kvgate envoy-filter --config FILE [--mode MODE] [--upstream HOST:PORT] [--bootstrap [--listen HOST:PORT]]
     kvgate health [--address HOST:PORT] [--timeout SECONDS]
     kvgate sim ARGS...            (the vLLM-compatible simulator; see ``kvgate sim --help``)
 
@@ -62,11 +62,11 @@ def _parser() -> argparse.ArgumentParser:
                          f"default pool picks its nodes, else {DEFAULT_MODE}); a mode that does not "
                          f"fit the pool is refused")
     ef.add_argument("--bootstrap", action="store_true",
-                    help="print a whole Envoy file (listener, routes, clusters), not only the pieces")
+                    help="print a whole Envoy file, not the blocks keyed by where each goes")
     ef.add_argument("--listen", type=_hostport, default="0.0.0.0:8080", metavar="HOST:PORT",
                     help="with --bootstrap: Envoy's listener (default 0.0.0.0:8080)")
     ef.add_argument("--upstream", type=_hostport, default="inference:8000", metavar="HOST:PORT",
-                    help="with --bootstrap: the inference server (default inference:8000)")
+                    help="the pool-level inference cluster's DNS name and port (default inference:8000)")
     health = sub.add_parser("health", help="ask a running kvgate's gRPC health service; exit 0 when SERVING")
     health.add_argument("--address", type=_hostport, default="127.0.0.1:50051", metavar="HOST:PORT",
                         help="kvgate's ext_proc gRPC address (default 127.0.0.1:50051)")
@@ -174,7 +174,7 @@ def _envoy_filter(args: argparse.Namespace) -> int:
         config = load_config(args.config)
         mode = args.mode or mode_for(config)
         doc = (envoy_bootstrap(config, mode, listen=args.listen, upstream=args.upstream)
-               if args.bootstrap else envoy_filter(config, mode))
+               if args.bootstrap else envoy_filter(config, mode, upstream=args.upstream))
     except ConfigError as err:
         print(f"error: {err.key}: {err.reason}", file=sys.stderr)
         return EXIT_CONFIG
