@@ -419,8 +419,10 @@ class ChatBodies:
         self._texts = []
         for _ in range(variants):
             words: list[str] = []
-            while sum(len(w) + 1 for w in words) < size - 180:
+            length = 0  # of the words so far, a space after each
+            while length < size - 180:
                 words.append(rng.choice(_WORDS))
+                length += len(words[-1]) + 1
             self._texts.append(" ".join(words))
         self._n = 0
 
