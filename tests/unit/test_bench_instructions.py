@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from bench.bench_instructions import (FILES, KINDS, MARKER, OUT_NAME, Job, Part, Ticks, _worker, label,
-                                      per_request, phases, read_part, read_parts, report, rows, spread)
+                                      per_request, phases, read_part, read_parts, report, rows, spread,
+                                      targets)
 
 pytestmark = pytest.mark.bench
 
@@ -133,6 +134,14 @@ def test_the_report_sets_each_column_s_mean_and_spread_beside_the_ratios() -> No
     assert "| recommended | admitted | 100.0k (0.00 %) | 500.0k (2.00 %) | 600.0k (0.00 %) | 0.833 | 5.000 |" in text
     assert "| recommended | refused | – | 400.0k (0.00 %) | 500.0k (0.00 %) | 0.800 | – |" in text
     assert "2.00 % (OVER the 1 % target)" in text
+    assert "Rows above base by more than 1%: none." in text
+    assert "recommended admitted at most 0.667 of base: 0.833 (not met)." in text
+
+
+def test_a_row_above_the_baseline_beyond_a_rerun_s_reach_is_named_and_a_third_less_is_met() -> None:
+    got = targets({"recommended admitted": 0.66, "access-log admitted": 1.009, "access-log refused": 1.02}, "main")
+    assert got == ["Rows above main by more than 1%: access-log refused (1.020).",
+                   "Issue 31's cut, recommended admitted at most 0.667 of main: 0.660 (met)."]
 
 
 def test_the_clock_moves_by_the_reading_not_by_the_time_spent() -> None:
@@ -158,7 +167,7 @@ def test_the_worker_runs_every_row_and_checks_what_each_request_got(impl: str, t
 def test_callgrind_dumps_at_each_call_of_the_marker_and_nowhere_else(tmp_path: Path) -> None:
     code = ("import os\nos.getppid()\nfor i in range(20000): pass\nos.getppid()\n"
             "for i in range(60000): pass\nos.getppid()\n")
-    subprocess.run(["valgrind", "--tool=callgrind", f"--dump-before={MARKER}",
+    subprocess.run([str(shutil.which("valgrind")), "--tool=callgrind", f"--dump-before={MARKER}",
                     f"--callgrind-out-file={tmp_path / OUT_NAME}", sys.executable, "-S", "-c", code],
                    check=True, capture_output=True, env={"PYTHONHASHSEED": "0"})
     got = phases(read_parts(tmp_path), ["startup", "20000", "60000"])
