@@ -25,6 +25,10 @@ What would make two runs of the same tree count differently is fixed: ``PYTHONHA
 last, so no rule sees how slow callgrind is); before each round the garbage collector has
 collected and frozen what exists (its passes during a round see only the round's objects).
 Every worker runs twice; the report gives the spread of the two, which should stay under 1 %.
+With those fixed, a process under valgrind repeats itself (at ca79414 the two runs agreed to
+0.005 %): a spread shows a path that depends on something else (threads, the real clock). The
+same code run from another folder counts up to ~0.2 % apart (what Python allocates moves with
+the paths' lengths): the baseline's column has that much beside this tree's.
 
     python bench/bench_instructions.py [--baseline main] [--files recommended ...] [--n1 100 --n2 300]
         [--runs 2] [--jobs 2] [--out FILE]
