@@ -15,7 +15,7 @@ VLLM_VERSION ?= 0.32.0
 # e.g. BENCH_VLLM_ARGS="--runs 3 --rows direct,kvgate"
 BENCH_VLLM_ARGS ?=
 
-.PHONY: install run test test-under-load test-unit test-e2e test-vllm bench bench-admission bench-overhead bench-cpu bench-picker bench-prefix bench-protection bench-redis bench-redis-prefix bench-redis-timeout bench-scrape bench-tokens bench-trace bench-replicas bench-vllm bench-vllm-prefix bench-loop-lag bench-big-prompt bench-memory bench-log-batches bench-pick bench-usage-filter bench-fairness install-vllm record-kv-events check-config clean
+.PHONY: install run test test-under-load test-unit test-e2e test-vllm bench bench-admission bench-overhead bench-cpu bench-instructions bench-picker bench-prefix bench-protection bench-redis bench-redis-prefix bench-redis-timeout bench-scrape bench-tokens bench-trace bench-replicas bench-vllm bench-vllm-prefix bench-loop-lag bench-big-prompt bench-memory bench-log-batches bench-pick bench-usage-filter bench-fairness install-vllm record-kv-events check-config clean
 
 install: $(STAMP)
 
@@ -75,6 +75,16 @@ bench-cpu: install
 	mkdir -p $(BENCH_OUT)
 	$(PY) bench/bench_cpu.py --baseline $(CPU_BASELINE) --out $(BENCH_OUT)/cpu.md
 	$(PY) bench/bench_request_path.py --baseline $(CPU_BASELINE) --rounds 20 --requests 1000 --out $(BENCH_OUT)/request-path.md
+
+# kvgate's instructions per request under callgrind (needs valgrind: Debian's package,
+# apt-get install -y valgrind), per Envoy file, beside a bare processor handling the same
+# messages and kvgate as it is at INSTR_BASELINE (a git revision); repeatable within 1 %.
+INSTR_BASELINE ?= main
+
+bench-instructions: install
+	@command -v valgrind >/dev/null || { echo "bench-instructions needs valgrind: apt-get install -y valgrind" >&2; exit 1; }
+	mkdir -p $(BENCH_OUT)
+	$(PY) bench/bench_instructions.py --baseline $(INSTR_BASELINE) --out $(BENCH_OUT)/instructions.md
 
 # What a pick costs by the requests held, this tree beside PICK_BASELINE (a git revision).
 PICK_BASELINE ?= main
@@ -190,7 +200,7 @@ bench-big-prompt: install
 	mkdir -p $(BENCH_OUT)
 	$(PY) bench/bench_big_prompt.py --out $(BENCH_OUT)/big-prompt.md
 
-bench: bench-admission bench-fairness bench-scrape bench-tokens bench-overhead bench-memory bench-log-batches bench-pick bench-usage-filter bench-cpu bench-picker bench-prefix bench-protection bench-trace bench-replicas bench-redis bench-redis-prefix bench-redis-timeout bench-loop-lag bench-big-prompt
+bench: bench-admission bench-fairness bench-scrape bench-tokens bench-overhead bench-memory bench-log-batches bench-pick bench-usage-filter bench-cpu bench-instructions bench-picker bench-prefix bench-protection bench-trace bench-replicas bench-redis bench-redis-prefix bench-redis-timeout bench-loop-lag bench-big-prompt
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

@@ -56,6 +56,7 @@ import orjson  # noqa: E402
 from bench.bench_overhead import (BENCH_CONFIG, PICKED, ChatBodies, _picks_the_upstream,  # noqa: E402
                                   _run, closed_loop, cpu_seconds, hold_streams, pct, variant_file,
                                   wait_picker_nodes_up)
+from bench.revision import checkout  # noqa: E402
 from kvgate_testkit.procs import Proc, exit_on_sigterm, wait_until  # noqa: E402
 from kvgate_testkit.stack import Stack  # noqa: E402
 
@@ -78,15 +79,6 @@ class _SourceStack(Stack):
         proc = Proc(argv, self.workdir / f"{name}.log", cwd=self.source)
         self.procs[name] = proc
         return proc
-
-
-def _checkout(ref: str, into: Path) -> Path:
-    """_checkout writes the ``extproc`` package as it is at git revision ``ref`` into ``into``."""
-    into.mkdir(parents=True, exist_ok=True)
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "extproc"],
-                             check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
-    return into
 
 
 def _processor_pid(stack: Stack) -> int:
@@ -292,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-cpu-") as tmp:
         work = Path(tmp)
-        base = _checkout(args.baseline, work / "baseline") if args.baseline else None
+        base = checkout(args.baseline, work / "baseline") if args.baseline else None
         bare = [sys.executable, str(ROOT / "bench" / "bench_overhead.py"), "--serve-bare", "{port}"]
         stacks: dict[str, Stack] = {}
         for variant in args.variants:

@@ -168,9 +168,10 @@ async def resident(stacks: dict[str, Any], streams: int, settle_s: float,
 
 def build_stacks(work: Path, variants: Sequence[str], baseline: str | None) -> dict[str, Any]:
     import bench_overhead as bo
-    from bench_cpu import _checkout, _SourceStack
+    from bench_cpu import _SourceStack
+    from revision import checkout
     from kvgate_testkit.stack import Stack
-    base = _checkout(baseline, work / "baseline") if baseline else None
+    base = checkout(baseline, work / "baseline") if baseline else None
     stacks: dict[str, Any] = {}
     for variant in variants:
         envoy_file = bo.variant_file(variant, work)

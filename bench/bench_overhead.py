@@ -134,13 +134,10 @@ def _continue_answers() -> dict[str, Any]:
         ("request_trailers", pb.TrailersResponse), ("response_trailers", pb.TrailersResponse))}
 
 
-async def _serve_bare(port: int, destination: str | None = None, log_sink: bool = True) -> None:
-    """_serve_bare answers CONTINUE to every ext_proc message, reading nothing else.
-
-    With ``log_sink`` it also takes the gRPC access log that the access-log and picker-log
-    files send to the processor's cluster, each batch read as bytes and dropped: the least a
-    processor attached to those files must do. Without it (the ``no-log-sink`` lever) Envoy's
-    log stream is refused (UNIMPLEMENTED) and opened again for the next entries.
+class BareProcessor:
+    """BareProcessor answers CONTINUE to every ext_proc message, reading nothing else: the
+    floor of any Python processor, served by ``_serve_bare`` and driven in-process by
+    bench_instructions with the messages kvgate is sent.
 
     With ``destination`` (HOST:PORT) the answer to the request body names that node, as
     deploy/envoy-endpoint-picker.yaml needs (the destination header and a cleared route
@@ -149,46 +146,61 @@ async def _serve_bare(port: int, destination: str | None = None, log_sink: bool 
     In observability mode it answers nothing (Envoy expects nothing); a FULL_DUPLEX_STREAMED
     response body is sent back chunk by chunk, which is that mode's CONTINUE.
     """
+
+    def __init__(self, destination: str | None = None) -> None:
+        import grpc
+        from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
+        from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+        self._answers = answers = _continue_answers()
+        if destination is not None:
+            from envoy.config.core.v3 import base_pb2
+            picked = pb.ProcessingResponse()
+            common = picked.request_body.response
+            common.header_mutation.set_headers.add(header=base_pb2.HeaderValue(
+                key=PICKER_HEADER, raw_value=destination.encode()))
+            common.clear_route_cache = True
+            answers["request_body"] = picked
+        self._duplex = pm.ProcessingMode.FULL_DUPLEX_STREAMED
+        self._response = pb.ProcessingResponse
+        self._eof = grpc.aio.EOF
+
+    async def Process(self, request_iterator: Any, context: Any) -> None:  # noqa: N802
+        read, write, eof = context.read, context.write, self._eof
+        answers, duplex = self._answers, self._duplex
+        echo = False
+        while True:
+            req = await read()
+            if req is eof:
+                return
+            if req.observability_mode:
+                continue
+            if req.HasField("protocol_config"):
+                echo = req.protocol_config.response_body_mode == duplex
+            kind = req.WhichOneof("request")
+            if echo and kind == "response_body":
+                resp = self._response()
+                streamed = resp.response_body.response.body_mutation.streamed_response
+                streamed.body = req.response_body.body
+                streamed.end_of_stream = req.response_body.end_of_stream
+                await write(resp)
+            else:
+                await write(answers[kind])
+
+
+async def _serve_bare(port: int, destination: str | None = None, log_sink: bool = True) -> None:
+    """_serve_bare serves a BareProcessor (``destination``: its node) on ``port``.
+
+    With ``log_sink`` it also takes the gRPC access log that the access-log and picker-log
+    files send to the processor's cluster, each batch read as bytes and dropped: the least a
+    processor attached to those files must do. Without it (the ``no-log-sink`` lever) Envoy's
+    log stream is refused (UNIMPLEMENTED) and opened again for the next entries.
+    """
     import grpc
-    from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
-    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-    answers = _continue_answers()
-    if destination is not None:
-        from envoy.config.core.v3 import base_pb2
-        picked = pb.ProcessingResponse()
-        common = picked.request_body.response
-        common.header_mutation.set_headers.add(header=base_pb2.HeaderValue(
-            key=PICKER_HEADER, raw_value=destination.encode()))
-        common.clear_route_cache = True
-        answers["request_body"] = picked
-    duplex = pm.ProcessingMode.FULL_DUPLEX_STREAMED
-
-    class Bare(pb_grpc.ExternalProcessorServicer):
-        async def Process(self, request_iterator: Any, context: Any) -> None:  # noqa: N802
-            read, write, eof = context.read, context.write, grpc.aio.EOF
-            echo = False
-            while True:
-                req = await read()
-                if req is eof:
-                    return
-                if req.observability_mode:
-                    continue
-                if req.HasField("protocol_config"):
-                    echo = req.protocol_config.response_body_mode == duplex
-                kind = req.WhichOneof("request")
-                if echo and kind == "response_body":
-                    resp = pb.ProcessingResponse()
-                    streamed = resp.response_body.response.body_mutation.streamed_response
-                    streamed.body = req.response_body.body
-                    streamed.end_of_stream = req.response_body.end_of_stream
-                    await write(resp)
-                else:
-                    await write(answers[kind])
-
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    pb_grpc.add_ExternalProcessorServicer_to_server(Bare(), server)
+    pb_grpc.add_ExternalProcessorServicer_to_server(BareProcessor(destination), server)
     if log_sink:
         server.add_generic_rpc_handlers((_log_sink(),))
     server.add_insecure_port(f"{LOOPBACK}:{port}")
@@ -407,8 +419,10 @@ class ChatBodies:
         self._texts = []
         for _ in range(variants):
             words: list[str] = []
-            while sum(len(w) + 1 for w in words) < size - 180:
+            length = 0  # of the words so far, a space after each
+            while length < size - 180:
                 words.append(rng.choice(_WORDS))
+                length += len(words[-1]) + 1
             self._texts.append(" ".join(words))
         self._n = 0
 

@@ -47,6 +47,8 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
+from bench.revision import checkout, worker_env  # noqa: E402
+
 GROWTHS = ("worst_case", "learned", "pooled")
 REFUSALS = ("slots", "kv", "node")
 NODES = 4
@@ -260,10 +262,9 @@ def main(argv: list[str] | None = None) -> int:
         argv_w = [sys.executable, str(Path(__file__).resolve()), "--worker"]
         trees = {"this tree": ROOT}
         if args.baseline:
-            from bench.bench_cpu import _checkout
-            trees[args.baseline] = _checkout(args.baseline, Path(tmp))
+            trees[args.baseline] = checkout(args.baseline, Path(tmp))
         workers = {name: subprocess.Popen(argv_w, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(src), str(ROOT)])})
+                                          env=worker_env(src))
                    for name, src in trees.items()}
         got: dict[tuple[str, str, int], float] = {}
         try:

@@ -12,9 +12,9 @@ the rest), steady enough on a loaded machine to weigh small levers.
 ``--file access-log`` or ``--file endpoint-picker-log`` drives the messages of those files
 instead (the body with its attributes, or the request headers and then the body; the stream
 ends once the body is answered) and then hands the access log receiver Envoy's final entry
-of the request (``kvgate_testkit.held.final_message``, a batch of one, as bytes): in the
-picker-log file a node of two is picked for every request. Only kvgate's calls are timed,
-not the building of each entry.
+of the request (``kvgate_testkit.held.final_message``, a batch of one, as bytes, the link
+written into a serialized copy so that building it costs next to nothing): in the
+picker-log file a node of two is picked for every request.
 
 Every body is a different ~2 KB chat (``bench_overhead.ChatBodies``), so every prompt is
 tokenized in the first round (later rounds meet tokens.py's count cache: this bench weighs the
@@ -46,8 +46,8 @@ import platform  # noqa: E402
 import pstats  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from typing import Any  # noqa: E402
 
 import grpc  # noqa: E402
@@ -58,10 +58,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb  # noqa: E402
 from google.protobuf import struct_pb2  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
 
-from bench.bench_cpu import _checkout  # noqa: E402
 from bench.bench_overhead import BENCH_CONFIG, ChatBodies  # noqa: E402
+from bench.revision import checked_out, worker_env  # noqa: E402
 from extproc.admission import Admission  # noqa: E402
-from extproc.clock import MonotonicClock  # noqa: E402
+from extproc.clock import Clock, MonotonicClock  # noqa: E402
 from extproc.config import parse_config  # noqa: E402
 from extproc.gate import Gate  # noqa: E402
 from extproc.metrics import Metrics  # noqa: E402
@@ -115,15 +115,29 @@ def _response_messages() -> list[bytes]:
     return [headers.SerializeToString(), body.SerializeToString()]
 
 
+def streams(file: str, requests: int) -> list[list[bytes]]:
+    """streams are the serialized messages Envoy sends kvgate for ``requests`` admitted
+    requests in ``file``, a list per request, each with a different ~2 KB chat."""
+    bodies = ChatBodies(seed=3)
+    # The HTTP request bytes end with the JSON body: cut it out.
+    chats = [bodies().split(b"\r\n\r\n", 1)[1] for _ in range(requests)]
+    if file == "recommended":
+        rest = _response_messages()
+        return [[_first_message(body), *rest] for body in chats]
+    return [[m.SerializeToString() for m in held.messages(file, body)] for body in chats]
+
+
 class _Context:
     """_Context stands in for grpc.aio's servicer context of one stream: ``read`` decodes the
-    next message as kvgate's registered deserializer does, ``write`` serializes the answer."""
+    next message with ``decode`` (kvgate's registered deserializer unless told), ``write``
+    serializes the answer."""
 
-    __slots__ = ("_messages", "_at", "written")
+    __slots__ = ("_messages", "_at", "_decode", "written")
 
-    def __init__(self, messages: list[bytes]) -> None:
+    def __init__(self, messages: list[bytes], decode: Callable[[bytes], Any] = decode_request) -> None:
         self._messages = messages
         self._at = 0
+        self._decode = decode
         self.written = 0
 
     async def read(self) -> Any:
@@ -131,49 +145,82 @@ class _Context:
             return grpc.aio.EOF
         data = self._messages[self._at]
         self._at += 1
-        return decode_request(data)
+        return self._decode(data)
 
     async def write(self, resp: pb.ProcessingResponse) -> None:
         self.written += len(resp.SerializeToString())
 
 
+class _FinalEntries:
+    """_FinalEntries are Envoy's final access log batches of one entry as bytes
+    (``held.final_message``, 16 completion tokens), by link: one is serialized per link
+    length and the link written into a copy, so that the entry costs next to nothing beside
+    what kvgate does with it. ``refused`` is the entry of a request kvgate linked to nothing
+    (a 429)."""
+
+    __slots__ = ("_cuts", "refused")
+
+    def __init__(self) -> None:
+        self._cuts: dict[int, tuple[bytes, bytes]] = {}
+        msg = held.final_message(None, 0)
+        msg.http_logs.log_entry[0].response.response_code.value = 429
+        self.refused = msg.SerializeToString()
+
+    def __call__(self, link: str) -> bytes:
+        raw = link.encode()
+        cut = self._cuts.get(len(raw))
+        if cut is None:
+            mark = b"\x01" * len(raw)
+            head, tail = held.final_message(mark.decode(), 16).SerializeToString().split(mark)
+            cut = self._cuts[len(raw)] = (head, tail)
+        return cut[0] + raw + cut[1]
+
+
 class _Path:
     """_Path is one file's request path in one process: the service, its inputs, and a round
-    of them (``run``: kvgate's CPU seconds per request)."""
+    of them (``run``: kvgate's CPU seconds per request). The clock is the monotonic one
+    unless told; ``max_concurrency`` replaces the pool's (1: every request beside one held
+    is refused)."""
 
-    def __init__(self, file: str, requests: int) -> None:
-        raw = held.config_for(file) if file != "recommended" else BENCH_CONFIG
-        config = parse_config(orjson.loads(orjson.dumps(raw)))
-        self.clock = MonotonicClock()
+    def __init__(self, file: str, requests: int, clock: Clock | None = None,
+                 max_concurrency: int | None = None) -> None:
+        raw = orjson.loads(orjson.dumps(held.config_for(file) if file != "recommended" else BENCH_CONFIG))
+        if max_concurrency is not None:
+            raw["pools"]["default"]["max_concurrency"] = max_concurrency
+        config = parse_config(raw)
+        self.clock = clock if clock is not None else MonotonicClock()
         self.admission = Admission(config, self.clock)
         self.metrics = metrics = Metrics(CollectorRegistry())
         metrics.attach(self.admission, tuple(config.tenants.classes))
         self.service = ExtProcService(Gate(config, self.admission, metrics, self.clock), metrics)
         self.receiver = AccessLogReceiver(self.service.endings, metrics)
         self.file = file
-        bodies = ChatBodies(seed=3)
-        # The HTTP request bytes end with the JSON body: cut it out.
-        chats = [bodies().split(b"\r\n\r\n", 1)[1] for _ in range(requests)]
-        if file == "recommended":
-            rest = _response_messages()
-            self.streams = [[_first_message(body), *rest] for body in chats]
-        else:
-            self.streams = [[m.SerializeToString() for m in held.messages(file, body)] for body in chats]
+        self.entries = _FinalEntries() if file != "recommended" else None
+        self.streams = streams(file, requests)
+        self._sent = 0
+
+    async def request(self, messages: list[bytes]) -> None:
+        """request sends one request's stream and, in the log files, Envoy's final access log
+        entry of it (kvgate linked it: the entry of its link; refused: an entry without one).
+        In the picker-log file the nodes are reported idle every 200 requests (the scraper)."""
+        if self.file == "endpoint-picker-log" and self._sent % 200 == 0:
+            held.nodes_up(self.admission, self.clock.now())
+        self._sent += 1
+        if self.entries is None:
+            await self.service.Process(None, _Context(messages))
+            return
+        parked = self.service.endings.parked
+        before = len(parked)
+        await self.service.Process(None, _Context(messages))
+        self.receiver.batch(self.entries(next(reversed(parked))) if len(parked) > before
+                            else self.entries.refused)
 
     async def _round(self, streams: list[list[bytes]]) -> float:
         spent = 0.0
-        parked = self.service.endings.parked
-        for i, messages in enumerate(streams):
-            if self.file == "endpoint-picker-log" and i % 200 == 0:
-                held.nodes_up(self.admission, self.clock.now())  # the scraper's reports
+        for messages in streams:
             t0 = time.process_time()
-            await self.service.Process(None, _Context(messages))
+            await self.request(messages)
             spent += time.process_time() - t0
-            if self.file != "recommended":
-                batch = held.final_message(next(reversed(parked)), 16).SerializeToString()
-                t0 = time.process_time()
-                self.receiver.batch(batch)
-                spent += time.process_time() - t0
         return spent / len(streams)
 
     def run(self, loop: asyncio.AbstractEventLoop, count: int | None = None) -> float:
@@ -199,11 +246,10 @@ def _paired(source: Path, label: str, file: str, requests: int, rounds: int) -> 
     same machine; returns the report lines (medians and the median of the paired ratios)."""
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--requests", str(requests),
             "--file", file]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(source), str(ROOT)])}
     workers = {"this tree": subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                              text=True, cwd=ROOT),
                label: subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                       text=True, cwd=source, env=env)}
+                                       text=True, cwd=source, env=worker_env(source))}
     got: dict[str, list[float]] = {name: [] for name in workers}
     try:
         for i in range(rounds):
@@ -243,8 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.baseline:
         load = os.getloadavg()
-        with tempfile.TemporaryDirectory(prefix="kvgate-path-") as tmp:
-            source = _checkout(args.baseline, Path(tmp))
+        with checked_out(args.baseline) as source:
             lines = _paired(source, args.baseline, args.file, args.requests, args.rounds)
         command = "python bench/bench_request_path.py" + "".join(
             f" {a}" for a in (argv if argv is not None else sys.argv[1:]))

@@ -103,14 +103,16 @@ async def hold(service: Any, file: str, body: bytes, count: int) -> None:
         await service.Process(None, Stream(messages(file, body)))
 
 
-def _entry(msg: als_pb2.StreamAccessLogsMessage, kind: int, link: str, usage: dict[str, int],
+def _entry(msg: als_pb2.StreamAccessLogsMessage, kind: int, link: str | None, usage: dict[str, int],
            upstream: str) -> Any:
-    """_entry adds to ``msg`` an entry of ``kind`` for ``link``: the usage filter's findings
-    ``usage``, a 200 from node 0 at ``upstream``."""
+    """_entry adds to ``msg`` an entry of ``kind`` for ``link`` (None: a request kvgate linked
+    to nothing, one it refused): the usage filter's findings ``usage``, a 200 from node 0 at
+    ``upstream``."""
     e = msg.http_logs.log_entry.add()
     common = e.common_properties
     common.access_log_type = kind
-    common.metadata.filter_metadata[METADATA_NAMESPACE].fields[LINK_KEY].string_value = link
+    if link is not None:
+        common.metadata.filter_metadata[METADATA_NAMESPACE].fields[LINK_KEY].string_value = link
     common.metadata.filter_metadata[usage_log.NAMESPACE].update({usage_log.FILTER_KEY: 1, **usage})
     sock = common.upstream_remote_address.socket_address
     sock.address, sock.port_value = upstream, 7000
@@ -128,10 +130,11 @@ def periodic_message(links: list[str], events: int, upstream: str = "127.0.0.1")
     return msg
 
 
-def final_message(link: str, completion_tokens: int, upstream: str = "127.0.0.1") -> als_pb2.StreamAccessLogsMessage:
-    """final_message is Envoy's batch of one final entry for ``link``: the stream completed
-    (200, the upstream's last byte read) and the usage filter read ``completion_tokens``
-    from it; the upstream is node 0."""
+def final_message(link: str | None, completion_tokens: int,
+                  upstream: str = "127.0.0.1") -> als_pb2.StreamAccessLogsMessage:
+    """final_message is Envoy's batch of one final entry for ``link`` (None: a request kvgate
+    did not link): the stream completed (200, the upstream's last byte read) and the usage
+    filter read ``completion_tokens`` from it; the upstream is node 0."""
     msg = als_pb2.StreamAccessLogsMessage()
     e = _entry(msg, accesslog_pb2.AccessLogType.DownstreamEnd, link,
                {usage_log.COMPLETION_KEY: completion_tokens}, upstream)
