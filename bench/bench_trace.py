@@ -75,6 +75,7 @@ from extproc.localstack import is_processor_cluster  # noqa: E402
 from sim.api import OUTPUT_TOKENS_HEADER, words  # noqa: E402
 from sim.blocks import blocks_for  # noqa: E402
 from kvgate_testkit.stack import envoy_config  # noqa: E402
+from kvgate_testkit.nodes_stack import cluster_endpoints, header_routes  # noqa: E402
 from kvgate_testkit.procs import LOOPBACK, VENV_BIN, Proc, exit_on_sigterm, free_port  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -409,12 +410,6 @@ def kvgate_config(policy: Policy, sc: Scenario, speedup: float, sim_ports: Seque
     return cfg
 
 
-def _cluster_endpoints(cluster: dict[str, Any], ports: Sequence[int]) -> None:
-    cluster["load_assignment"] = {"cluster_name": cluster["name"], "endpoints": [{"lb_endpoints": [
-        {"endpoint": {"address": {"socket_address": {"address": LOOPBACK, "port_value": p}}}}
-        for p in ports]}]}
-
-
 def envoy_for(policy: Policy, *, listen: int, grpc: int | None, sim_ports: Sequence[int],
               picker_template: Path = PICKER_ENVOY) -> dict[str, Any]:
     """envoy_for renders the policy's Envoy file for loopback.
@@ -434,27 +429,15 @@ def envoy_for(policy: Policy, *, listen: int, grpc: int | None, sim_ports: Seque
             if is_processor_cluster(cluster):
                 cluster["type"] = "STATIC"
                 cluster.pop("dns_lookup_family", None)
-                _cluster_endpoints(cluster, [grpc or 1])
+                cluster_endpoints(cluster, [grpc or 1])
         return cfg
     cfg = envoy_config(listen=listen, upstream=sim_ports[0], grpc=grpc)
-    clusters = cfg["static_resources"]["clusters"]
-    inference = next(c for c in clusters if not is_processor_cluster(c))
-    _cluster_endpoints(inference, sim_ports)
+    inference = next(c for c in cfg["static_resources"]["clusters"] if not is_processor_cluster(c))
+    cluster_endpoints(inference, sim_ports)
     if policy.balance == "least_request":
         inference["lb_policy"] = "LEAST_REQUEST"
     if policy.balance == "oracle":
-        vhost = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
-            "typed_config"]["route_config"]["virtual_hosts"][0]
-        routes = []
-        for i, port in enumerate(sim_ports):
-            node_cluster = {**yaml.safe_load(yaml.safe_dump(inference)), "name": f"node-{i}"}
-            node_cluster.pop("lb_policy", None)
-            _cluster_endpoints(node_cluster, [port])
-            clusters.append(node_cluster)
-            routes.append({"match": {"prefix": "/", "headers": [
-                {"name": NODE_HEADER, "string_match": {"exact": str(i)}}]},
-                "route": {"cluster": f"node-{i}", "timeout": "0s"}})
-        vhost["routes"] = [*routes, *vhost["routes"]]
+        header_routes(cfg, NODE_HEADER, sim_ports)
     return cfg
 
 
