@@ -49,7 +49,9 @@ import aiohttp  # noqa: E402
 import orjson  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from bench import prefix_trace  # noqa: E402
 from bench.reports import publish  # noqa: E402
+from extproc.config import PickingConfig  # noqa: E402
 from kvgate_testkit.nodes_stack import MODEL, NodesStack  # noqa: E402
 from kvgate_testkit.procs import LOOPBACK, Proc, exit_on_sigterm, free_port  # noqa: E402
 from sim.api import WORDS  # noqa: E402
@@ -58,6 +60,14 @@ from sim.api import WORDS  # noqa: E402
 # kvgate at most this many times the direct time, with no preemption.
 TARGET_RATIO = 1.25
 SAMPLE_S = 0.1  # real seconds between two samples of the node's and kvgate's /metrics
+# The trace mode's window and scale (see bench/prefix_trace.py): what two shared cores drive.
+TRACE = Path("..") / "shared" / "traces" / "mooncake-conversation-first30min.jsonl"
+TRACE_START_S = 300.0
+TRACE_WINDOW_S = 900.0
+TRACE_SAMPLE = 6
+TRACE_COMPRESS = 10.0
+TRACE_SPEEDUP = 2.0
+TRACE_KV_TOKENS = 131_072
 
 
 @dataclass(frozen=True, slots=True)
@@ -344,8 +354,43 @@ def report(results: Sequence[Result], args: argparse.Namespace, command: str, wa
     return "\n".join(lines)
 
 
+def run_trace(args: argparse.Namespace, command: str) -> str:
+    """run_trace replays the Mooncake window row by row (``prefix_trace``) and returns its report."""
+    trace = Path(args.trace) if Path(args.trace).is_absolute() else ROOT / args.trace
+    w = prefix_trace.Window(args.trace_start, args.trace_window, args.trace_sample, args.trace_compress)
+    replay = prefix_trace.build_replay(prefix_trace.read_mooncake(trace, w.start_s, w.window_s), w)
+    if not replay.reqs:
+        raise SystemExit(f"no request of {trace} in trace seconds {w.start_s:g}-{w.start_s + w.window_s:g}")
+    main_rows = prefix_trace.main_rows(args.affinity, args.record)
+    keys = [k for k in args.rows.split(",") if k] if args.rows else [r.key for r in main_rows]
+    rows = [r for r in main_rows if r.key in keys]
+    sweep = prefix_trace.sweep_rows(args.sweep_affinity, args.sweep_record, args.affinity, args.record) \
+        if args.sweep else []
+    started = time.monotonic()
+    done: list[prefix_trace.RowResult] = []
+    with tempfile.TemporaryDirectory(prefix="kvgate-bench-prefix-") as tmp:
+        for i, row in enumerate([*rows, *sweep]):
+            label = f"{i + 1}/{len(rows) + len(sweep)} {row.key}"
+            print(f"- {label}: {len(replay.reqs)} requests", flush=True)
+            r = prefix_trace.run_row(row, replay, w, args.trace_kv_tokens, args.trace_speedup, Path(tmp) / row.key,
+                                     label)
+            f = prefix_trace.figures(r)
+            print(f"  [{label}] {r.wall_s:.0f} s: completed {f.completed}/{f.total}, goodput {f.goodput:,.0f} tok/s, "
+                  f"TTFT p50 {_num(f.ttft_p50, '.2f')} s, preemptions {f.preemptions}, hit rate "
+                  f"{_num(f.hit_rate, '.2f')}" + (f"  ERROR: {r.error}" if r.error else ""), flush=True)
+            done.append(r)
+    head = (f"Command: `{{command}}` (`make bench-prefix`). Revision {revision()}, "
+            f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; {platform.machine()}, {os.cpu_count()} CPU cores "
+            f"shared with other work, Python {platform.python_version()}; the replay took "
+            f"{time.monotonic() - started:.0f} s.")
+    setup = prefix_trace.describe(w, replay, trace, args.trace_kv_tokens, args.trace_speedup)
+    return prefix_trace.report(done[:len(rows)], done[len(rows):], setup, command, head, args.affinity, args.record)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mode", choices=("burst", "trace", "both"), default="both",
+                    help="the burst, the Mooncake trace replay, or both (default)")
     ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--prefix-tokens", type=int, default=10_000, help="system prompt, words (tokens)")
     ap.add_argument("--question-tokens", type=int, default=200, help="each request's question, words")
@@ -356,22 +401,49 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-wait", type=float, default=30.0, help="kvgate class max_wait_s (real s)")
     ap.add_argument("--timeout", type=float, default=120.0, help="a request's limit (real s)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "local" / "prefix.md"),
-                    help="results file ('-': print only)")
+                    help="the burst's results file ('-': print only)")
+    t = ap.add_argument_group("trace mode")
+    t.add_argument("--trace", default=str(TRACE), help=f"a Mooncake trace (default {TRACE}, from the repository)")
+    t.add_argument("--trace-start", type=float, default=TRACE_START_S, help="window start, trace seconds")
+    t.add_argument("--trace-window", type=float, default=TRACE_WINDOW_S, help="window length, trace seconds")
+    t.add_argument("--trace-sample", type=int, default=TRACE_SAMPLE, help="keep 1 conversation in N")
+    t.add_argument("--trace-compress", type=float, default=TRACE_COMPRESS, help="trace seconds per simulated second")
+    t.add_argument("--trace-speedup", type=float, default=TRACE_SPEEDUP, help="simulated seconds per real second")
+    t.add_argument("--trace-kv-tokens", type=int, default=TRACE_KV_TOKENS, help="each node's KV cache (tokens)")
+    t.add_argument("--rows", default="", help="comma-separated subset of round-robin, kvgate-blind, kvgate-prefix, "
+                                              "oracle (default: all)")
+    t.add_argument("--affinity", type=float, default=PickingConfig().prefix_affinity,
+                   help="kvgate-prefix's prefix_affinity (default: kvgate's)")
+    t.add_argument("--record", type=int, default=PickingConfig().prefix_record_keys,
+                   help="kvgate-prefix's prefix_record_keys (default: kvgate's)")
+    t.add_argument("--sweep", action="store_true", help="add prefix-aware rows over --sweep-affinity and --sweep-record")
+    t.add_argument("--sweep-affinity", type=lambda v: [float(x) for x in v.split(",")], default=[0, 0.5, 1, 2, 4])
+    t.add_argument("--sweep-record", type=lambda v: [int(x) for x in v.split(",")], default=[0, 256, 1024, 8192])
+    t.add_argument("--trace-out", default=str(ROOT / "bench" / "results" / "local" / "prefix-trace.md"),
+                   help="the trace replay's results file ('-': print only)")
     args = ap.parse_args(argv)
     exit_on_sigterm()  # a killed run still stops what it started
     command = "python bench/bench_prefix.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
-    started = time.monotonic()
-    results = []
-    for row in ROWS:
-        r = run_row(row, args)
-        print(f"{row.burst} {row.name}: {r.completed}/{r.total} in {r.seconds:.1f} s, preemptions "
-              f"{r.preemptions:g}, KV peak {r.kv_peak:.2f}, hit rate {_num(r.hit_rate, '.2f')}", flush=True)
-        results.append(r)
-    text = report(results, args, command, time.monotonic() - started)
-    if args.out == "-":
-        print(text)
-        return 0
-    return publish(Path(args.out), text)
+    if args.mode in ("burst", "both"):
+        started = time.monotonic()
+        results = []
+        for row in ROWS:
+            r = run_row(row, args)
+            print(f"{row.burst} {row.name}: {r.completed}/{r.total} in {r.seconds:.1f} s, preemptions "
+                  f"{r.preemptions:g}, KV peak {r.kv_peak:.2f}, hit rate {_num(r.hit_rate, '.2f')}", flush=True)
+            results.append(r)
+        text = report(results, args, command, time.monotonic() - started)
+        if args.out == "-":
+            print(text)
+        else:
+            publish(Path(args.out), text)
+    if args.mode in ("trace", "both"):
+        text = run_trace(args, command)
+        if args.trace_out == "-":
+            print(text)
+        else:
+            publish(Path(args.trace_out), text)
+    return 0
 
 
 if __name__ == "__main__":

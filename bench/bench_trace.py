@@ -62,7 +62,7 @@ import time  # noqa: E402
 from collections import deque  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
-from typing import Any  # noqa: E402
+from typing import Any, Protocol  # noqa: E402
 
 import aiohttp  # noqa: E402
 import orjson  # noqa: E402
@@ -509,6 +509,18 @@ class Oracle:
         self._dispatch()
 
 
+class Placer(Protocol):
+    """Placer is what the client asks where a request goes (``Oracle``, or another benchmark's):
+    ``acquire`` waits until it may go and says to which node, with a token ``release`` takes
+    back once it ended; ``tick`` is called every sample."""
+
+    async def acquire(self, req: Req) -> tuple[int, int]: ...
+
+    def release(self, node: int, token: int) -> None: ...
+
+    def tick(self) -> None: ...
+
+
 # --- one run ----------------------------------------------------------------------------------
 
 @dataclass(slots=True)
@@ -545,7 +557,7 @@ class Client:
     """Client replays the requests through Envoy, in real time ``speedup`` times faster than simulated."""
 
     def __init__(self, url: str, speedup: float, t0: float, batch_deadline: float,
-                 oracle: Oracle | None) -> None:
+                 oracle: Placer | None) -> None:
         self.url = url
         self.speedup = speedup
         self.t0 = t0
@@ -667,7 +679,7 @@ def parse_kvgate_metrics(text: str) -> dict[str, float]:
 
 async def _sample(session: aiohttp.ClientSession, client: Client, sim_urls: Sequence[str],
                   admin_url: str | None, timeline: list[dict[str, Any]], period_s: float,
-                  oracle: Oracle | None) -> None:
+                  oracle: Placer | None) -> None:
     """_sample records every node's state, the client's open requests and kvgate's gauges every ``period_s`` real s."""
     while True:
         row: dict[str, Any] = {"t": client.sim_now(), "open_online": client.open["online"],
@@ -706,13 +718,14 @@ async def _background(session: aiohttp.ClientSession, client: Client, sim_urls: 
 
 async def drive(run: Run, reqs: list[Req], sc: Scenario, speedup: float, envoy_port: int,
                 sim_urls: Sequence[str], admin_url: str | None, label: str, node: Node,
-                batch_watermark: float = BATCH_WATERMARK) -> None:
+                batch_watermark: float = BATCH_WATERMARK, placer: Placer | None = None) -> None:
     """drive sends the requests, places the background load and samples until every request has
-    ended; ``batch_watermark`` is what an oracle that keeps the classes gives the batch class."""
+    ended; ``batch_watermark`` is what an oracle that keeps the classes gives the batch class.
+    ``placer``: another benchmark's oracle, used instead of this one's."""
     t0 = time.monotonic() + 0.2
     client = Client(f"http://{LOOPBACK}:{envoy_port}/v1/chat/completions", speedup, t0,
-                    t0 + (sc.duration_s + sc.drain_s) / speedup, None)
-    if run.policy.balance == "oracle":
+                    t0 + (sc.duration_s + sc.drain_s) / speedup, placer)
+    if placer is None and run.policy.balance == "oracle":
         client.oracle = Oracle(node, len(sim_urls), sc.background, lead_s=ORACLE_LEAD_S, now=client.sim_now,
                                watermarks={"batch": batch_watermark} if run.policy.keeps_classes else None)
     run.results = [Result(r) for r in reqs]
