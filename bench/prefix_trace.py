@@ -209,10 +209,13 @@ class _Held:
 
 
 class CacheOracle:
-    """CacheOracle places each request on the node whose prefix cache holds most of its prompt,
-    among the nodes where it fits; a request that fits none waits for one of the oracle's
-    requests to end, and smaller ones may pass it meanwhile (for goodput, as kvgate's queue
-    may too).
+    """CacheOracle places each request by kvgate's rule with the truth in place of kvgate's
+    estimates: among the nodes where it fits, the one with the most room left after it plus
+    the tokens of its prompt that the node's cache holds (kvgate's ranking at
+    ``prefix_affinity`` 1). A request that fits no node waits for the oracle's requests to
+    end; waiters are placed in arrival order as they fit, smaller ones past a larger one,
+    until a waiter has waited ``patience_s`` (real seconds): it then holds back those behind
+    it, so that no request waits much longer than kvgate lets one wait.
 
     It knows what no gateway can: every node's cache (``POST /sim/cached`` on each node, the
     engine's own hash chain, asked once as the request arrives) and each request's true
@@ -223,7 +226,7 @@ class CacheOracle:
     """
 
     def __init__(self, session: aiohttp.ClientSession, node_urls: Sequence[str], capacity_tokens: int,
-                 ids: dict[int, tuple[int, ...]], reserve: float = RESERVE) -> None:
+                 ids: dict[int, tuple[int, ...]], patience_s: float, reserve: float = RESERVE) -> None:
         self.session = session
         self.node_urls = list(node_urls)
         self.limit = math.floor(capacity_tokens // SIM_BLOCK * (1 - reserve))
@@ -231,8 +234,10 @@ class CacheOracle:
         self.refs: list[Counter[int]] = [Counter() for _ in node_urls]
         self.own = [0] * len(node_urls)
         self.held: dict[int, _Held] = {}
-        self.released = asyncio.Event()
-        self.lookups = 0
+        self.queue: deque[tuple[Req, list[int], float, asyncio.Future[int]]] = deque()
+        self.patience_s = patience_s
+        self.lookup_s: list[float] = []   # real seconds each request's lookups took
+        self.placed_s: list[float] = []   # real seconds from each request's arrival to its placement
 
     def blocks(self, node: int) -> int:
         """blocks is what the oracle's requests hold on ``node`` (KV blocks, shared ones once)."""
@@ -252,16 +257,16 @@ class CacheOracle:
 
     def choose(self, req: Req, cached: Sequence[int]) -> int | None:
         """choose is the node for ``req`` given each node's cached tokens of it, or None."""
-        best: tuple[int, int, int] | None = None
+        best: tuple[int, int] | None = None
         for i in range(len(self.node_urls)):
             room = self.limit - self.blocks(i)
             need = self.need(i, req)[0]
             if need > room:
                 continue
-            score = (cached[i], room - need, -i)
+            score = (room - need + cached[i], -i)
             if best is None or score > best:
                 best = score
-        return None if best is None else -best[2]
+        return None if best is None else -best[1]
 
     def hold(self, node: int, req: Req) -> None:
         """hold counts ``req`` on ``node``."""
@@ -275,25 +280,50 @@ class CacheOracle:
             async with self.session.post(f"{url}/sim/cached", data=req.body) as resp:
                 resp.raise_for_status()
                 return int((await resp.json(loads=orjson.loads))["cached_tokens"])
-        self.lookups += 1
-        return list(await asyncio.gather(*(one(u) for u in self.node_urls)))
+        t0 = time.monotonic()
+        got = list(await asyncio.gather(*(one(u) for u in self.node_urls)))
+        self.lookup_s.append(time.monotonic() - t0)
+        return got
 
     async def acquire(self, req: Req) -> tuple[int, int]:
-        """acquire waits until ``req`` fits a node; returns (node, token)."""
+        """acquire waits for ``req``'s turn and a node where it fits; returns (node, token)."""
+        t0 = time.monotonic()
         cached = await self._cached(req)
-        while (node := self.choose(req, cached)) is None:
-            await self.released.wait()
-        self.hold(node, req)
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self.queue.append((req, cached, t0, fut))
+        self._dispatch()
+        node = await fut
+        self.placed_s.append(time.monotonic() - t0)
         return node, req.id
 
+    def _dispatch(self) -> None:
+        # Every waiter that fits goes, in arrival order, smaller ones past a larger one; but a
+        # waiter that has waited ``patience_s`` stops the ones behind it, so no request waits
+        # much longer than kvgate would let it.
+        now = time.monotonic()
+        kept: deque[tuple[Req, list[int], float, asyncio.Future[int]]] = deque()
+        blocked = False
+        while self.queue:
+            entry = self.queue.popleft()
+            req, cached, since, fut = entry
+            if fut.done():
+                continue
+            node = None if blocked else self.choose(req, cached)
+            if node is None:
+                blocked = blocked or now - since >= self.patience_s
+                kept.append(entry)
+                continue
+            self.hold(node, req)
+            fut.set_result(node)
+        self.queue = kept
+
     def release(self, node: int, token: int) -> None:
-        """release gives an ended request's blocks back and wakes the waiting ones."""
+        """release gives an ended request's blocks back and places the waiters that now fit."""
         h = self.held.pop(token)
         self.refs[node].subtract(h.full)
         self.refs[node] = +self.refs[node]   # drop ids no request holds any more
         self.own[node] -= h.own
-        self.released.set()
-        self.released = asyncio.Event()      # the next release wakes whoever waits then
+        self._dispatch()
 
     def tick(self) -> None:
         """tick: nothing to re-check on a timer (every change comes with a release)."""
@@ -342,7 +372,8 @@ class RowResult:
     kvgate_credit: float = 0.0
     kvgate_prompt: float = 0.0
     wall_s: float = 0.0
-    oracle_lookups: int = 0
+    oracle_lookup_s: list[float] = field(default_factory=list)
+    oracle_placed_s: list[float] = field(default_factory=list)
     error: str | None = None
     node_preemptions: list[int] = field(default_factory=list)
 
@@ -386,14 +417,14 @@ def run_row(row: TraceRow, replay: Replay, w: Window, kv_tokens: int, speedup: f
                 time.sleep(0.1)
         admin = stack.admin_url if row.kvgate is not None else None
 
-        async def replay_all() -> int:
+        async def replay_all() -> tuple[list[float], list[float]]:
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-                oracle = CacheOracle(session, urls, kv_tokens, replay.ids) if row.oracle else None
+                oracle = CacheOracle(session, urls, kv_tokens, replay.ids, WAIT_S / speedup) if row.oracle else None
                 await drive(result.run, replay.reqs, w.scenario(), speedup, stack.envoy_port, urls, admin,
                             label, NODE, placer=oracle)
-                return oracle.lookups if oracle is not None else 0
+                return (oracle.lookup_s, oracle.placed_s) if oracle is not None else ([], [])
 
-        result.oracle_lookups = asyncio.run(replay_all())
+        result.oracle_lookup_s, result.oracle_placed_s = asyncio.run(replay_all())
         for url in urls:
             c = node_counters(url)
             result.node_preemptions.append(int(c.get("vllm:num_preemptions_total", 0)))
@@ -535,9 +566,11 @@ def describe(w: Window, replay: Replay, trace: Path, kv_tokens: int, speedup: fl
         "- Oracle: no kvgate; through the same Envoy by a header. Places each request on the node whose cache "
         "holds most of its prompt (asks every node as the request arrives, `POST /sim/cached`: the engine's own "
         "hash chain), among the nodes where its prompt + true output fits beside the oracle's requests running "
-        f"there (whole 512-token blocks they share counted once, {RESERVE:.0%} of each node kept free); a request "
-        "that fits none waits for one to end, and smaller ones may pass it. Greedy: the most informed "
-        "placement, not a proven optimum.",
+        f"there (whole 512-token blocks they share counted once, {RESERVE:.0%} of each node kept free), the one "
+        "with the most room left plus cached tokens (kvgate's ranking at affinity 1, with the truth in place of "
+        f"kvgate's estimates). A request that fits no node waits; waiters go in arrival order as they fit, smaller "
+        f"ones past a larger one, until one has waited {WAIT_S:g} s (kvgate's wait): it then holds back those "
+        "behind it. Greedy: the most informed placement, not a proven optimum.",
         f"- Goodput: prompt + completion tokens of the requests completed with a first token within "
         f"{TTFT_SLO_S:g} s (the SLO), per simulated second from the first arrival to the last completion. TTFT "
         "from the first attempt (kvgate's or the oracle's queueing and retries included), completed requests. "
@@ -561,6 +594,12 @@ def report(results: Sequence[RowResult], sweep: Sequence[RowResult], setup: Sequ
              head.replace("{command}", command), "", *table(results), "",
              "Targets (issue 29), for kvgate prefix-aware:", ""]
     lines += [f"- {'PASS' if ok else 'FAIL'}: {what}" for what, ok in verdicts(results)]
+    for r in results:
+        if r.oracle_lookup_s:
+            lines += ["", f"The oracle's lookups of a request's cached prefix on the three nodes took p50 "
+                      f"{_f(_pct(r.oracle_lookup_s, 0.5), '.3f')} s, p99 {_f(_pct(r.oracle_lookup_s, 0.99), '.3f')} s; "
+                      f"from arrival to placement (lookups and its queue) p50 {_f(_pct(r.oracle_placed_s, 0.5), '.3f')} "
+                      f"s, p99 {_f(_pct(r.oracle_placed_s, 0.99), '.3f')} s (real time; part of its TTFT)."]
     if sweep:
         lines += ["", f"## Sweep: prefix_affinity (record {record:,} keys) and prefix_record_keys (affinity "
                   f"{affinity:g}), same window, same run", "",
