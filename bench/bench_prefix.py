@@ -62,6 +62,7 @@ TARGET_RATIO = 1.25
 SAMPLE_S = 0.1  # real seconds between two samples of the node's and kvgate's /metrics
 # The trace mode's window and scale (see bench/prefix_trace.py): what two shared cores drive.
 TRACE = Path("..") / "shared" / "traces" / "mooncake-conversation-first30min.jsonl"
+TRACE_SLICE = ROOT / "bench" / "traces" / "mooncake-conversation-slice.jsonl"
 TRACE_START_S = 300.0
 TRACE_WINDOW_S = 900.0
 TRACE_SAMPLE = 6
@@ -357,6 +358,9 @@ def report(results: Sequence[Result], args: argparse.Namespace, command: str, wa
 def run_trace(args: argparse.Namespace, command: str) -> str:
     """run_trace replays the Mooncake window row by row (``prefix_trace``) and returns its report."""
     trace = Path(args.trace) if Path(args.trace).is_absolute() else ROOT / args.trace
+    if not trace.exists():
+        raise SystemExit(f"no trace at {args.trace} (relative to the repository); pass --trace "
+                         f"{TRACE_SLICE.relative_to(ROOT)} for the committed slice of the default window")
     w = prefix_trace.Window(args.trace_start, args.trace_window, args.trace_sample, args.trace_compress)
     replay = prefix_trace.build_replay(prefix_trace.read_mooncake(trace, w.start_s, w.window_s), w)
     if not replay.reqs:
