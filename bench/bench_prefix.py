@@ -18,8 +18,15 @@ burst), the node's preemptions, its KV usage at most (sampled), its prefix-cache
 requests in flight at most, shared-prefix tokens and expected tokens at most, headroom at least.
 Times are simulated seconds (the node runs ``--speedup`` times faster than real time).
 
-    make bench-prefix                            # writes bench/results/local/prefix.md
-    python bench/bench_prefix.py --out -         # print only
+Trace mode (``--mode trace``; ``both``, the default, runs the burst and then it): a window of
+the Mooncake conversation trace over three prefix-caching nodes, rows round robin, kvgate
+prefix-blind, kvgate prefix-aware and an oracle that knows every node's cache
+(``bench/prefix_trace.py``), written to ``--trace-out``; ``--sweep`` adds prefix-aware rows
+over ``prefix_affinity`` and ``prefix_record_keys``.
+
+    make bench-prefix                            # writes bench/results/local/prefix.md and prefix-trace.md
+    python bench/bench_prefix.py --mode burst --out -          # the burst, printed only
+    python bench/bench_prefix.py --mode trace --rows oracle --sweep --trace-out bench/results/prefix-sweep.md
 """
 
 from __future__ import annotations
@@ -47,9 +54,9 @@ from typing import Any  # noqa: E402
 
 import aiohttp  # noqa: E402
 import orjson  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from bench import prefix_trace  # noqa: E402
+from bench.prefix_trace import samples  # noqa: E402
 from bench.reports import publish  # noqa: E402
 from extproc.config import PickingConfig  # noqa: E402
 from kvgate_testkit.nodes_stack import MODEL, NodesStack  # noqa: E402
@@ -201,15 +208,6 @@ def node_args(args: argparse.Namespace) -> list[str]:
     """node_args is the simulator's options common to every row (NodesStack adds the rest)."""
     return ["--enable-prefix-caching", "--block-size", str(args.block_size),
             "--speedup", str(args.speedup), "--stream-interval", "8", "--log-level", "WARNING"]
-
-
-def samples(text: str) -> dict[str, float]:
-    """samples sums an exposition's samples by name (labels dropped)."""
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[s.name] = out.get(s.name, 0.0) + s.value
-    return out
 
 
 async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:

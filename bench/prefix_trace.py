@@ -36,6 +36,7 @@ import asyncio
 import math
 import os
 import time
+import urllib.request
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -378,17 +379,19 @@ class RowResult:
     node_preemptions: list[int] = field(default_factory=list)
 
 
-def node_counters(url: str) -> dict[str, float]:
-    """node_counters sums a node's /metrics samples by name (labels dropped)."""
-    import urllib.request
-
-    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
+def samples(text: str) -> dict[str, float]:
+    """samples sums an exposition's samples by name (labels dropped)."""
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             out[s.name] = out.get(s.name, 0.0) + s.value
     return out
+
+
+def node_counters(url: str) -> dict[str, float]:
+    """node_counters is a node's /metrics, summed by name (``samples``)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
+        return samples(resp.read().decode())
 
 
 def run_row(row: TraceRow, replay: Replay, w: Window, kv_tokens: int, speedup: float, workdir: Path,
