@@ -368,7 +368,7 @@ def run_trace(args: argparse.Namespace, command: str) -> str:
     rows = [r for r in main_rows if r.key in keys]
     sweep = prefix_trace.sweep_rows(args.sweep_affinity, args.sweep_record, args.affinity, args.record) \
         if args.sweep else []
-    started = time.monotonic()
+    started, rev = time.monotonic(), revision()
     done: list[prefix_trace.RowResult] = []
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-prefix-") as tmp:
         for i, row in enumerate([*rows, *sweep]):
@@ -381,7 +381,8 @@ def run_trace(args: argparse.Namespace, command: str) -> str:
                   f"TTFT p50 {_num(f.ttft_p50, '.2f')} s, preemptions {f.preemptions}, hit rate "
                   f"{_num(f.hit_rate, '.2f')}" + (f"  ERROR: {r.error}" if r.error else ""), flush=True)
             done.append(r)
-    head = (f"Command: `{{command}}` (`make bench-prefix`). Revision {revision()}, "
+    made = " (`make bench-prefix`)" if args.mode == "both" and not args.sweep else ""
+    head = (f"Command: `{{command}}`{made}. Revision {rev} when it started, "
             f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; {platform.machine()}, {os.cpu_count()} CPU cores "
             f"shared with other work, Python {platform.python_version()}; the replay took "
             f"{time.monotonic() - started:.0f} s.")

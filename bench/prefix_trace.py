@@ -597,6 +597,12 @@ def report(results: Sequence[RowResult], sweep: Sequence[RowResult], setup: Sequ
              head.replace("{command}", command), "", *table(results), "",
              "Targets (issue 29), for kvgate prefix-aware:", ""]
     lines += [f"- {'PASS' if ok else 'FAIL'}: {what}" for what, ok in verdicts(results)]
+    if any(f.goodput > figs["oracle"].goodput for k, f in (figs := {r.row.key: figures(r) for r in results}).items()
+           if "oracle" in figs and k != "oracle"):
+        lines += ["", "A row above 100% of the oracle's goodput means that on this window the oracle is no upper "
+                  "bound: it reserves each request's whole final size from its placement and serves its waiters "
+                  "in arrival order (see its definition below), so the goodput target against it is a floor, "
+                  "not a proof of near-optimal placement."]
     for r in results:
         if r.oracle_lookup_s:
             lines += ["", f"The oracle's lookups of a request's cached prefix on the three nodes took p50 "
