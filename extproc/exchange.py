@@ -79,7 +79,8 @@ from extproc.endings import (LINK_KEY, ReleaseMode, awaits_log_cause, cause_of,
 from extproc.errors import RequestError
 from extproc.gate import ANONYMOUS_TENANT, NO_ROUTE_SETTINGS, WAIT_TIMEOUT_MARGIN_S, Gate, PoolRuntime
 from extproc.outcomes import REJECTED_BY, RequestOutcome
-from extproc.prefix import prefix_of
+from extproc.engine_blocks import token_keys
+from extproc.prefix import prefix_of, prompt_ids
 from extproc.request_facts import ATTR_PATH, UNDECODABLE_ATTRIBUTES, RequestFacts
 
 log = logging.getLogger("kvgate.exchange")
@@ -92,11 +93,15 @@ __all__ = ["Exchange"]
 def _evaluate(endpoint: oai.Endpoint, body: bytes, content_type: str | None,
               pool: PoolRuntime) -> tuple[oai.ParsedRequest, int]:
     """_evaluate parses a body, counts its prompt tokens and, where the pool counts shared
-    prefixes once, chains its prompt (``ParsedRequest.prefix``; may run in a worker thread)."""
+    prefixes once, chains its prompt (``ParsedRequest.prefix``), where it reads its nodes' KV
+    events, keys its engine token ids (``ParsedRequest.blocks``; may run in a worker thread)."""
     parsed = oai.parse_request(endpoint, body, content_type)
     tokens = oai.count_prompt_tokens(parsed, pool.tokenizer, pool.template)
     if pool.config.picks and pool.config.picking.shared_prefix:
         parsed.prefix = prefix_of(parsed, pool.tokenizer, pool.template)
+    if pool.config.picks and pool.config.picking.kv_events is not None:
+        ids = prompt_ids(parsed, pool.tokenizer)
+        parsed.blocks = None if ids is None else token_keys(ids)
     return parsed, tokens
 
 
@@ -389,7 +394,7 @@ class Exchange:
                 retry=gate.admission.named_nodes(self.pool_name, among) > 0)
         demand = Demand(pool=self.pool_name, tenant=self.tenant, class_name=self.class_cfg.name,
                         prompt_tokens=prompt_tokens, completion_tokens=reserved, among=among,
-                        prefix=parsed.prefix, fairness_id=self.fairness_id)
+                        prefix=parsed.prefix, fairness_id=self.fairness_id, blocks=parsed.blocks)
         result = await self._acquire(demand, send, started)
         if isinstance(result, pb.ProcessingResponse):
             return result
