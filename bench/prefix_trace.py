@@ -597,8 +597,9 @@ def report(results: Sequence[RowResult], sweep: Sequence[RowResult], setup: Sequ
              head.replace("{command}", command), "", *table(results), "",
              "Targets (issue 29), for kvgate prefix-aware:", ""]
     lines += [f"- {'PASS' if ok else 'FAIL'}: {what}" for what, ok in verdicts(results)]
-    if any(f.goodput > figs["oracle"].goodput for k, f in (figs := {r.row.key: figures(r) for r in results}).items()
-           if "oracle" in figs and k != "oracle"):
+    figs = {r.row.key: figures(r) for r in results}
+    oracle = figs.get("oracle")
+    if oracle is not None and any(f.goodput > oracle.goodput for k, f in figs.items() if k != "oracle"):
         lines += ["", "A row above 100% of the oracle's goodput means that on this window the oracle is no upper "
                   "bound: it reserves each request's whole final size from its placement and serves its waiters "
                   "in arrival order (see its definition below), so the goodput target against it is a floor, "

@@ -211,3 +211,11 @@ def test_the_rows_and_the_sweep_name_what_they_set() -> None:
     assert main_rows(2.0, 64)[2].kvgate == {"shared_prefix": True, "prefix_affinity": 2.0, "prefix_record_keys": 64}
     sweep = [r.key for r in sweep_rows([0, 1, 2], [0, 8192], 1.0, 8192)]
     assert sweep == ["prefix-a0-r8192", "prefix-a1-r8192", "prefix-a2-r8192", "prefix-a1-r0"]
+
+
+def test_the_report_says_when_the_oracle_is_no_upper_bound() -> None:
+    from bench.prefix_trace import report
+    beaten = [row_result("kvgate-prefix", [1.0] * 4), row_result("oracle", [1.0, 1.0, 9.0, 9.0], kvgate=False)]
+    text = report(beaten, [], ["- setup"], "cmd", "Command: `{command}`.", 1.0, 8192)
+    assert "Command: `cmd`." in text and "the oracle is no upper bound" in text and text.endswith("- setup")
+    assert "no upper bound" not in report(list(reversed(beaten))[:1], [], [], "cmd", "", 1.0, 8192)
