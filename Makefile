@@ -121,7 +121,7 @@ bench-picker: install
 # prefix-blind and counting the shared prefix once; and a unique burst (issue 29).
 bench-prefix: install
 	mkdir -p $(BENCH_OUT)
-	$(PY) bench/bench_prefix.py --out $(BENCH_OUT)/prefix.md
+	$(PY) bench/bench_prefix.py --out $(BENCH_OUT)/prefix.md --trace-out $(BENCH_OUT)/prefix-trace.md
 
 bench-protection: install
 	mkdir -p $(BENCH_OUT)

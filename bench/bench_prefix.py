@@ -18,8 +18,15 @@ burst), the node's preemptions, its KV usage at most (sampled), its prefix-cache
 requests in flight at most, shared-prefix tokens and expected tokens at most, headroom at least.
 Times are simulated seconds (the node runs ``--speedup`` times faster than real time).
 
-    make bench-prefix                            # writes bench/results/local/prefix.md
-    python bench/bench_prefix.py --out -         # print only
+Trace mode (``--mode trace``; ``both``, the default, runs the burst and then it): a window of
+the Mooncake conversation trace over three prefix-caching nodes, rows round robin, kvgate
+prefix-blind, kvgate prefix-aware and an oracle that knows every node's cache
+(``bench/prefix_trace.py``), written to ``--trace-out``; ``--sweep`` adds prefix-aware rows
+over ``prefix_affinity`` and ``prefix_record_keys``.
+
+    make bench-prefix                            # writes bench/results/local/prefix.md and prefix-trace.md
+    python bench/bench_prefix.py --mode burst --out -          # the burst, printed only
+    python bench/bench_prefix.py --mode trace --rows oracle --sweep --trace-out bench/results/prefix-sweep.md
 """
 
 from __future__ import annotations
@@ -47,9 +54,11 @@ from typing import Any  # noqa: E402
 
 import aiohttp  # noqa: E402
 import orjson  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from bench import prefix_trace  # noqa: E402
+from bench.prefix_trace import samples  # noqa: E402
 from bench.reports import publish  # noqa: E402
+from extproc.config import PickingConfig  # noqa: E402
 from kvgate_testkit.nodes_stack import MODEL, NodesStack  # noqa: E402
 from kvgate_testkit.procs import LOOPBACK, Proc, exit_on_sigterm, free_port  # noqa: E402
 from sim.api import WORDS  # noqa: E402
@@ -58,6 +67,15 @@ from sim.api import WORDS  # noqa: E402
 # kvgate at most this many times the direct time, with no preemption.
 TARGET_RATIO = 1.25
 SAMPLE_S = 0.1  # real seconds between two samples of the node's and kvgate's /metrics
+# The trace mode's window and scale (see bench/prefix_trace.py): what two shared cores drive.
+TRACE = Path("..") / "shared" / "traces" / "mooncake-conversation-first30min.jsonl"
+TRACE_SLICE = ROOT / "bench" / "traces" / "mooncake-conversation-slice.jsonl"
+TRACE_START_S = 300.0
+TRACE_WINDOW_S = 900.0
+TRACE_SAMPLE = 6
+TRACE_COMPRESS = 10.0
+TRACE_SPEEDUP = 2.0
+TRACE_KV_TOKENS = 196_608
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,15 +208,6 @@ def node_args(args: argparse.Namespace) -> list[str]:
     """node_args is the simulator's options common to every row (NodesStack adds the rest)."""
     return ["--enable-prefix-caching", "--block-size", str(args.block_size),
             "--speedup", str(args.speedup), "--stream-interval", "8", "--log-level", "WARNING"]
-
-
-def samples(text: str) -> dict[str, float]:
-    """samples sums an exposition's samples by name (labels dropped)."""
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[s.name] = out.get(s.name, 0.0) + s.value
-    return out
 
 
 async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
@@ -344,8 +353,47 @@ def report(results: Sequence[Result], args: argparse.Namespace, command: str, wa
     return "\n".join(lines)
 
 
+def run_trace(args: argparse.Namespace, command: str) -> str:
+    """run_trace replays the Mooncake window row by row (``prefix_trace``) and returns its report."""
+    trace = Path(args.trace) if Path(args.trace).is_absolute() else ROOT / args.trace
+    if not trace.exists():
+        raise SystemExit(f"no trace at {args.trace} (relative to the repository); pass --trace "
+                         f"{TRACE_SLICE.relative_to(ROOT)} for the committed slice of the default window")
+    w = prefix_trace.Window(args.trace_start, args.trace_window, args.trace_sample, args.trace_compress)
+    replay = prefix_trace.build_replay(prefix_trace.read_mooncake(trace, w.start_s, w.window_s), w)
+    if not replay.reqs:
+        raise SystemExit(f"no request of {trace} in trace seconds {w.start_s:g}-{w.start_s + w.window_s:g}")
+    main_rows = prefix_trace.main_rows(args.affinity, args.record)
+    keys = [k for k in args.rows.split(",") if k] if args.rows else [r.key for r in main_rows]
+    rows = [r for r in main_rows if r.key in keys]
+    sweep = prefix_trace.sweep_rows(args.sweep_affinity, args.sweep_record, args.affinity, args.record) \
+        if args.sweep else []
+    started, rev = time.monotonic(), revision()
+    done: list[prefix_trace.RowResult] = []
+    with tempfile.TemporaryDirectory(prefix="kvgate-bench-prefix-") as tmp:
+        for i, row in enumerate([*rows, *sweep]):
+            label = f"{i + 1}/{len(rows) + len(sweep)} {row.key}"
+            print(f"- {label}: {len(replay.reqs)} requests", flush=True)
+            r = prefix_trace.run_row(row, replay, w, args.trace_kv_tokens, args.trace_speedup, Path(tmp) / row.key,
+                                     label)
+            f = prefix_trace.figures(r)
+            print(f"  [{label}] {r.wall_s:.0f} s: completed {f.completed}/{f.total}, goodput {f.goodput:,.0f} tok/s, "
+                  f"TTFT p50 {_num(f.ttft_p50, '.2f')} s, preemptions {f.preemptions}, hit rate "
+                  f"{_num(f.hit_rate, '.2f')}" + (f"  ERROR: {r.error}" if r.error else ""), flush=True)
+            done.append(r)
+    made = " (`make bench-prefix`)" if args.mode == "both" and not args.sweep else ""
+    head = (f"Command: `{{command}}`{made}. Revision {rev} when it started, "
+            f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; {platform.machine()}, {os.cpu_count()} CPU cores "
+            f"shared with other work, Python {platform.python_version()}; the replay took "
+            f"{time.monotonic() - started:.0f} s.")
+    setup = prefix_trace.describe(w, replay, trace, args.trace_kv_tokens, args.trace_speedup)
+    return prefix_trace.report(done[:len(rows)], done[len(rows):], setup, command, head, args.affinity, args.record)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mode", choices=("burst", "trace", "both"), default="both",
+                    help="the burst, the Mooncake trace replay, or both (default)")
     ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--prefix-tokens", type=int, default=10_000, help="system prompt, words (tokens)")
     ap.add_argument("--question-tokens", type=int, default=200, help="each request's question, words")
@@ -356,22 +404,49 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-wait", type=float, default=30.0, help="kvgate class max_wait_s (real s)")
     ap.add_argument("--timeout", type=float, default=120.0, help="a request's limit (real s)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "local" / "prefix.md"),
-                    help="results file ('-': print only)")
+                    help="the burst's results file ('-': print only)")
+    t = ap.add_argument_group("trace mode")
+    t.add_argument("--trace", default=str(TRACE), help=f"a Mooncake trace (default {TRACE}, from the repository)")
+    t.add_argument("--trace-start", type=float, default=TRACE_START_S, help="window start, trace seconds")
+    t.add_argument("--trace-window", type=float, default=TRACE_WINDOW_S, help="window length, trace seconds")
+    t.add_argument("--trace-sample", type=int, default=TRACE_SAMPLE, help="keep 1 conversation in N")
+    t.add_argument("--trace-compress", type=float, default=TRACE_COMPRESS, help="trace seconds per simulated second")
+    t.add_argument("--trace-speedup", type=float, default=TRACE_SPEEDUP, help="simulated seconds per real second")
+    t.add_argument("--trace-kv-tokens", type=int, default=TRACE_KV_TOKENS, help="each node's KV cache (tokens)")
+    t.add_argument("--rows", default="", help="comma-separated subset of round-robin, kvgate-blind, kvgate-prefix, "
+                                              "oracle (default: all)")
+    t.add_argument("--affinity", type=float, default=PickingConfig().prefix_affinity,
+                   help="kvgate-prefix's prefix_affinity (default: kvgate's)")
+    t.add_argument("--record", type=int, default=PickingConfig().prefix_record_keys,
+                   help="kvgate-prefix's prefix_record_keys (default: kvgate's)")
+    t.add_argument("--sweep", action="store_true", help="add prefix-aware rows over --sweep-affinity and --sweep-record")
+    t.add_argument("--sweep-affinity", type=lambda v: [float(x) for x in v.split(",")], default=[0, 0.5, 1, 2, 4])
+    t.add_argument("--sweep-record", type=lambda v: [int(x) for x in v.split(",")], default=[0, 256, 1024, 8192])
+    t.add_argument("--trace-out", default=str(ROOT / "bench" / "results" / "local" / "prefix-trace.md"),
+                   help="the trace replay's results file ('-': print only)")
     args = ap.parse_args(argv)
     exit_on_sigterm()  # a killed run still stops what it started
     command = "python bench/bench_prefix.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
-    started = time.monotonic()
-    results = []
-    for row in ROWS:
-        r = run_row(row, args)
-        print(f"{row.burst} {row.name}: {r.completed}/{r.total} in {r.seconds:.1f} s, preemptions "
-              f"{r.preemptions:g}, KV peak {r.kv_peak:.2f}, hit rate {_num(r.hit_rate, '.2f')}", flush=True)
-        results.append(r)
-    text = report(results, args, command, time.monotonic() - started)
-    if args.out == "-":
-        print(text)
-        return 0
-    return publish(Path(args.out), text)
+    if args.mode in ("burst", "both"):
+        started = time.monotonic()
+        results = []
+        for row in ROWS:
+            r = run_row(row, args)
+            print(f"{row.burst} {row.name}: {r.completed}/{r.total} in {r.seconds:.1f} s, preemptions "
+                  f"{r.preemptions:g}, KV peak {r.kv_peak:.2f}, hit rate {_num(r.hit_rate, '.2f')}", flush=True)
+            results.append(r)
+        text = report(results, args, command, time.monotonic() - started)
+        if args.out == "-":
+            print(text)
+        else:
+            publish(Path(args.out), text)
+    if args.mode in ("trace", "both"):
+        text = run_trace(args, command)
+        if args.trace_out == "-":
+            print(text)
+        else:
+            publish(Path(args.trace_out), text)
+    return 0
 
 
 if __name__ == "__main__":

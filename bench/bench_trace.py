@@ -62,7 +62,7 @@ import time  # noqa: E402
 from collections import deque  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
-from typing import Any  # noqa: E402
+from typing import Any, Protocol  # noqa: E402
 
 import aiohttp  # noqa: E402
 import orjson  # noqa: E402
@@ -75,6 +75,7 @@ from extproc.localstack import is_processor_cluster  # noqa: E402
 from sim.api import OUTPUT_TOKENS_HEADER, words  # noqa: E402
 from sim.blocks import blocks_for  # noqa: E402
 from kvgate_testkit.stack import envoy_config  # noqa: E402
+from kvgate_testkit.nodes_stack import cluster_endpoints, header_routes  # noqa: E402
 from kvgate_testkit.procs import LOOPBACK, VENV_BIN, Proc, exit_on_sigterm, free_port  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -409,12 +410,6 @@ def kvgate_config(policy: Policy, sc: Scenario, speedup: float, sim_ports: Seque
     return cfg
 
 
-def _cluster_endpoints(cluster: dict[str, Any], ports: Sequence[int]) -> None:
-    cluster["load_assignment"] = {"cluster_name": cluster["name"], "endpoints": [{"lb_endpoints": [
-        {"endpoint": {"address": {"socket_address": {"address": LOOPBACK, "port_value": p}}}}
-        for p in ports]}]}
-
-
 def envoy_for(policy: Policy, *, listen: int, grpc: int | None, sim_ports: Sequence[int],
               picker_template: Path = PICKER_ENVOY) -> dict[str, Any]:
     """envoy_for renders the policy's Envoy file for loopback.
@@ -434,27 +429,15 @@ def envoy_for(policy: Policy, *, listen: int, grpc: int | None, sim_ports: Seque
             if is_processor_cluster(cluster):
                 cluster["type"] = "STATIC"
                 cluster.pop("dns_lookup_family", None)
-                _cluster_endpoints(cluster, [grpc or 1])
+                cluster_endpoints(cluster, [grpc or 1])
         return cfg
     cfg = envoy_config(listen=listen, upstream=sim_ports[0], grpc=grpc)
-    clusters = cfg["static_resources"]["clusters"]
-    inference = next(c for c in clusters if not is_processor_cluster(c))
-    _cluster_endpoints(inference, sim_ports)
+    inference = next(c for c in cfg["static_resources"]["clusters"] if not is_processor_cluster(c))
+    cluster_endpoints(inference, sim_ports)
     if policy.balance == "least_request":
         inference["lb_policy"] = "LEAST_REQUEST"
     if policy.balance == "oracle":
-        vhost = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
-            "typed_config"]["route_config"]["virtual_hosts"][0]
-        routes = []
-        for i, port in enumerate(sim_ports):
-            node_cluster = {**yaml.safe_load(yaml.safe_dump(inference)), "name": f"node-{i}"}
-            node_cluster.pop("lb_policy", None)
-            _cluster_endpoints(node_cluster, [port])
-            clusters.append(node_cluster)
-            routes.append({"match": {"prefix": "/", "headers": [
-                {"name": NODE_HEADER, "string_match": {"exact": str(i)}}]},
-                "route": {"cluster": f"node-{i}", "timeout": "0s"}})
-        vhost["routes"] = [*routes, *vhost["routes"]]
+        header_routes(cfg, NODE_HEADER, sim_ports)
     return cfg
 
 
@@ -526,6 +509,18 @@ class Oracle:
         self._dispatch()
 
 
+class Placer(Protocol):
+    """Placer is what the client asks where a request goes (``Oracle``, or another benchmark's):
+    ``acquire`` waits until it may go and says to which node, with a token ``release`` takes
+    back once it ended; ``tick`` is called every sample."""
+
+    async def acquire(self, req: Req) -> tuple[int, int]: ...
+
+    def release(self, node: int, token: int) -> None: ...
+
+    def tick(self) -> None: ...
+
+
 # --- one run ----------------------------------------------------------------------------------
 
 @dataclass(slots=True)
@@ -562,7 +557,7 @@ class Client:
     """Client replays the requests through Envoy, in real time ``speedup`` times faster than simulated."""
 
     def __init__(self, url: str, speedup: float, t0: float, batch_deadline: float,
-                 oracle: Oracle | None) -> None:
+                 oracle: Placer | None) -> None:
         self.url = url
         self.speedup = speedup
         self.t0 = t0
@@ -684,7 +679,7 @@ def parse_kvgate_metrics(text: str) -> dict[str, float]:
 
 async def _sample(session: aiohttp.ClientSession, client: Client, sim_urls: Sequence[str],
                   admin_url: str | None, timeline: list[dict[str, Any]], period_s: float,
-                  oracle: Oracle | None) -> None:
+                  oracle: Placer | None) -> None:
     """_sample records every node's state, the client's open requests and kvgate's gauges every ``period_s`` real s."""
     while True:
         row: dict[str, Any] = {"t": client.sim_now(), "open_online": client.open["online"],
@@ -723,13 +718,14 @@ async def _background(session: aiohttp.ClientSession, client: Client, sim_urls: 
 
 async def drive(run: Run, reqs: list[Req], sc: Scenario, speedup: float, envoy_port: int,
                 sim_urls: Sequence[str], admin_url: str | None, label: str, node: Node,
-                batch_watermark: float = BATCH_WATERMARK) -> None:
+                batch_watermark: float = BATCH_WATERMARK, placer: Placer | None = None) -> None:
     """drive sends the requests, places the background load and samples until every request has
-    ended; ``batch_watermark`` is what an oracle that keeps the classes gives the batch class."""
+    ended; ``batch_watermark`` is what an oracle that keeps the classes gives the batch class.
+    ``placer``: another benchmark's oracle, used instead of this one's."""
     t0 = time.monotonic() + 0.2
     client = Client(f"http://{LOOPBACK}:{envoy_port}/v1/chat/completions", speedup, t0,
-                    t0 + (sc.duration_s + sc.drain_s) / speedup, None)
-    if run.policy.balance == "oracle":
+                    t0 + (sc.duration_s + sc.drain_s) / speedup, placer)
+    if placer is None and run.policy.balance == "oracle":
         client.oracle = Oracle(node, len(sim_urls), sc.background, lead_s=ORACLE_LEAD_S, now=client.sim_now,
                                watermarks={"batch": batch_watermark} if run.policy.keeps_classes else None)
     run.results = [Result(r) for r in reqs]

@@ -143,6 +143,9 @@ class PickingConfig:
     ``cache_config_info``); ``prefix_affinity``: among the nodes where a request fits, a
     node's room counts this many times more the tokens it shares there (0: room alone),
     so that requests go where their prefix is cached unless another node has much more room;
+    ``prefix_record_keys``: prefix keys (pieces of ~256 tokens, ``extproc.prefix``) remembered
+    per node of the requests that ended there, what its cache may still hold (placement only,
+    never credited; 0: none), the least recently ended first out;
     ``kv_events``: where the engines publish their KV cache events (None: not read), so that a
     node's cached prefix is known exactly rather than from kvgate's record.
     """
@@ -154,6 +157,7 @@ class PickingConfig:
     shared_prefix: bool = False
     block_tokens: int = 16
     prefix_affinity: float = 1.0
+    prefix_record_keys: int = 8192
     kv_events: KvEventsConfig | None = None
 
 
@@ -503,6 +507,7 @@ def _picking(s: Section) -> PickingConfig:
         shared_prefix=s.boolean("shared_prefix", False),
         block_tokens=s.integer("block_tokens", 16, minimum=1),
         prefix_affinity=s.number("prefix_affinity", 1.0, low=0.0, high=100.0),
+        prefix_record_keys=s.integer("prefix_record_keys", 8192, minimum=0),
         kv_events=_kv_events(s.section("kv_events")) if s.has("kv_events") else None,
     )
     s.done()

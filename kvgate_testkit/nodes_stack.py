@@ -20,9 +20,10 @@ from typing import Any
 import yaml
 
 from extproc.envoyconf import HEADER_MUTATION_TYPE
-from extproc.localstack import render_envoy
+from extproc.localstack import is_processor_cluster, render_envoy
 from kvgate_testkit.kvmetrics import LoopbackStack
 from kvgate_testkit.procs import LOOPBACK, ROOT, VENV_BIN, Proc, free_port
+from kvgate_testkit.stack import envoy_config
 
 PICKER_ENVOY = ROOT / "deploy" / "envoy-endpoint-picker.yaml"
 POOL_ENVOY = ROOT / "deploy" / "envoy.yaml"
@@ -31,6 +32,31 @@ MODEL = "sim-llama-3-8b"
 
 def _endpoint(port: int) -> dict[str, Any]:
     return {"endpoint": {"address": {"socket_address": {"address": LOOPBACK, "port_value": port}}}}
+
+
+def cluster_endpoints(cluster: dict[str, Any], ports: Sequence[int]) -> None:
+    """cluster_endpoints points an Envoy cluster at the loopback ``ports``."""
+    cluster["load_assignment"] = {"cluster_name": cluster["name"], "endpoints": [
+        {"lb_endpoints": [_endpoint(p) for p in ports]}]}
+
+
+def header_routes(cfg: dict[str, Any], header: str, ports: Sequence[int]) -> None:
+    """header_routes adds to an Envoy file rendered for loopback one cluster per node, a copy
+    of its inference cluster named ``node-i``, and routes before the file's own that send a
+    request whose ``header`` is ``i`` to node ``i``: how a benchmark's oracle places requests."""
+    clusters = cfg["static_resources"]["clusters"]
+    inference = next(c for c in clusters if not is_processor_cluster(c))
+    vhost = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+        "typed_config"]["route_config"]["virtual_hosts"][0]
+    routes = []
+    for i, port in enumerate(ports):
+        node_cluster = {**yaml.safe_load(yaml.safe_dump(inference)), "name": f"node-{i}"}
+        node_cluster.pop("lb_policy", None)
+        cluster_endpoints(node_cluster, [port])
+        clusters.append(node_cluster)
+        routes.append({"match": {"prefix": "/", "headers": [{"name": header, "string_match": {"exact": str(i)}}]},
+                       "route": {"cluster": f"node-{i}", "timeout": "0s"}})
+    vhost["routes"] = [*routes, *vhost["routes"]]
 
 
 
@@ -63,15 +89,20 @@ class NodesStack(LoopbackStack):
     ``pool`` updates kvgate's pool settings; ``config`` updates the rest of kvgate's file.
     ``nodes_of``: another stack whose nodes this one's kvgate and Envoy use (a second
     gateway replica in front of the same nodes); they are then neither started nor
-    stopped here.
+    stopped here. ``kvgate`` False: no kvgate at all, Envoy (deploy/envoy.yaml without
+    ext_proc) balances the nodes round robin; ``route_header`` then also sends a request
+    whose header of that name is ``i`` to node ``i`` (``header_routes``).
     """
 
     def __init__(self, workdir: Path, *, nodes: int = 3, kv_capacity_tokens: int = 100_000,
                  picking: bool = True, envoy_template: Path | None = None,
                  sim_args: Sequence[str] = (), pool: dict[str, Any] | None = None,
                  config: dict[str, Any] | None = None, lb_policy: str | None = None,
-                 discover: bool = False, nodes_of: NodesStack | None = None) -> None:
+                 discover: bool = False, nodes_of: NodesStack | None = None, kvgate: bool = True,
+                 route_header: str | None = None) -> None:
         super().__init__()
+        self.kvgate = kvgate
+        self.route_header = route_header
         self.workdir = workdir
         self.picking = picking
         self.envoy_template = envoy_template or (PICKER_ENVOY if picking else POOL_ENVOY)
@@ -133,14 +164,15 @@ class NodesStack(LoopbackStack):
                     "--seed", str(i), *self.sim_args])
             for i, port in enumerate(self.node_ports if self.own_nodes else ()):
                 self.procs[self.node_name(i)].wait_port(port)
-            path = self.workdir / "kvgate.yaml"
-            path.write_text(yaml.safe_dump(self.kvgate_config(), sort_keys=False))
-            kv = self._spawn("kvgate", [py, "-m", "extproc", "serve", "--config", str(path),
-                                        "--grpc-listen", f"{LOOPBACK}:{self.grpc_port}",
-                                        "--admin-listen", f"{LOOPBACK}:{self.admin_port}",
-                                        "--log-level", "info"])
-            kv.wait_port(self.admin_port)
-            kv.wait_port(self.grpc_port)
+            if self.kvgate:
+                path = self.workdir / "kvgate.yaml"
+                path.write_text(yaml.safe_dump(self.kvgate_config(), sort_keys=False))
+                kv = self._spawn("kvgate", [py, "-m", "extproc", "serve", "--config", str(path),
+                                            "--grpc-listen", f"{LOOPBACK}:{self.grpc_port}",
+                                            "--admin-listen", f"{LOOPBACK}:{self.admin_port}",
+                                            "--log-level", "info"])
+                kv.wait_port(self.admin_port)
+                kv.wait_port(self.grpc_port)
             envoy_yaml = self.workdir / "envoy.yaml"
             envoy_yaml.write_text(yaml.safe_dump(self.envoy_config(), sort_keys=False))
             self._spawn("envoy", [str(VENV_BIN / "envoy"), "-c", str(envoy_yaml), "--log-level",
@@ -153,16 +185,20 @@ class NodesStack(LoopbackStack):
 
     def envoy_config(self) -> dict[str, Any]:
         """envoy_config is the Envoy file pointed at loopback; a round-robin upstream gets every node."""
-        cfg = render_envoy(yaml.safe_load(self.envoy_template.read_text()), listen=self.envoy_port,
-                           admin=0, grpc=self.grpc_port, upstream=self.node_ports[0])
-        cfg.pop("admin", None)
+        if self.kvgate:
+            cfg = render_envoy(yaml.safe_load(self.envoy_template.read_text()), listen=self.envoy_port,
+                               admin=0, grpc=self.grpc_port, upstream=self.node_ports[0])
+            cfg.pop("admin", None)
+        else:
+            cfg = envoy_config(listen=self.envoy_port, upstream=self.node_ports[0], grpc=None)
         for cluster in cfg["static_resources"]["clusters"]:
             if cluster["name"] == "kvgate" or cluster.get("type") == "ORIGINAL_DST":
                 continue
-            cluster["load_assignment"] = {"cluster_name": cluster["name"], "endpoints": [
-                {"lb_endpoints": [_endpoint(p) for p in self.node_ports]}]}
+            cluster_endpoints(cluster, self.node_ports)
             if self.lb_policy:
                 cluster["lb_policy"] = self.lb_policy
+        if self.route_header is not None:
+            header_routes(cfg, self.route_header, self.node_ports)
         return cfg
 
     def _spawn(self, name: str, argv: list[str]) -> Proc:

@@ -341,6 +341,22 @@ class Engine:
             prefix_cache_queries=self.prefix_cache_queries, prefix_cache_hits=self.prefix_cache_hits,
             cached_free_blocks=len(cache.free_queue) if cache is not None else 0)
 
+    def cached_prefix(self, token_ids: Sequence[int]) -> tuple[int, int]:
+        """cached_prefix is what the prefix cache holds now of a prompt with ``token_ids``
+        (after the chat template): (tokens of its longest cached prefix, of those the tokens
+        in blocks running requests hold). As ``_admit`` looks up, never its last token;
+        (0, 0) without prefix caching. Changes nothing: a benchmark's oracle reads it."""
+        cache = self.prefix_cache
+        if cache is None:
+            return 0, 0
+        bs = self.pool.block_size
+        parent, hashes = ROOT_HASH, []
+        for k in range((len(token_ids) - 1) // bs):
+            parent = hash_block(parent, token_ids[k * bs:(k + 1) * bs])
+            hashes.append(parent)
+        hit = cache.longest_hit(hashes)
+        return len(hit) * bs, sum(1 for b in hit if b.ref > 0) * bs
+
     def held_blocks(self) -> int:
         """held_blocks counts the blocks live sequences hold, a shared one once (equals ``pool.used``)."""
         seqs = self._seqs.values()

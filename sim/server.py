@@ -284,6 +284,7 @@ class SimServer:
         app.router.add_get("/sim/config", self._get_config)
         app.router.add_post("/sim/config", self._post_config)
         app.router.add_get("/sim/state", self._state)
+        app.router.add_post("/sim/cached", self._cached)
         app.on_startup.append(self._on_startup)
         app.on_shutdown.append(self._on_shutdown)
         return app
@@ -457,6 +458,23 @@ class SimServer:
             return self._error(err)
         log.info("runtime config changed: %s", changes)
         return web.Response(body=orjson.dumps(self._runtime()), content_type="application/json")
+
+    async def _cached(self, request: web.Request) -> web.Response:
+        """_cached answers a chat completions body with what the prefix cache holds of its
+        prompt now (``Engine.cached_prefix``), without running it: a benchmark's oracle."""
+        try:
+            try:
+                raw = await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                raise ApiError(413, f"request body larger than {self.settings.max_body_bytes} bytes") from None
+            req = parse_request(raw, chat=True, served_model=self.settings.model)
+        except ApiError as err:
+            return self._error(err)
+        ids = await asyncio.to_thread(prompt_ids, req, self._encode)
+        self.driver.sync()
+        cached, held = self.engine.cached_prefix(ids)
+        return web.Response(body=orjson.dumps({"prompt_tokens": len(ids), "cached_tokens": cached,
+                                               "held_tokens": held}), content_type="application/json")
 
     async def _state(self, _request: web.Request) -> web.Response:
         s = self._stats()

@@ -98,10 +98,6 @@ VIEW_SHARE = 64
 # The charges a scrape round recounts at most with the lengths learned since the last pass;
 # the rest follow in the next rounds, oldest first.
 RECOUNT_PER_ROUND = 1024
-# Prefix keys remembered per node of the requests that ended there (what its cache may still
-# hold, for placement only: never credited), least recently ended first out.
-RECENT_KEYS = 8192
-
 # What a node's KV events say it caches of a prompt (``extproc.signals.kv_events``): tokens,
 # and whether that is exact (the view is complete); None where the node's events are not read.
 Seen = Callable[[str], "tuple[int, bool] | None"]
@@ -268,14 +264,15 @@ class Node:
         once (``Prefixes.shared``)."""
         return self.prefixes.shared
 
-    def ended(self, chain: Chain) -> None:
+    def ended(self, chain: Chain, keep: int) -> None:
         """ended remembers the prefix of a request that ended on the node: its cache may hold
-        it a while longer (at most RECENT_KEYS keys, the least recently ended first out)."""
+        it a while longer (at most ``keep`` keys, the least recently ended first out;
+        ``PickingConfig.prefix_record_keys``)."""
         recent = self.recent
         for key, end in zip(chain.keys, chain.ends):
             recent[key] = end
             recent.move_to_end(key)
-        while len(recent) > RECENT_KEYS:
+        while len(recent) > keep:
             recent.popitem(last=False)
 
     def cached(self, chain: Chain | None) -> int:
@@ -914,7 +911,7 @@ class PoolNodes:
         charge.held = False
         charge.node.drop(charge)
         if charge.chain is not None:
-            charge.node.ended(charge.chain)
+            charge.node.ended(charge.chain, self.picking.prefix_record_keys)
         if completed:
             self.holds.add(now - charge.admitted_at, charge.reserved)
             if completion_tokens is not None and completion_tokens >= 0:

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate_testkit.procs import LOOPBACK, Proc, free_port
 from sim.api import parse_request, prompt_ids
-from tests.integration.test_sim import get
+from tests.integration.test_sim import get, post
 
 MODEL = "sim-model"
 BLOCK = 16
@@ -67,6 +67,8 @@ async def test_two_requests_with_a_long_shared_prefix_hit_the_cache_and_the_seco
     common = next(i for i, (x, y) in enumerate(zip(*ids)) if x != y)
     assert common > 2500
     before = samples(sim)
+    lookup = post(f"{sim}/sim/cached", {"model": MODEL, "messages": second})
+    assert lookup == {"prompt_tokens": len(ids[1]), "cached_tokens": 0, "held_tokens": 0}
     assert before["vllm:cache_config_info"][0]["enable_prefix_caching"] == "True"
     assert before["vllm:prefix_cache_hits_total"][1] == 0
     async with openai.AsyncOpenAI(base_url=f"{sim}/v1", api_key="unused", max_retries=0, timeout=30) as c:
@@ -79,6 +81,10 @@ async def test_two_requests_with_a_long_shared_prefix_hit_the_cache_and_the_seco
     # its prefill was only its own question: at least 1.25 s of simulated time shorter
     assert cold > len(ids[0]) / PREFILL / SPEEDUP * 0.9
     assert warm < cold / 3
+    # the oracle's view: the second prompt's shared blocks are cached, free, and nothing ran
+    lookup = post(f"{sim}/sim/cached", {"model": MODEL, "messages": first})
+    assert lookup["cached_tokens"] >= common // BLOCK * BLOCK and lookup["held_tokens"] == 0
+    assert samples(sim)["vllm:prefix_cache_queries_total"] == after["vllm:prefix_cache_queries_total"]
     state = orjson.loads(get(f"{sim}/sim/state"))
     # both ended: their blocks are free (usage 0) yet stay cached for the next request
     assert state["used_blocks"] == 0 and state["cached_free_blocks"] >= common // BLOCK

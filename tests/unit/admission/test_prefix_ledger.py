@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -308,16 +309,16 @@ def test_a_request_goes_where_its_prefix_ended_a_moment_ago_but_is_not_credited_
     assert isinstance(b, Lease) and b.node != a.node      # in turn, blind to the cache
 
 
-def test_the_record_of_ended_prefixes_is_bounded():
-    from extproc.admission.nodes import RECENT_KEYS, NodeReport, PoolNodes
-    pool = PoolNodes(config(pool=nodes_pool(1, shared_prefix=True)).pools["default"], 3.0)
+@pytest.mark.parametrize("keep", [40, 0])
+def test_the_record_of_ended_prefixes_is_bounded_by_its_configured_size(keep: int) -> None:
+    from extproc.admission.nodes import NodeReport, PoolNodes
+    pool = PoolNodes(config(pool=nodes_pool(1, shared_prefix=True, prefix_record_keys=keep)).pools["default"], 3.0)
     pool.report("n0", NodeReport(kv_usage=0.0, capacity_tokens=CAP, at=T0))
-    for i in range(RECENT_KEYS // 2 + 10):
+    for i in range(30):
         c = pool.pick("standard", 300, 10, 1.0, T0, chain=chain_of([(f"u{i}", 100), ("q", 200)]))
         assert not isinstance(c, rules.NodePass)
         pool.release(c, 10, True, T0)
     (node,) = pool.nodes.values()
-    assert len(node.recent) == RECENT_KEYS
+    assert len(node.recent) == keep                                       # two keys a request
     assert node.cached(chain_of([("u0", 100), ("q", 200)])) == 0          # the oldest went first
-    last = RECENT_KEYS // 2 + 9
-    assert node.cached(chain_of([(f"u{last}", 100), ("q", 200)])) == 288    # 300 in whole blocks of 16
+    assert node.cached(chain_of([("u29", 100), ("q", 200)])) == (288 if keep else 0)  # whole blocks of 16

@@ -140,6 +140,22 @@ def test_least_recently_freed_request_is_evicted_first_and_hits_leave_the_free_q
     assert e.stats().used_blocks == 0
 
 
+def test_cached_prefix_tells_what_a_prompt_would_hit_and_what_of_it_is_held_without_changing_anything():
+    e = make(blocks=20)
+    x = ids(0, 17)
+    assert e.cached_prefix(x) == (0, 0)
+    a = e.add(0.0, 17, 40, token_ids=x)
+    e.advance(0.1)                                 # x prefilled, still generating: its blocks are held
+    longer = x[:12] + ids(900, 10)                 # shares x's first 3 blocks
+    assert e.cached_prefix(longer) == (12, 12)
+    assert e.cached_prefix(x) == (16, 16)          # never the last token: 4 blocks, not 5
+    e.abort(0.2, a)
+    assert e.cached_prefix(longer) == (12, 0)      # freed, still cached
+    before = e.stats()
+    assert e.cached_prefix(longer) == (12, 0) and e.stats() == before
+    assert make(caching=False).cached_prefix(x) == (0, 0)
+
+
 def test_blocks_of_generated_tokens_are_cached_as_they_fill():
     e = make()
     a = e.add(0.0, 6, 10, token_ids=ids(0, 6))     # 16 tokens in all: 4 blocks once generated
