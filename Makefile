@@ -119,9 +119,13 @@ bench-picker: install
 
 # A burst sharing one long system prompt on a node that caches prefixes: direct, through kvgate
 # prefix-blind and counting the shared prefix once; and a unique burst (issue 29).
+# The Mooncake trace beside a clone (../shared/traces), else the committed slice of the
+# default window, so a fresh clone replays the same requests.
+MOONCAKE ?= $(firstword $(wildcard ../shared/traces/mooncake-conversation-first30min.jsonl) bench/traces/mooncake-conversation-slice.jsonl)
+
 bench-prefix: install
 	mkdir -p $(BENCH_OUT)
-	$(PY) bench/bench_prefix.py --out $(BENCH_OUT)/prefix.md --trace-out $(BENCH_OUT)/prefix-trace.md
+	$(PY) bench/bench_prefix.py --out $(BENCH_OUT)/prefix.md --trace $(MOONCAKE) --trace-out $(BENCH_OUT)/prefix-trace.md
 
 bench-protection: install
 	mkdir -p $(BENCH_OUT)
