@@ -291,6 +291,9 @@ class RedisStore(Store):
         # pool -> lease id -> what Redis holds for it: this replica's leases there (live, or
         # settled by a settle not sent yet), the room it may admit in alone (``Within``)
         self._ledger: dict[str, dict[str, _Held]] = {}
+        # the local grants some refresh has carried to Redis: one never carried is new
+        # there, so a refresh that takes it is not a sign that Redis lost anything
+        self._carried_local: set[str] = set()
         # pool -> the quantile its pooled growth is bounded at (from its admissions), for
         # the shared per-node totals the metrics show
         self._quantile: dict[str, float] = {}
@@ -445,15 +448,23 @@ class RedisStore(Store):
         if self._fallback.shared:
             return True
         try:
-            # Leases first, then settles: what this replica admitted alone is in the ledger
-            # before the room of what ended goes back, so the ledger never shows less than
-            # this replica holds.
+            # Leases first: what this replica admitted alone is in the ledger before the
+            # room of what ended goes back, so the ledger never shows less than it holds.
             await self._refresh_round_trip()
-            await self._flush_pending()
         except RoundTripError as f:
             self._fallback.probe_failed(f.reason)
             return False
-        return self._fallback.answered(self._caller_now())
+        if not self._fallback.answered(self._caller_now()):
+            # The settles wait for shared mode: until then the room of the leases they end
+            # is what this replica admits within (``_within``); sent now, it would be gone
+            # from both this replica and, while they are cut off too, every other.
+            return False
+        try:
+            await self._flush_pending()
+        except RoundTripError as f:
+            self._degrade(f)
+            return False
+        return True
 
     def _scripts_lost(self) -> list[tuple[Any, ...]]:
         """_scripts_lost hears that Redis lost the scripts: it restarted (empty, unless it
@@ -693,6 +704,7 @@ class RedisStore(Store):
         if live is None or live.pop(grant.id, None) is None:
             return  # not ours, or settled already: nothing is refunded twice
         if grant.id.startswith(LOCAL_PREFIX):
+            self._carried_local.discard(grant.id)
             # Its budgets were charged locally; in Redis (if a refresh took it there) it
             # holds its slot and KV only, so it goes with no refund, and its tombstone stops
             # a refresh on the wire from taking it again.
@@ -809,6 +821,8 @@ class RedisStore(Store):
     async def _refresh_round_trip(self) -> None:
         now = self._caller_now()
         cmds, pools, sent = self._refresh_cmds(now)
+        fresh = [i for grants in sent for i, _ in grants if i.startswith(LOCAL_PREFIX) and i not in self._carried_local]
+        self._carried_local.update(fresh)
         # and what every replica's leases hold on each node, for the metrics
         known = list(self._keys)
         cmds += [c for pool in known for c in (("HGETALL", self._keys[pool].nk), ("HGETALL", self._keys[pool].nm))]
@@ -830,14 +844,19 @@ class RedisStore(Store):
                 self._gens[pool] = read_gens(rest[2 * len(known) + 2 * i], rest[2 * len(known) + 2 * i + 1])
         except (IndexError, TypeError, ValueError, AttributeError) as exc:
             raise RoundTripError(ERROR_RESPONSE, f"unexpected refresh reply: {exc}") from exc
-        self._refreshed(pools, sent, now, lost=restored > 0)
+        # Each fresh local grant is taken (nothing in Redis has its id); any other lease
+        # taken was lost there, and then so may be the settled ones the ledger counts on.
+        lost = restored - len(fresh)
+        self._refreshed(pools, sent, now, lost=lost > 0)
         for replica, addr in gone:
             if replica != self.replica_id and addr != "-" and replica not in self._checking and not self._closed:
                 self._checking[replica] = asyncio.get_running_loop().create_task(
                     self._check_gone(replica, addr), name=f"kvgate-check-{replica}")
-        if restored:
-            log.warning("shared store: Redis had lost %d live leases of this replica (restart, expiry, or "
-                        "granted while Redis was away): taken again", restored)
+        if fresh:
+            log.info("shared store: %d leases this replica granted while Redis was away are in Redis now", len(fresh))
+        if lost > 0:
+            log.warning("shared store: Redis had lost %d live leases of this replica (restart or expiry): "
+                        "taken again", lost)
 
     def _refreshed(self, pools: list[str], sent: list[list[tuple[str, _Held]]], at: float, lost: bool) -> None:
         """_refreshed keeps what a refresh sent at ``at`` (caller s) left in Redis: each lease

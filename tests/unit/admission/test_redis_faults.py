@@ -234,6 +234,59 @@ async def test_a_replica_cut_off_and_one_sharing_never_pass_the_limit_together(r
             await b.close()
 
 
+async def test_a_replica_waiting_to_share_again_keeps_the_room_of_its_ended_leases(redis_server):
+    """A is cut off with 3 leases, its 3 requests end (their settles wait) and it admits 1
+    alone. Redis answers again and the probe takes that grant in, but A must answer for
+    recover_s before it shares: its settles wait with it, so until then it still admits
+    within the room its 4 leases hold in Redis (the one it took in is no sign that Redis
+    lost any), and B, sharing, finds none. Once A shares, its grants are in Redis and the
+    settles go: the two together never pass the limit of 4."""
+    clock = ManualClock(1000.0)
+    live: dict[str, list[Grant]] = {"a": [], "b": []}
+    with running(redis_server.port) as proxy:
+        prefix = f"t{secrets.token_hex(6)}:"
+        a = RedisStore(RedisStoreConfig(url=f"redis://127.0.0.1:{proxy.port}/0", key_prefix=prefix,
+                                        timeout_s=0.5, lease_ttl_s=30.0, expected_replicas=2), clock=clock)
+        b = RedisStore(RedisStoreConfig(url=redis_server.url, key_prefix=prefix, timeout_s=2.0,
+                                        lease_ttl_s=30.0, expected_replicas=2), clock=clock)
+
+        async def admit(name: str, store: RedisStore, n: int) -> int:
+            got = 0
+            for _ in range(n):
+                g = await store.admit(slots_plan(), clock.now())
+                if isinstance(g, Grant):
+                    live[name].append(g)
+                    got += 1
+                assert len(live["a"]) + len(live["b"]) <= 4, live
+            return got
+
+        try:
+            await a.start()
+            await b.start()
+            assert await admit("a", a, 3) == 3
+            await a.refresh()                  # the ledger A counts on carries them
+            proxy.set_mode("refuse")
+            assert await admit("a", a, 1) == 0 and a.mode == MODE_LOCAL_SHARE
+            for g in live["a"]:
+                a.settle(g, 10, clock.now())   # ended; the settles cannot be sent
+            live["a"].clear()
+            assert await admit("a", a, 1) == 1
+            proxy.set_mode("pass")
+            assert not await a.probe()         # Redis answers; A waits recover_s before sharing
+            assert a.mode == MODE_LOCAL_SHARE and a.pending_settles == 4  # and the cut admission's cancel
+            assert await admit("a", a, 4) == 3   # 4 leases in Redis, 1 live request
+            assert await admit("b", b, 1) == 0   # Redis still counts the 4
+            clock.advance(a.recover_s)
+            assert await a.probe() and a.mode == MODE_SHARED and a.pending_settles == 0
+            assert await admit("b", b, 1) == 0   # A's 4 live requests are all in Redis
+            a.settle(live["a"].pop(), 10, clock.now())
+            await a.flush()
+            assert await admit("b", b, 2) == 1
+        finally:
+            await a.close()
+            await b.close()
+
+
 async def test_a_replica_cut_off_with_no_leases_admits_nothing_alone(redis_server):
     """B shares the whole limit; A, cut off, holds nothing in Redis: a share of the limit
     would put A's requests on top of B's."""
