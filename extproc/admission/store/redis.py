@@ -450,11 +450,16 @@ class RedisStore(Store):
         try:
             # Leases first: what this replica admitted alone is in the ledger before the
             # room of what ended goes back, so the ledger never shows less than it holds.
-            await self._refresh_round_trip()
+            carried = await self._refresh_round_trip()
+            if self._alone_since(carried):
+                # Admitted alone while that round trip was on the wire: in Redis only with
+                # the next one, and shared mode must not start before.
+                carried = await self._refresh_round_trip()
         except RoundTripError as f:
             self._fallback.probe_failed(f.reason)
             return False
-        if not self._fallback.answered(self._caller_now()):
+        # No await between this check and the return to shared mode: no grant slips between.
+        if self._alone_since(carried) or not self._fallback.answered(self._caller_now()):
             # The settles wait for shared mode: until then the room of the leases they end
             # is what this replica admits within (``_within``); sent now, it would be gone
             # from both this replica and, while they are cut off too, every other.
@@ -465,6 +470,11 @@ class RedisStore(Store):
             self._degrade(f)
             return False
         return True
+
+    def _alone_since(self, carried: set[str]) -> bool:
+        """_alone_since says whether a live grant made alone is not among the leases ``carried``
+        by the latest refresh, so that Redis may not hold it yet."""
+        return any(i.startswith(LOCAL_PREFIX) and i not in carried for live in self._live.values() for i in live)
 
     def _scripts_lost(self) -> list[tuple[Any, ...]]:
         """_scripts_lost hears that Redis lost the scripts: it restarted (empty, unless it
@@ -818,7 +828,9 @@ class RedisStore(Store):
             return False
         return True
 
-    async def _refresh_round_trip(self) -> None:
+    async def _refresh_round_trip(self) -> set[str]:
+        """_refresh_round_trip is one refresh (see ``refresh``); returns the ids of the leases it
+        carried, which Redis now holds. Raises RoundTripError."""
         now = self._caller_now()
         cmds, pools, sent = self._refresh_cmds(now)
         fresh = [i for grants in sent for i, _ in grants if i.startswith(LOCAL_PREFIX) and i not in self._carried_local]
@@ -857,6 +869,7 @@ class RedisStore(Store):
         if lost > 0:
             log.warning("shared store: Redis had lost %d live leases of this replica (restart or expiry): "
                         "taken again", lost)
+        return {i for grants in sent for i, _ in grants}
 
     def _refreshed(self, pools: list[str], sent: list[list[tuple[str, _Held]]], at: float, lost: bool) -> None:
         """_refreshed keeps what a refresh sent at ``at`` (caller s) left in Redis: each lease

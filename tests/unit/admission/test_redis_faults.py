@@ -287,6 +287,52 @@ async def test_a_replica_waiting_to_share_again_keeps_the_room_of_its_ended_leas
             await b.close()
 
 
+async def test_a_grant_made_alone_while_the_last_probe_is_on_the_wire_is_in_redis_before_sharing(redis_server,
+                                                                                                  monkeypatch):
+    """A's probe that brings it back carries its grants made alone; one more made while that
+    round trip is on the wire is not in it. Shared again at once, A and B would then admit
+    over a ledger that lacks it: A shares only after a refresh that carried it."""
+    clock = ManualClock(1000.0)
+    live: list[Grant] = []
+    with running(redis_server.port) as proxy:
+        prefix = f"t{secrets.token_hex(6)}:"
+        a = RedisStore(RedisStoreConfig(url=f"redis://127.0.0.1:{proxy.port}/0", key_prefix=prefix,
+                                        timeout_s=0.5, lease_ttl_s=30.0, expected_replicas=2), clock=clock)
+        b = RedisStore(RedisStoreConfig(url=redis_server.url, key_prefix=prefix, timeout_s=2.0,
+                                        lease_ttl_s=30.0, expected_replicas=2), clock=clock)
+        try:
+            await a.start()
+            await b.start()
+            live.extend([await a.admit(slots_plan(), clock.now()) for _ in range(2)])
+            proxy.set_mode("refuse")
+            assert not isinstance(await a.admit(slots_plan(), clock.now()), Grant)
+            for g in live:
+                a.settle(g, 10, clock.now())   # their room is A's to admit within
+            live.clear()
+            live.append(await a.admit(slots_plan(), clock.now()))
+            proxy.set_mode("pass")
+            assert not await a.probe()         # answering since now
+            clock.advance(a.recover_s)
+            real = RedisClient.round_trip
+            slipped: list[Grant | object] = []
+
+            async def round_trip(client, cmds):  # a request admitted alone while the probe's refresh is out
+                if client is a._client and not slipped:
+                    slipped.append(await a.admit(slots_plan(), clock.now()))
+                return await real(client, cmds)
+
+            monkeypatch.setattr(RedisClient, "round_trip", round_trip)
+            assert await a.probe() and a.mode == MODE_SHARED
+            assert isinstance(slipped[0], Grant) and slipped[0].id.startswith("local:")
+            live.append(slipped[0])
+            # Redis holds A's two live requests: B finds the other 2 slots and no more.
+            got = [await b.admit(slots_plan(), clock.now()) for _ in range(3)]
+            assert sum(isinstance(g, Grant) for g in got) + len(live) <= 4
+        finally:
+            await a.close()
+            await b.close()
+
+
 async def test_a_replica_cut_off_with_no_leases_admits_nothing_alone(redis_server):
     """B shares the whole limit; A, cut off, holds nothing in Redis: a share of the limit
     would put A's requests on top of B's."""
