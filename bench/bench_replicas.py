@@ -9,11 +9,12 @@ setting with the Redis store) plus the Redis store (``on_unavailable: local_shar
 ``expected_replicas``: the row's replica count). The replicas share one Redis-protocol
 server (``kvgate_testkit.redis_server``), and each reaches it through a TCP fault proxy of
 its own (``kvgate_testkit.faultproxy``). Identical clients replay bench_trace's requests
-(same window, same seed), request ``i`` going to replica ``i mod N``'s Envoy. As a
-deployment's load balancer does, a try that gets no answer, a cut stream or a 502/503 goes
-on at once to another replica (``ReplicaClient``): a killed replica's share is served by the
-others, as it would be in production. A 429 goes back to the client, whose retry goes to
-the replica that refused. Every row starts fresh nodes, replicas, proxies and Redis.
+(same window, same seed) through a load balancer in front of the replicas' Envoys
+(``ReplicaClient``): request ``i``'s first try goes to replica ``i mod N``, a client's
+retry (after a 429 or an error) to any replica alike (``lb_pick``), and a try that gets no
+answer, a cut stream or a 502/503 goes on at once to another replica, as a balancer's
+retry on another host does: a killed replica's share is served by the others, as in
+production. Every row starts fresh nodes, replicas, proxies and Redis.
 
 Faults (real seconds from the run's start; the fault begins at 20 % of the arrivals' span):
 
@@ -55,6 +56,7 @@ import platform  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+import zlib  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from datetime import datetime, timezone  # noqa: E402
@@ -324,8 +326,8 @@ FAILOVER_STATUSES = frozenset({502, 503})
 """FAILOVER_STATUSES are the answers a load balancer in front of the replicas retries on another
 replica at once (as Envoy's ``retry_on: connect-failure,reset,5xx`` with the ``previous_hosts``
 predicate does), besides no answer and a stream cut after its 200: what a dead replica's
-Envoy gives. A 429 is the replica's decision and goes back to the client, whose retry goes to
-the same replica (so that the 429 split is each replica's own)."""
+Envoy gives. A 429 is the replica's decision and goes back to the client; the client's retry
+is a new request to the load balancer (``lb_pick``)."""
 
 
 def fails_over(status: int | None, ok: bool) -> bool:
@@ -345,12 +347,23 @@ def next_replica(tried: Sequence[int], replicas: int, req_id: int) -> int | None
     return left[req_id % len(left)] if left else None
 
 
+def lb_pick(req_id: int, attempt: int, replicas: int) -> int:
+    """lb_pick is the replica a load balancer sends a request's ``attempt``-th try to (1: the
+    first): request i's first try to replica i mod N, as the identical clients split the
+    trace; a client's retry, a new request to the balancer, to any replica alike (a hash
+    of the request and the attempt: the same in every run, as round robin over everyone's
+    requests is to one request)."""
+    if attempt <= 1:
+        return req_id % replicas
+    return zlib.crc32(f"{req_id}:{attempt}".encode()) % replicas
+
+
 class ReplicaClient(Client):
-    """ReplicaClient is a client of one replica's Envoy that reaches the others as a deployment's
-    load balancer would: a try that fails there (``fails_over``) goes on at once to another
-    replica (``next_replica``) without counting as a retry, and the request's later tries
-    stay on the replica that answered. Each try's answer is counted for the replica that gave
-    it (``RowRun.replica_of``, ``RowRun.refusals_at``)."""
+    """ReplicaClient is a client behind a load balancer in front of every replica's Envoy:
+    each try goes where the balancer sends it (``lb_pick``), and one that fails there
+    (``fails_over``) goes on at once to another replica (``next_replica``) without counting
+    as a retry. Each try's answer is counted for the replica that gave it
+    (``RowRun.replica_of``, ``RowRun.refusals_at``)."""
 
     def __init__(self, urls: Sequence[str], rr: RowRun, speedup: float, t0: float, batch_deadline: float) -> None:
         super().__init__(urls[0], speedup, t0, batch_deadline, None)
@@ -363,6 +376,7 @@ class ReplicaClient(Client):
     async def _attempt(self, session: aiohttp.ClientSession, r: Result, headers: dict[str, str],
                        first: float) -> tuple[bool, float]:
         rr = self.rr
+        rr.replica_of[r.req.id] = lb_pick(r.req.id, r.attempts, len(self.urls))
         tried = [rr.replica_of[r.req.id]]
         while True:
             r.last_status = None
@@ -694,17 +708,20 @@ def report(runs: list[RowRun], policy: Policy, sc: Scenario, trace: str, rows: i
         f"`store: {{redis: {{lease_ttl_s: {LEASE_TTL_S:g}, on_unavailable: local_share, expected_replicas: N}}}}` "
         "and the default `timeout_s`; kvgate's other durations are divided by the speedup, as in bench_trace, "
         "but the lease TTL, the Redis timeout and the store's return to shared mode are real seconds. "
-        "Request i goes first to replica i mod N. As a load balancer in front of the replicas does (Envoy's "
-        "`retry_on: connect-failure,reset,5xx` with the `previous_hosts` predicate), a try that gets no answer, a "
-        "stream cut after its 200, or a 502/503 goes on at once to another live replica (the others in turn, "
-        "spread by request id), without counting as one of the client's retries; the request's later tries stay "
-        "there. A 429 goes back to the client, whose retry goes to the replica that refused, so the 429 split is "
-        "each replica's own. Answers are counted for the replica that gave them.",
+        "The clients reach the replicas through a load balancer (modelled in the benchmark's client): request "
+        "i's first try goes to replica i mod N; a client's retry (after a 429 or an error) is a new request to "
+        "the balancer and goes to any replica alike (a hash of the request and the attempt); and, as a balancer "
+        "retrying on another host does (Envoy's `retry_on: connect-failure,reset,5xx` with the `previous_hosts` "
+        "predicate), a try that gets no answer, a stream cut after its 200, or a 502/503 goes on at once to "
+        "another replica, without counting as one of the client's retries. Answers (429s included) are counted "
+        "for the replica that gave them. In the reports up to revision aac7967 a request and its retries all "
+        "went to replica i mod N's Envoy, a dead one's included.",
         f"- Faults, in real seconds, from {FAULT_AT:.0%} of the arrivals' span: Redis stopped = SIGSTOP then SIGCONT "
         "(connections stay open, nothing answers, memory kept; not a restart); flapping = 2 s stopped, 2 s "
         "answering, for 20 s; connections reset = every replica's fault proxy resets its connections (TCP RST, "
         "new ones too) for 0.5 s every 2 s for 20 s; the kill is SIGKILL to the last replica's kvgate, whose "
-        "Envoy then answers 503 (the load balancer sends those tries on to the others). Real seconds cover speedup times as much traffic: "
+        "Envoy then answers 503 (the load balancer sends those tries on to the others). Real seconds cover "
+        "speedup times as much traffic: "
         f"a 10 s stop is {10 * speedup:g} simulated seconds of arrivals.",
         "- Redis answering again: the first PING the benchmark gets back after the last SIGCONT (after the last "
         "reset spell: the instant the proxies pass again). Every replica's `kvgate_store_mode` is read from its "
