@@ -833,7 +833,8 @@ class RedisStore(Store):
         carried, which Redis now holds. Raises RoundTripError."""
         now = self._caller_now()
         cmds, pools, sent = self._refresh_cmds(now)
-        fresh = [i for grants in sent for i, _ in grants if i.startswith(LOCAL_PREFIX) and i not in self._carried_local]
+        fresh = [i for grants in sent for i, _ in grants
+                 if i.startswith(LOCAL_PREFIX) and i not in self._carried_local]
         self._carried_local.update(fresh)
         # and what every replica's leases hold on each node, for the metrics
         known = list(self._keys)
