@@ -26,8 +26,9 @@ Redis unavailable or slower than ``timeout_s``: the store says so loudly and, wi
 own leases hold in Redis beyond its live requests (``_within``, ``_ledger``), or fails
 closed (``StoreUnavailableError``); shared mode comes back with hysteresis. That state
 machine is ``fallback.Fallback``. A grant made locally is a live lease like the others:
-the probes' refreshes take it into Redis (before the queued settles) and so it is there
-before this replica shares again.
+the probes' refreshes take it into Redis, and the store shares again only after a
+refresh that carried every one (``probe``). The queued settles go only then: until the
+store shares, the room of the requests they end is what it admits within.
 
 Pools that pick nodes: a plan's ``nodes`` (``shared_nodes.NodeAsk``) makes the admit
 script pick the node over every replica's holds (``shared_nodes.pick_shared``) and charge
