@@ -94,7 +94,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from extproc.admission.bucket import refilled
-from extproc.admission.rules import pooled_bound
+from extproc.admission.rules import node_headroom, pooled_bound
 from extproc.admission.shared_nodes import SeenGen, Sums, others_seen
 from extproc.admission.store.base import REPLICA_HEADER, Store
 from extproc.admission.store.fallback import (LOCAL_PREFIX, MODES, Fallback, NullObserver, StoreObserver,
@@ -298,6 +298,8 @@ class RedisStore(Store):
         # pool -> the quantile its pooled growth is bounded at (from its admissions), for
         # the shared per-node totals the metrics show
         self._quantile: dict[str, float] = {}
+        # pool -> node -> what every replica's leases held there at the last refresh (tokens)
+        self._node_held: dict[str, dict[str, int]] = {}
         self._pending: list[_Pending] = []
         self._unconfirmed: dict[str, dict[str, _Settled]] = {}
         self._batch: asyncio.Future[None] | None = None
@@ -605,7 +607,33 @@ class RedisStore(Store):
             kv -= g.plan.tokens
             if g.picked is not None:
                 nodes[g.picked] = nodes.get(g.picked, 0) - g.node_hold
+        if plan.nodes is not None:
+            self._overcommit(plan, nodes)
         return Within(slots, kv, nodes)
+
+    def _overcommit(self, plan: Plan, nodes: dict[str, int]) -> None:
+        """_overcommit takes from this replica's room on each node (``nodes``, tokens) what the
+        node's KV that is not kvgate's (as this replica reads it, net of the others' published
+        requests, as the admit script nets it) leaves short of every replica's holds there
+        at the last refresh: the shared rule's headroom, when it is below 0.
+
+        Why: the ledger's holds fitted the node when they were taken; KV that is not
+        kvgate's may have risen since, and then the shared rule admits nobody there while
+        every replica alone would refill the room of its ended requests, each seeing the
+        rise in its own reading but not what the others refill meanwhile. Each taking the
+        whole shortfall from its own room, together they refill at most what is left.
+        """
+        ask = plan.nodes
+        assert ask is not None
+        pool = plan.limits.pool
+        held = self._node_held.get(pool, {})
+        for c in ask.candidates:
+            if c.name not in nodes:
+                continue
+            foreign = max(c.rise, c.foreign - self.others_seen(pool, c.name, c.since, c.idle))
+            short = node_headroom(c.cap, ask.reserve_fraction, foreign, held.get(c.name, 0))
+            if short < 0:
+                nodes[c.name] += short
 
     def _settles_sent(self, batch: list[_Pending]) -> None:
         """_settles_sent forgets what Redis holds for the leases of settles now on the wire:
@@ -854,7 +882,9 @@ class RedisStore(Store):
                 self._read_view(pool, view, now)
             rest = results[1 + len(pools):]
             for i, pool in enumerate(known):
-                self._observer.store_nodes(pool, node_totals(rest[2 * i], rest[2 * i + 1], self._quantile.get(pool)))
+                held = node_totals(rest[2 * i], rest[2 * i + 1], self._quantile.get(pool))
+                self._node_held[pool] = held
+                self._observer.store_nodes(pool, held)
                 self._gens[pool] = read_gens(rest[2 * len(known) + 2 * i], rest[2 * len(known) + 2 * i + 1])
         except (IndexError, TypeError, ValueError, AttributeError) as exc:
             raise RoundTripError(ERROR_RESPONSE, f"unexpected refresh reply: {exc}") from exc

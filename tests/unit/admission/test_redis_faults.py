@@ -333,6 +333,45 @@ async def test_a_grant_made_alone_while_the_last_probe_is_on_the_wire_is_in_redi
             await b.close()
 
 
+async def test_replicas_cut_off_do_not_refill_a_node_whose_foreign_kv_rose_past_their_holds(redis_server):
+    """A and B each hold 3,000 tokens on a 10,000-token node, and their requests end while
+    both are cut off. 7,000 tokens that are not kvgate's came meanwhile. Each reads 3,000
+    free on the node and holds 3,000 of room there: refilling both, they would put 13,000
+    on it (and the shared rule admits no more than 3,000). The holds overshoot the node by
+    3,000, which each takes from its own room: neither refills."""
+    clock = ManualClock(1000.0)
+
+    def plan(foreign: int) -> Plan:
+        return Plan(slots_plan(64).limits, "a", "standard", 10, None,
+                    NodeAsk((C("n0", 10_000, foreign, 0),), 3000, 0.0, 1.0))
+
+    with running(redis_server.port) as proxy:
+        prefix = f"t{secrets.token_hex(6)}:"
+        url = f"redis://127.0.0.1:{proxy.port}/0"
+        a, b = (RedisStore(RedisStoreConfig(url=url, key_prefix=prefix, timeout_s=0.5, lease_ttl_s=30.0,
+                                            expected_replicas=2), clock=clock) for _ in range(2))
+        try:
+            await a.start()
+            await b.start()
+            ga, gb = await a.admit(plan(0), clock.now()), await b.admit(plan(0), clock.now())
+            assert isinstance(ga, Grant) and isinstance(gb, Grant) and ga.picked == gb.picked == "n0"
+            assert await a.refresh() and await b.refresh()   # each reads the node's 6,000 held
+            proxy.set_mode("refuse")
+            assert not isinstance(await a.admit(plan(0), clock.now()), Grant)
+            assert not isinstance(await b.admit(plan(0), clock.now()), Grant)
+            a.settle(ga, 10, clock.now())
+            b.settle(gb, 10, clock.now())
+            got = [await a.admit(plan(7000), clock.now()), await b.admit(plan(7000), clock.now())]
+            assert a.mode == b.mode == MODE_LOCAL_SHARE
+            assert not any(isinstance(g, Grant) for g in got)
+            # With no rise the holds fit, and each refills its own room.
+            got = [await a.admit(plan(0), clock.now()), await b.admit(plan(0), clock.now())]
+            assert all(isinstance(g, Grant) for g in got)
+        finally:
+            await a.close()
+            await b.close()
+
+
 async def test_a_replica_cut_off_with_no_leases_admits_nothing_alone(redis_server):
     """B shares the whole limit; A, cut off, holds nothing in Redis: a share of the limit
     would put A's requests on top of B's."""
