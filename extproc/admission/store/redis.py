@@ -26,9 +26,9 @@ Redis unavailable or slower than ``timeout_s``: the store says so loudly and, wi
 own leases hold in Redis beyond its live requests (``_within``, ``_ledger``), or fails
 closed (``StoreUnavailableError``); shared mode comes back with hysteresis. That state
 machine is ``fallback.Fallback``. A grant made locally is a live lease like the others:
-the probes' refreshes take it into Redis, and the store shares again only after a
-refresh that carried every one (``probe``). The queued settles go only then: until the
-store shares, the room of the requests they end is what it admits within.
+the probes' refreshes take it into Redis, and the settles queued meanwhile go only once
+the store shares again and a refresh carried every such grant (``probe``): until then
+the room of the requests they end is what it admits within.
 
 Pools that pick nodes: a plan's ``nodes`` (``shared_nodes.NodeAsk``) makes the admit
 script pick the node over every replica's holds (``shared_nodes.pick_shared``) and charge
@@ -454,25 +454,37 @@ class RedisStore(Store):
             # Leases first: what this replica admitted alone is in the ledger before the
             # room of what ended goes back, so the ledger never shows less than it holds.
             carried = await self._refresh_round_trip()
-            if self._alone_since(carried):
-                # Admitted alone while that round trip was on the wire: in Redis only with
-                # the next one, and shared mode must not start before.
-                carried = await self._refresh_round_trip()
         except RoundTripError as f:
             self._fallback.probe_failed(f.reason)
             return False
-        # No await between this check and the return to shared mode: no grant slips between.
-        if self._alone_since(carried) or not self._fallback.answered(self._caller_now()):
+        if not self._fallback.answered(self._caller_now()):
             # The settles wait for shared mode: until then the room of the leases they end
             # is what this replica admits within (``_within``); sent now, it would be gone
             # from both this replica and, while they are cut off too, every other.
             return False
         try:
+            if self._alone_since(carried):
+                # Granted alone while that refresh was on the wire, within the room the
+                # settles end: they wait until another refresh carried it (no grant is made
+                # alone any more, the store is shared).
+                await self._carry_first()
             await self._flush_pending()
         except RoundTripError as f:
             self._degrade(f)
             return False
         return True
+
+    async def _carry_first(self) -> None:
+        """_carry_first is one refresh during which this replica's settles wait (``_batch``,
+        which admissions and flushes wait for): what it carries is in Redis before they go."""
+        while self._batch is not None:
+            await asyncio.shield(self._batch)
+        self._batch = done = asyncio.get_running_loop().create_future()
+        try:
+            await self._refresh_round_trip()
+        finally:
+            self._batch = None
+            done.set_result(None)
 
     def _alone_since(self, carried: set[str]) -> bool:
         """_alone_since says whether a live grant made alone is not among the leases ``carried``
@@ -586,7 +598,8 @@ class RedisStore(Store):
     def _within(self, plan: Plan, now: float) -> Within:
         """_within is what this replica may admit alone in ``plan``'s pool at ``now`` (caller
         s): what its leases certainly hold in Redis (``_ledger``, each until a margin before
-        its expiry) less what its live requests take (slots, KV tokens, tokens per node).
+        its expiry) less what its live requests take (slots, KV tokens, tokens per node),
+        and on each node less what it is short of (``_overcommit``).
         A replica that is the only one (``Fallback.share_replicas`` 1: none seen, none
         expected) has the pool's limits instead, and each node as it reads it."""
         pool = plan.limits.pool

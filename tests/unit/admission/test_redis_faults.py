@@ -182,6 +182,35 @@ def slots_plan(limit: int = 4) -> Plan:
     return Plan(lim, "a", "standard", 10, None)
 
 
+def cut_and_direct(proxy_port: int, url: str, clock: ManualClock) -> tuple[RedisStore, RedisStore]:
+    """cut_and_direct is two replicas of one ledger (lease TTL 30 s, 2 expected): A reaching
+    Redis through the proxy on ``proxy_port``, B directly at ``url``."""
+    prefix = f"t{secrets.token_hex(6)}:"
+    a = RedisStore(RedisStoreConfig(url=f"redis://127.0.0.1:{proxy_port}/0", key_prefix=prefix,
+                                    timeout_s=0.5, lease_ttl_s=30.0, expected_replicas=2), clock=clock)
+    b = RedisStore(RedisStoreConfig(url=url, key_prefix=prefix, timeout_s=2.0,
+                                    lease_ttl_s=30.0, expected_replicas=2), clock=clock)
+    return a, b
+
+
+def admitter(live: dict[str, list[Grant]], clock: ManualClock, limit: int = 4):
+    """admitter is ``admit(name, store, n)``: ``n`` admissions of ``slots_plan`` by replica
+    ``name``, its grants kept in ``live``, asserting after each that the replicas' live
+    grants together stay within ``limit``; returns how many were granted."""
+
+    async def admit(name: str, store: RedisStore, n: int) -> int:
+        got = 0
+        for _ in range(n):
+            g = await store.admit(slots_plan(), clock.now())
+            if isinstance(g, Grant):
+                live[name].append(g)
+                got += 1
+            assert sum(map(len, live.values())) <= limit, live
+        return got
+
+    return admit
+
+
 async def test_a_replica_cut_off_and_one_sharing_never_pass_the_limit_together(redis_server):
     """A reaches Redis through a proxy that stops forwarding, B directly. Whatever A admits
     alone and whatever B admits over the ledger meanwhile, and after A is back, the
@@ -190,21 +219,8 @@ async def test_a_replica_cut_off_and_one_sharing_never_pass_the_limit_together(r
     clock = ManualClock(1000.0)
     live: dict[str, list[Grant]] = {"a": [], "b": []}
     with running(redis_server.port) as proxy:
-        prefix = f"t{secrets.token_hex(6)}:"
-        a = RedisStore(RedisStoreConfig(url=f"redis://127.0.0.1:{proxy.port}/0", key_prefix=prefix,
-                                        timeout_s=0.5, lease_ttl_s=30.0, expected_replicas=2), clock=clock)
-        b = RedisStore(RedisStoreConfig(url=redis_server.url, key_prefix=prefix, timeout_s=2.0,
-                                        lease_ttl_s=30.0, expected_replicas=2), clock=clock)
-
-        async def admit(name: str, store: RedisStore, n: int) -> int:
-            got = 0
-            for _ in range(n):
-                g = await store.admit(slots_plan(), clock.now())
-                if isinstance(g, Grant):
-                    live[name].append(g)
-                    got += 1
-                assert len(live["a"]) + len(live["b"]) <= 4, live
-            return got
+        a, b = cut_and_direct(proxy.port, redis_server.url, clock)
+        admit = admitter(live, clock)
 
         def end(name: str, store: RedisStore, n: int) -> None:
             for g in live[name][:n]:
@@ -244,21 +260,8 @@ async def test_a_replica_waiting_to_share_again_keeps_the_room_of_its_ended_leas
     clock = ManualClock(1000.0)
     live: dict[str, list[Grant]] = {"a": [], "b": []}
     with running(redis_server.port) as proxy:
-        prefix = f"t{secrets.token_hex(6)}:"
-        a = RedisStore(RedisStoreConfig(url=f"redis://127.0.0.1:{proxy.port}/0", key_prefix=prefix,
-                                        timeout_s=0.5, lease_ttl_s=30.0, expected_replicas=2), clock=clock)
-        b = RedisStore(RedisStoreConfig(url=redis_server.url, key_prefix=prefix, timeout_s=2.0,
-                                        lease_ttl_s=30.0, expected_replicas=2), clock=clock)
-
-        async def admit(name: str, store: RedisStore, n: int) -> int:
-            got = 0
-            for _ in range(n):
-                g = await store.admit(slots_plan(), clock.now())
-                if isinstance(g, Grant):
-                    live[name].append(g)
-                    got += 1
-                assert len(live["a"]) + len(live["b"]) <= 4, live
-            return got
+        a, b = cut_and_direct(proxy.port, redis_server.url, clock)
+        admit = admitter(live, clock)
 
         try:
             await a.start()
@@ -287,19 +290,16 @@ async def test_a_replica_waiting_to_share_again_keeps_the_room_of_its_ended_leas
             await b.close()
 
 
-async def test_a_grant_made_alone_while_the_last_probe_is_on_the_wire_is_in_redis_before_sharing(redis_server,
+async def test_a_grant_made_alone_while_the_last_probe_is_on_the_wire_is_in_redis_before_the_settles(redis_server,
                                                                                                   monkeypatch):
     """A's probe that brings it back carries its grants made alone; one more made while that
-    round trip is on the wire is not in it. Shared again at once, A and B would then admit
-    over a ledger that lacks it: A shares only after a refresh that carried it."""
+    round trip is on the wire, within the room of A's ended requests, is not in it. Were
+    the settles of those requests sent then, A and B would admit over a ledger that lacks
+    it: they wait until another refresh carried it."""
     clock = ManualClock(1000.0)
     live: list[Grant] = []
     with running(redis_server.port) as proxy:
-        prefix = f"t{secrets.token_hex(6)}:"
-        a = RedisStore(RedisStoreConfig(url=f"redis://127.0.0.1:{proxy.port}/0", key_prefix=prefix,
-                                        timeout_s=0.5, lease_ttl_s=30.0, expected_replicas=2), clock=clock)
-        b = RedisStore(RedisStoreConfig(url=redis_server.url, key_prefix=prefix, timeout_s=2.0,
-                                        lease_ttl_s=30.0, expected_replicas=2), clock=clock)
+        a, b = cut_and_direct(proxy.port, redis_server.url, clock)
         try:
             await a.start()
             await b.start()
