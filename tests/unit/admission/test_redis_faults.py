@@ -20,6 +20,7 @@ from extproc.admission.shared_nodes import Candidate as C, NodeAsk
 from extproc.admission.store.fallback import MODE_LOCAL_SHARE, MODE_SHARED, StoreUnavailableError
 from extproc.admission.store.redis import RedisStore
 from extproc.admission.store.redis_client import RedisClient, RoundTripError
+from extproc.admission.store.redis_lua import HEARTBEAT, HeartbeatArg, HeartbeatKeys, word
 from extproc.admission.types import ERROR_CONNECTION
 from extproc.admission.types import Grant, Plan, PoolLimits
 from extproc.clock import ManualClock
@@ -370,6 +371,42 @@ async def test_replicas_cut_off_do_not_refill_a_node_whose_foreign_kv_rose_past_
         finally:
             await a.close()
             await b.close()
+
+
+async def test_a_noscript_to_a_round_trip_sent_before_the_scripts_were_loaded_is_not_a_second_loss(monkeypatch):
+    """On a server without the scripts, round trip A's NOSCRIPT is held back while B meets
+    its own, reports the loss and loads the scripts. A's NOSCRIPT is that same loss: were
+    it reported again, the store would open a rebuild window over a ledger B has just
+    used (13 s of refusals, seen in the concurrency test on a loaded machine)."""
+    with RedisServer() as server:
+        lost: list[int] = []
+        client = RedisClient(RedisStoreConfig(url=server.url, key_prefix="t:", timeout_s=5.0), "r1",
+                             lambda: lost.append(1) or [])
+        cmd = HEARTBEAT.command(HeartbeatKeys("t:replicas", "t:replica_addrs", "t:replicas_gone"),
+                                *map(word, HeartbeatArg(None, "r1", 5.0, "-", 30.0)))
+        real = RedisClient._send
+        gate = asyncio.Event()
+        held: list[object] = []
+
+        async def send(self, cmds, retry_lost):
+            got = await real(self, cmds, retry_lost)
+            if not held:                       # A's first answer waits for B
+                held.append(got)
+                await gate.wait()
+            return got
+
+        monkeypatch.setattr(RedisClient, "_send", send)
+        try:
+            a = asyncio.create_task(client.round_trip([cmd]))
+            await until(lambda: bool(held))
+            assert held == [None]              # NOSCRIPT
+            await client.round_trip([cmd])     # B: the loss, reported once; the scripts loaded
+            assert lost == [1]
+            gate.set()
+            await a
+            assert lost == [1]
+        finally:
+            await client.aclose()
 
 
 async def test_a_replica_cut_off_with_no_leases_admits_nothing_alone(redis_server):
