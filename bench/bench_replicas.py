@@ -9,8 +9,12 @@ setting with the Redis store) plus the Redis store (``on_unavailable: local_shar
 ``expected_replicas``: the row's replica count). The replicas share one Redis-protocol
 server (``kvgate_testkit.redis_server``), and each reaches it through a TCP fault proxy of
 its own (``kvgate_testkit.faultproxy``). Identical clients replay bench_trace's requests
-(same window, same seed), request ``i`` going to replica ``i mod N``'s Envoy; a retry goes
-back to the same Envoy. Every row starts fresh nodes, replicas, proxies and Redis.
+(same window, same seed) through a load balancer in front of the replicas' Envoys
+(``ReplicaClient``): request ``i``'s first try goes to replica ``i mod N``, a client's
+retry (after a 429 or an error) to any replica alike (``lb_pick``), and a try that gets no
+answer, a cut stream or a 502/503 goes on at once to another replica, as a balancer's
+retry on another host does: a killed replica's share is served by the others, as in
+production. Every row starts fresh nodes, replicas, proxies and Redis.
 
 Faults (real seconds from the run's start; the fault begins at 20 % of the arrivals' span):
 
@@ -20,8 +24,8 @@ Faults (real seconds from the run's start; the fault begins at 20 % of the arriv
 - ``flap``: Redis stopped 2 s, answering 2 s, five times (20 s);
 - ``reset``: every replica's connections to Redis reset (TCP RST, new ones too) for 0.5 s
   every 2 s, for 20 s;
-- ``kill``: the last replica's kvgate SIGKILLed; its Envoy stays and answers its share of the
-  requests without ext_proc (what the clients see is counted).
+- ``kill``: the last replica's kvgate SIGKILLed; its Envoy stays and answers without ext_proc,
+  and the load balancer sends those tries on to the live replicas.
 
 Per row: preemptions (the nodes' counters), goodput and its ratio to the one-replica row,
 429s per replica and the largest replica's share of them, online TTFT p99 and request
@@ -52,6 +56,7 @@ import platform  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+import zlib  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from datetime import datetime, timezone  # noqa: E402
@@ -232,7 +237,9 @@ class RowRun:
 
     row: Row
     run: Run
-    replica_of: list[int] = field(default_factory=list)   # by request id
+    replica_of: list[int] = field(default_factory=list)   # by request id: the replica its last try went to
+    refusals_at: list[int] = field(default_factory=list)  # 429 answers per replica, retries included
+    failovers: int = 0                                      # tries sent on to another replica
     polls: list[tuple[float, list[str | None]]] = field(default_factory=list)
     live: list[bool] = field(default_factory=list)         # replicas alive at the end
     answered_at: float | None = None                        # Redis answering again after the fault
@@ -267,7 +274,7 @@ def figures(rr: RowRun, background: Background, reference: float | None) -> Figu
     per: list[list[Result]] = [[] for _ in range(n)]
     for r in rr.run.results:
         per[rr.replica_of[r.req.id]].append(r)
-    refusals = tuple(sum(r.refusals for r in rs) for rs in per)
+    refusals = tuple(rr.refusals_at)
     # A killed replica's Envoy answers 503, never 429: the split is the survivors'.
     alive = [c for c, up in zip(refusals, rr.live) if up]
     ok = [r for r in rr.run.results if r.status == "ok" and r.done_at is not None]
@@ -314,6 +321,74 @@ def verdict(row: Row, f: Figures) -> dict[str, bool | None]:
 
 
 # --- one row ----------------------------------------------------------------------------------
+
+FAILOVER_STATUSES = frozenset({502, 503})
+"""FAILOVER_STATUSES are the answers a load balancer in front of the replicas retries on another
+replica at once (as Envoy's ``retry_on: connect-failure,reset,5xx`` with the ``previous_hosts``
+predicate does), besides no answer and a stream cut after its 200: what a dead replica's
+Envoy gives. A 429 is the replica's decision and goes back to the client; the client's retry
+is a new request to the load balancer (``lb_pick``)."""
+
+
+def fails_over(status: int | None, ok: bool) -> bool:
+    """fails_over says whether a try that ended with HTTP ``status`` (None: no answer) and did
+    not succeed (``ok`` False) is sent on to another replica: no answer, a stream cut after
+    its 200, or one of FAILOVER_STATUSES."""
+    return not ok and (status is None or status == 200 or status in FAILOVER_STATUSES)
+
+
+def next_replica(tried: Sequence[int], replicas: int, req_id: int) -> int | None:
+    """next_replica is the replica a request's try goes to after failing on every replica in
+    ``tried`` (the last one most recently): the others in turn, starting from one chosen by
+    ``req_id`` so that a dead replica's share spreads over the live ones; None when every
+    replica was tried."""
+    others = [(tried[-1] + 1 + k) % replicas for k in range(replicas - 1)]
+    left = [k for k in others if k not in tried]
+    return left[req_id % len(left)] if left else None
+
+
+def lb_pick(req_id: int, attempt: int, replicas: int) -> int:
+    """lb_pick is the replica a load balancer sends a request's ``attempt``-th try to (1: the
+    first): request i's first try to replica i mod N, as the identical clients split the
+    trace; a client's retry, a new request to the balancer, to any replica alike (a hash
+    of the request and the attempt: the same in every run, as round robin over everyone's
+    requests is to one request)."""
+    if attempt <= 1:
+        return req_id % replicas
+    return zlib.crc32(f"{req_id}:{attempt}".encode()) % replicas
+
+
+class ReplicaClient(Client):
+    """ReplicaClient is a client behind a load balancer in front of every replica's Envoy:
+    each try goes where the balancer sends it (``lb_pick``), and one that fails there
+    (``fails_over``) goes on at once to another replica (``next_replica``) without counting
+    as a retry. Each try's answer is counted for the replica that gave it
+    (``RowRun.replica_of``, ``RowRun.refusals_at``)."""
+
+    def __init__(self, urls: Sequence[str], rr: RowRun, speedup: float, t0: float, batch_deadline: float) -> None:
+        super().__init__(urls[0], speedup, t0, batch_deadline, None)
+        self.urls = list(urls)
+        self.rr = rr
+
+    def target(self, r: Result) -> str:
+        return self.urls[self.rr.replica_of[r.req.id]]
+
+    async def _attempt(self, session: aiohttp.ClientSession, r: Result, headers: dict[str, str],
+                       first: float) -> tuple[bool, float]:
+        rr = self.rr
+        rr.replica_of[r.req.id] = lb_pick(r.req.id, r.attempts, len(self.urls))
+        tried = [rr.replica_of[r.req.id]]
+        while True:
+            r.last_status = None
+            retryable, delay = await super()._attempt(session, r, headers, first)
+            if r.last_status == 429:
+                rr.refusals_at[tried[-1]] += 1
+            nxt = next_replica(tried, len(self.urls), r.req.id)
+            if not fails_over(r.last_status, r.status == "ok") or nxt is None:
+                return retryable, delay
+            rr.failovers += 1
+            rr.replica_of[r.req.id] = nxt
+            tried.append(nxt)
 
 class Clients:
     """Clients are the replicas' clients seen as one, for bench_trace's sampler and background load."""
@@ -398,12 +473,15 @@ async def drive_row(rr: RowRun, reqs: list[Req], sc: Scenario, speedup: float, e
     n = rr.row.replicas
     t0 = time.monotonic() + 0.2
     deadline = t0 + (sc.duration_s + sc.drain_s) / speedup
-    clients = [Client(f"http://{LOOPBACK}:{p}/v1/chat/completions", speedup, t0, deadline, None)
-               for p in envoy_ports]
+    urls = [f"http://{LOOPBACK}:{p}/v1/chat/completions" for p in envoy_ports]
+    # One client per replica (their open and refused counts feed the background load); request
+    # i's first try goes to replica i mod N.
+    clients = [ReplicaClient(urls, rr, speedup, t0, deadline) for _ in urls]
     together = Clients(clients)
     run = rr.run
     run.results = [Result(r) for r in reqs]
     rr.replica_of = [r.id % n for r in reqs]
+    rr.refusals_at = [0] * n
     rr.live = [True] * n
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
@@ -607,6 +685,8 @@ def report(runs: list[RowRun], policy: Policy, sc: Scenario, trace: str, rows: i
         extra = f"; Redis answered again at {rr.answered_at:.1f} s" if rr.answered_at is not None else ""
         if rr.row.fault.kind == "reset":
             extra += f"; {rr.resets} connections reset"
+        if rr.failovers:
+            extra += f"; {rr.failovers} tries sent on to another replica"
         lines.append(f"- {rr.row.key}: {acts or 'nothing carried out'} (real s from the run's start){extra}{seen}.")
     online = [r for r in reqs if r.klass == "online"]
     bg = sc.background
@@ -628,13 +708,20 @@ def report(runs: list[RowRun], policy: Policy, sc: Scenario, trace: str, rows: i
         f"`store: {{redis: {{lease_ttl_s: {LEASE_TTL_S:g}, on_unavailable: local_share, expected_replicas: N}}}}` "
         "and the default `timeout_s`; kvgate's other durations are divided by the speedup, as in bench_trace, "
         "but the lease TTL, the Redis timeout and the store's return to shared mode are real seconds. "
-        "Request i goes to replica i mod N; a retry goes back to the same Envoy (no load balancer in front "
-        "steers around a dead replica).",
+        "The clients reach the replicas through a load balancer (modelled in the benchmark's client): request "
+        "i's first try goes to replica i mod N; a client's retry (after a 429 or an error) is a new request to "
+        "the balancer and goes to any replica alike (a hash of the request and the attempt); and, as a balancer "
+        "retrying on another host does (Envoy's `retry_on: connect-failure,reset,5xx` with the `previous_hosts` "
+        "predicate), a try that gets no answer, a stream cut after its 200, or a 502/503 goes on at once to "
+        "another replica, without counting as one of the client's retries. Answers (429s included) are counted "
+        "for the replica that gave them. In the reports up to revision aac7967 a request and its retries all "
+        "went to replica i mod N's Envoy, a dead one's included.",
         f"- Faults, in real seconds, from {FAULT_AT:.0%} of the arrivals' span: Redis stopped = SIGSTOP then SIGCONT "
         "(connections stay open, nothing answers, memory kept; not a restart); flapping = 2 s stopped, 2 s "
         "answering, for 20 s; connections reset = every replica's fault proxy resets its connections (TCP RST, "
         "new ones too) for 0.5 s every 2 s for 20 s; the kill is SIGKILL to the last replica's kvgate, whose "
-        "Envoy then answers 503 to its share of the requests. Real seconds cover speedup times as much traffic: "
+        "Envoy then answers 503 (the load balancer sends those tries on to the others). Real seconds cover "
+        "speedup times as much traffic: "
         f"a 10 s stop is {10 * speedup:g} simulated seconds of arrivals.",
         "- Redis answering again: the first PING the benchmark gets back after the last SIGCONT (after the last "
         "reset spell: the instant the proxies pass again). Every replica's `kvgate_store_mode` is read from its "

@@ -569,6 +569,10 @@ class Client:
     def sim_now(self) -> float:
         return (time.monotonic() - self.t0) * self.speedup
 
+    def target(self, r: Result) -> str:
+        """target is the URL ``r``'s next try goes to (one Envoy here; a replica's in bench_replicas)."""
+        return self.url
+
     async def send(self, session: aiohttp.ClientSession, r: Result) -> None:
         req = r.req
         await asyncio.sleep(max(0.0, self.t0 + req.at / self.speedup - time.monotonic()))
@@ -609,7 +613,7 @@ class Client:
                        first: float) -> tuple[bool, float]:
         """_attempt sends one try; returns (retryable, real seconds to wait before the next)."""
         try:
-            async with session.post(self.url, data=r.req.body, headers=headers) as resp:
+            async with session.post(self.target(r), data=r.req.body, headers=headers) as resp:
                 r.last_status = resp.status
                 if resp.status == 200:
                     if r.req.stream:

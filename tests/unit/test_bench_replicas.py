@@ -1,13 +1,14 @@
 """The pure parts of bench/bench_replicas.py: the faults' plans, the 429 split and its limit,
 the time until every replica is shared again, the store mode read from an exposition, the
-row filter and the targets' verdict."""
+row filter, the targets' verdict and where a load balancer sends a try."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.bench_replicas import (FAULTS, Fault, Figures, Row, all_rows, degraded_s, error_answers, fault_plan,
-                                  max_share, mode_from_metrics, select_rows, shared_again_s, split_limit, verdict)
+from bench.bench_replicas import (FAULTS, Fault, Figures, Row, all_rows, degraded_s, error_answers, fails_over,
+                                  fault_plan, lb_pick, max_share, mode_from_metrics, next_replica, select_rows,
+                                  shared_again_s, split_limit, verdict)
 from bench.bench_trace import Req, Result, Summary
 
 pytestmark = pytest.mark.bench
@@ -108,3 +109,26 @@ def test_errors_are_counted_by_the_last_answer_most_frequent_first() -> None:
                Result(req, status="error", last_status=503), Result(req, status="ok", last_status=200),
                Result(req, status="refused", last_status=429)]
     assert list(error_answers(results).items()) == [("503", 2), ("no answer", 1)]
+
+
+def test_a_load_balancer_sends_no_answer_a_cut_stream_and_502_503_on_but_not_a_429_or_a_success() -> None:
+    assert fails_over(None, ok=False) and fails_over(503, ok=False) and fails_over(502, ok=False)
+    assert fails_over(200, ok=False)          # a stream cut after its headers
+    assert not fails_over(429, ok=False) and not fails_over(504, ok=False) and not fails_over(400, ok=False)
+    assert not fails_over(200, ok=True)
+
+
+def test_the_next_replica_is_another_one_spread_by_request_and_none_once_all_were_tried() -> None:
+    assert next_replica([1], 2, 7) == 0 and next_replica([0, 1], 2, 7) is None
+    # A dead third replica's requests spread over the two others, and never return to it.
+    assert {next_replica([2], 3, i) for i in range(4)} == {0, 1}
+    assert next_replica([2, 0], 3, 5) == 1 and next_replica([2, 0, 1], 3, 5) is None
+    assert next_replica([0], 1, 3) is None
+
+
+def test_a_first_try_goes_to_its_replica_and_a_retry_to_any_alike_the_same_in_every_run() -> None:
+    assert [lb_pick(i, 1, 3) for i in range(6)] == [0, 1, 2, 0, 1, 2]
+    retries = [lb_pick(i, a, 2) for i in range(400) for a in (2, 3)]
+    assert 0.4 < sum(retries) / len(retries) < 0.6
+    assert retries == [lb_pick(i, a, 2) for i in range(400) for a in (2, 3)]
+    assert {lb_pick(i, 2, 3) for i in range(30)} == {0, 1, 2}

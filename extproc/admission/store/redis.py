@@ -26,8 +26,9 @@ Redis unavailable or slower than ``timeout_s``: the store says so loudly and, wi
 own leases hold in Redis beyond its live requests (``_within``, ``_ledger``), or fails
 closed (``StoreUnavailableError``); shared mode comes back with hysteresis. That state
 machine is ``fallback.Fallback``. A grant made locally is a live lease like the others:
-the probes' refreshes take it into Redis (before the queued settles) and so it is there
-before this replica shares again.
+the probes' refreshes take it into Redis, and the settles queued meanwhile go only once
+the store shares again and a refresh carried every such grant (``probe``): until then
+the room of the requests they end is what it admits within.
 
 Pools that pick nodes: a plan's ``nodes`` (``shared_nodes.NodeAsk``) makes the admit
 script pick the node over every replica's holds (``shared_nodes.pick_shared``) and charge
@@ -108,7 +109,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from extproc.admission.bucket import refilled
-from extproc.admission.rules import pooled_bound
+from extproc.admission.rules import node_headroom, pooled_bound
 from extproc.admission.shared_nodes import NodeAsk, SeenGen, Shared, Sums, others_seen
 from extproc.admission.store.base import REPLICA_HEADER, Store
 from extproc.admission.store.fallback import (LOCAL_PREFIX, MODES, Fallback, NullObserver, StoreObserver,
@@ -312,9 +313,14 @@ class RedisStore(Store):
         # pool -> lease id -> what Redis holds for it: this replica's leases there (live, or
         # settled by a settle not sent yet), the room it may admit in alone (``Within``)
         self._ledger: dict[str, dict[str, _Held]] = {}
+        # the local grants some refresh has carried to Redis: one never carried is new
+        # there, so a refresh that takes it is not a sign that Redis lost anything
+        self._carried_local: set[str] = set()
         # pool -> the quantile its pooled growth is bounded at (from its admissions), for
         # the shared per-node totals the metrics show
         self._quantile: dict[str, float] = {}
+        # pool -> node -> what every replica's leases held there at the last refresh (tokens)
+        self._node_held: dict[str, dict[str, int]] = {}
         self._pending: list[_Pending] = []
         self._unconfirmed: dict[str, dict[str, _Settled]] = {}
         self._batch: asyncio.Future[None] | None = None
@@ -473,15 +479,45 @@ class RedisStore(Store):
         if self._fallback.shared:
             return True
         try:
-            # Leases first, then settles: what this replica admitted alone is in the ledger
-            # before the room of what ended goes back, so the ledger never shows less than
-            # this replica holds.
-            await self._refresh_round_trip()
-            await self._flush_pending()
+            # Leases first: what this replica admitted alone is in the ledger before the
+            # room of what ended goes back, so the ledger never shows less than it holds.
+            carried = await self._refresh_round_trip()
         except RoundTripError as f:
             self._fallback.probe_failed(f.reason)
             return False
-        return self._fallback.answered(self._caller_now())
+        if not self._fallback.answered(self._caller_now()):
+            # The settles wait for shared mode: until then the room of the leases they end
+            # is what this replica admits within (``_within``); sent now, it would be gone
+            # from both this replica and, while they are cut off too, every other.
+            return False
+        try:
+            if self._alone_since(carried):
+                # Granted alone while that refresh was on the wire, within the room the
+                # settles end: they wait until another refresh carried it (no grant is made
+                # alone any more, the store is shared).
+                await self._carry_first()
+            await self._flush_pending()
+        except RoundTripError as f:
+            self._degrade(f)
+            return False
+        return True
+
+    async def _carry_first(self) -> None:
+        """_carry_first is one refresh during which this replica's settles wait (``_batch``,
+        which admissions and flushes wait for): what it carries is in Redis before they go."""
+        while self._batch is not None:
+            await asyncio.shield(self._batch)
+        self._batch = done = asyncio.get_running_loop().create_future()
+        try:
+            await self._refresh_round_trip()
+        finally:
+            self._batch = None
+            done.set_result(None)
+
+    def _alone_since(self, carried: set[str]) -> bool:
+        """_alone_since says whether a live grant made alone is not among the leases ``carried``
+        by the latest refresh, so that Redis may not hold it yet."""
+        return any(i.startswith(LOCAL_PREFIX) and i not in carried for live in self._live.values() for i in live)
 
     def _scripts_lost(self) -> list[tuple[Any, ...]]:
         """_scripts_lost hears that Redis lost the scripts: it restarted (empty, unless it
@@ -590,7 +626,8 @@ class RedisStore(Store):
     def _within(self, plan: Plan, now: float) -> Within:
         """_within is what this replica may admit alone in ``plan``'s pool at ``now`` (caller
         s): what its leases certainly hold in Redis (``_ledger``, each until a margin before
-        its expiry) less what its live requests take (slots, KV tokens, tokens per node).
+        its expiry) less what its live requests take (slots, KV tokens, tokens per node),
+        and on each node less what it is short of (``_overcommit``).
         A replica that is the only one (``Fallback.share_replicas`` 1: none seen, none
         expected) has the pool's limits instead, and each node as it reads it."""
         pool = plan.limits.pool
@@ -611,7 +648,33 @@ class RedisStore(Store):
             kv -= g.plan.tokens
             if g.picked is not None:
                 nodes[g.picked] = nodes.get(g.picked, 0) - escrow_hold(g)
+        if plan.nodes is not None:
+            self._overcommit(plan, nodes)
         return Within(slots, kv, nodes)
+
+    def _overcommit(self, plan: Plan, nodes: dict[str, int]) -> None:
+        """_overcommit takes from this replica's room on each node (``nodes``, tokens) what the
+        node's KV that is not kvgate's (as this replica reads it, net of the others' published
+        requests, as the admit script nets it) leaves short of every replica's holds there
+        at the last refresh: the shared rule's headroom, when it is below 0.
+
+        Why: the ledger's holds fitted the node when they were taken; KV that is not
+        kvgate's may have risen since, and then the shared rule admits nobody there while
+        every replica alone would refill the room of its ended requests, each seeing the
+        rise in its own reading but not what the others refill meanwhile. Each taking the
+        whole shortfall from its own room, together they refill at most what is left.
+        """
+        ask = plan.nodes
+        assert ask is not None
+        pool = plan.limits.pool
+        held = self._node_held.get(pool, {})
+        for c in ask.candidates:
+            if c.name not in nodes:
+                continue
+            foreign = max(c.rise, c.foreign - self.others_seen(pool, c.name, c.since, c.idle))
+            short = node_headroom(c.cap, ask.reserve_fraction, foreign, held.get(c.name, 0))
+            if short < 0:
+                nodes[c.name] += short
 
     def _settles_sent(self, batch: list[_Pending]) -> None:
         """_settles_sent forgets what Redis holds for the leases of settles now on the wire:
@@ -724,6 +787,7 @@ class RedisStore(Store):
         if live is None or live.pop(grant.id, None) is None:
             return  # not ours, or settled already: nothing is refunded twice
         if grant.id.startswith(LOCAL_PREFIX):
+            self._carried_local.discard(grant.id)
             # Its budgets were charged locally; in Redis (if a refresh took it there) it
             # holds its slot and KV only, so it goes with no refund, and its tombstone stops
             # a refresh on the wire from taking it again.
@@ -837,9 +901,14 @@ class RedisStore(Store):
             return False
         return True
 
-    async def _refresh_round_trip(self) -> None:
+    async def _refresh_round_trip(self) -> set[str]:
+        """_refresh_round_trip is one refresh (see ``refresh``); returns the ids of the leases it
+        carried, which Redis now holds. Raises RoundTripError."""
         now = self._caller_now()
         cmds, pools, sent = self._refresh_cmds(now)
+        fresh = [i for grants in sent for i, _ in grants
+                 if i.startswith(LOCAL_PREFIX) and i not in self._carried_local]
+        self._carried_local.update(fresh)
         # and what every replica's leases hold on each node, for the metrics
         known = list(self._keys)
         cmds += [c for pool in known for c in (("HGETALL", self._keys[pool].nk), ("HGETALL", self._keys[pool].nm))]
@@ -860,19 +929,26 @@ class RedisStore(Store):
             rest = results[1 + len(pools):]
             for i, pool in enumerate(known):
                 shares = self._shares[pool] = read_shares(rest[4 * len(known) + i])
-                self._observer.store_nodes(pool, node_totals(rest[2 * i], rest[2 * i + 1], self._quantile.get(pool),
-                                                             shares))
+                held = node_totals(rest[2 * i], rest[2 * i + 1], self._quantile.get(pool), shares)
+                self._node_held[pool] = held
+                self._observer.store_nodes(pool, held)
                 self._gens[pool] = read_gens(rest[2 * len(known) + 2 * i], rest[2 * len(known) + 2 * i + 1])
         except (IndexError, TypeError, ValueError, AttributeError) as exc:
             raise RoundTripError(ERROR_RESPONSE, f"unexpected refresh reply: {exc}") from exc
-        self._refreshed(pools, sent, now, lost=restored > 0)
+        # Each fresh local grant is taken (nothing in Redis has its id); any other lease
+        # taken was lost there, and then so may be the settled ones the ledger counts on.
+        lost = restored - len(fresh)
+        self._refreshed(pools, sent, now, lost=lost > 0)
         for replica, addr in gone:
             if replica != self.replica_id and addr != "-" and replica not in self._checking and not self._closed:
                 self._checking[replica] = asyncio.get_running_loop().create_task(
                     self._check_gone(replica, addr), name=f"kvgate-check-{replica}")
-        if restored:
-            log.warning("shared store: Redis had lost %d live leases of this replica (restart, expiry, or "
-                        "granted while Redis was away): taken again", restored)
+        if fresh:
+            log.info("shared store: %d leases this replica granted while Redis was away are in Redis now", len(fresh))
+        if lost > 0:
+            log.warning("shared store: Redis had lost %d live leases of this replica (restart or expiry): "
+                        "taken again", lost)
+        return {i for grants in sent for i, _ in grants}
 
     def _refreshed(self, pools: list[str], sent: list[list[tuple[str, _Held]]], at: float, lost: bool) -> None:
         """_refreshed keeps what a refresh sent at ``at`` (caller s) left in Redis: each lease

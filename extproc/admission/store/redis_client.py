@@ -43,18 +43,21 @@ class RoundTripError(Exception):
 class RedisClient:
     """RedisClient sends one replica's scripts to Redis: at most ``timeout_s`` (s) a round trip.
 
-    ``scripts_lost`` is called when Redis answered NOSCRIPT (it restarted or was flushed);
-    the plain commands it returns are sent before the scripts are loaded again. ``where`` names the server for log lines, without
+    ``scripts_lost`` is called when Redis answered NOSCRIPT (it restarted or was flushed),
+    once per loss: not for a round trip sent before this client loaded the scripts again
+    (its NOSCRIPT is that same loss); the plain commands it returns are sent before the
+    scripts are loaded again. ``where`` names the server for log lines, without
     credentials.
     """
 
-    __slots__ = ("_client", "_timeout", "_scripts_lost", "where")
+    __slots__ = ("_client", "_timeout", "_scripts_lost", "_loads", "where")
 
     def __init__(self, config: RedisStoreConfig, replica_id: str,
                  scripts_lost: Callable[[], Sequence[tuple[Any, ...]]],
                  max_connections: int = MAX_CONNECTIONS) -> None:
         self._timeout = config.timeout_s
         self._scripts_lost = scripts_lost
+        self._loads = 0  # how many times this client loaded the scripts
         pool = aioredis.BlockingConnectionPool.from_url(
             config.url, max_connections=max_connections, timeout=config.timeout_s,
             socket_timeout=config.timeout_s, socket_connect_timeout=config.timeout_s,
@@ -70,11 +73,12 @@ class RedisClient:
         """round_trip sends ``cmds`` (EVALSHA) in one pipeline within timeout_s and returns
         their replies; loads the scripts and sends again once on NOSCRIPT. Raises
         ``RoundTripError``."""
-        first: Sequence[tuple[Any, ...]] = ()
+        first: Sequence[tuple[Any, ...]] | None = ()
+        loads = self._loads
         for attempt in (0, 1):
             try:
                 async with asyncio.timeout(self._timeout):
-                    if attempt:
+                    if attempt and first is not None:
                         await self._load_scripts(first)
                     results = await self._send(cmds, retry_lost=attempt == 0)
             except (TimeoutError, RedisTimeoutError) as exc:
@@ -91,7 +95,11 @@ class RedisClient:
             except Exception as exc:
                 raise RoundTripError(ERROR_INTERNAL, f"{type(exc).__name__}: {exc}") from exc
             if results is None:
-                first = self._scripts_lost()
+                # Sent before another round trip met the loss and loaded the scripts: that
+                # loss is handled (a fresh server's first round trips all meet NOSCRIPT), so
+                # send again as is; a NOSCRIPT then is a new loss, and fails this round trip
+                # rather than load the scripts past it: the next one meets it and says so.
+                first = self._scripts_lost() if self._loads == loads else None
                 continue
             for r in results:
                 if isinstance(r, Exception):
@@ -122,6 +130,7 @@ class RedisClient:
             await self._client.execute_command(*cmd)
         for script in SCRIPTS:
             await self._client.execute_command("SCRIPT", "LOAD", script.source)
+        self._loads += 1
 
     async def forget(self, key: str, member: str) -> None:
         """forget removes ``member`` from the zset ``key`` (this replica's heartbeat), within

@@ -20,6 +20,7 @@ from extproc.admission.shared_nodes import Candidate as C, NodeAsk
 from extproc.admission.store.fallback import MODE_LOCAL_SHARE, MODE_SHARED, StoreUnavailableError
 from extproc.admission.store.redis import RedisStore
 from extproc.admission.store.redis_client import RedisClient, RoundTripError
+from extproc.admission.store.redis_lua import HEARTBEAT, HeartbeatArg, HeartbeatKeys, word
 from extproc.admission.types import ERROR_CONNECTION
 from extproc.admission.types import Grant, Plan, PoolLimits
 from extproc.clock import ManualClock
@@ -182,6 +183,35 @@ def slots_plan(limit: int = 4) -> Plan:
     return Plan(lim, "a", "standard", 10, None)
 
 
+def cut_and_direct(proxy_port: int, url: str, clock: ManualClock) -> tuple[RedisStore, RedisStore]:
+    """cut_and_direct is two replicas of one ledger (lease TTL 30 s, 2 expected): A reaching
+    Redis through the proxy on ``proxy_port``, B directly at ``url``."""
+    prefix = f"t{secrets.token_hex(6)}:"
+    a = RedisStore(RedisStoreConfig(url=f"redis://127.0.0.1:{proxy_port}/0", key_prefix=prefix,
+                                    timeout_s=0.5, lease_ttl_s=30.0, expected_replicas=2), clock=clock)
+    b = RedisStore(RedisStoreConfig(url=url, key_prefix=prefix, timeout_s=2.0,
+                                    lease_ttl_s=30.0, expected_replicas=2), clock=clock)
+    return a, b
+
+
+def admitter(live: dict[str, list[Grant]], clock: ManualClock, limit: int = 4):
+    """admitter is ``admit(name, store, n)``: ``n`` admissions of ``slots_plan`` by replica
+    ``name``, its grants kept in ``live``, asserting after each that the replicas' live
+    grants together stay within ``limit``; returns how many were granted."""
+
+    async def admit(name: str, store: RedisStore, n: int) -> int:
+        got = 0
+        for _ in range(n):
+            g = await store.admit(slots_plan(), clock.now())
+            if isinstance(g, Grant):
+                live[name].append(g)
+                got += 1
+            assert sum(map(len, live.values())) <= limit, live
+        return got
+
+    return admit
+
+
 async def test_a_replica_cut_off_and_one_sharing_never_pass_the_limit_together(redis_server):
     """A reaches Redis through a proxy that stops forwarding, B directly. Whatever A admits
     alone and whatever B admits over the ledger meanwhile, and after A is back, the
@@ -190,21 +220,8 @@ async def test_a_replica_cut_off_and_one_sharing_never_pass_the_limit_together(r
     clock = ManualClock(1000.0)
     live: dict[str, list[Grant]] = {"a": [], "b": []}
     with running(redis_server.port) as proxy:
-        prefix = f"t{secrets.token_hex(6)}:"
-        a = RedisStore(RedisStoreConfig(url=f"redis://127.0.0.1:{proxy.port}/0", key_prefix=prefix,
-                                        timeout_s=0.5, lease_ttl_s=30.0, expected_replicas=2), clock=clock)
-        b = RedisStore(RedisStoreConfig(url=redis_server.url, key_prefix=prefix, timeout_s=2.0,
-                                        lease_ttl_s=30.0, expected_replicas=2), clock=clock)
-
-        async def admit(name: str, store: RedisStore, n: int) -> int:
-            got = 0
-            for _ in range(n):
-                g = await store.admit(slots_plan(), clock.now())
-                if isinstance(g, Grant):
-                    live[name].append(g)
-                    got += 1
-                assert len(live["a"]) + len(live["b"]) <= 4, live
-            return got
+        a, b = cut_and_direct(proxy.port, redis_server.url, clock)
+        admit = admitter(live, clock)
 
         def end(name: str, store: RedisStore, n: int) -> None:
             for g in live[name][:n]:
@@ -232,6 +249,164 @@ async def test_a_replica_cut_off_and_one_sharing_never_pass_the_limit_together(r
         finally:
             await a.close()
             await b.close()
+
+
+async def test_a_replica_waiting_to_share_again_keeps_the_room_of_its_ended_leases(redis_server):
+    """A is cut off with 3 leases, its 3 requests end (their settles wait) and it admits 1
+    alone. Redis answers again and the probe takes that grant in, but A must answer for
+    recover_s before it shares: its settles wait with it, so until then it still admits
+    within the room its 4 leases hold in Redis (the one it took in is no sign that Redis
+    lost any), and B, sharing, finds none. Once A shares, its grants are in Redis and the
+    settles go: the two together never pass the limit of 4."""
+    clock = ManualClock(1000.0)
+    live: dict[str, list[Grant]] = {"a": [], "b": []}
+    with running(redis_server.port) as proxy:
+        a, b = cut_and_direct(proxy.port, redis_server.url, clock)
+        admit = admitter(live, clock)
+
+        try:
+            await a.start()
+            await b.start()
+            assert await admit("a", a, 3) == 3
+            await a.refresh()                  # the ledger A counts on carries them
+            proxy.set_mode("refuse")
+            assert await admit("a", a, 1) == 0 and a.mode == MODE_LOCAL_SHARE
+            for g in live["a"]:
+                a.settle(g, 10, clock.now())   # ended; the settles cannot be sent
+            live["a"].clear()
+            assert await admit("a", a, 1) == 1
+            proxy.set_mode("pass")
+            assert not await a.probe()         # Redis answers; A waits recover_s before sharing
+            assert a.mode == MODE_LOCAL_SHARE and a.pending_settles == 4  # and the cut admission's cancel
+            assert await admit("a", a, 4) == 3   # 4 leases in Redis, 1 live request
+            assert await admit("b", b, 1) == 0   # Redis still counts the 4
+            clock.advance(a.recover_s)
+            assert await a.probe() and a.mode == MODE_SHARED and a.pending_settles == 0
+            assert await admit("b", b, 1) == 0   # A's 4 live requests are all in Redis
+            a.settle(live["a"].pop(), 10, clock.now())
+            await a.flush()
+            assert await admit("b", b, 2) == 1
+        finally:
+            await a.close()
+            await b.close()
+
+
+async def test_a_grant_made_alone_while_the_last_probe_is_on_the_wire_is_in_redis_before_the_settles(redis_server,
+                                                                                                  monkeypatch):
+    """A's probe that brings it back carries its grants made alone; one more made while that
+    round trip is on the wire, within the room of A's ended requests, is not in it. Were
+    the settles of those requests sent then, A and B would admit over a ledger that lacks
+    it: they wait until another refresh carried it."""
+    clock = ManualClock(1000.0)
+    live: list[Grant] = []
+    with running(redis_server.port) as proxy:
+        a, b = cut_and_direct(proxy.port, redis_server.url, clock)
+        try:
+            await a.start()
+            await b.start()
+            live.extend([await a.admit(slots_plan(), clock.now()) for _ in range(2)])
+            proxy.set_mode("refuse")
+            assert not isinstance(await a.admit(slots_plan(), clock.now()), Grant)
+            for g in live:
+                a.settle(g, 10, clock.now())   # their room is A's to admit within
+            live.clear()
+            live.append(await a.admit(slots_plan(), clock.now()))
+            proxy.set_mode("pass")
+            assert not await a.probe()         # answering since now
+            clock.advance(a.recover_s)
+            real = RedisClient.round_trip
+            slipped: list[Grant | object] = []
+
+            async def round_trip(client, cmds):  # a request admitted alone while the probe's refresh is out
+                if client is a._client and not slipped:
+                    slipped.append(await a.admit(slots_plan(), clock.now()))
+                return await real(client, cmds)
+
+            monkeypatch.setattr(RedisClient, "round_trip", round_trip)
+            assert await a.probe() and a.mode == MODE_SHARED
+            assert isinstance(slipped[0], Grant) and slipped[0].id.startswith("local:")
+            live.append(slipped[0])
+            # Redis holds A's two live requests: B finds the other 2 slots and no more.
+            got = [await b.admit(slots_plan(), clock.now()) for _ in range(3)]
+            assert sum(isinstance(g, Grant) for g in got) + len(live) <= 4
+        finally:
+            await a.close()
+            await b.close()
+
+
+async def test_replicas_cut_off_do_not_refill_a_node_whose_foreign_kv_rose_past_their_holds(redis_server):
+    """A and B each hold 3,000 tokens on a 10,000-token node, and their requests end while
+    both are cut off. 7,000 tokens that are not kvgate's came meanwhile. Each reads 3,000
+    free on the node and holds 3,000 of room there: refilling both, they would put 13,000
+    on it (and the shared rule admits no more than 3,000). The holds overshoot the node by
+    3,000, which each takes from its own room: neither refills."""
+    clock = ManualClock(1000.0)
+
+    def plan(foreign: int) -> Plan:
+        return Plan(slots_plan(64).limits, "a", "standard", 10, None,
+                    NodeAsk((C("n0", 10_000, foreign, 0),), 3000, 0.0, 1.0))
+
+    with running(redis_server.port) as proxy:
+        prefix = f"t{secrets.token_hex(6)}:"
+        url = f"redis://127.0.0.1:{proxy.port}/0"
+        a, b = (RedisStore(RedisStoreConfig(url=url, key_prefix=prefix, timeout_s=0.5, lease_ttl_s=30.0,
+                                            expected_replicas=2), clock=clock) for _ in range(2))
+        try:
+            await a.start()
+            await b.start()
+            ga, gb = await a.admit(plan(0), clock.now()), await b.admit(plan(0), clock.now())
+            assert isinstance(ga, Grant) and isinstance(gb, Grant) and ga.picked == gb.picked == "n0"
+            assert await a.refresh() and await b.refresh()   # each reads the node's 6,000 held
+            proxy.set_mode("refuse")
+            assert not isinstance(await a.admit(plan(0), clock.now()), Grant)
+            assert not isinstance(await b.admit(plan(0), clock.now()), Grant)
+            a.settle(ga, 10, clock.now())
+            b.settle(gb, 10, clock.now())
+            got = [await a.admit(plan(7000), clock.now()), await b.admit(plan(7000), clock.now())]
+            assert a.mode == b.mode == MODE_LOCAL_SHARE
+            assert not any(isinstance(g, Grant) for g in got)
+            # With no rise the holds fit, and each refills its own room.
+            got = [await a.admit(plan(0), clock.now()), await b.admit(plan(0), clock.now())]
+            assert all(isinstance(g, Grant) for g in got)
+        finally:
+            await a.close()
+            await b.close()
+
+
+async def test_a_noscript_to_a_round_trip_sent_before_the_scripts_were_loaded_is_not_a_second_loss(monkeypatch):
+    """On a server without the scripts, round trip A's NOSCRIPT is held back while B meets
+    its own, reports the loss and loads the scripts. A's NOSCRIPT is that same loss: were
+    it reported again, the store would open a rebuild window over a ledger B has just
+    used (13 s of refusals, seen in the concurrency test on a loaded machine)."""
+    with RedisServer() as server:
+        lost: list[int] = []
+        client = RedisClient(RedisStoreConfig(url=server.url, key_prefix="t:", timeout_s=5.0), "r1",
+                             lambda: lost.append(1) or [])
+        cmd = HEARTBEAT.command(HeartbeatKeys("t:replicas", "t:replica_addrs", "t:replicas_gone"),
+                                *map(word, HeartbeatArg(None, "r1", 5.0, "-", 30.0)))
+        real = RedisClient._send
+        gate = asyncio.Event()
+        held: list[object] = []
+
+        async def send(self, cmds, retry_lost):
+            got = await real(self, cmds, retry_lost)
+            if not held:                       # A's first answer waits for B
+                held.append(got)
+                await gate.wait()
+            return got
+
+        monkeypatch.setattr(RedisClient, "_send", send)
+        try:
+            a = asyncio.create_task(client.round_trip([cmd]))
+            await until(lambda: bool(held))
+            assert held == [None]              # NOSCRIPT
+            await client.round_trip([cmd])     # B: the loss, reported once; the scripts loaded
+            assert lost == [1]
+            gate.set()
+            await a
+            assert lost == [1]
+        finally:
+            await client.aclose()
 
 
 async def test_a_replica_cut_off_with_no_leases_admits_nothing_alone(redis_server):
