@@ -726,20 +726,6 @@ class PoolNodes:
         """_horizon_s is how long a request admitted now typically holds its node (s; 0 before any ended)."""
         return self.holds.median() or 0.0
 
-    def _node_watermark(self, watermark: float) -> float:
-        """_node_watermark is a class's ``kv_watermark`` w as the share of a node's effective
-        capacity that ``rules.pick_node`` applies: w / (1 - reserve_fraction), at most 1.
-
-        So the class fills at most w of the node's whole capacity. The reserve and the
-        watermark both keep part of a node free; below 1 - reserve the watermark's part
-        already holds the reserve, and cutting it by the reserve again would shrink the
-        class by that share for nothing (a node of 32k tokens with a reserve of 0.1 would
-        take one 10k-token document of a class at 0.7 where it has room for two).
-        """
-        if watermark >= 1.0:
-            return watermark
-        return min(1.0, watermark / (1.0 - self.picking.reserve_fraction))
-
     def _eligible_in_turn(self, among: frozenset[str] | None, now: float) -> list[tuple[Node, int]]:
         """_eligible_in_turn is the nodes a request may go to, with their capacities, in the
         order of preference before room (fewer of kvgate's requests first, the rest in
@@ -803,7 +789,7 @@ class PoolNodes:
                 affinity[n.name] = math.floor(bonus * self.picking.prefix_affinity)
             candidates.append((n.name, cap, n.foreign_ahead(horizon, now), held))
         verdict = rules.pick_node(candidates, need, self.picking.reserve_fraction,
-                                  self._node_watermark(watermark), affinity)
+                                  rules.node_watermark(watermark, self.picking.reserve_fraction), affinity)
         for name, why in verdict.passed:
             self.nodes[name].pass_over(PassedOver(why))
         if verdict.chosen is None:
@@ -836,7 +822,7 @@ class PoolNodes:
         if self.pooled:
             pooled = Pooled(prompt, *self._moments(reserved, 0, class_name), self.picking.quantile)
         return NodeAsk(tuple(rows), self.hold(prompt, reserved, 0, class_name),
-                       self.picking.reserve_fraction, self._node_watermark(watermark), pooled,
+                       self.picking.reserve_fraction, rules.node_watermark(watermark, self.picking.reserve_fraction), pooled,
                        chain, prompt, self.picking.prefix_affinity)
 
     def pooled_of(self, charge: Charge) -> Pooled | None:

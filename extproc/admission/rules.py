@@ -22,7 +22,10 @@ a node fits a request when, with C its capacity and r the reserve,
 
 where ``foreign`` is the KV the node reported that kvgate did not admit (``nodes``), and a
 request's hold is its prompt + tokens generated so far + the growth still to come
-(``node_hold``). A class with a KV watermark w < 1 fits only within floor(w x that).
+(``node_hold``). A class with a KV watermark w < 1 fits only within floor(w' x C x (1 - r)),
+w' = min(1, w / (1 - r)) (``node_watermark``): the class fills at most w of the node's
+whole capacity. ``pick_node``, ``choose_node``'s callers and the Redis store's script all
+take w', never w.
 With pooled growth the growth to come is bounded for the node's requests together
 (``pooled_growth``), and a new request needs what it adds to that bound.
 """
@@ -300,6 +303,22 @@ def effective_capacity(capacity: int, reserve_fraction: float) -> int:
     return max(0, math.floor(capacity * (1.0 - reserve_fraction)))
 
 
+def node_watermark(watermark: float, reserve_fraction: float) -> float:
+    """node_watermark is a class's ``kv_watermark`` w as the share of a node's effective
+    capacity that the per-node rule applies: w / (1 - reserve_fraction), at most 1 (w itself
+    at 1 or above: no watermark).
+
+    So the class fills at most w of the node's whole capacity. The reserve and the
+    watermark both keep part of a node free; below 1 - reserve the watermark's part
+    already holds the reserve, and cutting it by the reserve again would shrink the class
+    by that share for nothing (a node of 32k tokens with a reserve of 0.1 would take one
+    10k-token document of a class at 0.7 where it has room for two).
+    """
+    if watermark >= 1.0:
+        return watermark
+    return min(1.0, watermark / (1.0 - reserve_fraction))
+
+
 def node_headroom(capacity: int, reserve_fraction: float, foreign: int, held: int) -> int:
     """node_headroom is the room left on a node for one more request, in tokens (may be < 0).
 
@@ -335,8 +354,8 @@ def pick_node(candidates: Sequence[tuple[str, int | None, int, int]], need: int,
 
     Each candidate is (name, capacity, foreign, held) in tokens, in a stable order (ties
     go to the first, so callers order by preference). A node fits when ``need`` is within
-    its headroom and, for a ``watermark`` w < 1, within floor(w x effective capacity) -
-    foreign - held. ``affinity``: tokens added to a node's room when ranking the nodes that
+    its headroom and, for a ``watermark`` w' < 1 (``node_watermark`` of the class's), within
+    floor(w' x effective capacity) - foreign - held. ``affinity``: tokens added to a node's room when ranking the nodes that
     fit, never when fitting (a prefix cached there; missing: 0). Nothing is changed.
     """
     rooms = []

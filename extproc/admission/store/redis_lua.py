@@ -137,7 +137,8 @@ class NodeArg(NamedTuple):
     """NodeArg is ARGV[2] of the admit script when the pool picks nodes (else ``-``).
 
     ``need``: the request's hold (tokens); ``reserve``: the part of each node's capacity
-    kvgate never fills; ``wm``: the class's watermark (1.0: none); with pooled growth
+    kvgate never fills; ``wm``: the class's watermark as ``rules.node_watermark`` gives it
+    (w / (1 - reserve), at most 1; 1.0: none); with pooled growth
     (``shared_nodes.Pooled``, else None), ``fp``, ``pl``, ``pm``, ``pv``: its footprint
     and moments, ``z``: ``rules.z_of`` its quantile (None: 1, no bound below the sum of the
     reservations); ``pt``: the prompt's tokens and ``aff`` the pool's prefix affinity

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.admission.rules import decide, message, queued_message, shed_message
+from extproc.admission.rules import (decide, effective_capacity, message, node_watermark, pick_node,
+                                     queued_message, shed_message)
 from extproc.admission.types import Budget, BucketSpec, Plan, PoolLimits, Refusal
 from extproc.admission.types import Reason
 
@@ -153,3 +154,26 @@ def test_messages_name_the_budget(refusal, words):
 def test_shed_message():
     text = shed_message("default", "batch", 1.0)
     assert "overloaded" in text and "'batch'" in text and "shed" in text
+
+
+@pytest.mark.parametrize(("w", "r", "share"), [
+    (1.0, 0.1, 1.0),       # no watermark
+    (1.5, 0.1, 1.5),       # above 1: none either
+    (0.7, 0.1, 0.7 / 0.9),  # the class fills 0.7 of the whole node, not 0.7 x 0.9
+    (0.95, 0.1, 1.0),      # above 1 - r: the reserve is the tighter
+    (0.5, 0.0, 0.5),
+])
+def test_a_class_watermark_is_a_share_of_the_whole_node(w, r, share):
+    assert node_watermark(w, r) == pytest.approx(share)
+
+
+def test_a_class_at_0_7_takes_two_10k_documents_on_a_32k_node_with_a_reserve_of_0_1():
+    """The transform's reason (rules.node_watermark): cutting the class by the reserve again
+    would leave room for one."""
+    cap, r = 32_768, 0.1
+    doc = 10_500                                     # a 10k-token document and its answer
+    assert effective_capacity(cap, r) * 0.7 < 2 * doc < cap * 0.7
+    second = pick_node([("n", cap, 0, doc)], doc, r, node_watermark(0.7, r))
+    assert second.chosen == "n"
+    cut_twice = pick_node([("n", cap, 0, doc)], doc, r, 0.7)
+    assert cut_twice.chosen is None and cut_twice.by_watermark
