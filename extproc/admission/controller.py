@@ -26,13 +26,14 @@ from extproc.admission.adaptive import ScaleParams
 from extproc.admission.errors import InvalidDemandError, UnknownPoolError
 from extproc.admission.kvbudget import reserved_completion
 from extproc.admission.lease import Lease
-from extproc.admission.nodes import Charge, NodeSnapshot, PassedOver, PoolNodes, Seen
+from extproc.admission.nodes import Charge, NodeSnapshot, PoolNodes, Seen
+from extproc.admission.placement import Placement, attach, place, undo
 from extproc.admission.pool import PoolRuntime
 from extproc.admission.retry import spread
 from extproc.admission.store.base import Store, StoreError, SyncStore
 from extproc.admission.store.memory import MemoryStore
 from extproc.admission.tenants import NOT_CACHED, Tenants
-from extproc.admission.types import (Budget, CachedView, Demand, Grant, NodeReport, Outcome, Plan, PoolLimits, PoolSignals,
+from extproc.admission.types import (CachedView, Demand, Grant, NodeReport, Outcome, Plan, PoolLimits, PoolSignals,
                                      PoolSnapshot, RateInfo, Reason, Refusal, Rejection)
 from extproc.admission.waitqueue import Answer, Step, Waiter, serve
 from extproc.clock import Clock
@@ -356,8 +357,7 @@ class Admission:
             if owner is not None:
                 owner.release(charge, completion, completed, now)
             else:
-                charge.held = False
-                charge.node.drop(charge)
+                charge.drop()
         if p is not None and p.queue.size:
             self._kick(p)
 
@@ -366,20 +366,7 @@ class Admission:
         self._store.settle(grant, 0, now)
         charge = grant.node
         if charge is not None and charge.held:
-            charge.held = False
-            charge.node.drop(charge)
-
-    def _nodes_for(self, p: PoolRuntime, demand: Demand, plan: Plan) -> tuple[PoolNodes, ClassConfig] | Refusal:
-        """_nodes_for is a picking pool's nodes and the plan's class, or the refusal, for good (no
-        retry), of a demand above every node's capacity."""
-        nodes = p.nodes
-        assert nodes is not None
-        cls = self._tenants.class_rule(plan.class_name)
-        pt, ct = demand.prompt_tokens, demand.completion_tokens
-        largest = nodes.never_fits(cls.name, pt, ct)
-        if largest is not None:
-            return Refusal(Budget.NODE_KV, 0.0, False, nodes.hold(pt, ct, 0, cls.name), 0, largest)
-        return nodes, cls
+            charge.drop()
 
     def _seen(self, pool: str, blocks: tuple[int, ...] | None) -> Seen | None:
         """_seen is what each node of ``pool`` caches of the prompt of ``blocks`` by its KV
@@ -393,91 +380,41 @@ class Admission:
             return None if view is None else view.cached(blocks)
         return seen
 
-    def _pick(self, p: PoolRuntime, demand: Demand, plan: Plan, now: float) -> Charge | Refusal:
-        """_pick charges a node of a picking pool for ``demand``, or says why none fits."""
-        got = self._nodes_for(p, demand, plan)
-        if isinstance(got, Refusal):
-            return got
-        nodes, cls = got
-        picked = nodes.pick(cls.name, demand.prompt_tokens, demand.completion_tokens, cls.kv_watermark,
-                            now, demand.among, demand.prefix, self._seen(p.config.name, demand.blocks))
-        if isinstance(picked, Charge):
-            return picked
-        wait = nodes.retry_after(picked.need, now, p.retry_estimate_s)
-        budget = Budget.CLASS_KV if picked.by_watermark else Budget.NODE_KV
-        return Refusal(budget, wait, True, picked.need, picked.best_room or 0, picked.best_room or 0)
+    def _place(self, p: PoolRuntime, demand: Demand, plan: Plan, now: float) -> Placement | Refusal:
+        """_place is ``placement.place`` for a picking pool's demand."""
+        assert p.nodes is not None
+        return place(p.nodes, demand, self._tenants.class_rule(plan.class_name), plan, now, p.retry_estimate_s,
+                     self._store.shares_nodes, self._seen(p.config.name, demand.blocks))
 
     def _admit_now(self, p: PoolRuntime, demand: Demand, plan: Plan, now: float) -> Grant | Refusal:
-        """_admit_now is the in-process store's admission, with a node picked first in a picking pool."""
+        """_admit_now is the in-process store's admission, placed on a node in a picking pool."""
         store = self._sync
         assert store is not None
         if p.nodes is None:
             return store.admit_now(plan, now)
-        charge = self._pick(p, demand, plan, now)
-        return charge if type(charge) is Refusal else self._attach(store.admit_now(plan, now), charge)
+        placed = self._place(p, demand, plan, now)
+        if type(placed) is Refusal:
+            return placed
+        assert isinstance(placed, Placement)
+        return attach(placed, store.admit_now(placed.plan, now), now, p.retry_estimate_s)
 
     async def _admit(self, p: PoolRuntime, demand: Demand, plan: Plan, now: float) -> Grant | Refusal:
         """_admit is ``_admit_now`` for a store that answers asynchronously.
 
-        The node is charged before the store is asked (so that no other request takes the
-        same room meanwhile) and uncharged when the store refuses or fails.
+        A node charged here is charged before the store is asked (so that no other request
+        takes the same room meanwhile) and uncharged when the store refuses or fails.
         """
         if p.nodes is None:
             return await self._store.admit(plan, now)
-        if self._store.shares_nodes:
-            return await self._admit_shared_node(p, demand, plan, now)
-        charge = self._pick(p, demand, plan, now)
-        if isinstance(charge, Refusal):
-            return charge
+        placed = self._place(p, demand, plan, now)
+        if isinstance(placed, Refusal):
+            return placed
         try:
-            res = await self._store.admit(plan, now)
+            res = await self._store.admit(placed.plan, now)
         except BaseException:
-            self._unpick(charge)
+            undo(placed)
             raise
-        return self._attach(res, charge)
-
-    async def _admit_shared_node(self, p: PoolRuntime, demand: Demand, plan: Plan,
-                                 now: float) -> Grant | Refusal:
-        """_admit_shared_node lets a store that shares the nodes' ledger pick the node with the
-        pool's budgets, in one round trip, then records the request in this replica's ledger."""
-        got = self._nodes_for(p, demand, plan)
-        if isinstance(got, Refusal):
-            return got
-        nodes, cls = got
-        pt, ct = demand.prompt_tokens, demand.completion_tokens
-        ask = nodes.ask(cls.name, pt, ct, cls.kv_watermark, now, demand.among, demand.prefix)
-        res = await self._store.admit(Plan(plan.limits, plan.tenant, plan.class_name, plan.tokens,
-                                           plan.tenant_bucket, ask), now)
-        if isinstance(res, Refusal):
-            # A picking pool has no pool-wide KV budget, so its KV refusals are the node rule's.
-            if res.budget is Budget.NODE_KV or res.budget is Budget.CLASS_KV:
-                nodes.passed_over_all(ask, PassedOver.NO_ROOM if res.budget is Budget.NODE_KV
-                                      else PassedOver.CLASS_WATERMARK)
-                wait = nodes.retry_after(ask.need, now, p.retry_estimate_s)
-                return Refusal(res.budget, wait, True, res.needed, res.used, res.limit)
-            return res
-        if res.picked is not None:
-            shared = res.node_shared
-            res.node = nodes.charge(res.picked, cls.name, pt, ct, now, demand.prefix,
-                                    0 if shared is None else shared.credit,
-                                    False if shared is None else shared.by_affinity)
-        return res
-
-    @classmethod
-    def _attach(cls, res: Grant | Refusal, charge: Charge) -> Grant | Refusal:
-        """_attach gives a grant its node charge; a refusal by the store takes the charge back."""
-        if isinstance(res, Grant):
-            res.node = charge
-        else:
-            cls._unpick(charge)
-        return res
-
-    @staticmethod
-    def _unpick(charge: Charge) -> None:
-        """_unpick takes back a node charge the store did not grant: the node is left untouched."""
-        charge.held = False
-        charge.node.drop(charge)
-        charge.node.picks -= 1
+        return attach(placed, res, now, p.retry_estimate_s)
 
     def _move(self, pool: str, charge: Charge, address: str) -> bool:
         p = self._pools.get(pool)

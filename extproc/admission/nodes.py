@@ -192,6 +192,12 @@ class Charge:
         """address is the node's inference endpoint (``HOST:PORT``), where the request goes."""
         return self.node.address
 
+    def drop(self) -> None:
+        """drop takes the charge off its node, teaching nothing (a grant taken back, or a
+        release after its pool was reconfigured away): held no more."""
+        self.held = False
+        self.node.drop(self)
+
     @property
     def footprint(self) -> int:
         """footprint is the KV tokens the request holds on the node now: prompt + generated."""
