@@ -333,18 +333,46 @@ class Admission:
             self._close_pool(p, reason="kvgate is shutting down")
         await self._store.close()
 
-    # --- internals --------------------------------------------------------------
+    # --- the port leases report through (``lease.LeaseOwner``) ----------------------
 
-    def _admitted(self, lease: Lease) -> float:
-        """_admitted registers a new lease with its pool; returns the instant of admission."""
+    def lease_admitted(self, lease: Lease) -> float:
+        """lease_admitted registers a new lease with its pool; returns the instant of admission (s)."""
         now = self._clock.now()
         p = self._pools.get(lease.demand.pool)
         if p is not None:
             p.live[lease] = None
         return now
 
-    def _settle(self, grant: Grant, charged: int, completion: int | None = None,
-                completed: bool = False, lease: Lease | None = None) -> None:
+    def lease_progress(self, pool: str, charge: Charge, generated: int, grant: Grant) -> None:
+        """lease_progress records the tokens a lease's request has generated so far."""
+        p = self._pools.get(pool)
+        if p is not None and p.nodes is not None:
+            p.nodes.progress(charge, generated, self._clock.now())
+            if grant.picked is not None:
+                # What a shared store holds on the node follows at its next lease refresh.
+                grant.node_hold = p.nodes.hold(charge.prompt, charge.reserved, charge.generated,
+                                               charge.class_name)
+                grant.node_pooled = p.nodes.pooled_of(charge)
+        elif charge.first_at is None and generated > 0:
+            charge.first_at = self._clock.now()
+
+    def lease_served(self, pool: str, charge: Charge, address: str) -> bool:
+        """lease_served moves a charge to the node at ``address`` that served it (``Lease.served``)."""
+        p = self._pools.get(pool)
+        if p is None or p.nodes is None:
+            return False
+        if self._store.shares_nodes:
+            # The shared ledger keeps the node its script charged, and so does this replica's:
+            # the node that served counts the request in its own report (foreign KV), so no
+            # node is under-counted; the one picked is over-counted until the request ends.
+            return any(n.address == address for n in p.nodes.nodes.values())
+        return p.nodes.move(charge, address)
+
+    def lease_settled(self, grant: Grant, charged: int, completion: int | None = None,
+                      completed: bool = False, lease: Lease | None = None) -> None:
+        """lease_settled gives a lease's budgets back: the store charged ``charged`` tokens, the
+        node its charge (teaching its class's lengths when ``completed`` with a known
+        ``completion``), and the pool's waiters a walk."""
         now = self._clock.now()
         self._store.settle(grant, charged, now)
         p = self._pools.get(grant.plan.limits.pool)
@@ -360,6 +388,8 @@ class Admission:
                 charge.drop()
         if p is not None and p.queue.size:
             self._kick(p)
+
+    # --- internals --------------------------------------------------------------
 
     def _undo(self, grant: Grant, now: float) -> None:
         """_undo takes back a grant nobody received: the store's charge and the node's."""
@@ -415,29 +445,6 @@ class Admission:
             undo(placed)
             raise
         return attach(placed, res, now, p.retry_estimate_s)
-
-    def _move(self, pool: str, charge: Charge, address: str) -> bool:
-        p = self._pools.get(pool)
-        if p is None or p.nodes is None:
-            return False
-        if self._store.shares_nodes:
-            # The shared ledger keeps the node its script charged, and so does this replica's:
-            # the node that served counts the request in its own report (foreign KV), so no
-            # node is under-counted; the one picked is over-counted until the request ends.
-            return any(n.address == address for n in p.nodes.nodes.values())
-        return p.nodes.move(charge, address)
-
-    def _progress(self, pool: str, charge: Charge, generated: int, grant: Grant) -> None:
-        p = self._pools.get(pool)
-        if p is not None and p.nodes is not None:
-            p.nodes.progress(charge, generated, self._clock.now())
-            if grant.picked is not None:
-                # What a shared store holds on the node follows at its next lease refresh.
-                grant.node_hold = p.nodes.hold(charge.prompt, charge.reserved, charge.generated,
-                                               charge.class_name)
-                grant.node_pooled = p.nodes.pooled_of(charge)
-        elif charge.first_at is None and generated > 0:
-            charge.first_at = self._clock.now()
 
     def _rate(self, p: PoolRuntime, limits: PoolLimits, now: float) -> RateInfo:
         usage = self._store.usage(p.name, now)

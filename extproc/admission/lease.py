@@ -13,16 +13,18 @@ from extproc.admission.types import Demand, Grant, Outcome, RateInfo
 
 
 class LeaseOwner(Protocol):
-    """LeaseOwner is what a lease reports to: the controller that granted it."""
+    """LeaseOwner is the port a lease reports through, to the controller that granted it:
+    its admission (the instant, s), its request's progress (tokens generated), the node that
+    served it, and its settlement (tokens charged, the completion known)."""
 
-    def _admitted(self, lease: Lease) -> float: ...
+    def lease_admitted(self, lease: Lease) -> float: ...
 
-    def _progress(self, pool: str, charge: Charge, generated: int, grant: Grant) -> None: ...
+    def lease_progress(self, pool: str, charge: Charge, generated: int, grant: Grant) -> None: ...
 
-    def _move(self, pool: str, charge: Charge, address: str) -> bool: ...
+    def lease_served(self, pool: str, charge: Charge, address: str) -> bool: ...
 
-    def _settle(self, grant: Grant, charged: int, completion: int | None = None,
-                completed: bool = False, lease: Lease | None = None) -> None: ...
+    def lease_settled(self, grant: Grant, charged: int, completion: int | None = None,
+                      completed: bool = False, lease: Lease | None = None) -> None: ...
 
 
 class Lease:
@@ -45,7 +47,7 @@ class Lease:
         # which can exceed one context window.
         self._max_completion = max(max_completion, demand.completion_tokens)
         self._charge: Charge | None = grant.node
-        self.admitted_at = adm._admitted(self)
+        self.admitted_at = adm.lease_admitted(self)
 
     @property
     def node(self) -> str | None:
@@ -56,19 +58,19 @@ class Lease:
         """progress tells a picked node's ledger how many tokens the request has generated so far."""
         c = self._charge
         if c is not None and not self.released:
-            self._adm._progress(self.demand.pool, c, generated_tokens, self._grant)
+            self._adm.lease_progress(self.demand.pool, c, generated_tokens, self._grant)
 
     def served(self, address: str) -> bool:
         """served moves the request's node charge to ``address`` (``HOST:PORT``), the endpoint
         the proxy says served it, when that is another node of the pool than the one picked.
         False when nothing moved: not picked, released, the same node, or an address that is
         no node of the pool (the charge then stays on the node picked). With a store that
-        shares the nodes' ledger the charge stays on the node picked (see ``_move``): True
+        shares the nodes' ledger the charge stays on the node picked (see ``Admission.lease_served``): True
         for an address that is a node of the pool."""
         c = self._charge
         if c is None or self.released:
             return False
-        return self._adm._move(self.demand.pool, c, address)
+        return self._adm.lease_served(self.demand.pool, c, address)
 
     @property
     def id(self) -> str:
@@ -112,7 +114,7 @@ class Lease:
             charged = d.prompt_tokens + known
         else:
             charged = d.prompt_tokens + d.completion_tokens
-        self._adm._settle(self._grant, charged, known if outcome is Outcome.COMPLETED else None,
+        self._adm.lease_settled(self._grant, charged, known if outcome is Outcome.COMPLETED else None,
                           outcome is Outcome.COMPLETED, self)
         return True
 
@@ -121,7 +123,7 @@ class Lease:
         if not self.released:
             self.released = True
             self.outcome = Outcome.CLIENT_DISCONNECT
-            self._adm._settle(self._grant, 0, None, False, self)
+            self._adm.lease_settled(self._grant, 0, None, False, self)
 
     def __repr__(self) -> str:
         return f"Lease({self.id}, {self.demand.pool}/{self.demand.tenant}, released={self.released})"
