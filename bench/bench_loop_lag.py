@@ -38,7 +38,7 @@ from bench.bench_scrape import LOOPBACK, _serve, pct  # noqa: E402
 from extproc.clock import MonotonicClock  # noqa: E402
 from extproc.config import parse_config  # noqa: E402
 from extproc.signals import scraper as scraper_mod  # noqa: E402
-from extproc.signals.observer import NullObserver  # noqa: E402
+from extproc.signals.observer import UnobservedScrape  # noqa: E402
 from kvgate_testkit import EXPOSITIONS  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -81,7 +81,7 @@ def run(setup: str, cfg, seconds: float) -> list[float]:
     lock = scraper_mod._READ_LOCK
     if setup == "reads concurrent":
         scraper_mod._READ_LOCK = contextlib.nullcontext()  # type: ignore[assignment]
-    scraper = scraper_mod.Scraper(cfg, lambda pool, s: None, NullObserver(), MonotonicClock())
+    scraper = scraper_mod.Scraper(cfg, lambda pool, s: None, UnobservedScrape(), MonotonicClock())
     try:
         if setup != "no scraping":
             scraper.start()

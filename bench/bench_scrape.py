@@ -35,7 +35,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer  # noqa: E40
 from extproc.admission.types import PoolSignals  # noqa: E402
 from extproc.clock import MonotonicClock  # noqa: E402
 from extproc.config import parse_config  # noqa: E402
-from extproc.signals import NullObserver, Scraper, read  # noqa: E402
+from extproc.signals import UnobservedScrape, Scraper, read  # noqa: E402
 from kvgate_testkit import EXPOSITIONS  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -97,7 +97,7 @@ def main() -> None:
             "adaptive": {"poll_interval_s": POLL_INTERVAL_S, "scrape_timeout_s": 0.5, "stale_after_s": 3.0},
         })
         published: list[PoolSignals] = []
-        scraper = Scraper(cfg, lambda pool, s: published.append(s), NullObserver(), MonotonicClock())
+        scraper = Scraper(cfg, lambda pool, s: published.append(s), UnobservedScrape(), MonotonicClock())
         for _ in range(args.warmup):
             scraper.poll_once()
         walls, cpus = [], []

@@ -9,12 +9,12 @@ admission core. Split as *poll* (``poll.fetch``: bounded HTTP GET), *extract* (p
 
 from extproc.signals.aggregate import NodeReading, aggregate
 from extproc.signals.engines import ENGINES, read
-from extproc.signals.observer import NullObserver, ScrapeObserver
+from extproc.signals.observer import UnobservedScrape, ScrapeObserver
 from extproc.signals.poll import fetch
 from extproc.signals.sample import NodeSample, Problem, ScrapeError, ScrapeFailure
 from extproc.signals.scraper import Scraper
 
 __all__ = [
-    "ENGINES", "NodeReading", "NodeSample", "NullObserver", "Problem", "ScrapeError",
+    "ENGINES", "NodeReading", "NodeSample", "UnobservedScrape", "Problem", "ScrapeError",
     "ScrapeFailure", "ScrapeObserver", "Scraper", "aggregate", "fetch", "read",
 ]

@@ -38,8 +38,9 @@ class ScrapeObserver(Protocol):
         ...
 
 
-class NullObserver:
-    """NullObserver ignores every observation: for tools and tests that do not look."""
+class UnobservedScrape:
+    """UnobservedScrape is the scraper's observer that ignores every observation: for tools
+    and tests that do not look."""
 
     __slots__ = ()
 

@@ -79,8 +79,8 @@ class StoreObserver(Protocol):
     def store_nodes(self, pool: str, held: dict[str, int]) -> None: ...
 
 
-class NullObserver:
-    """NullObserver ignores everything: the store without metrics."""
+class UnobservedStore:
+    """UnobservedStore is the store's observer that ignores everything: a store without metrics."""
 
     __slots__ = ()
 

@@ -112,7 +112,7 @@ from extproc.admission.bucket import refilled
 from extproc.admission.rules import node_headroom, pooled_bound
 from extproc.admission.shared_nodes import NodeAsk, SeenGen, Shared, Sums, others_seen
 from extproc.admission.store.base import REPLICA_HEADER, Store
-from extproc.admission.store.fallback import (LOCAL_PREFIX, MODES, Fallback, NullObserver, StoreObserver,
+from extproc.admission.store.fallback import (LOCAL_PREFIX, MODES, Fallback, UnobservedStore, StoreObserver,
                                               StoreUnavailableError, Within)
 from extproc.admission.store.redis_client import MAX_CONNECTIONS, RedisClient, RoundTripError
 from extproc.admission.store.redis_lua import (ADMIT, HEARTBEAT, REFRESH, RELEASE, SETTLE, AdmitArg, AdmitPool,
@@ -286,7 +286,7 @@ class RedisStore(Store):
                  max_connections: int = MAX_CONNECTIONS) -> None:
         self.config = config
         self.replica_id = replica_id or secrets.token_hex(6)
-        self._observer: StoreObserver = observer or NullObserver()
+        self._observer: StoreObserver = observer or UnobservedStore()
         self._clock = clock
         self._ttl = config.lease_ttl_s
         self._refresh_every = min(BEAT_S, config.lease_ttl_s / 3.0)
