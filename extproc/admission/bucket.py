@@ -70,23 +70,6 @@ class TokenBucket:
                 self.tokens = self.capacity
         return self.tokens
 
-    def fits(self, n: float, now: float) -> bool:
-        """fits tells whether ``n`` tokens can be taken at ``now`` without debt."""
-        return n <= self.refill(now) + FIT_SLACK
-
-    def delay(self, n: float, now: float) -> float:
-        """delay is the wait, in seconds from ``now``, until ``n`` tokens fit at the current rate.
-
-        0.0 when they fit now; ``math.inf`` when ``n`` exceeds the capacity (it never fits).
-        """
-        return wait_for(n, self.refill(now), self.capacity, self.rate)
-
-    def take(self, n: float, now: float) -> float:
-        """take removes ``n`` tokens at ``now`` (callers check ``fits`` first); returns tokens left."""
-        self.refill(now)
-        self.tokens -= n
-        return self.tokens
-
     def give(self, n: float, now: float) -> float:
         """give returns ``n`` tokens at ``now``, never above capacity; a negative ``n`` charges more.
 

@@ -69,11 +69,6 @@ def kv_ceilings(watermarks: Mapping[str, float], kv_budget: int | None,
             for name, w in watermarks.items() if w < 1.0}
 
 
-def kv_fits(kv_inflight: int, tokens: int, budget: int | None) -> bool:
-    """kv_fits tells whether ``tokens`` more in-flight KV tokens stay within ``budget``."""
-    return budget is None or kv_inflight + tokens <= budget
-
-
 class KvLedger:
     """KvLedger counts the KV tokens reserved by admitted, unfinished requests of one pool."""
 
