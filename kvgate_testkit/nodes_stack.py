@@ -5,7 +5,9 @@ For the end-to-end tests of per-node admission and for ``bench/``: ``NodesStack`
 pool whose backends are those nodes (each with its ``address`` when ``picking``), and
 Envoy from an Envoy file of ``deploy/`` pointed at loopback (by default
 deploy/envoy-endpoint-picker.yaml, whose ORIGINAL_DST cluster goes where kvgate says;
-deploy/envoy.yaml's inference cluster is then given every node, round robin).
+deploy/envoy.yaml's inference cluster is then given every node, round robin). Without
+kvgate (``kvgate=False``) it is plain Envoy round robin over the nodes: deploy/envoy.yaml without
+its ext_proc filter, the control that a benchmark compares kvgate with.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from extproc.envoyconf import HEADER_MUTATION_TYPE
 from extproc.localstack import render_envoy
 from kvgate_testkit.kvmetrics import LoopbackStack
 from kvgate_testkit.procs import LOOPBACK, ROOT, VENV_BIN, Proc, free_port
+from kvgate_testkit.stack import without_processor
 
 PICKER_ENVOY = ROOT / "deploy" / "envoy-endpoint-picker.yaml"
 POOL_ENVOY = ROOT / "deploy" / "envoy.yaml"
@@ -63,18 +66,21 @@ class NodesStack(LoopbackStack):
     ``pool`` updates kvgate's pool settings; ``config`` updates the rest of kvgate's file.
     ``nodes_of``: another stack whose nodes this one's kvgate and Envoy use (a second
     gateway replica in front of the same nodes); they are then neither started nor
-    stopped here.
+    stopped here. ``kvgate=False``: no kvgate, Envoy's round robin alone (``picking`` is
+    then ignored).
     """
 
     def __init__(self, workdir: Path, *, nodes: int = 3, kv_capacity_tokens: int = 100_000,
                  picking: bool = True, envoy_template: Path | None = None,
                  sim_args: Sequence[str] = (), pool: dict[str, Any] | None = None,
                  config: dict[str, Any] | None = None, lb_policy: str | None = None,
-                 discover: bool = False, nodes_of: NodesStack | None = None) -> None:
+                 discover: bool = False, nodes_of: NodesStack | None = None,
+                 kvgate: bool = True) -> None:
         super().__init__()
         self.workdir = workdir
-        self.picking = picking
-        self.envoy_template = envoy_template or (PICKER_ENVOY if picking else POOL_ENVOY)
+        self.kvgate = kvgate
+        self.picking = picking and kvgate
+        self.envoy_template = envoy_template or (PICKER_ENVOY if self.picking else POOL_ENVOY)
         self.kv_capacity_tokens = kv_capacity_tokens
         self.sim_args = list(sim_args)
         self.pool = pool or {}
@@ -133,14 +139,8 @@ class NodesStack(LoopbackStack):
                     "--seed", str(i), *self.sim_args])
             for i, port in enumerate(self.node_ports if self.own_nodes else ()):
                 self.procs[self.node_name(i)].wait_port(port)
-            path = self.workdir / "kvgate.yaml"
-            path.write_text(yaml.safe_dump(self.kvgate_config(), sort_keys=False))
-            kv = self._spawn("kvgate", [py, "-m", "extproc", "serve", "--config", str(path),
-                                        "--grpc-listen", f"{LOOPBACK}:{self.grpc_port}",
-                                        "--admin-listen", f"{LOOPBACK}:{self.admin_port}",
-                                        "--log-level", "info"])
-            kv.wait_port(self.admin_port)
-            kv.wait_port(self.grpc_port)
+            if self.kvgate:
+                self._start_kvgate()
             envoy_yaml = self.workdir / "envoy.yaml"
             envoy_yaml.write_text(yaml.safe_dump(self.envoy_config(), sort_keys=False))
             self._spawn("envoy", [str(VENV_BIN / "envoy"), "-c", str(envoy_yaml), "--log-level",
@@ -150,6 +150,16 @@ class NodesStack(LoopbackStack):
             self.stop()
             raise
         return self
+
+    def _start_kvgate(self) -> None:
+        path = self.workdir / "kvgate.yaml"
+        path.write_text(yaml.safe_dump(self.kvgate_config(), sort_keys=False))
+        kv = self._spawn("kvgate", [sys.executable, "-m", "extproc", "serve", "--config", str(path),
+                                    "--grpc-listen", f"{LOOPBACK}:{self.grpc_port}",
+                                    "--admin-listen", f"{LOOPBACK}:{self.admin_port}",
+                                    "--log-level", "info"])
+        kv.wait_port(self.admin_port)
+        kv.wait_port(self.grpc_port)
 
     def envoy_config(self) -> dict[str, Any]:
         """envoy_config is the Envoy file pointed at loopback; a round-robin upstream gets every node."""
@@ -163,6 +173,8 @@ class NodesStack(LoopbackStack):
                 {"lb_endpoints": [_endpoint(p) for p in self.node_ports]}]}
             if self.lb_policy:
                 cluster["lb_policy"] = self.lb_policy
+        if not self.kvgate:
+            without_processor(cfg)
         return cfg
 
     def _spawn(self, name: str, argv: list[str]) -> Proc:
