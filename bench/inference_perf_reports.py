@@ -7,7 +7,8 @@ inference-perf (kubernetes-sigs, PyPI ``inference-perf``) writes, per load stage
 - ``stage_N_lifecycle_metrics.json``: what its client saw. ``load_summary`` (``requested_rate``,
   ``achieved_rate`` in requests per second, ``count`` sent), ``successes`` (``count``,
   ``latency.time_to_first_token`` and the other latencies in seconds as ``mean``/``median``/
-  ``p90``/``p99``..., ``throughput.output_tokens_per_sec`` and ``requests_per_sec``),
+  ``p90``/``p99``..., ``throughput.output_tokens_per_sec`` and ``requests_per_sec``,
+  ``prompt_tokens.mean``: the server's ``usage.prompt_tokens`` where it reports them),
   ``failures`` (``count``, ``by_label``: ``{"429 - ...": {"count": n}}``);
 - ``inference-perf.partial.stage_N.yaml``: its slice of a BR0.2 report, whose ``run.time``
   (``start``, ``end``, ISO 8601) is the stage's wall-clock window.
@@ -42,8 +43,9 @@ KV_USAGE = "vllm:kv_cache_usage_perc"
 class Stage:
     """Stage is what inference-perf reported for one load stage: rates in requests per second,
     latencies in seconds (None when no request succeeded), throughput in tokens or requests
-    per second, ``failures`` by inference-perf's label (e.g. ``429 - rate limited``), and the
-    stage's wall-clock window (epoch seconds; None when its partial report is missing)."""
+    per second, ``failures`` by inference-perf's label (e.g. ``429 - rate limited``), the mean
+    prompt in tokens (the server's count where it reports one), and the stage's wall-clock
+    window (epoch seconds; None when its partial report is missing)."""
 
     index: int
     rate: float
@@ -56,6 +58,7 @@ class Stage:
     latency_p50: float | None
     output_tokens_per_s: float
     requests_per_s: float
+    prompt_tokens_mean: float | None = None
     start: float | None = None
     end: float | None = None
 
@@ -91,6 +94,7 @@ def stage_from(index: int, report: dict[str, Any], window: tuple[float, float] |
         latency_p50=_quantile(latency.get("request_latency"), "median"),
         output_tokens_per_s=float(throughput.get("output_tokens_per_sec", 0.0)),
         requests_per_s=float(throughput.get("requests_per_sec", 0.0)),
+        prompt_tokens_mean=_quantile(ok.get("prompt_tokens"), "mean"),
         start=window[0] if window else None, end=window[1] if window else None)
 
 
@@ -233,5 +237,7 @@ def tables(measured: Sequence[Measured], baseline: str | None = None) -> list[st
     for index in sorted({m.stage.index for m in measured}):
         rows = [m for m in measured if m.stage.index == index]
         rate = rows[0].stage.rate
-        out += [f"### Stage {index}: {rate:g} requests/s offered", "", *stage_table(rows, baseline), ""]
+        prompt = next((m.stage.prompt_tokens_mean for m in rows if m.stage.prompt_tokens_mean), None)
+        size = "" if prompt is None else f", prompts of {prompt:.0f} tokens on average (the nodes' count)"
+        out += [f"### Stage {index}: {rate:g} requests/s offered{size}", "", *stage_table(rows, baseline), ""]
     return out
