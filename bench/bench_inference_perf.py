@@ -236,7 +236,9 @@ def report(measured: list[Measured], args: argparse.Namespace, command: str, wal
         "retry (inference-perf retries only connection failures). Nodes' figures over each stage's window, "
         f"sampled every {SAMPLE_S:g} s: preemptions (`vllm:num_preemptions_total`, all nodes), prefix hit rate "
         "(`vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total`, tokens, all nodes), KV peak (the "
-        "highest `vllm:kv_cache_usage_perc` of any node). Prompts are Llama 3 tokens for inference-perf; "
+        "highest `vllm:kv_cache_usage_perc` of any node), waiting at the nodes (the most "
+        "`vllm:num_requests_waiting` at once, all nodes: where round robin queues; kvgate queues in front of "
+        "the nodes instead). Prompts are Llama 3 tokens for inference-perf; "
         "the nodes and kvgate count them with cl100k, so the nodes' prompt lengths differ a little.", "",
         "The workload (inference-perf's config; the URL, tokenizer and report paths are the run's own):", "",
         "```yaml", yaml.safe_dump(public_workload(cfg), sort_keys=False).rstrip(), "```", "",

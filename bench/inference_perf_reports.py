@@ -37,6 +37,7 @@ PREEMPTIONS = "vllm:num_preemptions_total"
 PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
 PREFIX_HITS = "vllm:prefix_cache_hits_total"
 KV_USAGE = "vllm:kv_cache_usage_perc"
+WAITING = "vllm:num_requests_waiting"
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,13 +144,15 @@ class Sample:
 @dataclass(frozen=True, slots=True)
 class NodeFigures:
     """NodeFigures is what the nodes did during a stage: preemptions (all nodes), prefix-cache
-    queries and hits (tokens, all nodes), and the highest KV usage any node showed (0..1).
-    None where the samples do not cover the stage."""
+    queries and hits (tokens, all nodes), the highest KV usage any node showed (0..1), and the
+    most requests waiting in the nodes' own queues at once (all nodes; where a setup queues,
+    beside kvgate's queue). None where the samples do not cover the stage."""
 
     preemptions: float | None = None
     prefix_queries: float | None = None
     prefix_hits: float | None = None
     kv_peak: float | None = None
+    waiting_peak: float | None = None
 
     @property
     def hit_rate(self) -> float | None:
@@ -171,12 +174,13 @@ def node_figures(samples: Sequence[Sample], start: float | None, end: float | No
     order; every figure None when the window is unknown."""
     if start is None or end is None:
         return NodeFigures()
-    inside = [max((n.get(KV_USAGE, 0.0) for n in s.nodes), default=0.0)
-              for s in samples if start <= s.at <= end]
+    inside = [s for s in samples if start <= s.at <= end]
     return NodeFigures(preemptions=_delta(samples, PREEMPTIONS, start, end),
                        prefix_queries=_delta(samples, PREFIX_QUERIES, start, end),
                        prefix_hits=_delta(samples, PREFIX_HITS, start, end),
-                       kv_peak=max(inside) if inside else None)
+                       kv_peak=max((max((n.get(KV_USAGE, 0.0) for n in s.nodes), default=0.0)
+                                    for s in inside), default=None),
+                       waiting_peak=max((s.total(WAITING) for s in inside), default=None))
 
 
 # --- the report's tables -----------------------------------------------------------------------
@@ -210,15 +214,15 @@ def stage_table(rows: Sequence[Measured], baseline: str | None = None) -> list[s
     """stage_table is one stage's markdown table, a line per setup; with ``baseline`` (a setup's
     name) a last line gives each other setup's TTFT and throughput over the baseline's."""
     lines = ["| setup | completed / sent | failures | achieved rate (req/s) | TTFT p50 (s) | TTFT p99 (s) | "
-             "latency p50 (s) | output tok/s | preemptions | prefix hit rate | KV peak |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "latency p50 (s) | output tok/s | preemptions | prefix hit rate | KV peak | waiting at the nodes, most |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for m in rows:
         s, n = m.stage, m.nodes
         lines.append(
             f"| {m.setup} | {s.completed} / {s.sent} | {_failures(s)} | {_num(s.achieved_rate, '.2f')} | "
             f"{_num(s.ttft_p50, '.3f')} | {_num(s.ttft_p99, '.3f')} | {_num(s.latency_p50, '.2f')} | "
             f"{s.output_tokens_per_s:.0f} | {_num(n.preemptions, 'g')} | {_num(n.hit_rate, '.2f')} | "
-            f"{_num(n.kv_peak, '.2f')} |")
+            f"{_num(n.kv_peak, '.2f')} | {_num(n.waiting_peak, 'g')} |")
     base = next((m for m in rows if m.setup == baseline), None)
     for m in rows:
         if base is None or m is base:
@@ -227,7 +231,7 @@ def stage_table(rows: Sequence[Measured], baseline: str | None = None) -> list[s
         lines.append(
             f"| {m.setup} ÷ {base.setup} | | | | {_num(_ratio(s.ttft_p50, b.ttft_p50), '.2f')}x | "
             f"{_num(_ratio(s.ttft_p99, b.ttft_p99), '.2f')}x | {_num(_ratio(s.latency_p50, b.latency_p50), '.2f')}x | "
-            f"{_num(_ratio(s.output_tokens_per_s, b.output_tokens_per_s), '.2f')}x | | | |")
+            f"{_num(_ratio(s.output_tokens_per_s, b.output_tokens_per_s), '.2f')}x | | | | |")
     return lines
 
 

@@ -16,6 +16,7 @@ from bench.inference_perf_reports import (
     PREEMPTIONS,
     PREFIX_HITS,
     PREFIX_QUERIES,
+    WAITING,
     Measured,
     NodeFigures,
     Sample,
@@ -107,18 +108,18 @@ def test_read_stages_pairs_each_report_with_its_window_in_stage_order(tmp_path: 
 
 
 def sample(at: float, preempt: tuple[float, ...], queries: tuple[float, ...], hits: tuple[float, ...],
-           kv: tuple[float, ...]) -> Sample:
-    return Sample(at, tuple({PREEMPTIONS: p, PREFIX_QUERIES: q, PREFIX_HITS: h, KV_USAGE: k}
-                            for p, q, h, k in zip(preempt, queries, hits, kv, strict=True)))
+           kv: tuple[float, ...], waiting: tuple[float, ...] = (0, 0, 0)) -> Sample:
+    return Sample(at, tuple({PREEMPTIONS: p, PREFIX_QUERIES: q, PREFIX_HITS: h, KV_USAGE: k, WAITING: w}
+                            for p, q, h, k, w in zip(preempt, queries, hits, kv, waiting, strict=True)))
 
 
 SAMPLES = [
     sample(97.0, (0, 0, 0), (0, 0, 0), (0, 0, 0), (0.0, 0.0, 0.0)),        # before: not this stage's
     sample(99.0, (1, 0, 0), (1000, 0, 0), (0, 0, 0), (0.1, 0.0, 0.0)),    # last at or before the start
-    sample(100.5, (1, 0, 0), (2000, 0, 0), (500, 0, 0), (0.5, 0.2, 0.0)),
-    sample(105.0, (2, 1, 0), (5000, 3000, 0), (2500, 1500, 0), (0.3, 0.9, 0.1)),
+    sample(100.5, (1, 0, 0), (2000, 0, 0), (500, 0, 0), (0.5, 0.2, 0.0), (4, 0, 0)),
+    sample(105.0, (2, 1, 0), (5000, 3000, 0), (2500, 1500, 0), (0.3, 0.9, 0.1), (2, 2, 1)),
     sample(110.2, (4, 1, 0), (6000, 4000, 1000), (3000, 2000, 500), (0.2, 0.1, 0.0)),  # first at or after the end
-    sample(120.0, (9, 9, 9), (9e6, 0, 0), (0, 0, 0), (1.0, 1.0, 1.0)),     # after: not this stage's
+    sample(120.0, (9, 9, 9), (9e6, 0, 0), (0, 0, 0), (1.0, 1.0, 1.0), (50, 0, 0)),  # after: not this stage's
 ]
 
 
@@ -128,6 +129,7 @@ def test_a_stage_gets_the_counters_between_its_bounding_samples_summed_over_node
     assert n.prefix_queries == 11000 - 1000 and n.prefix_hits == 5500 - 0
     assert n.hit_rate == pytest.approx(0.55)
     assert n.kv_peak == 0.9  # the highest of any node inside the window
+    assert n.waiting_peak == 5  # the most waiting at once, all nodes together (not 4 + 2)
 
 
 def test_samples_that_do_not_cover_a_stage_give_no_figures() -> None:
@@ -145,16 +147,16 @@ def test_each_stage_gets_its_table_with_setups_side_by_side_and_ratios_to_the_ba
                                                      "throughput": {"output_tokens_per_sec": 170.5,
                                                                     "requests_per_sec": 1.0}}})
     other = stage_from(0, STAGE_1)
-    text = "\n".join(tables([Measured("round-robin", rr, NodeFigures(3, 1000, 500, 0.97)),
-                             Measured("kvgate-prefix", kv, NodeFigures(0, 1000, 900, 0.71)),
+    text = "\n".join(tables([Measured("round-robin", rr, NodeFigures(3, 1000, 500, 0.97, 12)),
+                             Measured("kvgate-prefix", kv, NodeFigures(0, 1000, 900, 0.71, 0)),
                              Measured("round-robin", other)], baseline="round-robin"))
     lines = text.splitlines()
     assert lines.index("### Stage 0: 2 requests/s offered, prompts of 3064 tokens on average (the nodes' count)") \
         < lines.index("### Stage 1: 2 requests/s offered, prompts of 3064 tokens on average (the nodes' count)")
-    assert "| round-robin | 20 / 20 | 0 | 2.04 | 0.081 | 0.225 | 5.45 | 341 | 3 | 0.50 | 0.97 |" in lines
-    assert "| kvgate-prefix | 18 / 20 | 2 (429 - Rate Limit: 2) | 2.04 | 0.040 | 0.110 | 5.00 | 170 | 0 | 0.90 | 0.71 |" \
-        in lines
-    assert "| kvgate-prefix ÷ round-robin | | | | 0.49x | 0.49x | 0.92x | 0.50x | | | |" in lines
+    assert "| round-robin | 20 / 20 | 0 | 2.04 | 0.081 | 0.225 | 5.45 | 341 | 3 | 0.50 | 0.97 | 12 |" in lines
+    assert "| kvgate-prefix | 18 / 20 | 2 (429 - Rate Limit: 2) | 2.04 | 0.040 | 0.110 | 5.00 | 170 | 0 | 0.90 | 0.71 " \
+        "| 0 |" in lines
+    assert "| kvgate-prefix ÷ round-robin | | | | 0.49x | 0.49x | 0.92x | 0.50x | | | | |" in lines
     assert sum(line.startswith("| kvgate-prefix ÷") for line in lines) == 1  # stage 0 has no kvgate row
 
 
