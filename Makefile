@@ -14,8 +14,19 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_VERSION ?= 0.32.0
 # e.g. BENCH_VLLM_ARGS="--runs 3 --rows direct,kvgate"
 BENCH_VLLM_ARGS ?=
+# inference-perf (kubernetes-sigs, PyPI) for `make bench-inference-perf`: a client no one here
+# wrote, in its own virtualenv (it needs Python >= 3.12), never part of `make install` or `make test`.
+IP_VENV := .venv-inference-perf
+IP_PY := $(IP_VENV)/bin/python
+IP_STAMP := $(IP_VENV)/.installed
+INFERENCE_PERF_VERSION ?= 0.7.0
+# The Python that makes $(IP_VENV); empty: the first of python3.13, python3.12, python3 and
+# pyenv's 3.12+ versions that runs and is >= 3.12 (a pyenv shim of a version not selected fails).
+INFERENCE_PERF_PYTHON ?=
+# e.g. BENCH_IP_ARGS="--rates 2,4,8 --stage-s 20"
+BENCH_IP_ARGS ?=
 
-.PHONY: install run test test-under-load test-unit test-e2e test-vllm bench bench-admission bench-overhead bench-cpu bench-instructions bench-picker bench-prefix bench-protection bench-redis bench-redis-prefix bench-redis-timeout bench-scrape bench-tokens bench-trace bench-replicas bench-vllm bench-vllm-prefix bench-loop-lag bench-big-prompt bench-memory bench-log-batches bench-pick bench-usage-filter bench-fairness install-vllm record-kv-events check-config clean
+.PHONY: install run test test-under-load test-unit test-e2e test-vllm bench bench-admission bench-overhead bench-cpu bench-instructions bench-picker bench-prefix bench-protection bench-redis bench-redis-prefix bench-redis-timeout bench-scrape bench-tokens bench-trace bench-replicas bench-vllm bench-vllm-prefix bench-loop-lag bench-big-prompt bench-memory bench-log-batches bench-pick bench-usage-filter bench-fairness install-vllm install-inference-perf bench-inference-perf record-kv-events check-config clean
 
 install: $(STAMP)
 
@@ -195,6 +206,33 @@ bench-vllm: install install-vllm
 bench-vllm-prefix: install install-vllm
 	mkdir -p $(BENCH_OUT)
 	$(PY) bench/bench_vllm.py --scenario prefix --vllm-python $(VLLM_PY) --out $(BENCH_OUT) $(BENCH_VLLM_ARGS)
+
+install-inference-perf: $(IP_STAMP)
+
+$(IP_STAMP):
+	@py='$(INFERENCE_PERF_PYTHON)'; \
+	if [ -n "$$py" ]; then \
+	  $$py -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null || { \
+	    echo "error: INFERENCE_PERF_PYTHON=$$py is not a Python >= 3.12 that runs; inference-perf needs one" >&2; exit 2; }; \
+	else \
+	  for c in python3.13 python3.12 python3 $$(ls -d "$$(pyenv root 2>/dev/null)"/versions/3.1[2-9]*/bin/python3 2>/dev/null); do \
+	    if $$c -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then py=$$c; break; fi; \
+	  done; \
+	  [ -n "$$py" ] || { echo "error: inference-perf needs Python >= 3.12, and none of python3.13, python3.12, python3 (nor a pyenv version) is one that runs here; install one or name it: make install-inference-perf INFERENCE_PERF_PYTHON=/path/to/python3.12" >&2; exit 2; }; \
+	fi; \
+	echo "$(IP_VENV) with $$py ($$($$py -V))"; \
+	test -x $(IP_PY) || $$py -m venv $(IP_VENV)
+	$(IP_PY) -m pip install -q --upgrade pip
+	$(IP_PY) -m pip install -q 'inference-perf==$(INFERENCE_PERF_VERSION)'
+	$(IP_PY) -c 'import inference_perf.main'
+	touch $(IP_STAMP)
+
+# One inference-perf shared_prefix workload, rates stepped up, through Envoy's round robin and
+# through kvgate picking by prefix, over three simulated nodes that cache prefixes (issue 29);
+# report $(BENCH_OUT)/inference-perf.md. Outside `make bench` and `make test`.
+bench-inference-perf: install install-inference-perf
+	mkdir -p $(BENCH_OUT)
+	$(PY) bench/bench_inference_perf.py --inference-perf $(IP_VENV)/bin/inference-perf --out $(BENCH_OUT)/inference-perf.md $(BENCH_IP_ARGS)
 
 bench-loop-lag: install
 	mkdir -p $(BENCH_OUT)

@@ -5,7 +5,9 @@ For the end-to-end tests of per-node admission and for ``bench/``: ``NodesStack`
 pool whose backends are those nodes (each with its ``address`` when ``picking``), and
 Envoy from an Envoy file of ``deploy/`` pointed at loopback (by default
 deploy/envoy-endpoint-picker.yaml, whose ORIGINAL_DST cluster goes where kvgate says;
-deploy/envoy.yaml's inference cluster is then given every node, round robin).
+deploy/envoy.yaml's inference cluster is then given every node, round robin). Without
+kvgate (``kvgate=False``) it is plain Envoy round robin over the nodes: deploy/envoy.yaml without
+its ext_proc filter, the control that a benchmark compares kvgate with.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from extproc.envoyconf import HEADER_MUTATION_TYPE
 from extproc.localstack import is_processor_cluster, render_envoy
 from kvgate_testkit.kvmetrics import LoopbackStack
 from kvgate_testkit.procs import LOOPBACK, ROOT, VENV_BIN, Proc, free_port
-from kvgate_testkit.stack import envoy_config
+from kvgate_testkit.stack import without_processor
 
 PICKER_ENVOY = ROOT / "deploy" / "envoy-endpoint-picker.yaml"
 POOL_ENVOY = ROOT / "deploy" / "envoy.yaml"
@@ -90,8 +92,9 @@ class NodesStack(LoopbackStack):
     ``nodes_of``: another stack whose nodes this one's kvgate and Envoy use (a second
     gateway replica in front of the same nodes); they are then neither started nor
     stopped here. ``kvgate`` False: no kvgate at all, Envoy (deploy/envoy.yaml without
-    ext_proc) balances the nodes round robin; ``route_header`` then also sends a request
-    whose header of that name is ``i`` to node ``i`` (``header_routes``).
+    ext_proc) balances the nodes round robin (``picking`` is then ignored);
+    ``route_header`` also sends a request whose header of that name is ``i`` to node ``i``
+    (``header_routes``).
     """
 
     def __init__(self, workdir: Path, *, nodes: int = 3, kv_capacity_tokens: int = 100_000,
@@ -101,11 +104,11 @@ class NodesStack(LoopbackStack):
                  discover: bool = False, nodes_of: NodesStack | None = None, kvgate: bool = True,
                  route_header: str | None = None) -> None:
         super().__init__()
-        self.kvgate = kvgate
         self.route_header = route_header
         self.workdir = workdir
-        self.picking = picking
-        self.envoy_template = envoy_template or (PICKER_ENVOY if picking else POOL_ENVOY)
+        self.kvgate = kvgate
+        self.picking = picking and kvgate
+        self.envoy_template = envoy_template or (PICKER_ENVOY if self.picking else POOL_ENVOY)
         self.kv_capacity_tokens = kv_capacity_tokens
         self.sim_args = list(sim_args)
         self.pool = pool or {}
@@ -165,14 +168,7 @@ class NodesStack(LoopbackStack):
             for i, port in enumerate(self.node_ports if self.own_nodes else ()):
                 self.procs[self.node_name(i)].wait_port(port)
             if self.kvgate:
-                path = self.workdir / "kvgate.yaml"
-                path.write_text(yaml.safe_dump(self.kvgate_config(), sort_keys=False))
-                kv = self._spawn("kvgate", [py, "-m", "extproc", "serve", "--config", str(path),
-                                            "--grpc-listen", f"{LOOPBACK}:{self.grpc_port}",
-                                            "--admin-listen", f"{LOOPBACK}:{self.admin_port}",
-                                            "--log-level", "info"])
-                kv.wait_port(self.admin_port)
-                kv.wait_port(self.grpc_port)
+                self._start_kvgate()
             envoy_yaml = self.workdir / "envoy.yaml"
             envoy_yaml.write_text(yaml.safe_dump(self.envoy_config(), sort_keys=False))
             self._spawn("envoy", [str(VENV_BIN / "envoy"), "-c", str(envoy_yaml), "--log-level",
@@ -183,14 +179,21 @@ class NodesStack(LoopbackStack):
             raise
         return self
 
+    def _start_kvgate(self) -> None:
+        path = self.workdir / "kvgate.yaml"
+        path.write_text(yaml.safe_dump(self.kvgate_config(), sort_keys=False))
+        kv = self._spawn("kvgate", [sys.executable, "-m", "extproc", "serve", "--config", str(path),
+                                    "--grpc-listen", f"{LOOPBACK}:{self.grpc_port}",
+                                    "--admin-listen", f"{LOOPBACK}:{self.admin_port}",
+                                    "--log-level", "info"])
+        kv.wait_port(self.admin_port)
+        kv.wait_port(self.grpc_port)
+
     def envoy_config(self) -> dict[str, Any]:
         """envoy_config is the Envoy file pointed at loopback; a round-robin upstream gets every node."""
-        if self.kvgate:
-            cfg = render_envoy(yaml.safe_load(self.envoy_template.read_text()), listen=self.envoy_port,
-                               admin=0, grpc=self.grpc_port, upstream=self.node_ports[0])
-            cfg.pop("admin", None)
-        else:
-            cfg = envoy_config(listen=self.envoy_port, upstream=self.node_ports[0], grpc=None)
+        cfg = render_envoy(yaml.safe_load(self.envoy_template.read_text()), listen=self.envoy_port,
+                           admin=0, grpc=self.grpc_port, upstream=self.node_ports[0])
+        cfg.pop("admin", None)
         for cluster in cfg["static_resources"]["clusters"]:
             if cluster["name"] == "kvgate" or cluster.get("type") == "ORIGINAL_DST":
                 continue
@@ -199,6 +202,8 @@ class NodesStack(LoopbackStack):
                 cluster["lb_policy"] = self.lb_policy
         if self.route_header is not None:
             header_routes(cfg, self.route_header, self.node_ports)
+        if not self.kvgate:
+            without_processor(cfg)
         return cfg
 
     def _spawn(self, name: str, argv: list[str]) -> Proc:

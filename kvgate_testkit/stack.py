@@ -80,14 +80,27 @@ def envoy_config(*, listen: int, upstream: int, grpc: int | None,
                     if header["name"] == "content-length":
                         header["range_match"]["start"] = max_body_bytes + 1
     if grpc is None:
-        hcm["http_filters"] = [f for f in hcm["http_filters"] if not _is_ext_proc(f)]
-        cfg["static_resources"]["clusters"] = [
-            c for c in cfg["static_resources"]["clusters"] if c["name"] != "kvgate"]
-        for route in vhost["routes"]:  # per-route settings of a filter that is gone
-            per_filter = route.get("typed_per_filter_config", {})
-            for name in [n for n in per_filter if n.startswith(EXT_PROC)]:
-                del per_filter[name]
+        without_processor(cfg)
     return cfg
+
+
+def without_processor(cfg: dict[str, Any]) -> None:
+    """without_processor removes kvgate from a rendered Envoy file in place: its ext_proc
+    filter, the routes' settings of that filter, the access logs sent to it and the ``kvgate``
+    cluster (plain Envoy)."""
+    hcm = _hcm(cfg)
+    hcm["http_filters"] = [f for f in hcm["http_filters"] if not _is_ext_proc(f)]
+    hcm["access_log"] = [a for a in hcm.get("access_log", []) if (
+        a.get("typed_config", {}).get("common_config", {}).get("grpc_service", {})
+        .get("envoy_grpc", {}).get("cluster_name") != "kvgate")]
+    if not hcm["access_log"]:
+        del hcm["access_log"]
+    cfg["static_resources"]["clusters"] = [
+        c for c in cfg["static_resources"]["clusters"] if c["name"] != "kvgate"]
+    for route in hcm["route_config"]["virtual_hosts"][0]["routes"]:  # settings of a filter that is gone
+        per_filter = route.get("typed_per_filter_config", {})
+        for name in [n for n in per_filter if n.startswith(EXT_PROC)]:
+            del per_filter[name]
 
 
 def _is_ext_proc(http_filter: dict[str, Any]) -> bool:

@@ -15,12 +15,12 @@ pytestmark = pytest.mark.bench
 
 
 def bench_commands(*make_args: str) -> list[str]:
-    # bench-vllm stays out of `make bench` (it installs the several-GB engine) but writes its
-    # report by the same rule.
+    # bench-vllm and bench-inference-perf stay out of `make bench` (each installs a virtualenv of
+    # its own, the engine several GB) but write their reports by the same rule.
     # The Makefile's defaults, not those of a make that runs this suite (its command-line
     # variables, BENCH_OUT included, reach a child make through MAKEFLAGS).
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "BENCH_OUT")}
-    out = subprocess.run(["make", "-n", "bench", "bench-vllm", "bench-vllm-prefix", *make_args], cwd=ROOT,
+    out = subprocess.run(["make", "-n", "bench", "bench-vllm", "bench-vllm-prefix", "bench-inference-perf", *make_args], cwd=ROOT,
                          capture_output=True,
                          text=True, timeout=60, check=True, env=env).stdout
     return [line for line in out.splitlines() if re.search(r"bench/bench_\w+\.py", line)]
