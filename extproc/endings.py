@@ -1,34 +1,24 @@
-"""endings: how an admitted request ends, in every release mode, and who settles it.
+"""endings: the requests whose end comes from elsewhere than their own ext_proc stream, and
+the access log that tells it.
 
-A lease is granted at the request body and released once, with a cause (the admission
-core's ``Outcome``). How the request's end reaches kvgate depends on what Envoy sends: the
-exchange names it once, at admission, as a ``ReleaseMode`` chosen from the stream's protocol
-(is the response body sent to this stream?) and the route's ``release`` key
-(``gate.RouteRelease``). The modes and the Envoy files of deploy/ that give them:
+A lease is granted at the request body and released once, with a cause
+(``extproc.request.causes``). How the request's end reaches kvgate is its ``ReleaseMode``,
+named once, at admission, from the Envoy file's profile (``extproc.request.profile``):
 
-==================  ===========================================  ==================================
-mode                files (``kvgate envoy-filter --mode``)       the lease is released
-==================  ===========================================  ==================================
-STREAM_AND_LOG      envoy.yaml (three-message), four-message,    at the response's end of stream,
-                    endpoint-picker, jwt                         or the stream's end; the access
-                                                                 log entry tells the cause of a
-                                                                 stream cut short
-STREAM              inference-pool (FULL_DUPLEX_STREAMED), any   the same; a stream cut short is a
-                    route without ``release: stream_and_log``    client_disconnect
-OBSERVED_AND_LOG    observe                                      when the observability-mode
-                                                                 stream shows the response's end,
-                                                                 or ends; the entry tells the cause
-OBSERVED            observe, a route without the key            the same, without the entry
-UNREAD              reservation                                  when the admission stream ends
-                                                                 (cause ``ended``, the completion
-                                                                 charged at its reservation)
-ACCESS_LOG          access-log, endpoint-picker-log              when the access log entry comes
-                                                                 (parked until then, at most
-                                                                 ``server.access_log_ttl_s``)
-==================  ===========================================  ==================================
-
-UNREAD is told apart from OBSERVED* only later: the reservation file sends the response
-headers (never the body) to the admission stream, the observe file to the observing one.
+==================  ==================================================================
+mode                the lease is released
+==================  ==================================================================
+STREAM_AND_LOG      at the response's end of stream, or the stream's end; the access log
+                    entry tells the cause of a stream cut short
+STREAM              the same; a stream cut short is a client_disconnect
+OBSERVED_AND_LOG    when the observability-mode stream shows the response's end, or ends;
+                    the entry tells the cause
+OBSERVED            the same, without the entry
+UNREAD              when the admission stream ends (cause ``ended``, the completion charged
+                    at its reservation)
+ACCESS_LOG          when the access log entry comes (parked until then, at most
+                    ``server.access_log_ttl_s``)
+==================  ==================================================================
 
 ``Endings`` is the one registry of requests whose end comes from elsewhere than their own
 ext_proc stream: the observed requests by link (``Link``, with the observing stream's
@@ -44,8 +34,6 @@ endpoint-picker-log file's ``access_log_flush_interval``) tells a parked request
 ledger its tokens so far and the node that serves it (``Exchange.progressed``), and nothing
 else.
 
-``cause_of`` and ``charged_completion`` are the table the exchange's ``finish`` applies:
-which cause, and how many completion tokens the lease is settled with.
 """
 
 from __future__ import annotations
@@ -53,7 +41,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -64,12 +51,12 @@ from google.protobuf.message import DecodeError
 from extproc import logwire, usage_log
 from extproc.admission import Outcome
 from extproc.clock import Clock
-from extproc.gate import METADATA_NAMESPACE, STREAM_AND_LOG, RouteRelease
+from extproc.gate import METADATA_NAMESPACE
 from extproc.metrics import Metrics
 from extproc.outcomes import LogResult
+from extproc.request.profile import STREAM_AND_LOG, ReleaseMode
 
 if TYPE_CHECKING:
-    from extproc import openai_api as oai
     from extproc.exchange import Exchange
 
 log = logging.getLogger("kvgate.server")
@@ -92,91 +79,6 @@ _FINAL_TYPES = (accesslog_pb2.AccessLogType.NotSet, accesslog_pb2.AccessLogType.
 # How long the cause of a stream cut short waits for its access log entry (seconds): the
 # entry comes within milliseconds (buffer_flush_interval 5 ms); past this it was lost.
 CAUSE_WAIT_S = 5.0
-
-
-class ReleaseMode(Enum):
-    """ReleaseMode is how an admitted request's end reaches kvgate (the module doc's table)."""
-
-    STREAM = "stream"
-    STREAM_AND_LOG = "stream_and_log"
-    OBSERVED = "observed"
-    OBSERVED_AND_LOG = "observed_and_log"
-    UNREAD = "unread"
-    ACCESS_LOG = "access_log"
-
-    @classmethod
-    def choose(cls, response_sent: bool, route: RouteRelease | None, duplex: bool) -> ReleaseMode:
-        """choose names the mode of a request admitted now: ``response_sent`` is False when
-        the stream's protocol says response body NONE (the response is observed elsewhere or
-        not at all), ``route`` the route's ``release`` key, ``duplex`` a FULL_DUPLEX_STREAMED
-        request body (its answer carries no link yet, so no entry can be matched to it)."""
-        if not response_sent:
-            if route is RouteRelease.ACCESS_LOG:
-                return cls.ACCESS_LOG
-            return cls.OBSERVED_AND_LOG if route is RouteRelease.STREAM_AND_LOG else cls.OBSERVED
-        if route is RouteRelease.STREAM_AND_LOG and not duplex:
-            return cls.STREAM_AND_LOG
-        return cls.STREAM
-
-    @property
-    def on_stream(self) -> bool:
-        """on_stream: the response body comes on the admission stream, read by the exchange."""
-        return self in (ReleaseMode.STREAM, ReleaseMode.STREAM_AND_LOG)
-
-    @property
-    def observed(self) -> bool:
-        """observed: the response is read from an observability-mode stream."""
-        return self in (ReleaseMode.OBSERVED, ReleaseMode.OBSERVED_AND_LOG)
-
-    @property
-    def cause_from_log(self) -> bool:
-        """cause_from_log: the cause of a stream cut short comes from its access log entry."""
-        return self in (ReleaseMode.STREAM_AND_LOG, ReleaseMode.OBSERVED_AND_LOG)
-
-
-def cause_of(mode: ReleaseMode, *, upstream_error: bool, response_done: bool, gave_up: bool,
-             cut_by_upstream: bool | None) -> Outcome:
-    """cause_of is the cause an admitted request is released with.
-
-    upstream_error for an upstream 4xx/5xx; completed once the response's end (or a stream's
-    ``[DONE]`` event) was seen (``response_done``); timeout when kvgate itself gave up; ended
-    for a response whose body was not read (UNREAD: complete or cut short, Envoy ends the
-    stream alike, by a half-close or a reset at random); upstream_error for a stream the
-    access log says the upstream broke off (``cut_by_upstream``); client_disconnect otherwise.
-    """
-    if upstream_error:
-        return Outcome.UPSTREAM_ERROR
-    if response_done:
-        return Outcome.COMPLETED
-    if gave_up:
-        return Outcome.TIMEOUT
-    if mode is ReleaseMode.UNREAD:
-        return Outcome.ENDED
-    if cut_by_upstream:
-        return Outcome.UPSTREAM_ERROR
-    return Outcome.CLIENT_DISCONNECT
-
-
-def charged_completion(mode: ReleaseMode, outcome: Outcome, tracker: oai.ResponseTracker | None,
-                       streamed: bool, cut_by_upstream: bool | None) -> int | None:
-    """charged_completion is the completion tokens a lease is settled with (None: unknown,
-    the whole reservation stays charged): the reported usage; for a streamed response cut
-    short, the chunks delivered (the upstream is reset within a millisecond of the client's
-    disconnect, so what reached the client is what was generated)."""
-    if tracker is not None and tracker.completion_tokens is not None:
-        return tracker.completion_tokens
-    if tracker is None and not mode.on_stream:
-        return None  # the response was never observed
-    if (outcome in (Outcome.CLIENT_DISCONNECT, Outcome.TIMEOUT) or cut_by_upstream) and streamed:
-        return tracker.delivered_chunks if tracker is not None else 0
-    return None
-
-
-def awaits_log_cause(mode: ReleaseMode, outcome: Outcome, cut_by_upstream: bool | None) -> bool:
-    """awaits_log_cause: a release whose cause is counted only when the access log entry
-    comes (a stream cut short in a ``*_AND_LOG`` mode before its entry told who cut it)."""
-    return (mode.cause_from_log and outcome is Outcome.CLIENT_DISCONNECT
-            and cut_by_upstream is None)
 
 
 class Link:
@@ -235,12 +137,6 @@ class Endings:
             self.links[link] = Link(ex)
         if mode.cause_from_log:
             self.causes[link] = (ex, self._clock.now())
-
-    def unread(self, ex: Exchange) -> None:
-        """unread hears that the response headers came on the admission stream of a request
-        whose response body is not sent (UNREAD): no observing stream will come."""
-        if ex.link is not None:
-            self.links.pop(ex.link, None)
 
     def handed_over(self, ex: Exchange) -> bool:
         """handed_over: the request's end comes by the access log; its stream may end with

@@ -74,8 +74,9 @@ from extproc.answers import (CONTINUE_REQUEST_BODY, CONTINUE_REQUEST_HEADERS,
                              immediate, message_timeout, misconfigured, name_node, set_headers,
                              unavailable)
 from extproc.config import ClassConfig
-from extproc.endings import (LINK_KEY, ReleaseMode, awaits_log_cause, cause_of,
-                             charged_completion)
+from extproc.endings import LINK_KEY
+from extproc.request.causes import awaits_log_cause, cause_of, charged_completion
+from extproc.request.profile import ReleaseMode
 from extproc.errors import RequestError
 from extproc.gate import ANONYMOUS_TENANT, NO_ROUTE_SETTINGS, WAIT_TIMEOUT_MARGIN_S, Gate, PoolRuntime
 from extproc.outcomes import REJECTED_BY, RequestOutcome
@@ -582,12 +583,10 @@ class Exchange:
                 content_type = h.raw_value.decode("latin-1")
         self.upstream_error = self.status >= 400
         if self.mode is not None and not self.mode.on_stream and not observed:
-            # deploy/envoy-reservation.yaml: response headers on the admission stream, whose
-            # response body mode is NONE. No body will follow and no observing stream will
-            # show it: the lease is released when the stream ends (with the HTTP stream) and
-            # the completion is charged at the reservation. Not a mode_override to NONE:
-            # Envoy would close the stream at once.
-            self.mode = ReleaseMode.UNREAD
+            # deploy/envoy-reservation.yaml (UNREAD): response headers on the admission stream,
+            # whose response body mode is NONE. No body will follow: the lease is released when
+            # the stream ends (with the HTTP stream) and the completion is charged at the
+            # reservation. Not a mode_override to NONE: Envoy would close the stream at once.
             resp = pb.ProcessingResponse()
             set_headers(resp.response_headers.response.header_mutation, oai.rate_limit_headers(lease.rate))
             return resp
@@ -742,6 +741,10 @@ class Exchange:
         # [DONE] passed through kvgate to the client: the generation ended. openai-python
         # closes on it, often before the upstream's end of body reaches Envoy.
         done = self.response_done or (tracker is not None and tracker.done_seen)
+        if mode is ReleaseMode.UNREAD and not self.status:
+            # Ended before its response headers came: the client left or the upstream failed
+            # before answering, as for a response observed elsewhere that never began.
+            mode = ReleaseMode.OBSERVED
         outcome = cause_of(mode, upstream_error=self.upstream_error, response_done=done,
                            gave_up=gave_up, cut_by_upstream=self.cut_by_upstream)
         self.outcome = outcome

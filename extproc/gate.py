@@ -19,7 +19,6 @@ import secrets
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
 from extproc.admission import Admission
@@ -28,6 +27,7 @@ from extproc.config import ClassConfig, Config, PoolConfig
 from extproc.errors import ConfigError, RequestError
 from extproc.metrics import Metrics
 from extproc.openai_shapes import TEMPLATES
+from extproc.request.profile import RELEASES, RouteRelease
 from extproc.tokens import load_tokenizer
 from extproc.waitwatch import cut_at_base_timeout
 
@@ -54,25 +54,6 @@ TENANT_HEADER_UNSEEN_AFTER = 100
 TENANT_HEADER_LOG_INTERVAL_S = 600.0
 ROUTE_CACHE_ENTRIES = 256
 METADATA_NAMESPACE = "kvgate"
-
-
-class RouteRelease(StrEnum):
-    """RouteRelease is the route key ``release``: how the route says its requests end
-    (``endings.ReleaseMode`` is what kvgate makes of it with what Envoy sends)."""
-
-    # The end of the request's ext_proc stream (the default).
-    STREAM = "stream"
-    # An entry of Envoy's gRPC access log (deploy/envoy-access-log.yaml).
-    ACCESS_LOG = "access_log"
-    # The end of its stream for the budget and, for a stream cut short, the access log entry
-    # for the cause: Envoy ends the ext_proc stream alike whether the client left or the
-    # upstream died, and only its access log tells them apart.
-    STREAM_AND_LOG = "stream_and_log"
-
-
-# The key's values as plain strings, for Envoy files and error messages.
-RELEASES = tuple(r.value for r in RouteRelease)
-STREAM_AND_LOG = RouteRelease.STREAM_AND_LOG.value
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ from google.protobuf.message import DecodeError
 
 from extproc import logwire
 from extproc.answers import CONTINUE_RESPONSE_TRAILERS
-from extproc.endings import Endings, Link, ReleaseMode
+from extproc.endings import Endings, Link
 from extproc.exchange import Exchange
 from extproc.gate import Gate
 from extproc.metrics import Metrics
@@ -145,11 +145,8 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
                 self.endings.admitted(ex)  # before Envoy can send the response, or log its end
             return resp
         if kind == "response_headers":
-            resp = ex.response_headers(req.response_headers, attributes=req.attributes,
+            return ex.response_headers(req.response_headers, attributes=req.attributes,
                                        metadata=req.metadata_context)
-            if ex.mode is ReleaseMode.UNREAD:
-                self.endings.unread(ex)
-            return resp
         if kind == "request_trailers":
             return ex.request_trailers()
         if kind == "response_trailers":

@@ -10,7 +10,8 @@ from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.endings import LINK_KEY, ReleaseMode
+from extproc.endings import LINK_KEY
+from extproc.request.profile import ReleaseMode
 from extproc.exchange import Exchange
 from extproc.gate import METADATA_NAMESPACE
 from extproc.service import ExtProcService

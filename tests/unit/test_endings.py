@@ -12,16 +12,16 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc import endings
 from extproc.admission import Outcome
-from extproc.endings import CAUSE_WAIT_S, Endings, ReleaseMode, cause_of, charged_completion
-from extproc.envoyconf import MODES
+from extproc.endings import CAUSE_WAIT_S, Endings
 from extproc.exchange import Exchange
-from extproc.gate import RouteRelease
+from extproc.request.causes import cause_of, charged_completion
+from extproc.request.profile import ReleaseMode, RouteRelease
 from tests.unit.test_exchange import (BASE_CONFIG, Rig, body_msg, chat, headers_msg,
                                       response_headers_msg, route_metadata)
 from tests.unit.test_access_log import entry
 from tests.unit.test_exchange_attributes import attrs
 
-S, A, L = RouteRelease.STREAM, RouteRelease.ACCESS_LOG, RouteRelease.STREAM_AND_LOG
+S, A, L, U = RouteRelease.STREAM, RouteRelease.ACCESS_LOG, RouteRelease.STREAM_AND_LOG, RouteRelease.UNREAD
 
 
 @pytest.mark.parametrize(("response_sent", "route", "duplex", "mode"), [
@@ -35,6 +35,8 @@ S, A, L = RouteRelease.STREAM, RouteRelease.ACCESS_LOG, RouteRelease.STREAM_AND_
     (False, L, False, ReleaseMode.OBSERVED_AND_LOG),
     (False, A, False, ReleaseMode.ACCESS_LOG),
     (False, A, True, ReleaseMode.ACCESS_LOG),
+    (False, U, False, ReleaseMode.UNREAD),
+    (True, U, False, ReleaseMode.STREAM),  # unread needs response body NONE
 ])
 def test_choose_names_one_mode_per_protocol_and_route(
         response_sent: bool, route: RouteRelease | None, duplex: bool, mode: ReleaseMode) -> None:
@@ -49,7 +51,8 @@ def _protocol(response_body: int, request_body: int = pm.ProcessingMode.BUFFERED
     ("stream_and_log", pm.ProcessingMode.STREAMED, ReleaseMode.STREAM_AND_LOG),  # envoy.yaml
     ("stream_and_log", pm.ProcessingMode.NONE, ReleaseMode.OBSERVED_AND_LOG),  # envoy-observe
     ("access_log", pm.ProcessingMode.NONE, ReleaseMode.ACCESS_LOG),  # envoy-access-log
-    (None, pm.ProcessingMode.NONE, ReleaseMode.OBSERVED),  # envoy-reservation, until its headers
+    ("unread", pm.ProcessingMode.NONE, ReleaseMode.UNREAD),  # envoy-reservation
+    (None, pm.ProcessingMode.NONE, ReleaseMode.OBSERVED),  # an operator's file without the key
 ])
 def test_an_exchange_names_its_mode_at_admission(release: str | None, response_body: int,
                                                  mode: ReleaseMode) -> None:
@@ -60,6 +63,8 @@ def test_an_exchange_names_its_mode_at_admission(release: str | None, response_b
                                 _protocol(response_body)))
     assert ex.mode is mode
     assert (ex.link is not None) is (mode is not ReleaseMode.STREAM)
+    ex.response_headers(response_headers_msg())
+    assert ex.mode is mode  # named once: the response's headers never rename it
 
 
 def test_the_inference_pool_shape_is_released_by_its_stream() -> None:
@@ -72,15 +77,19 @@ def test_the_inference_pool_shape_is_released_by_its_stream() -> None:
     assert ex.mode is ReleaseMode.STREAM and ex.link is None
 
 
-def test_response_headers_on_the_admission_stream_make_an_observed_request_unread() -> None:
+@pytest.mark.parametrize(("headers", "cause"), [(True, Outcome.ENDED), (False, Outcome.CLIENT_DISCONNECT)])
+def test_an_unread_request_ends_by_its_stream_with_the_cause_its_headers_allow(
+        headers: bool, cause: Outcome) -> None:
+    """deploy/envoy-reservation.yaml: a stream that ends after the response headers ends a
+    response kvgate never reads (``ended``); one that ends before them was cut short."""
     rig = Rig()
     ex = Exchange(rig.gate)
-    asyncio.run(ex.request_body(body_msg(chat(max_tokens=20)), None, attrs(), None,
+    asyncio.run(ex.request_body(body_msg(chat(max_tokens=20)), None, attrs(),
+                                route_metadata(pool="default", release="unread"),
                                 _protocol(pm.ProcessingMode.NONE)))
-    ex.response_headers(response_headers_msg(), observed=True)  # from the observing stream
-    assert ex.mode is ReleaseMode.OBSERVED
-    ex.response_headers(response_headers_msg())  # from the admission stream
-    assert ex.mode is ReleaseMode.UNREAD
+    if headers:
+        ex.response_headers(response_headers_msg())
+    assert ex.finish() is cause and rig.inflight() == 0
 
 
 @pytest.mark.parametrize(("mode", "facts", "cause"), [
@@ -168,9 +177,7 @@ def test_a_parked_request_whose_stream_ended_before_its_answer_was_written_waits
     assert not reg.parked and not reg.unsure and rig.inflight() == 0
 
 
-def test_the_module_doc_names_every_mode_and_every_envoy_file() -> None:
+def test_the_module_doc_names_every_mode() -> None:
     doc = endings.__doc__ or ""
     for mode in ReleaseMode:
         assert mode.name in doc, mode
-    for envoy_mode in MODES:
-        assert envoy_mode in doc, envoy_mode

@@ -17,7 +17,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc import usage_log
 from extproc.admission.nodes import NodeReport
-from extproc.endings import AccessLogReceiver, ReleaseMode, upstream_address
+from extproc.endings import AccessLogReceiver, upstream_address
+from extproc.request.profile import ReleaseMode
 from extproc.exchange import Exchange
 from extproc.service import ExtProcService
 from tests.unit.test_exchange import body_msg, chat, headers_msg, route_metadata

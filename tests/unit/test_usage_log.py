@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc import usage_log
-from extproc.endings import LINK_KEY, ReleaseMode
+from extproc.endings import LINK_KEY
+from extproc.request.profile import ReleaseMode
 from extproc.exchange import Exchange
 from extproc.gate import METADATA_NAMESPACE
 from extproc.server import ExtProcService
