@@ -2,10 +2,11 @@
 
 An ``Exchange`` receives the decoded ext_proc messages of one request in the order Envoy
 sends them (request headers, request body, response headers, response body chunks) and
-returns the ``ProcessingResponse`` to send back. It holds the request's lease from the
-moment it is granted until ``finish`` releases it. When and by what that happens depends on
-the Envoy file: the exchange names it once, at admission, as a ``ReleaseMode``, and
-``extproc.endings`` says for every mode how an admitted request ends.
+returns the ``ProcessingResponse`` to send back. The lease it is granted goes, at
+admission, into an ending (``extproc.request.ending``) of the kind the request's
+``ReleaseMode`` names (from the Envoy file's profile, ``extproc.request.profile``), which
+holds it until it releases it: the exchange hands it the response it sees, and ``finish``
+when the stream ends.
 
 What reaches kvgate, by file of deploy/ (``kvgate envoy-filter --mode``):
 
@@ -74,9 +75,9 @@ from extproc.answers import (CONTINUE_REQUEST_BODY, CONTINUE_REQUEST_HEADERS,
                              immediate, message_timeout, misconfigured, name_node, set_headers,
                              unavailable)
 from extproc.config import ClassConfig
-from extproc.endings import LINK_KEY
-from extproc.request.causes import awaits_log_cause, cause_of, charged_completion
+from extproc.request.ending import Ending, of_mode, response_facts
 from extproc.request.profile import ReleaseMode
+from extproc.request.registry import LINK_KEY
 from extproc.errors import RequestError
 from extproc.gate import ANONYMOUS_TENANT, NO_ROUTE_SETTINGS, WAIT_TIMEOUT_MARGIN_S, Gate, PoolRuntime
 from extproc.outcomes import REJECTED_BY, RequestOutcome
@@ -101,6 +102,18 @@ def _evaluate(endpoint: oai.Endpoint, body: bytes, content_type: str | None,
     return parsed, tokens
 
 
+def _linked_continue(lease: Lease, link: str, new_body: bytes | None = None, *,
+                     rates: bool = True, node: str | None = None) -> pb.ProcessingResponse:
+    """_linked_continue admits a request whose response is observed on another stream, or
+    whose access log entry kvgate reads: the ``link`` and (``rates``) the x-ratelimit-* values
+    go into the request's dynamic metadata, where the observing filter, the access log (and
+    Envoy's response_headers_to_add) find them (``body_answer``)."""
+    metadata = [(LINK_KEY, link)]
+    if rates:
+        metadata += oai.rate_limit_headers(lease.rate)
+    return body_answer(new_body, node, metadata)
+
+
 def _shown(path: str) -> str:
     """_shown is a request path as an error message may quote it (100 characters, ASCII)."""
     return path[:100].encode("ascii", "backslashreplace").decode()
@@ -119,10 +132,8 @@ class Exchange:
     """
 
     __slots__ = ("gate", "state", "endpoint", "pool", "pool_name", "class_cfg", "tenant",
-                 "fairness_id", "route", "content_type", "body", "max_body", "streamed", "lease", "strip_usage",
-                 "tracker", "status", "response_done", "upstream_error", "outcome",
-                 "response_sent", "mode", "link", "duplex", "response_duplex", "hint",
-                 "cut_by_upstream", "cause_pending", "usage_filter")
+                 "fairness_id", "route", "content_type", "body", "max_body", "ending",
+                 "response_sent", "duplex", "response_duplex", "hint", "usage_filter")
 
     def __init__(self, gate: Gate) -> None:
         self.gate = gate
@@ -137,35 +148,20 @@ class Exchange:
         self.content_type: str | None = None
         self.body: bytearray | None = None
         self.max_body = 0
-        # The request asked for a streamed response. The parsed body itself is not kept:
-        # an in-flight request holds no copy of its prompt.
-        self.streamed = False
-        self.lease: Lease | None = None
-        self.strip_usage = False
+        # The admitted request's lease until its release (None: not admitted), of the kind of
+        # ending its mode names. The parsed body itself is not kept: an in-flight request
+        # holds no copy of its prompt.
+        self.ending: Ending | None = None
         # The access log's usage filter announced itself on the request (``usage_log``).
         self.usage_filter = False
-        self.tracker: oai.ResponseTracker | None = None
-        self.status = 0
-        self.response_done = False
-        self.upstream_error = False
-        self.outcome: Outcome | None = None
         # The stream's protocol sends the response body here (False: response body NONE,
         # the response is observed on another stream or not at all).
         self.response_sent = True
-        # How the request's end reaches kvgate (``endings``), named at admission; and the
-        # token that ties it to its observing stream or access log entry.
-        self.mode: ReleaseMode | None = None
-        self.link: str | None = None
         # Bodies FULL_DUPLEX_STREAMED (the endpoint picker protocol): kvgate passes every body
         # byte back itself. ``hint``: the endpoints the proxy allows (None: no hint).
         self.duplex = False
         self.response_duplex = False
         self.hint: frozenset[str] | None = None
-        # The ``*_AND_LOG`` modes: what Envoy's access log entry told of a stream cut short
-        # (None: no entry yet; True: the upstream broke it off), and whether the cause of a
-        # release made without it still awaits the entry (``told_by_log``).
-        self.cut_by_upstream: bool | None = None
-        self.cause_pending = False
 
     # --- request headers -------------------------------------------------------------
 
@@ -383,7 +379,6 @@ class Exchange:
                        else RequestOutcome.REJECTED_TOKENIZER_UNAVAILABLE if err.status == 503
                        else RequestOutcome.REJECTED_INVALID)
             return self._refuse(err, outcome)
-        self.streamed = parsed.stream
         among = self.hint if pool.config.picks else None
         if among is not None and not gate.admission.eligible_nodes(self.pool_name, among):
             return self._no_eligible_endpoint(
@@ -457,37 +452,42 @@ class Exchange:
 
     def _admit(self, lease: Lease, parsed: oai.ParsedRequest, reserved: int,
                raw: bytes) -> pb.ProcessingResponse | list[pb.ProcessingResponse]:
-        """_admit takes ``lease``, names the request's release mode, and answers the body:
+        """_admit takes ``lease`` into the ending its release mode names, and answers the body:
         the upstream body (max_tokens capped at the reservation, stream usage asked for when
         kvgate reads the response and the client did not), the node picked, the link."""
-        pool, cls = self.pool, self.class_cfg
+        pool, cls, gate = self.pool, self.class_cfg, self.gate
         assert pool is not None and cls is not None
-        self.mode = mode = ReleaseMode.choose(self.response_sent, self.route.release, self.duplex)
-        self.lease = lease
+        mode = ReleaseMode.choose(self.response_sent, self.route.release, self.duplex)
         self.state = _ADMITTED
         # Request facts only the decision reads: an admitted request may stay in flight (or
         # parked for its access log entry) for minutes, thousands at once.
         self.content_type = None
         self.hint = None
-        self.gate.metrics.request(self.pool_name, cls.name, RequestOutcome.ADMITTED)
+        gate.metrics.request(self.pool_name, cls.name, RequestOutcome.ADMITTED)
         cap = reserved // parsed.sequences if pool.config.enforce_max_tokens and parsed.sequences else None
+        node, link, strip = lease.node, None, False
+        resp: pb.ProcessingResponse | list[pb.ProcessingResponse]
         if not mode.on_stream:
             # Observed elsewhere or not at all: usage the client did not ask for could not be
             # hidden from it, so none is asked of the upstream, except where the access log's
             # usage filter reads it and hides it (told in the answer's metadata).
             usage = mode is ReleaseMode.ACCESS_LOG and self.usage_filter
-            capped, strip = oai.upstream_body(parsed, cap_max_tokens=cap, stream_usage=usage)
-            resp = self._linked_continue(lease, capped, node=lease.node)
-            if strip:
+            capped, stripped = oai.upstream_body(parsed, cap_max_tokens=cap, stream_usage=usage)
+            link = gate.new_link()
+            resp = _linked_continue(lease, link, capped, node=node)
+            if stripped:
                 usage_log.ask_to_strip(resp)
-            return resp
-        new_body, self.strip_usage = oai.upstream_body(parsed, cap_max_tokens=cap)
-        node = lease.node
-        if self.duplex:
-            return duplex_answer(raw if new_body is None else new_body, new_body is not None, node)
-        if mode is ReleaseMode.STREAM_AND_LOG:
-            return self._linked_continue(lease, new_body, rates=False, node=node)
-        return body_answer(new_body, node)
+        else:
+            new_body, strip = oai.upstream_body(parsed, cap_max_tokens=cap)
+            if self.duplex:
+                resp = duplex_answer(raw if new_body is None else new_body, new_body is not None, node)
+            elif mode is ReleaseMode.STREAM_AND_LOG:
+                link = gate.new_link()
+                resp = _linked_continue(lease, link, new_body, rates=False, node=node)
+            else:
+                resp = body_answer(new_body, node)
+        self.ending = of_mode(mode)(gate, self.pool_name, lease, link, parsed.stream, strip)
+        return resp
 
     def _no_eligible_endpoint(self, retry: bool) -> pb.ProcessingResponse:
         """_no_eligible_endpoint is the protocol's 503 when the proxy's subset hint allows no
@@ -527,34 +527,19 @@ class Exchange:
         name_node(resp, resp.request_headers.response, address)
         return resp
 
-    def _linked_continue(self, lease: Lease, new_body: bytes | None = None, *,
-                         rates: bool = True, node: str | None = None) -> pb.ProcessingResponse:
-        """_linked_continue admits a request whose response is observed on another stream, or
-        whose access log entry kvgate reads: the link and (``rates``) the x-ratelimit-* values
-        go into the request's dynamic metadata, where the observing filter, the access log
-        (and Envoy's response_headers_to_add) find them (``body_answer``)."""
-        self.link = self.gate.new_link()
-        metadata = [(LINK_KEY, self.link)]
-        if rates:
-            metadata += oai.rate_limit_headers(lease.rate)
-        return body_answer(new_body, node, metadata)
-
     # --- response ------------------------------------------------------------------------
 
-    def response_headers(self, msg: pb.HttpHeaders, *, observed: bool = False,
-                         attributes: Any = None, metadata: Any = None) -> pb.ProcessingResponse:
-        """response_headers notes the upstream status and adds the x-ratelimit-* headers.
+    def response_headers(self, msg: pb.HttpHeaders, *, attributes: Any = None,
+                         metadata: Any = None) -> pb.ProcessingResponse:
+        """response_headers hands the upstream status to the request's ending and adds the
+        x-ratelimit-* headers.
 
-        ``observed``: the headers come from the observability-mode stream (their answer is
-        not sent); otherwise from this exchange's own stream. ``attributes`` and
-        ``metadata`` come with a stream's first message: they name the tenant of a request
-        Envoy refused before kvgate saw it.
-
-        A response before any admission had no request body (nothing to admit) or was
-        answered by Envoy itself: it passes through, except Envoy's own 413 for a body above
-        its buffer limit, which gets kvgate's OpenAI-shaped 413 like any body above the cap.
+        ``attributes`` and ``metadata`` come with a stream's first message: they name the
+        tenant of a request Envoy refused before kvgate saw it. A response before any
+        admission had no request body (nothing to admit) or was answered by Envoy itself: it
+        passes through, except Envoy's own 413 for a body above its buffer limit, which gets
+        kvgate's OpenAI-shaped 413 like any body above the cap.
         """
-        lease = self.lease
         if self.state in (_NEW, _BODY):
             # Nothing admitted: Envoy answered before the body reached kvgate (or there was
             # no body). Its own 413 for a body above its buffer limit gets kvgate's shape.
@@ -568,86 +553,37 @@ class Exchange:
                         "The request body is above this endpoint's limit.", status=413,
                         code="request_too_large"), RequestOutcome.REJECTED_BODY_TOO_LARGE)
             return PASS_THROUGH_RESPONSE if first else CONTINUE_RESPONSE_HEADERS
-        if self.state != _ADMITTED or lease is None:
+        ending = self.ending
+        if self.state != _ADMITTED or ending is None or ending.outcome is not None:
             return CONTINUE_RESPONSE_HEADERS
+        lease = ending.lease
         if lease.node is not None:
-            self._served_by(lease, epp.served_endpoint(metadata))
-        content_type = ""
-        for h in msg.headers.headers:
-            if h.key == ":status":
-                try:
-                    self.status = int(h.raw_value)
-                except ValueError:
-                    self.status = 0
-            elif h.key == "content-type":
-                content_type = h.raw_value.decode("latin-1")
-        self.upstream_error = self.status >= 400
-        if self.mode is not None and not self.mode.on_stream and not observed:
-            # deploy/envoy-reservation.yaml (UNREAD): response headers on the admission stream,
-            # whose response body mode is NONE. No body will follow: the lease is released when
-            # the stream ends (with the HTTP stream) and the completion is charged at the
-            # reservation. Not a mode_override to NONE: Envoy would close the stream at once.
-            resp = pb.ProcessingResponse()
-            set_headers(resp.response_headers.response.header_mutation, oai.rate_limit_headers(lease.rate))
-            return resp
-        streamed = content_type.startswith("text/event-stream")
-        strip = self.strip_usage and streamed and not self.upstream_error
-        self.tracker = oai.ResponseTracker(streamed=streamed, strip_usage_chunk=strip)
+            ending.served_by(epp.served_endpoint(metadata))
+        status, content_type = response_facts(msg.headers.headers)
         resp = pb.ProcessingResponse()
         mutation = resp.response_headers.response.header_mutation
         set_headers(mutation, oai.rate_limit_headers(lease.rate))
-        if strip:
+        # In deploy/envoy-reservation.yaml (Unread) no body follows: not a mode_override to
+        # NONE, with which Envoy would close the stream at once.
+        if ending.response_headers(status, content_type, msg.end_of_stream):
             mutation.remove_headers.append("content-length")  # chunks may shrink: no fixed length
-        if msg.end_of_stream:
-            self._response_end()
         return resp
 
-    def _served_by(self, lease: Lease, served: str | None) -> None:
-        """_served_by moves the node charge to the endpoint the proxy says served the request
-        (the protocol's ``x-gateway-destination-endpoint-served``) when it is another node of
-        the pool; an address that is no node of the pool leaves the charge where it was
-        picked, loudly."""
-        if served is None or served == lease.node:
-            return
-        if not lease.served(served):
-            self.gate.served_elsewhere(self.pool_name, served)
-
     def response_body(self, msg: pb.HttpBody) -> pb.ProcessingResponse:
-        """response_body follows the response (usage, delivered chunks), hides the injected
-        usage chunk, and releases the lease at the response's end of stream. With a
-        FULL_DUPLEX_STREAMED response body every chunk goes back at once, as it came (or
-        without the injected usage chunk): none is held."""
+        """response_body hands one response chunk to the request's ending (usage, delivered
+        chunks, the end of stream that releases it), which may hide the injected usage chunk.
+        With a FULL_DUPLEX_STREAMED response body every chunk goes back at once, as it came
+        (or without the injected usage chunk): none is held."""
+        ending = self.ending
+        replacement = None if ending is None else ending.response_chunk(msg.body, msg.end_of_stream)
         if self.response_duplex:
-            return self._duplex_response_body(msg)
-        tracker = self.tracker
-        if tracker is None:
-            return CONTINUE_RESPONSE_BODY
-        replacement = self._follow(tracker, msg)
+            return epp.streamed_chunk("response_body", msg.body if replacement is None else replacement,
+                                      msg.end_of_stream)
         if replacement is None:
             return CONTINUE_RESPONSE_BODY
         resp = pb.ProcessingResponse()
         resp.response_body.response.body_mutation.body = replacement
         return resp
-
-    def _follow(self, tracker: oai.ResponseTracker, msg: pb.HttpBody) -> bytes | None:
-        """_follow reads one response chunk: usage, the tokens generated so far (for a picked
-        node's ledger), and the end of the response (released at once). Returns the chunk's
-        replacement (the injected usage chunk hidden), or None to pass it as it came."""
-        replacement = tracker.feed(msg.body, msg.end_of_stream)
-        lease = self.lease
-        if lease is not None and lease.node is not None and tracker.delivered_chunks:
-            lease.progress(tracker.delivered_chunks)
-        if msg.end_of_stream:
-            self._response_end()
-        return replacement
-
-    def _duplex_response_body(self, msg: pb.HttpBody) -> pb.ProcessingResponse:
-        tracker = self.tracker
-        if tracker is None:
-            return epp.streamed_chunk("response_body", msg.body, msg.end_of_stream)
-        replacement = self._follow(tracker, msg)
-        return epp.streamed_chunk("response_body", msg.body if replacement is None else replacement,
-                                  msg.end_of_stream)
 
     def request_trailers(self) -> pb.ProcessingResponse:
         """request_trailers answers the request's trailers. With a FULL_DUPLEX_STREAMED body
@@ -660,101 +596,15 @@ class Exchange:
                                 RequestOutcome.REJECTED_INVALID)
         return CONTINUE_REQUEST_TRAILERS
 
-    def ended_by_log(self, status: int, cut_short: bool, upstream_failed: bool = False,
-                     usage: usage_log.LoggedUsage | None = None) -> Outcome | None:
-        """ended_by_log releases the lease of an ACCESS_LOG request as Envoy's access log entry
-        of the request tells: the response status (0: none was sent), whether the stream was
-        cut short (the client went away, an idle timeout) and whether the upstream failed
-        (reset or closed its connection): a stream cut short by the upstream is an
-        upstream_error. The completion is charged as the usage filter saw it (``usage``, as a
-        response read here would be), at its reservation without the filter."""
-        if usage is not None:
-            self.gate.metrics.logged_usage(usage.result)
-            self.tracker = usage.tracker(self.streamed)
-            self.cut_by_upstream = cut_short and upstream_failed
-        self.status = status
-        self.upstream_error = status >= 400 or (cut_short and upstream_failed)
-        self.response_done = status != 0 and not cut_short
-        return self.finish()
-
-    def progressed(self, events: int | None, served: str | None) -> bool:
-        """progressed takes a periodic access log entry of an ACCESS_LOG request still in
-        flight (deploy/envoy-endpoint-picker-log.yaml): ``events``, the SSE events with choices
-        the usage filter has seen so far (``usage_log.events_so_far``), become the tokens its
-        node's ledger counts as generated (``Lease.progress``, which also notes the first
-        token), and ``served``, the upstream
-        address Envoy connected to, re-homes the node charge when it is another node than the
-        one picked. Never releases nor settles. False when the entry's event count is not a
-        count (ignored: the ledger keeps what it knew)."""
-        lease = self.lease
-        if lease is None or lease.released or lease.node is None:
-            return True
-        self._served_by(lease, served)
-        if events is None:
-            return False
-        if events:
-            lease.progress(events)
-        return True
-
-    def told_by_log(self, cut_by_upstream: bool) -> Outcome | None:
-        """told_by_log takes what Envoy's access log entry tells of a request released by its
-        stream (the ``*_AND_LOG`` modes): whether the upstream broke the response
-        off. Before the stream's end it is kept for ``finish``; after a release whose cause
-        waited for it, the release is counted now, and its cause returned (None otherwise).
-        ``told_by_log(False)`` is also the fallback when the entry never comes."""
-        lease = self.lease
-        if lease is None:
-            return None
-        if self.outcome is None:
-            self.cut_by_upstream = cut_by_upstream
-            return None
-        if not self.cause_pending:
-            return None
-        self.cause_pending = False
-        outcome = Outcome.UPSTREAM_ERROR if cut_by_upstream else Outcome.CLIENT_DISCONNECT
-        self.outcome = lease.outcome = outcome
-        self.gate.metrics.release(self.pool_name, outcome.value)
-        return outcome
-
-    def _response_end(self) -> None:
-        # The response is complete: free the slot now rather than when Envoy gets round
-        # to closing the ext_proc stream.
-        self.response_done = True
-        self.finish()
-
     # --- the end -------------------------------------------------------------------------
 
     def finish(self, *, gave_up: bool = False) -> Outcome | None:
-        """finish releases the lease if still held and returns the cause (None if nothing to do).
-
-        The cause and the completion tokens charged follow the table of ``endings``
-        (``cause_of``, ``charged_completion``), from what was seen. Idempotent: later calls
-        change nothing. In a ``*_AND_LOG`` mode a stream cut short before its access log
-        entry came is released now all the same, and only the counting of its cause waits
-        for the entry (``cause_pending``, settled by ``told_by_log``).
-        """
-        lease, mode = self.lease, self.mode
+        """finish tells the request's ending that kvgate is done with the request (its stream
+        ended; ``gave_up``: kvgate ends it, a timeout): the lease is released if still held,
+        and the cause returned (None if nothing to do). Idempotent."""
         self.state = _DONE
-        if lease is None or mode is None or self.outcome is not None:
-            return None
-        tracker = self.tracker
-        # [DONE] passed through kvgate to the client: the generation ended. openai-python
-        # closes on it, often before the upstream's end of body reaches Envoy.
-        done = self.response_done or (tracker is not None and tracker.done_seen)
-        if mode is ReleaseMode.UNREAD and not self.status:
-            # Ended before its response headers came: the client left or the upstream failed
-            # before answering, as for a response observed elsewhere that never began.
-            mode = ReleaseMode.OBSERVED
-        outcome = cause_of(mode, upstream_error=self.upstream_error, response_done=done,
-                           gave_up=gave_up, cut_by_upstream=self.cut_by_upstream)
-        self.outcome = outcome
-        charged = charged_completion(mode, outcome, tracker, self.streamed, self.cut_by_upstream)
-        if lease.release(outcome, charged):
-            if awaits_log_cause(mode, outcome, self.cut_by_upstream):
-                self.cause_pending = True
-            else:
-                self.gate.metrics.release(self.pool_name, outcome.value)
-        return outcome
+        ending = self.ending
+        return None if ending is None else ending.finish(gave_up)
 
     # --- refusals ------------------------------------------------------------------------
 

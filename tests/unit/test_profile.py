@@ -82,4 +82,4 @@ def test_a_request_through_each_file_takes_its_rows_mode_at_admission(name: str)
     ex = Exchange(Rig().gate)
     meta = route_metadata(pool="default", **({"release": row.release.value} if row.release else {}))
     asyncio.run(ex.request_body(body_msg(chat(max_tokens=20)), None, attrs(), meta, _protocol(row)))
-    assert ex.mode is row.mode
+    assert ex.ending.mode is row.mode

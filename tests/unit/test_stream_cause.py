@@ -14,7 +14,7 @@ import pytest
 from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.endings import CAUSE_WAIT_S, LINK_KEY
+from extproc.request.registry import CAUSE_WAIT_S, LINK_KEY
 from extproc.gate import METADATA_NAMESPACE
 from extproc.request.profile import STREAM_AND_LOG
 from extproc.service import ExtProcService
