@@ -55,8 +55,6 @@ What every exchange shares (configuration, tokenizers, identity, route settings)
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -67,52 +65,27 @@ from extproc import openai_api as oai
 from extproc import picker_protocol as epp
 from extproc import request_facts as facts_of
 from extproc import usage_log
-from extproc.admission import Demand, Lease, Outcome, Rejection, StoreError, UnknownPoolError
+from extproc.admission import Demand, Lease, Outcome
 from extproc.answers import (CONTINUE_REQUEST_BODY, CONTINUE_REQUEST_HEADERS,
                              CONTINUE_REQUEST_TRAILERS, CONTINUE_RESPONSE_BODY,
                              CONTINUE_RESPONSE_HEADERS, NOTHING_MORE, PASS_THROUGH,
-                             PASS_THROUGH_BODY, PASS_THROUGH_RESPONSE, body_answer, duplex_answer,
-                             immediate, message_timeout, misconfigured, name_node, set_headers,
-                             unavailable)
+                             PASS_THROUGH_BODY, PASS_THROUGH_RESPONSE, immediate, misconfigured,
+                             name_node, set_headers, unavailable)
 from extproc.config import ClassConfig
-from extproc.request.ending import Ending, of_mode, response_facts
-from extproc.request.profile import ReleaseMode
-from extproc.request.registry import LINK_KEY
 from extproc.errors import RequestError
-from extproc.gate import ANONYMOUS_TENANT, NO_ROUTE_SETTINGS, WAIT_TIMEOUT_MARGIN_S, Gate, PoolRuntime
-from extproc.outcomes import REJECTED_BY, RequestOutcome
-from extproc.prefix import prefix_of
+from extproc.gate import ANONYMOUS_TENANT, NO_ROUTE_SETTINGS, Gate, PoolRuntime
+from extproc.outcomes import RequestOutcome
+from extproc.request.admit import Refused, acquire, admit, count, refusal_outcome
+from extproc.request.ending import Ending, response_facts
+from extproc.request.profile import ReleaseMode
+from extproc.request.registry import Endings
 from extproc.request_facts import ATTR_PATH, UNDECODABLE_ATTRIBUTES, RequestFacts
 
-log = logging.getLogger("kvgate.exchange")
 
 __all__ = ["Exchange"]
 
 
 # --- one request -------------------------------------------------------------------
-
-def _evaluate(endpoint: oai.Endpoint, body: bytes, content_type: str | None,
-              pool: PoolRuntime) -> tuple[oai.ParsedRequest, int]:
-    """_evaluate parses a body, counts its prompt tokens and, where the pool counts shared
-    prefixes once, chains its prompt (``ParsedRequest.prefix``; may run in a worker thread)."""
-    parsed = oai.parse_request(endpoint, body, content_type)
-    tokens = oai.count_prompt_tokens(parsed, pool.tokenizer, pool.template)
-    if pool.config.picks and pool.config.picking.shared_prefix:
-        parsed.prefix = prefix_of(parsed, pool.tokenizer, pool.template)
-    return parsed, tokens
-
-
-def _linked_continue(lease: Lease, link: str, new_body: bytes | None = None, *,
-                     rates: bool = True, node: str | None = None) -> pb.ProcessingResponse:
-    """_linked_continue admits a request whose response is observed on another stream, or
-    whose access log entry kvgate reads: the ``link`` and (``rates``) the x-ratelimit-* values
-    go into the request's dynamic metadata, where the observing filter, the access log (and
-    Envoy's response_headers_to_add) find them (``body_answer``)."""
-    metadata = [(LINK_KEY, link)]
-    if rates:
-        metadata += oai.rate_limit_headers(lease.rate)
-    return body_answer(new_body, node, metadata)
-
 
 def _shown(path: str) -> str:
     """_shown is a request path as an error message may quote it (100 characters, ASCII)."""
@@ -127,16 +100,19 @@ class Exchange:
     """Exchange is one HTTP request's admission state machine (see the module doc).
 
     Methods are called in Envoy's message order; each returns the response to send.
+    ``endings``: the registry an admitted request's ending is handed to as it is admitted,
+    for the ends that come from elsewhere than this stream (None: kept here alone).
     ``finish`` must be called once the ext_proc stream ends, however it ends: it releases
     the lease (if still held) with the cause derived from what was seen.
     """
 
     __slots__ = ("gate", "state", "endpoint", "pool", "pool_name", "class_cfg", "tenant",
-                 "fairness_id", "route", "content_type", "body", "max_body", "ending",
+                 "fairness_id", "route", "content_type", "body", "max_body", "ending", "endings",
                  "response_sent", "duplex", "response_duplex", "hint", "usage_filter")
 
-    def __init__(self, gate: Gate) -> None:
+    def __init__(self, gate: Gate, endings: Endings | None = None) -> None:
         self.gate = gate
+        self.endings = endings
         self.state = _NEW
         self.endpoint: oai.Endpoint | None = None
         self.pool: PoolRuntime | None = None
@@ -366,98 +342,29 @@ class Exchange:
 
     async def _decide(self, raw: bytes, send: Callable[[pb.ProcessingResponse], Awaitable[None]] | None,
                       ) -> pb.ProcessingResponse | list[pb.ProcessingResponse]:
-        """_decide counts the whole body ``raw`` and asks the admission core for a lease."""
+        """_decide feeds the whole body ``raw`` to the decision (``extproc.request.admit``):
+        count it, acquire a lease, and answer it with the lease in its ending."""
         gate = self.gate
         started = gate.clock.now()
-        pool = self.pool
-        assert pool is not None and self.class_cfg is not None
+        pool, cls, endpoint = self.pool, self.class_cfg, self.endpoint
+        assert pool is not None and cls is not None and endpoint is not None
         try:
-            parsed, prompt_tokens, reserved = await self._count(raw, pool)
+            parsed, prompt_tokens, reserved = await count(gate, endpoint, raw, self.content_type,
+                                                          pool, self.route)
         except RequestError as err:
-            outcome = (RequestOutcome.REJECTED_CONTEXT_LENGTH if err.code == "context_length_exceeded"
-                       else RequestOutcome.REJECTED_BODY_TOO_LARGE if err.status == 413
-                       else RequestOutcome.REJECTED_TOKENIZER_UNAVAILABLE if err.status == 503
-                       else RequestOutcome.REJECTED_INVALID)
-            return self._refuse(err, outcome)
+            return self._refuse(err, refusal_outcome(err))
         among = self.hint if pool.config.picks else None
         if among is not None and not gate.admission.eligible_nodes(self.pool_name, among):
             return self._no_eligible_endpoint(
                 retry=gate.admission.named_nodes(self.pool_name, among) > 0)
-        demand = Demand(pool=self.pool_name, tenant=self.tenant, class_name=self.class_cfg.name,
+        demand = Demand(pool=self.pool_name, tenant=self.tenant, class_name=cls.name,
                         prompt_tokens=prompt_tokens, completion_tokens=reserved, among=among,
                         prefix=parsed.prefix, fairness_id=self.fairness_id)
-        result = await self._acquire(demand, send, started)
-        if isinstance(result, pb.ProcessingResponse):
-            return result
-        return self._admit(result, parsed, reserved, raw)
-
-    async def _count(self, raw: bytes, pool: PoolRuntime) -> tuple[oai.ParsedRequest, int, int]:
-        """_count parses the body and counts its prompt tokens (in the executor above
-        ``offload_bytes``); returns them with the completion tokens to reserve. Raises
-        RequestError for a body kvgate refuses, the context window's included."""
-        gate = self.gate
-        assert self.endpoint is not None
-        if len(raw) > gate.offload_bytes:
-            loop = asyncio.get_running_loop()
-            parsed, prompt_tokens = await loop.run_in_executor(
-                gate.executor, _evaluate, self.endpoint, raw, self.content_type, pool)
-        else:
-            parsed, prompt_tokens = _evaluate(self.endpoint, raw, self.content_type, pool)
-        window = self.route.context_window or pool.config.context_window
-        reserved = oai.request_reservation(parsed, prompt_tokens, window,
-                                           pool.config.default_max_tokens)
-        oai.check_context(parsed, prompt_tokens, reserved, window)
-        return parsed, prompt_tokens, reserved
-
-    async def _acquire(self, demand: Demand, send: Callable[[pb.ProcessingResponse], Awaitable[None]] | None,
-                       started: float) -> Lease | pb.ProcessingResponse:
-        """_acquire is the lease for ``demand``, or the refusal to send (a budget's 429, or a
-        503 when the pool went away or the shared store cannot answer). A class that waits
-        first asks Envoy for a longer message timeout through ``send``."""
-        gate = self.gate
-        cls = self.class_cfg
-        assert cls is not None
-        waits = cls.max_wait_s > 0 and send is not None
-        if waits:
-            assert send is not None
-            await send(message_timeout(cls.max_wait_s + WAIT_TIMEOUT_MARGIN_S))
-        try:
-            result = await gate.admission.acquire(demand)
-        except asyncio.CancelledError:  # the stream ended while the request waited
-            if waits:
-                gate.wait_cut(cls.name, cls.max_wait_s + WAIT_TIMEOUT_MARGIN_S,
-                              gate.clock.now() - started)
-            raise
-        except UnknownPoolError:
-            # A reload removed the pool between the choice (headers, or before counting off
-            # the loop) and now: nothing was taken; the client's retry meets the new config.
+        lease = await acquire(gate, demand, cls, send, started)
+        if type(lease) is Refused:
             self.state = _DONE
-            log.warning("refusing a request: its pool %r was removed by a reload", self.pool_name)
-            return unavailable("pool_reconfigured", "The gateway was reconfigured while this "
-                               "request was being admitted. Retry.")
-        except StoreError as err:
-            # The shared store cannot answer and is set to fail closed: retry shortly.
-            gate.metrics.decision_time(self.pool_name, gate.clock.now() - started)
-            self.state = _DONE
-            gate.metrics.request(self.pool_name, cls.name, RequestOutcome.REJECTED_STORE_UNAVAILABLE)
-            log.warning("refusing a request: %s", err)
-            return unavailable("store_unavailable", f"Admission is unavailable: {err}. Retry shortly.")
-        gate.metrics.decision_time(self.pool_name, gate.clock.now() - started)
-        if isinstance(result, Rejection):
-            self.state = _DONE
-            gate.metrics.request(self.pool_name, cls.name, REJECTED_BY[result.reason])
-            status, headers, payload = oai.rejection_response(result)
-            return immediate(status, headers, payload, f"kvgate_{result.reason.value}")
-        return result
-
-    def _admit(self, lease: Lease, parsed: oai.ParsedRequest, reserved: int,
-               raw: bytes) -> pb.ProcessingResponse | list[pb.ProcessingResponse]:
-        """_admit takes ``lease`` into the ending its release mode names, and answers the body:
-        the upstream body (max_tokens capped at the reservation, stream usage asked for when
-        kvgate reads the response and the client did not), the node picked, the link."""
-        pool, cls, gate = self.pool, self.class_cfg, self.gate
-        assert pool is not None and cls is not None
-        mode = ReleaseMode.choose(self.response_sent, self.route.release, self.duplex)
+            return lease.answer
+        assert isinstance(lease, Lease)
         self.state = _ADMITTED
         # Request facts only the decision reads: an admitted request may stay in flight (or
         # parked for its access log entry) for minutes, thousands at once.
@@ -465,29 +372,13 @@ class Exchange:
         self.hint = None
         gate.metrics.request(self.pool_name, cls.name, RequestOutcome.ADMITTED)
         cap = reserved // parsed.sequences if pool.config.enforce_max_tokens and parsed.sequences else None
-        node, link, strip = lease.node, None, False
-        resp: pb.ProcessingResponse | list[pb.ProcessingResponse]
-        if not mode.on_stream:
-            # Observed elsewhere or not at all: usage the client did not ask for could not be
-            # hidden from it, so none is asked of the upstream, except where the access log's
-            # usage filter reads it and hides it (told in the answer's metadata).
-            usage = mode is ReleaseMode.ACCESS_LOG and self.usage_filter
-            capped, stripped = oai.upstream_body(parsed, cap_max_tokens=cap, stream_usage=usage)
-            link = gate.new_link()
-            resp = _linked_continue(lease, link, capped, node=node)
-            if stripped:
-                usage_log.ask_to_strip(resp)
-        else:
-            new_body, strip = oai.upstream_body(parsed, cap_max_tokens=cap)
-            if self.duplex:
-                resp = duplex_answer(raw if new_body is None else new_body, new_body is not None, node)
-            elif mode is ReleaseMode.STREAM_AND_LOG:
-                link = gate.new_link()
-                resp = _linked_continue(lease, link, new_body, rates=False, node=node)
-            else:
-                resp = body_answer(new_body, node)
-        self.ending = of_mode(mode)(gate, self.pool_name, lease, link, parsed.stream, strip)
-        return resp
+        mode = ReleaseMode.choose(self.response_sent, self.route.release, self.duplex)
+        admitted = admit(gate, lease, mode, parsed, raw, cap=cap, duplex=self.duplex,
+                         usage_filter=self.usage_filter)
+        self.ending = ending = admitted.ending
+        if self.endings is not None:
+            self.endings.admitted(ending)  # before Envoy can send the response, or log its end
+        return admitted.answer
 
     def _no_eligible_endpoint(self, retry: bool) -> pb.ProcessingResponse:
         """_no_eligible_endpoint is the protocol's 503 when the proxy's subset hint allows no

@@ -91,7 +91,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
         if req.observability_mode:
             await self.endings.observe(req, read)
             return
-        ex = Exchange(self._gate)
+        ex = Exchange(self._gate, self.endings)
         task = asyncio.current_task()
         assert task is not None
         self.active[task] = ex
@@ -139,12 +139,8 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
         if kind == "request_headers":
             return ex.request_headers(req.request_headers, req.metadata_context, _protocol(req))
         if kind == "request_body":
-            admitted_before = ex.ending is not None
-            resp = await ex.request_body(req.request_body, write, req.attributes,
+            return await ex.request_body(req.request_body, write, req.attributes,
                                          req.metadata_context, _protocol(req))
-            if ex.ending is not None and not admitted_before:
-                self.endings.admitted(ex.ending)  # before Envoy can send the response, or log its end
-            return resp
         if kind == "response_headers":
             return ex.response_headers(req.response_headers, attributes=req.attributes,
                                        metadata=req.metadata_context)
