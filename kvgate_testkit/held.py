@@ -23,7 +23,10 @@ from google.protobuf import struct_pb2
 
 from extproc import usage_log
 from extproc.admission.nodes import NodeReport
-from extproc.request.registry import LINK_KEY
+try:
+    from extproc.request.registry import LINK_KEY
+except ImportError:  # bench/bench_request_path.py --baseline: a revision from before extproc/request/
+    from extproc.endings import LINK_KEY  # type: ignore[no-redef]
 from extproc.gate import METADATA_NAMESPACE
 from extproc.request_facts import ATTR_CONTENT_TYPE, ATTR_METHOD, ATTR_PATH
 

@@ -67,16 +67,13 @@ class Ending:
 
     def __init__(self, gate: Gate, pool: str, lease: Lease, link: str | None, streamed: bool,
                  strip: bool) -> None:
-        self.gate = gate
-        self.pool = pool
-        self.lease = lease
-        self.link = link
-        self.streamed = streamed
-        self.strip = strip
+        # Pairs, not one tuple of four: CPython builds no tuple to assign two or three.
+        self.gate, self.pool = gate, pool
+        self.lease, self.link = lease, link
+        self.streamed, self.strip = streamed, strip
+        # What the response has shown so far (on whichever stream kvgate sees it).
         self.tracker: oai.ResponseTracker | None = None
-        self.status = 0
-        self.upstream_error = False
-        self.response_done = False
+        self.status, self.upstream_error, self.response_done = 0, False, False
         self.outcome: Outcome | None = None
         # What the access log entry told of a stream cut short (None: no entry yet; True: the
         # upstream broke it off), and whether a release's cause still awaits it (``told``).
