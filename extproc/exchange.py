@@ -68,16 +68,17 @@ from extproc import usage_log
 from extproc.admission import Demand, Lease, Outcome
 from extproc.answers import (CONTINUE_REQUEST_BODY, CONTINUE_REQUEST_HEADERS,
                              CONTINUE_REQUEST_TRAILERS, CONTINUE_RESPONSE_BODY,
-                             CONTINUE_RESPONSE_HEADERS, NOTHING_MORE, PASS_THROUGH,
-                             PASS_THROUGH_BODY, PASS_THROUGH_RESPONSE, immediate, misconfigured,
-                             name_node, set_headers, unavailable)
+                             CONTINUE_RESPONSE_HEADERS, PASS_THROUGH, PASS_THROUGH_BODY,
+                             PASS_THROUGH_RESPONSE, misconfigured)
 from extproc.config import ClassConfig
 from extproc.errors import RequestError
 from extproc.gate import ANONYMOUS_TENANT, NO_ROUTE_SETTINGS, Gate, PoolRuntime
 from extproc.outcomes import RequestOutcome
-from extproc.request.admit import Refused, acquire, admit, count, refusal_outcome
-from extproc.request.ending import Ending, response_facts
+from extproc.request.admit import (Refused, acquire, admit, cap_of, count, pass_to_node,
+                                   refusal_outcome)
+from extproc.request.ending import Ending
 from extproc.request.profile import ReleaseMode
+from extproc.request.refusals import no_eligible_endpoint, pass_error, path_error, refusal
 from extproc.request.registry import Endings
 from extproc.request_facts import ATTR_PATH, UNDECODABLE_ATTRIBUTES, RequestFacts
 
@@ -86,11 +87,6 @@ __all__ = ["Exchange"]
 
 
 # --- one request -------------------------------------------------------------------
-
-def _shown(path: str) -> str:
-    """_shown is a request path as an error message may quote it (100 characters, ASCII)."""
-    return path[:100].encode("ascii", "backslashreplace").decode()
-
 
 # States of an exchange.
 _NEW, _BODY, _PASS, _ADMITTED, _DONE = range(5)
@@ -167,12 +163,14 @@ class Exchange:
         if refusal is not None:
             return refusal
         if self.state == _PASS:
+            passed = pass_to_node(self.gate, self.pool_name or self.gate.config.default_pool,
+                                  self.hint, self.duplex)
+            if type(passed) is Refused:  # a picking pool without a node up
+                self.state = _DONE
+                return passed.answer
+            self._count_pass()
             # In duplex mode no mode_override: the bodies are passed back.
-            resp = self._pass_through_picked(duplex=self.duplex) or (
-                CONTINUE_REQUEST_HEADERS if self.duplex else PASS_THROUGH)
-            if self.state == _PASS:  # not the 503 of a picking pool without a node up
-                self._count_pass()
-            return resp
+            return passed or (CONTINUE_REQUEST_HEADERS if self.duplex else PASS_THROUGH)
         if facts.content_length is not None:
             try:
                 declared = int(facts.content_length)
@@ -214,21 +212,6 @@ class Exchange:
                 f"{ATTR_PATH!r} request attribute: list kvgate's request attributes in the "
                 "ext_proc filter's request_attributes (see deploy/envoy.yaml)")
         return self._begin(facts, metadata, body)
-
-    def _class_from_attributes(self, attributes: Any, metadata: Any) -> None:
-        """_class_from_attributes sets the pool and class of a request refused before kvgate
-        saw its body (Envoy's own 413), so that it is counted where it belongs; an identity
-        that would have been refused leaves the default class."""
-        gate = self.gate
-        facts = facts_of.from_attributes(facts_of.attribute_values(attributes), gate.config.tenants)
-        route = gate.route_settings(metadata)
-        self.pool_name = route.pool or gate.config.default_pool
-        try:
-            tenant = gate.tenant_of(facts.tenant, facts.authorization)
-        except RequestError:
-            return
-        self.class_cfg = (gate.config.tenants.classes[route.tenant_class] if route.tenant_class
-                          else gate.config.class_of(tenant))
 
     def _begin(self, facts: RequestFacts, metadata: Any, body: bool) -> pb.ProcessingResponse | None:
         """_begin picks endpoint, pool, tenant and class; returns a refusal or None.
@@ -371,9 +354,11 @@ class Exchange:
         self.content_type = None
         self.hint = None
         gate.metrics.request(self.pool_name, cls.name, RequestOutcome.ADMITTED)
-        cap = reserved // parsed.sequences if pool.config.enforce_max_tokens and parsed.sequences else None
-        mode = ReleaseMode.choose(self.response_sent, self.route.release, self.duplex)
-        admitted = admit(gate, lease, mode, parsed, raw, cap=cap, duplex=self.duplex,
+        # A FULL_DUPLEX_STREAMED body either way carries no link (``ReleaseMode.choose``).
+        mode = ReleaseMode.choose(self.response_sent, self.route.release,
+                                  self.duplex or self.response_duplex)
+        admitted = admit(gate, lease, mode, parsed, raw, cap=cap_of(pool, parsed, reserved),
+                         duplex=self.duplex, response_duplex=self.response_duplex,
                          usage_filter=self.usage_filter)
         self.ending = ending = admitted.ending
         if self.endings is not None:
@@ -381,42 +366,14 @@ class Exchange:
         return admitted.answer
 
     def _no_eligible_endpoint(self, retry: bool) -> pb.ProcessingResponse:
-        """_no_eligible_endpoint is the protocol's 503 when the proxy's subset hint allows no
-        node kvgate may pick (empty, unknown addresses, or every allowed node not up).
-
-        ``retry``: the hint names nodes of the pool that are not up now and may come back, so
-        a retry may pass (``x-should-retry: true``, ``retry-after``); a hint that names none of
-        them (empty, or addresses of no node: a gateway/pool mismatch) would be refused again
-        (``x-should-retry: false``)."""
+        """_no_eligible_endpoint counts and answers a request whose subset hint allows no node
+        kvgate may pick (``refusals.no_eligible_endpoint``)."""
         self.state = _DONE
         cls = self.class_cfg
         self.gate.metrics.request(self.pool_name or self.gate.config.default_pool,
                                   cls.name if cls is not None else self.gate.config.tenants.default_class,
                                   RequestOutcome.REJECTED_NO_ENDPOINT)
-        if retry:
-            return unavailable("no_endpoint", "None of the endpoints this request may go to can "
-                               "take it now. Retry shortly.", code="no_eligible_endpoint",
-                               retry_after_ms=False)
-        return unavailable("no_endpoint", "None of the endpoints this request may go to is a "
-                           "node of this pool; retrying will not change that.",
-                           code="no_eligible_endpoint", should_retry=False)
-
-    def _pass_through_picked(self, duplex: bool = False) -> pb.ProcessingResponse | None:
-        """_pass_through_picked lets a request kvgate does not admit go to an up node of a picking
-        pool (uncharged): Envoy routes by the node kvgate names, so even these need one. None
-        when the pool does not pick; a 503 when no node is up (among those the subset hint
-        allows). ``duplex``: no mode_override (the bodies are passed back one by one)."""
-        pool = self.gate.pools.get(self.pool_name or self.gate.config.default_pool)
-        if pool is None or not pool.config.picks:
-            return None
-        address = self.gate.admission.any_node(pool.config.name, self.hint)
-        if address is None:
-            self.state = _DONE
-            return unavailable("no_node", "No node of this pool answers its metrics now. Retry "
-                               "shortly.", retry_after_ms=False)
-        resp = pb.ProcessingResponse() if duplex else pb.ProcessingResponse(mode_override=NOTHING_MORE)
-        name_node(resp, resp.request_headers.response, address)
-        return resp
+        return no_eligible_endpoint(retry)
 
     # --- response ------------------------------------------------------------------------
 
@@ -439,42 +396,26 @@ class Exchange:
             for h in msg.headers.headers:
                 if h.key == ":status" and h.raw_value == b"413":
                     if first and attributes and UNDECODABLE_ATTRIBUTES not in attributes:
-                        self._class_from_attributes(attributes, metadata)
+                        self.pool_name, self.class_cfg = self.gate.class_of_attributes(attributes, metadata)
                     return self._refuse(RequestError(
                         "The request body is above this endpoint's limit.", status=413,
                         code="request_too_large"), RequestOutcome.REJECTED_BODY_TOO_LARGE)
             return PASS_THROUGH_RESPONSE if first else CONTINUE_RESPONSE_HEADERS
         ending = self.ending
-        if self.state != _ADMITTED or ending is None or ending.outcome is not None:
+        if ending is None:
             return CONTINUE_RESPONSE_HEADERS
-        lease = ending.lease
-        if lease.node is not None:
-            ending.served_by(epp.served_endpoint(metadata))
-        status, content_type = response_facts(msg.headers.headers)
-        resp = pb.ProcessingResponse()
-        mutation = resp.response_headers.response.header_mutation
-        set_headers(mutation, oai.rate_limit_headers(lease.rate))
-        # In deploy/envoy-reservation.yaml (Unread) no body follows: not a mode_override to
-        # NONE, with which Envoy would close the stream at once.
-        if ending.response_headers(status, content_type, msg.end_of_stream):
-            mutation.remove_headers.append("content-length")  # chunks may shrink: no fixed length
-        return resp
+        return ending.answer_headers(msg, metadata)
 
     def response_body(self, msg: pb.HttpBody) -> pb.ProcessingResponse:
-        """response_body hands one response chunk to the request's ending (usage, delivered
-        chunks, the end of stream that releases it), which may hide the injected usage chunk.
-        With a FULL_DUPLEX_STREAMED response body every chunk goes back at once, as it came
-        (or without the injected usage chunk): none is held."""
+        """response_body hands one response chunk to the request's ending, which answers it
+        (``Ending.answer_chunk``). Before any admission the chunk passes as it came (with a
+        FULL_DUPLEX_STREAMED response body, sent back at once)."""
         ending = self.ending
-        replacement = None if ending is None else ending.response_chunk(msg.body, msg.end_of_stream)
+        if ending is not None:
+            return ending.answer_chunk(msg)
         if self.response_duplex:
-            return epp.streamed_chunk("response_body", msg.body if replacement is None else replacement,
-                                      msg.end_of_stream)
-        if replacement is None:
-            return CONTINUE_RESPONSE_BODY
-        resp = pb.ProcessingResponse()
-        resp.response_body.response.body_mutation.body = replacement
-        return resp
+            return epp.streamed_chunk("response_body", msg.body, msg.end_of_stream)
+        return CONTINUE_RESPONSE_BODY
 
     def request_trailers(self) -> pb.ProcessingResponse:
         """request_trailers answers the request's trailers. With a FULL_DUPLEX_STREAMED body
@@ -505,10 +446,7 @@ class Exchange:
         self.gate.metrics.request(self.pool_name or self.gate.config.default_pool,
                                   cls.name if cls is not None else self.gate.config.tenants.default_class,
                                   outcome)
-        status, headers, payload = oai.request_error_response(err)
-        if not any(k == "x-kvgate-reason" for k, _ in headers):
-            headers = [*headers, ("x-kvgate-reason", outcome.reason)]
-        return immediate(status, headers, payload, f"kvgate_{outcome}")
+        return refusal(err, outcome)
 
     def _not_admitted(self, method: str, path: str, admitted_path: bool,
                       body: bool) -> pb.ProcessingResponse | None:
@@ -517,26 +455,20 @@ class Exchange:
 
         With ``limits.unknown_paths: pass`` everything passes as it came. Otherwise a path of
         ``limits.pass_paths`` (the engines' endpoints that generate nothing) passes as a GET
-        or HEAD without a body (``body`` False), all it needs: another method gets 405 with
-        ``allow: GET, HEAD``, a body 400; and any other path is refused (``_refuse_path``).
+        or HEAD without a body (``body`` False), all it needs (``refusals.pass_error``); any
+        other path is refused (``refusals.path_error``).
         What passes is counted (``_count_pass``) once it has been let through.
         """
         limits = self.gate.config.limits
         if limits.unknown_paths == "pass":
             self.state = _PASS
             return None
-        if not oai.path_passes(oai.normalise_path(path), limits.pass_paths):
-            return self._refuse_path(path, admitted_path)
-        if method not in oai.PASS_METHODS:
+        passes = oai.path_passes(oai.normalise_path(path), limits.pass_paths)
+        refused = pass_error(path, method, body) if passes else (path_error(path, admitted_path),
+                                                                 RequestOutcome.REJECTED_PATH)
+        if refused is not None:
             self.pool_name = self.gate.config.default_pool
-            return self._refuse(RequestError(
-                f"{_shown(path)} accepts GET and HEAD only.", status=405, code="method_not_allowed",
-                allow=oai.PASS_ALLOW), RequestOutcome.REJECTED_PATH)
-        if body:
-            self.pool_name = self.gate.config.default_pool
-            return self._refuse(RequestError(
-                f"{_shown(path)} takes no request body; send the {method} without one.",
-                code="body_not_allowed"), RequestOutcome.REJECTED_INVALID)
+            return self._refuse(*refused)
         self.state = _PASS
         return None
 
@@ -546,21 +478,6 @@ class Exchange:
         config = self.gate.config
         self.gate.metrics.request(config.default_pool, config.tenants.default_class,
                                   RequestOutcome.PASSED)
-
-    def _refuse_path(self, path: str, admitted_path: bool) -> pb.ProcessingResponse:
-        """_refuse_path answers a path kvgate neither admits nor lets through (404), or an
-        admitted path with another method than POST (405): on an inference route nothing
-        reaches the GPUs unadmitted (``limits.unknown_paths``)."""
-        self.pool_name = self.gate.config.default_pool
-        shown = _shown(path)
-        if admitted_path:
-            err = RequestError(f"{shown} accepts POST only.", status=405, code="method_not_allowed",
-                               allow="POST")
-        else:
-            err = RequestError(f"Unknown request URL: {shown}. This gateway serves "
-                               "/v1/chat/completions, /v1/completions, /v1/embeddings and "
-                               "/v1/responses.", status=404, code="unknown_url")
-        return self._refuse(err, RequestOutcome.REJECTED_PATH)
 
     def _misconfigured(self, message: str) -> pb.ProcessingResponse:
         self.state = _DONE

@@ -21,6 +21,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
+from extproc import request_facts as facts_of
 from extproc.admission import Admission
 from extproc.clock import Clock
 from extproc.config import ClassConfig, Config, PoolConfig
@@ -187,6 +188,21 @@ class Gate:
                                "key given is missing or not one of its tenants'.",
                                status=401, code="invalid_api_key")
         return ANONYMOUS_TENANT
+
+    def class_of_attributes(self, attributes: Any, metadata: Any) -> tuple[str, ClassConfig | None]:
+        """class_of_attributes is the pool and class of a request refused before kvgate saw its
+        body (Envoy's own 413), named by its request ``attributes`` and route ``metadata``, so
+        that it is counted where it belongs; an identity that would have been refused has no
+        class (None: the default's)."""
+        facts = facts_of.from_attributes(facts_of.attribute_values(attributes), self.config.tenants)
+        route = self.route_settings(metadata)
+        pool = route.pool or self.config.default_pool
+        try:
+            tenant = self.tenant_of(facts.tenant, facts.authorization)
+        except RequestError:
+            return pool, None
+        return pool, (self.config.tenants.classes[route.tenant_class] if route.tenant_class
+                      else self.config.class_of(tenant))
 
     @staticmethod
     def fairness_id_of(tenant: str, fairness_values: Sequence[bytes]) -> str | None:

@@ -21,7 +21,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from extproc import openai_api as oai
 from extproc import usage_log
 from extproc.admission import Demand, Lease, Rejection, StoreError, UnknownPoolError
-from extproc.answers import body_answer, duplex_answer, immediate, message_timeout, unavailable
+from extproc.answers import (NOTHING_MORE, body_answer, duplex_answer, immediate, message_timeout,
+                             name_node, unavailable)
 from extproc.config import ClassConfig
 from extproc.errors import RequestError
 from extproc.gate import WAIT_TIMEOUT_MARGIN_S, Gate, PoolRuntime, RouteSettings
@@ -33,7 +34,7 @@ from extproc.request.registry import LINK_KEY
 
 log = logging.getLogger("kvgate.exchange")
 
-__all__ = ["Admitted", "Refused", "acquire", "admit", "count", "refusal_outcome"]
+__all__ = ["Admitted", "Refused", "acquire", "admit", "cap_of", "count", "pass_to_node", "refusal_outcome"]
 
 # What one message is answered with: one response, or several in order (FULL_DUPLEX_STREAMED).
 Answer: TypeAlias = "pb.ProcessingResponse | list[pb.ProcessingResponse]"
@@ -139,13 +140,40 @@ async def acquire(gate: Gate, demand: Demand, cls: ClassConfig,
     return result
 
 
+def cap_of(pool: PoolRuntime, parsed: oai.ParsedRequest, reserved: int) -> int | None:
+    """cap_of is the max_tokens each sequence of an admitted request is held to, where its pool
+    enforces its reservation (None: the request's own)."""
+    if pool.config.enforce_max_tokens and parsed.sequences:
+        return reserved // parsed.sequences
+    return None
+
+
+def pass_to_node(gate: Gate, pool_name: str, hint: frozenset[str] | None,
+                 duplex: bool) -> pb.ProcessingResponse | Refused | None:
+    """pass_to_node lets a request kvgate does not admit go to an up node of a picking pool
+    (uncharged): Envoy routes by the node kvgate names, so even these need one. None when the
+    pool does not pick; Refused (503) when no node is up among those the subset ``hint``
+    allows. ``duplex``: no mode_override (the bodies are passed back one by one)."""
+    pool = gate.pools.get(pool_name)
+    if pool is None or not pool.config.picks:
+        return None
+    address = gate.admission.any_node(pool.config.name, hint)
+    if address is None:
+        return Refused(unavailable("no_node", "No node of this pool answers its metrics now. Retry "
+                                   "shortly.", retry_after_ms=False))
+    resp = pb.ProcessingResponse() if duplex else pb.ProcessingResponse(mode_override=NOTHING_MORE)
+    name_node(resp, resp.request_headers.response, address)
+    return resp
+
+
 def admit(gate: Gate, lease: Lease, mode: ReleaseMode, parsed: oai.ParsedRequest, raw: bytes, *,
-          cap: int | None, duplex: bool, usage_filter: bool) -> Admitted:
+          cap: int | None, duplex: bool, response_duplex: bool, usage_filter: bool) -> Admitted:
     """admit takes ``lease`` into the ending ``mode`` names, and answers the body ``raw``: the
     upstream body (max_tokens capped at ``cap``, stream usage asked for when kvgate reads the
     response and the client did not, or where the access log's usage filter, announced by
     ``usage_filter``, hides it), the node picked, the link. ``duplex``: the request body is
-    FULL_DUPLEX_STREAMED (the answer is the owed headers answer, then the body's chunks)."""
+    FULL_DUPLEX_STREAMED (the answer is the owed headers answer, then the body's chunks);
+    ``response_duplex``: the response body is."""
     node, link, strip = lease.node, None, False
     answer: Answer
     if not mode.on_stream:
@@ -167,7 +195,8 @@ def admit(gate: Gate, lease: Lease, mode: ReleaseMode, parsed: oai.ParsedRequest
             answer = _linked_continue(lease, link, new_body, rates=False, node=node)
         else:
             answer = body_answer(new_body, node)
-    return Admitted(answer, of_mode(mode)(gate, lease.demand.pool, lease, link, parsed.stream, strip))
+    kind = of_mode(mode, response_duplex and mode.on_stream)
+    return Admitted(answer, kind(gate, lease.demand.pool, lease, link, parsed.stream, strip))
 
 
 def _linked_continue(lease: Lease, link: str, new_body: bytes | None = None, *,

@@ -12,7 +12,8 @@ alone when those events end the request and with what cause (``extproc.request.c
 kind (mode)                     released
 ==============================  ====================================================
 OnStream (STREAM)               at the response's end of stream, or the admission
-                                stream's end
+                                stream's end (OnDuplexStream: the same, the response
+                                body FULL_DUPLEX_STREAMED)
 OnStreamAndLog (STREAM_AND_LOG) the same; a stream cut short is released at once and
                                 its cause counted when the access log entry tells
                                 who cut it (``told``)
@@ -37,8 +38,12 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
 from extproc import openai_api as oai
+from extproc import picker_protocol as epp
 from extproc.admission import Lease, Outcome
+from extproc.answers import CONTINUE_RESPONSE_BODY, CONTINUE_RESPONSE_HEADERS, set_headers
 from extproc.request.causes import awaits_log_cause, cause_of, charged_completion
 from extproc.request.profile import ReleaseMode
 
@@ -46,8 +51,8 @@ if TYPE_CHECKING:
     from extproc import usage_log
     from extproc.gate import Gate
 
-__all__ = ["Ending", "Observed", "ObservedAndLog", "OnStream", "OnStreamAndLog", "Parked", "ToldByLog",
-           "Unread", "of_mode", "response_facts"]
+__all__ = ["Ending", "Observed", "ObservedAndLog", "OnDuplexStream", "OnStream", "OnStreamAndLog",
+           "Parked", "ToldByLog", "Unread", "of_mode", "response_facts"]
 
 
 class Ending:
@@ -80,7 +85,39 @@ class Ending:
         self.cut_by_upstream: bool | None = None
         self.cause_pending = False
 
-    # --- the response --------------------------------------------------------------------
+    # --- the response on the admission stream -------------------------------------------
+
+    def answer_headers(self, msg: pb.HttpHeaders, metadata: Any) -> pb.ProcessingResponse:
+        """answer_headers takes the response headers Envoy sent on the admission stream (with
+        the stream's ``metadata``: the endpoint the proxy says served the request) and answers
+        them with the x-ratelimit-* headers; a response whose injected usage chunk is hidden
+        loses its fixed length."""
+        if self.outcome is not None:
+            return CONTINUE_RESPONSE_HEADERS
+        lease = self.lease
+        if lease.node is not None:
+            self.served_by(epp.served_endpoint(metadata))
+        status, content_type = response_facts(msg.headers.headers)
+        resp = pb.ProcessingResponse()
+        mutation = resp.response_headers.response.header_mutation
+        set_headers(mutation, oai.rate_limit_headers(lease.rate))
+        # In deploy/envoy-reservation.yaml (Unread) no body follows: not a mode_override to
+        # NONE, with which Envoy would close the stream at once.
+        if self.response_headers(status, content_type, msg.end_of_stream):
+            mutation.remove_headers.append("content-length")  # chunks may shrink: no fixed length
+        return resp
+
+    def answer_chunk(self, msg: pb.HttpBody) -> pb.ProcessingResponse:
+        """answer_chunk takes one response chunk on the admission stream (``response_chunk``)
+        and answers it: as it came, or without the injected usage chunk."""
+        replacement = self.response_chunk(msg.body, msg.end_of_stream)
+        if replacement is None:
+            return CONTINUE_RESPONSE_BODY
+        resp = pb.ProcessingResponse()
+        resp.response_body.response.body_mutation.body = replacement
+        return resp
+
+    # --- the response ----------------------------------------------------------------------
 
     def response_headers(self, status: int, content_type: str, end: bool) -> bool:
         """response_headers takes the response's status and content type; returns whether the
@@ -157,6 +194,19 @@ class OnStream(Ending):
     """OnStream: the response comes on the admission stream; its end, or the stream's, releases."""
 
     __slots__ = ()
+
+
+class OnDuplexStream(OnStream):
+    """OnDuplexStream: as OnStream, with the response body FULL_DUPLEX_STREAMED (the endpoint
+    picker protocol, deploy/envoy-inference-pool.yaml): every chunk goes back at once, as it
+    came or without the injected usage chunk; none is held."""
+
+    __slots__ = ()
+
+    def answer_chunk(self, msg: pb.HttpBody) -> pb.ProcessingResponse:
+        replacement = self.response_chunk(msg.body, msg.end_of_stream)
+        return epp.streamed_chunk("response_body", msg.body if replacement is None else replacement,
+                                  msg.end_of_stream)
 
 
 class ToldByLog(Ending):
@@ -304,6 +354,7 @@ _KINDS: dict[ReleaseMode, type[Ending]] = {
 }
 
 
-def of_mode(mode: ReleaseMode) -> type[Ending]:
-    """of_mode is the kind of ending of a request admitted in ``mode``."""
-    return _KINDS[mode]
+def of_mode(mode: ReleaseMode, duplex: bool = False) -> type[Ending]:
+    """of_mode is the kind of ending of a request admitted in ``mode``; ``duplex``: its response
+    body is FULL_DUPLEX_STREAMED (then its mode is STREAM, ``ReleaseMode.choose``)."""
+    return OnDuplexStream if duplex else _KINDS[mode]
