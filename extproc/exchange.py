@@ -23,8 +23,8 @@ What reaches kvgate, by file of deploy/ (``kvgate envoy-filter --mode``):
   chunks; its headers only (-reservation: no body, the completion charged at the
   reservation); on a second, observability-mode ext_proc filter (-observe: no blocking
   message per streamed chunk), where the admission stream's protocol says response body
-  NONE and the exchange *observes* the response fed from that other stream, found again by
-  the ``link`` it put in the request's dynamic metadata, and never rewrites it (so it never
+  NONE and the request's ending *observes* the response fed from that other stream, found
+  again by the ``link`` put in the request's dynamic metadata, and never rewrites it (so it never
   asks the upstream for stream usage it could not hide); none at all (-access-log: the
   access log entry ends the request, and the file's Lua usage filter, ``usage_log``, reads
   the usage from the response as it passes and hides it from a client that did not ask).
@@ -38,7 +38,7 @@ cache cleared), and a refused request never opens an upstream request. The token
 on the response stream tell the node's ledger how far the request has got. In
 deploy/envoy-endpoint-picker-log.yaml the response is not sent (the request's end comes by
 the access log, as in -access-log), and Envoy's periodic access log entries of the stream in
-flight bring the tokens so far and the node that serves (``progressed``).
+flight bring the tokens so far and the node that serves (``Parked.progressed``).
 
 The same pool is served as an ``InferencePool``'s endpoint picker, in the modes the
 picker protocol fixes (deploy/envoy-inference-pool.yaml; ``picker_protocol``): both bodies
@@ -50,7 +50,9 @@ kvgate may pick (503 when none of them may be picked), and the endpoint the prox
 served the request takes the request's node charge when it is not the one picked.
 
 What every exchange shares (configuration, tokenizers, identity, route settings) is the
-``Gate`` (``extproc.gate``); the answers it sends are built in ``extproc.answers``.
+``Gate`` (``extproc.gate``); the answers it sends are built in ``extproc.answers``, its
+refusals in ``extproc.request.refusals``, and the decision on a whole body (count, acquire,
+answer) in ``extproc.request.admit``.
 """
 
 from __future__ import annotations
