@@ -46,8 +46,8 @@ class Recorded(Rig):
 def rig() -> Iterator[Recorded]:
     r = Recorded()
 
-    def recording(gate: Any) -> Exchange:
-        ex = Exchange(gate)
+    def recording(gate: Any, endings: Any = None) -> Exchange:
+        ex = Exchange(gate, endings)
         r.created.append(ex)
         return ex
     try:
