@@ -15,7 +15,7 @@ VLLM_VERSION ?= 0.32.0
 # e.g. BENCH_VLLM_ARGS="--runs 3 --rows direct,kvgate"
 BENCH_VLLM_ARGS ?=
 
-.PHONY: install run test test-under-load test-unit test-e2e test-vllm bench bench-admission bench-overhead bench-cpu bench-picker bench-prefix bench-protection bench-redis bench-redis-timeout bench-scrape bench-tokens bench-trace bench-replicas bench-vllm bench-vllm-prefix bench-loop-lag bench-big-prompt bench-memory bench-log-batches bench-pick bench-usage-filter bench-fairness install-vllm check-config clean
+.PHONY: install run test test-under-load test-unit test-e2e test-vllm bench bench-admission bench-overhead bench-cpu bench-picker bench-prefix bench-protection bench-redis bench-redis-timeout bench-scrape bench-tokens bench-trace bench-replicas bench-vllm bench-vllm-prefix bench-loop-lag bench-big-prompt bench-memory bench-log-batches bench-pick bench-usage-filter bench-fairness install-vllm record-kv-events check-config clean
 
 install: $(STAMP)
 
@@ -158,6 +158,11 @@ $(VLLM_STAMP):
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_PY) -c 'import vllm.entrypoints.openai.api_server'
 	touch $(VLLM_STAMP)
+
+# Records the KV cache events the real engine publishes (bytes as sent) into the fixture the
+# KV events tests read; run it again only to follow a new vLLM (it rewrites a committed file).
+record-kv-events: install install-vllm
+	$(PY) bench/record_kv_events.py --out tests/fixtures/vllm_kv_events.jsonl
 
 # The end-to-end test against the real engine (make test runs it too once .venv-vllm exists).
 test-vllm: install install-vllm

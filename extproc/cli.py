@@ -2,8 +2,8 @@
 
     kvgate serve --config FILE [--grpc-listen HOST:PORT] [--admin-listen HOST:PORT] [--log-level LEVEL]
                  [--log-format text|json]
-    kvgate check-config FILE [--envoy ENVOY.yaml]
-    kvgate envoy-filter --config FILE [--mode MODE] [--bootstrap [--listen HOST:PORT] [--upstream HOST:PORT]]
+    kvgate check-config FILE [--envoy ENVOY.yaml]   (either may be a ConfigMap manifest carrying it)
+    kvgate envoy-filter --config FILE [--mode MODE] [--upstream HOST:PORT] [--bootstrap [--listen HOST:PORT]]
     kvgate health [--address HOST:PORT] [--timeout SECONDS]
     kvgate sim ARGS...            (the vLLM-compatible simulator; see ``kvgate sim --help``)
 
@@ -49,9 +49,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="text (default) or json: one JSON object a line, for log pipelines; "
                             "times in UTC either way")
     check = sub.add_parser("check-config", help="validate a configuration file and its tokenizers")
-    check.add_argument("file", metavar="FILE")
+    check.add_argument("file", metavar="FILE",
+                       help="kvgate's file, or a ConfigMap manifest carrying it as data key kvgate.yaml")
     check.add_argument("--envoy", metavar="ENVOY.yaml",
-                       help="also report every value of this Envoy file that disagrees with FILE")
+                       help="also report every value of this Envoy file (or of a ConfigMap manifest "
+                            "carrying it as data key envoy.yaml) that disagrees with FILE")
     from extproc.envoyconf import DEFAULT_MODE, MODES, PICKING_MODE
     ef = sub.add_parser("envoy-filter", help="print the Envoy ext_proc filter and cluster for a configuration")
     ef.add_argument("--config", required=True, metavar="FILE", help="kvgate YAML configuration")
@@ -60,11 +62,11 @@ def _parser() -> argparse.ArgumentParser:
                          f"default pool picks its nodes, else {DEFAULT_MODE}); a mode that does not "
                          f"fit the pool is refused")
     ef.add_argument("--bootstrap", action="store_true",
-                    help="print a whole Envoy file (listener, routes, clusters), not only the pieces")
+                    help="print a whole Envoy file, not the blocks keyed by where each goes")
     ef.add_argument("--listen", type=_hostport, default="0.0.0.0:8080", metavar="HOST:PORT",
                     help="with --bootstrap: Envoy's listener (default 0.0.0.0:8080)")
     ef.add_argument("--upstream", type=_hostport, default="inference:8000", metavar="HOST:PORT",
-                    help="with --bootstrap: the inference server (default inference:8000)")
+                    help="the pool-level inference cluster's DNS name and port (default inference:8000)")
     health = sub.add_parser("health", help="ask a running kvgate's gRPC health service; exit 0 when SERVING")
     health.add_argument("--address", type=_hostport, default="127.0.0.1:50051", metavar="HOST:PORT",
                         help="kvgate's ext_proc gRPC address (default 127.0.0.1:50051)")
@@ -74,11 +76,20 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def check_config(path: str) -> Config:
-    """check_config loads a configuration and every pool's tokenizer; raises ConfigError."""
+def check_config(path: str, *, manifest: bool = False) -> Config:
+    """check_config loads a configuration and every pool's tokenizer; raises ConfigError.
+
+    With ``manifest``, ``path`` may also be a Kubernetes ConfigMap manifest that carries the
+    file as ``data.kvgate.yaml`` (``extproc.manifest``).
+    """
     from extproc.tokens import load_tokenizer  # heavy: only for the commands that need it
 
-    config = load_config(path)
+    if manifest:
+        from extproc.config import parse_config, read_yaml
+        from extproc.manifest import unwrap
+        config = parse_config(unwrap(read_yaml(path), "kvgate.yaml")[0])
+    else:
+        config = load_config(path)
     for name, pool in config.pools.items():
         try:
             load_tokenizer(pool.tokenizer)
@@ -117,11 +128,16 @@ def _check_envoy(config: Config, path: str, envoy_path: str) -> int:
 
     from extproc import yamlload
     from extproc.envoycheck import check_envoy
+    from extproc.manifest import unwrap
     try:
         with open(envoy_path, encoding="utf-8") as f:
             doc = yamlload.load(f.read())
+        doc, _ = unwrap(doc, "envoy.yaml")
     except (OSError, yaml.YAMLError) as err:
         print(f"error: --envoy: cannot read {envoy_path}: {err}", file=sys.stderr)
+        return EXIT_CONFIG
+    except ConfigError as err:
+        print(f"error: --envoy: {envoy_path}: {err.key}: {err.reason}", file=sys.stderr)
         return EXIT_CONFIG
     found = check_envoy(config, doc)
     for d in found:
@@ -158,7 +174,7 @@ def _envoy_filter(args: argparse.Namespace) -> int:
         config = load_config(args.config)
         mode = args.mode or mode_for(config)
         doc = (envoy_bootstrap(config, mode, listen=args.listen, upstream=args.upstream)
-               if args.bootstrap else envoy_filter(config, mode))
+               if args.bootstrap else envoy_filter(config, mode, upstream=args.upstream))
     except ConfigError as err:
         print(f"error: {err.key}: {err.reason}", file=sys.stderr)
         return EXIT_CONFIG
@@ -175,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "check-config":
         try:
-            config = check_config(args.file)
+            config = check_config(args.file, manifest=True)
         except ConfigError as err:
             print(f"error: {err.key}: {err.reason}", file=sys.stderr)
             return EXIT_CONFIG

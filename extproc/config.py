@@ -17,6 +17,7 @@ import yaml
 
 from extproc import yamlload
 from extproc.configread import Section
+from extproc.engine_blocks import MAX_BLOCKS
 from extproc.errors import ConfigError
 from extproc.openai_shapes import TEMPLATES
 
@@ -85,6 +86,46 @@ class DiscoveryConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class KvEventsEndpoint:
+    """KvEventsEndpoint is where one backend's engine publishes its KV cache events:
+    ``endpoint`` (ZMQ, ``tcp://HOST:PORT`` or ``ipc://PATH``) and ``replay_endpoint`` (None: no
+    replay)."""
+
+    backend: str
+    endpoint: str
+    replay_endpoint: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class KvEventsConfig:
+    """KvEventsConfig says where a picking pool's engines publish their KV cache events (vLLM's
+    ``--kv-events-config``, ``extproc.signals.kv_events``), so that placement knows what each
+    node caches.
+
+    ``port`` / ``replay_port``: every node publishes at ``tcp://<host of its address>:port``
+    (None: only the backends in ``endpoints``); ``endpoints``: a backend's own endpoints,
+    before ``port``; ``topic``: the engines' topic; ``max_blocks``: blocks remembered per node.
+    """
+
+    port: int | None = None
+    replay_port: int | None = None
+    endpoints: tuple[KvEventsEndpoint, ...] = ()
+    topic: str = ""
+    max_blocks: int = MAX_BLOCKS
+
+    def endpoint_of(self, backend: str, address: str | None) -> tuple[str, str | None] | None:
+        """endpoint_of is a node's (endpoint, replay endpoint), None where it has none."""
+        for e in self.endpoints:
+            if e.backend == backend:
+                return e.endpoint, e.replay_endpoint
+        if self.port is None or not address:
+            return None
+        host = address.rsplit(":", 1)[0]
+        replay = None if self.replay_port is None else f"tcp://{host}:{self.replay_port}"
+        return f"tcp://{host}:{self.port}", replay
+
+
+@dataclass(frozen=True, slots=True)
 class PickingConfig:
     """PickingConfig says how kvgate judges a node's room when it picks nodes.
 
@@ -101,7 +142,9 @@ class PickingConfig:
     in which they share (vLLM's default is 16), until a node reports its own (vLLM's
     ``cache_config_info``); ``prefix_affinity``: among the nodes where a request fits, a
     node's room counts this many times more the tokens it shares there (0: room alone),
-    so that requests go where their prefix is cached unless another node has much more room.
+    so that requests go where their prefix is cached unless another node has much more room;
+    ``kv_events``: where the engines publish their KV cache events (None: not read), so that a
+    node's cached prefix is known exactly rather than from kvgate's record.
     """
 
     growth: Growth = Growth.LEARNED
@@ -111,6 +154,7 @@ class PickingConfig:
     shared_prefix: bool = False
     block_tokens: int = 16
     prefix_affinity: float = 1.0
+    kv_events: KvEventsConfig | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,11 +328,12 @@ class TenantsConfig:
 
 
 REDIS_TIMEOUT_S = 1.0
-"""REDIS_TIMEOUT_S is the default limit of one Redis round trip (s). Measured with every core
-loaded (``bench/results/redis-timeout.md``): 94 % of round trips took over 50 ms (the old
-default), 2.9 % over 0.5 s and 1.6 % over 1 s, none over 0.25 s idle. A trip costs
-throughput (the local share), not safety, and only the requests in flight when Redis
-really stops wait this long; it stays well under the Envoy message timeout (5 s)."""
+"""REDIS_TIMEOUT_S is the default limit of one Redis round trip (s): long enough for nearly
+every round trip with every core loaded, where most exceed the old 50 ms
+(``bench/results/redis-timeout.md``).
+A trip that misses it costs throughput (the local share), not safety, and only the requests
+in flight when Redis really stops wait this long; it stays well under the Envoy message
+timeout (5 s)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,9 +386,10 @@ class ServerConfig:
 class Config:
     """Config is the whole validated configuration of one kvgate process.
 
-    ``allow_destructive_reload``: a hot reload of this file may remove pools, every backend of
-    a pool, keyed tenants or every key of a tenant, or flip a pool's picking (``configdiff``);
-    without it such a reload is refused and the configuration in force stays.
+    ``allow_destructive_reload``: a hot reload of this file may remove pools, half or more of a
+    pool's backends, classes, keyed tenants or every key of a tenant, or flip a pool's picking
+    (``configdiff``), once: only the reload that sets it; without it such a reload is refused
+    and the configuration in force stays.
     """
 
     pools: Mapping[str, PoolConfig]
@@ -379,10 +425,14 @@ def warnings(config: Config) -> list[str]:
             if pool.picks and pool.picking.shared_prefix:
                 out.append(f"pools.{name}.picking.shared_prefix has no effect with the Redis store yet: "
                            "the shared ledger charges every prompt whole")
+            if pool.picks and pool.picking.kv_events is not None:
+                out.append(f"pools.{name}.picking.kv_events has no effect with the Redis store yet: "
+                           "the shared ledger picks the node by room alone")
     if config.allow_destructive_reload:
-        out.append("allow_destructive_reload is true: a reload that removes a pool, every backend of "
-                   "a pool or a keyed tenant's keys applies, even from a file cut short while being "
-                   "written; remove it once the reload it was meant for has applied")
+        out.append("allow_destructive_reload is true: the reload that sets it may remove a pool, half "
+                   "or more of a pool's backends, a class or a keyed tenant's keys, even from a file "
+                   "cut short while being written; later reloads are guarded again while it stays, "
+                   "so remove it once the reload it was meant for has applied")
     return out
 
 
@@ -456,9 +506,61 @@ def _picking(s: Section) -> PickingConfig:
         shared_prefix=s.boolean("shared_prefix", False),
         block_tokens=s.integer("block_tokens", 16, minimum=1),
         prefix_affinity=s.number("prefix_affinity", 1.0, low=0.0, high=100.0),
+        kv_events=_kv_events(s.section("kv_events")) if s.has("kv_events") else None,
     )
     s.done()
     return picking
+
+
+_ZMQ_IPC = re.compile(r"^ipc://[^\s]+$")
+_ZMQ_ENDPOINT = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})$")
+
+
+def _zmq_endpoint(s: Section, name: str) -> str | None:
+    value = s.string(name, None, optional=True)
+    if value is None:
+        return None
+    if _ZMQ_IPC.match(value):  # a socket file: an engine on the same host (vLLM binds ipc://)
+        return value
+    m = _ZMQ_ENDPOINT.match(value)
+    if m is None or not 0 < int(m.group(2)) <= 65535:
+        raise ConfigError(s.path(name), f"must be a ZMQ endpoint tcp://HOST:PORT or ipc://PATH, got {value!r}")
+    return value
+
+
+def _kv_events(s: Section) -> KvEventsConfig:
+    port = s.integer("port", None, optional=True)
+    replay_port = s.integer("replay_port", None, optional=True)
+    for key, value in (("port", port), ("replay_port", replay_port)):
+        if value is not None and value > 65535:
+            raise ConfigError(s.path(key), f"must be a TCP port, got {value}")
+    if replay_port is not None and port is None:
+        raise ConfigError(s.path("replay_port"), "needs port (the nodes' event endpoint)")
+    raw = s.raw("endpoints", [])
+    if not isinstance(raw, list):
+        raise ConfigError(s.path("endpoints"), "must be a list")
+    endpoints: list[KvEventsEndpoint] = []
+    for i, item in enumerate(raw):
+        e = Section(f"{s.path('endpoints')}[{i}]", item)
+        # Every value is checked for its type before any is required (see _discovery).
+        backend = e.string("backend", None, optional=True)
+        endpoint = _zmq_endpoint(e, "endpoint")
+        replay = _zmq_endpoint(e, "replay_endpoint")
+        e.done()
+        if backend is None:
+            raise ConfigError(e.path("backend"), "is required")
+        if endpoint is None:
+            raise ConfigError(e.path("endpoint"), "is required")
+        if any(x.backend == backend for x in endpoints):
+            raise ConfigError(e.path("backend"), f"duplicate backend {backend!r}")
+        endpoints.append(KvEventsEndpoint(backend, endpoint, replay))
+    config = KvEventsConfig(port=port, replay_port=replay_port, endpoints=tuple(endpoints),
+                            topic=s.string("topic", None, optional=True) or "",
+                            max_blocks=s.integer("max_blocks", MAX_BLOCKS, minimum=1))
+    s.done()
+    if port is None and not endpoints:
+        raise ConfigError(s.path("port"), "is required unless endpoints names every node's")
+    return config
 
 
 def _pool(key: str, name: str, data: Any) -> PoolConfig:
@@ -500,6 +602,12 @@ def _pool(key: str, name: str, data: Any) -> PoolConfig:
     picking = _picking(s.section("picking"))
     if s.has("picking") and not addresses and discovery is None:
         raise ConfigError(s.path("picking"), "needs every backend of the pool to have an address")
+    if picking.kv_events is not None:
+        names = {b.name for b in backends}
+        for i, e in enumerate(picking.kv_events.endpoints):
+            if discovery is None and e.backend not in names:
+                raise ConfigError(f"{s.path('picking')}.kv_events.endpoints[{i}].backend",
+                                  f"names no backend of the pool: {e.backend!r}")
     if backends and all(b.engine == "dcgm" for b in backends) and not framebuffer_only:
         # vLLM reserves gpu_memory_utilization (0.9 by default) of the framebuffer at start,
         # SGLang its mem_fraction_static, TGI its KV cache: with DCGM alone such a node
@@ -764,6 +872,14 @@ def load_config(path: str | Path) -> Config:
 
     Raises ``ConfigError`` for unreadable files, YAML syntax errors and bad keys.
     """
+    return parse_config(read_yaml(path))
+
+
+def read_yaml(path: str | Path) -> Any:
+    """read_yaml reads a YAML file (a key given twice refused) and returns its document.
+
+    Raises ``ConfigError`` for unreadable files and YAML syntax errors.
+    """
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
@@ -775,4 +891,4 @@ def load_config(path: str | Path) -> Config:
         raise ConfigError(str(p), f"line {exc.line}: {exc}: remove one") from None
     except yaml.YAMLError as exc:
         raise ConfigError(str(p), f"is not valid YAML: {exc}") from None
-    return parse_config(data)
+    return data

@@ -15,17 +15,23 @@ a pool removed                                 requests a route (or ``default_po
 every backend of a pool removed (no DNS        a picking pool has no node to name (Envoy's
 discovery either)                              plain-text 503); a pool-level one loses its
                                                signals
+half or more of a pool's backends removed      half its capacity gone at once (a file cut in
+(net of those added)                           the middle of its backends list looks so)
 a pool that starts or stops picking its nodes  the Envoy file in front fits the other kind:
                                                every request fails (``envoyconf.picking_mismatch``)
 a tenant that had API keys removed             its requests become unauthenticated
 every API key of a tenant removed              the same
+a class removed                                its tenants, and the requests that named it,
+                                               are served in another class
 =============================================  ===============================================
 
 A file cut short while it is written (or saved half by an editor, a full disk, a template)
 is often still valid YAML and a valid configuration: cut after ``backends:`` a pool has none,
 cut before the tenants every keyed tenant is gone. ``guard`` turns a destructive change into a
 ``DestructiveReload`` (a ``ConfigError``) unless the new file sets ``allow_destructive_reload:
-true``; a restart applies any valid file (a start is not a reload).
+true`` and the file in force did not: the key lets through the one reload that sets it, so
+that a file left with it is guarded again from the next reload on. A restart applies any valid
+file (a start is not a reload).
 """
 
 from __future__ import annotations
@@ -62,21 +68,26 @@ class DestructiveReload(ConfigError):
     """DestructiveReload is a reload refused because it would remove pools, backends or keyed
     tenants (``ConfigChange.destructive``) and the new file does not allow it."""
 
-    def __init__(self, change: ConfigChange) -> None:
+    def __init__(self, change: ConfigChange, already_allowed: bool = False) -> None:
+        how = (f"the file in force already set `{ALLOW_KEY}: true`, which lets through only "
+               f"the reload that sets it: take the key out (a reload), then add it again for "
+               f"this change, or restart kvgate" if already_allowed else
+               f"if this is meant add `{ALLOW_KEY}: true` to the file (at its end, so that a cut "
+               f"file never carries it) or restart kvgate")
         super().__init__(ALLOW_KEY, (
             f"the new file would {'; '.join(change.destructive)}; all it would change: "
             f"{change.summary()}. A file cut short while being written looks like this: fix it, "
-            f"or if this is meant add `{ALLOW_KEY}: true` to the file (at its end, so that a cut "
-            f"file never carries it) or restart kvgate"))
+            f"or {how}"))
         self.change = change
 
 
 def guard(old: Config, new: Config) -> tuple[ConfigChange, DestructiveReload | None]:
     """guard is the change from ``old`` to ``new`` and, when it is destructive and ``new`` does
-    not set ``allow_destructive_reload``, the refusal to report (None: apply it)."""
+    not newly set ``allow_destructive_reload`` (``old`` did not), the refusal to report (None:
+    apply it)."""
     change = config_change(old, new)
-    if change.destructive and not new.allow_destructive_reload:
-        return change, DestructiveReload(change)
+    if change.destructive and not (new.allow_destructive_reload and not old.allow_destructive_reload):
+        return change, DestructiveReload(change, already_allowed=new.allow_destructive_reload)
     return change, None
 
 
@@ -116,6 +127,9 @@ def _pool_change(old: PoolConfig, new: PoolConfig, note: Any) -> None:
     emptied = bool(before or old.discovery) and not (after or new.discovery)
     if emptied:
         note(f"remove every backend of pool {old.name!r} ({len(before)})", harmful=True)
+    elif gone and not new.discovery and 2 * len(after) <= len(before):
+        note(f"remove {len(before) - len(after)} of the {len(before)} backends of pool "
+             f"{old.name!r}: {', '.join(gone)} ({len(after)} left)", harmful=True)
     elif gone:
         note(f"{at}: backends removed: {', '.join(gone)} ({len(after)} left)")
     if came:
@@ -141,8 +155,9 @@ def _class_change(old: Config, new: Config, note: Any) -> None:
     removed = [c for c in before if c not in after]
     if added:
         note(f"classes added: {', '.join(added)}")
-    if removed:
-        note(f"classes removed: {', '.join(removed)}")
+    for c in removed:
+        note(f"remove class {c!r} (its tenants, and the requests that named it, would be served "
+             f"in another class)", harmful=True)
     for name in (c for c in before if c in after):
         for text in _settings(f"tenants.classes.{name}", before[name], after[name]):
             note(text)

@@ -4,7 +4,8 @@ bpe-openai holds the GIL for the whole of a call. kvgate cuts a long text where 
 tokenizer's own pre-split cuts, so that the sum of the pieces' counts is exact, and hands
 the GIL over between pieces; a stretch with no such point (one 1 MiB "word", a long run of
 digits and commas) cannot be cut without changing its count, and one call on it held every
-other thread, the event loop's too, for ~100 ms. Where no cut lies within a bounded search,
+other thread, the event loop's too, for the whole call (bench/results/big-prompt.md). Where
+no cut lies within a bounded search,
 the rest of the text goes to a ``CountPool`` worker process that has loaded the same
 tokenizer and counts it in one call: the serving process only waits on a pipe (the GIL
 free), and the count is the same engine's, exact.

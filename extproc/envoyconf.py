@@ -66,6 +66,8 @@ from typing import Any
 import yaml
 
 from extproc.config import Config, PoolConfig
+from extproc.envoyclusters import (CLUSTER, INFERENCE_CLUSTER, NODES_CLUSTER, inference_cluster, kvgate_cluster,
+                                   nodes_cluster, retry_policy)
 from extproc.errors import ConfigError
 from extproc.gate import METADATA_NAMESPACE, WAIT_TIMEOUT_MARGIN_S
 from extproc.picker_protocol import LB_NAMESPACE, SERVED_KEY, SUBSET_NAMESPACE
@@ -83,12 +85,12 @@ _PICKED = tuple(p.name for p in PROFILES.values() if p.picks)
 _LOGGED = tuple(p.name for p in PROFILES.values() if p.response is Seen.LOG)
 # How often Envoy writes a periodic access log entry of each stream in flight in the
 # endpoint-picker-log mode (seconds): how late a node's ledger learns a request's first token
-# and its growth, against kvgate's CPU (some 40-50 us per entry on 2 loaded cores: 1,000
-# streams in flight cost ~18% of a core at 0.25 s, ~45% at 0.1 s). A first token counts in a
+# and its growth, against kvgate's CPU (each entry costs it, so the CPU grows with the streams
+# in flight over the interval). A first token counts in a
 # node's report from the next scrape mark (``adaptive.poll_interval_s``, 1 s by default); it
 # misses a mark it would have made with a chance of interval / poll interval: 1 in 4 at 0.25 s,
 # 1 in 2 at 0.5 s, so 0.1 s would buy little for 2.5 times the CPU.
-# bench/results/overhead-picker-log-intervals.md has the measurements.
+# bench/results/overhead-picker-log-intervals.md has the CPU by interval.
 PROGRESS_INTERVAL_S = 0.25
 HEADER_TO_METADATA_TYPE = ("type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3."
                            "Config")
@@ -115,6 +117,10 @@ UPLOAD_ALLOWANCE_S = 60
 IDLE_TIMEOUT_S = 300
 GATEWAY_UNAVAILABLE_BODY = ('{"error":{"message":"The admission gateway is unavailable; retry shortly.",'
                             '"type":"server_error","param":null,"code":"gateway_unavailable"}}')
+BODY_TOO_LARGE_BODY = ('{"error":{"message":"The request body is above this endpoint\'s limit.",'
+                       '"type":"invalid_request_error","param":null,"code":"request_too_large"}}')
+NO_UPSTREAM_BODY = ('{"error":{"message":"No inference server could take the request; retry shortly.",'
+                    '"type":"server_error","param":null,"code":"upstream_unavailable"}}')
 DEFAULT_MODE = "three-message"
 """DEFAULT_MODE is the mode written for a configuration whose default pool does not pick its nodes."""
 PICKING_MODE = "endpoint-picker"
@@ -132,7 +138,6 @@ ENVOY_DEFAULT_BUFFER_BYTES = 1_048_576
 # The buffer written is at least this (bytes), and 4 times max_body_bytes: headers and
 # a pipelined request share the connection's buffer with the body.
 MIN_BUFFER_BYTES = 4_194_304
-CLUSTER = "kvgate"
 EXT_PROC_TYPE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
 EXT_PROC_PER_ROUTE_TYPE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
 SET_METADATA_TYPE = "type.googleapis.com/envoy.extensions.filters.http.set_metadata.v3.Config"
@@ -348,24 +353,6 @@ def _http_filters(config: Config, mode: str) -> list[dict[str, Any]]:
     return filters
 
 
-def _kvgate_cluster(config: Config) -> dict[str, Any]:
-    host, port = kvgate_address(config)
-    breakers = {"thresholds": [{"max_connections": 100000, "max_pending_requests": 100000,
-                                "max_requests": 100000}]}
-    return {
-        "name": CLUSTER,
-        "type": "STATIC",
-        "connect_timeout": "0.25s",
-        "circuit_breakers": breakers,
-        "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-            "explicit_http_config": {"http2_protocol_options": {
-                "connection_keepalive": {"interval": "30s", "timeout": "5s"}}}}},
-        "load_assignment": {"cluster_name": CLUSTER, "endpoints": [{"lb_endpoints": [
-            {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}]}]},
-    }
-
-
 def _routes(config: Config, mode: str, upstream_cluster: str) -> list[dict[str, Any]]:
     routes: list[dict[str, Any]] = []
     if mode not in _HEADERS_SENT:
@@ -375,9 +362,7 @@ def _routes(config: Config, mode: str, upstream_cluster: str) -> list[dict[str, 
             "name": "body-too-large",
             "match": {"prefix": "/", "headers": [{"name": "content-length", "range_match": {
                 "start": config.limits.max_body_bytes + 1, "end": 9223372036854775807}}]},
-            "direct_response": {"status": 413, "body": {"inline_string": (
-                '{"error":{"message":"The request body is above this endpoint\'s limit.",'
-                '"type":"invalid_request_error","param":null,"code":"request_too_large"}}')}},
+            "direct_response": {"status": 413, "body": {"inline_string": BODY_TOO_LARGE_BODY}},
             # Answered at once: the buffer filter would hold it until the body is read.
             "typed_per_filter_config": {"envoy.filters.http.buffer": {
                 "@type": BUFFER_PER_ROUTE_TYPE, "disabled": True}},
@@ -454,15 +439,22 @@ def _access_log(mode: str) -> list[dict[str, Any]]:
                           "buffer_flush_interval": "0.005s", "buffer_size_bytes": 16777216}}}]
 
 
-def envoy_filter(config: Config, mode: str | None = None) -> dict[str, Any]:
-    """envoy_filter is what an Envoy file needs for ``config`` in ``mode``, as pieces to place.
+def envoy_filter(config: Config, mode: str | None = None, *,
+                 upstream: str = "inference:8000") -> dict[str, Any]:
+    """envoy_filter is what an Envoy file needs for ``config`` in ``mode``, as blocks keyed by
+    where each goes: whole, so that the blocks placed into a listener of one's own (with its
+    address and a ``stat_prefix``) make a file ``envoy --mode validate`` accepts.
 
-    Keys: ``http_filters`` (the HTTP connection manager's filters, in order), ``clusters``
-    (the kvgate cluster), ``routes`` (for the virtual host: the refusals Envoy answers itself
-    and the default route with its ``kvgate`` metadata), ``per_connection_buffer_limit_bytes``
-    (for the listener), and where the mode needs them ``access_log`` (for the connection
-    manager), ``access_log_options`` (for the connection manager: periodic entries) and
-    ``response_headers_to_add`` and ``request_headers_to_remove`` (for the virtual host).
+    ``overload_manager`` (the bootstrap's: the connection limit); ``listener`` (the listener's
+    fields: its buffer); ``http_connection_manager`` (the connection manager's fields: path
+    normalisation, timeouts, underscore policy, Envoy's own answers in OpenAI's shape, the
+    access log where the mode needs it, the HTTP filters in order); ``virtual_host`` (the
+    virtual host's fields: the routes, the refusals Envoy answers itself before the default
+    route with its ``kvgate`` metadata, headers added and removed, the retry of a pool-level
+    file); ``clusters`` (the upstream cluster the routes name, then kvgate's). ``upstream``
+    (HOST:PORT) is the pool-level ``inference`` cluster's DNS name and port; the picker
+    modes' ``nodes`` cluster goes wherever kvgate says.
+
     ``mode`` None: ``mode_for(config)``. Raises ValueError for an unknown mode, and
     ``ConfigError`` for a mode that does not fit the default pool (``picking_mismatch``): a
     picking pool needs a picking mode and a pool-level pool a pool-level one, or every request
@@ -476,62 +468,47 @@ def envoy_filter(config: Config, mode: str | None = None) -> dict[str, Any]:
     mismatch = picking_mismatch(pool, picks_by_mode(mode), f"--mode {mode}")
     if mismatch:
         raise ConfigError(f"pools.{pool.name}.backends", mismatch)
-    out: dict[str, Any] = {
-        "per_connection_buffer_limit_bytes": buffer_limit_bytes(config),
-        "http_filters": _http_filters(config, mode),
-        "routes": _routes(config, mode, "nodes" if mode in _PICKED else "inference"),
-        "clusters": [_kvgate_cluster(config)],
-    }
+    picked = mode in _PICKED
+    hcm: dict[str, Any] = {}
     if mode in _LOGGED or mode in _STREAMING:
-        out["access_log"] = _access_log(mode)
+        hcm["access_log"] = _access_log(mode)
     if mode == "endpoint-picker-log":
-        out["access_log_options"] = {"access_log_flush_interval": seconds_text(PROGRESS_INTERVAL_S)}
+        hcm["access_log_options"] = {"access_log_flush_interval": seconds_text(PROGRESS_INTERVAL_S)}
+    hcm.update(_connection_manager(config))
+    hcm["http_filters"] = _http_filters(config, mode)
+    vhost: dict[str, Any] = {"routes": _routes(config, mode, NODES_CLUSTER if picked else INFERENCE_CLUSTER)}
     if mode != "reservation":
         # kvgate or the usage filter reads the completion count in the response body: a
         # compressed body hides it (charged at its reservation), so the upstream is asked for
         # none. An inference server next to its gateway gains nothing from compressing.
-        out["request_headers_to_remove"] = ["accept-encoding"]
+        vhost["request_headers_to_remove"] = ["accept-encoding"]
     if mode in ("observe", *_LOGGED):
-        out["response_headers_to_add"] = [
+        vhost["response_headers_to_add"] = [
             {"header": {"key": h, "value": f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{h})%"}}
             for h in _RATE_HEADERS]
-    return out
-
-
-def _local_reply() -> dict[str, Any]:
-    """_local_reply gives Envoy's own answers when kvgate fails (details ``ext_proc_error...``)
-    OpenAI's error body, so SDKs retry them; kvgate's refusals (``kvgate_...``) are untouched."""
-    return {"mappers": [{
-        "filter": {"extension_filter": {
-            "name": "envoy.access_loggers.extension_filters.cel",
-            "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
-                "expression": "response.code_details.startsWith('ext_proc_error')"}}},
-        "body_format_override": {"text_format_source": {"inline_string": GATEWAY_UNAVAILABLE_BODY},
-                                 "content_type": "application/json"}}]}
-
-
-def envoy_bootstrap(config: Config, mode: str | None = None, *, listen: str = "0.0.0.0:8080",
-                    upstream: str = "inference:8000", admin: str = "127.0.0.1:9901") -> dict[str, Any]:
-    """envoy_bootstrap is a whole Envoy file around ``envoy_filter``: one listener on ``listen``
-    in front of the inference server ``upstream`` (HOST:PORT), admin on ``admin``. ``mode`` and
-    its errors as ``envoy_filter``."""
-    if mode is None:
-        mode = mode_for(config)
-    piece = envoy_filter(config, mode)
-    lhost, lport = split_address(listen)
+    if not picked:  # Envoy's own balancer: a request that never reached a node tries another
+        vhost["retry_policy"] = retry_policy()
     uhost, uport = split_address(upstream)
-    ahost, aport = split_address(admin)
-    vhost: dict[str, Any] = {"name": "inference", "domains": ["*"], "routes": piece["routes"]}
-    for key in ("response_headers_to_add", "request_headers_to_remove"):
-        if key in piece:
-            vhost[key] = piece[key]
-    hcm: dict[str, Any] = {"@type": HCM_TYPE, "stat_prefix": "inference"}
-    if "access_log" in piece:
-        hcm["access_log"] = piece["access_log"]
-    if "access_log_options" in piece:
-        hcm["access_log_options"] = piece["access_log_options"]
-    hcm.update({
+    return {
+        "overload_manager": {"resource_monitors": [{
+            "name": "envoy.resource_monitors.global_downstream_max_connections",
+            "typed_config": {
+                "@type": ("type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections."
+                          "v3.DownstreamConnectionsConfig"),
+                "max_active_downstream_connections": MAX_DOWNSTREAM_CONNECTIONS}}]},
+        "listener": {"per_connection_buffer_limit_bytes": buffer_limit_bytes(config)},
+        "http_connection_manager": hcm,
+        "virtual_host": vhost,
+        "clusters": [nodes_cluster() if picked else inference_cluster(uhost, uport),
+                     kvgate_cluster(*kvgate_address(config))],
+    }
+
+
+def _connection_manager(config: Config) -> dict[str, Any]:
+    """_connection_manager is the connection manager's hardening: paths normalised (no spelling
+    of an admitted path passes unadmitted), uploads and idle streams bounded, headers with
+    underscores dropped (they would dodge the stripping), Envoy's own answers in OpenAI's shape."""
+    return {
         "normalize_path": True, "merge_slashes": True,
         "path_with_escaped_slashes_action": "UNESCAPE_AND_FORWARD",
         "request_headers_timeout": seconds_text(REQUEST_HEADERS_TIMEOUT_S),
@@ -539,42 +516,64 @@ def envoy_bootstrap(config: Config, mode: str | None = None, *, listen: str = "0
         "stream_idle_timeout": seconds_text(IDLE_TIMEOUT_S),
         "common_http_protocol_options": {"idle_timeout": seconds_text(IDLE_TIMEOUT_S),
                                          "headers_with_underscores_action": "DROP_HEADER"},
-        "local_reply_config": _local_reply(),
-        "route_config": {"name": "inference", "virtual_hosts": [vhost]},
-        "http_filters": piece["http_filters"],
-    })
-    inference: dict[str, Any] = {
-        "name": "inference", "type": "STRICT_DNS", "connect_timeout": "1s",
-        "circuit_breakers": {"thresholds": [{"max_connections": 100000, "max_pending_requests": 100000,
-                                             "max_requests": 100000}]},
-        "load_assignment": {"cluster_name": "inference", "endpoints": [{"lb_endpoints": [
-            {"endpoint": {"address": {"socket_address": {"address": uhost, "port_value": uport}}}}]}]},
+        "local_reply_config": local_reply(),
     }
-    if mode in _PICKED:  # any node kvgate names, by the header only kvgate sets
-        inference = {
-            "name": "nodes", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED",
-            "connect_timeout": "1s",
-            "original_dst_lb_config": {"use_http_header": True,
-                                       "http_header_name": PICKER_HEADERS[0]},
-            "circuit_breakers": inference["circuit_breakers"],
-        }
+
+
+# Envoy's own answers that get OpenAI's error body (CEL on the answer, body). kvgate's refusals
+# (details ``kvgate_...``) and the routes' direct responses (already JSON) match none.
+_OWN_ANSWERS = (
+    # kvgate failed or is gone: SDKs retry a 503.
+    ("response.code_details.startsWith('ext_proc_error')", GATEWAY_UNAVAILABLE_BODY),
+    # A body past the listener's buffer (a chunked upload declares no length, so no route
+    # refuses it before it is read).
+    ("response.code == 413 && response.code_details == 'request_payload_too_large'", BODY_TOO_LARGE_BODY),
+    # No node to send the request to: none up, every try refused or reset, none named.
+    ("response.code == 503 && (response.code_details == 'no_healthy_upstream' || "
+     "response.code_details.startsWith('upstream_reset_before_response_started'))", NO_UPSTREAM_BODY),
+)
+
+
+def local_reply() -> dict[str, Any]:
+    """local_reply gives Envoy's own answers (``_OWN_ANSWERS``) OpenAI's error body, so that
+    clients read them as they read kvgate's; the status stays Envoy's."""
+    return {"mappers": [{
+        "filter": {"extension_filter": {
+            "name": "envoy.access_loggers.extension_filters.cel",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
+                "expression": expression}}},
+        "body_format_override": {"text_format_source": {"inline_string": body},
+                                 "content_type": "application/json"}} for expression, body in _OWN_ANSWERS]}
+
+
+def envoy_bootstrap(config: Config, mode: str | None = None, *, listen: str = "0.0.0.0:8080",
+                    upstream: str = "inference:8000", admin: str = "127.0.0.1:9901") -> dict[str, Any]:
+    """envoy_bootstrap is a whole Envoy file made of ``envoy_filter``'s blocks, each placed
+    where its key says: one listener on ``listen`` in front of the inference server
+    ``upstream`` (HOST:PORT), admin on ``admin``. ``mode`` and its errors as ``envoy_filter``."""
+    if mode is None:
+        mode = mode_for(config)
+    piece = envoy_filter(config, mode, upstream=upstream)
+    lhost, lport = split_address(listen)
+    ahost, aport = split_address(admin)
+    hcm = {"@type": HCM_TYPE, "stat_prefix": "inference", **piece["http_connection_manager"]}
+    filters = hcm.pop("http_filters")
+    hcm["route_config"] = {"name": "inference", "virtual_hosts": [
+        {"name": "inference", "domains": ["*"], **piece["virtual_host"]}]}
+    hcm["http_filters"] = filters
     return {
         "admin": {"address": {"socket_address": {"address": ahost, "port_value": aport}}},
-        "overload_manager": {"resource_monitors": [{
-            "name": "envoy.resource_monitors.global_downstream_max_connections",
-            "typed_config": {
-                "@type": ("type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections."
-                          "v3.DownstreamConnectionsConfig"),
-                "max_active_downstream_connections": MAX_DOWNSTREAM_CONNECTIONS}}]},
+        "overload_manager": piece["overload_manager"],
         "static_resources": {
             "listeners": [{
                 "name": "inference",
                 "address": {"socket_address": {"address": lhost, "port_value": lport}},
-                "per_connection_buffer_limit_bytes": piece["per_connection_buffer_limit_bytes"],
+                **piece["listener"],
                 "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
                                                 "typed_config": hcm}]}],
             }],
-            "clusters": [inference, *piece["clusters"]],
+            "clusters": piece["clusters"],
         },
     }
 

@@ -344,7 +344,7 @@ class Exchange:
                 retry=gate.admission.named_nodes(self.pool_name, among) > 0)
         demand = Demand(pool=self.pool_name, tenant=self.tenant, class_name=cls.name,
                         prompt_tokens=prompt_tokens, completion_tokens=reserved, among=among,
-                        prefix=parsed.prefix, fairness_id=self.fairness_id)
+                        prefix=parsed.prefix, fairness_id=self.fairness_id, blocks=parsed.blocks)
         lease = await acquire(gate, demand, cls, send, started)
         if type(lease) is Refused:
             self.state = _DONE

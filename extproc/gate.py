@@ -35,7 +35,8 @@ from extproc.waitwatch import cut_at_base_timeout
 log = logging.getLogger("kvgate.exchange")
 
 # Bodies above this size are parsed and tokenized in the thread pool: tiktoken releases
-# the GIL, and at ~10 MB/s a 32 KB body costs ~3 ms, the most the loop should stall.
+# the GIL, and a body of this size takes about the longest the loop should stall
+# (bench/results/tokens.md).
 OFFLOAD_BYTES = 32 * 1024
 # Tenant name of requests whose identity is not configured. Configured names cannot
 # start with '_', so this never collides with one.

@@ -19,10 +19,10 @@ meanwhile. Where the C library has no ``malloc_trim`` (musl, macOS) it does noth
 ``pin_mmap_threshold`` keeps the largest blocks out of the heap in the first place. glibc
 serves a block of ``MMAP_THRESHOLD_BYTES`` or more with a mapping of its own, given back
 whole when it is freed, but it raises that threshold to the size of every such block freed
-(up to 32 MiB): after the first access log batch of 600 KB, every later batch's bytes
-(300 KB to 1.6 MB at 3,000 streams in the picker-log file, several a second) come from the
-heap and leave holes there that a trim gives back only in whole free pages. Pinning the
-threshold (``mallopt``, which also stops its moving) sends them to mappings again.
+(up to 32 MiB): after the first large access log batch, every later batch's bytes (several
+a second in the picker-log file, each as large) come from the heap and leave holes there
+that a trim gives back only in whole free pages. Pinning the threshold (``mallopt``, which
+also stops its moving) sends them to mappings again.
 """
 
 from __future__ import annotations

@@ -91,7 +91,10 @@ def render_kvgate(path: Path, *, sim_ports: list[int], picking: bool = True) -> 
     """render_kvgate reads the local kvgate config and points its backends at the simulators.
 
     Backend i gets simulator i's metrics and (``picking``) its address; without
-    ``picking`` the addresses are left out, so kvgate admits at the pool level.
+    ``picking`` the addresses and the picking settings are left out, so kvgate admits at the
+    pool level, and the nodes' usages combine by ``max`` (the default): Envoy's round robin
+    sends a share of every burst to the fullest node, so it must shrink the pool's limits,
+    where a mean over the nodes would hide it.
     """
     data = yaml.safe_load(path.read_text())
     for pool in data.get("pools", {}).values():
@@ -105,6 +108,7 @@ def render_kvgate(path: Path, *, sim_ports: list[int], picking: bool = True) -> 
         del backends[len(sim_ports):]
         if not picking:
             pool.pop("picking", None)
+            (pool.get("signals") or {}).pop("aggregate", None)
     return data
 
 

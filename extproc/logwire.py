@@ -2,7 +2,7 @@
 
 Envoy's gRPC access log sends ``StreamAccessLogsMessage`` batches; with the
 endpoint-picker-log file's periodic entries (every stream in flight, every 0.25 s) a batch
-holds hundreds of entries, 300 KB to 1.6 MB at 3,000 streams. Parsed whole, a batch becomes
+holds hundreds of entries, up to megabytes with thousands of streams. Parsed whole, a batch becomes
 one upb arena several times its size, freed only when the last entry is done with: the C
 heap's high-water mark rises with every such batch and stays resident below the objects still
 alive (bench/results/memory-levers.md). kvgate registers the access log method with the raw

@@ -106,6 +106,66 @@ class _AdmissionCollector:
         yield from node_families.values()
 
 
+class KvEventViews(Protocol):
+    """KvEventViews is what the KV events collector reads (``signals.kv_events.KvEvents``)."""
+
+    def views(self) -> list[tuple[str, str, Any]]: ...
+
+
+# The state label of kvgate_kv_events_view (``signals.kv_events.ViewState``).
+KV_EVENT_STATES = ("live", "partial", "down")
+
+
+class _KvEventsCollector:
+    """_KvEventsCollector turns each node's KV events view and counts into series at scrape time
+    (the subscribers count on their own threads; nothing is updated per event here)."""
+
+    def __init__(self, source: Callable[[], KvEventViews | None]) -> None:
+        self._source = source
+
+    def describe(self) -> Iterable[Metric]:
+        return ()
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["pool", "backend"]
+        state = GaugeMetricFamily("kvgate_kv_events_view",
+                                  "1 for the state of the node's KV events view: live (exact), "
+                                  "partial (events missed) or down (not connected).",
+                                  labels=[*labels, "state"])
+        blocks = GaugeMetricFamily("kvgate_kv_events_cached_blocks",
+                                   "Blocks the node's KV events say it caches, as kvgate indexes them.",
+                                   labels=labels)
+        batches = CounterMetricFamily("kvgate_kv_events_batches",
+                                      "Event messages received from the node and applied.", labels=labels)
+        events = CounterMetricFamily("kvgate_kv_events_events",
+                                     "KV cache events applied (stored, removed, cleared).", labels=labels)
+        dropped = CounterMetricFamily("kvgate_kv_events_dropped",
+                                      "Event messages dropped unread, by reason.", labels=[*labels, "reason"])
+        gaps = CounterMetricFamily("kvgate_kv_events_gaps",
+                                   "Gaps in the node's event sequence numbers.", labels=labels)
+        replayed = CounterMetricFamily("kvgate_kv_events_replayed",
+                                       "Event messages a replay filled in.", labels=labels)
+        skipped = CounterMetricFamily("kvgate_kv_events_unindexed_blocks",
+                                      "Blocks stored but not indexed, by why: orphan (parent unknown, "
+                                      "no token ids), skipped (LoRA, extra keys, other medium or group), "
+                                      "forgotten (past max_blocks).", labels=[*labels, "why"])
+        source = self._source()
+        for pool, node, v in (source.views() if source is not None else ()):
+            for s in KV_EVENT_STATES:
+                state.add_metric([pool, node, s], 1.0 if v.state.value == s else 0.0)
+            blocks.add_metric([pool, node], len(v.blocks))
+            batches.add_metric([pool, node], v.batches)
+            events.add_metric([pool, node], v.events)
+            for reason, n in v.dropped.items():
+                dropped.add_metric([pool, node, reason], n)
+            gaps.add_metric([pool, node], v.gaps)
+            replayed.add_metric([pool, node], v.replayed)
+            b = v.blocks
+            for why, n in (("orphan", b.orphans), ("skipped", b.skipped), ("forgotten", b.forgotten)):
+                skipped.add_metric([pool, node, why], n)
+        yield from (state, blocks, batches, events, dropped, gaps, replayed, skipped)
+
+
 def _node_families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
     labels = ["pool", "backend"]
     return {
@@ -316,6 +376,8 @@ class Metrics:
         self._source: SnapshotSource | None = None
         self._classes: Sequence[str] = ()
         self.registry.register(_AdmissionCollector(lambda: self._source, lambda: self._classes))
+        self._kv_events: KvEventViews | None = None
+        self.registry.register(_KvEventsCollector(lambda: self._kv_events))
         self.ready.set(0)
 
     def attach(self, source: SnapshotSource, classes: Sequence[str]) -> None:
@@ -327,6 +389,10 @@ class Metrics:
         self._source = source
         self._classes = tuple(classes)
         self._zero_series()
+
+    def attach_kv_events(self, source: KvEventViews | None) -> None:
+        """attach_kv_events makes the KV events series read ``source`` at scrape time (None: none)."""
+        self._kv_events = source
 
     def set_classes(self, classes: Sequence[str]) -> None:
         """set_classes updates the configured class names after a reload."""

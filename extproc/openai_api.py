@@ -128,7 +128,9 @@ class ParsedRequest:
     ``prompt``: the validated shapes to count; ``max_prompt_tokens``: the longest single
     prompt in tokens, set by ``count_prompt_tokens``; ``suffix``: a completions suffix,
     read by the model with every prompt; ``prefix``: the prompt's prefix chain, where the
-    pool counts shared prefixes once (``extproc.prefix``; None: not chained).
+    pool counts shared prefixes once (``extproc.prefix``; None: not chained); ``blocks``: the
+    keys of its prompt's engine token ids, where the pool reads KV events
+    (``engine_blocks.token_keys``; None: not known).
     """
 
     endpoint: Endpoint
@@ -145,6 +147,7 @@ class ParsedRequest:
     max_prompt_tokens: int | None = None
     suffix: str | None = None
     prefix: Chain | None = None
+    blocks: tuple[int, ...] | None = None
 
     @property
     def sequences(self) -> int:

@@ -111,6 +111,26 @@ def prompt_chain(shape: PromptShape, tokenizer: Tokenizer) -> Chain | None:
     return b.chain()
 
 
+def prompt_ids(req: ParsedRequest, tokenizer: Tokenizer) -> list[int] | None:
+    """prompt_ids is the token ids the engine caches for a completions request, where kvgate
+    can know them: its one prompt given as token ids, or its one text prompt where the
+    tokenizer gives ids (a Hugging Face tokenizer.json, exact when it is the engine's). None
+    otherwise: chat requests (kvgate does not render the engine's chat template), batches,
+    a suffix, tokenizers that only count."""
+    shape = req.prompt
+    if shape is None or req.chat is not None or req.suffix or shape.prompts != 1:
+        return None
+    prompt = req.body.get("prompt")
+    if shape.texts:
+        ids = getattr(tokenizer, "ids", None)
+        return ids(shape.texts[0]) if ids is not None and len(shape.texts) == 1 else None
+    if isinstance(prompt, list) and prompt and type(prompt[0]) is int:
+        return prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+        return prompt[0]
+    return None
+
+
 def prefix_of(req: ParsedRequest, tokenizer: Tokenizer, template: ChatTemplate) -> Chain | None:
     """prefix_of is a parsed request's prefix chain (None: a shape that is not chained, or a
     completions suffix, which the engine reads after each prompt)."""

@@ -161,6 +161,7 @@ class Server:
         self._grpc: grpc.aio.Server | None = None
         self._admin: AdminServer | None = None
         self._scraper: Any = None
+        self._kv_events: Any = None  # signals.kv_events.KvEvents, once a pool reads KV events
         self._discovery: Any = None
         # Backends found in DNS per discovery pool, laid over every configuration applied.
         self._discovered: dict[str, tuple[Any, ...]] = {}
@@ -221,6 +222,7 @@ class Server:
         pin_mmap_threshold()
         self.heap.start()
         self._ensure_scraper(self.config)
+        self._follow_kv_events(self.config)
         self._ensure_discovery(self.config)
         if self._config_path is not None:
             from extproc.reload import ConfigWatcher
@@ -346,6 +348,19 @@ class Server:
             self._scraper.reconfigure(config)
         else:
             self._ensure_scraper(config)  # a reload (or discovery) may add the first backends
+        self._follow_kv_events(config)
+
+    def _follow_kv_events(self, config: Config) -> None:
+        """_follow_kv_events starts, changes or stops the KV events subscribers to follow
+        ``config`` (the first pool that reads them starts them; pyzmq is imported only then)."""
+        if self._kv_events is None:
+            if not self._scrape or not any(p.picking.kv_events is not None for p in config.pools.values()):
+                return
+            from extproc.signals.kv_events import KvEvents
+            self._kv_events = KvEvents()
+            self.admission.node_events = self._kv_events.view
+            self.metrics.attach_kv_events(self._kv_events)
+        self._kv_events.reconfigure(config)
 
     def _with_discovered(self, config: Config) -> Config:
         """_with_discovered is ``config`` with each discovery pool's backends as found in DNS."""
@@ -476,6 +491,9 @@ class Server:
             # stop joins the thread, which may be inside a scrape: keep the loop free meanwhile
             await asyncio.get_running_loop().run_in_executor(None, self._scraper.stop)
             self._scraper = None
+        if self._kv_events is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._kv_events.stop)
+            self._kv_events = None
         if self._grpc is not None:
             await self._grpc.stop(0)
             self._grpc = None

@@ -42,8 +42,9 @@ _KEY_PART_CHARS = 65536
 
 # Texts longer than _CHUNK_MIN_CHARS are counted in pieces of about _CHUNK_CHARS, cut at
 # a point where the tokenizer's own pre-split is known to cut (see _safe_cut): the sum is
-# then exact, and a hostile run without such points (one 1 MB "word") costs ~7x less
-# than one tiktoken call on it, whose cost grows faster than linearly with piece length.
+# then exact, and a hostile run without such points (one 1 MB "word") costs much less
+# than one tiktoken call on it, whose cost grows faster than linearly with piece length
+# (bench/results/tokens.md).
 _CHUNK_MIN_CHARS = 32768
 _CHUNK_CHARS = 4096
 _CHUNK_SEARCH_CHARS = 1024
@@ -54,7 +55,7 @@ _CHUNK_SEARCH_CHARS = 1024
 # hostile "word") is still counted in one call.
 _GIL_PIECE_CHARS = 4096
 # A piece that long (a hostile "word", a long run of digits and commas) would hold the GIL
-# for milliseconds (bpe-openai: ~1 ms per 16 KiB on one core here): with a count pool
+# for milliseconds (bench/results/big-prompt.md): with a count pool
 # installed (``use_count_pool``), a cut is looked for only that far, and where there is
 # none the rest of the text is counted in the pool's worker process; without one, here.
 _FAR_PIECE_CHARS = 16384
@@ -200,7 +201,7 @@ def _exact_pieces(text: str, chunk_chars: int, scan_chars: int | None = None) ->
     where the pre-split cuts: their counts sum to the text's.
 
     ``scan_chars`` bounds the search for each cut to that many characters after the
-    target (the search is one regex call that holds the GIL: ~45 ms on a hostile MiB);
+    target (the search is one regex call that holds the GIL for the whole stretch it scans);
     where none lies within it, the rest of the text is the last piece, however long.
     """
     start, n = 0, len(text)
@@ -274,8 +275,8 @@ class BpeOpenAITokenizer(_CachedCounter):
     worker process when one is installed (``use_count_pool``), where it holds only that
     process's GIL (``pieces=False``: every text in one call, here).
 
-    Measured (``make bench-tokens``): about 3x faster than tiktoken on a 2 KB prompt and
-    10-40x on hostile megabytes, exact where chunked tiktoken is off by a few tokens, so
+    Faster than tiktoken on ordinary prompts and far faster on hostile megabytes
+    (bench/results/tokens.md), and exact where chunked tiktoken is off by a few tokens, so
     long texts are counted in one call. A lone surrogate is counted as U+FFFD, as tiktoken
     does.
     """
@@ -318,7 +319,7 @@ class BpeOpenAITokenizer(_CachedCounter):
 class HFTokenizer(_CachedCounter):
     """HFTokenizer counts tokens with a Hugging Face ``tokenizers`` tokenizer.json.
 
-    Slower than tiktoken (about 8x on the same text) and counted in one call: any
+    Slower than tiktoken on the same text (bench/results/tokens.md) and counted in one call: any
     model's tokenizer.json loads, but its pre-split is not known well enough to cut. Texts
     over ``_HF_BATCH_CHARS`` go through ``encode_batch``, which hands the GIL over while it
     runs (``encode`` does not): the same tokens, the event loop free meanwhile.
@@ -334,6 +335,11 @@ class HFTokenizer(_CachedCounter):
         if len(text) > _HF_BATCH_CHARS:
             return len(self._tok.encode_batch([text], add_special_tokens=False)[0])
         return len(self._tok.encode(text, add_special_tokens=False))
+
+    def ids(self, text: str) -> list[int]:
+        """ids is the token ids of a completions prompt as vLLM tokenizes one: with the
+        tokenizer's special tokens (a BOS where its post-processor adds one)."""
+        return list(self._tok.encode_batch([text], add_special_tokens=True)[0].ids)
 
 
 def _bpe_openai(spec: str) -> BpeOpenAITokenizer | None:

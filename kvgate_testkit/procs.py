@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -25,11 +26,43 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, stop)
 
 
+def _ephemeral_floor() -> int:
+    """_ephemeral_floor is the lowest port the kernel hands to outgoing connections here."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_PICKER = random.Random(os.getpid() ^ time.monotonic_ns())
+_HANDED: set[int] = set()
+
+
 def free_port() -> int:
-    """free_port returns a TCP port on 127.0.0.1 that was free a moment ago."""
+    """free_port returns a TCP port on 127.0.0.1 that was free a moment ago.
+
+    It is drawn at random below the kernel's ephemeral range, not from it: a port the kernel
+    picked for ``bind(0)`` is also the kind it picks for the source port of any outgoing
+    connection, so between this call and the server's bind another test process's client
+    could take it (seen as grpc's "Failed to bind" when suites ran side by side). A port
+    already handed out by this process is not handed out again.
+    """
+    high = min(_ephemeral_floor(), 65536)
+    low = max(1024, high - 20000)
+    for _ in range(200):
+        port = _PICKER.randrange(low, high)
+        if port in _HANDED:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((LOOPBACK, port))
+            except OSError:
+                continue
+        _HANDED.add(port)
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, interval: float = 0.02,

@@ -26,13 +26,13 @@ from extproc.admission.adaptive import ScaleParams
 from extproc.admission.errors import InvalidDemandError, UnknownPoolError
 from extproc.admission.kvbudget import reserved_completion
 from extproc.admission.lease import Lease
-from extproc.admission.nodes import Charge, NodeSnapshot, PassedOver, PoolNodes
+from extproc.admission.nodes import Charge, NodeSnapshot, PassedOver, PoolNodes, Seen
 from extproc.admission.pool import PoolRuntime
 from extproc.admission.retry import spread
 from extproc.admission.store.base import Store, StoreError, SyncStore
 from extproc.admission.store.memory import MemoryStore
 from extproc.admission.tenants import NOT_CACHED, Tenants
-from extproc.admission.types import (Budget, Demand, Grant, NodeReport, Outcome, Plan, PoolLimits, PoolSignals,
+from extproc.admission.types import (Budget, CachedView, Demand, Grant, NodeReport, Outcome, Plan, PoolLimits, PoolSignals,
                                      PoolSnapshot, RateInfo, Reason, Refusal, Rejection)
 from extproc.admission.waitqueue import Answer, Step, Waiter, serve
 from extproc.clock import Clock
@@ -58,6 +58,8 @@ class Admission:
         self._rand = rand or random.random
         self._store: Store = MemoryStore() if store is None else store
         self._sync: SyncStore | None = self._store if isinstance(self._store, SyncStore) else None
+        # (pool, node) -> what the node's KV events say it caches (``extproc.signals.kv_events``)
+        self.node_events: Callable[[str, str], CachedView | None] | None = None
         self._config = config
         self._tenants = Tenants(config.tenants)
         now = clock.now()
@@ -346,7 +348,7 @@ class Admission:
         self._store.settle(grant, charged, now)
         p = self._pools.get(grant.plan.limits.pool)
         if p is not None and lease is not None and p.live.pop(lease, 0) is None and completed:
-            p.holds.add(now - lease.admitted_at)
+            p.holds.add(now - lease.admitted_at, lease.demand.completion_tokens)
         charge = grant.node
         if charge is not None:
             # The pool may have been reloaded since: the charge's node ledger is its own.
@@ -379,6 +381,18 @@ class Admission:
             return Refusal(Budget.NODE_KV, 0.0, False, nodes.hold(pt, ct, 0, cls.name), 0, largest)
         return nodes, cls
 
+    def _seen(self, pool: str, blocks: tuple[int, ...] | None) -> Seen | None:
+        """_seen is what each node of ``pool`` caches of the prompt of ``blocks`` by its KV
+        events (None: no keys, or no events read)."""
+        events = self.node_events
+        if blocks is None or events is None:
+            return None
+
+        def seen(node: str) -> tuple[int, bool] | None:
+            view = events(pool, node)
+            return None if view is None else view.cached(blocks)
+        return seen
+
     def _pick(self, p: PoolRuntime, demand: Demand, plan: Plan, now: float) -> Charge | Refusal:
         """_pick charges a node of a picking pool for ``demand``, or says why none fits."""
         got = self._nodes_for(p, demand, plan)
@@ -386,7 +400,7 @@ class Admission:
             return got
         nodes, cls = got
         picked = nodes.pick(cls.name, demand.prompt_tokens, demand.completion_tokens, cls.kv_watermark,
-                            now, demand.among, demand.prefix)
+                            now, demand.among, demand.prefix, self._seen(p.config.name, demand.blocks))
         if isinstance(picked, Charge):
             return picked
         wait = nodes.retry_after(picked.need, now, p.retry_estimate_s)

@@ -58,12 +58,12 @@ side.
 
 What a pick reads. A node keeps the sums of its charges' footprints and expected holds,
 changed as a charge comes, progresses, moves or goes, so a pick costs the same whatever
-the requests held (a walk of them per pick cost 0.55 us per request held: 1.6 ms a
-decision with 2,000 held). A charge's expected growth follows the lengths its class had
+the requests held (a walk of them per pick grew with them: bench/results/pick.md). A
+charge's expected growth follows the lengths its class had
 learned when it was admitted or last progressed; a length learned reaches the others from
 the next scrape round (``mark``) on, RECOUNT_PER_ROUND charges a round (a round, once a
-second on the event loop, recounted every charge held: 6 ms with 2,000 held, 81 ms with
-20,000, ``make bench-pick``'s scrape-round rows); a charge whose count does not change is
+second on the event loop, recounted every charge held, a stall that grew with them:
+bench/results/pick-rounds.md); a charge whose count does not change is
 not touched.
 
 Everything runs on the event-loop thread; times are seconds on the admission clock.
@@ -101,10 +101,24 @@ RECOUNT_PER_ROUND = 1024
 # hold, for placement only: never credited), least recently ended first out.
 RECENT_KEYS = 8192
 
+# What a node's KV events say it caches of a prompt (``extproc.signals.kv_events``): tokens,
+# and whether that is exact (the view is complete); None where the node's events are not read.
+Seen = Callable[[str], "tuple[int, bool] | None"]
+
 # A charge's growth to come, for pooled growth (``rules.growth_moments``): the rest of its
 # reservation, the mean and the variance of what it may still generate (tokens, tokens
 # squared).
 Moments = tuple[int, float, float]
+
+
+def cached_guess(recorded: int, seen: tuple[int, bool] | None) -> int:
+    """cached_guess is the tokens of a prompt a node is taken to cache, for placement: what its
+    KV events say where they are exact, the larger of that and kvgate's ``recorded`` guess
+    where they may miss blocks, the guess alone without events (``seen`` None)."""
+    if seen is None:
+        return recorded
+    tokens, exact = seen
+    return tokens if exact else max(tokens, recorded)
 
 
 def allows(among: frozenset[str] | None, address: str) -> bool:
@@ -832,7 +846,7 @@ class PoolNodes:
 
     def pick(self, class_name: str, prompt: int, reserved: int, watermark: float,
              now: float, among: frozenset[str] | None = None,
-             chain: Chain | None = None) -> Charge | rules.NodePass:
+             chain: Chain | None = None, seen: Seen | None = None) -> Charge | rules.NodePass:
         """pick charges the node with the most room that fits the request, or says why none does.
 
         ``watermark`` is the class's ``kv_watermark`` (the share of a node's capacity up to
@@ -842,7 +856,9 @@ class PoolNodes:
         ``among``: the endpoints the proxy allows (see ``allows``; None: all);
         nodes outside it are not considered (nor counted as passed over). ``chain``: the
         prompt's prefix chain (None: none); on a node whose requests share part of it the
-        request needs that much less (``Prefixes.credit``).
+        request needs that much less (``Prefixes.credit``). ``seen``: per node, what its KV
+        events say it caches of the prompt (None: no events read): where exact it ranks the
+        node instead of kvgate's record, where partial beside it (``cached_guess``).
         """
         need = self.hold(prompt, reserved, 0, class_name)
         if not self.picking.shared_prefix:
@@ -862,8 +878,12 @@ class PoolNodes:
             held -= credit
             if credit:
                 credits[n.name] = credit
-            # Ranked by what its cache may hold, running or recently ended; fitted by credit.
-            bonus = max(credit, min(prompt, n.cached(chain)))
+            # Ranked by what its cache holds (its events) or may hold (running or recently
+            # ended); fitted by credit alone.
+            guess = n.cached(chain)
+            if seen is not None:
+                guess = cached_guess(guess, seen(n.name))
+            bonus = max(credit, min(prompt, guess))
             if bonus:
                 affinity[n.name] = math.floor(bonus * self.picking.prefix_affinity)
             candidates.append((n.name, cap, n.foreign_ahead(horizon, now), held))
@@ -971,7 +991,7 @@ class PoolNodes:
         if charge.chain is not None:
             charge.node.ended(charge.chain)
         if completed:
-            self.holds.add(now - charge.admitted_at)
+            self.holds.add(now - charge.admitted_at, charge.reserved)
             if completion_tokens is not None and completion_tokens >= 0:
                 self.lengths.setdefault(charge.class_name, Lengths()).add(completion_tokens)
                 self._taught = self.picking.growth is not Growth.WORST_CASE
@@ -1028,7 +1048,7 @@ class PoolNodes:
             room = self.headroom(n, now)
             if room is None:
                 continue
-            t = expected_wait(now, ((c.admitted_at, self._alone(c)) for c in n.charges),
+            t = expected_wait(now, ((c.admitted_at, self._alone(c), c.reserved) for c in n.charges),
                               need - room, holds)
             if t is not None and (best is None or t < best):
                 best = t

@@ -11,10 +11,15 @@ A holder of age ``a`` is expected to hold on for its *residual life* over the co
 holds T: ``E[T - a | T > a]``, the mean of the holds longer than ``a``, less ``a``. In
 mixed traffic this tells a 2 s generation from a 50 ms chat: a holder 0.3 s old is past
 every short hold, so only the long ones speak for it (a median would say it ends at
-once). A holder older than every completed hold has nothing to go by; it is expected to
-live about as long again as its age (the rule of a heavy tail: what has lasted long is
-likely to last long), so a client refused behind a record-long request is not told to
-come back at once, and is told a longer wait each time it is refused again.
+once). Its reservation tells them apart sooner: completed holds are also kept by band of
+reserved completion tokens (factors of 4), and a band with enough of them speaks for its
+holders, so a fresh 2,000-token generation is read against generations, not chats. A
+holder older than every completed hold has nothing to go by; it is expected to live about
+as long again as its age (the rule of a heavy tail: what has lasted long is likely to last
+long), so a client refused behind a record-long request is not told to come back at once,
+and is told a longer wait each time it is refused again. The rule fades in over the last
+few longer holds (``TAIL_MIN``), so that a holder just younger than the longest sample is
+not told it ends at once either.
 
 | holders' budget | hint                                                           |
 |-----------------|----------------------------------------------------------------|
@@ -32,8 +37,8 @@ sums built at the first question after a change, so a residual is one bisection:
 The requests in flight come oldest first (a pool's leases, a node's charges), so a walk
 meets each stretch of ages between two completed holds once: one bisection there, a
 comparison for each request after it. It reads at most ``WALK_LIMIT`` of them: reading
-every request in flight for each refusal would cost ~0.3 us per request in flight (1.6 ms
-a 429 with 5,000 in flight, ``make bench-pick``'s refusal rows). The younger requests it
+every request in flight for each refusal would cost in proportion to them, milliseconds a
+429 under overload (bench/results/pick-refusals.md). The younger requests it
 does not read are taken as fresh ones: each is expected to hold about a mean hold (the
 residual at age 0).
 """
@@ -55,15 +60,30 @@ MAX_WAIT_S = 60.0
 WALK_LIMIT = 128
 # A hint is lengthened by a uniform share of itself in [0, JITTER) (see ``spread``).
 JITTER = 0.25
+# A band of reservations speaks for its holders once it holds this many completed holds;
+# before that, the window of every band does.
+BAND_MIN = 16
+# With fewer than TAIL_MIN completed holds longer than a holder's age, the heavy-tail rule
+# (as long again as its age) weighs in: a holder just younger than the longest sample is not
+# expected to end at once (see ``Window.residual``).
+TAIL_MIN = 4
 
 
-class HoldTimes:
-    """HoldTimes keeps the hold times (seconds) of the latest completed requests of one pool,
-    in the order they came and sorted, and answers the residual life of a request of a
-    given age over them.
+_UNSET = object()
+
+
+def band(reserved: int) -> int:
+    """band is the reservation band of a request that reserved ``reserved`` completion tokens:
+    bands grow by factors of 4 (0: none or 1, 1: 2-7, 2: 8-31, ... 5: 512-2,047)."""
+    return max(0, reserved).bit_length() >> 1
+
+
+class Window:
+    """Window keeps the latest HOLD_SAMPLES hold times (seconds), in the order they came and
+    sorted, and answers the residual life of a request of a given age over them.
 
     Each completion changes the window, which the next refusal reads: the sorted list is
-    kept by insertion (sorting the samples for each pick cost ~20 us a request), its prefix
+    kept by insertion (sorting the samples for each pick cost every refusal a sort), its prefix
     sums are rebuilt at the first question after a change (one C-level pass of
     ``HOLD_SAMPLES`` additions), not at every completion.
     """
@@ -104,45 +124,115 @@ class HoldTimes:
 
     def residual(self, age: float) -> float | None:
         """residual is how much longer a request held for ``age`` seconds is expected to hold
-        (seconds): E[T - age | T > age] over the completed holds T; ``age`` itself when no
-        completed hold was longer; None before any request completed. O(log n)."""
-        held = self._sorted
-        n = len(held)
-        if not n:
+        (seconds); None before any request completed. O(log n).
+
+        E[T - age | T > age] over the completed holds T, and at least ``age`` x (TAIL_MIN - m)
+        / TAIL_MIN where only m < TAIL_MIN holds are longer: with no longer hold, ``age``
+        itself (as long again), and with one or two, mostly that still, so that a holder just
+        younger than the longest sample is not expected to end at once.
+        """
+        if not self._sorted:
             return None
-        i = bisect.bisect_right(held, age)
-        if i == n:
-            return max(0.0, age)
-        sums = self.window()[1]
-        return max(0.0, (sums[n] - sums[i]) / (n - i) - age)
+        return _end(_segment(*self.window(), age), age)
 
 
-def first_end(now: float, admitted: Iterable[float], holds: HoldTimes) -> float | None:
+class HoldTimes:
+    """HoldTimes keeps the hold times (seconds) of the latest completed requests of one pool,
+    in one window of all of them and one per reservation band (``band``), and answers the
+    residual life of a request of a given age and reservation over them.
+
+    A request's reservation tells a 16-token chat from a 2,000-token generation before its
+    age can: a band with BAND_MIN completed holds speaks for its holders, a band with fewer
+    (and a holder of unknown reservation) is read against every band's window.
+    """
+
+    __slots__ = ("all", "_bands")
+
+    def __init__(self) -> None:
+        self.all = Window()
+        self._bands: dict[int, Window] = {}
+
+    def __len__(self) -> int:
+        return len(self.all)
+
+    def add(self, seconds: float, reserved: int | None = None) -> None:
+        """add remembers one completed request's hold time (seconds), under the band of its
+        ``reserved`` completion tokens when known."""
+        self.all.add(seconds)
+        if reserved is not None:
+            b = band(reserved)
+            w = self._bands.get(b)
+            if w is None:
+                w = self._bands[b] = Window()
+            w.add(seconds)
+
+    def median(self) -> float | None:
+        """median is the typical hold time of every band (None before any request completed)."""
+        return self.all.median()
+
+    def of(self, reserved: int | None) -> Window:
+        """of is the window that speaks for a holder that reserved ``reserved`` tokens."""
+        if reserved is None:
+            return self.all
+        w = self._bands.get(band(reserved))
+        return w if w is not None and len(w) >= BAND_MIN else self.all
+
+    def residual(self, age: float, reserved: int | None = None) -> float | None:
+        """residual is how much longer a request held for ``age`` seconds, that reserved
+        ``reserved`` completion tokens, is expected to hold (seconds; ``Window.residual``)."""
+        return self.of(reserved).residual(age)
+
+
+_Stretch = tuple[float, float, float, float]
+# No stretch yet: the first age finds one.
+_NOWHERE: _Stretch = (math.inf, -math.inf, 0.0, 0.0)
+
+
+def _switch(holds: HoldTimes, reserved: int | None, win: Window, st: _Stretch,
+            at: dict[Window, _Stretch]) -> tuple[Window, _Stretch]:
+    """_switch moves a walk to the window that speaks for ``reserved``, at the stretch where
+    the walk left that window (``at`` keeps it), leaving ``st`` in ``at`` for ``win``."""
+    new = holds.of(reserved)
+    if new is win:
+        return new, st
+    at[win] = st
+    return new, at.get(new, _NOWHERE)
+
+
+def first_end(now: float, admitted: Iterable[tuple[float, int | None]],
+              holds: HoldTimes) -> float | None:
     """first_end is the seconds from ``now`` until the first of the requests in flight is
     expected to end (a slot back), within the hint's bounds (None: none in flight, or
     nothing known yet).
 
-    ``admitted`` are the clock instants (seconds) at which the requests were admitted,
-    oldest first; each is expected to end after ``holds.residual(now - instant)``. At most
-    ``WALK_LIMIT`` are read; past them, the younger ones are taken as fresh requests (a
-    mean hold), and the answer is the sooner of the two.
+    ``admitted`` are (clock instant of admission in seconds, reserved completion tokens or
+    None) of the requests in flight, oldest first; each is expected to end after
+    ``holds.residual(now - instant, reserved)``. At most ``WALK_LIMIT`` are read; past
+    them, the younger ones are taken as fresh requests (a mean hold), and the answer is the
+    sooner of the two.
     """
-    held, sums = holds.window()
-    n = len(held)
-    if not n:
+    if not len(holds):
         return None
     best = math.inf
-    lo, hi, mean = math.inf, -math.inf, 0.0  # no stretch yet: the first age finds one
+    # Where the walk stands: the window of the current reservation and its stretch of ages
+    # (``_segment``), in locals: holders of one reservation mostly follow each other, so a
+    # holder costs comparisons, not a bisection nor a lookup.
+    current: object = _UNSET
+    win = holds.all
+    st = _NOWHERE
+    at: dict[Window, _Stretch] = {}
     them = iter(admitted)
-    for t0 in islice(them, WALK_LIMIT):
+    for t0, reserved in islice(them, WALK_LIMIT):
         age = now - t0
-        if lo <= age < hi:
-            if mean >= 0.0:
-                continue  # in one stretch of ages the oldest, met first, ends first
-            end = age     # past every hold (as long again as its age): the youngest does
-        else:
-            lo, hi, mean = _segment(held, sums, age)
-            end = mean - age if mean >= 0.0 else age
+        if reserved != current:
+            current = reserved
+            win, st = _switch(holds, reserved, win, st, at)
+        if not st[0] <= age < st[1]:
+            st = _segment(*win.window(), age)
+        elif st[3] == 0.0 and st[2] >= 0.0:
+            continue  # in one stretch of one window the oldest, met first, ends first
+        mean = st[2]
+        end = age if mean < 0.0 else max(mean - age, st[3] * age)
         if end < best:
             best = end
     if best == math.inf:
@@ -152,33 +242,39 @@ def first_end(now: float, admitted: Iterable[float], holds: HoldTimes) -> float 
     return _bounded(best)
 
 
-def expected_wait(now: float, holders: Iterable[tuple[float, float]], short: float,
+def expected_wait(now: float, holders: Iterable[tuple[float, float, int | None]], short: float,
                   holds: HoldTimes) -> float | None:
     """expected_wait is the seconds from ``now`` until ``short`` units are expected to be
     freed, within the hint's bounds (None: the holders never free that much, or nothing is
     known yet).
 
-    ``holders`` are (clock instant of admission in seconds, units it holds) of the requests
-    in flight, oldest first; each is expected to end after ``holds.residual(now - instant)``,
-    and the wait is the end of the last one needed, taken in order of expected end.
-    ``short`` <= 0 needs no wait. At most ``WALK_LIMIT`` holders are read: when they do not
-    free enough and there are more, the younger ones are taken as fresh requests (expected
-    to end after a mean hold), so the wait is the later of the last end read and that.
+    ``holders`` are (clock instant of admission in seconds, units it holds, reserved
+    completion tokens or None) of the requests in flight, oldest first; each is expected to
+    end after ``holds.residual(now - instant, reserved)``, and the wait is the end of the
+    last one needed, taken in order of expected end. ``short`` <= 0 needs no wait. At most
+    ``WALK_LIMIT`` holders are read: when they do not free enough and there are more, the
+    younger ones are taken as fresh requests (expected to end after a mean hold), so the
+    wait is the later of the last end read and that.
     """
     if short <= 0:
         return MIN_WAIT_S
-    held, sums = holds.window()
-    n = len(held)
-    if not n:
+    if not len(holds):
         return None
     ends: list[tuple[float, float]] = []
-    lo, hi, mean = math.inf, -math.inf, 0.0  # no stretch yet: the first age finds one
+    current: object = _UNSET   # where the walk stands, as in ``first_end``
+    win = holds.all
+    st = _NOWHERE
+    at: dict[Window, _Stretch] = {}
     them = iter(holders)
-    for t0, units in islice(them, WALK_LIMIT):
+    for t0, units, reserved in islice(them, WALK_LIMIT):
         age = now - t0
-        if not lo <= age < hi:
-            lo, hi, mean = _segment(held, sums, age)
-        ends.append((mean - age if mean >= 0.0 else age, units))
+        if reserved != current:
+            current = reserved
+            win, st = _switch(holds, reserved, win, st, at)
+        if not st[0] <= age < st[1]:
+            st = _segment(*win.window(), age)
+        mean = st[2]
+        ends.append((age if mean < 0.0 else max(mean - age, st[3] * age), units))
     ends.sort()
     for t, units in ends:
         short -= units
@@ -189,16 +285,27 @@ def expected_wait(now: float, holders: Iterable[tuple[float, float]], short: flo
     return _bounded(max(ends[-1][0], holds.residual(0.0) or 0.0))
 
 
-def _segment(held: list[float], sums: list[float], age: float) -> tuple[float, float, float]:
+def _segment(held: list[float], sums: list[float], age: float) -> _Stretch:
     """_segment is the stretch of ages [lo, hi) between the two neighbouring completed holds
-    around ``age``, and the mean of the holds longer than those ages (-1.0 past every hold:
-    the residual is then the age itself), as (lo, hi, mean). Ages come oldest first, so a
-    walk finds each stretch once; the holders after the first one in it cost a comparison,
-    not a bisection."""
+    around ``age``, the mean of the holds longer than those ages (-1.0 past every hold: the
+    residual is then the age itself), and the tail weight (TAIL_MIN - m) / TAIL_MIN where
+    only m < TAIL_MIN holds are longer (0.0 otherwise). Ages come oldest first, so a walk
+    finds each stretch once; the holders after the first one in it cost a comparison, not
+    a bisection."""
     n = len(held)
     i = bisect.bisect_right(held, age)
+    m = n - i
     return (held[i - 1] if i else -math.inf, held[i] if i < n else math.inf,
-            (sums[n] - sums[i]) / (n - i) if i < n else -1.0)
+            (sums[n] - sums[i]) / m if m else -1.0,
+            (TAIL_MIN - m) / TAIL_MIN if m < TAIL_MIN else 0.0)
+
+
+def _end(st: _Stretch, age: float) -> float:
+    """_end is how much longer a holder of ``age`` in stretch ``st`` is expected to hold (s)."""
+    _lo, _hi, mean, tail = st
+    if mean < 0.0:
+        return max(0.0, age)
+    return max(0.0, mean - age, tail * age)
 
 
 def _bounded(seconds: float) -> float:

@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, final
+from typing import Any, Protocol, final
 
 
 class Outcome(StrEnum):
@@ -60,6 +60,15 @@ class NodeReport:
     block_tokens: int | None = None
 
 
+class CachedView(Protocol):
+    """CachedView is what one node's KV events say it caches (``extproc.signals.kv_events``)."""
+
+    def cached(self, keys: tuple[int, ...]) -> tuple[int, bool] | None:
+        """cached is the tokens of the prompt of ``keys`` the node caches and whether that is
+        exact; None while its events cannot be read."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class Chain:
     """Chain is a prompt's prefix chain (``extproc.prefix``): ``keys``, each a hash covering
@@ -81,7 +90,9 @@ class Demand:
     prompt's prefix chain, where the pool counts shared prefixes once (None: charged in full).
     ``fairness_id``: whom the wait queue serves in turn within the class, where that is not
     the tenant (an anonymous request's fairness header, prefixed; None: the tenant). It is
-    client input: held only while the request waits, never a metric label.
+    client input: held only while the request waits, never a metric label. ``blocks``: the
+    keys of the prompt's engine token ids (``engine_blocks.token_keys``), where the pool reads
+    its nodes' KV events and kvgate knows those ids (None: it does not).
     """
 
     pool: str
@@ -92,6 +103,7 @@ class Demand:
     among: frozenset[str] | None = None
     prefix: Chain | None = None
     fairness_id: str | None = None
+    blocks: tuple[int, ...] | None = None
 
     @property
     def tokens(self) -> int:

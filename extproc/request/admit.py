@@ -24,10 +24,11 @@ from extproc.admission import Demand, Lease, Rejection, StoreError, UnknownPoolE
 from extproc.answers import (NOTHING_MORE, body_answer, duplex_answer, immediate, message_timeout,
                              name_node, unavailable)
 from extproc.config import ClassConfig
+from extproc.engine_blocks import token_keys
 from extproc.errors import RequestError
 from extproc.gate import WAIT_TIMEOUT_MARGIN_S, Gate, PoolRuntime, RouteSettings
 from extproc.outcomes import REJECTED_BY, RequestOutcome
-from extproc.prefix import prefix_of
+from extproc.prefix import prefix_of, prompt_ids
 from extproc.request.ending import Ending, of_mode
 from extproc.request.profile import ReleaseMode
 from extproc.request.registry import LINK_KEY
@@ -68,11 +69,15 @@ class Admitted:
 def _evaluate(endpoint: oai.Endpoint, body: bytes, content_type: str | None,
               pool: PoolRuntime) -> tuple[oai.ParsedRequest, int]:
     """_evaluate parses a body, counts its prompt tokens and, where the pool counts shared
-    prefixes once, chains its prompt (``ParsedRequest.prefix``; may run in a worker thread)."""
+    prefixes once, chains its prompt (``ParsedRequest.prefix``), where it reads its nodes' KV
+    events, keys its engine token ids (``ParsedRequest.blocks``; may run in a worker thread)."""
     parsed = oai.parse_request(endpoint, body, content_type)
     tokens = oai.count_prompt_tokens(parsed, pool.tokenizer, pool.template)
     if pool.config.picks and pool.config.picking.shared_prefix:
         parsed.prefix = prefix_of(parsed, pool.tokenizer, pool.template)
+    if pool.config.picks and pool.config.picking.kv_events is not None:
+        ids = prompt_ids(parsed, pool.tokenizer)
+        parsed.blocks = None if ids is None else token_keys(ids)
     return parsed, tokens
 
 

@@ -42,8 +42,8 @@ log = logging.getLogger(__name__)
 Publish = Callable[[str, PoolSignals], None]
 
 # One body is read (parsed, extracted) at a time, by whichever worker holds this lock; the
-# fetches stay concurrent. Reading is pure Python and regex work under the GIL (~1-8 ms
-# for a 17-73 KB vLLM exposition): sixteen workers reading at once each take the GIL in
+# fetches stay concurrent. Reading is pure Python and regex work under the GIL
+# (milliseconds for a vLLM exposition): sixteen workers reading at once each take the GIL in
 # turn, and the event loop thread, which needs it after every I/O, waits behind all of
 # them. Under CPU contention that pushed the loop's lag to hundreds of milliseconds
 # (bench/results/loop-lag.md): with reads serialized, the loop competes with one reader.

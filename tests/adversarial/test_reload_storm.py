@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import os
 import threading
 from pathlib import Path
@@ -39,6 +40,14 @@ EXT_PROC = "envoy.filters.http.ext_proc"
 def meant(cfg: dict[str, Any]) -> Config:
     """meant is ``cfg`` parsed as a file whose reload may remove pools, backends and keyed tenants."""
     return parse_config({**cfg, "allow_destructive_reload": True})
+
+
+def reload_meant(server: Any, cfg: dict[str, Any]) -> None:
+    """reload_meant applies ``cfg`` as an operator means a destructive reload: the key lets
+    through only the reload that sets it, so the file in force is first reloaded without it
+    (no change in effect), then ``cfg`` with it."""
+    server.apply_config(dataclasses.replace(server.config, allow_destructive_reload=False))
+    server.apply_config(meant(cfg))
 
 
 def variant(**changes: Any) -> dict[str, Any]:
@@ -168,7 +177,7 @@ def test_reload_storm_leaves_nothing_held(rig: Rig, ops: list[tuple[Any, ...]], 
                 if s is not None:
                     streams.append(s)
             elif op[0] == "reload":
-                rig.server.apply_config(meant(CONFIGS[op[1]]))
+                reload_meant(rig.server, CONFIGS[op[1]])
             elif streams:
                 s = streams[op[1] % len(streams)]
                 if await advance(s, op[2]):
@@ -179,7 +188,7 @@ def test_reload_storm_leaves_nothing_held(rig: Rig, ops: list[tuple[Any, ...]], 
     try:
         rig.run(go())
     finally:
-        rig.server.apply_config(meant(CONFIG))
+        reload_meant(rig.server, CONFIG)
     assert held_anywhere(rig) == {}
     assert rig.count("kvgate_internal_errors_total") == errors
     assert rig.count("kvgate_config_reload_errors_total") == reload_errors
@@ -195,7 +204,7 @@ PATIENT = variant(pools={"default": {"max_concurrency": 1, "context_window": 409
 
 def test_waiters_of_a_removed_pool_are_refused_and_the_holder_still_releases(rig: Rig) -> None:
     errors = rig.count("kvgate_internal_errors_total")
-    rig.server.apply_config(meant(PATIENT))
+    reload_meant(rig.server, PATIENT)
 
     async def go() -> list[str]:
         holder = rig.stub.Process()
@@ -219,8 +228,8 @@ def test_waiters_of_a_removed_pool_are_refused_and_the_holder_still_releases(rig
         await asyncio.sleep(0)
         while rig.server.admission.snapshot("default").waiting < 3:
             await asyncio.sleep(0.002)  # bounded by the test timeout: waiting on kvgate's queue
-        rig.server.apply_config(meant(variant(pools={"other": {"max_concurrency": 4}},
-                                                     tenants=PATIENT["tenants"])))
+        reload_meant(rig.server, variant(pools={"other": {"max_concurrency": 4}},
+                                                     tenants=PATIENT["tenants"]))
         answers = [a[1] for a in await asyncio.gather(*waiters)]
         await holder.write(response_headers(200))
         await holder.read()
@@ -234,7 +243,7 @@ def test_waiters_of_a_removed_pool_are_refused_and_the_holder_still_releases(rig
     try:
         answers = rig.run(go())
     finally:
-        rig.server.apply_config(meant(CONFIG))
+        reload_meant(rig.server, CONFIG)
     assert answers == ["immediate:429"] * 3
     assert held_anywhere(rig) == {}
     assert rig.count("kvgate_internal_errors_total") == errors
@@ -255,7 +264,7 @@ def test_a_pool_removed_before_the_decision_gets_a_clean_answer(rig: Rig, when: 
             if when == "between_headers_and_body":
                 await call.write(request_headers(extra=[("x-tenant-id", "acme")]))
                 await call.read()
-                rig.server.apply_config(meant(CONFIGS[2]))  # "default" becomes "main"
+                reload_meant(rig.server, CONFIGS[2])  # "default" becomes "main"
                 await call.write(request_body(chat(max_tokens=5)))
             else:
                 loop = asyncio.get_running_loop()
@@ -267,7 +276,7 @@ def test_a_pool_removed_before_the_decision_gets_a_clean_answer(rig: Rig, when: 
                 while not any(ex.pool_name == "default" and ex.body is None
                               for ex in rig.server.service.active.values()):
                     await asyncio.sleep(0.002)  # until the body waits for a counting thread
-                rig.server.apply_config(meant(CONFIGS[2]))
+                reload_meant(rig.server, CONFIGS[2])
                 gate.set()
                 await asyncio.gather(*busy)
             answer = kind(await call.read())
@@ -283,7 +292,7 @@ def test_a_pool_removed_before_the_decision_gets_a_clean_answer(rig: Rig, when: 
     try:
         answer = rig.run(go())
     finally:
-        rig.server.apply_config(meant(CONFIG))
+        reload_meant(rig.server, CONFIG)
     assert held_anywhere(rig) == {}
     assert answer.startswith("immediate:") or answer == "request_body", answer
     assert rig.count("kvgate_internal_errors_total") == errors
@@ -309,7 +318,7 @@ def test_a_reload_does_not_read_tokenizer_files_on_the_event_loop(rig: Rig, tmp_
     async def go() -> None:
         thread = threading.Thread(target=writer, daemon=True)
         thread.start()
-        loop.call_soon(rig.server.apply_config, meant(cfg))
+        loop.call_soon(reload_meant, rig.server, cfg)
         while thread.is_alive():
             await asyncio.sleep(0.005)
         thread.join()
@@ -318,5 +327,5 @@ def test_a_reload_does_not_read_tokenizer_files_on_the_event_loop(rig: Rig, tmp_
     try:
         rig.run(asyncio.wait_for(go(), 30))
     finally:
-        rig.server.apply_config(meant(CONFIG))
+        reload_meant(rig.server, CONFIG)
     assert answered_while_reading == [True]

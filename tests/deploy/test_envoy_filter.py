@@ -49,31 +49,36 @@ def test_the_printed_file_validates_with_envoy_and_is_the_shipped_one(mode: str,
     assert yaml.safe_load(out.stdout) == yaml.safe_load((ROOT / "deploy" / SHIPPED[mode]).read_text())
 
 
-@pytest.mark.parametrize("mode", ["three-message", "access-log"])
-def test_the_pieces_fit_into_an_operators_own_file(mode: str, tmp_path: Path) -> None:
-    """Without --bootstrap: the pieces, placed by hand into a listener of one's own."""
-    out = kvgate("envoy-filter", "--config", str(KVGATE), "--mode", mode)
+@pytest.mark.parametrize("mode", MODES)
+def test_the_blocks_alone_make_a_file_envoy_accepts(mode: str, tmp_path: Path) -> None:
+    """Without --bootstrap: every block placed where its key says, into a listener of one's
+    own that adds only its name, address and stat_prefix, is a file Envoy accepts: the
+    upstream cluster the routes name, the connection limit, the timeouts, the paths' rules and
+    Envoy's OpenAI-shaped answers all come with the blocks."""
+    out = kvgate("envoy-filter", "--config", str(fitting(mode)), "--mode", mode)
     assert out.returncode == 0, out.stderr
     piece = yaml.safe_load(out.stdout)
+    assert set(piece) == {"overload_manager", "listener", "http_connection_manager", "virtual_host",
+                          "clusters"}
     hcm: dict[str, Any] = {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."
                  "HttpConnectionManager",
-        "stat_prefix": "mine", "http_filters": piece["http_filters"],
-        "route_config": {"virtual_hosts": [{"name": "mine", "domains": ["*"], "routes": piece["routes"],
-                                            **({"response_headers_to_add": piece["response_headers_to_add"]}
-                                               if "response_headers_to_add" in piece else {})}]}}
-    if "access_log" in piece:
-        hcm["access_log"] = piece["access_log"]
-    mine = {"static_resources": {
+        "stat_prefix": "mine", **piece["http_connection_manager"],
+        "route_config": {"virtual_hosts": [{"name": "mine", "domains": ["*"], **piece["virtual_host"]}]}}
+    mine = {"overload_manager": piece["overload_manager"], "static_resources": {
         "listeners": [{"name": "mine", "address": {"socket_address": {"address": "127.0.0.1", "port_value": 10000}},
-                       "per_connection_buffer_limit_bytes": piece["per_connection_buffer_limit_bytes"],
-                       "filter_chains": [{"filters": [{"name": "hcm", "typed_config": hcm}]}]}],
-        "clusters": [*piece["clusters"], {"name": "inference", "type": "STATIC", "load_assignment": {
-            "cluster_name": "inference", "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {
-                "socket_address": {"address": "127.0.0.1", "port_value": 8000}}}}]}]}}]}}
+                       **piece["listener"], "filter_chains": [{"filters": [{"name": "hcm", "typed_config": hcm}]}]}],
+        "clusters": piece["clusters"]}}
     checked = envoy_validate(mine, tmp_path)
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert check_envoy(load_config(KVGATE), mine) == []
+    assert check_envoy(load_config(fitting(mode)), mine) == []
+    # The blocks are the whole file's: the same file, but for the names and addresses.
+    whole = yaml.safe_load(kvgate("envoy-filter", "--config", str(fitting(mode)), "--mode", mode,
+                                  "--bootstrap").stdout)
+    listener = whole["static_resources"]["listeners"][0]
+    assert listener["per_connection_buffer_limit_bytes"] == piece["listener"]["per_connection_buffer_limit_bytes"]
+    assert hcm_of(whole)["http_filters"] == piece["http_connection_manager"]["http_filters"]
+    assert whole["static_resources"]["clusters"] == piece["clusters"]
 
 
 def test_the_values_follow_the_kvgate_file() -> None:
@@ -84,16 +89,16 @@ def test_the_values_follow_the_kvgate_file() -> None:
     data["limits"]["max_body_bytes"] = 2_000_000
     config = parse_config(data)
     piece = envoy_filter(config)
-    filters = {f["name"]: f["typed_config"] for f in piece["http_filters"]}
+    filters = {f["name"]: f["typed_config"] for f in piece["http_connection_manager"]["http_filters"]}
     ext = filters["envoy.filters.http.ext_proc"]
     assert "request.headers['x-team']" in ext["request_attributes"]
     assert filters["envoy.filters.http.header_mutation"]["mutations"]["request_mutations"][0] == {
         "remove": "x-team"}
     assert filters["envoy.filters.http.buffer"]["max_request_bytes"] == 8_000_000
     assert ext["max_message_timeout"] == "91s"  # 90 s of waiting + kvgate's 1 s margin
-    assert piece["per_connection_buffer_limit_bytes"] == 8_000_000
-    assert piece["routes"][0]["match"]["headers"][0]["range_match"]["start"] == 2_000_001
-    address = piece["clusters"][0]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+    assert piece["listener"]["per_connection_buffer_limit_bytes"] == 8_000_000
+    assert piece["virtual_host"]["routes"][0]["match"]["headers"][0]["range_match"]["start"] == 2_000_001
+    address = piece["clusters"][1]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
     assert address["socket_address"] == {"address": "127.0.0.1", "port_value": 6001}
     boot = envoy_bootstrap(config)
     # The upload's 60 s on top of the longest wait kvgate may ask for: a waiting request is

@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tomllib
@@ -21,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kubernetes.client import ApiClient
 
 from extproc.config import load_config
+from kvgate_testkit.procs import free_port
 from tests.deploy.support import (ISTIO, K8S, NOT_RESOURCES, ROOT, container, docs, envoy_bootstrap,
                                   envoy_validate, envoy_version, flag, http_filters,
                                   kustomize_resources, one, resources, walk)
@@ -390,12 +390,6 @@ def test_termination_timings_are_consistent(tmp_path: Path) -> None:
 
 
 # --- the kvgate probes, run against a real gRPC health service ----------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def run_probe(command: list[str], address: str) -> int:
     argv = [sys.executable] + command[1:3] + [address] + command[4:]

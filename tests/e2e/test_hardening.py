@@ -23,6 +23,8 @@ import orjson
 import pytest
 import yaml
 
+from extproc.envoyclusters import inference_cluster, retry_policy
+from extproc.envoyconf import local_reply
 from kvgate_testkit.stack import Stack
 from kvgate_testkit.procs import LOOPBACK, ROOT, VENV_BIN, wait_until
 
@@ -286,6 +288,14 @@ def test_every_shipped_file_carries_the_blocks(name: str, tmp_path: Path) -> Non
     # Long enough for a CPU-starved node's scheduling stalls (the reason is in the file).
     assert ext_proc["typed_config"]["message_timeout"] == "5s"
     assert filters[-2:] == ["envoy.filters.http.buffer", "envoy.filters.http.router"]
+    # Envoy's own answers in OpenAI's shape: kvgate gone, a body past the buffer, no node.
+    assert hcm["local_reply_config"] == local_reply()
+    # Where Envoy balances over the nodes itself, a dead node is ejected and a request that
+    # never reached a node is retried on another (test_envoy_whole.py).
+    balanced = [c for c in cfg["static_resources"]["clusters"] if c["name"] == "inference"]
+    if balanced and name != "k8s/envoy-config.yaml":  # the router pod's node cluster is made plain here
+        assert balanced[0]["outlier_detection"] == inference_cluster("x", 1)["outlier_detection"], name
+        assert hcm["route_config"]["virtual_hosts"][0]["retry_policy"] == retry_policy(), name
     # Where kvgate sees the response stream, the access log tells it a dead upstream from a
     # client that left (the other two files: no response body, or the log releases).
     if name not in ("envoy-reservation.yaml", "envoy-access-log.yaml", "envoy-endpoint-picker-log.yaml"):

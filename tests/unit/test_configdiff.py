@@ -27,7 +27,8 @@ BASE: dict[str, Any] = {
     "pools": {
         "default": {"max_concurrency": 8, "backends": [
             {"name": "n0", "metrics_url": "http://10.0.0.1:8000/metrics", "address": "10.0.0.1:8000"},
-            {"name": "n1", "metrics_url": "http://10.0.0.2:8000/metrics", "address": "10.0.0.2:8000"}]},
+            {"name": "n1", "metrics_url": "http://10.0.0.2:8000/metrics", "address": "10.0.0.2:8000"},
+            {"name": "n2", "metrics_url": "http://10.0.0.3:8000/metrics", "address": "10.0.0.3:8000"}]},
         "small": {"max_concurrency": 2},
     },
     "tenants": {
@@ -64,13 +65,22 @@ CASES = [
     ("a setting", {"pools__default__max_concurrency": 4}, ["pools.default.max_concurrency 8 -> 4"], 0),
     ("a pool added", {"pools__extra": {"max_concurrency": 1}}, ["pools added: extra"], 0),
     ("a pool removed", {"pools__small": None}, ["remove pool 'small'"], 1),
-    ("one backend removed", {"pools__default__backends": [BASE["pools"]["default"]["backends"][0]]},
-     ["pools.default: backends removed: n1 (1 left)"], 0),
+    ("one backend of three removed", {"pools__default__backends": BASE["pools"]["default"]["backends"][:2]},
+     ["pools.default: backends removed: n2 (2 left)"], 0),
+    ("two backends of three removed: a file cut in its backends list",
+     {"pools__default__backends": BASE["pools"]["default"]["backends"][:1]},
+     ["remove 2 of the 3 backends of pool 'default': n1, n2 (1 left)"], 1),
+    ("two of three replaced by two others: no capacity lost",
+     {"pools__default__backends": BASE["pools"]["default"]["backends"][:1] + [
+         {"name": "m1", "metrics_url": "http://10.0.0.8:8000/metrics", "address": "10.0.0.8:8000"},
+         {"name": "m2", "metrics_url": "http://10.0.0.9:8000/metrics", "address": "10.0.0.9:8000"}]},
+     ["pools.default: backends removed: n1, n2 (3 left)", "pools.default: backends added: m1, m2"], 0),
     ("every backend removed", {"pools__default__backends": None},
-     ["remove every backend of pool 'default' (2)"], 1),
+     ["remove every backend of pool 'default' (3)"], 1),
     ("the backends lose their addresses: the pool stops picking",
      {"pools__default__backends": [{"name": "n0", "metrics_url": "http://10.0.0.1:8000/metrics"},
-                                   {"name": "n1", "metrics_url": "http://10.0.0.2:8000/metrics"}]},
+                                   {"name": "n1", "metrics_url": "http://10.0.0.2:8000/metrics"},
+                                   {"name": "n2", "metrics_url": "http://10.0.0.3:8000/metrics"}]},
      ["pools.default: backend n1 changed (address)", "make pool 'default' stop picking its nodes"], 1),
     ("a pool-level pool starts picking",
      {"pools__small__backends": [{"name": "s0", "metrics_url": "http://10.0.1.1:8000/metrics",
@@ -85,6 +95,10 @@ CASES = [
      ["tenant acme: API keys 2 -> 1 (0 added, 1 removed)"], 0),
     ("a tenant's class changed", {"tenants__tenants__named": {"class": "gold"}},
      ["tenants.tenants.named.class_name standard -> gold"], 0),
+    ("a class removed: its tenants are served in another",
+     {"tenants__classes": {"gold": {"priority": 10}}, "tenants__default_class": "gold",
+      "tenants__tenants__named": {"class": "gold"}},
+     ["remove class 'standard'"], 1),
     ("a class added and a setting of one changed",
      {"tenants__classes": {"gold": {"priority": 20}, "standard": {}, "batch": {"priority": -5}}},
      ["classes added: batch", "tenants.classes.gold.priority 10 -> 20"], 0),
@@ -116,7 +130,7 @@ def test_the_refusal_says_what_would_change_and_how_to_mean_it() -> None:
     change, refusal = guard(parse_config(BASE), new)
     assert isinstance(refusal, DestructiveReload) and isinstance(refusal, ConfigError)
     assert refusal.key == "allow_destructive_reload"
-    assert "remove every backend of pool 'default' (2)" in refusal.reason
+    assert "remove every backend of pool 'default' (3)" in refusal.reason
     assert "remove tenant 'beta' and its 1 API key" in refusal.reason
     assert "pools.small.max_concurrency 2 -> 3" in refusal.reason  # the rest of the change too
     assert "allow_destructive_reload: true" in refusal.reason and "restart" in refusal.reason
@@ -131,6 +145,23 @@ def test_a_file_that_allows_it_is_applied_and_the_flag_is_not_a_change() -> None
     with pytest.raises(ConfigError) as err:
         parse_config({**BASE, "allow_destructive_reload": "yes"})
     assert err.value.key == "allow_destructive_reload"
+
+
+def test_the_key_lets_through_only_the_reload_that_sets_it() -> None:
+    """A file left with the key is guarded again: the next destructive reload is refused, and
+    the refusal says how to mean it (take the key out, then set it again)."""
+    allowed = {**BASE, "allow_destructive_reload": True}
+    in_force = parse_config(allowed)
+    again = {**edited(pools__small=None), "allow_destructive_reload": True}
+    change, refusal = guard(in_force, parse_config(again))
+    assert isinstance(refusal, DestructiveReload) and "already set" in refusal.reason
+    assert "take the key out" in refusal.reason
+    _, refusal = guard(in_force, parse_config(edited(pools__small=None)))
+    assert refusal is not None                                   # without it: refused as always
+    _, refusal = guard(in_force, parse_config(BASE))             # taking it out is no change
+    assert refusal is None
+    _, refusal = guard(parse_config(BASE), parse_config(again))  # set anew: applied
+    assert refusal is None
 
 
 def test_discovery_pools_are_compared_by_their_discovery_not_their_dns_answers() -> None:

