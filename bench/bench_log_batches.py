@@ -74,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from bench_memory import _service
     from envoy.service.accesslog.v3 import als_pb2
 
-    from extproc.endings import AccessLogReceiver
+    from extproc.request.accesslog import AccessLogReceiver
     from kvgate_testkit.held import chat, hold, periodic_message
 
     service, metrics = _service("endpoint-picker-log")

@@ -99,7 +99,7 @@ def _where(filename: str, lineno: int) -> str:
 def python_objects(held: int, prompt_chars: int) -> dict[str, Any]:
     """python_objects counts what ``held`` parked requests keep, per file, and what periodic
     entries for them leave behind."""
-    from extproc.endings import AccessLogReceiver
+    from extproc.request.accesslog import AccessLogReceiver
     from kvgate_testkit.held import FILES, chat, hold, periodic_message
     out: dict[str, Any] = {}
     body = chat(prompt_chars)

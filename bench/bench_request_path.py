@@ -66,7 +66,10 @@ from extproc.config import parse_config  # noqa: E402
 from extproc.gate import Gate  # noqa: E402
 from extproc.metrics import Metrics  # noqa: E402
 from extproc.request_facts import ATTR_CONTENT_TYPE, ATTR_METHOD, ATTR_PATH  # noqa: E402
-from extproc.endings import AccessLogReceiver  # noqa: E402
+try:  # noqa: E402
+    from extproc.request.accesslog import AccessLogReceiver
+except ImportError:  # a --baseline revision from before extproc/request/
+    from extproc.endings import AccessLogReceiver  # type: ignore[no-redef]
 from extproc.service import ExtProcService, decode_request  # noqa: E402
 from kvgate_testkit import held  # noqa: E402
 

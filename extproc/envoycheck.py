@@ -21,7 +21,8 @@ from extproc.envoyconf import (ENVOY_DEFAULT_BUFFER_BYTES, EXT_PROC_TYPE, HEADER
                                PICKER_HEADERS, buffer_limit_bytes, identity_headers,
                                kvgate_address, picking_mismatch, request_attributes, seconds_text,
                                split_address)
-from extproc.gate import METADATA_NAMESPACE, RELEASES, ROUTE_KEYS, STREAM_AND_LOG, WAIT_TIMEOUT_MARGIN_S
+from extproc.gate import METADATA_NAMESPACE, ROUTE_KEYS, WAIT_TIMEOUT_MARGIN_S
+from extproc.request.profile import RELEASES, STREAM_AND_LOG
 
 
 @dataclass(frozen=True, slots=True)

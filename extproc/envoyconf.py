@@ -69,20 +69,20 @@ from extproc.config import Config, PoolConfig
 from extproc.envoyclusters import (CLUSTER, INFERENCE_CLUSTER, NODES_CLUSTER, inference_cluster, kvgate_cluster,
                                    nodes_cluster, retry_policy)
 from extproc.errors import ConfigError
-from extproc.gate import METADATA_NAMESPACE, STREAM_AND_LOG, WAIT_TIMEOUT_MARGIN_S
+from extproc.gate import METADATA_NAMESPACE, WAIT_TIMEOUT_MARGIN_S
 from extproc.picker_protocol import LB_NAMESPACE, SERVED_KEY, SUBSET_NAMESPACE
+from extproc.request.profile import PROFILES, Seen
 from extproc.usage_log import LUA_SOURCE
 from extproc.usage_log import NAMESPACE as USAGE_NAMESPACE
 
-MODES = ("three-message", "four-message", "reservation", "observe", "access-log", "endpoint-picker",
-         "endpoint-picker-log", "inference-pool")
+MODES = tuple(PROFILES)
 # Modes in which kvgate sees the request headers (and so decides before Envoy routes).
-_HEADERS_SENT = ("four-message", "endpoint-picker", "endpoint-picker-log", "inference-pool")
+_HEADERS_SENT = tuple(p.name for p in PROFILES.values() if p.headers_sent)
 # Modes in which kvgate names the node and Envoy's ORIGINAL_DST cluster goes there.
-_PICKED = ("endpoint-picker", "endpoint-picker-log", "inference-pool")
+_PICKED = tuple(p.name for p in PROFILES.values() if p.picks)
 # Modes in which kvgate sees no response: every request's access log entry releases its lease,
 # with the usage the Lua filter read (``usage_log``).
-_LOGGED = ("access-log", "endpoint-picker-log")
+_LOGGED = tuple(p.name for p in PROFILES.values() if p.response is Seen.LOG)
 # How often Envoy writes a periodic access log entry of each stream in flight in the
 # endpoint-picker-log mode (seconds): how late a node's ledger learns a request's first token
 # and its growth, against kvgate's CPU (each entry costs it, so the CPU grows with the streams
@@ -94,10 +94,9 @@ _LOGGED = ("access-log", "endpoint-picker-log")
 PROGRESS_INTERVAL_S = 0.25
 HEADER_TO_METADATA_TYPE = ("type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3."
                            "Config")
-# Modes in which kvgate sees the response stream: its end releases the lease, and the access
-# log entry of a stream cut short tells whether the upstream broke it off (STREAM_AND_LOG).
-# Not yet inference-pool: its full-duplex response path keeps no link for the entry.
-_STREAMING = ("three-message", "four-message", "observe", "endpoint-picker")
+# Modes in which kvgate sees the response: its end releases the lease, and the access log entry
+# of a stream cut short tells whether the upstream broke it off (STREAM_AND_LOG).
+_STREAMING = tuple(p.name for p in PROFILES.values() if p.cause_from_log)
 HEADER_MUTATION_TYPE = "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation"
 BUFFER_TYPE = "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer"
 BUFFER_PER_ROUTE_TYPE = "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.BufferPerRoute"
@@ -253,9 +252,9 @@ def _inference_pool_modes() -> dict[str, str]:
 
 def _ext_proc(config: Config, mode: str) -> dict[str, Any]:
     skip_headers = mode not in _HEADERS_SENT
-    response_body = {"three-message": "STREAMED", "four-message": "STREAMED",
-                     "endpoint-picker": "STREAMED"}.get(mode, "NONE")
-    response_headers = "SKIP" if mode in ("observe", *_LOGGED) else "SEND"
+    seen = PROFILES[mode].response
+    response_body = "STREAMED" if seen is Seen.STREAM else "NONE"
+    response_headers = "SEND" if seen in (Seen.STREAM, Seen.HEADERS) else "SKIP"
     cfg: dict[str, Any] = {
         "@type": EXT_PROC_TYPE,
         "grpc_service": {"envoy_grpc": {"cluster_name": CLUSTER}},
@@ -380,10 +379,9 @@ def _routes(config: Config, mode: str, upstream_cluster: str) -> list[dict[str, 
             "response_headers_to_add": _JSON_REFUSAL,
         })
     value: dict[str, Any] = {"pool": config.default_pool}
-    if mode in _LOGGED:
-        value["release"] = "access_log"
-    elif mode in _STREAMING:
-        value["release"] = STREAM_AND_LOG
+    release = PROFILES[mode].release
+    if release is not None:
+        value["release"] = release.value
     route: dict[str, Any] = {
         "match": {"prefix": "/"},
         "route": {"cluster": upstream_cluster, "timeout": "0s"},

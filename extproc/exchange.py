@@ -2,10 +2,11 @@
 
 An ``Exchange`` receives the decoded ext_proc messages of one request in the order Envoy
 sends them (request headers, request body, response headers, response body chunks) and
-returns the ``ProcessingResponse`` to send back. It holds the request's lease from the
-moment it is granted until ``finish`` releases it. When and by what that happens depends on
-the Envoy file: the exchange names it once, at admission, as a ``ReleaseMode``, and
-``extproc.endings`` says for every mode how an admitted request ends.
+returns the ``ProcessingResponse`` to send back. The lease it is granted goes, at
+admission, into an ending (``extproc.request.ending``) of the kind the request's
+``ReleaseMode`` names (from the Envoy file's profile, ``extproc.request.profile``), which
+holds it until it releases it: the exchange hands it the response it sees, and ``finish``
+when the stream ends.
 
 What reaches kvgate, by file of deploy/ (``kvgate envoy-filter --mode``):
 
@@ -22,8 +23,8 @@ What reaches kvgate, by file of deploy/ (``kvgate envoy-filter --mode``):
   chunks; its headers only (-reservation: no body, the completion charged at the
   reservation); on a second, observability-mode ext_proc filter (-observe: no blocking
   message per streamed chunk), where the admission stream's protocol says response body
-  NONE and the exchange *observes* the response fed from that other stream, found again by
-  the ``link`` it put in the request's dynamic metadata, and never rewrites it (so it never
+  NONE and the request's ending *observes* the response fed from that other stream, found
+  again by the ``link`` put in the request's dynamic metadata, and never rewrites it (so it never
   asks the upstream for stream usage it could not hide); none at all (-access-log: the
   access log entry ends the request, and the file's Lua usage filter, ``usage_log``, reads
   the usage from the response as it passes and hides it from a client that did not ask).
@@ -37,7 +38,7 @@ cache cleared), and a refused request never opens an upstream request. The token
 on the response stream tell the node's ledger how far the request has got. In
 deploy/envoy-endpoint-picker-log.yaml the response is not sent (the request's end comes by
 the access log, as in -access-log), and Envoy's periodic access log entries of the stream in
-flight bring the tokens so far and the node that serves (``progressed``).
+flight bring the tokens so far and the node that serves (``Parked.progressed``).
 
 The same pool is served as an ``InferencePool``'s endpoint picker, in the modes the
 picker protocol fixes (deploy/envoy-inference-pool.yaml; ``picker_protocol``): both bodies
@@ -49,13 +50,13 @@ kvgate may pick (503 when none of them may be picked), and the endpoint the prox
 served the request takes the request's node charge when it is not the one picked.
 
 What every exchange shares (configuration, tokenizers, identity, route settings) is the
-``Gate`` (``extproc.gate``); the answers it sends are built in ``extproc.answers``.
+``Gate`` (``extproc.gate``); the answers it sends are built in ``extproc.answers``, its
+refusals in ``extproc.request.refusals``, and the decision on a whole body (count, acquire,
+answer) in ``extproc.request.admit``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -66,49 +67,28 @@ from extproc import openai_api as oai
 from extproc import picker_protocol as epp
 from extproc import request_facts as facts_of
 from extproc import usage_log
-from extproc.admission import Demand, Lease, Outcome, Rejection, StoreError, UnknownPoolError
+from extproc.admission import Demand, Lease, Outcome
 from extproc.answers import (CONTINUE_REQUEST_BODY, CONTINUE_REQUEST_HEADERS,
                              CONTINUE_REQUEST_TRAILERS, CONTINUE_RESPONSE_BODY,
-                             CONTINUE_RESPONSE_HEADERS, NOTHING_MORE, PASS_THROUGH,
-                             PASS_THROUGH_BODY, PASS_THROUGH_RESPONSE, body_answer, duplex_answer,
-                             immediate, message_timeout, misconfigured, name_node, set_headers,
-                             unavailable)
+                             CONTINUE_RESPONSE_HEADERS, PASS_THROUGH, PASS_THROUGH_BODY,
+                             PASS_THROUGH_RESPONSE, misconfigured)
 from extproc.config import ClassConfig
-from extproc.endings import (LINK_KEY, ReleaseMode, awaits_log_cause, cause_of,
-                             charged_completion)
 from extproc.errors import RequestError
-from extproc.gate import ANONYMOUS_TENANT, NO_ROUTE_SETTINGS, WAIT_TIMEOUT_MARGIN_S, Gate, PoolRuntime
-from extproc.outcomes import REJECTED_BY, RequestOutcome
-from extproc.engine_blocks import token_keys
-from extproc.prefix import prefix_of, prompt_ids
+from extproc.gate import ANONYMOUS_TENANT, NO_ROUTE_SETTINGS, Gate, PoolRuntime
+from extproc.outcomes import RequestOutcome
+from extproc.request.admit import (Refused, acquire, admit, cap_of, count, pass_to_node,
+                                   refusal_outcome)
+from extproc.request.ending import Ending
+from extproc.request.profile import ReleaseMode
+from extproc.request.refusals import no_eligible_endpoint, pass_error, path_error, refusal
+from extproc.request.registry import Endings
 from extproc.request_facts import ATTR_PATH, UNDECODABLE_ATTRIBUTES, RequestFacts
 
-log = logging.getLogger("kvgate.exchange")
 
 __all__ = ["Exchange"]
 
 
 # --- one request -------------------------------------------------------------------
-
-def _evaluate(endpoint: oai.Endpoint, body: bytes, content_type: str | None,
-              pool: PoolRuntime) -> tuple[oai.ParsedRequest, int]:
-    """_evaluate parses a body, counts its prompt tokens and, where the pool counts shared
-    prefixes once, chains its prompt (``ParsedRequest.prefix``), where it reads its nodes' KV
-    events, keys its engine token ids (``ParsedRequest.blocks``; may run in a worker thread)."""
-    parsed = oai.parse_request(endpoint, body, content_type)
-    tokens = oai.count_prompt_tokens(parsed, pool.tokenizer, pool.template)
-    if pool.config.picks and pool.config.picking.shared_prefix:
-        parsed.prefix = prefix_of(parsed, pool.tokenizer, pool.template)
-    if pool.config.picks and pool.config.picking.kv_events is not None:
-        ids = prompt_ids(parsed, pool.tokenizer)
-        parsed.blocks = None if ids is None else token_keys(ids)
-    return parsed, tokens
-
-
-def _shown(path: str) -> str:
-    """_shown is a request path as an error message may quote it (100 characters, ASCII)."""
-    return path[:100].encode("ascii", "backslashreplace").decode()
-
 
 # States of an exchange.
 _NEW, _BODY, _PASS, _ADMITTED, _DONE = range(5)
@@ -118,18 +98,19 @@ class Exchange:
     """Exchange is one HTTP request's admission state machine (see the module doc).
 
     Methods are called in Envoy's message order; each returns the response to send.
+    ``endings``: the registry an admitted request's ending is handed to as it is admitted,
+    for the ends that come from elsewhere than this stream (None: kept here alone).
     ``finish`` must be called once the ext_proc stream ends, however it ends: it releases
     the lease (if still held) with the cause derived from what was seen.
     """
 
     __slots__ = ("gate", "state", "endpoint", "pool", "pool_name", "class_cfg", "tenant",
-                 "fairness_id", "route", "content_type", "body", "max_body", "streamed", "lease", "strip_usage",
-                 "tracker", "status", "response_done", "upstream_error", "outcome",
-                 "response_sent", "mode", "link", "duplex", "response_duplex", "hint",
-                 "cut_by_upstream", "cause_pending", "usage_filter")
+                 "fairness_id", "route", "content_type", "body", "max_body", "ending", "endings",
+                 "response_sent", "duplex", "response_duplex", "hint", "usage_filter")
 
-    def __init__(self, gate: Gate) -> None:
+    def __init__(self, gate: Gate, endings: Endings | None = None) -> None:
         self.gate = gate
+        self.endings = endings
         self.state = _NEW
         self.endpoint: oai.Endpoint | None = None
         self.pool: PoolRuntime | None = None
@@ -141,35 +122,20 @@ class Exchange:
         self.content_type: str | None = None
         self.body: bytearray | None = None
         self.max_body = 0
-        # The request asked for a streamed response. The parsed body itself is not kept:
-        # an in-flight request holds no copy of its prompt.
-        self.streamed = False
-        self.lease: Lease | None = None
-        self.strip_usage = False
+        # The admitted request's lease until its release (None: not admitted), of the kind of
+        # ending its mode names. The parsed body itself is not kept: an in-flight request
+        # holds no copy of its prompt.
+        self.ending: Ending | None = None
         # The access log's usage filter announced itself on the request (``usage_log``).
         self.usage_filter = False
-        self.tracker: oai.ResponseTracker | None = None
-        self.status = 0
-        self.response_done = False
-        self.upstream_error = False
-        self.outcome: Outcome | None = None
         # The stream's protocol sends the response body here (False: response body NONE,
         # the response is observed on another stream or not at all).
         self.response_sent = True
-        # How the request's end reaches kvgate (``endings``), named at admission; and the
-        # token that ties it to its observing stream or access log entry.
-        self.mode: ReleaseMode | None = None
-        self.link: str | None = None
         # Bodies FULL_DUPLEX_STREAMED (the endpoint picker protocol): kvgate passes every body
         # byte back itself. ``hint``: the endpoints the proxy allows (None: no hint).
         self.duplex = False
         self.response_duplex = False
         self.hint: frozenset[str] | None = None
-        # The ``*_AND_LOG`` modes: what Envoy's access log entry told of a stream cut short
-        # (None: no entry yet; True: the upstream broke it off), and whether the cause of a
-        # release made without it still awaits the entry (``told_by_log``).
-        self.cut_by_upstream: bool | None = None
-        self.cause_pending = False
 
     # --- request headers -------------------------------------------------------------
 
@@ -199,12 +165,14 @@ class Exchange:
         if refusal is not None:
             return refusal
         if self.state == _PASS:
+            passed = pass_to_node(self.gate, self.pool_name or self.gate.config.default_pool,
+                                  self.hint, self.duplex)
+            if type(passed) is Refused:  # a picking pool without a node up
+                self.state = _DONE
+                return passed.answer
+            self._count_pass()
             # In duplex mode no mode_override: the bodies are passed back.
-            resp = self._pass_through_picked(duplex=self.duplex) or (
-                CONTINUE_REQUEST_HEADERS if self.duplex else PASS_THROUGH)
-            if self.state == _PASS:  # not the 503 of a picking pool without a node up
-                self._count_pass()
-            return resp
+            return passed or (CONTINUE_REQUEST_HEADERS if self.duplex else PASS_THROUGH)
         if facts.content_length is not None:
             try:
                 declared = int(facts.content_length)
@@ -246,21 +214,6 @@ class Exchange:
                 f"{ATTR_PATH!r} request attribute: list kvgate's request attributes in the "
                 "ext_proc filter's request_attributes (see deploy/envoy.yaml)")
         return self._begin(facts, metadata, body)
-
-    def _class_from_attributes(self, attributes: Any, metadata: Any) -> None:
-        """_class_from_attributes sets the pool and class of a request refused before kvgate
-        saw its body (Envoy's own 413), so that it is counted where it belongs; an identity
-        that would have been refused leaves the default class."""
-        gate = self.gate
-        facts = facts_of.from_attributes(facts_of.attribute_values(attributes), gate.config.tenants)
-        route = gate.route_settings(metadata)
-        self.pool_name = route.pool or gate.config.default_pool
-        try:
-            tenant = gate.tenant_of(facts.tenant, facts.authorization)
-        except RequestError:
-            return
-        self.class_cfg = (gate.config.tenants.classes[route.tenant_class] if route.tenant_class
-                          else gate.config.class_of(tenant))
 
     def _begin(self, facts: RequestFacts, metadata: Any, body: bool) -> pb.ProcessingResponse | None:
         """_begin picks endpoint, pool, tenant and class; returns a refusal or None.
@@ -374,191 +327,69 @@ class Exchange:
 
     async def _decide(self, raw: bytes, send: Callable[[pb.ProcessingResponse], Awaitable[None]] | None,
                       ) -> pb.ProcessingResponse | list[pb.ProcessingResponse]:
-        """_decide counts the whole body ``raw`` and asks the admission core for a lease."""
+        """_decide feeds the whole body ``raw`` to the decision (``extproc.request.admit``):
+        count it, acquire a lease, and answer it with the lease in its ending."""
         gate = self.gate
         started = gate.clock.now()
-        pool = self.pool
-        assert pool is not None and self.class_cfg is not None
+        pool, cls, endpoint = self.pool, self.class_cfg, self.endpoint
+        assert pool is not None and cls is not None and endpoint is not None
         try:
-            parsed, prompt_tokens, reserved = await self._count(raw, pool)
+            parsed, prompt_tokens, reserved = await count(gate, endpoint, raw, self.content_type,
+                                                          pool, self.route)
         except RequestError as err:
-            outcome = (RequestOutcome.REJECTED_CONTEXT_LENGTH if err.code == "context_length_exceeded"
-                       else RequestOutcome.REJECTED_BODY_TOO_LARGE if err.status == 413
-                       else RequestOutcome.REJECTED_TOKENIZER_UNAVAILABLE if err.status == 503
-                       else RequestOutcome.REJECTED_INVALID)
-            return self._refuse(err, outcome)
-        self.streamed = parsed.stream
+            return self._refuse(err, refusal_outcome(err))
         among = self.hint if pool.config.picks else None
         if among is not None and not gate.admission.eligible_nodes(self.pool_name, among):
             return self._no_eligible_endpoint(
                 retry=gate.admission.named_nodes(self.pool_name, among) > 0)
-        demand = Demand(pool=self.pool_name, tenant=self.tenant, class_name=self.class_cfg.name,
+        demand = Demand(pool=self.pool_name, tenant=self.tenant, class_name=cls.name,
                         prompt_tokens=prompt_tokens, completion_tokens=reserved, among=among,
                         prefix=parsed.prefix, fairness_id=self.fairness_id, blocks=parsed.blocks)
-        result = await self._acquire(demand, send, started)
-        if isinstance(result, pb.ProcessingResponse):
-            return result
-        return self._admit(result, parsed, reserved, raw)
-
-    async def _count(self, raw: bytes, pool: PoolRuntime) -> tuple[oai.ParsedRequest, int, int]:
-        """_count parses the body and counts its prompt tokens (in the executor above
-        ``offload_bytes``); returns them with the completion tokens to reserve. Raises
-        RequestError for a body kvgate refuses, the context window's included."""
-        gate = self.gate
-        assert self.endpoint is not None
-        if len(raw) > gate.offload_bytes:
-            loop = asyncio.get_running_loop()
-            parsed, prompt_tokens = await loop.run_in_executor(
-                gate.executor, _evaluate, self.endpoint, raw, self.content_type, pool)
-        else:
-            parsed, prompt_tokens = _evaluate(self.endpoint, raw, self.content_type, pool)
-        window = self.route.context_window or pool.config.context_window
-        reserved = oai.request_reservation(parsed, prompt_tokens, window,
-                                           pool.config.default_max_tokens)
-        oai.check_context(parsed, prompt_tokens, reserved, window)
-        return parsed, prompt_tokens, reserved
-
-    async def _acquire(self, demand: Demand, send: Callable[[pb.ProcessingResponse], Awaitable[None]] | None,
-                       started: float) -> Lease | pb.ProcessingResponse:
-        """_acquire is the lease for ``demand``, or the refusal to send (a budget's 429, or a
-        503 when the pool went away or the shared store cannot answer). A class that waits
-        first asks Envoy for a longer message timeout through ``send``."""
-        gate = self.gate
-        cls = self.class_cfg
-        assert cls is not None
-        waits = cls.max_wait_s > 0 and send is not None
-        if waits:
-            assert send is not None
-            await send(message_timeout(cls.max_wait_s + WAIT_TIMEOUT_MARGIN_S))
-        try:
-            result = await gate.admission.acquire(demand)
-        except asyncio.CancelledError:  # the stream ended while the request waited
-            if waits:
-                gate.wait_cut(cls.name, cls.max_wait_s + WAIT_TIMEOUT_MARGIN_S,
-                              gate.clock.now() - started)
-            raise
-        except UnknownPoolError:
-            # A reload removed the pool between the choice (headers, or before counting off
-            # the loop) and now: nothing was taken; the client's retry meets the new config.
+        lease = await acquire(gate, demand, cls, send, started)
+        if type(lease) is Refused:
             self.state = _DONE
-            log.warning("refusing a request: its pool %r was removed by a reload", self.pool_name)
-            return unavailable("pool_reconfigured", "The gateway was reconfigured while this "
-                               "request was being admitted. Retry.")
-        except StoreError as err:
-            # The shared store cannot answer and is set to fail closed: retry shortly.
-            gate.metrics.decision_time(self.pool_name, gate.clock.now() - started)
-            self.state = _DONE
-            gate.metrics.request(self.pool_name, cls.name, RequestOutcome.REJECTED_STORE_UNAVAILABLE)
-            log.warning("refusing a request: %s", err)
-            return unavailable("store_unavailable", f"Admission is unavailable: {err}. Retry shortly.")
-        gate.metrics.decision_time(self.pool_name, gate.clock.now() - started)
-        if isinstance(result, Rejection):
-            self.state = _DONE
-            gate.metrics.request(self.pool_name, cls.name, REJECTED_BY[result.reason])
-            status, headers, payload = oai.rejection_response(result)
-            return immediate(status, headers, payload, f"kvgate_{result.reason.value}")
-        return result
-
-    def _admit(self, lease: Lease, parsed: oai.ParsedRequest, reserved: int,
-               raw: bytes) -> pb.ProcessingResponse | list[pb.ProcessingResponse]:
-        """_admit takes ``lease``, names the request's release mode, and answers the body:
-        the upstream body (max_tokens capped at the reservation, stream usage asked for when
-        kvgate reads the response and the client did not), the node picked, the link."""
-        pool, cls = self.pool, self.class_cfg
-        assert pool is not None and cls is not None
-        self.mode = mode = ReleaseMode.choose(self.response_sent, self.route.release, self.duplex)
-        self.lease = lease
+            return lease.answer
+        assert isinstance(lease, Lease)
         self.state = _ADMITTED
         # Request facts only the decision reads: an admitted request may stay in flight (or
         # parked for its access log entry) for minutes, thousands at once.
         self.content_type = None
         self.hint = None
-        self.gate.metrics.request(self.pool_name, cls.name, RequestOutcome.ADMITTED)
-        cap = reserved // parsed.sequences if pool.config.enforce_max_tokens and parsed.sequences else None
-        if not mode.on_stream:
-            # Observed elsewhere or not at all: usage the client did not ask for could not be
-            # hidden from it, so none is asked of the upstream, except where the access log's
-            # usage filter reads it and hides it (told in the answer's metadata).
-            usage = mode is ReleaseMode.ACCESS_LOG and self.usage_filter
-            capped, strip = oai.upstream_body(parsed, cap_max_tokens=cap, stream_usage=usage)
-            resp = self._linked_continue(lease, capped, node=lease.node)
-            if strip:
-                usage_log.ask_to_strip(resp)
-            return resp
-        new_body, self.strip_usage = oai.upstream_body(parsed, cap_max_tokens=cap)
-        node = lease.node
-        if self.duplex:
-            return duplex_answer(raw if new_body is None else new_body, new_body is not None, node)
-        if mode is ReleaseMode.STREAM_AND_LOG:
-            return self._linked_continue(lease, new_body, rates=False, node=node)
-        return body_answer(new_body, node)
+        gate.metrics.request(self.pool_name, cls.name, RequestOutcome.ADMITTED)
+        # A FULL_DUPLEX_STREAMED body either way carries no link (``ReleaseMode.choose``).
+        mode = ReleaseMode.choose(self.response_sent, self.route.release,
+                                  self.duplex or self.response_duplex)
+        admitted = admit(gate, lease, mode, parsed, raw, cap=cap_of(pool, parsed, reserved),
+                         duplex=self.duplex, response_duplex=self.response_duplex,
+                         usage_filter=self.usage_filter)
+        self.ending = ending = admitted.ending
+        if self.endings is not None:
+            self.endings.admitted(ending)  # before Envoy can send the response, or log its end
+        return admitted.answer
 
     def _no_eligible_endpoint(self, retry: bool) -> pb.ProcessingResponse:
-        """_no_eligible_endpoint is the protocol's 503 when the proxy's subset hint allows no
-        node kvgate may pick (empty, unknown addresses, or every allowed node not up).
-
-        ``retry``: the hint names nodes of the pool that are not up now and may come back, so
-        a retry may pass (``x-should-retry: true``, ``retry-after``); a hint that names none of
-        them (empty, or addresses of no node: a gateway/pool mismatch) would be refused again
-        (``x-should-retry: false``)."""
+        """_no_eligible_endpoint counts and answers a request whose subset hint allows no node
+        kvgate may pick (``refusals.no_eligible_endpoint``)."""
         self.state = _DONE
         cls = self.class_cfg
         self.gate.metrics.request(self.pool_name or self.gate.config.default_pool,
                                   cls.name if cls is not None else self.gate.config.tenants.default_class,
                                   RequestOutcome.REJECTED_NO_ENDPOINT)
-        if retry:
-            return unavailable("no_endpoint", "None of the endpoints this request may go to can "
-                               "take it now. Retry shortly.", code="no_eligible_endpoint",
-                               retry_after_ms=False)
-        return unavailable("no_endpoint", "None of the endpoints this request may go to is a "
-                           "node of this pool; retrying will not change that.",
-                           code="no_eligible_endpoint", should_retry=False)
-
-    def _pass_through_picked(self, duplex: bool = False) -> pb.ProcessingResponse | None:
-        """_pass_through_picked lets a request kvgate does not admit go to an up node of a picking
-        pool (uncharged): Envoy routes by the node kvgate names, so even these need one. None
-        when the pool does not pick; a 503 when no node is up (among those the subset hint
-        allows). ``duplex``: no mode_override (the bodies are passed back one by one)."""
-        pool = self.gate.pools.get(self.pool_name or self.gate.config.default_pool)
-        if pool is None or not pool.config.picks:
-            return None
-        address = self.gate.admission.any_node(pool.config.name, self.hint)
-        if address is None:
-            self.state = _DONE
-            return unavailable("no_node", "No node of this pool answers its metrics now. Retry "
-                               "shortly.", retry_after_ms=False)
-        resp = pb.ProcessingResponse() if duplex else pb.ProcessingResponse(mode_override=NOTHING_MORE)
-        name_node(resp, resp.request_headers.response, address)
-        return resp
-
-    def _linked_continue(self, lease: Lease, new_body: bytes | None = None, *,
-                         rates: bool = True, node: str | None = None) -> pb.ProcessingResponse:
-        """_linked_continue admits a request whose response is observed on another stream, or
-        whose access log entry kvgate reads: the link and (``rates``) the x-ratelimit-* values
-        go into the request's dynamic metadata, where the observing filter, the access log
-        (and Envoy's response_headers_to_add) find them (``body_answer``)."""
-        self.link = self.gate.new_link()
-        metadata = [(LINK_KEY, self.link)]
-        if rates:
-            metadata += oai.rate_limit_headers(lease.rate)
-        return body_answer(new_body, node, metadata)
+        return no_eligible_endpoint(retry)
 
     # --- response ------------------------------------------------------------------------
 
-    def response_headers(self, msg: pb.HttpHeaders, *, observed: bool = False,
-                         attributes: Any = None, metadata: Any = None) -> pb.ProcessingResponse:
-        """response_headers notes the upstream status and adds the x-ratelimit-* headers.
+    def response_headers(self, msg: pb.HttpHeaders, *, attributes: Any = None,
+                         metadata: Any = None) -> pb.ProcessingResponse:
+        """response_headers hands the upstream status to the request's ending and adds the
+        x-ratelimit-* headers.
 
-        ``observed``: the headers come from the observability-mode stream (their answer is
-        not sent); otherwise from this exchange's own stream. ``attributes`` and
-        ``metadata`` come with a stream's first message: they name the tenant of a request
-        Envoy refused before kvgate saw it.
-
-        A response before any admission had no request body (nothing to admit) or was
-        answered by Envoy itself: it passes through, except Envoy's own 413 for a body above
-        its buffer limit, which gets kvgate's OpenAI-shaped 413 like any body above the cap.
+        ``attributes`` and ``metadata`` come with a stream's first message: they name the
+        tenant of a request Envoy refused before kvgate saw it. A response before any
+        admission had no request body (nothing to admit) or was answered by Envoy itself: it
+        passes through, except Envoy's own 413 for a body above its buffer limit, which gets
+        kvgate's OpenAI-shaped 413 like any body above the cap.
         """
-        lease = self.lease
         if self.state in (_NEW, _BODY):
             # Nothing admitted: Envoy answered before the body reached kvgate (or there was
             # no body). Its own 413 for a body above its buffer limit gets kvgate's shape.
@@ -567,93 +398,26 @@ class Exchange:
             for h in msg.headers.headers:
                 if h.key == ":status" and h.raw_value == b"413":
                     if first and attributes and UNDECODABLE_ATTRIBUTES not in attributes:
-                        self._class_from_attributes(attributes, metadata)
+                        self.pool_name, self.class_cfg = self.gate.class_of_attributes(attributes, metadata)
                     return self._refuse(RequestError(
                         "The request body is above this endpoint's limit.", status=413,
                         code="request_too_large"), RequestOutcome.REJECTED_BODY_TOO_LARGE)
             return PASS_THROUGH_RESPONSE if first else CONTINUE_RESPONSE_HEADERS
-        if self.state != _ADMITTED or lease is None:
+        ending = self.ending
+        if ending is None:
             return CONTINUE_RESPONSE_HEADERS
-        if lease.node is not None:
-            self._served_by(lease, epp.served_endpoint(metadata))
-        content_type = ""
-        for h in msg.headers.headers:
-            if h.key == ":status":
-                try:
-                    self.status = int(h.raw_value)
-                except ValueError:
-                    self.status = 0
-            elif h.key == "content-type":
-                content_type = h.raw_value.decode("latin-1")
-        self.upstream_error = self.status >= 400
-        if self.mode is not None and not self.mode.on_stream and not observed:
-            # deploy/envoy-reservation.yaml: response headers on the admission stream, whose
-            # response body mode is NONE. No body will follow and no observing stream will
-            # show it: the lease is released when the stream ends (with the HTTP stream) and
-            # the completion is charged at the reservation. Not a mode_override to NONE:
-            # Envoy would close the stream at once.
-            self.mode = ReleaseMode.UNREAD
-            resp = pb.ProcessingResponse()
-            set_headers(resp.response_headers.response.header_mutation, oai.rate_limit_headers(lease.rate))
-            return resp
-        streamed = content_type.startswith("text/event-stream")
-        strip = self.strip_usage and streamed and not self.upstream_error
-        self.tracker = oai.ResponseTracker(streamed=streamed, strip_usage_chunk=strip)
-        resp = pb.ProcessingResponse()
-        mutation = resp.response_headers.response.header_mutation
-        set_headers(mutation, oai.rate_limit_headers(lease.rate))
-        if strip:
-            mutation.remove_headers.append("content-length")  # chunks may shrink: no fixed length
-        if msg.end_of_stream:
-            self._response_end()
-        return resp
-
-    def _served_by(self, lease: Lease, served: str | None) -> None:
-        """_served_by moves the node charge to the endpoint the proxy says served the request
-        (the protocol's ``x-gateway-destination-endpoint-served``) when it is another node of
-        the pool; an address that is no node of the pool leaves the charge where it was
-        picked, loudly."""
-        if served is None or served == lease.node:
-            return
-        if not lease.served(served):
-            self.gate.served_elsewhere(self.pool_name, served)
+        return ending.answer_headers(msg, metadata)
 
     def response_body(self, msg: pb.HttpBody) -> pb.ProcessingResponse:
-        """response_body follows the response (usage, delivered chunks), hides the injected
-        usage chunk, and releases the lease at the response's end of stream. With a
-        FULL_DUPLEX_STREAMED response body every chunk goes back at once, as it came (or
-        without the injected usage chunk): none is held."""
+        """response_body hands one response chunk to the request's ending, which answers it
+        (``Ending.answer_chunk``). Before any admission the chunk passes as it came (with a
+        FULL_DUPLEX_STREAMED response body, sent back at once)."""
+        ending = self.ending
+        if ending is not None:
+            return ending.answer_chunk(msg)
         if self.response_duplex:
-            return self._duplex_response_body(msg)
-        tracker = self.tracker
-        if tracker is None:
-            return CONTINUE_RESPONSE_BODY
-        replacement = self._follow(tracker, msg)
-        if replacement is None:
-            return CONTINUE_RESPONSE_BODY
-        resp = pb.ProcessingResponse()
-        resp.response_body.response.body_mutation.body = replacement
-        return resp
-
-    def _follow(self, tracker: oai.ResponseTracker, msg: pb.HttpBody) -> bytes | None:
-        """_follow reads one response chunk: usage, the tokens generated so far (for a picked
-        node's ledger), and the end of the response (released at once). Returns the chunk's
-        replacement (the injected usage chunk hidden), or None to pass it as it came."""
-        replacement = tracker.feed(msg.body, msg.end_of_stream)
-        lease = self.lease
-        if lease is not None and lease.node is not None and tracker.delivered_chunks:
-            lease.progress(tracker.delivered_chunks)
-        if msg.end_of_stream:
-            self._response_end()
-        return replacement
-
-    def _duplex_response_body(self, msg: pb.HttpBody) -> pb.ProcessingResponse:
-        tracker = self.tracker
-        if tracker is None:
             return epp.streamed_chunk("response_body", msg.body, msg.end_of_stream)
-        replacement = self._follow(tracker, msg)
-        return epp.streamed_chunk("response_body", msg.body if replacement is None else replacement,
-                                  msg.end_of_stream)
+        return CONTINUE_RESPONSE_BODY
 
     def request_trailers(self) -> pb.ProcessingResponse:
         """request_trailers answers the request's trailers. With a FULL_DUPLEX_STREAMED body
@@ -666,97 +430,15 @@ class Exchange:
                                 RequestOutcome.REJECTED_INVALID)
         return CONTINUE_REQUEST_TRAILERS
 
-    def ended_by_log(self, status: int, cut_short: bool, upstream_failed: bool = False,
-                     usage: usage_log.LoggedUsage | None = None) -> Outcome | None:
-        """ended_by_log releases the lease of an ACCESS_LOG request as Envoy's access log entry
-        of the request tells: the response status (0: none was sent), whether the stream was
-        cut short (the client went away, an idle timeout) and whether the upstream failed
-        (reset or closed its connection): a stream cut short by the upstream is an
-        upstream_error. The completion is charged as the usage filter saw it (``usage``, as a
-        response read here would be), at its reservation without the filter."""
-        if usage is not None:
-            self.gate.metrics.logged_usage(usage.result)
-            self.tracker = usage.tracker(self.streamed)
-            self.cut_by_upstream = cut_short and upstream_failed
-        self.status = status
-        self.upstream_error = status >= 400 or (cut_short and upstream_failed)
-        self.response_done = status != 0 and not cut_short
-        return self.finish()
-
-    def progressed(self, events: int | None, served: str | None) -> bool:
-        """progressed takes a periodic access log entry of an ACCESS_LOG request still in
-        flight (deploy/envoy-endpoint-picker-log.yaml): ``events``, the SSE events with choices
-        the usage filter has seen so far (``usage_log.events_so_far``), become the tokens its
-        node's ledger counts as generated (``Lease.progress``, which also notes the first
-        token), and ``served``, the upstream
-        address Envoy connected to, re-homes the node charge when it is another node than the
-        one picked. Never releases nor settles. False when the entry's event count is not a
-        count (ignored: the ledger keeps what it knew)."""
-        lease = self.lease
-        if lease is None or lease.released or lease.node is None:
-            return True
-        self._served_by(lease, served)
-        if events is None:
-            return False
-        if events:
-            lease.progress(events)
-        return True
-
-    def told_by_log(self, cut_by_upstream: bool) -> Outcome | None:
-        """told_by_log takes what Envoy's access log entry tells of a request released by its
-        stream (the ``*_AND_LOG`` modes): whether the upstream broke the response
-        off. Before the stream's end it is kept for ``finish``; after a release whose cause
-        waited for it, the release is counted now, and its cause returned (None otherwise).
-        ``told_by_log(False)`` is also the fallback when the entry never comes."""
-        lease = self.lease
-        if lease is None:
-            return None
-        if self.outcome is None:
-            self.cut_by_upstream = cut_by_upstream
-            return None
-        if not self.cause_pending:
-            return None
-        self.cause_pending = False
-        outcome = Outcome.UPSTREAM_ERROR if cut_by_upstream else Outcome.CLIENT_DISCONNECT
-        self.outcome = lease.outcome = outcome
-        self.gate.metrics.release(self.pool_name, outcome.value)
-        return outcome
-
-    def _response_end(self) -> None:
-        # The response is complete: free the slot now rather than when Envoy gets round
-        # to closing the ext_proc stream.
-        self.response_done = True
-        self.finish()
-
     # --- the end -------------------------------------------------------------------------
 
     def finish(self, *, gave_up: bool = False) -> Outcome | None:
-        """finish releases the lease if still held and returns the cause (None if nothing to do).
-
-        The cause and the completion tokens charged follow the table of ``endings``
-        (``cause_of``, ``charged_completion``), from what was seen. Idempotent: later calls
-        change nothing. In a ``*_AND_LOG`` mode a stream cut short before its access log
-        entry came is released now all the same, and only the counting of its cause waits
-        for the entry (``cause_pending``, settled by ``told_by_log``).
-        """
-        lease, mode = self.lease, self.mode
+        """finish tells the request's ending that kvgate is done with the request (its stream
+        ended; ``gave_up``: kvgate ends it, a timeout): the lease is released if still held,
+        and the cause returned (None if nothing to do). Idempotent."""
         self.state = _DONE
-        if lease is None or mode is None or self.outcome is not None:
-            return None
-        tracker = self.tracker
-        # [DONE] passed through kvgate to the client: the generation ended. openai-python
-        # closes on it, often before the upstream's end of body reaches Envoy.
-        done = self.response_done or (tracker is not None and tracker.done_seen)
-        outcome = cause_of(mode, upstream_error=self.upstream_error, response_done=done,
-                           gave_up=gave_up, cut_by_upstream=self.cut_by_upstream)
-        self.outcome = outcome
-        charged = charged_completion(mode, outcome, tracker, self.streamed, self.cut_by_upstream)
-        if lease.release(outcome, charged):
-            if awaits_log_cause(mode, outcome, self.cut_by_upstream):
-                self.cause_pending = True
-            else:
-                self.gate.metrics.release(self.pool_name, outcome.value)
-        return outcome
+        ending = self.ending
+        return None if ending is None else ending.finish(gave_up)
 
     # --- refusals ------------------------------------------------------------------------
 
@@ -766,10 +448,7 @@ class Exchange:
         self.gate.metrics.request(self.pool_name or self.gate.config.default_pool,
                                   cls.name if cls is not None else self.gate.config.tenants.default_class,
                                   outcome)
-        status, headers, payload = oai.request_error_response(err)
-        if not any(k == "x-kvgate-reason" for k, _ in headers):
-            headers = [*headers, ("x-kvgate-reason", outcome.reason)]
-        return immediate(status, headers, payload, f"kvgate_{outcome}")
+        return refusal(err, outcome)
 
     def _not_admitted(self, method: str, path: str, admitted_path: bool,
                       body: bool) -> pb.ProcessingResponse | None:
@@ -778,26 +457,20 @@ class Exchange:
 
         With ``limits.unknown_paths: pass`` everything passes as it came. Otherwise a path of
         ``limits.pass_paths`` (the engines' endpoints that generate nothing) passes as a GET
-        or HEAD without a body (``body`` False), all it needs: another method gets 405 with
-        ``allow: GET, HEAD``, a body 400; and any other path is refused (``_refuse_path``).
+        or HEAD without a body (``body`` False), all it needs (``refusals.pass_error``); any
+        other path is refused (``refusals.path_error``).
         What passes is counted (``_count_pass``) once it has been let through.
         """
         limits = self.gate.config.limits
         if limits.unknown_paths == "pass":
             self.state = _PASS
             return None
-        if not oai.path_passes(oai.normalise_path(path), limits.pass_paths):
-            return self._refuse_path(path, admitted_path)
-        if method not in oai.PASS_METHODS:
+        passes = oai.path_passes(oai.normalise_path(path), limits.pass_paths)
+        refused = pass_error(path, method, body) if passes else (path_error(path, admitted_path),
+                                                                 RequestOutcome.REJECTED_PATH)
+        if refused is not None:
             self.pool_name = self.gate.config.default_pool
-            return self._refuse(RequestError(
-                f"{_shown(path)} accepts GET and HEAD only.", status=405, code="method_not_allowed",
-                allow=oai.PASS_ALLOW), RequestOutcome.REJECTED_PATH)
-        if body:
-            self.pool_name = self.gate.config.default_pool
-            return self._refuse(RequestError(
-                f"{_shown(path)} takes no request body; send the {method} without one.",
-                code="body_not_allowed"), RequestOutcome.REJECTED_INVALID)
+            return self._refuse(*refused)
         self.state = _PASS
         return None
 
@@ -807,21 +480,6 @@ class Exchange:
         config = self.gate.config
         self.gate.metrics.request(config.default_pool, config.tenants.default_class,
                                   RequestOutcome.PASSED)
-
-    def _refuse_path(self, path: str, admitted_path: bool) -> pb.ProcessingResponse:
-        """_refuse_path answers a path kvgate neither admits nor lets through (404), or an
-        admitted path with another method than POST (405): on an inference route nothing
-        reaches the GPUs unadmitted (``limits.unknown_paths``)."""
-        self.pool_name = self.gate.config.default_pool
-        shown = _shown(path)
-        if admitted_path:
-            err = RequestError(f"{shown} accepts POST only.", status=405, code="method_not_allowed",
-                               allow="POST")
-        else:
-            err = RequestError(f"Unknown request URL: {shown}. This gateway serves "
-                               "/v1/chat/completions, /v1/completions, /v1/embeddings and "
-                               "/v1/responses.", status=404, code="unknown_url")
-        return self._refuse(err, RequestOutcome.REJECTED_PATH)
 
     def _misconfigured(self, message: str) -> pb.ProcessingResponse:
         self.state = _DONE

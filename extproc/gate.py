@@ -19,15 +19,16 @@ import secrets
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
+from extproc import request_facts as facts_of
 from extproc.admission import Admission
 from extproc.clock import Clock
 from extproc.config import ClassConfig, Config, PoolConfig
 from extproc.errors import ConfigError, RequestError
 from extproc.metrics import Metrics
 from extproc.openai_shapes import TEMPLATES
+from extproc.request.profile import RELEASES, RouteRelease
 from extproc.tokens import load_tokenizer
 from extproc.waitwatch import cut_at_base_timeout
 
@@ -55,25 +56,6 @@ TENANT_HEADER_UNSEEN_AFTER = 100
 TENANT_HEADER_LOG_INTERVAL_S = 600.0
 ROUTE_CACHE_ENTRIES = 256
 METADATA_NAMESPACE = "kvgate"
-
-
-class RouteRelease(StrEnum):
-    """RouteRelease is the route key ``release``: how the route says its requests end
-    (``endings.ReleaseMode`` is what kvgate makes of it with what Envoy sends)."""
-
-    # The end of the request's ext_proc stream (the default).
-    STREAM = "stream"
-    # An entry of Envoy's gRPC access log (deploy/envoy-access-log.yaml).
-    ACCESS_LOG = "access_log"
-    # The end of its stream for the budget and, for a stream cut short, the access log entry
-    # for the cause: Envoy ends the ext_proc stream alike whether the client left or the
-    # upstream died, and only its access log tells them apart.
-    STREAM_AND_LOG = "stream_and_log"
-
-
-# The key's values as plain strings, for Envoy files and error messages.
-RELEASES = tuple(r.value for r in RouteRelease)
-STREAM_AND_LOG = RouteRelease.STREAM_AND_LOG.value
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,6 +189,21 @@ class Gate:
                                "key given is missing or not one of its tenants'.",
                                status=401, code="invalid_api_key")
         return ANONYMOUS_TENANT
+
+    def class_of_attributes(self, attributes: Any, metadata: Any) -> tuple[str, ClassConfig | None]:
+        """class_of_attributes is the pool and class of a request refused before kvgate saw its
+        body (Envoy's own 413), named by its request ``attributes`` and route ``metadata``, so
+        that it is counted where it belongs; an identity that would have been refused has no
+        class (None: the default's)."""
+        facts = facts_of.from_attributes(facts_of.attribute_values(attributes), self.config.tenants)
+        route = self.route_settings(metadata)
+        pool = route.pool or self.config.default_pool
+        try:
+            tenant = self.tenant_of(facts.tenant, facts.authorization)
+        except RequestError:
+            return pool, None
+        return pool, (self.config.tenants.classes[route.tenant_class] if route.tenant_class
+                      else self.config.class_of(tenant))
 
     @staticmethod
     def fairness_id_of(tenant: str, fairness_values: Sequence[bytes]) -> str | None:

@@ -39,7 +39,7 @@ from extproc.clock import Clock, MonotonicClock
 from extproc.config import Config
 from extproc.configdiff import ConfigChange, guard
 from extproc.countpool import CountPool
-from extproc.endings import AccessLogReceiver
+from extproc.request.accesslog import AccessLogReceiver
 from extproc.errors import ConfigError
 from extproc.gate import Gate
 from extproc.heap import HeapTrimmer, pin_mmap_threshold

@@ -5,7 +5,7 @@ messages, dispatches them by kind to an ``Exchange`` and writes the answers. How
 stream ends (response end of stream, a clean end after a client disconnect,
 ``CancelledError``, an error in kvgate, shutdown), its end goes to the service's ``Endings``
 in ``finally``, which releases the lease exactly once or keeps it for the end that comes
-from elsewhere (the observing stream, the access log: ``extproc.endings``). A stream whose
+from elsewhere (the observing stream, the access log: ``extproc.request.registry``). A stream whose
 first message is in observability mode is such an observing stream, followed by
 ``Endings.observe``.
 
@@ -26,7 +26,8 @@ from google.protobuf.message import DecodeError
 
 from extproc import logwire
 from extproc.answers import CONTINUE_RESPONSE_TRAILERS
-from extproc.endings import Endings, Link, ReleaseMode
+from extproc.request.ending import Observed
+from extproc.request.registry import Endings
 from extproc.exchange import Exchange
 from extproc.gate import Gate
 from extproc.metrics import Metrics
@@ -90,7 +91,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
         if req.observability_mode:
             await self.endings.observe(req, read)
             return
-        ex = Exchange(self._gate)
+        ex = Exchange(self._gate, self.endings)
         task = asyncio.current_task()
         assert task is not None
         self.active[task] = ex
@@ -107,7 +108,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
                 elif resp is not None:
                     await write(resp)
                 resp = None
-                if self.endings.handed_over(ex):
+                if self.endings.handed_over(ex.ending):
                     handed_over = True
                     return
                 # Not held while waiting: the body message carries the whole prompt.
@@ -123,9 +124,9 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
             raise
         finally:
             del self.active[task]
-            link = self.endings.stream_ended(ex, handed_over)
-            if link is not None:
-                settle = asyncio.get_running_loop().create_task(self._settle(link))
+            observed = self.endings.stream_ended(ex.ending, handed_over)
+            if observed is not None:
+                settle = asyncio.get_running_loop().create_task(self._settle(observed))
                 self.active[settle] = ex
             self._maybe_idle()
 
@@ -138,27 +139,20 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
         if kind == "request_headers":
             return ex.request_headers(req.request_headers, req.metadata_context, _protocol(req))
         if kind == "request_body":
-            admitted_before = ex.lease is not None
-            resp = await ex.request_body(req.request_body, write, req.attributes,
+            return await ex.request_body(req.request_body, write, req.attributes,
                                          req.metadata_context, _protocol(req))
-            if ex.lease is not None and not admitted_before:
-                self.endings.admitted(ex)  # before Envoy can send the response, or log its end
-            return resp
         if kind == "response_headers":
-            resp = ex.response_headers(req.response_headers, attributes=req.attributes,
+            return ex.response_headers(req.response_headers, attributes=req.attributes,
                                        metadata=req.metadata_context)
-            if ex.mode is ReleaseMode.UNREAD:
-                self.endings.unread(ex)
-            return resp
         if kind == "request_trailers":
             return ex.request_trailers()
         if kind == "response_trailers":
             return CONTINUE_RESPONSE_TRAILERS
         return None  # a newer Envoy's message kind: nothing to do with it
 
-    async def _settle(self, link: Link) -> None:
+    async def _settle(self, observed: Observed) -> None:
         try:
-            await self.endings.settle(link)
+            await self.endings.settle(observed)
         finally:
             task = asyncio.current_task()
             if task is not None:

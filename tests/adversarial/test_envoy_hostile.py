@@ -21,7 +21,7 @@ from typing import Any
 import orjson
 import pytest
 
-from extproc.endings import CAUSE_WAIT_S
+from extproc.request.registry import CAUSE_WAIT_S
 from extproc.server import SWEEP_EVERY_S
 from tests.adversarial.h2c import H2Connection
 from kvgate_testkit.stack import Stack, metadata_route

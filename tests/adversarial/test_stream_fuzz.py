@@ -46,8 +46,8 @@ class Recorded(Rig):
 def rig() -> Iterator[Recorded]:
     r = Recorded()
 
-    def recording(gate: Any) -> Exchange:
-        ex = Exchange(gate)
+    def recording(gate: Any, endings: Any = None) -> Exchange:
+        ex = Exchange(gate, endings)
         r.created.append(ex)
         return ex
     try:
@@ -261,7 +261,7 @@ def test_random_streams_end_with_nothing_held(rig: Recorded, streams: list[tuple
     assert least <= rig.count("kvgate_internal_errors_total") - errors <= most
     assert rig.nothing_held(), rig.held()
     assert rig.count("kvgate_releases_total") == rig.count("kvgate_requests_total", outcome="admitted")
-    leases = {id(ex.lease): ex.lease for ex in rig.created if ex.lease is not None}
+    leases = {id(ex.ending.lease): ex.ending.lease for ex in rig.created if ex.ending is not None}
     for lease in leases.values():
         assert lease.released and lease.outcome is not None
     # What the default pool's bucket lost: at least every prompt, at most every reservation

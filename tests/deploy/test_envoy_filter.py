@@ -17,15 +17,12 @@ from extproc.config import load_config, parse_config
 from extproc.envoycheck import check_envoy
 from extproc.envoyconf import MODES, envoy_bootstrap, envoy_filter, picks_by_mode
 from extproc.errors import ConfigError
+from extproc.request.profile import PROFILES
 from tests.deploy.support import K8S, ROOT, docs, envoy_binary, envoy_validate
 
 KVGATE = ROOT / "deploy" / "kvgate.yaml"  # pool level: backends without addresses
 LOCAL = ROOT / "deploy" / "local" / "kvgate.yaml"  # picking: every backend has an address
-SHIPPED = {"three-message": "envoy.yaml", "four-message": "envoy-four-message.yaml",
-           "reservation": "envoy-reservation.yaml", "observe": "envoy-observe.yaml",
-           "access-log": "envoy-access-log.yaml", "endpoint-picker": "envoy-endpoint-picker.yaml",
-           "endpoint-picker-log": "envoy-endpoint-picker-log.yaml",
-           "inference-pool": "envoy-inference-pool.yaml"}
+SHIPPED = {name: row.file for name, row in PROFILES.items()}
 
 
 def fitting(mode: str) -> Path:

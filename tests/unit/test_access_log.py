@@ -10,7 +10,8 @@ from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.endings import LINK_KEY, ReleaseMode
+from extproc.request.registry import LINK_KEY
+from extproc.request.profile import ReleaseMode
 from extproc.exchange import Exchange
 from extproc.gate import METADATA_NAMESPACE
 from extproc.service import ExtProcService
@@ -27,9 +28,9 @@ def park(rig: Rig, service: ExtProcService, release: str = "access_log") -> Exch
     ex = Exchange(rig.gate)
     meta = route_metadata(pool="default", release=release)
     asyncio.run(ex.request_body(body_msg(chat(max_tokens=50)), None, attrs(), meta, NO_RESPONSE))
-    assert ex.link is not None and ex.mode is ReleaseMode.ACCESS_LOG
-    service.endings.admitted(ex)
-    assert service.endings.handed_over(ex)
+    assert ex.ending.link is not None and ex.ending.mode is ReleaseMode.ACCESS_LOG
+    service.endings.admitted(ex.ending)
+    assert service.endings.handed_over(ex.ending)
     return ex
 
 
@@ -62,10 +63,10 @@ def test_an_entry_releases_its_parked_request_with_the_cause_it_tells(
     service = ExtProcService(rig.gate, rig.metrics)
     ex = park(rig, service)
     assert rig.inflight() == 1
-    assert service.endings.logged(entry(ex.link, status, upstream_done, **flags)) == "released"
+    assert service.endings.logged(entry(ex.ending.link, status, upstream_done, **flags)) == "released"
     assert rig.inflight() == 0 and not service.endings.parked
     assert rig.count("kvgate_releases_total", cause=cause) == 1
-    assert service.endings.logged(entry(ex.link)) == "unmatched"  # a second entry changes nothing
+    assert service.endings.logged(entry(ex.ending.link)) == "unmatched"  # a second entry changes nothing
     assert rig.count("kvgate_releases_total") == 1
 
 
@@ -87,9 +88,9 @@ def test_a_lost_entry_is_released_by_the_ttl_and_only_then() -> None:
     assert service.endings.sweep_parked(rig.clock.now(), ttl_s=100.5) == 0
     rig.clock.advance(1.0)
     assert service.endings.sweep_parked(rig.clock.now(), ttl_s=100.5) == 1
-    assert list(service.endings.parked) == [young.link] and rig.inflight() == 1
+    assert list(service.endings.parked) == [young.ending.link] and rig.inflight() == 1
     assert rig.count("kvgate_releases_total", cause="timeout") == 1
-    assert service.endings.logged(entry(old.link)) == "unmatched"
+    assert service.endings.logged(entry(old.ending.link)) == "unmatched"
 
 
 def test_give_up_releases_the_parked_requests_too() -> None:
@@ -106,9 +107,9 @@ def test_a_route_without_release_access_log_is_not_parked() -> None:
     ex = Exchange(rig.gate)
     asyncio.run(ex.request_body(body_msg(chat(max_tokens=50)), None, attrs(),
                                 route_metadata(pool="default"), NO_RESPONSE))
-    assert ex.link is not None and ex.mode is ReleaseMode.OBSERVED
+    assert ex.ending.link is not None and ex.ending.mode is ReleaseMode.OBSERVED
     bad = Exchange(rig.gate)
     asyncio.run(bad.request_body(body_msg(chat(max_tokens=50)), None, attrs(),
                                  route_metadata(pool="default", release="sometimes"), NO_RESPONSE))
-    assert bad.mode is ReleaseMode.OBSERVED
+    assert bad.ending.mode is ReleaseMode.OBSERVED
     assert rig.count("kvgate_route_metadata_errors_total", key="release") == 1

@@ -26,8 +26,8 @@ async def admitted_class(rig: Rig, extra: list[tuple[str, str]], metadata: Any =
     resp = ex.request_headers(headers_msg(extra=extra), metadata)
     assert not resp.HasField("immediate_response"), resp
     await ex.request_body(body_msg(chat()))
-    assert ex.lease is not None
-    got = (ex.tenant, ex.lease.demand.class_name)
+    assert ex.ending is not None
+    got = (ex.tenant, ex.ending.lease.demand.class_name)
     ex.finish()
     return got
 
@@ -59,8 +59,8 @@ async def flow_of(rig: Rig, extra: list[tuple[str, str]]) -> str | None:
     ex = Exchange(rig.gate)
     ex.request_headers(headers_msg(extra=extra))
     await ex.request_body(body_msg(chat()))
-    assert ex.lease is not None
-    flow = ex.lease.demand.fairness_id
+    assert ex.ending is not None
+    flow = ex.ending.lease.demand.fairness_id
     ex.finish()
     return flow
 
@@ -111,7 +111,7 @@ async def test_both_headers_are_read_from_request_attributes_when_envoy_skips_he
                   f"request.headers['{FAIRNESS}']": "acme", f"request.headers['{OBJECTIVE}']": "gold"})
     ex = Exchange(rig.gate)
     await ex.request_body(body_msg(chat()), attributes={"envoy.filters.http.ext_proc": attrs})
-    assert ex.lease is not None and (ex.tenant, ex.lease.demand.class_name) == ("acme", "gold")
+    assert ex.ending is not None and (ex.tenant, ex.ending.lease.demand.class_name) == ("acme", "gold")
     ex.finish()
     assert rig.count("kvgate_tenant_header_unseen_total", reason="other_header") == 0
 

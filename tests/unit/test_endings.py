@@ -10,18 +10,18 @@ import pytest
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc import endings
+from extproc.request import ending as endings
 from extproc.admission import Outcome
-from extproc.endings import CAUSE_WAIT_S, Endings, ReleaseMode, cause_of, charged_completion
-from extproc.envoyconf import MODES
+from extproc.request.registry import CAUSE_WAIT_S, Endings
 from extproc.exchange import Exchange
-from extproc.gate import RouteRelease
+from extproc.request.causes import cause_of, charged_completion
+from extproc.request.profile import ReleaseMode, RouteRelease
 from tests.unit.test_exchange import (BASE_CONFIG, Rig, body_msg, chat, headers_msg,
                                       response_headers_msg, route_metadata)
 from tests.unit.test_access_log import entry
 from tests.unit.test_exchange_attributes import attrs
 
-S, A, L = RouteRelease.STREAM, RouteRelease.ACCESS_LOG, RouteRelease.STREAM_AND_LOG
+S, A, L, U = RouteRelease.STREAM, RouteRelease.ACCESS_LOG, RouteRelease.STREAM_AND_LOG, RouteRelease.UNREAD
 
 
 @pytest.mark.parametrize(("response_sent", "route", "duplex", "mode"), [
@@ -35,6 +35,8 @@ S, A, L = RouteRelease.STREAM, RouteRelease.ACCESS_LOG, RouteRelease.STREAM_AND_
     (False, L, False, ReleaseMode.OBSERVED_AND_LOG),
     (False, A, False, ReleaseMode.ACCESS_LOG),
     (False, A, True, ReleaseMode.ACCESS_LOG),
+    (False, U, False, ReleaseMode.UNREAD),
+    (True, U, False, ReleaseMode.STREAM),  # unread needs response body NONE
 ])
 def test_choose_names_one_mode_per_protocol_and_route(
         response_sent: bool, route: RouteRelease | None, duplex: bool, mode: ReleaseMode) -> None:
@@ -49,7 +51,8 @@ def _protocol(response_body: int, request_body: int = pm.ProcessingMode.BUFFERED
     ("stream_and_log", pm.ProcessingMode.STREAMED, ReleaseMode.STREAM_AND_LOG),  # envoy.yaml
     ("stream_and_log", pm.ProcessingMode.NONE, ReleaseMode.OBSERVED_AND_LOG),  # envoy-observe
     ("access_log", pm.ProcessingMode.NONE, ReleaseMode.ACCESS_LOG),  # envoy-access-log
-    (None, pm.ProcessingMode.NONE, ReleaseMode.OBSERVED),  # envoy-reservation, until its headers
+    ("unread", pm.ProcessingMode.NONE, ReleaseMode.UNREAD),  # envoy-reservation
+    (None, pm.ProcessingMode.NONE, ReleaseMode.OBSERVED),  # an operator's file without the key
 ])
 def test_an_exchange_names_its_mode_at_admission(release: str | None, response_body: int,
                                                  mode: ReleaseMode) -> None:
@@ -58,8 +61,10 @@ def test_an_exchange_names_its_mode_at_admission(release: str | None, response_b
     meta = route_metadata(pool="default", **({"release": release} if release else {}))
     asyncio.run(ex.request_body(body_msg(chat(max_tokens=20)), None, attrs(), meta,
                                 _protocol(response_body)))
-    assert ex.mode is mode
-    assert (ex.link is not None) is (mode is not ReleaseMode.STREAM)
+    assert ex.ending.mode is mode
+    assert (ex.ending.link is not None) is (mode is not ReleaseMode.STREAM)
+    ex.response_headers(response_headers_msg())
+    assert ex.ending.mode is mode  # named once: the response's headers never rename it
 
 
 def test_the_inference_pool_shape_is_released_by_its_stream() -> None:
@@ -69,18 +74,22 @@ def test_the_inference_pool_shape_is_released_by_its_stream() -> None:
     meta = route_metadata(pool="default", release="stream_and_log")
     assert ex.request_headers(headers_msg(), meta, duplex) is None  # answered with the body
     asyncio.run(ex.request_body(body_msg(chat(max_tokens=20)), None, None, meta))
-    assert ex.mode is ReleaseMode.STREAM and ex.link is None
+    assert ex.ending.mode is ReleaseMode.STREAM and ex.ending.link is None
 
 
-def test_response_headers_on_the_admission_stream_make_an_observed_request_unread() -> None:
+@pytest.mark.parametrize(("headers", "cause"), [(True, Outcome.ENDED), (False, Outcome.CLIENT_DISCONNECT)])
+def test_an_unread_request_ends_by_its_stream_with_the_cause_its_headers_allow(
+        headers: bool, cause: Outcome) -> None:
+    """deploy/envoy-reservation.yaml: a stream that ends after the response headers ends a
+    response kvgate never reads (``ended``); one that ends before them was cut short."""
     rig = Rig()
     ex = Exchange(rig.gate)
-    asyncio.run(ex.request_body(body_msg(chat(max_tokens=20)), None, attrs(), None,
+    asyncio.run(ex.request_body(body_msg(chat(max_tokens=20)), None, attrs(),
+                                route_metadata(pool="default", release="unread"),
                                 _protocol(pm.ProcessingMode.NONE)))
-    ex.response_headers(response_headers_msg(), observed=True)  # from the observing stream
-    assert ex.mode is ReleaseMode.OBSERVED
-    ex.response_headers(response_headers_msg())  # from the admission stream
-    assert ex.mode is ReleaseMode.UNREAD
+    if headers:
+        ex.response_headers(response_headers_msg())
+    assert ex.finish() is cause and rig.inflight() == 0
 
 
 @pytest.mark.parametrize(("mode", "facts", "cause"), [
@@ -124,9 +133,9 @@ def test_the_registry_holds_each_mode_where_its_end_comes_from() -> None:
         asyncio.run(ex.request_body(body_msg(chat(max_tokens=20)), None, attrs(),
                                     route_metadata(pool="default", release=release),
                                     _protocol(response_body)))
-        reg.admitted(ex)
-        assert ex.mode is not None
-        admitted[ex.mode] = ex
+        assert ex.ending is not None
+        reg.admitted(ex.ending)
+        admitted[ex.ending.mode] = ex.ending
     parked, observed = admitted[ReleaseMode.ACCESS_LOG], admitted[ReleaseMode.OBSERVED_AND_LOG]
     logged = admitted[ReleaseMode.STREAM_AND_LOG]
     assert set(reg.parked) == {parked.link}
@@ -154,23 +163,21 @@ def test_a_parked_request_whose_stream_ended_before_its_answer_was_written_waits
         asyncio.run(ex.request_body(body_msg(chat(max_tokens=20)), None, attrs(),
                                     route_metadata(pool="default", release="access_log"),
                                     _protocol(pm.ProcessingMode.NONE)))
-        reg.admitted(ex)
+        reg.admitted(ex.ending)
         ex_list.append(ex)
     (a,), (b,) = told, lost
     at = rig.clock.now()
-    assert reg.stream_ended(a, False) is None and reg.stream_ended(b, False) is None
-    assert rig.inflight() == 2 and a.outcome is None and b.outcome is None
-    assert reg.logged(entry(a.link)) == "released" and a.outcome is Outcome.COMPLETED
+    assert reg.stream_ended(a.ending, False) is None and reg.stream_ended(b.ending, False) is None
+    assert rig.inflight() == 2 and a.ending.outcome is None and b.ending.outcome is None
+    assert reg.logged(entry(a.ending.link)) == "released" and a.ending.outcome is Outcome.COMPLETED
     # No entry names b: its answer never reached Envoy; held no longer than CAUSE_WAIT_S.
-    assert reg.sweep_parked(at + CAUSE_WAIT_S - 0.01, 900.0) == 0 and b.outcome is None
+    assert reg.sweep_parked(at + CAUSE_WAIT_S - 0.01, 900.0) == 0 and b.ending.outcome is None
     assert reg.sweep_parked(at + CAUSE_WAIT_S, 900.0) == 1
-    assert b.outcome is Outcome.CLIENT_DISCONNECT
+    assert b.ending.outcome is Outcome.CLIENT_DISCONNECT
     assert not reg.parked and not reg.unsure and rig.inflight() == 0
 
 
-def test_the_module_doc_names_every_mode_and_every_envoy_file() -> None:
+def test_the_module_doc_names_every_mode() -> None:
     doc = endings.__doc__ or ""
     for mode in ReleaseMode:
         assert mode.name in doc, mode
-    for envoy_mode in MODES:
-        assert envoy_mode in doc, envoy_mode

@@ -149,9 +149,9 @@ async def test_non_streamed_chat_is_admitted_and_released_as_completed_with_repo
     assert resp.WhichOneof("response") == "request_body"
     assert not resp.request_body.response.HasField("body_mutation")
     assert rig.inflight() == 1
-    assert rig.admission.snapshot("default").kv_inflight == ex.lease.demand.tokens
-    assert ex.lease.demand.completion_tokens == 100
-    assert ex.lease.demand.tenant == ANONYMOUS_TENANT
+    assert rig.admission.snapshot("default").kv_inflight == ex.ending.lease.demand.tokens
+    assert ex.ending.lease.demand.completion_tokens == 100
+    assert ex.ending.lease.demand.tenant == ANONYMOUS_TENANT
 
     rh = ex.response_headers(response_headers_msg())
     hs = set_headers(rh.response_headers.response)
@@ -166,7 +166,7 @@ async def test_non_streamed_chat_is_admitted_and_released_as_completed_with_repo
     ex.response_body(body_msg(payload[10:], eos=True))
     # released at the response's end of stream, before the stream closes
     assert rig.inflight() == 0
-    assert ex.lease.released and ex.outcome.value == "completed"
+    assert ex.ending.lease.released and ex.ending.outcome.value == "completed"
     # refund: the reservation (100 completion) is settled at the reported 7
     assert rig.admission.snapshot("default").tpm_available == pytest.approx(tpm_before + 93, abs=1)
     assert ex.finish() is None  # the stream's end changes nothing more
@@ -196,7 +196,7 @@ async def test_stream_without_usage_gets_usage_upstream_and_the_client_never_see
     assert rig.inflight() == 1
     ex.response_body(body_msg(b"", eos=True))
     assert rig.inflight() == 0
-    assert ex.tracker.completion_tokens == 3
+    assert ex.ending.tracker.completion_tokens == 3
 
 
 async def test_stream_that_asks_for_usage_is_left_alone() -> None:
@@ -206,7 +206,7 @@ async def test_stream_that_asks_for_usage_is_left_alone() -> None:
     ex.response_headers(response_headers_msg(content_type="text/event-stream"))
     out = ex.response_body(body_msg(sse(token_chunk(0), USAGE_CHUNK), eos=True))
     assert out == pb.ProcessingResponse(response_body=pb.BodyResponse())
-    assert ex.outcome.value == "completed"
+    assert ex.ending.outcome.value == "completed"
 
 
 @pytest.mark.parametrize("path,method,unknown,body", [
@@ -295,7 +295,7 @@ async def test_the_responses_api_is_admitted_like_chat_and_settled_from_its_usag
                                                                   "text": "word " * 200}]}]})
     resp = await ex.request_body(body_msg(body))
     assert rig.inflight() == 1
-    demand = ex.lease.demand
+    demand = ex.ending.lease.demand
     assert demand.prompt_tokens >= 200
     # no cap given, the pool enforces one: the reservation goes upstream as max_output_tokens
     sent = orjson.loads(resp.request_body.response.body_mutation.body)
@@ -305,7 +305,7 @@ async def test_the_responses_api_is_admitted_like_chat_and_settled_from_its_usag
                                             "usage": {"input_tokens": 210, "output_tokens": 7,
                                                       "total_tokens": 217}})))
     assert rig.inflight() == 0
-    assert ex.tracker.completion_tokens == 7
+    assert ex.ending.tracker.completion_tokens == 7
 
 
 async def test_a_streamed_response_reads_usage_from_response_completed() -> None:
@@ -319,7 +319,7 @@ async def test_a_streamed_response_reads_usage_from_response_completed() -> None
               b'event: response.completed\ndata: {"type":"response.completed","response":'
               b'{"usage":{"input_tokens":3,"output_tokens":4,"total_tokens":7}}}\n\n')
     ex.response_body(body_msg(events))
-    assert ex.tracker.completion_tokens == 4 and rig.inflight() == 0
+    assert ex.ending.tracker.completion_tokens == 4 and rig.inflight() == 0
 
 
 @pytest.mark.parametrize("body,param", [({"model": "m"}, "input"), ({"input": 5}, "input"),
@@ -385,9 +385,9 @@ async def test_a_body_sent_in_parts_is_collected_and_capped() -> None:
     payload = chat(max_tokens=5)
     first = await ex.request_body(body_msg(payload[:10], eos=False))
     assert first == pb.ProcessingResponse(request_body=pb.BodyResponse())
-    assert ex.lease is None
+    assert ex.ending is None
     await ex.request_body(body_msg(payload[10:], eos=True))
-    assert ex.lease is not None and ex.lease.demand.completion_tokens == 5
+    assert ex.ending is not None and ex.ending.lease.demand.completion_tokens == 5
     ex.finish()
     big = Exchange(rig.gate)
     big.request_headers(headers_msg())
@@ -431,7 +431,7 @@ async def test_full_slots_give_429_with_openai_headers_then_a_freed_slot_admits(
     assert rig.count("kvgate_requests_total", outcome="rejected_concurrency") == 1
     assert c.finish() is None
     a.finish()  # the client went away
-    assert a.outcome.value == "client_disconnect"
+    assert a.ending.outcome.value == "client_disconnect"
     d, resp = await admit(rig)
     assert resp.WhichOneof("response") == "request_body"
     for ex in (b, d):
@@ -509,18 +509,18 @@ async def test_duplicate_tenant_headers_are_refused() -> None:
 async def test_tenant_from_header_and_from_hashed_api_key() -> None:
     rig = Rig()
     by_header, _ = await admit(rig, extra=[("x-tenant-id", "acme")])
-    assert by_header.lease.demand.tenant == "acme"
-    assert by_header.lease.demand.class_name == "standard"
+    assert by_header.ending.lease.demand.tenant == "acme"
+    assert by_header.ending.lease.demand.class_name == "standard"
     # the key is a credential: it wins over a header claiming another tenant
     by_key, _ = await admit(rig, extra=[("authorization", f"Bearer {API_KEY}"),
                                         ("x-tenant-id", "acme")])
-    assert by_key.lease.demand.tenant == "gold-1"
-    assert by_key.lease.demand.class_name == "gold"
+    assert by_key.ending.lease.demand.tenant == "gold-1"
+    assert by_key.ending.lease.demand.class_name == "gold"
     assert rig.admission.snapshot("default").inflight_by_class.get("gold") == 1
     by_key.finish()
     unknown, _ = await admit(rig, extra=[("authorization", "Bearer nope"),
                                          ("x-tenant-id", "someone-else")])
-    assert unknown.lease.demand.tenant == ANONYMOUS_TENANT
+    assert unknown.ending.lease.demand.tenant == ANONYMOUS_TENANT
     for ex in (by_header, unknown):
         ex.finish()
 
@@ -541,9 +541,9 @@ async def test_a_tenant_with_keys_is_not_reachable_by_its_name_alone() -> None:
     # with its key the claim is the tenant's; a keyless tenant's name is still enough
     ok, _ = await admit(rig, extra=[("x-tenant-id", "gold-1"),
                                     ("authorization", f"Bearer {API_KEY}")])
-    assert ok.lease.demand.class_name == "gold"
+    assert ok.ending.lease.demand.class_name == "gold"
     plain, _ = await admit(rig, extra=[("x-tenant-id", "acme")])
-    assert plain.lease.demand.tenant == "acme"
+    assert plain.ending.lease.demand.tenant == "acme"
     for ex in (ok, plain):
         ex.finish()
 
@@ -552,8 +552,8 @@ async def test_route_metadata_picks_pool_class_and_context_window() -> None:
     rig = Rig()
     md = route_metadata(pool="small", tenant_class="gold", context_window=512.0)
     ex, resp = await admit(rig, chat(max_tokens=10), metadata=md)
-    assert ex.lease.demand.pool == "small"
-    assert ex.lease.demand.class_name == "gold"
+    assert ex.ending.lease.demand.pool == "small"
+    assert ex.ending.lease.demand.class_name == "gold"
     assert rig.inflight("small") == 1 and rig.inflight("default") == 0
     # 600 tokens fit the file's 1024 window of pool small, not the route's 512
     _, resp = await admit(rig, chat("word " * 600, max_tokens=10), metadata=md)
@@ -583,7 +583,7 @@ async def test_bad_route_metadata_is_counted_and_ignored(values: dict[str, Any],
     rig = Rig()
     ex, resp = await admit(rig, metadata=route_metadata(**values))
     assert resp.WhichOneof("response") == "request_body"
-    assert ex.lease.demand.pool == "default"
+    assert ex.ending.lease.demand.pool == "default"
     assert rig.count("kvgate_route_metadata_errors_total", key=key) == 1
     await admit(rig, metadata=route_metadata(**values))
     assert rig.count("kvgate_route_metadata_errors_total", key=key) == 2
@@ -603,7 +603,7 @@ async def test_disconnect_mid_stream_charges_the_delivered_chunks() -> None:
     ex.response_body(body_msg(sse(token_chunk(0), token_chunk(1), token_chunk(2), done=False), eos=False))
     tpm_before = rig.admission.snapshot("default").tpm_available
     assert ex.finish() is not None
-    assert ex.outcome.value == "client_disconnect"
+    assert ex.ending.outcome.value == "client_disconnect"
     assert rig.inflight() == 0
     # 200 reserved, 3 delivered: 197 refunded
     assert rig.admission.snapshot("default").tpm_available == pytest.approx(tpm_before + 197, abs=1)
@@ -618,7 +618,7 @@ async def test_a_client_closing_on_done_before_the_body_ends_completed_its_strea
     ex.response_headers(response_headers_msg(content_type="text/event-stream"))
     ex.response_body(body_msg(sse(token_chunk(0), token_chunk(1), done=True), eos=False))
     assert ex.finish() is not None
-    assert ex.outcome.value == "completed"
+    assert ex.ending.outcome.value == "completed"
     assert rig.count("kvgate_releases_total", cause="completed") == 1
     assert rig.count("kvgate_releases_total", cause="client_disconnect") == 0
 
@@ -628,7 +628,7 @@ async def test_upstream_error_status_releases_as_upstream_error() -> None:
     ex, _ = await admit(rig)
     ex.response_headers(response_headers_msg(status=503))
     ex.response_body(body_msg(b'{"error": "overloaded"}', eos=True))
-    assert ex.outcome.value == "upstream_error"
+    assert ex.ending.outcome.value == "upstream_error"
     assert rig.inflight() == 0
     assert rig.count("kvgate_releases_total", cause="upstream_error") == 1
 
@@ -637,7 +637,7 @@ async def test_headers_only_response_completes() -> None:
     rig = Rig()
     ex, _ = await admit(rig)
     ex.response_headers(response_headers_msg(end_of_stream=True))
-    assert ex.outcome.value == "completed"
+    assert ex.ending.outcome.value == "completed"
 
 
 async def test_giving_up_releases_as_timeout() -> None:
@@ -656,9 +656,9 @@ async def test_large_bodies_are_counted_off_the_loop_with_the_same_result() -> N
     on_loop.gate.offload_bytes = 1 << 30
     ex1, _ = await admit(rig, chat(text, max_tokens=10))
     ex2, _ = await admit(on_loop, chat(text, max_tokens=10))
-    assert ex1.lease.demand.prompt_tokens == ex2.lease.demand.prompt_tokens
+    assert ex1.ending.lease.demand.prompt_tokens == ex2.ending.lease.demand.prompt_tokens
     tok = load_tokenizer("cl100k_base")
-    assert ex1.lease.demand.prompt_tokens >= tok.count(text) > 2000
+    assert ex1.ending.lease.demand.prompt_tokens >= tok.count(text) > 2000
 
 
 async def test_a_waiting_class_extends_envoys_message_timeout_first() -> None:
@@ -757,7 +757,7 @@ async def test_a_shared_store_that_cannot_answer_gives_503_and_holds_nothing() -
         hs = set_headers(imm)
         assert hs["x-kvgate-reason"] == "store_unavailable" and hs["retry-after"] == "1"
         assert orjson.loads(imm.body)["error"]["code"] == "store_unavailable"
-        assert ex.lease is None and ex.finish() is None
+        assert ex.ending is None and ex.finish() is None
         assert rig.count("kvgate_requests_total", outcome="rejected_store_unavailable") == 1
         assert rig.count("kvgate_store_mode", mode="fail_closed") == 1
         assert rig.count("kvgate_store_errors_total") >= 1
@@ -779,21 +779,21 @@ async def test_enforce_max_tokens_caps_an_uncapped_request_at_its_reservation() 
     common = resp.request_body.response
     sent = orjson.loads(common.body_mutation.body)
     # no max_tokens: the reservation is min(window - prompt, default_max_tokens) = 256
-    assert ex.lease.demand.completion_tokens == 256
+    assert ex.ending.lease.demand.completion_tokens == 256
     assert sent["max_tokens"] == 256
     assert "stream_options" not in sent  # not streamed: nothing else changes
     assert set_headers(common)["content-length"] == str(len(common.body_mutation.body))
-    assert ex.strip_usage is False
+    assert ex.ending.strip is False
 
 
 async def test_enforce_max_tokens_divides_the_reservation_over_the_choices_and_keeps_stream_usage() -> None:
     rig = _enforcing()
     ex, resp = await admit(rig, chat(n=2, stream=True))
     sent = orjson.loads(resp.request_body.response.body_mutation.body)
-    assert ex.lease.demand.completion_tokens == 2 * 256
+    assert ex.ending.lease.demand.completion_tokens == 2 * 256
     assert sent["max_tokens"] == 256 and sent["n"] == 2
     assert sent["stream_options"] == {"include_usage": True}
-    assert ex.strip_usage is True
+    assert ex.ending.strip is True
 
 
 @pytest.mark.parametrize("cap", [{"max_tokens": 40}, {"max_completion_tokens": 40}])
@@ -801,14 +801,14 @@ async def test_enforce_max_tokens_leaves_a_client_cap_alone(cap: dict[str, int])
     rig = _enforcing()
     ex, resp = await admit(rig, chat(**cap))
     assert not resp.request_body.response.HasField("body_mutation")
-    assert ex.lease.demand.completion_tokens == 40
+    assert ex.ending.lease.demand.completion_tokens == 40
 
 
 async def test_without_enforce_max_tokens_an_uncapped_request_goes_as_sent() -> None:
     rig = Rig()
     ex, resp = await admit(rig, chat())
     assert not resp.request_body.response.HasField("body_mutation")
-    assert ex.lease.demand.completion_tokens == 256
+    assert ex.ending.lease.demand.completion_tokens == 256
 
 
 def test_kvgates_own_503s_and_500_say_whether_a_retry_may_pass() -> None:

@@ -15,7 +15,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
 from extproc.answers import PASS_THROUGH_BODY, PASS_THROUGH_RESPONSE
-from extproc.endings import ReleaseMode
+from extproc.request.ending import Observed
+from extproc.request.profile import ReleaseMode
 from extproc.exchange import Exchange
 from extproc.request_facts import (ATTR_AUTHORIZATION, ATTR_CONTENT_TYPE, ATTR_METHOD, ATTR_PATH,
                                    request_attributes, tenant_attribute)
@@ -247,6 +248,10 @@ def test_attributes_that_were_not_utf8_are_refused_with_a_400() -> None:
 
 # --- deploy/envoy-reservation.yaml: response headers on the stream, no response body ------
 
+# deploy/envoy-reservation.yaml's routes: the response body never comes to kvgate.
+_UNREAD = route_metadata(pool="default", release="unread")
+
+
 def _no_response_body() -> pb.ProtocolConfiguration:
     from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
     return pb.ProtocolConfiguration(request_body_mode=pm.ProcessingMode.BUFFERED,
@@ -266,13 +271,13 @@ def test_response_headers_on_a_stream_without_a_body_charge_the_whole_reservatio
     before = rig.admission.snapshot("default").tpm_available
     assert before is not None
     ex = Exchange(rig.gate)
-    asyncio.run(ex.request_body(body_msg(chat(max_tokens=300)), None, attrs(), None, _no_response_body()))
-    assert ex.mode is ReleaseMode.OBSERVED and rig.inflight() == 1
+    asyncio.run(ex.request_body(body_msg(chat(max_tokens=300)), None, attrs(), _UNREAD, _no_response_body()))
+    assert ex.ending.mode is ReleaseMode.UNREAD and rig.inflight() == 1
     resp = ex.response_headers(response_headers_msg(200, "text/event-stream"))
     names = {h.header.key for h in resp.response_headers.response.header_mutation.set_headers}
     assert "x-ratelimit-remaining-tokens" in names
     assert not resp.HasField("mode_override")  # Envoy would close the stream at once
-    assert ex.mode is ReleaseMode.UNREAD and ex.tracker is None and rig.inflight() == 1
+    assert ex.ending.mode is ReleaseMode.UNREAD and ex.ending.tracker is None and rig.inflight() == 1
     assert ex.finish().value == "ended"
     assert rig.count("kvgate_releases_total", cause="ended") == 1
     assert _charged(rig, ex, before) >= 300
@@ -284,18 +289,20 @@ def test_the_same_headers_from_an_observing_stream_are_followed_and_refunded() -
     assert before is not None
     ex = Exchange(rig.gate)
     asyncio.run(ex.request_body(body_msg(chat(max_tokens=300)), None, attrs(), None, _no_response_body()))
-    ex.response_headers(response_headers_msg(), observed=True)
-    assert ex.mode is ReleaseMode.OBSERVED and ex.tracker is not None
+    ending = ex.ending
+    assert isinstance(ending, Observed)
+    ending.observed_headers(200, "application/json", False)  # as the observing stream feeds it
+    assert ending.mode is ReleaseMode.OBSERVED and ending.tracker is not None
     usage = {"usage": {"prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11}}
-    ex.response_body(body_msg(orjson.dumps({"choices": [], **usage})))
-    assert ex.outcome is not None and ex.outcome.value == "completed"
+    ending.response_chunk(orjson.dumps({"choices": [], **usage}), True)
+    assert ex.ending.outcome is not None and ex.ending.outcome.value == "completed"
     assert _charged(rig, ex, before) < 100  # prompt + 2, not the 300 reserved
 
 
 def test_an_upstream_error_without_a_body_is_an_upstream_error() -> None:
     rig = Rig()
     ex = Exchange(rig.gate)
-    asyncio.run(ex.request_body(body_msg(chat(max_tokens=30)), None, attrs(), None, _no_response_body()))
+    asyncio.run(ex.request_body(body_msg(chat(max_tokens=30)), None, attrs(), _UNREAD, _no_response_body()))
     ex.response_headers(response_headers_msg(503))
     assert ex.finish().value == "upstream_error"
 

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from extproc import logwire
-from extproc.endings import AccessLogReceiver
+from extproc.request.accesslog import AccessLogReceiver
 from extproc.service import ExtProcService
 from tests.unit.test_access_log import entry, park
 from tests.unit.test_exchange import Rig
@@ -222,14 +222,14 @@ def test_a_batch_with_broken_framing_is_refused_whole_and_the_stream_goes_on(
     rig = Rig()
     service = ExtProcService(rig.gate, rig.metrics)
     first, second = park(rig, service), park(rig, service)
-    good = batch(entry(first.link)).SerializeToString()
-    broken = batch(entry(second.link)).SerializeToString()[:-3]  # cut inside the entry
+    good = batch(entry(first.ending.link)).SerializeToString()
+    broken = batch(entry(second.ending.link)).SerializeToString()[:-3]  # cut inside the entry
     with caplog.at_level(logging.ERROR, logger="kvgate.server"):
         receive(rig, service, broken, good)
     assert rig.count("kvgate_access_log_entries_total", result="malformed") == 1
     assert rig.count("kvgate_access_log_entries_total", result="released") == 1
     # Nothing of the broken batch applied: its request stays parked for the TTL.
-    assert list(service.endings.parked) == [second.link] and rig.inflight() == 1
+    assert list(service.endings.parked) == [second.ending.link] and rig.inflight() == 1
     assert any("framing is broken" in r.getMessage() for r in caplog.records)
 
 
@@ -237,17 +237,17 @@ def test_an_entry_that_does_not_parse_is_refused_alone(caplog: pytest.LogCapture
     rig = roomy()
     service = ExtProcService(rig.gate, rig.metrics)
     a, b, c = park(rig, service), park(rig, service), park(rig, service)
-    data = batch(entry(a.link), entry(b.link), entry(c.link)).SerializeToString()
+    data = batch(entry(a.ending.link), entry(b.ending.link), entry(c.ending.link)).SerializeToString()
     # b's link is a string field: bytes that are not UTF-8 make its entry undecodable.
-    assert b.link is not None and data.count(b.link.encode()) == 1
-    data = data.replace(b.link.encode(), b"\xff" * len(b.link))
+    assert b.ending.link is not None and data.count(b.ending.link.encode()) == 1
+    data = data.replace(b.ending.link.encode(), b"\xff" * len(b.ending.link))
     with pytest.raises(DecodeError):
         Batch.FromString(data)  # parsed whole, the batch would be lost with every entry
     with caplog.at_level(logging.ERROR, logger="kvgate.server"):
         receive(rig, service, data)
     assert rig.count("kvgate_access_log_entries_total", result="released") == 2
     assert rig.count("kvgate_access_log_entries_total", result="malformed") == 1
-    assert list(service.endings.parked) == [b.link]
+    assert list(service.endings.parked) == [b.ending.link]
     assert any("1 access log entries of 3" in r.getMessage() for r in caplog.records)
 
 
@@ -255,8 +255,8 @@ def test_broken_batches_keep_nothing() -> None:
     rig = Rig()
     service = ExtProcService(rig.gate, rig.metrics)
     ex = park(rig, service)
-    data = batch(*(entry(ex.link) for _ in range(50))).SerializeToString()
-    broken = [data[:-1], data.replace(ex.link.encode(), b"\xff" * len(ex.link))]
+    data = batch(*(entry(ex.ending.link) for _ in range(50))).SerializeToString()
+    broken = [data[:-1], data.replace(ex.ending.link.encode(), b"\xff" * len(ex.ending.link))]
     logging.getLogger("kvgate.server").disabled = True  # the log lines are not the figure
     try:
         receive(rig, service, *broken)  # warm-up: metric children, caches
@@ -272,7 +272,7 @@ def test_broken_batches_keep_nothing() -> None:
     finally:
         logging.getLogger("kvgate.server").disabled = False
     assert rig.count("kvgate_access_log_entries_total", result="malformed") == 101 * 51
-    assert list(service.endings.parked) == [ex.link]
+    assert list(service.endings.parked) == [ex.ending.link]
     assert grown < 16 * 1024, f"{grown} B kept after 200 broken batches"
 
 

@@ -17,7 +17,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc import usage_log
 from extproc.admission.nodes import NodeReport
-from extproc.endings import AccessLogReceiver, ReleaseMode, upstream_address
+from extproc.request.accesslog import AccessLogReceiver, upstream_address
+from extproc.request.profile import ReleaseMode
 from extproc.exchange import Exchange
 from extproc.service import ExtProcService
 from tests.unit.test_exchange import body_msg, chat, headers_msg, route_metadata
@@ -41,17 +42,17 @@ def admit(rig: Any, service: ExtProcService) -> Exchange:
     assert ex.request_headers(headers_msg(), meta, PICKER_LOG) is not None
     resp = asyncio.run(ex.request_body(body_msg(chat(max_tokens=PROMPT_MAX, stream=True)), None,
                                        None, meta))
-    assert ex.mode is ReleaseMode.ACCESS_LOG and ex.link is not None
-    assert node_of(resp)[0] == ex.lease.node  # the node is named, as in the picker file
-    service.endings.admitted(ex)
-    assert service.endings.handed_over(ex)
+    assert ex.ending.mode is ReleaseMode.ACCESS_LOG and ex.ending.link is not None
+    assert node_of(resp)[0] == ex.ending.lease.node  # the node is named, as in the picker file
+    service.endings.admitted(ex.ending)
+    assert service.endings.handed_over(ex.ending)
     return ex
 
 
 def periodic(ex: Exchange, events: Any, upstream: tuple[str, int] | None = None) -> accesslog_pb2.HTTPAccessLogEntry:
     """periodic is Envoy's periodic entry of ``ex``'s stream in flight: the usage filter has
     counted ``events`` so far (None: no event yet), the upstream is ``upstream``."""
-    e = usage_entry(ex.link, {} if events is None else {usage_log.EVENTS_KEY: events}, cut_short=True)
+    e = usage_entry(ex.ending.link, {} if events is None else {usage_log.EVENTS_KEY: events}, cut_short=True)
     e.common_properties.access_log_type = PERIODIC
     e.response.response_code.value = 200
     if upstream is not None:
@@ -79,15 +80,15 @@ def test_periodic_entries_tell_the_ledger_the_tokens_so_far_and_never_release() 
     rig = picking_rig()
     service = ExtProcService(rig.gate, rig.metrics)
     ex = admit(rig, service)
-    node = ex.lease.node
+    node = ex.ending.lease.node
     prompt = footprints(rig)[node]
     for events in (None, 3, 10, 7):  # a lower count (a reordered entry) never shrinks it
         assert service.endings.logged(periodic(ex, events)) == "progress"
     assert footprints(rig)[node] == prompt + 10
-    assert rig.inflight() == 1 and list(service.endings.parked) == [ex.link]
+    assert rig.inflight() == 1 and list(service.endings.parked) == [ex.ending.link]
     assert rig.count("kvgate_releases_total") == 0
     # The final entry releases, with the filter's count.
-    final = usage_entry(ex.link, {usage_log.EVENTS_KEY: 12, usage_log.COMPLETION_KEY: "12"})
+    final = usage_entry(ex.ending.link, {usage_log.EVENTS_KEY: 12, usage_log.COMPLETION_KEY: "12"})
     final.common_properties.access_log_type = accesslog_pb2.AccessLogType.DownstreamEnd
     assert service.endings.logged(final) == "released"
     assert rig.inflight() == 0 and footprints(rig)[node] == 0
@@ -103,7 +104,7 @@ def test_the_first_periodic_entry_with_a_token_is_the_first_token() -> None:
     rig = picking_rig()
     service = ExtProcService(rig.gate, rig.metrics)
     ex = admit(rig, service)
-    node = ex.lease.node
+    node = ex.ending.lease.node
     name = next(n.name for n in rig.admission.nodes("default") if n.address == node)
 
     def foreign_after_report(mark: int) -> int:
@@ -138,12 +139,12 @@ def test_the_node_that_serves_takes_the_charge() -> None:
     rig = picking_rig()
     service = ExtProcService(rig.gate, rig.metrics)
     ex = admit(rig, service)
-    picked = ex.lease.node
+    picked = ex.ending.lease.node
     other = next(f"127.0.0.1:{p}" for p in NODE_PORTS if f"127.0.0.1:{p}" != picked)
     host, port = other.split(":")
     assert service.endings.logged(periodic(ex, 4, (host, int(port)))) == "progress"
     held = footprints(rig)
-    assert held[picked] == 0 and held[other] > 0 and ex.lease.node == other
+    assert held[picked] == 0 and held[other] > 0 and ex.ending.lease.node == other
     # An address that is no node of the pool leaves the charge where it is, loudly.
     assert service.endings.logged(periodic(ex, 5, ("10.9.9.9", 1))) == "progress"
     assert footprints(rig)[other] == held[other] + 1
@@ -162,10 +163,10 @@ def test_periodic_entries_of_requests_not_parked_here_touch_nothing() -> None:
     stranger.common_properties.metadata.filter_metadata["kvgate"].fields["link"].string_value = "other"
     assert service.endings.logged(stranger) == "periodic"
     # The deprecated flag of older Envoys marks a periodic entry too: never a release.
-    old = usage_entry(ex.link, {usage_log.EVENTS_KEY: 2})
+    old = usage_entry(ex.ending.link, {usage_log.EVENTS_KEY: 2})
     old.common_properties.intermediate_log_entry = True
     assert service.endings.logged(old) == "progress"
-    assert rig.inflight() == 1 and footprints(rig)[ex.lease.node] == before[ex.lease.node] + 2
+    assert rig.inflight() == 1 and footprints(rig)[ex.ending.lease.node] == before[ex.ending.lease.node] + 2
 
 
 def test_upstream_address_reads_ipv4_ipv6_and_nothing() -> None:

@@ -14,8 +14,9 @@ import pytest
 from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.endings import CAUSE_WAIT_S, LINK_KEY
-from extproc.gate import METADATA_NAMESPACE, STREAM_AND_LOG
+from extproc.request.registry import CAUSE_WAIT_S, LINK_KEY
+from extproc.gate import METADATA_NAMESPACE
+from extproc.request.profile import STREAM_AND_LOG
 from extproc.service import ExtProcService
 from tests.unit.test_access_log import entry as log_entry
 from tests.unit.test_exchange import (Rig, body_msg, chat, response_headers_msg, route_metadata,

@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc import usage_log
-from extproc.endings import LINK_KEY, ReleaseMode
+from extproc.request.registry import LINK_KEY
+from extproc.request.profile import ReleaseMode
 from extproc.exchange import Exchange
 from extproc.gate import METADATA_NAMESPACE
 from extproc.server import ExtProcService
@@ -37,9 +38,9 @@ def admit(rig: Rig, service: ExtProcService, *, announced: bool = True, **fields
     ex = Exchange(rig.gate)
     resp = asyncio.run(ex.request_body(body_msg(chat(max_tokens=MAX_TOKENS, **fields)), None, attrs(),
                                        meta, NO_RESPONSE))
-    assert ex.link is not None and ex.mode is ReleaseMode.ACCESS_LOG
-    service.endings.admitted(ex)
-    assert service.endings.handed_over(ex)
+    assert ex.ending.link is not None and ex.ending.mode is ReleaseMode.ACCESS_LOG
+    service.endings.admitted(ex.ending)
+    assert service.endings.handed_over(ex.ending)
     return ex, resp
 
 
@@ -106,7 +107,7 @@ def test_a_stream_is_settled_with_what_the_filter_saw(found: dict[str, Any], cut
     before = tpm(rig)
     ex, _ = admit(rig, service, stream=True)
     prompt = before - tpm(rig) - MAX_TOKENS
-    assert service.endings.logged(entry(ex.link or "", found, cut_short=cut_short, **flags)) == "released"
+    assert service.endings.logged(entry(ex.ending.link or "", found, cut_short=cut_short, **flags)) == "released"
     assert before - tpm(rig) == prompt + completion
     assert rig.count("kvgate_logged_usage_total", result=result) == 1
 
@@ -126,7 +127,7 @@ def test_a_hostile_count_charges_the_reservation_and_is_counted(found: dict[str,
     before = tpm(rig)
     ex, _ = admit(rig, service, stream=True)
     charged = before - tpm(rig)
-    service.endings.logged(entry(ex.link or "", found, cut_short=cut_short))
+    service.endings.logged(entry(ex.ending.link or "", found, cut_short=cut_short))
     assert before - tpm(rig) == charged  # the reservation: nothing refunded
     assert rig.count("kvgate_logged_usage_total", result="invalid") == 1
 
@@ -137,7 +138,7 @@ def test_a_count_above_the_reservation_is_capped_by_the_core() -> None:
     before = tpm(rig)
     ex, _ = admit(rig, service, stream=True)
     prompt = before - tpm(rig) - MAX_TOKENS
-    service.endings.logged(entry(ex.link or "", {usage_log.COMPLETION_KEY: str(1 << 39)}))
+    service.endings.logged(entry(ex.ending.link or "", {usage_log.COMPLETION_KEY: str(1 << 39)}))
     assert before - tpm(rig) == prompt + 4096  # the pool's context window
 
 
@@ -145,7 +146,7 @@ def test_done_seen_by_the_filter_is_a_completion_even_if_the_client_closed_first
     rig = Rig()
     service = ExtProcService(rig.gate, rig.metrics)
     ex, _ = admit(rig, service, stream=True)
-    service.endings.logged(entry(ex.link or "", {usage_log.DONE_KEY: 1, usage_log.COMPLETION_KEY: "3"},
+    service.endings.logged(entry(ex.ending.link or "", {usage_log.DONE_KEY: 1, usage_log.COMPLETION_KEY: "3"},
                          cut_short=True, downstream_connection_termination=True))
     assert rig.count("kvgate_releases_total", cause="completed") == 1
 
@@ -156,7 +157,7 @@ def test_without_the_filter_the_reservation_is_charged_as_before() -> None:
     before = tpm(rig)
     ex, _ = admit(rig, service, announced=False, stream=True)
     charged = before - tpm(rig)
-    service.endings.logged(entry(ex.link or "", None, cut_short=True))
+    service.endings.logged(entry(ex.ending.link or "", None, cut_short=True))
     assert before - tpm(rig) == charged
     assert rig.count("kvgate_logged_usage_total") == 0
 
