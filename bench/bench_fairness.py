@@ -133,7 +133,7 @@ async def run(slots: int, fairness: str, max_wait_s: float, streams: dict[str, l
             tenant, service = data
             tallies[tenant].floors.append(ends[0] - clock.now() if len(ends) >= slots else 0.0)
             task = asyncio.ensure_future(adm.acquire(Demand(pool="default", tenant=tenant, class_name="standard",
-                                                            prompt_tokens=TOKENS, completion_tokens=0)))
+                                                            prompt_tokens=TOKENS, reserved_completion=0)))
             pending.add(task)
             task.add_done_callback(pending.discard)
             task.add_done_callback(lambda t, n=tenant, a=at, s=service: finished(n, a, s, t))

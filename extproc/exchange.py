@@ -343,7 +343,7 @@ class Exchange:
             return self._no_eligible_endpoint(
                 retry=gate.admission.named_nodes(self.pool_name, among) > 0)
         demand = Demand(pool=self.pool_name, tenant=self.tenant, class_name=cls.name,
-                        prompt_tokens=prompt_tokens, completion_tokens=reserved, among=among,
+                        prompt_tokens=prompt_tokens, reserved_completion=reserved, among=among,
                         prefix=parsed.prefix, fairness_id=self.fairness_id, blocks=parsed.blocks)
         lease = await acquire(gate, demand, cls, send, started)
         if type(lease) is Refused:

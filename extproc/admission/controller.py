@@ -104,7 +104,7 @@ class Admission:
         cfg = self._pool(name).config
         return Demand(pool=name, tenant=tenant, class_name=self._config.class_of(tenant).name,
                       prompt_tokens=prompt_tokens,
-                      completion_tokens=reserved_completion(prompt_tokens, max_tokens,
+                      reserved_completion=reserved_completion(prompt_tokens, max_tokens,
                                                             cfg.context_window, cfg.default_max_tokens))
 
     def try_acquire(self, demand: Demand) -> Lease | Rejection:
@@ -167,7 +167,7 @@ class Admission:
         now in s); a Rejection when its class is shed. Raises like ``try_acquire``."""
         p = self._pool(demand.pool)
         now = self._clock.now()
-        pt, ct = demand.prompt_tokens, demand.completion_tokens
+        pt, ct = demand.prompt_tokens, demand.reserved_completion
         if type(pt) is not int or type(ct) is not int or pt < 0 or ct < 0:
             raise InvalidDemandError(f"token counts must be integers >= 0, got prompt={pt!r} completion={ct!r}")
         tenants = self._tenants
@@ -377,7 +377,7 @@ class Admission:
         self._store.settle(grant, charged, now)
         p = self._pools.get(grant.plan.limits.pool)
         if p is not None and lease is not None and p.live.pop(lease, 0) is None and completed:
-            p.holds.add(now - lease.admitted_at, lease.demand.completion_tokens)
+            p.holds.add(now - lease.admitted_at, lease.demand.reserved_completion)
         charge = grant.node
         if charge is not None:
             # The pool may have been reloaded since: the charge's node ledger is its own.
@@ -577,7 +577,7 @@ class Admission:
             self._resolve(p, w, self._shed(p, cls, limits))
             return Step.NEXT
         d = w.demand
-        plan = w.plan = Plan(limits, d.tenant, cls.name, d.prompt_tokens + d.completion_tokens,
+        plan = w.plan = Plan(limits, d.tenant, cls.name, d.prompt_tokens + d.reserved_completion,
                              self._tenants.bucket(d.tenant, cls.name))
         return plan
 

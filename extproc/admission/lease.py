@@ -45,7 +45,7 @@ class Lease:
         self.outcome: Outcome | None = None
         # n choices (or a batch of prompts) reserve and generate up to n x max_tokens,
         # which can exceed one context window.
-        self._max_completion = max(max_completion, demand.completion_tokens)
+        self._max_completion = max(max_completion, demand.reserved_completion)
         self._charge: Charge | None = grant.node
         self.admitted_at = adm.lease_admitted(self)
 
@@ -113,7 +113,7 @@ class Lease:
             known = completion_tokens if completion_tokens < self._max_completion else self._max_completion
             charged = d.prompt_tokens + known
         else:
-            charged = d.prompt_tokens + d.completion_tokens
+            charged = d.prompt_tokens + d.reserved_completion
         self._adm.lease_settled(self._grant, charged, known if outcome is Outcome.COMPLETED else None,
                           outcome is Outcome.COMPLETED, self)
         return True

@@ -46,7 +46,7 @@ def place(nodes: PoolNodes, demand: Demand, cls: ClassConfig, plan: Plan, now: f
     A request above every node's capacity is refused for good (no retry); one that fits no
     node now is refused with the expected wait until one has room (``PoolNodes.retry_after``).
     """
-    pt, ct = demand.prompt_tokens, demand.completion_tokens
+    pt, ct = demand.prompt_tokens, demand.reserved_completion
     largest = nodes.never_fits(cls.name, pt, ct)
     if largest is not None:
         return Refusal(Budget.NODE_KV, 0.0, False, nodes.hold(pt, ct, 0, cls.name), 0, largest)
@@ -86,7 +86,7 @@ def attach(placed: Placement, res: Grant | Refusal, now: float, retry_estimate_s
         return res
     if res.picked is not None:
         d, shared = placed.demand, res.node_shared
-        res.node = nodes.charge(res.picked, placed.cls.name, d.prompt_tokens, d.completion_tokens, now,
+        res.node = nodes.charge(res.picked, placed.cls.name, d.prompt_tokens, d.reserved_completion, now,
                                 d.prefix, 0 if shared is None else shared.credit,
                                 False if shared is None else shared.by_affinity)
     return res

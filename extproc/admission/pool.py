@@ -23,8 +23,8 @@ from extproc.config import PoolConfig
 
 # Budgets that come back when leases are released: their retry hint is learned.
 _RELEASED = (Budget.SLOTS, Budget.RESERVED_SLOTS, Budget.KV, Budget.CLASS_KV)
-_ADMITTED = attrgetter("admitted_at", "demand.completion_tokens")
-_ADMITTED_TOKENS = attrgetter("admitted_at", "demand.tokens", "demand.completion_tokens")
+_ADMITTED = attrgetter("admitted_at", "demand.reserved_completion")
+_ADMITTED_TOKENS = attrgetter("admitted_at", "demand.tokens", "demand.reserved_completion")
 
 
 class PoolRuntime:

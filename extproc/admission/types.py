@@ -83,8 +83,8 @@ class Chain:
 class Demand:
     """Demand is what one request asks of a pool, in tokens.
 
-    ``prompt_tokens`` are counted; ``completion_tokens`` are reserved (max_tokens or the
-    pool default). ``tenant`` and ``class_name`` are configured names (never raw input).
+    ``prompt_tokens`` are counted; ``reserved_completion`` are the completion tokens
+    reserved (max_tokens or the pool default), not a count the upstream reported. ``tenant`` and ``class_name`` are configured names (never raw input).
     ``among``: in a pool that picks nodes, the endpoints (``HOST:PORT``) the proxy allows
     (the endpoint picker protocol's subset hint; None: every node). ``prefix``: the
     prompt's prefix chain, where the pool counts shared prefixes once (None: charged in full).
@@ -99,7 +99,7 @@ class Demand:
     tenant: str
     class_name: str
     prompt_tokens: int
-    completion_tokens: int
+    reserved_completion: int
     among: frozenset[str] | None = None
     prefix: Chain | None = None
     fairness_id: str | None = None
@@ -108,7 +108,7 @@ class Demand:
     @property
     def tokens(self) -> int:
         """tokens is prompt + reserved completion: what TPM and the KV budget are charged."""
-        return self.prompt_tokens + self.completion_tokens
+        return self.prompt_tokens + self.reserved_completion
 
     @property
     def flow(self) -> str:

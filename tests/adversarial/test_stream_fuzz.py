@@ -269,7 +269,7 @@ def test_random_streams_end_with_nothing_held(rig: Recorded, streams: list[tuple
     mine = [lease.demand for lease in leases.values() if lease.demand.pool == "default"]
     debit = tokens_before - bucket(rig)
     assert sum(d.prompt_tokens for d in mine) <= debit
-    assert debit <= sum(d.prompt_tokens + max(d.completion_tokens, WINDOW) for d in mine)
+    assert debit <= sum(d.prompt_tokens + max(d.reserved_completion, WINDOW) for d in mine)
 
     # The service still answers.
     async def normal() -> str:

@@ -168,7 +168,7 @@ def place(adm: Admission, prompt: list[int], requests: int) -> list[str]:
     nodes = []
     for _ in range(requests):
         lease = adm.try_acquire(Demand(pool="default", tenant="t", class_name="standard",
-                                       prompt_tokens=len(prompt), completion_tokens=100,
+                                       prompt_tokens=len(prompt), reserved_completion=100,
                                        blocks=token_keys(prompt)))
         assert isinstance(lease, Lease)
         nodes.append(lease.node)

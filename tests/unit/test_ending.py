@@ -18,7 +18,7 @@ from tests.unit.test_exchange import Rig, response_headers_msg, sse, token_chunk
 
 def _lease(rig: Rig, completion: int = 100) -> Lease:
     got = asyncio.run(rig.admission.acquire(Demand(pool="default", tenant="t", class_name="standard",
-                                                   prompt_tokens=10, completion_tokens=completion)))
+                                                   prompt_tokens=10, reserved_completion=completion)))
     assert isinstance(got, Lease)
     return got
 

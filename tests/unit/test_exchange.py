@@ -150,7 +150,7 @@ async def test_non_streamed_chat_is_admitted_and_released_as_completed_with_repo
     assert not resp.request_body.response.HasField("body_mutation")
     assert rig.inflight() == 1
     assert rig.admission.snapshot("default").kv_inflight == ex.ending.lease.demand.tokens
-    assert ex.ending.lease.demand.completion_tokens == 100
+    assert ex.ending.lease.demand.reserved_completion == 100
     assert ex.ending.lease.demand.tenant == ANONYMOUS_TENANT
 
     rh = ex.response_headers(response_headers_msg())
@@ -387,7 +387,7 @@ async def test_a_body_sent_in_parts_is_collected_and_capped() -> None:
     assert first == pb.ProcessingResponse(request_body=pb.BodyResponse())
     assert ex.ending is None
     await ex.request_body(body_msg(payload[10:], eos=True))
-    assert ex.ending is not None and ex.ending.lease.demand.completion_tokens == 5
+    assert ex.ending is not None and ex.ending.lease.demand.reserved_completion == 5
     ex.finish()
     big = Exchange(rig.gate)
     big.request_headers(headers_msg())
@@ -779,7 +779,7 @@ async def test_enforce_max_tokens_caps_an_uncapped_request_at_its_reservation() 
     common = resp.request_body.response
     sent = orjson.loads(common.body_mutation.body)
     # no max_tokens: the reservation is min(window - prompt, default_max_tokens) = 256
-    assert ex.ending.lease.demand.completion_tokens == 256
+    assert ex.ending.lease.demand.reserved_completion == 256
     assert sent["max_tokens"] == 256
     assert "stream_options" not in sent  # not streamed: nothing else changes
     assert set_headers(common)["content-length"] == str(len(common.body_mutation.body))
@@ -790,7 +790,7 @@ async def test_enforce_max_tokens_divides_the_reservation_over_the_choices_and_k
     rig = _enforcing()
     ex, resp = await admit(rig, chat(n=2, stream=True))
     sent = orjson.loads(resp.request_body.response.body_mutation.body)
-    assert ex.ending.lease.demand.completion_tokens == 2 * 256
+    assert ex.ending.lease.demand.reserved_completion == 2 * 256
     assert sent["max_tokens"] == 256 and sent["n"] == 2
     assert sent["stream_options"] == {"include_usage": True}
     assert ex.ending.strip is True
@@ -801,14 +801,14 @@ async def test_enforce_max_tokens_leaves_a_client_cap_alone(cap: dict[str, int])
     rig = _enforcing()
     ex, resp = await admit(rig, chat(**cap))
     assert not resp.request_body.response.HasField("body_mutation")
-    assert ex.ending.lease.demand.completion_tokens == 40
+    assert ex.ending.lease.demand.reserved_completion == 40
 
 
 async def test_without_enforce_max_tokens_an_uncapped_request_goes_as_sent() -> None:
     rig = Rig()
     ex, resp = await admit(rig, chat())
     assert not resp.request_body.response.HasField("body_mutation")
-    assert ex.ending.lease.demand.completion_tokens == 256
+    assert ex.ending.lease.demand.reserved_completion == 256
 
 
 def test_kvgates_own_503s_and_500_say_whether_a_retry_may_pass() -> None:

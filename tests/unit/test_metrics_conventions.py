@@ -91,7 +91,7 @@ def test_a_nodes_prefix_hits_and_kvgates_estimate_are_exported_side_by_side() ->
     adm.report_node("default", "n0", NodeReport(kv_usage=0.0, capacity_tokens=100_000, at=clock.now()))
     for q in ("a", "b"):
         lease = adm.try_acquire(Demand(pool="default", tenant="t", class_name="standard", prompt_tokens=10_200,
-                                       completion_tokens=800, prefix=chain_of([*SYSTEM, (q, 200)])))
+                                       reserved_completion=800, prefix=chain_of([*SYSTEM, (q, 200)])))
         assert isinstance(lease, Lease)
     metrics.prefix_cache("default", "n0", 9_984, 20_400)
     got = samples(metrics)

@@ -58,7 +58,7 @@ async def test_thousands_of_tasks_end_with_nothing_held(clock: ManualClock, stor
                 await asyncio.sleep(0)
         finally:  # as the service does: every end of the request releases, cancellation included
             held.discard(res)
-            used = None if rng.random() < 0.3 else rng.randint(0, d.completion_tokens + 100)
+            used = None if rng.random() < 0.3 else rng.randint(0, d.reserved_completion + 100)
             res.release(rng.choice(outcomes), used)
             if in_acquire and rng.random() < 0.5:
                 # A client goes away at the moment capacity frees: maybe the very waiter

@@ -23,7 +23,7 @@ def sig(usage: float, at: float, waiting: int = 0, capacity: int | None = None) 
 def demand(prompt: int = 100, completion: int = 100, tenant: str = "t", class_name: str = "standard",
            pool: str = "default") -> Demand:
     return Demand(pool=pool, tenant=tenant, class_name=class_name, prompt_tokens=prompt,
-                  completion_tokens=completion)
+                  reserved_completion=completion)
 
 
 async def test_slots_refuse_beyond_the_limit_until_one_is_released(clock: ManualClock, store: Store):
@@ -211,9 +211,9 @@ def test_demand_helper_resolves_class_and_reservation(clock: ManualClock):
                  tenants=tenants({"standard": {}, "gold": {}}, {"acme": {"class": "gold"}}))
     adm = Admission(cfg, clock)
     d = adm.demand("acme", 7500)
-    assert (d.pool, d.class_name, d.prompt_tokens, d.completion_tokens) == ("default", "gold", 7500, 692)
+    assert (d.pool, d.class_name, d.prompt_tokens, d.reserved_completion) == ("default", "gold", 7500, 692)
     assert adm.demand("stranger", 10, 50).class_name == "standard"
-    assert adm.demand("stranger", 10, 50).completion_tokens == 50
+    assert adm.demand("stranger", 10, 50).reserved_completion == 50
     with pytest.raises(UnknownPoolError):
         adm.demand("acme", 1, pool="nope")
 

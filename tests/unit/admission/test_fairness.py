@@ -27,7 +27,7 @@ CLASSES = {"standard": {"max_wait_s": 60}, "fifo": {"max_wait_s": 60, "fairness"
 def demand(tenant: str, class_name: str = "standard", prompt: int = 100,
            fairness_id: str | None = None) -> Demand:
     return Demand(pool="default", tenant=tenant, class_name=class_name, prompt_tokens=prompt,
-                  completion_tokens=0, fairness_id=fairness_id)
+                  reserved_completion=0, fairness_id=fairness_id)
 
 
 async def served_order(adm: Admission, demands: list[tuple[str, Demand]]) -> list[str]:
@@ -136,7 +136,7 @@ LANES = [("a", 0), ("b", 0), ("h", 5)]
 
 def make(seq: int, tenant: int, lane: int, cost: int, weights: list[float], fair: bool = True) -> Waiter:
     cname, prio = LANES[lane]
-    d = Demand(pool="default", tenant=f"t{tenant}", class_name=cname, prompt_tokens=cost, completion_tokens=0)
+    d = Demand(pool="default", tenant=f"t{tenant}", class_name=cname, prompt_tokens=cost, reserved_completion=0)
     w = Waiter(d, prio, 0.0, 1e9 + seq, cast(Any, None), REFUSAL, PLAN,
                cost / weights[tenant] if fair else None)
     return w
@@ -292,7 +292,7 @@ def test_a_large_waiter_is_first_after_a_bounded_number_of_fresh_tenants_small_o
     large = make(1, 0, 0, 800, weights)
     q.push(large)
     for n in range(1, 50):
-        d = Demand(pool="default", tenant=f"fresh{n}", class_name="a", prompt_tokens=100, completion_tokens=0)
+        d = Demand(pool="default", tenant=f"fresh{n}", class_name="a", prompt_tokens=100, reserved_completion=0)
         q.push(Waiter(d, 0, 0.0, 1e9, cast(Any, None), REFUSAL, PLAN, 100.0))
         first = full_walk(q, [Step.STOP])[0]
         if first is large:

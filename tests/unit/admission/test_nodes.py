@@ -38,7 +38,7 @@ def report(adm: Admission, clock: ManualClock, usage: dict[str, float], mark: in
 
 def demand(prompt: int, completion: int, class_name: str = "standard") -> Demand:
     return Demand(pool="default", tenant="t", class_name=class_name, prompt_tokens=prompt,
-                  completion_tokens=completion)
+                  reserved_completion=completion)
 
 
 # --- the pure rule ------------------------------------------------------------------------
@@ -319,7 +319,7 @@ def test_worst_case_growth_never_admits_past_capacity(foreign, ops):
             if isinstance(got, Lease):
                 leases.append(got)
                 generated[len(leases) - 1] = 0
-                held = foreign + sum(x.demand.prompt_tokens + x.demand.completion_tokens
+                held = foreign + sum(x.demand.prompt_tokens + x.demand.reserved_completion
                                      for x in leases if not x.released)
                 assert held <= CAP
         elif op == "first" and live:
@@ -330,7 +330,7 @@ def test_worst_case_growth_never_admits_past_capacity(foreign, ops):
         elif op == "gen" and live:
             i = live[a % len(live)]
             if i in in_engine:
-                generated[i] = min(leases[i].demand.completion_tokens, generated[i] + b)
+                generated[i] = min(leases[i].demand.reserved_completion, generated[i] + b)
                 leases[i].progress(generated[i])
         elif op == "end" and live:
             i = live[a % len(live)]

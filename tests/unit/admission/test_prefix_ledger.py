@@ -36,7 +36,7 @@ SYSTEM = [("system", 10_000)]
 
 def ask(prompt: int, completion: int, chain: Chain | None) -> Demand:
     return Demand(pool="default", tenant="t", class_name="standard", prompt_tokens=prompt,
-                  completion_tokens=completion, prefix=chain)
+                  reserved_completion=completion, prefix=chain)
 
 
 def one_node(shared_prefix: bool = True) -> tuple[Admission, ManualClock]:

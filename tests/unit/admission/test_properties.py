@@ -167,7 +167,7 @@ def test_buckets_are_charged_exactly_the_settled_amounts(script: list[tuple]) ->
 
     def settle(lease: Lease, completion: int | None) -> None:
         d = lease.demand
-        used = d.prompt_tokens + (d.completion_tokens if completion is None else completion)
+        used = d.prompt_tokens + (d.reserved_completion if completion is None else completion)
         assert lease.release(Outcome.COMPLETED, completion)
         charged[POOL_BUCKET] += used
         if d.tenant in ("a", "c"):

@@ -219,7 +219,7 @@ def picking_config(cap: int, shared_prefix: bool = True) -> object:
 
 def shared_ask(i: int) -> Demand:
     return Demand(pool="default", tenant="t", class_name="standard", prompt_tokens=SYSTEM_TOKENS + 200,
-                  completion_tokens=800, prefix=chain_of([("system", SYSTEM_TOKENS), (f"q{i}", 200)]))
+                  reserved_completion=800, prefix=chain_of([("system", SYSTEM_TOKENS), (f"q{i}", 200)]))
 
 
 async def _admit_through(replicas: list[Admission], n: int) -> list[Lease | object]:
@@ -318,7 +318,7 @@ async def test_a_report_subtracts_a_prefix_held_through_two_replicas_once(redis_
         room = cap - foreign - ours
         for need, fits in ((room + 1, False), (room, True)):
             got = await a.acquire(Demand(pool="default", tenant="t", class_name="standard",
-                                         prompt_tokens=need, completion_tokens=0))
+                                         prompt_tokens=need, reserved_completion=0))
             assert isinstance(got, Lease) is fits, (need, got)
             if isinstance(got, Lease):
                 got.release(Outcome.COMPLETED, 0)

@@ -28,7 +28,7 @@ BACKENDS = [{"name": "n1", "metrics_url": "http://127.0.0.1:9/metrics"}]
 def demand(prompt: int = 10, completion: int = 0, class_name: str = "standard", tenant: str = "t",
            pool: str = "default") -> Demand:
     return Demand(pool=pool, tenant=tenant, class_name=class_name, prompt_tokens=prompt,
-                  completion_tokens=completion)
+                  reserved_completion=completion)
 
 
 def adm_with(clock: ManualClock, store: Store | None = None, **pool) -> Admission:

@@ -25,7 +25,7 @@ def refusal(budget: Budget, needed: float = 10.0, limit: float = 100.0, retry_af
 
 def waiter(loop: asyncio.AbstractEventLoop, tenant: str = "t", class_name: str = "standard",
            priority: int = 0, deadline: float = T0 + 30.0) -> Waiter:
-    d = Demand(pool="default", tenant=tenant, class_name=class_name, prompt_tokens=10, completion_tokens=0)
+    d = Demand(pool="default", tenant=tenant, class_name=class_name, prompt_tokens=10, reserved_completion=0)
     return Waiter(d, priority, T0, deadline, loop.create_future(), refusal(Budget.SLOTS), PLAN)
 
 
@@ -63,7 +63,7 @@ def test_arrivals_may_not_jump_what_blocked_the_walk(loop):
     b.note(waiter(loop, priority=5), stop)
     b.note(waiter(loop, priority=1), refusal(Budget.KV))  # a lower stop does not replace it
     assert b.stop == (5, stop)
-    other = Demand(pool="default", tenant="u", class_name="gold", prompt_tokens=1, completion_tokens=0)
+    other = Demand(pool="default", tenant="u", class_name="gold", prompt_tokens=1, reserved_completion=0)
     assert b.blocker(other, 5) is stop and b.blocker(other, 6) is None
     assert b.may_jump(other, 6, top=5) and not b.may_jump(other, 5, top=5) and b.may_jump(other, 0, None)
     own = refusal(Budget.TENANT_TPM)
