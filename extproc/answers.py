@@ -86,7 +86,8 @@ def immediate(status: int, headers: list[tuple[str, str]], body: bytes,
 
 
 def name_node(resp: pb.ProcessingResponse, common: Any, address: str) -> None:
-    """name_node steers the request to ``address`` (``HOST:PORT``) the way the endpoint picker
+    """name_node steers the request to ``address`` (``HOST:PORT``, or the primary then its
+    fallbacks, ``HOST:PORT,HOST:PORT``) the way the endpoint picker
     protocol does: the destination header, the same value in ``envoy.lb`` dynamic metadata,
     and the route cache cleared so Envoy routes by them. ``common`` is the answer's
     CommonResponse."""

@@ -6,6 +6,7 @@ Unknown keys are errors too: a misspelled limit silently ignored is a GPU outage
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -36,6 +37,8 @@ class Growth(StrEnum):
 GROWTHS = tuple(g.value for g in Growth)
 _ADDRESS = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.-]{0,252}):([0-9]{1,5})$")
 ON_UNAVAILABLE = ("local_share", "fail_closed")
+# The most fallback endpoints a picking pool may name (``PickingConfig.fallbacks``).
+MAX_FALLBACKS = 8
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -147,7 +150,10 @@ class PickingConfig:
     per node of the requests that ended there, what its cache may still hold (placement only,
     never credited; 0: none), the least recently ended first out;
     ``kv_events``: where the engines publish their KV cache events (None: not read), so that a
-    node's cached prefix is known exactly rather than from kvgate's record.
+    node's cached prefix is known exactly rather than from kvgate's record;
+    ``fallbacks``: how many other nodes that also fit a request kvgate names after the one it
+    charged (the endpoint picker protocol's ``ip:port,ip:port``), for the proxy to try in
+    order when the first refuses the connection (0: the one node).
     """
 
     growth: Growth = Growth.LEARNED
@@ -159,6 +165,7 @@ class PickingConfig:
     prefix_affinity: float = 1.0
     prefix_record_keys: int = 8192
     kv_events: KvEventsConfig | None = None
+    fallbacks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -497,6 +504,15 @@ def _discovery(s: Section) -> DiscoveryConfig:
                            model_name=model_name, interval_s=interval_s)
 
 
+def _ip_address(address: str) -> bool:
+    """_ip_address tells whether ``HOST:PORT`` (already checked by _ADDRESS) names an IP literal."""
+    try:
+        ipaddress.ip_address(address.rpartition(":")[0].strip("[]"))
+    except ValueError:
+        return False
+    return True
+
+
 def _picking(s: Section) -> PickingConfig:
     growth = Growth(s.string("growth", "learned", choices=GROWTHS))
     picking = PickingConfig(
@@ -509,7 +525,11 @@ def _picking(s: Section) -> PickingConfig:
         prefix_affinity=s.number("prefix_affinity", 1.0, low=0.0, high=100.0),
         prefix_record_keys=s.integer("prefix_record_keys", 8192, minimum=0),
         kv_events=_kv_events(s.section("kv_events")) if s.has("kv_events") else None,
+        fallbacks=s.integer("fallbacks", 0, minimum=0),
     )
+    if picking.fallbacks > MAX_FALLBACKS:
+        # Each fallback is one more retry of the proxy's route: a long list only delays the 503.
+        raise ConfigError(s.path("fallbacks"), f"must be at most {MAX_FALLBACKS}, got {picking.fallbacks}")
     s.done()
     return picking
 
@@ -604,6 +624,17 @@ def _pool(key: str, name: str, data: Any) -> PoolConfig:
     picking = _picking(s.section("picking"))
     if s.has("picking") and not addresses and discovery is None:
         raise ConfigError(s.path("picking"), "needs every backend of the pool to have an address")
+    if picking.fallbacks and discovery is not None:
+        # Envoy tries a fallback only among the hosts its cluster lists (override_host), and
+        # a pool discovered in DNS has no list kvgate can write into Envoy's file.
+        raise ConfigError(f"{s.path('picking')}.fallbacks", "needs the pool's backends listed with their "
+                          "addresses: a pool discovered in DNS cannot name fallbacks (set 0)")
+    if picking.fallbacks:
+        for i, b in enumerate(backends):
+            if b.address is not None and not _ip_address(b.address):
+                # Envoy's listed cluster is STATIC, and matches the names kvgate sends by IP.
+                raise ConfigError(f"{s.path('backends')}[{i}].address", "must be an IP address and port "
+                                  f"where picking.fallbacks is set, got {b.address!r}")
     if picking.kv_events is not None:
         names = {b.name for b in backends}
         for i, e in enumerate(picking.kv_events.endpoints):

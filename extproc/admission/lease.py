@@ -54,6 +54,14 @@ class Lease:
         """node is the address (``HOST:PORT``) of the node picked for the request (None: not picked)."""
         return None if self._charge is None else self._charge.address
 
+    @property
+    def destination(self) -> str | None:
+        """destination is what the request is steered by (None: not picked): the node picked,
+        then the fallbacks picked with it, as the endpoint picker protocol lists them
+        (``HOST:PORT,HOST:PORT``; the charge is on the first)."""
+        c = self._charge
+        return None if c is None else ",".join((c.address, *c.fallbacks))
+
     def progress(self, generated_tokens: int) -> None:
         """progress tells a picked node's ledger how many tokens the request has generated so far."""
         c = self._charge

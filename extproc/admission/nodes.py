@@ -166,11 +166,13 @@ class Charge:
     had been seen, minus its footprint when it was only settled there, 0 when neither), which
     a shared store publishes to the other replicas (``shared_nodes``), its prefix shared
     with the charges seen before it counted once; ``chain``: its prompt's prefix chain
-    (None: no prefix shared, or the pool does not share them).
+    (None: no prefix shared, or the pool does not share them); ``fallbacks``: the addresses
+    of the other nodes that fitted the request when it was picked, best first, named after
+    its node for the proxy's retries (``PickingConfig.fallbacks``; their room not reserved).
     """
 
     __slots__ = ("node", "class_name", "prompt", "reserved", "generated", "first_at",
-                 "admitted_at", "held", "own", "moments", "seen", "chain")
+                 "admitted_at", "held", "own", "moments", "seen", "chain", "fallbacks")
 
     def __init__(self, node: Node, class_name: str, prompt: int, reserved: int, now: float,
                  chain: Chain | None = None) -> None:
@@ -186,6 +188,7 @@ class Charge:
         self.own = 0
         self.moments: Moments | None = None
         self.seen = 0
+        self.fallbacks: tuple[str, ...] = ()
 
     @property
     def address(self) -> str:
@@ -802,6 +805,7 @@ class PoolNodes:
             return verdict
         n = self.nodes[verdict.chosen]
         charge = Charge(n, class_name, prompt, reserved, now, chain)
+        charge.fallbacks = tuple(self.nodes[name].address for name in verdict.next_best(self.picking.fallbacks))
         n.add(charge, *self._expect(class_name, prompt, reserved, 0))
         n.count_pick(prompt, credits.get(n.name, 0), verdict.by_affinity)
         return charge

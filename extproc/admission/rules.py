@@ -336,7 +336,8 @@ class NodePass:
     ``no_room`` or ``class_watermark``; ``best_room`` is the most room any candidate has
     (tokens, None without candidates); ``by_watermark`` is True when some node had room but
     not within the class's watermark; ``by_affinity`` is True when an affinity bonus chose
-    another node than the most room would have.
+    another node than the most room would have; ``fitting`` lists (score, node) of every
+    node that fits, in candidate order (score: room plus affinity, tokens).
     """
 
     chosen: str | None
@@ -345,6 +346,16 @@ class NodePass:
     need: int = 0
     by_watermark: bool = False
     by_affinity: bool = False
+    fitting: list[tuple[int, str]] = field(default_factory=list)
+
+    def next_best(self, most: int) -> list[str]:
+        """next_best is up to ``most`` nodes that fit besides the one chosen, the best score
+        first (ties in candidate order, as the choice breaks them): the fallbacks to name."""
+        if most <= 0:
+            return []
+        ranked = sorted(((-score, i, name) for i, (score, name) in enumerate(self.fitting)
+                         if name != self.chosen))
+        return [name for _s, _i, name in ranked[:most]]
 
 
 def pick_node(candidates: Sequence[tuple[str, int | None, int, int]], need: int,
@@ -394,6 +405,7 @@ def choose_node(rooms: Iterable[tuple[str, int, int | None]], need: int,
         if roomiest is None or room > roomiest[0]:
             roomiest = (room, name)
         score = room + (affinity.get(name, 0) if affinity else 0)
+        verdict.fitting.append((score, name))
         if best is None or score > best:
             best, verdict.chosen = score, name
     verdict.by_affinity = roomiest is not None and verdict.chosen != roomiest[1]

@@ -179,7 +179,7 @@ def admit(gate: Gate, lease: Lease, mode: ReleaseMode, parsed: oai.ParsedRequest
     ``usage_filter``, hides it), the node picked, the link. ``duplex``: the request body is
     FULL_DUPLEX_STREAMED (the answer is the owed headers answer, then the body's chunks);
     ``response_duplex``: the response body is."""
-    node, link, strip = lease.node, None, False
+    node, link, strip = lease.destination, None, False
     answer: Answer
     if not mode.on_stream:
         # Observed elsewhere or not at all: usage the client did not ask for could not be
