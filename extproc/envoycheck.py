@@ -16,7 +16,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from extproc.config import Config
+from extproc.config import Config, PoolConfig
+from extproc.envoyclusters import RETRY_ON
 from extproc.envoyconf import (ENVOY_DEFAULT_BUFFER_BYTES, EXT_PROC_TYPE, HEADER_MUTATION_TYPE,
                                PICKER_HEADERS, buffer_limit_bytes, identity_headers,
                                kvgate_address, picking_mismatch, request_attributes, seconds_text,
@@ -78,14 +79,19 @@ def _cluster_addresses(doc: dict[str, Any], name: str) -> list[tuple[str, int]] 
     for c in _items(_dict(doc.get("static_resources")).get("clusters")):
         c = _dict(c)
         if c.get("name") == name:
-            out = []
-            for eps in _items(_dict(c.get("load_assignment")).get("endpoints")):
-                for lb in _items(_dict(eps).get("lb_endpoints")):
-                    sa = _dict(_dict(_dict(_dict(lb).get("endpoint")).get("address")).get("socket_address"))
-                    if "port_value" in sa:
-                        out.append((str(sa.get("address", "")), int(sa["port_value"])))
-            return out
+            return _listed_addresses(c)
     return None
+
+
+def _listed_addresses(cluster: dict[str, Any]) -> list[tuple[str, int]]:
+    """_listed_addresses is every (host, port) of ``cluster``'s load assignment."""
+    out = []
+    for eps in _items(_dict(cluster.get("load_assignment")).get("endpoints")):
+        for lb in _items(_dict(eps).get("lb_endpoints")):
+            sa = _dict(_dict(_dict(_dict(lb).get("endpoint")).get("address")).get("socket_address"))
+            if "port_value" in sa:
+                out.append((str(sa.get("address", "")), int(sa["port_value"])))
+    return out
 
 
 def _check_grpc(config: Config, doc: dict[str, Any], where: str, ext: dict[str, Any]) -> list[Disagreement]:
@@ -323,6 +329,46 @@ def _check_picking(config: Config, doc: dict[str, Any], where: str, hcm: dict[st
             if mismatch:
                 seen.add((pool.name, cluster))
                 out.append(Disagreement(f"pools.{pool.name}.backends", at, mismatch))
+            elif pool.picks and pool.picking.fallbacks:
+                seen.add((pool.name, cluster))
+                retries = _dict(_dict(route.get("route")).get("retry_policy") or vh.get("retry_policy"))
+                out += _check_fallbacks(pool, _cluster(doc, cluster), at, retries)
+    return out
+
+
+def _cluster(doc: dict[str, Any], name: str) -> dict[str, Any]:
+    """_cluster is the static cluster ``name`` of ``doc`` (empty if none)."""
+    for c in _items(_dict(doc.get("static_resources")).get("clusters")):
+        if _dict(c).get("name") == name:
+            return _dict(c)
+    return {}
+
+
+def _check_fallbacks(pool: PoolConfig, cluster: dict[str, Any], at: str,
+                     retries: dict[str, Any]) -> list[Disagreement]:
+    """_check_fallbacks names why the picking ``pool``'s fallbacks (``picking.fallbacks`` > 0)
+    cannot work behind ``cluster`` (the route at ``at``, its ``retries``): an ORIGINAL_DST
+    cluster answers every list with 503; a listed cluster sends a node it does not list
+    nowhere; fewer retries than fallbacks leave the last ones untried."""
+    key, name, n = f"pools.{pool.name}.picking.fallbacks", cluster.get("name"), pool.picking.fallbacks
+    if cluster.get("type") == "ORIGINAL_DST":
+        return [Disagreement(key, at, (
+            f"kvgate names {n} fallback(s) (x-gateway-destination-endpoint: ip:port,ip:port), but cluster "
+            f"{name!r} is ORIGINAL_DST, which answers every such list with 503: every request would "
+            f"fail. `kvgate envoy-filter` writes the listed cluster that honours them, or set fallbacks to 0"))]
+    out = []
+    listed = {f"{h}:{p}" for h, p in _listed_addresses(cluster)}
+    missing = [b.address for b in pool.backends if b.address is not None
+               and b.address.replace("[", "").replace("]", "") not in listed]
+    if missing:
+        out.append(Disagreement(f"pools.{pool.name}.backends", f"clusters[{name}]", (
+            f"cluster {name!r} does not list {', '.join(missing)}: a request kvgate sends there "
+            f"(first or as a fallback) gets a 503. List every backend of the pool")))
+    tries = retries.get("num_retries", 1 if retries else 0)
+    if not isinstance(tries, int) or tries < n:
+        out.append(Disagreement(key, f"{at}.route.retry_policy", (
+            f"kvgate names {n} fallback(s) but the route retries {tries!r} time(s): the rest are never "
+            f"tried. Retry on {RETRY_ON} with num_retries {n}")))
     return out
 
 

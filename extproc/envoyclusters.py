@@ -3,7 +3,8 @@
 Three clusters: ``kvgate`` (the ext_proc gRPC service), and one upstream cluster per file:
 ``inference`` where Envoy's own load balancer spreads a pool's requests (the pool-level modes),
 ``nodes`` where kvgate names the node (the picker modes: an ORIGINAL_DST cluster that goes to
-the address in ``x-gateway-destination-endpoint``).
+the address in ``x-gateway-destination-endpoint``; or, where kvgate names fallbacks, a STATIC
+cluster listing every node with the ``override_host`` policy, ``listed_nodes_cluster``).
 
 A node of ``inference`` that dies keeps its share of the round robin until Envoy learns it is
 gone: without more, about one request in N failed for as long as the node stayed down. So the
@@ -95,6 +96,63 @@ def nodes_cluster() -> dict[str, Any]:
         "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER},
         "circuit_breakers": _BREAKERS,
     }
+
+
+OVERRIDE_HOST_TYPE = ("type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3."
+                      "OverrideHost")
+SUBSET_TYPE = "type.googleapis.com/envoy.extensions.load_balancing_policies.subset.v3.Subset"
+ROUND_ROBIN_TYPE = ("type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3."
+                    "RoundRobin")
+# The metadata key no host of the listed cluster has: its fallback policy selects nothing.
+NO_HOST_KEY = "kvgate-no-host-has-this"
+
+
+def listed_nodes_cluster(addresses: list[str], lb_namespace: str, served_key: str) -> dict[str, Any]:
+    """listed_nodes_cluster is the picker modes' upstream where kvgate names fallbacks: every
+    node (``addresses``, ``IP:PORT``) listed, and the ``override_host`` policy, which sends a
+    request to the first entry of kvgate's list and each retry to the next, and writes the
+    endpoint that served into ``lb_namespace`` / ``served_key`` (where kvgate reads it at the
+    response). An ORIGINAL_DST cluster answers any list with 503 (docs/endpoint-picker-protocol.md).
+
+    The policy's required fallback, for a request whose list is exhausted or names no host of
+    the cluster, is made to select nothing (a subset no host is in, NO_FALLBACK): a 503, never a
+    node kvgate did not name and charge."""
+    nowhere = {"policies": [{"typed_extension_config": {
+        "name": "envoy.load_balancing_policies.subset",
+        "typed_config": {"@type": SUBSET_TYPE, "fallback_policy": "NO_FALLBACK",
+                         "subset_selectors": [{"keys": [NO_HOST_KEY]}],
+                         "subset_lb_policy": {"policies": [{"typed_extension_config": {
+                             "name": "envoy.load_balancing_policies.round_robin",
+                             "typed_config": {"@type": ROUND_ROBIN_TYPE}}}]}}}}]}
+    return {
+        "name": NODES_CLUSTER, "type": "STATIC", "connect_timeout": "1s",
+        "circuit_breakers": _BREAKERS,
+        "load_assignment": {"cluster_name": NODES_CLUSTER, "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": _address(*_host_port(a))}} for a in addresses]}]},
+        "load_balancing_policy": {"policies": [{"typed_extension_config": {
+            "name": "envoy.load_balancing_policies.override_host",
+            "typed_config": {
+                "@type": OVERRIDE_HOST_TYPE,
+                # The header kvgate sets (client-sent copies are stripped first), then the
+                # same list in the protocol's metadata.
+                "override_host_sources": [{"header": DESTINATION_HEADER},
+                                          {"metadata": {"key": lb_namespace, "path": [{"key": DESTINATION_HEADER}]}}],
+                "selected_host_key": {"key": lb_namespace, "path": [{"key": served_key}]},
+                "fallback_policy": nowhere}}}]},
+    }
+
+
+def fallback_retry(fallbacks: int) -> dict[str, Any]:
+    """fallback_retry is the picker route's retry where kvgate names ``fallbacks`` more nodes:
+    a request that never reached a node goes to the next entry of kvgate's list (the
+    override_host policy walks it), once per fallback. No host predicate: the list, not Envoy,
+    says which node is next."""
+    return {"retry_on": RETRY_ON, "num_retries": fallbacks}
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
 
 
 def retry_policy() -> dict[str, Any]:

@@ -66,8 +66,8 @@ from typing import Any
 import yaml
 
 from extproc.config import Config, PoolConfig
-from extproc.envoyclusters import (CLUSTER, INFERENCE_CLUSTER, NODES_CLUSTER, inference_cluster, kvgate_cluster,
-                                   nodes_cluster, retry_policy)
+from extproc.envoyclusters import (CLUSTER, INFERENCE_CLUSTER, NODES_CLUSTER, fallback_retry, inference_cluster,
+                                   kvgate_cluster, listed_nodes_cluster, nodes_cluster, retry_policy)
 from extproc.errors import ConfigError
 from extproc.gate import METADATA_NAMESPACE, WAIT_TIMEOUT_MARGIN_S
 from extproc.picker_protocol import LB_NAMESPACE, SERVED_KEY, SUBSET_NAMESPACE
@@ -192,6 +192,28 @@ def picking_mismatch(pool: PoolConfig, envoy_picks: bool, via: str) -> str | Non
             f"{DEFAULT_MODE}` writes it), or give every backend of {pool.name!r} an address")
 
 
+def fallbacks_of(config: Config, mode: str) -> int:
+    """fallbacks_of is how many fallbacks kvgate names for the default pool behind a file of
+    ``mode`` (``picking.fallbacks``; 0 in a pool-level mode): above 0 the file's ``nodes``
+    cluster lists the nodes (``listed_nodes_cluster``) and its route retries once per fallback."""
+    return config.pool(None).picking.fallbacks if mode in _PICKED else 0
+
+
+def listed_addresses(config: Config) -> list[str]:
+    """listed_addresses is every node the listed ``nodes`` cluster holds: the addresses of every
+    picking pool's backends, in order, once each. Raises ConfigError for a picking pool
+    discovered in DNS: its nodes cannot be listed, and the listed cluster would refuse them all."""
+    out: list[str] = []
+    for pool in config.pools.values():
+        if pool.picks and pool.discovery is not None:
+            raise ConfigError(f"pools.{config.default_pool}.picking.fallbacks",
+                              f"the Envoy cluster that honours fallbacks lists its nodes, but pool "
+                              f"{pool.name!r} discovers its nodes in DNS: its requests would all be refused. "
+                              f"Set fallbacks to 0, or list {pool.name!r}'s backends")
+        out += [b.address for b in pool.backends if b.address is not None and b.address not in out]
+    return out
+
+
 def seconds_text(value: float) -> str:
     """seconds_text writes a duration (seconds) as Envoy's YAML string, e.g. ``2s`` or ``0.25s``."""
     return f"{int(value)}s" if float(value).is_integer() else f"{value:g}s"
@@ -282,6 +304,10 @@ def _ext_proc(config: Config, mode: str) -> dict[str, Any]:
     forwarded = [METADATA_NAMESPACE]
     if mode == "inference-pool":  # the subset hint (request) and the endpoint served (response)
         forwarded += [SUBSET_NAMESPACE, LB_NAMESPACE]
+    elif mode == "endpoint-picker" and fallbacks_of(config, mode):
+        # The endpoint that served, which the listed cluster's policy writes: a fallback's
+        # charge moves to it at the response headers.
+        forwarded.append(LB_NAMESPACE)
     if mode in _LOGGED:  # the usage filter's mark: kvgate may ask for stream usage
         forwarded.append(USAGE_NAMESPACE)
     options: dict[str, Any] = {"forwarding_namespaces": {"untyped": forwarded}}
@@ -382,9 +408,12 @@ def _routes(config: Config, mode: str, upstream_cluster: str) -> list[dict[str, 
     release = PROFILES[mode].release
     if release is not None:
         value["release"] = release.value
+    target: dict[str, Any] = {"cluster": upstream_cluster, "timeout": "0s"}
+    if fallbacks_of(config, mode):
+        target["retry_policy"] = fallback_retry(fallbacks_of(config, mode))
     route: dict[str, Any] = {
         "match": {"prefix": "/"},
-        "route": {"cluster": upstream_cluster, "timeout": "0s"},
+        "route": target,
         "typed_per_filter_config": {"envoy.filters.http.set_metadata": {
             "@type": SET_METADATA_TYPE,
             "metadata": [{"metadata_namespace": METADATA_NAMESPACE, "value": value}]}},
@@ -499,9 +528,19 @@ def envoy_filter(config: Config, mode: str | None = None, *,
         "listener": {"per_connection_buffer_limit_bytes": buffer_limit_bytes(config)},
         "http_connection_manager": hcm,
         "virtual_host": vhost,
-        "clusters": [nodes_cluster() if picked else inference_cluster(uhost, uport),
-                     kvgate_cluster(*kvgate_address(config))],
+        "clusters": [_upstream_cluster(config, mode, uhost, uport), kvgate_cluster(*kvgate_address(config))],
     }
+
+
+def _upstream_cluster(config: Config, mode: str, host: str, port: int) -> dict[str, Any]:
+    """_upstream_cluster is the cluster the routes name: ``inference`` at ``host``:``port`` (DNS)
+    in a pool-level mode; in a picker mode ``nodes``, ORIGINAL_DST, or the nodes listed where
+    kvgate names fallbacks (an ORIGINAL_DST cluster answers every list with 503)."""
+    if mode not in _PICKED:
+        return inference_cluster(host, port)
+    if fallbacks_of(config, mode):
+        return listed_nodes_cluster(listed_addresses(config), LB_NAMESPACE, SERVED_KEY)
+    return nodes_cluster()
 
 
 def _connection_manager(config: Config) -> dict[str, Any]:
