@@ -107,9 +107,9 @@ ROUND_ROBIN_TYPE = ("type.googleapis.com/envoy.extensions.load_balancing_policie
 NO_HOST_KEY = "kvgate-no-host-has-this"
 
 
-def listed_nodes_cluster(addresses: list[str], lb_namespace: str, served_key: str) -> dict[str, Any]:
+def listed_nodes_cluster(addresses: list[tuple[str, int]], lb_namespace: str, served_key: str) -> dict[str, Any]:
     """listed_nodes_cluster is the picker modes' upstream where kvgate names fallbacks: every
-    node (``addresses``, ``IP:PORT``) listed, and the ``override_host`` policy, which sends a
+    node (``addresses``, (IP, port)) listed, and the ``override_host`` policy, which sends a
     request to the first entry of kvgate's list and each retry to the next, and writes the
     endpoint that served into ``lb_namespace`` / ``served_key`` (where kvgate reads it at the
     response). An ORIGINAL_DST cluster answers any list with 503 (docs/endpoint-picker-protocol.md).
@@ -128,7 +128,7 @@ def listed_nodes_cluster(addresses: list[str], lb_namespace: str, served_key: st
         "name": NODES_CLUSTER, "type": "STATIC", "connect_timeout": "1s",
         "circuit_breakers": _BREAKERS,
         "load_assignment": {"cluster_name": NODES_CLUSTER, "endpoints": [{"lb_endpoints": [
-            {"endpoint": {"address": _address(*_host_port(a))}} for a in addresses]}]},
+            {"endpoint": {"address": _address(host, port)}} for host, port in addresses]}]},
         "load_balancing_policy": {"policies": [{"typed_extension_config": {
             "name": "envoy.load_balancing_policies.override_host",
             "typed_config": {
@@ -148,11 +148,6 @@ def fallback_retry(fallbacks: int) -> dict[str, Any]:
     override_host policy walks it), once per fallback. No host predicate: the list, not Envoy,
     says which node is next."""
     return {"retry_on": RETRY_ON, "num_retries": fallbacks}
-
-
-def _host_port(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host.strip("[]"), int(port)
 
 
 def retry_policy() -> dict[str, Any]:

@@ -55,6 +55,10 @@ its nodes (every backend has an ``address``, or DNS discovery) and no other, and
 fit only a pool that does not. Either other pair fails every request, so ``envoy_filter``
 refuses to write one and ``check_envoy`` names it (``picking_mismatch``); without ``--mode``
 the mode that fits the default pool is written (``mode_for``).
+
+Where the default pool names fallbacks (``picking.fallbacks`` > 0) a picker mode's ``nodes``
+cluster lists the nodes instead of ORIGINAL_DST (which answers a list with 503), and its route
+retries once per fallback (``fallbacks_of``, ``envoyclusters.listed_nodes_cluster``).
 """
 
 from __future__ import annotations
@@ -539,7 +543,7 @@ def _upstream_cluster(config: Config, mode: str, host: str, port: int) -> dict[s
     if mode not in _PICKED:
         return inference_cluster(host, port)
     if fallbacks_of(config, mode):
-        return listed_nodes_cluster(listed_addresses(config), LB_NAMESPACE, SERVED_KEY)
+        return listed_nodes_cluster([split_address(a) for a in listed_addresses(config)], LB_NAMESPACE, SERVED_KEY)
     return nodes_cluster()
 
 
