@@ -19,6 +19,8 @@ half or more of a pool's backends removed      half its capacity gone at once (a
 (net of those added)                           the middle of its backends list looks so)
 a pool that starts or stops picking its nodes  the Envoy file in front fits the other kind:
                                                every request fails (``envoyconf.picking_mismatch``)
+a picking pool that starts naming fallbacks     an ORIGINAL_DST Envoy file in front (the
+(``picking.fallbacks`` from 0)                 shipped ones) answers every list with 503
 a tenant that had API keys removed             its requests become unauthenticated
 every API key of a tenant removed              the same
 a class removed                                its tenants, and the requests that named it,
@@ -133,7 +135,9 @@ def _pool_change(old: PoolConfig, new: PoolConfig, note: Any) -> None:
     elif gone:
         note(f"{at}: backends removed: {', '.join(gone)} ({len(after)} left)")
     if came:
-        note(f"{at}: backends added: {', '.join(came)}")
+        # Envoy's listed cluster (fallbacks) does not know a new node until its file is rewritten.
+        listed = " (list them in Envoy's nodes cluster too: `kvgate envoy-filter`)" if new.picking.fallbacks else ""
+        note(f"{at}: backends added: {', '.join(came)}{listed}")
     for name in (b for b in before if b in after and before[b] != after[b]):
         fields = [f.name for f in dataclasses.fields(before[name])
                   if getattr(before[name], f.name) != getattr(after[name], f.name)]
@@ -145,6 +149,10 @@ def _pool_change(old: PoolConfig, new: PoolConfig, note: Any) -> None:
         else:
             note(f"make pool {old.name!r} stop picking its nodes (its backends have no address; "
                  f"the picker Envoy file in front would fail every request)", harmful=True)
+    if new.picks and old.picks and not old.picking.fallbacks and new.picking.fallbacks:
+        note(f"make pool {old.name!r} name {new.picking.fallbacks} fallback(s) (an ORIGINAL_DST Envoy "
+             f"file in front, as shipped, would answer every request 503; `kvgate envoy-filter` "
+             f"writes the listed cluster they need)", harmful=True)
     for text in _settings(at, old, new):
         note(text)
 

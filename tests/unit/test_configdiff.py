@@ -86,6 +86,9 @@ CASES = [
      {"pools__small__backends": [{"name": "s0", "metrics_url": "http://10.0.1.1:8000/metrics",
                                   "address": "10.0.1.1:8000"}]},
      ["pools.small: backends added: s0", "make pool 'small' pick its nodes"], 1),
+    ("a picking pool starts naming fallbacks: the shipped ORIGINAL_DST files would 503 every list",
+     {"pools__default__picking": {"fallbacks": 1}},
+     ["make pool 'default' name 1 fallback(s)", "pools.default.picking.fallbacks 0 -> 1"], 1),
     ("a keyed tenant removed", {"tenants__tenants__beta": None},
      ["remove tenant 'beta' and its 1 API key"], 1),
     ("a tenant without keys removed", {"tenants__tenants__named": None}, ["tenants removed: named"], 0),
@@ -122,6 +125,17 @@ def test_each_change_is_named_and_only_the_destructive_ones_are_refused(
     assert not any(secret in text for secret in (KEY_A, KEY_B, KEY_C, "hunter2"))
     _, refusal = guard(parse_config(BASE), parse_config(edited(**edits)))
     assert (refusal is not None) == bool(destructive)
+
+
+def test_fewer_fallbacks_pass_and_a_node_added_beside_them_is_told_to_go_into_envoys_list_too() -> None:
+    with_fallbacks = parse_config(edited(pools__default__picking={"fallbacks": 2}))
+    fewer = config_change(with_fallbacks, parse_config(edited(pools__default__picking={"fallbacks": 0})))
+    assert fewer.destructive == () and fewer.changes == ("pools.default.picking.fallbacks 2 -> 0",)
+    more = [*BASE["pools"]["default"]["backends"],
+            {"name": "n3", "metrics_url": "http://10.0.0.4:8000/metrics", "address": "10.0.0.4:8000"}]
+    added = config_change(with_fallbacks, parse_config(edited(pools__default__picking={"fallbacks": 2},
+                                                              pools__default__backends=more)))
+    assert added.destructive == () and "nodes cluster too" in added.changes[0]
 
 
 def test_the_refusal_says_what_would_change_and_how_to_mean_it() -> None:
