@@ -112,13 +112,17 @@ def prompt_chain(shape: PromptShape, tokenizer: Tokenizer) -> Chain | None:
 
 
 def prompt_ids(req: ParsedRequest, tokenizer: Tokenizer) -> list[int] | None:
-    """prompt_ids is the token ids the engine caches for a completions request, where kvgate
-    can know them: its one prompt given as token ids, or its one text prompt where the
-    tokenizer gives ids (a Hugging Face tokenizer.json, exact when it is the engine's). None
-    otherwise: chat requests (kvgate does not render the engine's chat template), batches,
-    a suffix, tokenizers that only count."""
+    """prompt_ids is the token ids the engine caches for a request, where kvgate can know
+    them: a completions request's one prompt given as token ids, or its one text prompt where
+    the tokenizer gives ids (a Hugging Face tokenizer.json, exact when it is the engine's); a
+    chat request's conversation rendered with the model's chat template found beside that
+    tokenizer.json (``chat_template``), where it renders as the engine renders it. None
+    otherwise: batches, a suffix, content parts or tool calls, tokenizers that only count."""
+    if req.chat is not None:
+        chat_ids = getattr(tokenizer, "chat_ids", None)
+        return None if chat_ids is None else chat_ids(req.body.get("messages"))
     shape = req.prompt
-    if shape is None or req.chat is not None or req.suffix or shape.prompts != 1:
+    if shape is None or req.suffix or shape.prompts != 1:
         return None
     prompt = req.body.get("prompt")
     if shape.texts:

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
+from extproc.chat_template import ChatTemplate, TemplateError, conversation, load_chat_template
 from extproc.errors import ConfigError
 
 # The split patterns are facts of the models' tokenizers (their pre-tokenizer regexes).
@@ -325,11 +326,13 @@ class HFTokenizer(_CachedCounter):
     runs (``encode`` does not): the same tokens, the event loop free meanwhile.
     """
 
-    __slots__ = ("_tok",)
+    __slots__ = ("_tok", "chat")
 
-    def __init__(self, name: str, tok: Any) -> None:
+    def __init__(self, name: str, tok: Any, chat: ChatTemplate | None = None) -> None:
         super().__init__(name)
         self._tok = tok
+        # The model's chat template beside its tokenizer.json (None: none, or no jinja2).
+        self.chat = chat
 
     def _count(self, text: str) -> int:
         if len(text) > _HF_BATCH_CHARS:
@@ -340,6 +343,22 @@ class HFTokenizer(_CachedCounter):
         """ids is the token ids of a completions prompt as vLLM tokenizes one: with the
         tokenizer's special tokens (a BOS where its post-processor adds one)."""
         return list(self._tok.encode_batch([text], add_special_tokens=True)[0].ids)
+
+    def chat_ids(self, messages: Any) -> list[int] | None:
+        """chat_ids is the token ids the engine caches for a chat request's ``messages``: the
+        prompt its chat template renders, tokenized without special tokens (the template
+        writes them). None without a template, for a conversation kvgate does not render as
+        the engine does, or one the template refuses (``chat_template``)."""
+        if self.chat is None:
+            return None
+        conv = conversation(messages)
+        if conv is None:
+            return None
+        try:
+            text = self.chat.render(conv)
+        except TemplateError:
+            return None
+        return list(self._tok.encode_batch([text], add_special_tokens=False)[0].ids)
 
 
 def _bpe_openai(spec: str) -> BpeOpenAITokenizer | None:
@@ -421,7 +440,13 @@ def _hf_from_file(spec: str, rest: str) -> HFTokenizer:
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
         raise ConfigError("tokenizer", f"cannot load {path} as a tokenizer.json: {exc}") from None
-    return HFTokenizer(spec, tok)
+    try:
+        chat = load_chat_template(path)
+    except ImportError:  # no jinja2 (the hf extra brings it): counting works, chat ids do not
+        chat = None
+    except (OSError, ValueError) as exc:
+        raise ConfigError("tokenizer", f"{path.parent}: {exc}") from None
+    return HFTokenizer(spec, tok, chat)
 
 
 def _llama3_packaged(spec: str) -> TiktokenTokenizer:
