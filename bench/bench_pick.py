@@ -87,7 +87,7 @@ class _HeldPool:
 
     def report(self) -> None:
         """report is the scraper's report of every node, idle."""
-        from extproc.admission.nodes import NodeReport
+        from extproc.admission.types import NodeReport
         for i in range(NODES):
             self.adm.report_node("default", f"n{i}", NodeReport(kv_usage=0.0, capacity_tokens=None,
                                                                 at=self.clock.now(), waiting=0, running=0))
@@ -147,7 +147,7 @@ def measure_refusal(budget: str, held: int, seed: int = 7) -> float:
     """measure_refusal is the median ns of one refused ``try_acquire`` with ``held`` requests
     in flight filling ``budget`` (REFUSALS), over BATCHES batches of BATCH refusals."""
     from extproc.admission import Admission, Lease, Outcome, Rejection
-    from extproc.admission.nodes import NodeReport
+    from extproc.admission.types import NodeReport
     from extproc.clock import MonotonicClock
     from extproc.config import parse_config
     held = max(1, held)

@@ -1,6 +1,6 @@
 """sharing: the prompt blocks that requests running on one node share, counted once.
 
-``Prefixes`` is a replica's own ledger of them (``nodes.Node.prefixes``): the prefix chains
+``Prefixes`` is a replica's own ledger of them (``node.Node.prefixes``): the prefix chains
 (``extproc.prefix``) of its charges on a node, reference-counted per key.
 
 ``SharedPrefixes`` is the same count in a ledger shared by replicas (the Redis store,

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from extproc.admission import rules
-from extproc.admission.nodes import NodeReport
+from extproc.admission.types import NodeReport
 from extproc.config import MAX_FALLBACKS, parse_config
 from extproc.errors import ConfigError
 from extproc.exchange import Exchange

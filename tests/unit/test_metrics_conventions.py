@@ -77,7 +77,7 @@ def test_a_class_added_by_a_reload_gets_its_series_and_counting_still_adds_up() 
 
 def test_a_nodes_prefix_hits_and_kvgates_estimate_are_exported_side_by_side() -> None:
     from extproc.admission import Demand, Lease
-    from extproc.admission.nodes import NodeReport
+    from extproc.admission.types import NodeReport
     from tests.unit.admission.test_prefix_ledger import SYSTEM, chain_of
     cfg = parse_config({"pools": {"default": {
         "max_concurrency": 10,

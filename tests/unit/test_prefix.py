@@ -8,7 +8,7 @@ import random
 import pytest
 
 from extproc import openai_api as oai
-from extproc.admission.nodes import Prefixes
+from extproc.admission.sharing import Prefixes
 from extproc.openai_shapes import TEMPLATES, chat_shape
 from extproc.prefix import MAX_KEYS, chat_chain, prefix_of, prompt_chain
 from extproc.tokens import Tokenizer

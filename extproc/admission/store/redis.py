@@ -51,7 +51,7 @@ less its prefix blocks (``escrow_hold``) and charges what it admits alone whole.
 
 Every replica's requests counted once: a node's report counts, as its foreign KV, the
 requests of every replica that its cache held. Each refresh publishes, per node, what this
-replica's marks saw of its leases in the nodes' caches (``nodes.Charge.seen``: firm from a
+replica's marks saw of its leases in the nodes' caches (``node.Charge.seen``: firm from a
 first token, idle once settled and not yet gone) as a generation stamped with the store's
 instant, keeping the generation before it; the admit script subtracts from a candidate's
 foreign KV, of every other replica, the newest generation stamped before the instant its

@@ -215,7 +215,7 @@ class RefreshLease(NamedTuple):
     """RefreshLease is one live lease as the refresh script extends (or re-takes) it: its
     class, tokens, node (``-``: none), the node hold the controller now expects (tokens;
     with pooled growth its footprint), what its node's cache certainly holds of it
-    (``nodes.Charge.seen``: its footprint, negative when only a node that queues nothing
+    (``node.Charge.seen``: its footprint, negative when only a node that queues nothing
     holds it; 0: nothing known) and, with pooled growth, its growth's moments (``l``
     tokens, ``m``, ``v``; zeros without)."""
 

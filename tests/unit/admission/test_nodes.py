@@ -10,7 +10,9 @@ from hypothesis import strategies as st
 
 from extproc.admission import Admission, Demand, Lease, Outcome, Reason, Rejection
 from extproc.admission import rules, shared_nodes
-from extproc.admission.nodes import Charge, NodeReport, NodeState, PoolNodes
+from extproc.admission.node import Charge, NodeState
+from extproc.admission.nodes import PoolNodes
+from extproc.admission.types import NodeReport
 from extproc.clock import ManualClock
 from extproc.config import ConfigError
 from tests.unit.admission.helpers import T0, config, no_jitter

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from extproc.admission import Admission, Demand, Lease, Outcome
-from extproc.admission.nodes import NodeReport
+from extproc.admission.types import NodeReport
 from extproc.admission.shared_nodes import Candidate as C, NodeAsk, others_seen, pick_shared
 from extproc.admission.sharing import MAX_LINKS, MAX_NODE_KEYS, SharedPrefixes
 from extproc.admission.store.redis import RedisStore, read_gens, read_shares
