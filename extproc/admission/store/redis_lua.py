@@ -34,7 +34,7 @@ from extproc.admission.types import Budget
 
 
 class PoolKeys(NamedTuple):
-    """PoolKeys are the KEYS of the admit and settle scripts (see ``store.redis``'s key layout).
+    """PoolKeys are the KEYS of the admit and settle scripts (see ``store.redis_ledger``'s key layout).
 
     A plan without a pool or a tenant bucket passes ``st`` for it: the script never
     touches a bucket it was not given limits for.

@@ -23,7 +23,8 @@ from extproc.admission.types import NodeReport
 from extproc.admission.shared_nodes import Candidate as C, NodeAsk, Pooled, others_seen, pick_shared, pick_within
 from extproc.admission.types import Budget, Grant, Plan, PoolLimits, Refusal
 from extproc.admission.store.fallback import FLAP_WINDOW_S, MODE_LOCAL_SHARE, MODE_SHARED, RECOVER_MAX_S, RECOVER_S
-from extproc.admission.store.redis import RedisStore, read_gens, read_sums
+from extproc.admission.store.redis import RedisStore
+from extproc.admission.store.redis_ledger import read_gens, read_sums
 from extproc.clock import ManualClock
 from extproc.config import RedisStoreConfig, parse_config
 from kvgate_testkit.redis_server import RedisServer

@@ -24,7 +24,8 @@ from extproc.admission import Admission, Demand, Lease, Outcome
 from extproc.admission.types import NodeReport
 from extproc.admission.shared_nodes import Candidate as C, NodeAsk, others_seen, pick_shared
 from extproc.admission.sharing import MAX_LINKS, MAX_NODE_KEYS, SharedPrefixes
-from extproc.admission.store.redis import RedisStore, read_gens, read_shares
+from extproc.admission.store.redis import RedisStore
+from extproc.admission.store.redis_ledger import read_gens, read_shares
 from extproc.admission.types import Budget, Chain, Grant, Plan, PoolLimits, Refusal
 from extproc.clock import ManualClock
 from extproc.config import RedisStoreConfig, parse_config
