@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from extproc.config import load_config
+from extproc.configparse import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 LOOPBACK = "127.0.0.1"

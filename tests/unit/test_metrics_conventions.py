@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.admission import Admission
 from extproc.clock import ManualClock
-from extproc.config import parse_config
+from extproc.configparse import parse_config
 from extproc.metrics import (ACCESS_LOG_RESULTS, CAUSES, LOGGED_USAGE_RESULTS, OUTCOMES, STORE_ERROR_REASONS,
                              TENANT_HEADER_UNSEEN_REASONS, Metrics)
 

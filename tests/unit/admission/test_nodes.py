@@ -14,7 +14,7 @@ from extproc.admission.node import Charge, NodeState
 from extproc.admission.nodes import PoolNodes
 from extproc.admission.types import NodeReport
 from extproc.clock import ManualClock
-from extproc.config import ConfigError
+from extproc.errors import ConfigError
 from tests.unit.admission.helpers import T0, config, no_jitter
 
 CAP = 100_000
@@ -509,7 +509,7 @@ def test_a_charge_is_the_request_on_its_node():
 
 def test_a_local_share_without_a_replica_count_is_said_loudly():
     """Picking with the Redis store shares the nodes now: only an unknown share is warned of."""
-    from extproc.config import warnings
+    from extproc.configparse import warnings
     cfg = config(pool=nodes_pool(1), store={"redis": {"url": "redis://127.0.0.1:1/0"}})
     (line,) = warnings(cfg)
     assert line.startswith("store.redis: on_unavailable is local_share but expected_replicas is not set")

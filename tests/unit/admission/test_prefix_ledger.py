@@ -267,7 +267,7 @@ def test_affinity_never_fits_a_request_where_it_does_not_fit():
 
 
 def test_with_the_redis_store_check_config_no_longer_warns_about_sharing():
-    from extproc.config import parse_config, warnings
+    from extproc.configparse import parse_config, warnings
     raw = {"pools": {"default": nodes_pool(1, shared_prefix=True)},
            "store": {"redis": {"url": "redis://127.0.0.1:6379/0", "expected_replicas": 2}}}
     assert not any("shared_prefix" in w for w in warnings(parse_config(raw)))

@@ -26,7 +26,8 @@ from extproc.admission.store.fallback import FLAP_WINDOW_S, MODE_LOCAL_SHARE, MO
 from extproc.admission.store.redis import RedisStore
 from extproc.admission.store.redis_ledger import read_gens, read_sums
 from extproc.clock import ManualClock
-from extproc.config import RedisStoreConfig, parse_config
+from extproc.config import RedisStoreConfig
+from extproc.configparse import parse_config
 from kvgate_testkit.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis

@@ -28,7 +28,8 @@ from extproc.admission.store.redis import RedisStore
 from extproc.admission.store.redis_ledger import read_gens, read_shares
 from extproc.admission.types import Budget, Chain, Grant, Plan, PoolLimits, Refusal
 from extproc.clock import ManualClock
-from extproc.config import RedisStoreConfig, parse_config
+from extproc.config import RedisStoreConfig
+from extproc.configparse import parse_config
 from kvgate_testkit.redis_server import RedisServer
 from tests.unit.admission.test_prefix_ledger import LEAVES, TRIE, engine_tokens, kvgate_chain, path_to
 
