@@ -34,8 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from extproc.admission.types import Chain
-from extproc.prefix import MAX_KEYS
+from extproc.admission.types import MAX_KEYS, Chain
 
 MAX_LINKS = MAX_KEYS
 """MAX_LINKS is the most keys of a chain the shared ledger reads (the rest is charged whole)."""
