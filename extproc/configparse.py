@@ -195,8 +195,8 @@ def _kv_events(s: Section) -> KvEventsConfig:
     return config
 
 
-def _pool(key: str, name: str, data: Any) -> PoolConfig:
-    s = Section(key, data)
+def _backends(s: Section) -> tuple[BackendConfig, ...]:
+    """_backends is a pool section's ``backends`` list, each parsed, their names distinct."""
     backends_raw = s.raw("backends", [])
     if backends_raw is None:
         backends_raw = []
@@ -208,6 +208,39 @@ def _pool(key: str, name: str, data: Any) -> PoolConfig:
         if b.name in seen:
             raise ConfigError(f"{s.path('backends')}[{i}].name", f"duplicate backend {b.name!r}")
         seen.add(b.name)
+    return backends
+
+
+def _check_picking(s: Section, picking: PickingConfig, backends: tuple[BackendConfig, ...], addressed: bool,
+                   discovery: DiscoveryConfig | None) -> None:
+    """_check_picking refuses a pool section's ``picking`` where its backends cannot serve it:
+    no addresses (``addressed`` False) nor discovery, fallbacks without listed IP addresses,
+    KV event endpoints naming no backend."""
+    if s.has("picking") and not addressed and discovery is None:
+        raise ConfigError(s.path("picking"), "needs every backend of the pool to have an address")
+    if picking.fallbacks and discovery is not None:
+        # Envoy tries a fallback only among the hosts its cluster lists (override_host), and
+        # a pool discovered in DNS has no list kvgate can write into Envoy's file.
+        raise ConfigError(f"{s.path('picking')}.fallbacks", "needs the pool's backends listed with their "
+                          "addresses: a pool discovered in DNS cannot name fallbacks (set 0)")
+    if picking.fallbacks:
+        for i, b in enumerate(backends):
+            if b.address is not None and not _ip_address(b.address):
+                # Envoy's listed cluster is STATIC, and matches the names kvgate sends by IP.
+                raise ConfigError(f"{s.path('backends')}[{i}].address", "must be an IP address and port "
+                                  f"where picking.fallbacks is set, got {b.address!r}")
+    if picking.kv_events is not None:
+        names = {b.name for b in backends}
+        for i, e in enumerate(picking.kv_events.endpoints):
+            if discovery is None and e.backend not in names:
+                raise ConfigError(f"{s.path('picking')}.kv_events.endpoints[{i}].backend",
+                                  f"names no backend of the pool: {e.backend!r}")
+
+
+def _pool(key: str, name: str, data: Any) -> PoolConfig:
+    """_pool is pool ``name``'s section (at ``key``) typed and checked."""
+    s = Section(key, data)
+    backends = _backends(s)
     sig = s.section("signals")
     signals = SignalsConfig(
         aggregate=sig.string("aggregate", SIGNALS_DEFAULTS.aggregate, choices=AGGREGATES),
@@ -232,25 +265,7 @@ def _pool(key: str, name: str, data: Any) -> PoolConfig:
     if discovery is not None and backends:
         raise ConfigError(s.path("discovery"), "a pool lists its backends or discovers them, not both")
     picking = _picking(s.section("picking"))
-    if s.has("picking") and not addresses and discovery is None:
-        raise ConfigError(s.path("picking"), "needs every backend of the pool to have an address")
-    if picking.fallbacks and discovery is not None:
-        # Envoy tries a fallback only among the hosts its cluster lists (override_host), and
-        # a pool discovered in DNS has no list kvgate can write into Envoy's file.
-        raise ConfigError(f"{s.path('picking')}.fallbacks", "needs the pool's backends listed with their "
-                          "addresses: a pool discovered in DNS cannot name fallbacks (set 0)")
-    if picking.fallbacks:
-        for i, b in enumerate(backends):
-            if b.address is not None and not _ip_address(b.address):
-                # Envoy's listed cluster is STATIC, and matches the names kvgate sends by IP.
-                raise ConfigError(f"{s.path('backends')}[{i}].address", "must be an IP address and port "
-                                  f"where picking.fallbacks is set, got {b.address!r}")
-    if picking.kv_events is not None:
-        names = {b.name for b in backends}
-        for i, e in enumerate(picking.kv_events.endpoints):
-            if discovery is None and e.backend not in names:
-                raise ConfigError(f"{s.path('picking')}.kv_events.endpoints[{i}].backend",
-                                  f"names no backend of the pool: {e.backend!r}")
+    _check_picking(s, picking, backends, bool(addresses), discovery)
     if backends and all(b.engine == "dcgm" for b in backends) and not framebuffer_only:
         # vLLM reserves gpu_memory_utilization (0.9 by default) of the framebuffer at start,
         # SGLang its mem_fraction_static, TGI its KV cache: with DCGM alone such a node
