@@ -42,7 +42,8 @@ if str(ROOT) not in sys.path:
 
 from extproc.admission import Admission, Demand, Lease, Outcome, PoolSignals  # noqa: E402
 from extproc.clock import MonotonicClock  # noqa: E402
-from extproc.config import ADAPTIVE_DEFAULTS, Config, parse_config  # noqa: E402
+from extproc.config import ADAPTIVE_DEFAULTS, Config  # noqa: E402
+from extproc.configparse import parse_config
 
 BATCH = 100
 TARGET_NS = 10_000

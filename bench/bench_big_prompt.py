@@ -54,7 +54,7 @@ from bench.bench_tokens import KINDS  # noqa: E402
 from bench.reports import publish  # noqa: E402
 from extproc.admission import Admission  # noqa: E402
 from extproc.clock import MonotonicClock  # noqa: E402
-from extproc.config import parse_config  # noqa: E402
+from extproc.configparse import parse_config  # noqa: E402
 from extproc.exchange import Exchange  # noqa: E402
 from extproc.gate import Gate  # noqa: E402
 from extproc.request_facts import ATTR_CONTENT_TYPE, ATTR_METHOD, ATTR_PATH  # noqa: E402

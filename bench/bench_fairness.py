@@ -44,7 +44,7 @@ if str(ROOT) not in sys.path:
 from bench.reports import publish  # noqa: E402
 from extproc.admission import Admission, Demand, Lease, Outcome  # noqa: E402
 from extproc.clock import ManualClock  # noqa: E402
-from extproc.config import parse_config  # noqa: E402
+from extproc.configparse import parse_config  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "fairness.md"
 LOUD_FACTOR = 10

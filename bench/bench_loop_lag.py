@@ -36,7 +36,7 @@ import time  # noqa: E402
 
 from bench.bench_scrape import LOOPBACK, _serve, pct  # noqa: E402
 from extproc.clock import MonotonicClock  # noqa: E402
-from extproc.config import parse_config  # noqa: E402
+from extproc.configparse import parse_config  # noqa: E402
 from extproc.signals import scraper as scraper_mod  # noqa: E402
 from extproc.signals.observer import UnobservedScrape  # noqa: E402
 from kvgate_testkit import EXPOSITIONS  # noqa: E402

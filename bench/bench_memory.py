@@ -55,7 +55,7 @@ def _service(file: str) -> tuple[Any, Any]:
     """_service is an ExtProcService on a gate whose pool admits every request held here."""
     from extproc.admission import Admission
     from extproc.clock import ManualClock
-    from extproc.config import parse_config
+    from extproc.configparse import parse_config
     from extproc.gate import Gate
     from extproc.metrics import Metrics
     from extproc.service import ExtProcService

@@ -57,7 +57,7 @@ BATCHES = 200
 
 
 def _config(growth: str) -> Any:
-    from extproc.config import parse_config
+    from extproc.configparse import parse_config
     backends = [{"name": f"n{i}", "metrics_url": f"http://127.0.0.1:9/{i}",
                  "address": f"127.0.0.1:{8001 + i}", "kv_capacity_tokens": 1_000_000_000}
                 for i in range(NODES)]
@@ -87,7 +87,7 @@ class _HeldPool:
 
     def report(self) -> None:
         """report is the scraper's report of every node, idle."""
-        from extproc.admission.nodes import NodeReport
+        from extproc.admission.types import NodeReport
         for i in range(NODES):
             self.adm.report_node("default", f"n{i}", NodeReport(kv_usage=0.0, capacity_tokens=None,
                                                                 at=self.clock.now(), waiting=0, running=0))
@@ -147,9 +147,9 @@ def measure_refusal(budget: str, held: int, seed: int = 7) -> float:
     """measure_refusal is the median ns of one refused ``try_acquire`` with ``held`` requests
     in flight filling ``budget`` (REFUSALS), over BATCHES batches of BATCH refusals."""
     from extproc.admission import Admission, Lease, Outcome, Rejection
-    from extproc.admission.nodes import NodeReport
+    from extproc.admission.types import NodeReport
     from extproc.clock import MonotonicClock
-    from extproc.config import parse_config
+    from extproc.configparse import parse_config
     held = max(1, held)
     size = 600  # prompt 400 + completion 200 tokens a request
     pool: dict[str, Any] = {"max_concurrency": held if budget == "slots" else 10**9}

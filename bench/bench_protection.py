@@ -55,7 +55,7 @@ import orjson  # noqa: E402
 import yaml  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from extproc.config import parse_config  # noqa: E402
+from extproc.configparse import parse_config  # noqa: E402
 from sim.api import words  # noqa: E402
 from sim.engine import EngineParams  # noqa: E402
 from kvgate_testkit.stack import envoy_config  # noqa: E402

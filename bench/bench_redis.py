@@ -46,7 +46,8 @@ import redis as redis_sync  # noqa: E402
 from extproc.admission import Admission, Demand, Lease, Outcome  # noqa: E402
 from extproc.admission.store.redis import LOCAL_PREFIX, RedisStore  # noqa: E402
 from extproc.clock import MonotonicClock  # noqa: E402
-from extproc.config import Config, parse_config  # noqa: E402
+from extproc.config import Config  # noqa: E402
+from extproc.configparse import parse_config
 from kvgate_testkit.redis_server import RedisServer, server_version  # noqa: E402
 
 TARGET_PER_S = 1000

@@ -70,7 +70,7 @@ from bench.bench_trace import (DEFAULT_TRACE, close_results, read_preemptions, F
                                _pct, _sample, _wait_signals, build_requests, envoy_for, kvgate_config,
                                read_trace, summarize)
 from bench.bench_protection import Node  # noqa: E402
-from extproc.config import parse_config  # noqa: E402
+from extproc.configparse import parse_config  # noqa: E402
 from kvgate_testkit.faultproxy import FaultProxy  # noqa: E402
 from kvgate_testkit.procs import LOOPBACK, VENV_BIN, Proc, exit_on_sigterm, free_port  # noqa: E402
 from kvgate_testkit.redis_server import RedisServer, _ping, redis_server_binary, server_version  # noqa: E402

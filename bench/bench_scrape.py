@@ -34,7 +34,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer  # noqa: E40
 
 from extproc.admission.types import PoolSignals  # noqa: E402
 from extproc.clock import MonotonicClock  # noqa: E402
-from extproc.config import parse_config  # noqa: E402
+from extproc.configparse import parse_config  # noqa: E402
 from extproc.signals import UnobservedScrape, Scraper, read  # noqa: E402
 from kvgate_testkit import EXPOSITIONS  # noqa: E402
 

@@ -32,7 +32,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from extproc import tokens as tk  # noqa: E402
-from extproc.openai_api import Endpoint, ResponseTracker, count_prompt_tokens, parse_request  # noqa: E402
+from extproc.openai_api import Endpoint, count_prompt_tokens, parse_request  # noqa: E402
+from extproc.openai_usage import ResponseTracker  # noqa: E402
 from extproc.openai_shapes import TEMPLATES  # noqa: E402
 
 KIB = 1024

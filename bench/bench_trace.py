@@ -70,7 +70,7 @@ import yaml  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from bench.bench_protection import CHAT_OVERHEAD, MODEL, Node, _retry_delay  # noqa: E402
-from extproc.config import parse_config  # noqa: E402
+from extproc.configparse import parse_config  # noqa: E402
 from extproc.localstack import is_processor_cluster  # noqa: E402
 from sim.api import OUTPUT_TOKENS_HEADER, words  # noqa: E402
 from sim.blocks import blocks_for  # noqa: E402

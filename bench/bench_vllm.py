@@ -75,7 +75,7 @@ import yaml  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
-from extproc.config import parse_config  # noqa: E402
+from extproc.configparse import parse_config  # noqa: E402
 from extproc.localstack import is_processor_cluster  # noqa: E402
 from kvgate_testkit.procs import LOOPBACK, VENV_BIN, Proc, exit_on_sigterm, free_port, wait_until  # noqa: E402
 

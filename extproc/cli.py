@@ -18,7 +18,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from extproc.config import Config, load_config
+from extproc.config import Config
+from extproc.configparse import load_config
 from extproc.errors import ConfigError
 
 EXIT_OK = 0
@@ -85,7 +86,7 @@ def check_config(path: str, *, manifest: bool = False) -> Config:
     from extproc.tokens import load_tokenizer  # heavy: only for the commands that need it
 
     if manifest:
-        from extproc.config import parse_config, read_yaml
+        from extproc.configparse import parse_config, read_yaml
         from extproc.manifest import unwrap
         config = parse_config(unwrap(read_yaml(path), "kvgate.yaml")[0])
     else:
@@ -106,7 +107,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"error: {err.key}: {err.reason}", file=sys.stderr)
         return EXIT_CONFIG
-    from extproc.config import warnings
+    from extproc.configparse import warnings
     for line in warnings(config):
         logging.getLogger("kvgate").warning("%s", line)
     from prometheus_client import disable_created_metrics
@@ -195,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ConfigError as err:
             print(f"error: {err.key}: {err.reason}", file=sys.stderr)
             return EXIT_CONFIG
-        from extproc.config import warnings
+        from extproc.configparse import warnings
         for line in warnings(config):
             print(f"warning: {line}")
         if args.envoy:

@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from extproc.config import load_config
+from extproc.configparse import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 LOOPBACK = "127.0.0.1"
@@ -221,8 +221,8 @@ def _wait_nodes_up(admin: int, nodes: int, timeout: float = 10.0) -> None:
         time.sleep(0.2)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """main runs the local stack until Ctrl-C (or ``--check``: start, send one request, stop)."""
+def _parser() -> argparse.ArgumentParser:
+    """_parser is the command line of ``main``."""
     ap = argparse.ArgumentParser(prog="kvgate-localstack", description=__doc__)
     ap.add_argument("--envoy-port", type=int, default=int(os.environ.get("KVGATE_PORT", 8080)))
     ap.add_argument("--check", action="store_true",
@@ -232,7 +232,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pool-level", action="store_true",
                     help="Envoy's round robin picks the node and kvgate guards the pool "
                          "(deploy/envoy.yaml) instead of kvgate picking")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _check_once(envoy: int, admin: int, model: str) -> None:
+    """_check_once sends one chat request through Envoy on port ``envoy`` and prints the answer and
+    the class that admitted it, from kvgate's metrics on port ``admin`` (``--check``)."""
+    body = (b'{"model": "%s", "max_tokens": 16, "messages": '
+            b'[{"role": "user", "content": "Hello"}]}' % model.encode())
+    req = urllib.request.Request(f"http://{LOOPBACK}:{envoy}/v1/chat/completions",
+                                 data=body, headers={"content-type": "application/json",
+                                                     "authorization": f"Bearer {LOCAL_KEY}"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        answer = f"{resp.status} {resp.read().decode()[:300]}"
+    # Which class admitted it: the key's tenant's (online), not the default.
+    with urllib.request.urlopen(f"http://{LOOPBACK}:{admin}/metrics", timeout=10) as resp:
+        print(*(line for line in resp.read().decode().splitlines()
+                if line.startswith("kvgate_requests_total{") and 'outcome="admitted"' in line
+                and not line.endswith(" 0.0")), sep="\n")
+    print(answer)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """main runs the local stack until Ctrl-C (or ``--check``: start, send one request, stop)."""
+    args = _parser().parse_args(argv)
 
     run_dir = ROOT / "run"
     run_dir.mkdir(exist_ok=True)
@@ -292,19 +315,7 @@ def main(argv: list[str] | None = None) -> int:
             _wait_nodes_up(admin, len(sims))
         print(banner(envoy, admin, sims, envoy_admin, model, picking), flush=True)
         if args.check:
-            body = (b'{"model": "%s", "max_tokens": 16, "messages": '
-                    b'[{"role": "user", "content": "Hello"}]}' % model.encode())
-            req = urllib.request.Request(f"http://{LOOPBACK}:{envoy}/v1/chat/completions",
-                                         data=body, headers={"content-type": "application/json",
-                                                             "authorization": f"Bearer {LOCAL_KEY}"})
-            with urllib.request.urlopen(req, timeout=30) as resp:
-                answer = f"{resp.status} {resp.read().decode()[:300]}"
-            # Which class admitted it: the key's tenant's (online), not the default.
-            with urllib.request.urlopen(f"http://{LOOPBACK}:{admin}/metrics", timeout=10) as resp:
-                print(*(line for line in resp.read().decode().splitlines()
-                        if line.startswith("kvgate_requests_total{") and 'outcome="admitted"' in line
-                        and not line.endswith(" 0.0")), sep="\n")
-            print(answer)
+            _check_once(envoy, admin, model)
             return 0
         gone: set[str] = set()  # nodes that stopped: the stack goes on without them
         while not stopping:

@@ -217,7 +217,7 @@ def _node_families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
 
 def _add_nodes(families: dict[str, GaugeMetricFamily | CounterMetricFamily], pool: str,
                nodes: tuple[Any, ...]) -> None:
-    from extproc.admission.nodes import PassedOver  # the core's enum of reasons
+    from extproc.admission.node import PassedOver  # the core's enum of reasons
     for n in nodes:
         key = [pool, n.name]
         families["inflight"].add_metric(key, n.inflight_tokens)

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 from typing import TYPE_CHECKING
 
-from extproc.admission.types import Chain
+from extproc.admission.types import MAX_KEYS, Chain
 from extproc.openai_shapes import ChatShape, ChatTemplate, PromptShape
 from extproc.tokens import Tokenizer, _exact_pieces
 
@@ -42,7 +42,6 @@ if TYPE_CHECKING:
 PIECE_CHARS = 1024
 # How far past PIECE_CHARS a cut is looked for; without one the rest is one piece (exact).
 SCAN_CHARS = 1024
-MAX_KEYS = 256
 
 
 class _Builder:

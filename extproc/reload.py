@@ -41,7 +41,8 @@ from pathlib import Path
 from typing import TypeVar
 
 from extproc.clock import Clock
-from extproc.config import Config, load_config
+from extproc.config import Config
+from extproc.configparse import load_config
 from extproc.errors import ConfigError
 
 log = logging.getLogger(__name__)

@@ -145,7 +145,7 @@ class Server:
         # it is up: a server that never meets one never starts it). A tokenizing
         # thread waits in the pool while it counts: the pool's capacity is added to the
         # threads, so those waits never take a thread from other counts.
-        self.count_pool = CountPool(tuple(sorted(self._bpe_specs(config))), start=False)
+        self.count_pool = CountPool(tuple(sorted(_bpe_specs(config))), start=False)
         use_count_pool(self.count_pool)
         self.executor = ThreadPoolExecutor(max_workers=TOKENIZE_THREADS + self.count_pool.capacity,
                                            thread_name_prefix="kvgate-tokenize")
@@ -507,18 +507,18 @@ class Server:
         use_count_pool(None, only_if=self.count_pool)
         self.count_pool.close()
 
-    @staticmethod
-    def _bpe_specs(config: Config) -> set[str]:
-        """_bpe_specs are the specs of ``config`` that bpe-openai counts (what the count
-        pool's workers load when they start); the others' tokenizers release the GIL."""
-        specs = set()
-        for pc in config.pools.values():
-            try:
-                if isinstance(load_tokenizer(pc.tokenizer), BpeOpenAITokenizer):
-                    specs.add(pc.tokenizer)
-            except ConfigError:
-                pass  # the gate reports it
-        return specs
+
+def _bpe_specs(config: Config) -> set[str]:
+    """_bpe_specs are the specs of ``config`` that bpe-openai counts (what the count
+    pool's workers load when they start); the others' tokenizers release the GIL."""
+    specs = set()
+    for pc in config.pools.values():
+        try:
+            if isinstance(load_tokenizer(pc.tokenizer), BpeOpenAITokenizer):
+                specs.add(pc.tokenizer)
+        except ConfigError:
+            pass  # the gate reports it
+    return specs
 
 
 def _advertised_host(host: str) -> str:

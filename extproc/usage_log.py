@@ -42,7 +42,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from extproc import openai_api as oai
+from extproc import openai_usage
 
 # Dynamic metadata namespace the Lua filter writes (never kvgate's own: a key kvgate does not
 # know there is an error in a route's settings).
@@ -58,10 +58,10 @@ STRIP_KEY = "strip_usage"
 # The longest count text the filter copies (characters), how much of a JSON body's previous
 # chunk it searches again with the next (bytes), what a count is: the tracker's own, read
 # the same way when a JSON answer outgrows its buffer (openai_api).
-MAX_VALUE_CHARS = oai.COUNT_CHARS
-JSON_OVERLAP_BYTES = oai.JSON_OVERLAP_BYTES
-_MAX_COUNT = oai.MAX_COUNT
-_DIGITS = oai.COUNT_TEXT
+MAX_VALUE_CHARS = openai_usage.COUNT_CHARS
+JSON_OVERLAP_BYTES = openai_usage.JSON_OVERLAP_BYTES
+_MAX_COUNT = openai_usage.MAX_COUNT
+_DIGITS = openai_usage.COUNT_TEXT
 # The longest SSE event the filter parses (bytes); past it the stream passes unparsed.
 MAX_EVENT_BYTES = 1 << 20
 # How often the filter writes its event count while a stream goes on: at every chunk until
@@ -280,12 +280,12 @@ class LoggedUsage:
     done: bool
     result: str
 
-    def tracker(self, streamed: bool) -> oai.ResponseTracker | None:
+    def tracker(self, streamed: bool) -> openai_usage.ResponseTracker | None:
         """tracker is this usage in the shape the exchange settles a lease from; None when
         it holds no count at all (the reservation is charged)."""
         if self.completion_tokens is None and self.events is None:
             return None
-        t = oai.ResponseTracker(streamed=streamed, strip_usage_chunk=False)
+        t = openai_usage.ResponseTracker(streamed=streamed, strip_usage_chunk=False)
         t.completion_tokens = self.completion_tokens
         t.delivered_chunks = self.events or 0
         t.done_seen = self.done

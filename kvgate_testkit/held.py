@@ -22,7 +22,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
 from extproc import usage_log
-from extproc.admission.nodes import NodeReport
+from extproc.admission.types import NodeReport
 try:
     from extproc.request.registry import LINK_KEY
 except ImportError:  # bench/bench_request_path.py --baseline: a revision from before extproc/request/

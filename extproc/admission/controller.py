@@ -26,7 +26,8 @@ from extproc.admission.adaptive import ScaleParams
 from extproc.admission.errors import InvalidDemandError, UnknownPoolError
 from extproc.admission.kvbudget import reserved_completion
 from extproc.admission.lease import Lease
-from extproc.admission.nodes import Charge, NodeSnapshot, PoolNodes, Seen
+from extproc.admission.node import Charge
+from extproc.admission.nodes import NodeSnapshot, PoolNodes, Seen
 from extproc.admission.placement import Placement, attach, place, undo
 from extproc.admission.pool import PoolRuntime
 from extproc.admission.retry import spread

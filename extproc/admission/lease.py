@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from extproc.admission.nodes import Charge
+from extproc.admission.node import Charge
 from extproc.admission.types import Demand, Grant, Outcome, RateInfo
 
 

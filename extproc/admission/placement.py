@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from extproc.admission.nodes import Charge, PassedOver, PoolNodes, Seen
+from extproc.admission.node import Charge, PassedOver
+from extproc.admission.nodes import PoolNodes, Seen
 from extproc.admission.shared_nodes import NodeAsk
 from extproc.admission.types import Budget, Demand, Grant, Plan, Refusal
 from extproc.config import ClassConfig

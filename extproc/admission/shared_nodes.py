@@ -22,7 +22,7 @@ Which report counts: each replica scrapes every node itself and uses its own lat
 report: ``foreign`` is what the node holds that this replica did not subtract (its own
 requests certainly in the cache at the report's mark, see ``nodes``). Reports are not
 shared: a replica whose report of a node is stale does not pick that node, whatever the
-other replicas read (``nodes.Node.state``).
+other replicas read (``node.Node.state``).
 
 Every replica's requests counted once. Another replica's requests in a node's cache are in
 this replica's ``foreign`` too, and in the shared holds: counted twice, they left a replica
@@ -61,13 +61,13 @@ class Candidate(NamedTuple):
     """Candidate is one node a request may be placed on, as a replica reads it (tokens).
 
     ``foreign``: KV the node holds that this replica did not subtract, with its ``rise``
-    to come (``nodes.Node.foreign_ahead``); ``own``: what this replica's requests there hold;
+    to come (``node.Node.foreign_ahead``); ``own``: what this replica's requests there hold;
     ``since``: the store's instant of the latest reply received when the report's mark was
     taken (None: no such reply; nothing of the others' is subtracted); ``idle``: the
     report said the node queued nothing; ``block``: the node's KV block size as this
     replica reads it (tokens; 0: prefixes are not shared there); ``cached``: the tokens of
     the request's prefix that this replica saw running or recently ended there (placement
-    only, ``nodes.Node.cached``).
+    only, ``node.Node.cached``).
     """
 
     name: str

@@ -1,6 +1,6 @@
 """sharing: the prompt blocks that requests running on one node share, counted once.
 
-``Prefixes`` is a replica's own ledger of them (``nodes.Node.prefixes``): the prefix chains
+``Prefixes`` is a replica's own ledger of them (``node.Node.prefixes``): the prefix chains
 (``extproc.prefix``) of its charges on a node, reference-counted per key.
 
 ``SharedPrefixes`` is the same count in a ledger shared by replicas (the Redis store,
@@ -34,8 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from extproc.admission.types import Chain
-from extproc.prefix import MAX_KEYS
+from extproc.admission.types import MAX_KEYS, Chain
 
 MAX_LINKS = MAX_KEYS
 """MAX_LINKS is the most keys of a chain the shared ledger reads (the rest is charged whole)."""

@@ -69,6 +69,12 @@ class CachedView(Protocol):
         ...
 
 
+MAX_KEYS = 256
+"""MAX_KEYS is the most keys of a prompt's prefix chain (``extproc.prefix``): the rest of a
+longer prompt is charged in full. Here, beside ``Chain``, so that the admission package reads
+it without importing ``extproc.prefix``, which imports this package (an import circle)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Chain:
     """Chain is a prompt's prefix chain (``extproc.prefix``): ``keys``, each a hash covering

@@ -15,7 +15,7 @@ from extproc.admission import Outcome
 from extproc.request.profile import ReleaseMode
 
 if TYPE_CHECKING:
-    from extproc import openai_api as oai
+    from extproc.openai_usage import ResponseTracker
 
 __all__ = ["awaits_log_cause", "cause_of", "charged_completion"]
 
@@ -43,7 +43,7 @@ def cause_of(mode: ReleaseMode, *, upstream_error: bool, response_done: bool, ga
     return Outcome.CLIENT_DISCONNECT
 
 
-def charged_completion(mode: ReleaseMode, outcome: Outcome, tracker: oai.ResponseTracker | None,
+def charged_completion(mode: ReleaseMode, outcome: Outcome, tracker: ResponseTracker | None,
                        streamed: bool, cut_by_upstream: bool | None) -> int | None:
     """charged_completion is the completion tokens a lease is settled with (None: unknown,
     the whole reservation stays charged): the reported usage; for a streamed response cut

@@ -44,6 +44,7 @@ from extproc import openai_api as oai
 from extproc import picker_protocol as epp
 from extproc.admission import Lease, Outcome
 from extproc.answers import CONTINUE_RESPONSE_BODY, CONTINUE_RESPONSE_HEADERS, set_headers
+from extproc.openai_usage import ResponseTracker
 from extproc.request.causes import awaits_log_cause, cause_of, charged_completion
 from extproc.request.profile import ReleaseMode
 
@@ -77,7 +78,7 @@ class Ending:
         self.lease, self.link = lease, link
         self.streamed, self.strip = streamed, strip
         # What the response has shown so far (on whichever stream kvgate sees it).
-        self.tracker: oai.ResponseTracker | None = None
+        self.tracker: ResponseTracker | None = None
         self.status, self.upstream_error, self.response_done = 0, False, False
         self.outcome: Outcome | None = None
         # What the access log entry told of a stream cut short (None: no entry yet; True: the
@@ -126,7 +127,7 @@ class Ending:
         self.upstream_error = status >= 400
         streamed = content_type.startswith("text/event-stream")
         strip = self.strip and streamed and not self.upstream_error
-        self.tracker = oai.ResponseTracker(streamed=streamed, strip_usage_chunk=strip)
+        self.tracker = ResponseTracker(streamed=streamed, strip_usage_chunk=strip)
         if end:
             self.response_end()
         return strip

@@ -21,7 +21,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from prometheus_client import CollectorRegistry
 
 from extproc.clock import ManualClock
-from extproc.config import parse_config
+from extproc.configparse import parse_config
 from extproc.metrics import Metrics
 from extproc.openai_api import Endpoint, count_prompt_tokens, parse_request
 from extproc.openai_shapes import TEMPLATES

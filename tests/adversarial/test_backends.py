@@ -17,7 +17,7 @@ import pytest
 
 from extproc.admission import Admission
 from extproc.clock import ManualClock
-from extproc.config import parse_config
+from extproc.configparse import parse_config
 from extproc.signals import Scraper
 from kvgate_testkit.procs import LOOPBACK
 

@@ -29,7 +29,8 @@ from google.protobuf import struct_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from extproc.config import Config, parse_config
+from extproc.config import Config
+from extproc.configparse import parse_config
 from tests.adversarial.support import (CONFIG, TOKEN, Rig, chat, kind, request_body,
                                        request_headers, response_body, response_headers, sse,
                                        usage_json)

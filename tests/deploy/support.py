@@ -120,7 +120,8 @@ def exported_metrics() -> dict[str, set[str]]:
                         inflight_by_class={"c": 1}, tpm_capacity=100, tpm_available=50.0,
                         kv_inflight=10, kv_budget=100, alarm=False)
 
-    from extproc.admission.nodes import NodeSnapshot, NodeState
+    from extproc.admission.node import NodeState
+    from extproc.admission.nodes import NodeSnapshot
     node = NodeSnapshot(name="b", address="127.0.0.1:1", state=NodeState.UP, requests=1,
                         inflight_tokens=10, held_tokens=20, foreign_tokens=5, capacity_tokens=100,
                         headroom_tokens=75, kv_usage=0.15, picks=1, passed_over={"no_room": 1})

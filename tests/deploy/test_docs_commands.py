@@ -20,7 +20,7 @@ import yaml
 
 from extproc import cli
 from extproc.cli import _parser
-from extproc.config import parse_config
+from extproc.configparse import parse_config
 from tests import doccommands as dc
 from tests.doccommands import ROOT, Command
 

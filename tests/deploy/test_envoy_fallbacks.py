@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from extproc.config import parse_config
+from extproc.configparse import parse_config
 from extproc.envoycheck import check_envoy
 from extproc.envoyconf import envoy_bootstrap, envoy_filter
 from extproc.errors import ConfigError

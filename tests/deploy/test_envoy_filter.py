@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from extproc.config import load_config, parse_config
+from extproc.configparse import load_config, parse_config
 from extproc.envoycheck import check_envoy
 from extproc.envoyconf import MODES, envoy_bootstrap, envoy_filter, picks_by_mode
 from extproc.errors import ConfigError

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from extproc.config import load_config
+from extproc.configparse import load_config
 from tests.deploy.support import K8S, container, docs, flag, kustomize_resources, one, resources
 from tests.deploy.test_k8s import model_name, typed_problems
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from extproc.config import load_config
+from extproc.configparse import load_config
 from tests.deploy.support import (ISTIO, K8S, ROOT, container, docs, envoy_validate, http_filters, one,
                                   resources)
 

@@ -19,7 +19,7 @@ import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kubernetes.client import ApiClient
 
-from extproc.config import load_config
+from extproc.configparse import load_config
 from kvgate_testkit.procs import free_port
 from tests.deploy.support import (ISTIO, K8S, NOT_RESOURCES, ROOT, container, docs, envoy_bootstrap,
                                   envoy_validate, envoy_version, flag, http_filters,

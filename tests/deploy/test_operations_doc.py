@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from extproc import config as cfg
+from extproc.configparse import parse_config
 from extproc.errors import ConfigError
 from tests.deploy.support import ROOT
 
@@ -87,7 +88,7 @@ def probe(key: str) -> ConfigError:
                 nxt = node[part] = {}
             node = nxt
     with pytest.raises(ConfigError) as err:
-        cfg.parse_config(data)
+        parse_config(data)
     return err.value
 
 
@@ -98,7 +99,7 @@ def concrete(key: str) -> str:
 
 
 def test_base_config_for_probes_is_valid() -> None:
-    cfg.parse_config(copy.deepcopy(BASE))
+    parse_config(copy.deepcopy(BASE))
 
 
 def test_every_schema_key_is_documented() -> None:

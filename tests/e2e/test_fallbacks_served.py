@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-from extproc.config import parse_config
+from extproc.configparse import parse_config
 from extproc.envoyconf import envoy_bootstrap
 from kvgate_testkit.nodes_stack import MODEL, NodesStack
 from kvgate_testkit.procs import wait_until

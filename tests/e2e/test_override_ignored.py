@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 import yaml
 
-from extproc.config import parse_config
+from extproc.configparse import parse_config
 from extproc.envoycheck import check_envoy
 from extproc.envoyconf import envoy_bootstrap
 from kvgate_testkit.stack import Stack, openai_client

@@ -1,6 +1,6 @@
 """End to end, differential: the Lua usage filter in Envoy against ``ResponseTracker``.
 
-kvgate reads a response's usage two ways: ``openai_api.ResponseTracker`` where it sees the
+kvgate reads a response's usage two ways: ``openai_usage.ResponseTracker`` where it sees the
 chunks itself, and the Lua filter of ``extproc/usage_log.py`` where only Envoy does
 (deploy/envoy-access-log.yaml), its findings brought by the access log. Both must read the
 same bytes the same way. Here the real filter runs in the real Envoy, in front of the real
@@ -37,7 +37,7 @@ from typing import Any
 import orjson
 import pytest
 
-from extproc import openai_api as oai
+from extproc import openai_usage
 from extproc import usage_log
 from kvgate_testkit.h2script import Script, ScriptServer
 from kvgate_testkit.logtap import LogTap
@@ -457,7 +457,7 @@ def tracked(case: Case, strip: bool) -> tuple[Reading, bytes]:
     """tracked is what ResponseTracker reads from the case's chunks, fed as kvgate is fed
     them (an empty last message with the end of stream, none when the upstream cut the
     stream), and the bytes it lets through; the events as the filter writes them down."""
-    tracker = oai.ResponseTracker(streamed=case.content_type.startswith(SSE), strip_usage_chunk=strip)
+    tracker = openai_usage.ResponseTracker(streamed=case.content_type.startswith(SSE), strip_usage_chunk=strip)
     out = []
     written = 0
     for chunk in case.chunks:

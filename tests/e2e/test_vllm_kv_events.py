@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry  # noqa: E402
 
 from bench.bench_vllm import ENGINE_ENV, LOOPBACK, EngineFlags, build_model  # noqa: E402
 from bench.record_kv_events import MODEL_NAME, complete  # noqa: E402
-from extproc.config import parse_config  # noqa: E402
+from extproc.configparse import parse_config  # noqa: E402
 from extproc.engine_blocks import token_keys  # noqa: E402
 from extproc.metrics import Metrics  # noqa: E402
 from extproc.server import Server  # noqa: E402

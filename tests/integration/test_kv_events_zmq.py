@@ -15,7 +15,7 @@ import zmq
 
 from extproc.admission import Admission, Demand, Lease
 from extproc.clock import ManualClock
-from extproc.config import parse_config
+from extproc.configparse import parse_config
 from extproc.engine_blocks import EngineBlocks, token_keys
 from extproc.signals.kv_events import KvEvents, NodeEvents, Subscriber, ViewState, decode_batch
 from kvgate_testkit.procs import wait_until

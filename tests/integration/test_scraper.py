@@ -19,7 +19,8 @@ import pytest
 from extproc.admission import Admission
 from extproc.admission.types import PoolSignals
 from extproc.clock import ManualClock, MonotonicClock
-from extproc.config import Config, parse_config
+from extproc.config import Config
+from extproc.configparse import parse_config
 from extproc.signals import ScrapeError, Scraper
 from kvgate_testkit import EXPOSITIONS
 from kvgate_testkit.procs import LOOPBACK, free_port, wait_until

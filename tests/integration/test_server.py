@@ -34,7 +34,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.config import parse_config
+from extproc.configparse import parse_config
 from extproc.metrics import Metrics
 from extproc.server import Server
 from kvgate_testkit.procs import LOOPBACK, ROOT, Proc, free_port, wait_until

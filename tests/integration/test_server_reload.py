@@ -7,7 +7,7 @@ import http.server
 import threading
 from pathlib import Path
 
-from extproc.config import parse_config
+from extproc.configparse import parse_config
 from extproc.metrics import Metrics
 from extproc.server import Server
 from prometheus_client import CollectorRegistry

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.config import load_config, parse_config
+from extproc.configparse import load_config, parse_config
 from extproc.errors import ConfigError
 
 MINIMAL = {"pools": {"default": {"max_concurrency": 8}}}

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.config import KvEventsConfig, KvEventsEndpoint, parse_config, warnings
+from extproc.config import KvEventsConfig, KvEventsEndpoint
+from extproc.configparse import parse_config, warnings
 from extproc.errors import ConfigError
 
 

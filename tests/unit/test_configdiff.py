@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from extproc import yamlload
-from extproc.config import load_config, parse_config
+from extproc.configparse import load_config, parse_config
 from extproc.configdiff import DestructiveReload, config_change, guard
 from extproc.errors import ConfigError
 

@@ -290,7 +290,7 @@ def test_a_lazy_pool_starts_at_its_first_count_which_it_leaves_to_the_caller() -
 async def test_a_server_installs_its_pool_sizes_its_threads_and_stops_both() -> None:
     from prometheus_client import CollectorRegistry
 
-    from extproc.config import parse_config
+    from extproc.configparse import parse_config
     from extproc.metrics import Metrics
     from extproc.server import TOKENIZE_THREADS, Server
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from google.protobuf import struct_pb2
 
-from extproc.config import parse_config
+from extproc.configparse import parse_config
 from extproc.envoycheck import check_envoy
 from extproc.envoyconf import MODES, envoy_bootstrap, header_strip, picks_by_mode
 from extproc.errors import ConfigError

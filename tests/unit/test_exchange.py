@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from extproc.admission import Admission
 from extproc.clock import ManualClock
-from extproc.config import parse_config
+from extproc.configparse import parse_config
 from extproc.answers import PASS_THROUGH
 from extproc.exchange import Exchange
 from extproc.gate import ANONYMOUS_TENANT, Gate

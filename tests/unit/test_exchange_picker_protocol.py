@@ -141,7 +141,7 @@ async def test_a_hint_that_allows_no_node_is_a_503_and_takes_nothing(value):
 async def test_a_hinted_node_that_is_not_up_is_not_eligible():
     rig = picking_rig()
     rig.clock.advance(10.0)  # both reports stale
-    from extproc.admission.nodes import NodeReport
+    from extproc.admission.types import NodeReport
     rig.admission.report_node("default", "n1", NodeReport(kv_usage=0.0, capacity_tokens=None,
                                                           at=rig.clock.now()))
     _, (resp,) = await admit(rig, chat(max_tokens=100), hint([N0]))

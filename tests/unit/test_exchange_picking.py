@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from extproc.admission.nodes import NodeReport
+from extproc.admission.types import NodeReport
 from extproc.exchange import Exchange
 from extproc.picker_protocol import DESTINATION_KEY as DESTINATION_HEADER
 from extproc.picker_protocol import LB_NAMESPACE

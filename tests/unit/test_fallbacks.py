@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 
 from extproc.admission import rules
-from extproc.admission.nodes import NodeReport
-from extproc.config import MAX_FALLBACKS, parse_config
+from extproc.admission.types import NodeReport
+from extproc.config import MAX_FALLBACKS
+from extproc.configparse import parse_config
 from extproc.errors import ConfigError
 from extproc.exchange import Exchange
 from tests.unit.test_exchange import Rig, body_msg, chat, headers_msg, response_headers_msg

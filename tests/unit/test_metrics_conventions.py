@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.admission import Admission
 from extproc.clock import ManualClock
-from extproc.config import parse_config
+from extproc.configparse import parse_config
 from extproc.metrics import (ACCESS_LOG_RESULTS, CAUSES, LOGGED_USAGE_RESULTS, OUTCOMES, STORE_ERROR_REASONS,
                              TENANT_HEADER_UNSEEN_REASONS, Metrics)
 
@@ -77,7 +77,7 @@ def test_a_class_added_by_a_reload_gets_its_series_and_counting_still_adds_up() 
 
 def test_a_nodes_prefix_hits_and_kvgates_estimate_are_exported_side_by_side() -> None:
     from extproc.admission import Demand, Lease
-    from extproc.admission.nodes import NodeReport
+    from extproc.admission.types import NodeReport
     from tests.unit.admission.test_prefix_ledger import SYSTEM, chain_of
     cfg = parse_config({"pools": {"default": {
         "max_concurrency": 10,

@@ -16,7 +16,7 @@ from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc import usage_log
-from extproc.admission.nodes import NodeReport
+from extproc.admission.types import NodeReport
 from extproc.request.accesslog import AccessLogReceiver, upstream_address
 from extproc.request.profile import ReleaseMode
 from extproc.exchange import Exchange

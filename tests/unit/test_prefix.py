@@ -8,9 +8,10 @@ import random
 import pytest
 
 from extproc import openai_api as oai
-from extproc.admission.nodes import Prefixes
+from extproc.admission.sharing import Prefixes
+from extproc.admission.types import MAX_KEYS
 from extproc.openai_shapes import TEMPLATES, chat_shape
-from extproc.prefix import MAX_KEYS, chat_chain, prefix_of, prompt_chain
+from extproc.prefix import chat_chain, prefix_of, prompt_chain
 from extproc.tokens import Tokenizer
 from tests.unit.real_tokenizers import cl100k, llama_tt  # noqa: F401  (fixtures)
 

@@ -14,7 +14,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc import envoyconf
-from extproc.config import load_config
+from extproc.configparse import load_config
 from extproc.exchange import Exchange
 from extproc.gate import METADATA_NAMESPACE
 from extproc.request import profile

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.openai_api import ResponseTracker
+from extproc.openai_usage import ResponseTracker
 
 HEAD = {"id": "chatcmpl-7f3a", "object": "chat.completion.chunk", "created": 1730000000,
         "model": "meta-llama/Meta-Llama-3-8B-Instruct"}

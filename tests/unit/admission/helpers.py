@@ -11,7 +11,8 @@ from extproc.admission import Admission
 from extproc.admission.store.base import Store
 from extproc.admission.types import Grant, Plan, PoolUsage, Refusal
 from extproc.admission.store.memory import MemoryStore
-from extproc.config import ADAPTIVE_DEFAULTS, Config, parse_config
+from extproc.config import ADAPTIVE_DEFAULTS, Config
+from extproc.configparse import parse_config
 
 T0 = 1000.0
 # How long the signal layer lets the core use signals (aggregate: at + stale_after_s).

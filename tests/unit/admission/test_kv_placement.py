@@ -95,7 +95,7 @@ def test_prompt_ids_are_known_for_token_id_prompts_and_for_text_with_a_tokenizer
 
 
 def test_the_exchange_keys_a_prompts_token_ids_only_where_the_pool_reads_kv_events():
-    from extproc.config import parse_config
+    from extproc.configparse import parse_config
     from extproc.request.admit import _evaluate
     from extproc.gate import PoolRuntime
     from extproc.openai_shapes import TEMPLATES

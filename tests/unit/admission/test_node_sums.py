@@ -7,7 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.admission import rules
-from extproc.admission.nodes import Charge, Node, NodeReport, PoolNodes
+from extproc.admission.node import Charge, Node
+from extproc.admission.nodes import PoolNodes
+from extproc.admission.types import NodeReport
 from tests.unit.admission.helpers import T0, config
 from tests.unit.admission.test_nodes import CAP, nodes_pool
 
@@ -169,7 +171,7 @@ def test_a_reload_that_changes_the_growth_rule_counts_every_charge_again():
 
 
 def test_the_view_pooled_growth_reads_follows_the_lengths_by_a_share_of_them():
-    from extproc.admission.nodes import VIEW_SHARE, Lengths
+    from extproc.admission.lengths import Lengths, VIEW_SHARE
     lengths = Lengths()
     for x in range(VIEW_SHARE - 1, 0, -1):      # few kept: the view follows every length
         lengths.add(x)

@@ -10,9 +10,11 @@ from hypothesis import strategies as st
 
 from extproc.admission import Admission, Demand, Lease, Outcome, Reason, Rejection
 from extproc.admission import rules, shared_nodes
-from extproc.admission.nodes import Charge, NodeReport, NodeState, PoolNodes
+from extproc.admission.node import Charge, NodeState
+from extproc.admission.nodes import PoolNodes
+from extproc.admission.types import NodeReport
 from extproc.clock import ManualClock
-from extproc.config import ConfigError
+from extproc.errors import ConfigError
 from tests.unit.admission.helpers import T0, config, no_jitter
 
 CAP = 100_000
@@ -507,7 +509,7 @@ def test_a_charge_is_the_request_on_its_node():
 
 def test_a_local_share_without_a_replica_count_is_said_loudly():
     """Picking with the Redis store shares the nodes now: only an unknown share is warned of."""
-    from extproc.config import warnings
+    from extproc.configparse import warnings
     cfg = config(pool=nodes_pool(1), store={"redis": {"url": "redis://127.0.0.1:1/0"}})
     (line,) = warnings(cfg)
     assert line.startswith("store.redis: on_unavailable is local_share but expected_replicas is not set")

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.admission import Admission, Demand, Lease, Outcome, Rejection, rules
-from extproc.admission.nodes import NodeReport, Prefixes
+from extproc.admission.sharing import Prefixes
+from extproc.admission.types import NodeReport
 from extproc.admission.types import Chain
 from extproc.clock import ManualClock
 from tests.unit.admission.helpers import T0, config
@@ -266,7 +267,7 @@ def test_affinity_never_fits_a_request_where_it_does_not_fit():
 
 
 def test_with_the_redis_store_check_config_no_longer_warns_about_sharing():
-    from extproc.config import parse_config, warnings
+    from extproc.configparse import parse_config, warnings
     raw = {"pools": {"default": nodes_pool(1, shared_prefix=True)},
            "store": {"redis": {"url": "redis://127.0.0.1:6379/0", "expected_replicas": 2}}}
     assert not any("shared_prefix" in w for w in warnings(parse_config(raw)))
@@ -311,7 +312,8 @@ def test_a_request_goes_where_its_prefix_ended_a_moment_ago_but_is_not_credited_
 
 @pytest.mark.parametrize("keep", [40, 0])
 def test_the_record_of_ended_prefixes_is_bounded_by_its_configured_size(keep: int) -> None:
-    from extproc.admission.nodes import NodeReport, PoolNodes
+    from extproc.admission.nodes import PoolNodes
+    from extproc.admission.types import NodeReport
     pool = PoolNodes(config(pool=nodes_pool(1, shared_prefix=True, prefix_record_keys=keep)).pools["default"], 3.0)
     pool.report("n0", NodeReport(kv_usage=0.0, capacity_tokens=CAP, at=T0))
     for i in range(30):

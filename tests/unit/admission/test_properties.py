@@ -20,7 +20,8 @@ from extproc.admission import Admission, Demand, Lease, Outcome, PoolSignals
 from extproc.admission.types import POOL_BUCKET
 from extproc.admission.store.memory import MemoryStore
 from extproc.clock import ManualClock
-from extproc.config import Config, parse_config
+from extproc.config import Config
+from extproc.configparse import parse_config
 from tests.unit.admission.helpers import STALE_AFTER_S
 
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -29,7 +29,8 @@ from extproc.admission.store.fallback import (LOCAL_PREFIX, MODE_FAIL_CLOSED, MO
                                               RECOVER_S, StoreUnavailableError, Within, local_within)
 from extproc.admission.store.redis import RedisStore
 from extproc.clock import ManualClock
-from extproc.config import RedisStoreConfig, parse_config
+from extproc.config import RedisStoreConfig
+from extproc.configparse import parse_config
 from kvgate_testkit.redis_server import RedisServer
 from tests.unit.admission.helpers import Recorder
 

@@ -19,13 +19,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from extproc.admission import Admission, Lease, Outcome, Rejection, rules
-from extproc.admission.nodes import NodeReport
+from extproc.admission.types import NodeReport
 from extproc.admission.shared_nodes import Candidate as C, NodeAsk, Pooled, others_seen, pick_shared, pick_within
 from extproc.admission.types import Budget, Grant, Plan, PoolLimits, Refusal
 from extproc.admission.store.fallback import FLAP_WINDOW_S, MODE_LOCAL_SHARE, MODE_SHARED, RECOVER_MAX_S, RECOVER_S
-from extproc.admission.store.redis import RedisStore, read_gens, read_sums
+from extproc.admission.store.redis import RedisStore
+from extproc.admission.store.redis_ledger import read_gens, read_sums
 from extproc.clock import ManualClock
-from extproc.config import RedisStoreConfig, parse_config
+from extproc.config import RedisStoreConfig
+from extproc.configparse import parse_config
 from kvgate_testkit.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis
@@ -497,7 +499,7 @@ async def test_a_request_that_ended_after_it_was_published_is_counted_by_its_hol
 
 class _Published:
     """_Published stands for a grant's node charge where only the store runs: what its mark saw
-    of it (``nodes.Charge.seen``, tokens), the one field a refresh reads."""
+    of it (``node.Charge.seen``, tokens), the one field a refresh reads."""
 
     def __init__(self) -> None:
         self.seen = 0

@@ -21,13 +21,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from extproc.admission import Admission, Demand, Lease, Outcome
-from extproc.admission.nodes import NodeReport
+from extproc.admission.types import NodeReport
 from extproc.admission.shared_nodes import Candidate as C, NodeAsk, others_seen, pick_shared
 from extproc.admission.sharing import MAX_LINKS, MAX_NODE_KEYS, SharedPrefixes
-from extproc.admission.store.redis import RedisStore, read_gens, read_shares
+from extproc.admission.store.redis import RedisStore
+from extproc.admission.store.redis_ledger import read_gens, read_shares
 from extproc.admission.types import Budget, Chain, Grant, Plan, PoolLimits, Refusal
 from extproc.clock import ManualClock
-from extproc.config import RedisStoreConfig, parse_config
+from extproc.config import RedisStoreConfig
+from extproc.configparse import parse_config
 from kvgate_testkit.redis_server import RedisServer
 from tests.unit.admission.test_prefix_ledger import LEAVES, TRIE, engine_tokens, kvgate_chain, path_to
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.config import ConfigError, parse_config
+from extproc.errors import ConfigError
+from extproc.configparse import parse_config
 from extproc.signals.discovery import Discovery, resolve_a
 
 
