@@ -24,6 +24,7 @@ from extproc.prefix import _Builder
 from sim.engine import Engine, EngineParams, Seq, SeqStatus
 from tests.unit.admission.helpers import T0, config
 from tests.unit.admission.test_nodes import CAP, nodes_pool
+from tests.unit.admission.test_prefix_ledger import path_to as path_in
 
 # A small trie of prompt pieces (engine tokens each): a system prompt most requests share,
 # documents and conversation turns below it, and a prompt that shares nothing with it.
@@ -34,16 +35,6 @@ TRIE = {
 }
 LEAVES = list(TRIE)
 PIECE_IDS = {name: i for i, name in enumerate(TRIE)}
-
-
-def path_to(leaf: str) -> list[str]:
-    """path_to is the pieces of the prompt that ends with piece ``leaf``, first first."""
-    path: list[str] = []
-    at: str | None = leaf
-    while at is not None:
-        path.append(at)
-        at = TRIE[at][0]
-    return path[::-1]
 
 
 def token_ids(path: list[str], request: int, own: int) -> list[int]:
@@ -195,7 +186,7 @@ def drive(ops: list[tuple], nodes: int, engine_block: int, batched: int, error: 
     live: list[Live] = []
     for i, (kind, a, b, c) in enumerate(ops):
         if kind == "admit":
-            path = path_to(a)
+            path = path_in(a, TRIE)
             prompt = sum(TRIE[n][1] for n in path) + b
             got = pool.pick("standard", prompt, c, 1.0, now, chain=kvgate_chain(path, i, b, error, engine_block))
             if isinstance(got, Charge):
