@@ -137,12 +137,13 @@ TRIE = {
 LEAVES = list(TRIE)
 
 
-def path_to(leaf: str) -> list[str]:
+def path_to(leaf: str, trie: dict[str, tuple[str | None, int]] = TRIE) -> list[str]:
+    """path_to is the pieces of the prompt that ends with piece ``leaf`` of ``trie``, first first."""
     path: list[str] = []
     at: str | None = leaf
     while at is not None:
         path.append(at)
-        at = TRIE[at][0]
+        at = trie[at][0]
     return path[::-1]
 
 
