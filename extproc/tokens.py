@@ -36,7 +36,6 @@ SPLIT_PATTERNS: dict[str, str] = {"llama3": _PAT_LLAMA3, "qwen2": _PAT_QWEN2}
 
 _MAX_RANK_FILE_BYTES = 64 * 1024 * 1024
 _CACHE_ENTRIES = 32768
-_CACHE_MIN_CHARS = 32       # shorter texts are cheaper to count than to hash
 _SHORT_KEY_CHARS = 64       # up to this length the text itself is the cache key
 _KEY_PART_CHARS = 65536
 
@@ -234,8 +233,8 @@ class _CachedCounter:
 
     def count(self, text: str) -> int:
         """count returns the number of tokens in ``text``, without special tokens."""
-        if len(text) < _CACHE_MIN_CHARS:
-            return self._count(text)
+        # Short texts (roles, a shared system prompt) too: they key themselves, and a dict
+        # lookup costs a tenth of a call of the engine.
         key = self._cache.key(text)
         hit = self._cache.get(key)
         if hit is not None:
