@@ -129,6 +129,8 @@ class _CountCache:
     def key(text: str) -> str | bytes:
         if len(text) <= _SHORT_KEY_CHARS:
             return text
+        if len(text) <= _KEY_PART_CHARS:  # the same digest in one call
+            return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
         # Encoded in parts: a whole megabyte of CJK takes milliseconds to encode, all of it
         # holding the GIL (the hash itself hands it over). The digest is the same.
         digest = hashlib.blake2b(digest_size=16)
