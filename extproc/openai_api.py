@@ -164,7 +164,7 @@ def _check_content_type(content_type: str | None) -> None:
 
     A missing content-type is accepted, as the inference servers do.
     """
-    if content_type is None:
+    if content_type is None or content_type == "application/json":  # the usual one, read at once
         return
     media, _, params = content_type.partition(";")
     media = media.strip().lower()

