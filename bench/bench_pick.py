@@ -57,7 +57,10 @@ BATCHES = 200
 
 
 def _config(growth: str) -> Any:
-    from extproc.configparse import parse_config
+    try:
+        from extproc.configparse import parse_config
+    except ImportError:  # a --baseline revision from before configparse.py
+        from extproc.config import parse_config  # type: ignore[no-redef]
     backends = [{"name": f"n{i}", "metrics_url": f"http://127.0.0.1:9/{i}",
                  "address": f"127.0.0.1:{8001 + i}", "kv_capacity_tokens": 1_000_000_000}
                 for i in range(NODES)]
@@ -149,7 +152,10 @@ def measure_refusal(budget: str, held: int, seed: int = 7) -> float:
     from extproc.admission import Admission, Lease, Outcome, Rejection
     from extproc.admission.types import NodeReport
     from extproc.clock import MonotonicClock
-    from extproc.configparse import parse_config
+    try:
+        from extproc.configparse import parse_config
+    except ImportError:  # a --baseline revision from before configparse.py
+        from extproc.config import parse_config  # type: ignore[no-redef]
     held = max(1, held)
     size = 600  # prompt 400 + completion 200 tokens a request
     pool: dict[str, Any] = {"max_concurrency": held if budget == "slots" else 10**9}

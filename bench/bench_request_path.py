@@ -62,7 +62,10 @@ from bench.bench_overhead import BENCH_CONFIG, ChatBodies  # noqa: E402
 from bench.revision import checked_out, worker_env  # noqa: E402
 from extproc.admission import Admission  # noqa: E402
 from extproc.clock import Clock, MonotonicClock  # noqa: E402
-from extproc.configparse import parse_config  # noqa: E402
+try:
+    from extproc.configparse import parse_config  # noqa: E402
+except ImportError:  # a --baseline revision from before configparse.py
+    from extproc.config import parse_config  # type: ignore[no-redef]  # noqa: E402
 from extproc.gate import Gate  # noqa: E402
 from extproc.metrics import Metrics  # noqa: E402
 from extproc.request_facts import ATTR_CONTENT_TYPE, ATTR_METHOD, ATTR_PATH  # noqa: E402
