@@ -62,21 +62,26 @@ import time  # noqa: E402
 from collections import deque  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
-from typing import Any, Protocol  # noqa: E402
+from typing import Any  # noqa: E402
 
 import aiohttp  # noqa: E402
 import orjson  # noqa: E402
 import yaml  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from bench.bench_protection import CHAT_OVERHEAD, MODEL, Node, _retry_delay  # noqa: E402
+from bench import load  # noqa: E402
+from bench.bench_protection import CHAT_OVERHEAD, MODEL, Node  # noqa: E402
+from bench.load import NODE_HEADER, Placer, Result, by_class, goodput, replay, result_rows, session  # noqa: E402
+from bench.reports import cell, percentile  # noqa: E402
+from bench.sampling import node_state, readings, scraped, wait_fresh  # noqa: E402
+from bench.sampling import preemptions as read_preemptions  # noqa: E402
+from bench.stacks import Procs, failure  # noqa: E402
 from extproc.configparse import parse_config  # noqa: E402
 from extproc.localstack import is_processor_cluster  # noqa: E402
 from sim.api import OUTPUT_TOKENS_HEADER, words  # noqa: E402
 from sim.blocks import blocks_for  # noqa: E402
 from kvgate_testkit.stack import envoy_config  # noqa: E402
 from kvgate_testkit.nodes_stack import cluster_endpoints, header_routes  # noqa: E402
-from kvgate_testkit.procs import LOOPBACK, VENV_BIN, Proc, exit_on_sigterm, free_port  # noqa: E402
+from kvgate_testkit.procs import LOOPBACK, exit_on_sigterm, free_port  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 # The full trace lives beside a user's clone, not in it; the committed slice holds the
@@ -88,9 +93,6 @@ PICKER_ENVOY = ROOT / "deploy" / "envoy-endpoint-picker.yaml"
 BATCH_WATERMARK = 0.7
 # How long (simulated s) kvgate lets an online chat wait for room before its 429.
 ONLINE_WAIT_S = 2.0
-# The oracle routes with this header (Envoy matches it to one cluster per node); no
-# other policy sends it.
-NODE_HEADER = "x-bench-node"
 TTFT_TARGET_S = 2.0
 NODES = 3
 # The oracle keeps room for the background load from this many simulated seconds before it
@@ -509,35 +511,7 @@ class Oracle:
         self._dispatch()
 
 
-class Placer(Protocol):
-    """Placer is what the client asks where a request goes (``Oracle``, or another benchmark's):
-    ``acquire`` waits until it may go and says to which node, with a token ``release`` takes
-    back once it ended; ``tick`` is called every sample."""
-
-    async def acquire(self, req: Req) -> tuple[int, int]: ...
-
-    def release(self, node: int, token: int) -> None: ...
-
-    def tick(self) -> None: ...
-
-
 # --- one run ----------------------------------------------------------------------------------
-
-@dataclass(slots=True)
-class Result:
-    """Result is how one request ended. Times in simulated seconds from the run's start."""
-
-    req: Req
-    status: str = "pending"        # ok | refused | error
-    attempts: int = 0
-    refusals: int = 0              # 429 answers seen, retried ones included
-    last_status: int | None = None
-    ttft: float | None = None      # from the first attempt to the first token
-    done_at: float | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    finish_reason: str | None = None
-
 
 @dataclass(slots=True)
 class Run:
@@ -553,132 +527,30 @@ class Run:
     skipped: str | None = None
 
 
-class Client:
-    """Client replays the requests through Envoy, in real time ``speedup`` times faster than simulated."""
+class Client(load.Client):
+    """Client replays the requests through Envoy; each request names its tenant by its API key
+    and tells the node its true output length (``x-sim-output-tokens``)."""
 
-    def __init__(self, url: str, speedup: float, t0: float, batch_deadline: float,
-                 oracle: Placer | None) -> None:
-        self.url = url
-        self.speedup = speedup
-        self.t0 = t0
-        self.batch_deadline = batch_deadline   # real monotonic instant
-        self.oracle = oracle
-        self.open = {"online": 0, "batch": 0}  # arrived and not ended (waiting, backing off or running)
-        self.refusals = {"online": 0, "batch": 0}  # 429 answers so far
-
-    def sim_now(self) -> float:
-        return (time.monotonic() - self.t0) * self.speedup
-
-    def target(self, r: Result) -> str:
-        """target is the URL ``r``'s next try goes to (one Envoy here; a replica's in bench_replicas)."""
-        return self.url
-
-    async def send(self, session: aiohttp.ClientSession, r: Result) -> None:
-        req = r.req
-        await asyncio.sleep(max(0.0, self.t0 + req.at / self.speedup - time.monotonic()))
-        self.open[req.klass] += 1
-        try:
-            await self._attempts(session, r)
-        finally:
-            self.open[req.klass] -= 1
-            if r.done_at is None:
-                r.done_at = self.sim_now()
-
-    async def _attempts(self, session: aiohttp.ClientSession, r: Result) -> None:
-        req = r.req
-        first = self.sim_now()
-        headers = {"content-type": "application/json", "authorization": f"Bearer {api_key(req.tenant)}",
-                   OUTPUT_TOKENS_HEADER: str(req.output_tokens)}
-        max_retries = 2 if req.klass == "online" else 1_000_000   # openai-python's default for chats
-        placed: tuple[int, int] | None = None
-        if self.oracle is not None:
-            placed = await self.oracle.acquire(req)
-            headers[NODE_HEADER] = str(placed[0])
-        try:
-            while True:
-                r.attempts += 1
-                retryable, delay = await self._attempt(session, r, headers, first)
-                if r.status == "ok":
-                    return
-                out_of_time = req.klass == "batch" and time.monotonic() + delay > self.batch_deadline
-                if not retryable or r.attempts > max_retries or out_of_time:
-                    r.status = "refused" if r.last_status == 429 else "error"
-                    return
-                await asyncio.sleep(delay)
-        finally:
-            if placed is not None and self.oracle is not None:
-                self.oracle.release(*placed)
-
-    async def _attempt(self, session: aiohttp.ClientSession, r: Result, headers: dict[str, str],
-                       first: float) -> tuple[bool, float]:
-        """_attempt sends one try; returns (retryable, real seconds to wait before the next)."""
-        try:
-            async with session.post(self.target(r), data=r.req.body, headers=headers) as resp:
-                r.last_status = resp.status
-                if resp.status == 200:
-                    if r.req.stream:
-                        await self._read_stream(resp, r, first)
-                    else:
-                        body = await resp.json(loads=orjson.loads)
-                        usage = body.get("usage") or {}
-                        r.prompt_tokens = usage.get("prompt_tokens", 0)
-                        r.completion_tokens = usage.get("completion_tokens", 0)
-                        r.finish_reason = (body.get("choices") or [{}])[0].get("finish_reason")
-                    if r.completion_tokens:
-                        r.status = "ok"
-                        r.done_at = self.sim_now()
-                        return False, 0.0
-                    return True, _retry_delay({}, r.attempts - 1)
-                await resp.read()
-                if resp.status == 429:
-                    r.refusals += 1
-                    self.refusals[r.req.klass] += 1
-                retryable = (resp.status in (408, 409, 429) or resp.status >= 500) and \
-                    resp.headers.get("x-should-retry", "true") != "false"
-                return retryable, _retry_delay(resp.headers, r.attempts - 1)
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            return True, _retry_delay({}, r.attempts - 1)
-
-    async def _read_stream(self, resp: aiohttp.ClientResponse, r: Result, first: float) -> None:
-        async for line in resp.content:
-            if not line.startswith(b"data: {"):
-                continue
-            if r.ttft is None and b'"content":"' in line and b'"content":""' not in line:
-                r.ttft = self.sim_now() - first
-            if b'"finish_reason":"' in line:
-                choices = orjson.loads(line[6:]).get("choices") or [{}]
-                r.finish_reason = choices[0].get("finish_reason") or r.finish_reason
-            elif b'"usage":{' in line:
-                usage = orjson.loads(line[6:]).get("usage") or {}
-                r.prompt_tokens = usage.get("prompt_tokens", 0)
-                r.completion_tokens = usage.get("completion_tokens", 0)
+    def headers(self, req: Req) -> dict[str, str]:
+        return {"content-type": "application/json", "authorization": f"Bearer {api_key(req.tenant)}",
+                OUTPUT_TOKENS_HEADER: str(req.output_tokens)}
 
 
 _GAUGES = {"kvgate_inflight_requests", "kvgate_kv_inflight_tokens", "kvgate_kv_budget_tokens",
            "kvgate_admission_scale", "kvgate_pool_alarm"}
-# The picker's per-node readings (issue 13's contract), kept per backend label.
-_PER_BACKEND = {"kvgate_backend_kv_inflight_tokens", "kvgate_backend_kv_expected_tokens",
-                "kvgate_backend_kv_foreign_tokens", "kvgate_backend_kv_headroom_tokens",
-                "kvgate_backend_picks_total"}
-# kvgate's decisions, kept per class and outcome: which class a tenant's requests landed in.
-_PER_CLASS = {"kvgate_requests_total"}
+# The picker's per-node readings (issue 13's contract), kept per backend label; kvgate's
+# decisions per class and outcome (which class a tenant's requests landed in).
+_LABELLED = {**dict.fromkeys(("kvgate_backend_kv_inflight_tokens", "kvgate_backend_kv_expected_tokens",
+                              "kvgate_backend_kv_foreign_tokens", "kvgate_backend_kv_headroom_tokens",
+                              "kvgate_backend_picks_total"), ("backend",)),
+             "kvgate_requests_total": ("class", "outcome")}
 
 
 def parse_kvgate_metrics(text: str) -> dict[str, float]:
     """parse_kvgate_metrics sums kvgate's pool gauges over labels and keeps the per-backend
     series as ``name/backend`` entries, its decisions as ``name/class/outcome`` (those seen)."""
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name in _GAUGES:
-                out[s.name] = out.get(s.name, 0.0) + s.value
-            elif s.name in _PER_BACKEND:
-                key = f"{s.name}/{s.labels.get('backend', '')}"
-                out[key] = out.get(key, 0.0) + s.value
-            elif s.name in _PER_CLASS and s.value:
-                key = f"{s.name}/{s.labels.get('class', '')}/{s.labels.get('outcome', '')}"
-                out[key] = out.get(key, 0.0) + s.value
-    return out
+    return {k: v for k, v in readings(text, _GAUGES, _LABELLED).items()
+            if v or not k.startswith("kvgate_requests_total/")}
 
 
 async def _sample(session: aiohttp.ClientSession, client: Client, sim_urls: Sequence[str],
@@ -691,8 +563,7 @@ async def _sample(session: aiohttp.ClientSession, client: Client, sim_urls: Sequ
                                "refused_batch": client.refusals["batch"], "nodes": []}
         try:
             for url in sim_urls:
-                async with session.get(f"{url}/sim/state") as resp:
-                    st = await resp.json(loads=orjson.loads)
+                st = await node_state(session, url)
                 row["nodes"].append({k: st[k] for k in ("used_blocks", "total_blocks", "background_blocks",
                                                         "running", "waiting", "preemptions")})
             if admin_url is not None:
@@ -733,48 +604,18 @@ async def drive(run: Run, reqs: list[Req], sc: Scenario, speedup: float, envoy_p
         client.oracle = Oracle(node, len(sim_urls), sc.background, lead_s=ORACLE_LEAD_S, now=client.sim_now,
                                watermarks={"batch": batch_watermark} if run.policy.keeps_classes else None)
     run.results = [Result(r) for r in reqs]
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        sampler = asyncio.create_task(_sample(session, client, sim_urls, admin_url, run.timeline,
-                                              0.5 / speedup, client.oracle))
-        background = asyncio.create_task(_background(session, client, sim_urls, sc.background,
-                                                     run.background))
-        try:
-            limit = (sc.duration_s + sc.drain_s) / speedup + 60.0
-            await asyncio.wait_for(asyncio.gather(*(client.send(session, r) for r in run.results)),
-                                   timeout=limit)
-        except TimeoutError:
-            run.error = "the run did not end within its time limit; unfinished requests count as errors"
-        finally:
-            for task in (sampler, background):
-                if not task.done():
-                    task.cancel()
-            for task in (sampler, background):
-                try:
-                    await task
-                except asyncio.CancelledError:
-                    pass
-        run.preemptions = await read_preemptions(session, sim_urls)
+    async with session() as s:
+        run.error = await replay([client.send(s, r) for r in run.results],
+                                 (sc.duration_s + sc.drain_s) / speedup + 60.0,
+                                 [_sample(s, client, sim_urls, admin_url, run.timeline, 0.5 / speedup, client.oracle),
+                                  _background(s, client, sim_urls, sc.background, run.background)])
+        run.preemptions = await read_preemptions(s, sim_urls)
     close_results(run, label)
-
-
-async def read_preemptions(session: aiohttp.ClientSession, sim_urls: Sequence[str]) -> list[int]:
-    """read_preemptions is each simulated node's preemption count, in the order of ``sim_urls``."""
-    counts = []
-    for url in sim_urls:
-        async with session.get(f"{url}/sim/state") as resp:
-            counts.append((await resp.json(loads=orjson.loads))["preemptions"])
-    return counts
 
 
 def close_results(run: Run, label: str) -> None:
     """close_results counts a run's unfinished requests as errors and prints how many completed."""
-    for r in run.results:
-        if r.status == "pending":
-            r.status = "error"
-    done = sum(r.status == "ok" for r in run.results)
-    print(f"  [{label}] {done}/{len(run.results)} completed", flush=True)
+    load.close_results(run.results, label)
 
 
 def skip_reason(policy: Policy) -> str | None:
@@ -788,19 +629,7 @@ def skip_reason(policy: Policy) -> str | None:
 def _wait_signals(admin_url: str, timeout: float = 10.0) -> None:
     """_wait_signals waits until kvgate has scraped the nodes, so a run does not start while
     kvgate still counts them as stale."""
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"{admin_url}/metrics", timeout=2) as resp:
-                m = parse_kvgate_metrics(resp.read().decode())
-            if m.get("kvgate_pool_alarm") == 0.0 and m.get("kvgate_admission_scale") == 1.0:
-                return
-        except OSError:
-            pass
-        time.sleep(0.05)
-    raise TimeoutError("kvgate did not report fresh backend signals in time")
+    wait_fresh(admin_url, scraped, timeout)
 
 
 def run_policy(policy: Policy, reqs: list[Req], sc: Scenario, node: Node, speedup: float, seed: int,
@@ -812,71 +641,39 @@ def run_policy(policy: Policy, reqs: list[Req], sc: Scenario, node: Node, speedu
     run.skipped = skip_reason(policy)
     if run.skipped is not None:
         return run
-    workdir.mkdir(parents=True, exist_ok=True)
-    procs: list[Proc] = []
     started = time.monotonic()
-    try:
-        sim_ports = [free_port() for _ in range(NODES)]
-        sims = []
-        for i, port in enumerate(sim_ports):
-            # No cap from the node itself: a request without max_tokens may run to the
-            # end of the context, as on vLLM.
-            argv = [*node.argv(port, speedup, seed + i, "preempt"),
-                    "--default-max-tokens", str(node.max_model_len)]
-            sims.append(Proc(argv, workdir / f"sim-{i}.log"))
-        procs.extend(sims)
-        grpc_port = admin_port = None
-        kv: Proc | None = None
-        if policy.kvgate is not None:
-            grpc_port, admin_port = free_port(), free_port()
-            cfg_path = workdir / "kvgate.yaml"
-            cfg_path.write_text(yaml.safe_dump(kvgate_config(policy, sc, speedup, sim_ports, node, batch_watermark,
-                                                             online_wait_s),
-                                               sort_keys=False))
-            kv = Proc([sys.executable, "-m", "extproc", "serve", "--config", str(cfg_path),
-                       "--grpc-listen", f"{LOOPBACK}:{grpc_port}",
-                       "--admin-listen", f"{LOOPBACK}:{admin_port}", "--log-level", "warning"],
-                      workdir / "kvgate.log")
-            procs.append(kv)
-        envoy_port = free_port()
-        envoy_yaml = workdir / "envoy.yaml"
-        envoy_yaml.write_text(yaml.safe_dump(envoy_for(policy, listen=envoy_port, grpc=grpc_port,
-                                                       sim_ports=sim_ports, picker_template=picker_envoy),
-                                              sort_keys=False))
-        for sim, port in zip(sims, sim_ports):
-            sim.wait_port(port)
-        admin_url = None
-        if kv is not None and admin_port is not None and grpc_port is not None:
-            kv.wait_port(admin_port)
-            kv.wait_port(grpc_port)
-            admin_url = f"http://{LOOPBACK}:{admin_port}"
-            _wait_signals(admin_url)
-        envoy = Proc([str(VENV_BIN / "envoy"), "-c", str(envoy_yaml), "--log-level", "error",
-                      "--disable-hot-restart", "--concurrency", "1"], workdir / "envoy.log")
-        procs.append(envoy)
-        envoy.wait_port(envoy_port)
-        asyncio.run(drive(run, reqs, sc, speedup, envoy_port,
-                          [f"http://{LOOPBACK}:{p}" for p in sim_ports], admin_url, label, node,
-                          batch_watermark))
-        for p in procs:
-            if not p.alive():
-                run.error = (run.error or "") + f" {Path(p.argv[0]).name} exited during the run"
-    except Exception as exc:  # one policy failing must not lose the others' results
-        run.error = f"{type(exc).__name__}: {exc}"[:2000]
-    finally:
-        for p in reversed(procs):
-            p.stop()
+    with Procs(workdir) as procs:
+        try:
+            sim_ports = [free_port() for _ in range(NODES)]
+            # No cap from the node itself: a request without max_tokens may run to the end of
+            # the context, as on vLLM.
+            sims = [procs.start(f"sim-{i}", [*node.argv(port, speedup, seed + i, "preempt"),
+                                             "--default-max-tokens", str(node.max_model_len)])
+                    for i, port in enumerate(sim_ports)]
+            for sim, port in zip(sims, sim_ports):
+                sim.wait_port(port)
+            kv = None
+            if policy.kvgate is not None:
+                kv = procs.kvgate(kvgate_config(policy, sc, speedup, sim_ports, node, batch_watermark,
+                                                online_wait_s))
+                _wait_signals(kv.admin_url)
+            envoy_port = free_port()
+            procs.envoy(envoy_for(policy, listen=envoy_port, grpc=None if kv is None else kv.grpc_port,
+                                  sim_ports=sim_ports, picker_template=picker_envoy), envoy_port)
+            asyncio.run(drive(run, reqs, sc, speedup, envoy_port, [f"http://{LOOPBACK}:{p}" for p in sim_ports],
+                              None if kv is None else kv.admin_url, label, node, batch_watermark))
+            run.error = ((run.error or "") + procs.died()) or None
+        except Exception as exc:  # one policy failing must not lose the others' results
+            run.error = failure(exc)
     run.wall_s = time.monotonic() - started
     return run
 
 
 # --- the report -----------------------------------------------------------------------------
 
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    v = sorted(values)
-    return v[min(len(v) - 1, max(0, math.ceil(q * len(v)) - 1))]
+# bench_replicas reads the report's percentiles and cells under these names.
+_pct = percentile
+_fmt = cell
 
 
 @dataclass(frozen=True, slots=True)
@@ -924,26 +721,15 @@ def preemptions_at_arrival(run: Run, bg: Background) -> int:
 
 def summarize(run: Run, background: Background) -> Summary:
     """summarize turns a run's results and timeline into its row of the table."""
-    by_class: dict[str, dict[str, int]] = {}
-    for klass in ("online", "batch"):
-        rs = [r for r in run.results if r.req.klass == klass]
-        by_class[klass] = {"n": len(rs), "ok": sum(r.status == "ok" for r in rs),
-                           "refused": sum(r.status == "refused" for r in rs),
-                           "error": sum(r.status == "error" for r in rs),
-                           "429s": sum(r.refusals for r in rs)}
     online = [r for r in run.results if r.req.klass == "online"]
     ttfts = [r.ttft for r in online if r.status == "ok" and r.ttft is not None]
     under = sum(1 for t in ttfts if t <= TTFT_TARGET_S) / len(online) if online else None
-    ok = [r for r in run.results if r.status == "ok"]
-    start = min((r.req.at for r in run.results), default=0.0)
-    end = max((r.done_at for r in ok if r.done_at is not None), default=start)
-    span = max(1e-9, end - start)
-    tokens = sum(r.prompt_tokens + r.completion_tokens for r in ok)
+    tokens, span = goodput(run.results)
     starved = [row for row in run.timeline
                if row["open_online"] + row["open_batch"] > sum(n["running"] for n in row["nodes"])]
     util = (sum(kv_for_requests(row) for row in starved) / len(starved)) if starved else None
     return Summary(preemptions=tuple(run.preemptions), at_arrival=preemptions_at_arrival(run, background),
-                   by_class=by_class,
+                   by_class=by_class(run.results),
                    ttft_p50=_pct(ttfts, 0.50), ttft_p99=_pct(ttfts, 0.99), under_target=under,
                    kv_utilization=util, goodput=tokens / span, span_s=span, tokens=tokens)
 
@@ -1018,10 +804,6 @@ def plot_summary(runs: list[Run], sums: dict[str, Summary], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
-
-
-def _fmt(x: float | None, digits: int = 2) -> str:
-    return "n/a" if x is None else f"{x:.{digits}f}"
 
 
 def _pct_fmt(x: float | None) -> str:
@@ -1162,13 +944,7 @@ def verdicts(runs: list[Run], sums: dict[str, Summary]) -> list[str]:
 def dump_raw(run: Run, path: Path) -> None:
     """dump_raw writes a run's per-request results and timeline as JSON (for analysis and tests)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    requests = [{"id": r.req.id, "at": r.req.at, "tenant": r.req.tenant, "class": r.req.klass,
-                 "prompt_tokens": r.req.prompt_tokens, "output_tokens": r.req.output_tokens,
-                 "max_tokens": r.req.max_tokens, "true_output": r.req.true_output,
-                 "status": r.status, "attempts": r.attempts, "refusals": r.refusals,
-                 "last_status": r.last_status, "ttft": r.ttft, "done_at": r.done_at,
-                 "usage": [r.prompt_tokens, r.completion_tokens], "finish_reason": r.finish_reason}
-                for r in run.results]
+    requests = result_rows(run.results, "prompt_tokens", "output_tokens", "max_tokens", "true_output")
     path.write_bytes(orjson.dumps({"policy": run.policy.key, "preemptions": run.preemptions,
                                    "error": run.error, "skipped": run.skipped, "background": run.background,
                                    "requests": requests, "timeline": run.timeline}))

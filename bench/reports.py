@@ -1,8 +1,15 @@
-"""reports: how a benchmark hands in its report."""
+"""reports: how a benchmark writes its report: the command that reproduces it, the machine it
+ran on, its percentiles and its cells, and the file it hands in."""
 
 from __future__ import annotations
 
+import argparse
+import math
+import os
+import platform
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 
 def publish(out: Path, text: str) -> int:
@@ -12,3 +19,53 @@ def publish(out: Path, text: str) -> int:
     out.write_text(text + "\n")
     print(text)
     return 0
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """percentile is the nearest-rank ``q`` quantile (0..1) of ``values``: the smallest value
+    with at least a share ``q`` of the values at or below it; None if there are none."""
+    if not values:
+        return None
+    ranked = sorted(values)
+    return ranked[min(len(ranked) - 1, max(0, math.ceil(q * len(ranked)) - 1))]
+
+
+def cell(x: float | None, digits: int = 2) -> str:
+    """cell is ``x`` with ``digits`` decimals, or ``n/a`` when it is unknown."""
+    return "n/a" if x is None else f"{x:.{digits}f}"
+
+
+def _word(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (list, tuple)):
+        return ",".join(map(str, value))
+    return str(value)
+
+
+def command(script: str, parser: argparse.ArgumentParser, args: argparse.Namespace,
+            shown: Sequence[str] = ()) -> str:
+    """command is the command line that reproduces ``args``: ``python script`` and each option
+    whose value is not its default (every one of ``shown`` whatever its value), in the parser's
+    order, so a report names exactly the run it holds."""
+    words = [f"python {script}"]
+    for action in parser._actions:  # argparse keeps its options only here
+        if not action.option_strings or action.dest == "help":
+            continue
+        value = getattr(args, action.dest, action.default)
+        if value == action.default and action.dest not in shown:
+            continue
+        flag = max(action.option_strings, key=len)
+        if action.nargs == 0:  # a switch: present when its value is not the default
+            words.append(flag)
+        elif value is not None:
+            words += [flag, _word(value)]
+    return " ".join(words)
+
+
+def machine() -> str:
+    """machine says what a run measured on: architecture, the CPU cores this process may use,
+    the Python that ran it."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
+    return (f"{platform.machine()}, {cores} CPU cores, "
+            f"{platform.python_implementation()} {platform.python_version()}")
