@@ -51,8 +51,9 @@ from typing import Any  # noqa: E402
 
 import orjson  # noqa: E402
 
-from bench.bench_overhead import Conn, cpu_seconds, http_request, pct  # noqa: E402
-from bench.reports import publish  # noqa: E402
+from bench.httpload import Conn, http_request  # noqa: E402
+from bench.reports import pct, publish  # noqa: E402
+from bench.sampling import cpu_seconds  # noqa: E402
 from extproc import usage_log  # noqa: E402
 from kvgate_testkit.procs import exit_on_sigterm  # noqa: E402
 from kvgate_testkit.stack import Stack, metadata_route  # noqa: E402

@@ -30,6 +30,15 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return ranked[min(len(ranked) - 1, max(0, math.ceil(q * len(ranked)) - 1))]
 
 
+def pct(values: Sequence[float], q: float) -> float:
+    """pct is the ``q`` quantile (0..1) of ``values`` at the rank nearest q x (n - 1) (nan when
+    empty): the hot-path benchmarks' reading, kept so their figures compare across runs."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
 def cell(x: float | None, digits: int = 2) -> str:
     """cell is ``x`` with ``digits`` decimals, or ``n/a`` when it is unknown."""
     return "n/a" if x is None else f"{x:.{digits}f}"

@@ -4,6 +4,7 @@ fresh scrape before load starts."""
 
 from __future__ import annotations
 
+import os
 import time
 import urllib.request
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -70,3 +71,19 @@ async def node_state(session: aiohttp.ClientSession, url: str) -> dict[str, Any]
 async def preemptions(session: aiohttp.ClientSession, urls: Sequence[str]) -> list[int]:
     """preemptions is each simulated node's preemption count, in the order of ``urls``."""
     return [(await node_state(session, url))["preemptions"] for url in urls]
+
+
+def rss_bytes(pid: int) -> int:
+    """rss_bytes is a process's resident memory (bytes, from /proc)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def cpu_seconds(pid: int) -> float:
+    """cpu_seconds is the user + system CPU time a process has used so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -1,23 +1,43 @@
-"""stacks: one benchmark run's processes (simulated nodes, kvgate, the real Envoy) on loopback
-ports, each logging to its own file in the run's folder, stopped together, newest first.
+"""stacks: the processes a benchmark runs on loopback ports.
 
-    with Procs(workdir) as procs:
-        node = procs.start("sim-0", argv)
-        kv = procs.kvgate(config)
-        envoy = procs.envoy(envoy_config(listen=port, ...), port)
+- ``Procs``: one run's processes (simulated nodes, kvgate, the real Envoy), each logging to
+  its own file in the run's folder, stopped together, newest first:
+
+      with Procs(workdir) as procs:
+          node = procs.start("sim-0", argv)
+          kv = procs.kvgate(config)
+          envoy = procs.envoy(envoy_config(listen=port, ...), port)
+
+- ``hot_stack``: a hot-path benchmark's stack (kvgate_testkit's ``Stack``): Envoy on one of
+  ``variants``' files in front of the fast fake upstream, with kvgate (this tree's or another
+  revision's), the bare processor, or nothing behind ext_proc.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import orjson
 import yaml
 
-from kvgate_testkit.procs import LOOPBACK, VENV_BIN, Proc, free_port
+from bench.variants import PICKED, variant_file
+from kvgate_testkit.procs import LOOPBACK, VENV_BIN, Proc, free_port, wait_until
+from kvgate_testkit.stack import Stack
+
+# kvgate's configuration in the hot-path benchmarks: limits far above the load, so that they
+# measure the path, not refusals.
+BENCH_CONFIG: dict[str, Any] = {
+    "pools": {"default": {"max_concurrency": 1000000, "tpm": 10**13, "context_window": 32768,
+                          "default_max_tokens": 1024, "tokenizer": "cl100k_base"}},
+    "limits": {"max_body_bytes": 1048576},
+    "server": {"drain_s": 0, "grace_s": 1},
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,3 +116,65 @@ def failure(exc: BaseException) -> str:
     """failure is how a run that raised is reported: the error's type and message, at most 2,000
     characters (one run failing must not lose the others' results)."""
     return f"{type(exc).__name__}: {exc}"[:2000]
+
+
+class SourceStack(Stack):
+    """SourceStack is a kvgate stack whose kvgate runs from another copy of the sources
+    (``source``: a directory holding an ``extproc`` package), for before/after runs."""
+
+    def __init__(self, workdir: Path, config: dict[str, Any], source: Path, **kwargs: Any) -> None:
+        super().__init__(workdir, config, **kwargs)
+        self.source = source
+
+    def _spawn(self, name: str, argv: list[str]) -> Proc:
+        if name != "kvgate":
+            return super()._spawn(name, argv)
+        # ``python -m`` puts the working directory first on sys.path: that picks the copy.
+        proc = Proc(argv, self.workdir / f"{name}.log", cwd=self.source)
+        self.procs[name] = proc
+        return proc
+
+
+def hot_stack(workdir: Path, variant: str, work: Path, processor: str | list[str] | None = "kvgate",
+              source: Path | None = None) -> Stack:
+    """hot_stack is a stack of Envoy on ``variant``'s file (written to ``work`` where derived)
+    in front of the fast fake upstream, with ``processor`` behind ext_proc: ``"kvgate"`` on
+    BENCH_CONFIG (run from ``source`` when given), the command of a bare processor, or None
+    (plain Envoy, on the recommended file's routes: a picker file needs a processor to name
+    the node). In a picker file the processor names the fake upstream as its node."""
+    common: dict[str, Any] = {"envoy_template": variant_file("recommended" if processor is None else variant, work),
+                              "upstream_args": ["--fast"]}
+    if processor == "kvgate" and source is not None:
+        stack: Stack = SourceStack(workdir, BENCH_CONFIG, source, **common)
+    else:
+        stack = Stack(workdir, BENCH_CONFIG if processor == "kvgate" else None, processor=processor, **common)
+    if variant in PICKED:
+        _picks_the_upstream(stack)
+    return stack
+
+
+def _picks_the_upstream(stack: Stack) -> None:
+    """_picks_the_upstream makes a stack of the endpoint-picker file name its fake upstream:
+    kvgate's pool gets it as its one node (address and vLLM metrics), the bare processor
+    names it in a constant answer."""
+    node = f"{LOOPBACK}:{stack.upstream_port}"
+    if stack.processor == "kvgate":
+        cfg = orjson.loads(orjson.dumps(BENCH_CONFIG))
+        cfg["pools"]["default"]["backends"] = [{"name": "node-0", "engine": "vllm", "address": node,
+                                                "metrics_url": f"http://{node}/metrics"}]
+        stack.kvgate_config = cfg
+    elif isinstance(stack.processor, list):
+        stack.processor = [*stack.processor, "--destination", node]
+
+
+def wait_picker_nodes_up(stacks: Iterable[Stack]) -> None:
+    """wait_picker_nodes_up waits until every kvgate of ``stacks`` whose pool picks its nodes
+    has scraped its node once (before that, every request is refused: no node is up)."""
+    for stack in stacks:
+        cfg = stack.kvgate_config
+        if stack.processor == "kvgate" and cfg is not None and "backends" in cfg["pools"]["default"]:
+            wait_until(partial(_picks, stack), timeout=20, what="the picker's node up")
+
+
+def _picks(stack: Stack) -> bool:
+    return stack.metric("kvgate_backend_pickable") == 1
