@@ -50,6 +50,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb  # noqa: E402
 from google.protobuf import struct_pb2  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
 
+from bench import reports  # noqa: E402
 from bench.bench_tokens import KINDS  # noqa: E402
 from bench.reports import publish  # noqa: E402
 from extproc.admission import Admission  # noqa: E402
@@ -359,8 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         res = uvloop.run(measure(args.rounds, args.seconds))
     except ImportError:
         res = asyncio.run(measure(args.rounds, args.seconds))
-    command = "python bench/bench_big_prompt.py" + "".join(
-        f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    command = reports.command("bench/bench_big_prompt.py", ap, args)
     probe = gil_probe(args.rounds)
     text = report(res, command=command, rounds=args.rounds, seconds=args.seconds, load=load,
                   wall_s=time.monotonic() - started, probe=probe)

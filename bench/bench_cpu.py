@@ -50,6 +50,7 @@ import time  # noqa: E402
 
 import orjson  # noqa: E402
 
+from bench import reports  # noqa: E402
 from bench.bare import COMMAND as BARE  # noqa: E402
 from bench.httpload import ChatBodies, closed_loop, hold_streams, run  # noqa: E402
 from bench.reports import machine, pct  # noqa: E402
@@ -294,8 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             for stack in stacks.values():
                 stack.stop()
-    command = "python bench/bench_cpu.py" + "".join(
-        f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    command = reports.command("bench/bench_cpu.py", ap, args)
     # The ratio column: to the bare processor, or for refusals to the baseline (or kvgate).
     against = (f"kvgate@{args.baseline}" if args.baseline else "kvgate") if args.refused_under else "bare"
     refused = ([f"Every request of the rounds refused (429) with {args.refused_under} streams held "

@@ -52,6 +52,7 @@ from typing import Any  # noqa: E402
 
 import yaml  # noqa: E402
 
+from bench import reports  # noqa: E402
 from bench.bench_prefix import revision, samples  # noqa: E402
 from bench.inference_perf_reports import Measured, Sample, node_figures, read_stages, tables  # noqa: E402
 from bench.reports import publish  # noqa: E402
@@ -281,8 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"{args.inference_perf} not found: run `make install-inference-perf`")
     args.inference_perf = str(Path(exe).resolve())  # it runs in each setup's folder
     exit_on_sigterm()  # a killed run still stops what it started
-    command = "python bench/bench_inference_perf.py" + "".join(
-        f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    command = reports.command("bench/bench_inference_perf.py", ap, args)
     started = time.monotonic()
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bench-inference-perf-"))
     try:

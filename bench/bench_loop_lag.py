@@ -31,7 +31,6 @@ import contextlib  # noqa: E402
 import multiprocessing as mp  # noqa: E402
 import os  # noqa: E402
 import platform  # noqa: E402
-import threading  # noqa: E402
 import time  # noqa: E402
 
 from bench.bench_scrape import LOOPBACK, _serve, pct  # noqa: E402

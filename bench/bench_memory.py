@@ -42,6 +42,7 @@ from typing import Any  # noqa: E402
 
 from prometheus_client import CollectorRegistry  # noqa: E402
 
+from bench import reports  # noqa: E402
 from bench.reports import publish  # noqa: E402
 from kvgate_testkit.procs import exit_on_sigterm  # noqa: E402
 
@@ -274,8 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for name, value in got.items():
                 if value is not None:
                     rss.setdefault(name, []).append(value)
-    command = "python bench/bench_memory.py" + "".join(
-        f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    command = reports.command("bench/bench_memory.py", ap, args)
     text = report(py, rss, command=command, held=args.held, prompt_chars=args.prompt_chars,
                   streams=args.streams, settle_s=args.settle, baseline=args.baseline,
                   wall_s=time.monotonic() - started, load=load)

@@ -59,6 +59,7 @@ from collections.abc import Callable, Sequence  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from typing import Any  # noqa: E402
 
+from bench import reports  # noqa: E402
 from bench.bare import COMMAND as BARE  # noqa: E402
 # bench_instructions and bench_request_path take BareProcessor and BENCH_CONFIG from here.
 from bench.bare import LEVERS, BareProcessor  # noqa: E402, F401
@@ -679,8 +680,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             for stack in stacks.values():
                 stack.stop()
-    command = "python bench/bench_overhead.py" + "".join(
-        f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    command = reports.command("bench/bench_overhead.py", ap, args)
     text = report(res, command=command, variants=args.variants, sizes=sizes,
                   wall_s=time.monotonic() - started, load=load)
     if args.previous is not None and args.previous.exists():

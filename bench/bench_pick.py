@@ -47,6 +47,7 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
+from bench import reports  # noqa: E402
 from bench.revision import checkout, worker_env  # noqa: E402
 
 GROWTHS = ("worst_case", "learned", "pooled")
@@ -287,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
                 assert proc.stdin is not None
                 proc.stdin.close()
                 proc.wait(timeout=60)
-    command = "python bench/bench_pick.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    command = reports.command("bench/bench_pick.py", ap, args)
     names = list(trees)
     head = " | ".join(f"{n}: us per cycle | x no one held" for n in names)
     lines = ["# A pick's cost by the requests held (bench/bench_pick.py)", "",

@@ -50,12 +50,12 @@ import time  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from datetime import datetime, timezone  # noqa: E402
-from typing import Any  # noqa: E402
 
 import aiohttp  # noqa: E402
 import orjson  # noqa: E402
 
 from bench import prefix_trace  # noqa: E402
+from bench import reports  # noqa: E402
 from bench.prefix_trace import samples  # noqa: E402
 from bench.reports import publish  # noqa: E402
 from extproc.config import PickingConfig  # noqa: E402
@@ -426,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the trace replay's results file ('-': print only)")
     args = ap.parse_args(argv)
     exit_on_sigterm()  # a killed run still stops what it started
-    command = "python bench/bench_prefix.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    command = reports.command("bench/bench_prefix.py", ap, args)
     if args.mode in ("burst", "both"):
         started = time.monotonic()
         results = []

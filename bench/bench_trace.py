@@ -71,6 +71,7 @@ import yaml  # noqa: E402
 from bench import load  # noqa: E402
 from bench.bench_protection import CHAT_OVERHEAD, MODEL, Node  # noqa: E402
 from bench.load import NODE_HEADER, Placer, Result, by_class, goodput, replay, result_rows, session  # noqa: E402
+from bench import reports  # noqa: E402
 from bench.reports import cell, percentile  # noqa: E402
 from bench.sampling import node_state, readings, scraped, wait_fresh  # noqa: E402
 from bench.sampling import preemptions as read_preemptions  # noqa: E402
@@ -1039,18 +1040,7 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(run)
             if args.raw is not None:
                 dump_raw(run, args.raw / f"trace_{key}.json")
-    shown = [] if args.trace == DEFAULT_TRACE else ["--trace", str(args.trace)]
-    every = [p.key for p in POLICIES]
-    command = " ".join(["python bench/bench_trace.py", *(["--tiny"] if args.tiny else []), *shown,
-                        *([] if keys == every else ["--policies", ",".join(keys)]),
-                        *([] if args.speedup == 3.0 else ["--speedup", f"{args.speedup:g}"]),
-                        *([] if args.compress is None else ["--compress", f"{args.compress:g}"]),
-                        *([] if args.seed == 1 else ["--seed", str(args.seed)]),
-                        *([] if args.reserve is None else ["--reserve", f"{args.reserve:g}"]),
-                        *([] if args.picker_envoy == PICKER_ENVOY else ["--picker-envoy", str(args.picker_envoy)]),
-                        *([] if args.batch_watermark == BATCH_WATERMARK
-                          else ["--batch-watermark", f"{args.batch_watermark:g}"]),
-                        *([] if args.online_wait == ONLINE_WAIT_S else ["--online-wait", f"{args.online_wait:g}"])])
+    command = reports.command("bench/bench_trace.py", ap, args)
     for line in report(runs, sc, NODE, args.trace, len(rows), reqs, args.speedup, args.seed,
                        time.monotonic() - started, args.out, command):
         print(line)

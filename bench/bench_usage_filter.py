@@ -51,6 +51,7 @@ from typing import Any  # noqa: E402
 
 import orjson  # noqa: E402
 
+from bench import reports  # noqa: E402
 from bench.httpload import Conn, http_request  # noqa: E402
 from bench.reports import pct, publish  # noqa: E402
 from bench.sampling import cpu_seconds  # noqa: E402
@@ -266,8 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             for stack in stacks.values():
                 stack.stop()
-    command = "python bench/bench_usage_filter.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    publish(args.out, report(res, loads=loads, command=command.strip(), rounds=args.rounds,
+    command = reports.command("bench/bench_usage_filter.py", ap, args)
+    publish(args.out, report(res, loads=loads, command=command, rounds=args.rounds,
                              wall_s=time.monotonic() - t0, load_avg=load_avg, sources=sources))
     return 0
 

@@ -45,29 +45,29 @@ def cell(x: float | None, digits: int = 2) -> str:
 
 
 def _word(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:g}"
-    if isinstance(value, (list, tuple)):
-        return ",".join(map(str, value))
-    return str(value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def command(script: str, parser: argparse.ArgumentParser, args: argparse.Namespace,
-            shown: Sequence[str] = ()) -> str:
+            hidden: Sequence[str] = ("out", "raw")) -> str:
     """command is the command line that reproduces ``args``: ``python script`` and each option
-    whose value is not its default (every one of ``shown`` whatever its value), in the parser's
-    order, so a report names exactly the run it holds."""
+    whose value is not its default, in the parser's order, so that a report names exactly the
+    run it holds; options in ``hidden`` (where the output goes) are left out."""
     words = [f"python {script}"]
     for action in parser._actions:  # argparse keeps its options only here
-        if not action.option_strings or action.dest == "help":
+        if not action.option_strings or action.dest in ("help", *hidden):
             continue
         value = getattr(args, action.dest, action.default)
-        if value == action.default and action.dest not in shown:
+        if value == action.default or value is None:
             continue
         flag = max(action.option_strings, key=len)
         if action.nargs == 0:  # a switch: present when its value is not the default
             words.append(flag)
-        elif value is not None:
+        elif isinstance(value, list) and action.nargs in ("+", "*"):
+            words += [flag, *map(_word, value)]
+        elif isinstance(value, list):  # action="append": the option once per value
+            words += [w for v in value for w in (flag, _word(v))]
+        else:
             words += [flag, _word(value)]
     return " ".join(words)
 
