@@ -33,7 +33,8 @@ import os  # noqa: E402
 import platform  # noqa: E402
 import time  # noqa: E402
 
-from bench.bench_scrape import LOOPBACK, _serve, pct  # noqa: E402
+from bench.bench_scrape import LOOPBACK, _serve  # noqa: E402
+from bench.reports import pct  # noqa: E402
 from extproc.clock import MonotonicClock  # noqa: E402
 from extproc.configparse import parse_config  # noqa: E402
 from extproc.signals import scraper as scraper_mod  # noqa: E402

@@ -32,6 +32,7 @@ import threading  # noqa: E402
 import time  # noqa: E402
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer  # noqa: E402
 
+from bench.reports import pct  # noqa: E402
 from extproc.admission.types import PoolSignals  # noqa: E402
 from extproc.clock import MonotonicClock  # noqa: E402
 from extproc.configparse import parse_config  # noqa: E402
@@ -68,11 +69,6 @@ def _serve(body: bytes, count: int, ports: mp.Queue, stop: mp.Event) -> None:
     stop.wait()
     for srv in servers:
         srv.shutdown()
-
-
-def pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
 def main() -> None:

@@ -1,9 +1,10 @@
 """load: timed chat requests sent through Envoy in simulated time, as openai-python clients send
 them, for the benchmarks that replay a workload against simulated nodes.
 
-A request (``Timed``) arrives at ``at`` simulated seconds, belongs to a class (``online``: a
-streamed chat, retried twice; ``batch``: a document, retried until the batch deadline) and
-carries its JSON body. ``Client`` sends each one ``speedup`` times faster than simulated time,
+A request (each benchmark's ``Req``: ``id``, ``at``, ``tenant``, ``klass``, ``body``,
+``stream``) arrives at ``at`` simulated seconds, belongs to a class (``online``: a streamed
+chat, retried twice; ``batch``: a document, retried until the batch deadline) and carries
+its JSON body. ``Client`` sends each one ``speedup`` times faster than simulated time,
 honours ``retry-after-ms``/``retry-after`` (kvgate) and ``x-ratelimit-reset`` (Envoy), and
 writes how it ended into its ``Result``; ``replay`` runs them all beside side tasks
 (samplers, background load) that it stops when the last request has ended.
@@ -23,23 +24,6 @@ import orjson
 # A placer routes a request to a node with this header (Envoy matches it to one cluster per node).
 NODE_HEADER = "x-bench-node"
 ONLINE_RETRIES = 2  # openai-python's default
-
-
-class Timed(Protocol):
-    """Timed is what the client needs of a request: its id, arrival (simulated s), tenant, class, body."""
-
-    @property
-    def id(self) -> int: ...
-    @property
-    def at(self) -> float: ...
-    @property
-    def tenant(self) -> str: ...
-    @property
-    def klass(self) -> str: ...
-    @property
-    def body(self) -> bytes: ...
-    @property
-    def stream(self) -> bool: ...
 
 
 class Placer(Protocol):
@@ -71,7 +55,8 @@ def retry_delay(headers: Any, attempt: int) -> float:
 
 @dataclass(slots=True)
 class Result:
-    """Result is how one request ended. Times in simulated seconds from the run's start."""
+    """Result is how one request ended (``req``: the benchmark's request). Times in simulated
+    seconds from the run's start."""
 
     req: Any
     status: str = "pending"        # ok | refused | error
