@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import gc
 import os
-import platform
 import statistics
 import sys
 import time
@@ -40,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.reports import machine  # noqa: E402
 from extproc.admission import Admission, Demand, Lease, Outcome, PoolSignals  # noqa: E402
 from extproc.clock import MonotonicClock  # noqa: E402
 from extproc.config import ADAPTIVE_DEFAULTS, Config  # noqa: E402
@@ -236,8 +236,7 @@ def main() -> int:
         "# Admission microbenchmark: acquire + release of one lease",
         "",
         f"Command: `{command}` (or `make bench-admission`). "
-        f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, Python {platform.python_version()}, "
-        f"{platform.machine()}, os.cpu_count() = {os.cpu_count()}.",
+        f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {machine()}.",
         "",
         f"In-memory store, real monotonic clock; each figure is the time of a batch of {BATCH} pairs / {BATCH},",
         "median and p99 over the batches. Target: median <= 10 us (10,000 ns) per pair with all three",

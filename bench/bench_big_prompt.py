@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import dataclasses
 import os
-import platform
 import random
 import sys
 import threading
@@ -52,7 +51,7 @@ from prometheus_client import CollectorRegistry  # noqa: E402
 
 from bench import reports  # noqa: E402
 from bench.bench_tokens import KINDS  # noqa: E402
-from bench.reports import publish  # noqa: E402
+from bench.reports import machine, publish  # noqa: E402
 from extproc.admission import Admission  # noqa: E402
 from extproc.clock import MonotonicClock  # noqa: E402
 from extproc.configparse import parse_config  # noqa: E402
@@ -340,8 +339,7 @@ def report(res: dict[str, tuple[list[float], list[float], list[int]]], *, comman
               f"another thread waited at most {max(w for _, w, _ in hostile) * 1e3:.1f} ms, and the "
               f"count took {max(c for _, _, c in hostile) * 1e3:.1f} ms of CPU in the serving process "
               "(the rest runs in the worker, on another core when there is one).", "", *LEVERS, "",
-              f"Machine: CPython {platform.python_version()}, {os.cpu_count()} CPUs "
-              f"({platform.machine()}), shared with other work (load average at start: "
+              f"Machine: {machine()}, shared with other work (load average at start: "
               f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; at the end: "
               f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}). Run took {wall_s:.0f} s."]
     return "\n".join(lines)

@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import heapq
 import math
-import platform
 import random
 import sys
 from dataclasses import dataclass, field
@@ -41,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.reports import publish  # noqa: E402
+from bench.reports import machine, publish  # noqa: E402
 from extproc.admission import Admission, Demand, Lease, Outcome  # noqa: E402
 from extproc.clock import ManualClock  # noqa: E402
 from extproc.configparse import parse_config  # noqa: E402
@@ -223,8 +222,7 @@ def main() -> int:
         "# Fairness between the tenants of one class: the quiet tenant's wait",
         "",
         f"Command: `{command}` (or `make bench-fairness`). "
-        f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, Python {platform.python_version()}, "
-        f"{platform.machine()}.",
+        f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {machine()}.",
         "",
         f"In process: `Admission` with a manual clock and the in-memory store, one pool, one class "
         f"(`max_wait_s: {args.max_wait_s:g}`), every request {TOKENS} tokens and a slot held for an "

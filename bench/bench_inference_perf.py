@@ -54,7 +54,7 @@ import yaml  # noqa: E402
 
 from bench import reports  # noqa: E402
 from bench.inference_perf_reports import Measured, Sample, node_figures, read_stages, tables  # noqa: E402
-from bench.reports import publish  # noqa: E402
+from bench.reports import machine, publish  # noqa: E402
 from bench.revision import describe  # noqa: E402
 from bench.sampling import readings  # noqa: E402
 from kvgate_testkit.nodes_stack import MODEL, NodesStack  # noqa: E402
@@ -225,8 +225,8 @@ def report(measured: list[Measured], args: argparse.Namespace, command: str, wal
         "# inference-perf's shared_prefix workload: Envoy round robin against kvgate picking by prefix "
         "(bench/bench_inference_perf.py)", "",
         f"Command: `{command}` (`make bench-inference-perf`). Revision {describe()}, "
-        f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; {platform.machine()}, {os.cpu_count()} CPU cores shared "
-        f"with other work, Python {platform.python_version()} for the stack, {version}; the run took {wall_s:.0f} s.", "",
+        f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; {machine()} for the stack, shared with other work, "
+        f"{version}; the run took {wall_s:.0f} s.", "",
         "The client is inference-perf (kubernetes-sigs), unmodified, from its own virtualenv; every figure but the "
         "nodes' comes from its own per-stage reports (`stage_N_lifecycle_metrics.json`; its stage window from "
         "`inference-perf.partial.stage_N.yaml`). Each setup gets three fresh `kvgate sim --enable-prefix-caching` "

@@ -27,14 +27,13 @@ import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import gc  # noqa: E402
 import os  # noqa: E402
-import platform  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
 from bench import reports  # noqa: E402
-from bench.reports import publish  # noqa: E402
+from bench.reports import machine, publish  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 
@@ -113,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     lines = [
         "# Reading the access log's batches: whole or entry by entry", "",
         f"Command: `{reports.command('bench/bench_log_batches.py', ap, args)}`", "",
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}; "
+        f"Machine: {machine()}; "
         f"load average {os.getloadavg()[0]:.2f} at the end. {entries} periodic entries of parked "
         f"requests in {len(batches)} batches ({size / entries:.0f} B an entry), each repeat "
         "handling all of them.", "",

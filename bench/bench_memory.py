@@ -33,7 +33,6 @@ import asyncio  # noqa: E402
 import gc  # noqa: E402
 import linecache  # noqa: E402
 import os  # noqa: E402
-import platform  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 import tracemalloc  # noqa: E402
@@ -43,7 +42,7 @@ from typing import Any  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 from bench import reports  # noqa: E402
-from bench.reports import publish  # noqa: E402
+from bench.reports import machine, publish  # noqa: E402
 from kvgate_testkit.procs import exit_on_sigterm  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -191,7 +190,7 @@ def report(py: dict[str, Any] | None, rss: dict[str, list[tuple[float, float]]] 
     lines = [
         "# Memory per in-flight request", "",
         f"Command: `{command}`", "",
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}. "
+        f"Machine: {machine()}. "
         f"Load average when the run started: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}. "
         f"Run took {wall_s:.0f} s. Target (issue 17): at most 2,048 B per in-flight request.", ""]
     if py is not None:

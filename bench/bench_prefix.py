@@ -42,7 +42,6 @@ import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
-import platform  # noqa: E402
 import random  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -55,7 +54,7 @@ import orjson  # noqa: E402
 
 from bench import prefix_trace  # noqa: E402
 from bench import reports  # noqa: E402
-from bench.reports import percentile, publish  # noqa: E402
+from bench.reports import machine, percentile, publish  # noqa: E402
 from bench.revision import describe  # noqa: E402
 from bench.sampling import readings  # noqa: E402
 from extproc.config import PickingConfig  # noqa: E402
@@ -316,8 +315,8 @@ def report(results: Sequence[Result], args: argparse.Namespace, command: str, wa
     lines = [
         "# A burst sharing one long system prompt, direct and through kvgate (bench/bench_prefix.py)", "",
         f"Command: `{command}` (`make bench-prefix`). Revision {describe()}, "
-        f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; {platform.machine()}, {os.cpu_count()} CPU "
-        f"cores shared with other work, Python {platform.python_version()}; the run took {wall_s:.0f} s.", "",
+        f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; {machine()}, shared with other work; "
+        f"the run took {wall_s:.0f} s.", "",
         f"Each row: a fresh `kvgate sim --enable-prefix-caching` node of {args.kv_tokens} KV tokens "
         f"(blocks of {args.block_size}, speedup {args.speedup:g}: times are simulated seconds), "
         f"{args.requests} streamed chats at once, each a {args.prefix_tokens}-word system prompt "
@@ -368,8 +367,7 @@ def run_trace(args: argparse.Namespace, command: str) -> str:
             done.append(r)
     made = " (`make bench-prefix`)" if args.mode == "both" and not args.sweep else ""
     head = (f"Command: `{{command}}`{made}. Revision {rev} when it started, "
-            f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; {platform.machine()}, {os.cpu_count()} CPU cores "
-            f"shared with other work, Python {platform.python_version()}; the replay took "
+            f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; {machine()}, shared with other work; the replay took "
             f"{time.monotonic() - started:.0f} s.")
     setup = prefix_trace.describe(w, replay, trace, args.trace_kv_tokens, args.trace_speedup)
     return prefix_trace.report(done[:len(rows)], done[len(rows):], setup, command, head, args.affinity, args.record)

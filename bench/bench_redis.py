@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,7 @@ if str(ROOT) not in sys.path:
 
 import redis as redis_sync  # noqa: E402
 
+from bench.reports import machine  # noqa: E402
 from extproc.admission import Admission, Demand, Lease, Outcome  # noqa: E402
 from extproc.admission.store.redis import LOCAL_PREFIX, RedisStore  # noqa: E402
 from extproc.clock import MonotonicClock  # noqa: E402
@@ -264,8 +264,8 @@ def main() -> int:
         "",
         f"Command: `{cmd}` (also `make bench-redis`). Date: "
         f"{datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}.",
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs shared by redis-server, the benchmark "
-        f"and everything else running; Python {platform.python_version()}, {redis_version}, "
+        f"Machine: {machine()}, shared by redis-server, the benchmark and everything else running; "
+        f"{redis_version}, "
         f"redis-py without hiredis, uvloop. Load average at the end: {load[0]:.2f} (1 min), {load[1]:.2f} (5 min).",
         "",
         "An admission is `await Admission.acquire` + `Lease.release` on one pool with every budget "
