@@ -53,7 +53,7 @@ import orjson  # noqa: E402
 from bench import reports  # noqa: E402
 from bench.bare import COMMAND as BARE  # noqa: E402
 from bench.httpload import ChatBodies, closed_loop, hold_streams, run  # noqa: E402
-from bench.reports import machine, pct  # noqa: E402
+from bench.reports import machine, pct, publish  # noqa: E402
 from bench.sampling import cpu_seconds  # noqa: E402
 from bench.stacks import hot_stack, wait_picker_nodes_up  # noqa: E402
 from bench.revision import checkout  # noqa: E402
@@ -330,11 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     for path, requests in profiles:
         lines += ["", f"## Profile: {path.stem.removeprefix('cpu-profile-')} (py-spy, every thread)",
                   "", *summarize_profile(path, requests)]
-    text = "\n".join(lines) + "\n"
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(text)
-    return 0
+    return publish(args.out, "\n".join(lines))
 
 
 if __name__ == "__main__":

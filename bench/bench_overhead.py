@@ -65,7 +65,7 @@ from bench.bare import COMMAND as BARE  # noqa: E402
 from bench.bare import LEVERS, BareProcessor  # noqa: E402, F401
 from bench.httpload import (ChatBodies, Inflight, StreamTimes, closed_loop, hold_streams, open_loop,  # noqa: E402
                             run, streams)
-from bench.reports import machine, pct  # noqa: E402
+from bench.reports import machine, pct, publish  # noqa: E402
 from bench.sampling import cpu_seconds, rss_bytes  # noqa: E402
 from bench.stacks import BENCH_CONFIG, hot_stack, wait_picker_nodes_up  # noqa: E402, F401
 from bench.variants import BARE_ONLY, VARIANTS  # noqa: E402
@@ -685,10 +685,7 @@ def main(argv: list[str] | None = None) -> int:
                   wall_s=time.monotonic() - started, load=load)
     if args.previous is not None and args.previous.exists():
         text += "\n" + "\n".join(_spread(text, args.previous.read_text()))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text + "\n")
-    print(text)
-    return 0
+    return publish(args.out, text)
 
 
 if __name__ == "__main__":

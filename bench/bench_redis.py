@@ -42,6 +42,7 @@ if str(ROOT) not in sys.path:
 
 import redis as redis_sync  # noqa: E402
 
+from bench.httpload import run  # noqa: E402
 from bench.reports import machine  # noqa: E402
 from extproc.admission import Admission, Demand, Lease, Outcome  # noqa: E402
 from extproc.admission.store.redis import LOCAL_PREFIX, RedisStore  # noqa: E402
@@ -190,17 +191,9 @@ def held(url: str) -> tuple[int, int]:
     return int(st.get(b"n", 0)), int(st.get(b"kv", 0))
 
 
-def run_loop(coro: Any) -> Any:
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
-
-
 def child(args: argparse.Namespace) -> int:
     """child is one replica process of measure 3: prints its result as JSON."""
-    print(json.dumps(run_loop(throughput(args.url, args.concurrency, args.seconds, args.replicas))),
+    print(json.dumps(run(throughput(args.url, args.concurrency, args.seconds, args.replicas))),
           flush=True)
     return 0
 
@@ -232,11 +225,11 @@ def main() -> int:
 
     with RedisServer() as server:
         url = server.url
-        lat_mem, _ = run_loop(latency(None, n_lat))
-        lat_redis, lat_local = run_loop(latency(url, n_lat))
+        lat_mem, _ = run(latency(None, n_lat))
+        lat_redis, lat_local = run(latency(url, n_lat))
         assert held(url) == (0, 0), f"leaked after the latency run: {held(url)}"
-        one_mem = run_loop(throughput(None, args.concurrency, args.seconds))
-        one = run_loop(throughput(url, args.concurrency, args.seconds))
+        one_mem = run(throughput(None, args.concurrency, args.seconds))
+        one = run(throughput(url, args.concurrency, args.seconds))
         assert held(url) == (0, 0), f"leaked after one replica: {held(url)}"
         procs = [subprocess.Popen([sys.executable, __file__, "--child", "--url", url,
                                    "--seconds", str(args.seconds), "--concurrency", str(args.concurrency),

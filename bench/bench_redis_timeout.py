@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.reports import machine  # noqa: E402
+from bench.reports import machine, publish  # noqa: E402
 from extproc.admission.types import Grant, Plan, PoolLimits  # noqa: E402
 from extproc.admission.store.redis import RedisStore  # noqa: E402
 from extproc.config import RedisStoreConfig  # noqa: E402
@@ -127,10 +127,7 @@ Round trips that a timeout would have turned into an outage (local share):
 |---|---|---|
 {chr(10).join(over)}
 """
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text, encoding="utf-8")
-    print(text)
-    return 0
+    return publish(args.out, text.rstrip("\n"))
 
 
 if __name__ == "__main__":
