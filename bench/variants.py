@@ -5,6 +5,7 @@ another flush interval), written to a run's folder."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -82,17 +83,7 @@ def variant_file(variant: str, workdir: Path) -> Path:
         mode["response_header_mode"] = "SKIP"
         mode["response_body_mode"] = "NONE"
     elif variant == "endpoint-picker-log-split":
-        # The end of a request on its 5 ms log as shipped; the periodic entries on a second
-        # log of their own, flushed every SPLIT_FLUSH_S: fewer, larger batches.
-        end_log = hcm["access_log"][0]
-        periodic = {"log_type_filter": {"types": ["DownstreamPeriodic"]}}
-        end_log["filter"] = {"log_type_filter": {"types": ["DownstreamPeriodic"], "exclude": True}}
-        progress_log = yaml.safe_load(yaml.safe_dump(end_log))
-        progress_log["filter"] = periodic
-        common = progress_log["typed_config"]["common_config"]
-        common["log_name"] = common["log_name"] + "-progress"
-        common["buffer_flush_interval"] = f"{SPLIT_FLUSH_S:g}s"
-        hcm["access_log"].append(progress_log)
+        _split_periodic(hcm)
     elif variant.startswith("endpoint-picker-log-"):
         interval_ms = int(variant.rsplit("-", 1)[1].removesuffix("ms"))
         hcm["access_log_options"]["access_log_flush_interval"] = f"{interval_ms / 1000:g}s"
@@ -107,3 +98,16 @@ def variant_file(variant: str, workdir: Path) -> Path:
     path = workdir / f"envoy-{variant}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
+
+
+def _split_periodic(hcm: dict[str, Any]) -> None:
+    """_split_periodic leaves the end of a request on the file's 5 ms log and puts the periodic
+    entries on a second log of their own, flushed every SPLIT_FLUSH_S: fewer, larger batches."""
+    end_log = hcm["access_log"][0]
+    end_log["filter"] = {"log_type_filter": {"types": ["DownstreamPeriodic"], "exclude": True}}
+    progress_log = yaml.safe_load(yaml.safe_dump(end_log))
+    progress_log["filter"] = {"log_type_filter": {"types": ["DownstreamPeriodic"]}}
+    common = progress_log["typed_config"]["common_config"]
+    common["log_name"] = common["log_name"] + "-progress"
+    common["buffer_flush_interval"] = f"{SPLIT_FLUSH_S:g}s"
+    hcm["access_log"].append(progress_log)
