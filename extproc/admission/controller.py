@@ -351,7 +351,7 @@ class Admission:
             p.nodes.progress(charge, generated, self._clock.now())
             if grant.picked is not None:
                 # What a shared store holds on the node follows at its next lease refresh.
-                grant.node_hold = p.nodes.hold(charge.prompt, charge.reserved, charge.generated,
+                grant.node_hold = p.nodes.growth.hold(charge.prompt, charge.reserved, charge.generated,
                                                charge.class_name)
                 grant.node_pooled = p.nodes.pooled_of(charge)
         elif charge.first_at is None and generated > 0:
