@@ -8,9 +8,10 @@ store does: load shedding in alarm, a node picked first in a pool that picks nod
 wait of a class, with waiters re-tried when capacity frees (``waiting``). Each pool's state
 is a ``pool.PoolRuntime``.
 
-Everything runs on one event loop thread: ``try_acquire``, ``lease.release``,
-``update_signals``, ``reconfigure`` and ``snapshot`` are synchronous and never wait;
-``acquire`` suspends only to wait for capacity (or on a shared store).
+Everything runs on one event loop thread: ``lease.release``, ``update_signals``,
+``reconfigure`` and ``snapshot`` are synchronous and never wait; ``acquire`` suspends only
+to wait for capacity (or on a store that answers asynchronously). The wait queues' timers
+walk them on their own.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from functools import partial
 from extproc.admission.adaptive import ScaleParams
 from extproc.admission.decide import Decider
 from extproc.admission.errors import UnknownPoolError
-from extproc.admission.kvbudget import reserved_completion
 from extproc.admission.lease import Lease
 from extproc.admission.node import Charge
 from extproc.admission.nodes import NodeSnapshot, PoolNodes
@@ -32,7 +32,7 @@ from extproc.admission.tenants import Tenants
 from extproc.admission.types import (CachedView, Demand, Grant, NodeReport, PoolSignals, PoolSnapshot, Refusal,
                                      Rejection)
 from extproc.admission.waiting import BoundedWait
-from extproc.clock import Clock
+from extproc.clock import Clock, LoopTimers, Timers
 from extproc.config import Config, PoolConfig
 
 
@@ -42,16 +42,18 @@ class Admission:
     ``config`` gives the pools, classes and tenants; ``clock`` the instants (seconds);
     ``store`` where budgets live (None: in this process); ``rand`` a uniform draw in
     [0, 1) for each refusal, that spreads its retry hint (``retry.spread``; None: the
-    ``random`` module's). See the module docstring for the threading rule.
+    ``random`` module's); ``timers`` arm the wait queues' timers on ``clock``'s scale (None:
+    the event loop's, for a clock that runs at its pace; a ``ManualClock`` is its own). See
+    the module docstring for the threading rule.
     """
 
     def __init__(self, config: Config, clock: Clock, store: Store | None = None,
-                 rand: Callable[[], float] | None = None) -> None:
+                 rand: Callable[[], float] | None = None, timers: Timers | None = None) -> None:
         self._clock = clock
         self._store: Store = MemoryStore() if store is None else store
-        self._config = config
         self._decide = Decider(clock, self._store, rand, Tenants(config.tenants))
-        self._waits = BoundedWait(clock, self._decide, self, lambda p: self._pools.get(p.name) is p)
+        self._waits = BoundedWait(clock, LoopTimers() if timers is None else timers, self._decide, self,
+                                  lambda p: self._pools.get(p.name) is p)
         now = clock.now()
         self._pools: dict[str, PoolRuntime] = {
             name: self._new_pool(pc, config, now) for name, pc in config.pools.items()}
@@ -91,50 +93,13 @@ class Admission:
         """draining tells whether a walk of a wait queue is under way (a shared store's runs in a task)."""
         return any(p.draining for p in self._pools.values())
 
-    def demand(self, tenant: str, prompt_tokens: int, max_tokens: int | None = None,
-               pool: str | None = None) -> Demand:
-        """demand builds a request's Demand: the tenant's class and the completion it reserves.
-
-        ``tenant`` is a configured tenant name (unknown ones get the default class);
-        ``max_tokens`` is the request's max_tokens or max_completion_tokens (None: the
-        pool's ``min(context_window - prompt, default_max_tokens)``); ``pool`` None is the
-        default pool.
-        """
-        name = pool or self._config.default_pool
-        cfg = self._pool(name).config
-        return Demand(pool=name, tenant=tenant, class_name=self._config.class_of(tenant).name,
-                      prompt_tokens=prompt_tokens,
-                      reserved_completion=reserved_completion(prompt_tokens, max_tokens,
-                                                            cfg.context_window, cfg.default_max_tokens))
-
-    def try_acquire(self, demand: Demand) -> Lease | Rejection:
-        """try_acquire admits ``demand`` now or refuses it; it never waits (in-process store only).
-
-        Raises ``UnknownPoolError``, ``InvalidDemandError``, or ``TypeError`` with a shared store.
-        """
-        decide = self._decide
-        if decide.sync is None:
-            raise TypeError("try_acquire needs an in-process store; use acquire with a shared store")
-        p = self._pool(demand.pool)
-        got = decide.plan(p, demand)
-        if type(got) is Rejection:
-            return got
-        cls, plan, now = got
-        if p.queue.size:
-            blocker = self._waits.blocked(p, demand, cls)
-            if blocker is not None:
-                return decide.rejection(p, blocker, plan, now, behind=True)
-        res = decide.admit_now(p, demand, plan, now)
-        if type(res) is Grant:
-            return Lease(self, res, demand, p.config.context_window)
-        return decide.rejection(p, res, plan, now)
-
     async def acquire(self, demand: Demand) -> Lease | Rejection:
         """acquire admits ``demand``, waiting up to its class's ``max_wait_s`` for capacity.
 
-        A request admitted at once costs no task and no future. A waiter cancelled while
-        it waits (its client went away) leaves the queue and holds nothing. Raises like
-        ``try_acquire`` (but works with every store).
+        A request admitted at once costs no task and no future, and with a store that
+        answers at once (``SyncStore``) it does not suspend. A waiter cancelled while it
+        waits (its client went away) leaves the queue and holds nothing. Raises
+        ``UnknownPoolError`` or ``InvalidDemandError``.
         """
         decide = self._decide
         p = self._pool(demand.pool)
@@ -264,7 +229,6 @@ class Admission:
         adaptive state; waiters of a removed pool are refused (not retryable).
         """
         now = self._clock.now()
-        self._config = config
         tenants = self._decide.tenants = Tenants(config.tenants)
         pools: dict[str, PoolRuntime] = {}
         for name, pc in config.pools.items():
@@ -293,20 +257,6 @@ class Admission:
         for p in removed:
             self._waits.close_pool(p)
         for p in pools.values():
-            if p.queue.size:
-                self._waits.kick(p)
-
-    def poll(self, pool: str | None = None) -> None:
-        """poll re-runs the wait queue of ``pool`` (None: all) at the clock's now.
-
-        Overdue waiters are refused and waiters that now fit are admitted. Timers call it
-        on their own; tests that move a ``ManualClock`` call it to stand in for them.
-        """
-        if pool is None:
-            targets = list(self._pools.values())
-        else:
-            targets = [self._pool(pool)]
-        for p in targets:
             if p.queue.size:
                 self._waits.kick(p)
 

@@ -19,6 +19,7 @@ from extproc.admission.retry import HoldTimes, expected_wait, first_end
 from extproc.admission.slots import effective_guarantees, effective_limit
 from extproc.admission.types import POOL_BUCKET, Budget, BucketSpec, Plan, PoolLimits, Refusal
 from extproc.admission.waitqueue import Blocks, WaitQueue
+from extproc.clock import Timer
 from extproc.config import PoolConfig
 
 # Budgets that come back when leases are released: their retry hint is learned.
@@ -49,7 +50,7 @@ class PoolRuntime:
         self.limits: PoolLimits | None = None
         self.queue = WaitQueue()
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.timer: asyncio.TimerHandle | None = None
+        self.timer: Timer | None = None
         self.timer_at = math.inf
         self.blocks = Blocks()
         self.draining = False

@@ -24,7 +24,7 @@ from extproc.admission.pool import PoolRuntime
 from extproc.admission.store.base import StoreError
 from extproc.admission.types import Demand, Grant, Plan, Refusal, Rejection
 from extproc.admission.waitqueue import Answer, Step, Waiter, serve
-from extproc.clock import Clock
+from extproc.clock import Clock, Timers
 from extproc.config import ClassConfig
 
 # With a shared store, releases by other replicas are not seen here: waiters blocked on
@@ -37,14 +37,15 @@ class BoundedWait:
 
     ``decide`` decides each waiter; ``owner`` is the port the leases it grants report
     through; ``current`` tells whether a pool is still configured (a removed pool's timer
-    walks nothing).
+    walks nothing); ``timers`` arm each pool's timer, on ``clock``'s scale.
     """
 
-    __slots__ = ("_clock", "_decide", "_owner", "_current")
+    __slots__ = ("_clock", "_timers", "_decide", "_owner", "_current")
 
-    def __init__(self, clock: Clock, decide: Decider, owner: LeaseOwner,
+    def __init__(self, clock: Clock, timers: Timers, decide: Decider, owner: LeaseOwner,
                  current: Callable[[PoolRuntime], bool]) -> None:
         self._clock = clock
+        self._timers = timers
         self._decide = decide
         self._owner = owner
         self._current = current
@@ -235,7 +236,7 @@ class BoundedWait:
             p.timer, p.timer_at = None, math.inf
             return
         p.timer_at = wake
-        p.timer = p.loop.call_later(max(0.0, wake - now), self._on_timer, p)
+        p.timer = self._timers.call_later(p.loop, max(0.0, wake - now), partial(self._on_timer, p))
 
     def _on_timer(self, p: PoolRuntime) -> None:
         """_on_timer walks the pool's queue at its next event, if the pool is still configured."""
