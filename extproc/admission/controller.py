@@ -6,7 +6,7 @@ returns a ``Lease`` (``lease``), which gives it back, or a ``Rejection``. It add
 store does: load shedding in alarm, a node picked first in a pool that picks nodes
 (``decide``: one demand's decision, from its plan to the store's answer), and the bounded
 wait of a class, with waiters re-tried when capacity frees (``waiting``). Each pool's state
-is a ``pool.PoolRuntime``.
+is a ``pool.PoolControl``.
 
 Everything runs on one event loop thread: ``lease.release``, ``update_signals``,
 ``reconfigure`` and ``snapshot`` are synchronous and never wait; ``acquire`` suspends only
@@ -25,7 +25,7 @@ from extproc.admission.errors import UnknownPoolError
 from extproc.admission.lease import Lease
 from extproc.admission.node import Charge
 from extproc.admission.nodes import NodeSnapshot, PoolNodes
-from extproc.admission.pool import PoolRuntime
+from extproc.admission.pool import PoolControl
 from extproc.admission.store.base import Store
 from extproc.admission.store.memory import MemoryStore
 from extproc.admission.tenants import Tenants
@@ -55,12 +55,12 @@ class Admission:
         self._waits = BoundedWait(clock, LoopTimers() if timers is None else timers, self._decide, self,
                                   lambda p: self._pools.get(p.name) is p)
         now = clock.now()
-        self._pools: dict[str, PoolRuntime] = {
+        self._pools: dict[str, PoolControl] = {
             name: self._new_pool(pc, config, now) for name, pc in config.pools.items()}
 
-    def _new_pool(self, pc: PoolConfig, config: Config, now: float) -> PoolRuntime:
+    def _new_pool(self, pc: PoolConfig, config: Config, now: float) -> PoolControl:
         tenants = self._decide.tenants
-        p = PoolRuntime(pc, ScaleParams.of(pc, config.adaptive), config.adaptive.poll_interval_s,
+        p = PoolControl(pc, ScaleParams.of(pc, config.adaptive), config.adaptive.poll_interval_s,
                         tenants.guaranteed, tenants.kv_watermarks, now)
         if pc.picks:
             p.nodes = PoolNodes(pc, config.adaptive.stale_after_s)
@@ -123,7 +123,7 @@ class Admission:
             refusal = blocker
         return await self._waits.wait(p, demand, cls, plan, refusal, behind, now)
 
-    def _pool(self, name: str) -> PoolRuntime:
+    def _pool(self, name: str) -> PoolControl:
         """_pool returns the named pool's state; raises UnknownPoolError for an unknown name."""
         p = self._pools.get(name)
         if p is None:
@@ -230,7 +230,7 @@ class Admission:
         """
         now = self._clock.now()
         tenants = self._decide.tenants = Tenants(config.tenants)
-        pools: dict[str, PoolRuntime] = {}
+        pools: dict[str, PoolControl] = {}
         for name, pc in config.pools.items():
             p = self._pools.get(name)
             if p is None:

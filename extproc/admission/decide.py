@@ -19,7 +19,7 @@ from extproc.admission import rules
 from extproc.admission.errors import InvalidDemandError
 from extproc.admission.nodes import Seen
 from extproc.admission.placement import Placement, attach, place, undo
-from extproc.admission.pool import PoolRuntime
+from extproc.admission.pool import PoolControl
 from extproc.admission.retry import spread
 from extproc.admission.store.base import Store, SyncStore
 from extproc.admission.tenants import NOT_CACHED, Tenants
@@ -49,7 +49,7 @@ class Decider:
         self.tenants = tenants
         self.node_events: Callable[[str, str], CachedView | None] | None = None
 
-    def plan(self, p: PoolRuntime, demand: Demand) -> tuple[ClassConfig, Plan, float] | Rejection:
+    def plan(self, p: PoolControl, demand: Demand) -> tuple[ClassConfig, Plan, float] | Rejection:
         """plan checks ``demand`` and builds its plan now: (its class, the plan, the clock's now
         in s); a Rejection when its class is shed. Raises ``InvalidDemandError``."""
         now = self.clock.now()
@@ -80,13 +80,13 @@ class Decider:
             return None if view is None else view.cached(blocks)
         return seen
 
-    def _place(self, p: PoolRuntime, demand: Demand, plan: Plan, now: float) -> Placement | Refusal:
+    def _place(self, p: PoolControl, demand: Demand, plan: Plan, now: float) -> Placement | Refusal:
         """_place is ``placement.place`` for a picking pool's demand."""
         assert p.nodes is not None
         return place(p.nodes, demand, self.tenants.class_rule(plan.class_name), plan, now, p.retry_estimate_s,
                      self.store.shares_nodes, self._seen(p.config.name, demand.blocks))
 
-    def admit_now(self, p: PoolRuntime, demand: Demand, plan: Plan, now: float) -> Grant | Refusal:
+    def admit_now(self, p: PoolControl, demand: Demand, plan: Plan, now: float) -> Grant | Refusal:
         """admit_now is the in-process store's admission, placed on a node in a picking pool."""
         store = self.sync
         assert store is not None
@@ -98,7 +98,7 @@ class Decider:
         assert isinstance(placed, Placement)
         return attach(placed, store.admit_now(placed.plan, now), now, p.retry_estimate_s)
 
-    async def admit(self, p: PoolRuntime, demand: Demand, plan: Plan, now: float) -> Grant | Refusal:
+    async def admit(self, p: PoolControl, demand: Demand, plan: Plan, now: float) -> Grant | Refusal:
         """admit is ``admit_now`` for a store that answers asynchronously.
 
         A node charged here is charged before the store is asked (so that no other request
@@ -123,7 +123,7 @@ class Decider:
         if charge is not None and charge.held:
             charge.drop()
 
-    def _rate(self, p: PoolRuntime, limits: PoolLimits, now: float) -> RateInfo:
+    def _rate(self, p: PoolControl, limits: PoolLimits, now: float) -> RateInfo:
         """_rate is the pool's rate headers now: requests, and tokens where it has a bucket."""
         usage = self.store.usage(p.name, now)
         b = limits.bucket
@@ -135,7 +135,7 @@ class Decider:
                         limit_tokens=int(b.capacity), remaining_tokens=max(0, int(tokens)),
                         reset_tokens_s=(b.capacity - tokens) / b.rate)
 
-    def rejection(self, p: PoolRuntime, refusal: Refusal, plan: Plan, now: float,
+    def rejection(self, p: PoolControl, refusal: Refusal, plan: Plan, now: float,
                   behind: bool = False) -> Rejection:
         """rejection words a refusal with its retry hint (when the budget is expected back,
         spread); ``behind``: the refusal is that of a waiter queued ahead."""
@@ -147,7 +147,7 @@ class Decider:
         return Rejection(reason=refusal.budget.reason, retry_after_s=refusal.retry_after_s,
                          retryable=refusal.retryable, message=text, rate=self._rate(p, plan.limits, now))
 
-    def shed(self, p: PoolRuntime, cls: ClassConfig, limits: PoolLimits) -> Rejection:
+    def shed(self, p: PoolControl, cls: ClassConfig, limits: PoolLimits) -> Rejection:
         """shed is the refusal of a request of sheddable class ``cls`` while its pool is in alarm."""
         wait = spread(p.retry_estimate_s, self.rand())
         return Rejection(reason=Reason.SHED, retry_after_s=wait, retryable=True,

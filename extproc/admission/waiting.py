@@ -20,7 +20,7 @@ from functools import partial
 
 from extproc.admission.decide import Decider
 from extproc.admission.lease import Lease, LeaseOwner
-from extproc.admission.pool import PoolRuntime
+from extproc.admission.pool import PoolControl
 from extproc.admission.store.base import StoreError
 from extproc.admission.types import Demand, Grant, Plan, Refusal, Rejection
 from extproc.admission.waitqueue import Answer, Step, Waiter, serve
@@ -43,14 +43,14 @@ class BoundedWait:
     __slots__ = ("_clock", "_timers", "_decide", "_owner", "_current")
 
     def __init__(self, clock: Clock, timers: Timers, decide: Decider, owner: LeaseOwner,
-                 current: Callable[[PoolRuntime], bool]) -> None:
+                 current: Callable[[PoolControl], bool]) -> None:
         self._clock = clock
         self._timers = timers
         self._decide = decide
         self._owner = owner
         self._current = current
 
-    def blocked(self, p: PoolRuntime, demand: Demand, cls: ClassConfig) -> Refusal | None:
+    def blocked(self, p: PoolControl, demand: Demand, cls: ClassConfig) -> Refusal | None:
         """blocked is the refusal of a waiter that ``demand`` may not jump, or None (``Blocks.blocker``)."""
         if p.blocks.may_jump(demand, cls.priority, p.queue.top_priority()):
             return None
@@ -58,7 +58,7 @@ class BoundedWait:
             self.kick(p)  # time has passed since the last walk: serve the queue first
         return p.blocks.blocker(demand, cls.priority)
 
-    async def wait(self, p: PoolRuntime, demand: Demand, cls: ClassConfig, plan: Plan,
+    async def wait(self, p: PoolControl, demand: Demand, cls: ClassConfig, plan: Plan,
                    refusal: Refusal, behind: bool, now: float) -> Lease | Rejection:
         """wait queues ``demand``, refused for ``refusal`` (``behind``: that of a waiter queued
         ahead), until it is admitted or refused for good, or its class's wait runs out. A
@@ -85,7 +85,7 @@ class BoundedWait:
                     got.abandon()
             raise
 
-    def _resolve(self, p: PoolRuntime, w: Waiter, result: Lease | Rejection) -> None:
+    def _resolve(self, p: PoolControl, w: Waiter, result: Lease | Rejection) -> None:
         """_resolve ends waiter ``w`` with ``result`` (a lease nobody takes any more is abandoned)."""
         p.queue.remove(w, served=type(result) is Lease)
         if w.future.done():
@@ -94,21 +94,21 @@ class BoundedWait:
         else:
             w.future.set_result(result)
 
-    def shed_waiters(self, p: PoolRuntime, now: float) -> None:
+    def shed_waiters(self, p: PoolControl, now: float) -> None:
         """shed_waiters refuses the waiters of sheddable classes (the pool entered alarm)."""
         for w in p.queue.waiters():
             cls = self._decide.tenants.class_rule(w.demand.class_name)
             if cls.sheddable:
                 self._resolve(p, w, self._decide.shed(p, cls, p.limits_at(now)))
 
-    def close_pool(self, p: PoolRuntime, reason: str = "its pool is no longer configured") -> None:
+    def close_pool(self, p: PoolControl, reason: str = "its pool is no longer configured") -> None:
         """close_pool stops the pool's timer and refuses every waiter for good, for ``reason``."""
         p.cancel_timer()
         for w in p.queue.waiters():
             self._resolve(p, w, Rejection(reason=w.refusal.budget.reason, retry_after_s=0.0,
                                           retryable=False, message=f"The request was refused: {reason}."))
 
-    def _expire(self, p: PoolRuntime, now: float) -> None:
+    def _expire(self, p: PoolControl, now: float) -> None:
         """_expire refuses the waiters whose wait ran out by ``now``."""
         for w in p.queue.expired(now):
             if not w.future.done():
@@ -118,7 +118,7 @@ class BoundedWait:
                     reason=r.reason, retry_after_s=r.retry_after_s, retryable=r.retryable,
                     message=f"{r.message} (waited {max(0.0, waited):.1f}s for capacity)", rate=r.rate))
 
-    def kick(self, p: PoolRuntime) -> None:
+    def kick(self, p: PoolControl) -> None:
         """kick serves the queue now (in-process store) or makes sure a drain task runs.
 
         A kick during a walk (a release made by the walk itself) only asks for one more.
@@ -142,14 +142,14 @@ class BoundedWait:
         p.draining = True
         p.drain_task = p.loop.create_task(self._drain_async(p))
 
-    def _walk(self, p: PoolRuntime, now: float) -> Generator[tuple[Waiter, Plan], Answer, None]:
+    def _walk(self, p: PoolControl, now: float) -> Generator[tuple[Waiter, Plan], Answer, None]:
         """_walk is one walk of the pool's queue at ``now`` (``waitqueue.serve``): expired waiters are
         refused first; its driver answers each (waiter, plan) it yields for the store."""
         self._expire(p, now)
         p.blocks.reset()
         return serve(p.queue, partial(self._prepare, p, now), partial(self._served, p, now))
 
-    def _prepare(self, p: PoolRuntime, now: float, w: Waiter) -> Plan | Step:
+    def _prepare(self, p: PoolControl, now: float, w: Waiter) -> Plan | Step:
         """_prepare is the plan to try for waiter ``w``, or the Step when it needs no try."""
         if w.future.done():  # cancelled; its task has not run its handler yet
             p.queue.remove(w)
@@ -165,7 +165,7 @@ class BoundedWait:
                              tenants.bucket(d.tenant, cls.name))
         return plan
 
-    def _served(self, p: PoolRuntime, now: float, w: Waiter, plan: Plan, res: Grant | Refusal) -> Step:
+    def _served(self, p: PoolControl, now: float, w: Waiter, plan: Plan, res: Grant | Refusal) -> Step:
         """_served acts on the store's answer for waiter ``w`` and is the walk's next step: a grant
         admits it (or is taken back if it left), a refusal for good refuses it, any other
         refusal is noted in the pool's ``Blocks``."""
@@ -181,7 +181,7 @@ class BoundedWait:
             return Step.NEXT
         return p.blocks.note(w, res)
 
-    def _drain(self, p: PoolRuntime) -> None:
+    def _drain(self, p: PoolControl) -> None:
         """_drain walks the queue once with the in-process store, then re-arms the timer."""
         now = self._clock.now()
         walk = self._walk(p, now)
@@ -195,7 +195,7 @@ class BoundedWait:
             walk.close()
         self._schedule(p, now)
 
-    async def _drain_async(self, p: PoolRuntime) -> None:
+    async def _drain_async(self, p: PoolControl) -> None:
         """_drain_async walks the queue with a store that answers asynchronously, until no change is pending."""
         try:
             while True:
@@ -222,7 +222,7 @@ class BoundedWait:
             p.draining = False
             p.drain_task = None
 
-    def _schedule(self, p: PoolRuntime, now: float) -> None:
+    def _schedule(self, p: PoolControl, now: float) -> None:
         """_schedule arms one timer for the pool's next event (``Blocks.next_wake``)."""
         if not p.queue.size or p.loop is None or p.loop.is_closed():
             p.cancel_timer()
@@ -238,7 +238,7 @@ class BoundedWait:
         p.timer_at = wake
         p.timer = self._timers.call_later(p.loop, max(0.0, wake - now), partial(self._on_timer, p))
 
-    def _on_timer(self, p: PoolRuntime) -> None:
+    def _on_timer(self, p: PoolControl) -> None:
         """_on_timer walks the pool's queue at its next event, if the pool is still configured."""
         p.timer, p.timer_at = None, math.inf
         if self._current(p) and p.queue.size:
