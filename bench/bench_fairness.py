@@ -97,7 +97,8 @@ async def run(slots: int, fairness: str, max_wait_s: float, streams: dict[str, l
               ) -> dict[str, Tally]:
     """run replays ``streams`` (tenant -> arrivals) against one pool; each tenant's tally."""
     clock = ManualClock(0.0)
-    adm = Admission(config(slots, fairness, max_wait_s), clock)
+    # The queue's own timers (deadlines) fire as the clock passes them, at the loop's next turn.
+    adm = Admission(config(slots, fairness, max_wait_s), clock, timers=clock)
     tallies = {t: Tally() for t in streams}
     events: list[tuple[float, int, str, Any]] = []
     seq = 0
@@ -138,13 +139,11 @@ async def run(slots: int, fairness: str, max_wait_s: float, streams: dict[str, l
             task.add_done_callback(lambda t, n=tenant, a=at, s=service: finished(n, a, s, t))
         else:
             data.release(Outcome.COMPLETED, TOKENS)
-        adm.poll()  # the queue's timers, at the manual clock's instant (deadlines)
         for _ in range(4):  # let the acquires run and their callbacks queue the ends
             await asyncio.sleep(0)
     # Whoever still waits when the arrivals end is refused at its deadline: move past it.
     while pending:
         clock.advance(max_wait_s + 1.0)
-        adm.poll()
         for _ in range(4):
             await asyncio.sleep(0)
     await adm.close()

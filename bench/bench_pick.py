@@ -2,8 +2,8 @@
 
 A pool that picks nodes charges each request to a node, and a pick reads every candidate
 node's expected hold. This times, in-process on the in-memory store (real monotonic
-clock), one cycle of what a streamed request does to the admission core: ``try_acquire``
-(the pick), a ``progress`` of one held request (what a periodic access log entry or a
+clock), one cycle of what a streamed request does to the admission core: ``acquire``
+(the pick; run to its answer, which comes at once, by ``kvgate_testkit.admission.acquire_now``), a ``progress`` of one held request (what a periodic access log entry or a
 streamed chunk reports), and the release of the new request with its completion count
 (which teaches its class's lengths), with ``--held`` requests held on four nodes the
 whole time, for each growth rule.
@@ -77,7 +77,8 @@ class _HeldPool:
         from extproc.admission import Admission, Outcome
         from extproc.clock import MonotonicClock
         self.clock = MonotonicClock()
-        self.adm = Admission(_config(growth), self.clock)
+        self.config = _config(growth)
+        self.adm = Admission(self.config, self.clock)
         self.rng = random.Random(seed)
         self.report()
         for _ in range(1_000):  # the lengths the growth rules learn
@@ -99,8 +100,9 @@ class _HeldPool:
     def admit(self) -> Any:
         """admit is a new request's lease (200 to 4,000 prompt tokens, 100 to 1,000 reserved)."""
         from extproc.admission import Lease
-        lease = self.adm.try_acquire(self.adm.demand("anyone", self.rng.randint(200, 4000),
-                                                     self.rng.randint(100, 1000)))
+        from kvgate_testkit.admission import acquire_now, demand_of
+        lease = acquire_now(self.adm, demand_of(self.config, "anyone", self.rng.randint(200, 4000),
+                                                self.rng.randint(100, 1000)))
         if type(lease) is not Lease:
             raise RuntimeError(f"the benchmark must not be refused: {lease}")
         return lease
@@ -148,11 +150,12 @@ def measure(growth: str, held: int, seed: int = 7) -> float:
 
 
 def measure_refusal(budget: str, held: int, seed: int = 7) -> float:
-    """measure_refusal is the median ns of one refused ``try_acquire`` with ``held`` requests
+    """measure_refusal is the median ns of one refused ``acquire`` with ``held`` requests
     in flight filling ``budget`` (REFUSALS), over BATCHES batches of BATCH refusals."""
     from extproc.admission import Admission, Lease, Outcome, Rejection
     from extproc.admission.types import NodeReport
     from extproc.clock import MonotonicClock
+    from kvgate_testkit.admission import acquire_now, demand_of
     try:
         from extproc.configparse import parse_config
     except ImportError:  # a --baseline revision from before configparse.py
@@ -167,7 +170,8 @@ def measure_refusal(budget: str, held: int, seed: int = 7) -> float:
                              "address": "127.0.0.1:8001", "kv_capacity_tokens": 100 * held * size}]
         pool["picking"] = {"growth": "worst_case", "reserve_fraction": 0.0}
     clock = MonotonicClock()
-    adm = Admission(parse_config({"pools": {"default": pool}}), clock)
+    cfg = parse_config({"pools": {"default": pool}})
+    adm = Admission(cfg, clock)
     rng = random.Random(seed)
 
     def report(usage: float) -> None:
@@ -177,11 +181,11 @@ def measure_refusal(budget: str, held: int, seed: int = 7) -> float:
 
     report(0.0)
     for _ in range(200):  # hold times learned: the hint walks the requests in flight
-        lease = adm.try_acquire(adm.demand("anyone", 400, 200))
+        lease = acquire_now(adm, demand_of(cfg, "anyone", 400, 200))
         if type(lease) is not Lease:
             raise RuntimeError(f"the benchmark's warm-up must not be refused: {lease}")
         lease.release(Outcome.COMPLETED, rng.randint(10, 200))
-    leases = [adm.try_acquire(adm.demand("anyone", 400, 200)) for _ in range(held)]
+    leases = [acquire_now(adm, demand_of(cfg, "anyone", 400, 200)) for _ in range(held)]
     if any(type(x) is not Lease for x in leases):
         raise RuntimeError("the held requests must be admitted")
     # The node: 98 % used, most of it KV kvgate did not admit; a prompt of 3 % of it is refused.
@@ -191,7 +195,7 @@ def measure_refusal(budget: str, held: int, seed: int = 7) -> float:
         report(0.98)
         t0 = time.perf_counter_ns()
         for _ in range(BATCH):
-            r = adm.try_acquire(adm.demand("anyone", prompt, 200))
+            r = acquire_now(adm, demand_of(cfg, "anyone", prompt, 200))
         per.append((time.perf_counter_ns() - t0) / BATCH)
         if type(r) is not Rejection:
             raise RuntimeError(f"the benchmark's request must be refused: {r}")
@@ -295,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
              f"Command: `{command}`", "",
              f"Python {platform.python_version()}; load average at the start {load[0]:.2f} {load[1]:.2f} "
              f"{load[2]:.2f}. In-process, in-memory store, {NODES} nodes, reserve 0.1. One cycle: "
-             "try_acquire (the pick) + one held request's progress + the new request's release with "
+             "acquire (the pick, answered at once) + one held request's progress + the new request's release with "
              f"its completion count; median of {BATCHES} batches of {BATCH} cycles. Each worker a "
              "process of its own, rows in turn.", "",
              f"| growth | held | {head} |", "|---|---:|" + "---:|---:|" * len(names)]
@@ -304,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.refusals:
         head = " | ".join(f"{n}: us per refusal | x the fewest held" for n in names)
         lines += ["", "## A refusal's cost by the requests in flight", "",
-                  "One refused `try_acquire` (its retry hint included) with the held requests "
+                  "One refused `acquire` (its retry hint included) with the held requests "
                   "filling the budget: `slots` the pool's max_concurrency, `kv` its "
                   "kv_budget_tokens, `node` a picking pool's one node, 98 % used (mostly KV "
                   "kvgate did not admit), asked for a prompt three times what kvgate holds "

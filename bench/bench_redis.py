@@ -49,6 +49,7 @@ from extproc.admission.store.redis import LOCAL_PREFIX, RedisStore  # noqa: E402
 from extproc.clock import MonotonicClock  # noqa: E402
 from extproc.config import Config  # noqa: E402
 from extproc.configparse import parse_config
+from kvgate_testkit.admission import demand_of  # noqa: E402
 from kvgate_testkit.redis_server import RedisServer, server_version  # noqa: E402
 
 TARGET_PER_S = 1000
@@ -77,9 +78,10 @@ def config(url: str | None, replicas: int = 1) -> Config:
     return parse_config(data)
 
 
-def demands(adm: Admission) -> list[Demand]:
-    return [adm.demand(t, prompt_tokens=200, max_tokens=100)
-            for t in ("acme", "globex", "initech", "umbrella")]
+def demands() -> list[Demand]:
+    """demands is one request per tenant: 200 prompt tokens reserving 100 completion tokens."""
+    cfg = config(None)  # the tenants' classes, whatever the store
+    return [demand_of(cfg, t, 200, 100) for t in ("acme", "globex", "initech", "umbrella")]
 
 
 class Errors:
@@ -126,7 +128,7 @@ async def latency(url: str | None, n: int) -> tuple[list[float], int]:
     adm, store = make(url)
     if store is not None:
         await store.start()
-    ds = demands(adm)
+    ds = demands()
     for i in range(200):  # warm: connections, scripts, caches
         await pair(adm, ds[i % 4])
     out = []
@@ -156,7 +158,7 @@ async def throughput(url: str | None, concurrency: int, seconds: float,
     adm, store = make(url, errors, replicas)
     if store is not None:
         await store.start()
-    ds = demands(adm)
+    ds = demands()
     shared = local = 0
     stop_at = 0.0
 
