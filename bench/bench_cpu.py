@@ -241,6 +241,30 @@ def _frame(frame: str) -> str:
     return f"{func} ({where.rsplit('/', 1)[-1]}" if where else func
 
 
+def _stacks(args: argparse.Namespace, work: Path) -> dict[str, Stack]:
+    """_stacks are the run's setups, by name, for each Envoy file of ``--variants``: the bare
+    processor (and its ``--bare-levers``), kvgate, and kvgate at ``--baseline``; with
+    ``--refused-under`` kvgate's pool admits that many at once and no bare setup runs."""
+    base = checkout(args.baseline, work / "baseline") if args.baseline else None
+    stacks: dict[str, Stack] = {}
+    for variant in args.variants:
+        if not args.refused_under:
+            stacks[f"bare {variant}"] = hot_stack(work / f"bare-{variant}", variant, work, BARE)
+        for lever in args.bare_levers if not args.refused_under else ():
+            stacks[f"bare {lever} {variant}"] = hot_stack(work / f"bare-{lever}-{variant}", variant, work,
+                                                          [*BARE, f"--{lever}"])
+        stacks[f"kvgate {variant}"] = hot_stack(work / f"kvgate-{variant}", variant, work)
+        if base is not None:
+            stacks[f"kvgate@{args.baseline} {variant}"] = hot_stack(work / f"kvgate-base-{variant}", variant,
+                                                                    work, source=base)
+    if args.refused_under:
+        for stack in stacks.values():
+            cfg = orjson.loads(orjson.dumps(stack.kvgate_config))
+            cfg["pools"]["default"]["max_concurrency"] = args.refused_under
+            stack.kvgate_config = cfg
+    return stacks
+
+
 def main(argv: list[str] | None = None) -> int:
     """main runs the comparison and writes the report (bench/results/cpu.md by default)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -267,23 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-cpu-") as tmp:
         work = Path(tmp)
-        base = checkout(args.baseline, work / "baseline") if args.baseline else None
-        stacks: dict[str, Stack] = {}
-        for variant in args.variants:
-            if not args.refused_under:
-                stacks[f"bare {variant}"] = hot_stack(work / f"bare-{variant}", variant, work, BARE)
-            for lever in args.bare_levers if not args.refused_under else ():
-                stacks[f"bare {lever} {variant}"] = hot_stack(work / f"bare-{lever}-{variant}", variant, work,
-                                                              [*BARE, f"--{lever}"])
-            stacks[f"kvgate {variant}"] = hot_stack(work / f"kvgate-{variant}", variant, work)
-            if base is not None:
-                stacks[f"kvgate@{args.baseline} {variant}"] = hot_stack(work / f"kvgate-base-{variant}", variant,
-                                                                        work, source=base)
-        if args.refused_under:
-            for stack in stacks.values():
-                cfg = orjson.loads(orjson.dumps(stack.kvgate_config))
-                cfg["pools"]["default"]["max_concurrency"] = args.refused_under
-                stack.kvgate_config = cfg
+        stacks = _stacks(args, work)
         try:
             for stack in stacks.values():
                 stack.start()

@@ -251,6 +251,32 @@ def _rows(got: dict[tuple[str, str, int], float], names: list[str], kind: str, l
     return out
 
 
+def _measure(trees: dict[str, Path], kinds: list[str], helds: list[int]) -> dict[tuple[str, str, int], float]:
+    """_measure runs a worker process per tree (name -> source folder) and asks each, in turn
+    and in alternating order, for every kind at every count of requests held; returns their
+    answers by (tree, kind, held)."""
+    argv_w = [sys.executable, str(Path(__file__).resolve()), "--worker"]
+    workers = {name: subprocess.Popen(argv_w, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                      env=worker_env(src))
+               for name, src in trees.items()}
+    got: dict[tuple[str, str, int], float] = {}
+    try:
+        for i, (growth, held) in enumerate((g, h) for g in kinds for h in helds):
+            order = list(workers) if i % 2 == 0 else list(reversed(workers))
+            for name in order:
+                proc = workers[name]
+                assert proc.stdin is not None and proc.stdout is not None
+                proc.stdin.write(f"{growth} {held}\n")
+                proc.stdin.flush()
+                got[(name, growth, held)] = json.loads(proc.stdout.readline())
+    finally:
+        for proc in workers.values():
+            assert proc.stdin is not None
+            proc.stdin.close()
+            proc.wait(timeout=60)
+    return got
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--held", type=int, nargs="+", default=[0, 500, 2000])
@@ -270,28 +296,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     load = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="kvgate-pick-") as tmp:
-        argv_w = [sys.executable, str(Path(__file__).resolve()), "--worker"]
         trees = {"this tree": ROOT}
         if args.baseline:
             trees[args.baseline] = checkout(args.baseline, Path(tmp))
-        workers = {name: subprocess.Popen(argv_w, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                          env=worker_env(src))
-                   for name, src in trees.items()}
-        got: dict[tuple[str, str, int], float] = {}
-        try:
-            for i, (growth, held) in enumerate((g, h) for g in kinds for h in args.held):
-                order = list(workers) if i % 2 == 0 else list(reversed(workers))
-                for name in order:
-                    proc = workers[name]
-                    assert proc.stdin is not None and proc.stdout is not None
-                    proc.stdin.write(f"{growth} {held}\n")
-                    proc.stdin.flush()
-                    got[(name, growth, held)] = json.loads(proc.stdout.readline())
-        finally:
-            for proc in workers.values():
-                assert proc.stdin is not None
-                proc.stdin.close()
-                proc.wait(timeout=60)
+        got = _measure(trees, kinds, args.held)
     command = reports.command("bench/bench_pick.py", ap, args)
     names = list(trees)
     head = " | ".join(f"{n}: us per cycle | x no one held" for n in names)
