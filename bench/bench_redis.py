@@ -209,22 +209,12 @@ def pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a few seconds instead of about 30")
-    ap.add_argument("--seconds", type=float, default=5.0, help="length of each throughput run")
-    ap.add_argument("--concurrency", type=int, default=16, help="coroutines per replica")
-    ap.add_argument("--replicas", type=int, default=2, help="replica processes in measure 3")
-    ap.add_argument("--out", type=Path, default=RESULTS, help="where to write the report")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--url", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.child:
-        return child(args)
-    if args.quick:
-        args.seconds = 1.5
-    n_lat = 500 if args.quick else 3000
-
+def _measure(args: argparse.Namespace, n_lat: int) -> tuple[list[float], list[float], int, dict[str, Any],
+                                                          dict[str, Any], list[dict[str, Any]], str]:
+    """_measure runs the three measures on a fresh Redis server: ``n_lat`` admissions one at a time
+    (memory store, Redis: latencies in µs and how many Redis pairs were decided locally),
+    throughput of one replica (memory, Redis) and of ``--replicas`` processes at once; checks
+    after each that Redis holds nothing; returns them with the server's version."""
     with RedisServer() as server:
         url = server.url
         lat_mem, _ = run(latency(None, n_lat))
@@ -247,6 +237,26 @@ def main() -> int:
         assert held(url) == (0, 0), f"leaked after {args.replicas} replicas: {held(url)}"
         # The binary's own banner: Valkey answers INFO with a Redis-compatible redis_version.
         redis_version = server_version(server.binary)
+    return lat_mem, lat_redis, lat_local, one_mem, one, many, redis_version
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a few seconds instead of about 30")
+    ap.add_argument("--seconds", type=float, default=5.0, help="length of each throughput run")
+    ap.add_argument("--concurrency", type=int, default=16, help="coroutines per replica")
+    ap.add_argument("--replicas", type=int, default=2, help="replica processes in measure 3")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="where to write the report")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--url", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        return child(args)
+    if args.quick:
+        args.seconds = 1.5
+    n_lat = 500 if args.quick else 3000
+
+    lat_mem, lat_redis, lat_local, one_mem, one, many, redis_version = _measure(args, n_lat)
 
     load = os.getloadavg()
     med_mem, med_redis = statistics.median(lat_mem), statistics.median(lat_redis)
