@@ -214,6 +214,17 @@ class Policy:
     rps: bool = False
 
 
+def adaptive_for(speedup: float) -> dict[str, Any]:
+    """adaptive_for is kvgate's ``adaptive`` section for simulated nodes run ``speedup`` times
+    faster than real time: watermarks 0.70/0.85, each duration divided by the speedup (and the
+    recovery rate multiplied by it), so that kvgate acts at the same simulated instants."""
+    return {"high_watermark": 0.85, "low_watermark": 0.70, "min_scale": 0.6,
+            "recovery_per_s": 0.1 * speedup,
+            "poll_interval_s": max(0.01, 1.0 / speedup),
+            "scrape_timeout_s": max(0.005, 0.5 / speedup),
+            "stale_after_s": 3.0 / speedup}
+
+
 def _kvgate_base(w: Workload, speedup: float, sim_port: int, *, tpm: bool, backends: bool,
                  kv_budget: bool, classes: bool,
                  batch_kv_watermark: float = BATCH_KV_WATERMARK) -> dict[str, Any]:
@@ -235,11 +246,7 @@ def _kvgate_base(w: Workload, speedup: float, sim_port: int, *, tpm: bool, backe
     cfg: dict[str, Any] = {
         "pools": {"default": pool},
         "limits": {"max_body_bytes": 1_048_576},
-        "adaptive": {"high_watermark": 0.85, "low_watermark": 0.70, "min_scale": 0.6,
-                     "recovery_per_s": 0.1 * speedup,
-                     "poll_interval_s": max(0.01, 1.0 / speedup),
-                     "scrape_timeout_s": max(0.005, 0.5 / speedup),
-                     "stale_after_s": 3.0 / speedup},
+        "adaptive": adaptive_for(speedup),
         "server": {"drain_s": 0, "grace_s": 1},
     }
     if classes:

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from bench.bench_protection import Node
+from bench.bench_protection import Node, adaptive_for
 from bench.load import NODE_HEADER
 from bench.trace_workload import NODE, Background, Req, Scenario
 from extproc.configparse import parse_config
@@ -110,11 +110,7 @@ def kvgate_config(policy: Policy, sc: Scenario, speedup: float, sim_ports: Seque
     cfg: dict[str, Any] = {
         "pools": {"default": pool},
         "limits": {"max_body_bytes": 1_048_576},
-        "adaptive": {"high_watermark": 0.85, "low_watermark": 0.70, "min_scale": 0.6,
-                     "recovery_per_s": 0.1 * speedup,
-                     "poll_interval_s": max(0.01, 1.0 / speedup),
-                     "scrape_timeout_s": max(0.005, 0.5 / speedup),
-                     "stale_after_s": 3.0 / speedup},
+        "adaptive": adaptive_for(speedup),
         "server": {"drain_s": 0, "grace_s": 1},
         "tenants": {
             "header": "x-tenant-id", "default_class": "standard",
