@@ -5,8 +5,9 @@ and the completion tokens to reserve; ``acquire`` asks the admission core for a 
 returns it, or ``Refused`` with the answer that ends the request (a budget's 429, a 503 when
 the pool went away or the shared store cannot answer); ``admit`` puts the lease into the
 ending its ``ReleaseMode`` names (``extproc.request.ending``) and answers the body:
-``Admitted``. Identifying the request and collecting its body are the exchange's
-(``extproc.exchange``), which feeds these in that order.
+``Admitted``, which the service feeds the response to from then on. Identifying the request
+and collecting its body are its arrival's (``extproc.request.arrival``), which feeds these in
+that order.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.request.registry import LINK_KEY
 from extproc.request.profile import ReleaseMode
-from extproc.exchange import Exchange
+from kvgate_testkit.stream import Stream
 from extproc.gate import METADATA_NAMESPACE
 from extproc.service import ExtProcService
 from tests.unit.test_exchange import Rig, body_msg, chat, route_metadata
@@ -22,15 +22,14 @@ NO_RESPONSE = pb.ProtocolConfiguration(request_body_mode=pm.ProcessingMode.BUFFE
                                        response_body_mode=pm.ProcessingMode.NONE)
 
 
-def park(rig: Rig, service: ExtProcService, release: str = "access_log") -> Exchange:
+def park(rig: Rig, service: ExtProcService, release: str = "access_log") -> Stream:
     """park admits a request as the Process loop does, and hands it to the service's endings
     as the loop does once it is admitted."""
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate, service.endings)
     meta = route_metadata(pool="default", release=release)
     asyncio.run(ex.request_body(body_msg(chat(max_tokens=50)), None, attrs(), meta, NO_RESPONSE))
     assert ex.ending.link is not None and ex.ending.mode is ReleaseMode.ACCESS_LOG
-    service.endings.admitted(ex.ending)
-    assert service.endings.handed_over(ex.ending)
+    assert ex.handed_over
     return ex
 
 
@@ -104,11 +103,11 @@ def test_give_up_releases_the_parked_requests_too() -> None:
 
 def test_a_route_without_release_access_log_is_not_parked() -> None:
     rig = Rig()
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     asyncio.run(ex.request_body(body_msg(chat(max_tokens=50)), None, attrs(),
                                 route_metadata(pool="default"), NO_RESPONSE))
     assert ex.ending.link is not None and ex.ending.mode is ReleaseMode.OBSERVED
-    bad = Exchange(rig.gate)
+    bad = Stream(rig.gate)
     asyncio.run(bad.request_body(body_msg(chat(max_tokens=50)), None, attrs(),
                                  route_metadata(pool="default", release="sometimes"), NO_RESPONSE))
     assert bad.ending.mode is ReleaseMode.OBSERVED
