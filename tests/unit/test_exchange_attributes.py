@@ -278,7 +278,7 @@ def test_response_headers_on_a_stream_without_a_body_charge_the_whole_reservatio
     names = {h.header.key for h in resp.response_headers.response.header_mutation.set_headers}
     assert "x-ratelimit-remaining-tokens" in names
     assert not resp.HasField("mode_override")  # Envoy would close the stream at once
-    assert ex.ending.mode is ReleaseMode.UNREAD and ex.ending.tracker is None and rig.inflight() == 1
+    assert ex.ending.mode is ReleaseMode.UNREAD and rig.inflight() == 1
     assert ex.finish().value == "ended"
     assert rig.count("kvgate_releases_total", cause="ended") == 1
     assert _charged(rig, ex, before) >= 300
@@ -293,7 +293,7 @@ def test_the_same_headers_from_an_observing_stream_are_followed_and_refunded() -
     ending = ex.ending
     assert isinstance(ending, Observed)
     ending.observed_headers(200, "application/json", False)  # as the observing stream feeds it
-    assert ending.mode is ReleaseMode.OBSERVED and ending.tracker is not None
+    assert ending.mode is ReleaseMode.OBSERVED
     usage = {"usage": {"prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11}}
     ending.response_chunk(orjson.dumps({"choices": [], **usage}), True)
     assert ex.ending.outcome is not None and ex.ending.outcome.value == "completed"
