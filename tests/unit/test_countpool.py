@@ -305,7 +305,7 @@ async def test_a_server_installs_its_pool_sizes_its_threads_and_stops_both() -> 
     assert tk._far is None
 
 
-# --- through the exchange: a 503 that holds nothing -------------------------------
+# --- through the request path: a 503 that holds nothing -------------------------------
 
 class Refusing:
     def __init__(self, error: Exception) -> None:

@@ -1,5 +1,5 @@
 """Unit tests of endings: the release mode each Envoy shape gives an admitted request, the
-cause and charge table the exchange's finish applies, and the registry that holds the
+cause and charge table the endings apply, and the registry that holds the
 requests whose end comes from elsewhere than their own stream."""
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def _protocol(response_body: int, request_body: int = pm.ProcessingMode.BUFFERED
     ("unread", pm.ProcessingMode.NONE, ReleaseMode.UNREAD),  # envoy-reservation
     (None, pm.ProcessingMode.NONE, ReleaseMode.OBSERVED),  # an operator's file without the key
 ])
-def test_an_exchange_names_its_mode_at_admission(release: str | None, response_body: int,
+def test_a_request_names_its_mode_at_admission(release: str | None, response_body: int,
                                                  mode: ReleaseMode) -> None:
     rig = Rig()
     ex = Stream(rig.gate)

@@ -716,13 +716,13 @@ EVENTS = st.lists(st.sampled_from(["headers", "body", "big", "rh200", "rh500", "
 @given(st.lists(EVENTS, min_size=1, max_size=4))
 def test_every_stream_ends_with_nothing_held_and_at_most_one_release(scripts: list[list[str]]) -> None:
     """Whatever order messages arrive in (even nonsense), after finish nothing is held and
-    each exchange released at most once."""
+    each request released at most once."""
     async def run() -> None:
         rig = Rig()
-        exchanges = []
+        streams = []
         for script in scripts:
             ex = Stream(rig.gate)
-            exchanges.append(ex)
+            streams.append(ex)
             for ev in script:
                 if ev == "headers":
                     ex.request_headers(headers_msg())
@@ -741,7 +741,7 @@ def test_every_stream_ends_with_nothing_held_and_at_most_one_release(scripts: li
                     ex.finish()
                 else:
                     ex.finish(gave_up=True)
-        for ex in exchanges:
+        for ex in streams:
             ex.finish()
         assert rig.inflight() == 0
         assert rig.admission.snapshot("default").kv_inflight == 0

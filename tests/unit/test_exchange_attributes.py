@@ -1,4 +1,4 @@
-"""Unit tests of the exchange when Envoy skips request headers (deploy/envoy.yaml).
+"""Unit tests of a request's arrival when Envoy skips request headers (deploy/envoy.yaml).
 
 The stream's first message is then the request body, and the request facts kvgate needs
 come with it as request attributes (``request.path``, ``request.method``, a few headers).
@@ -260,7 +260,7 @@ def _no_response_body() -> pb.ProtocolConfiguration:
 
 
 def _charged(rig: Rig, ex: Stream, before: float) -> float:
-    """what the pool bucket kept for a released exchange (the manual clock never moves)"""
+    """what the pool bucket kept for a released request (the manual clock never moves)"""
     assert rig.inflight() == 0
     available = rig.admission.snapshot("default").tpm_available
     assert available is not None

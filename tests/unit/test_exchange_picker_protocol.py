@@ -1,4 +1,4 @@
-"""The exchange as an InferencePool's endpoint picker: both bodies FULL_DUPLEX_STREAMED (the
+"""A request's stages as an InferencePool's endpoint picker: both bodies FULL_DUPLEX_STREAMED (the
 headers' answer comes with the body's decision, every body byte goes back as streamed
 chunks), the proxy's subset hint, the protocol's 503, and the node charge following the
 endpoint that served. Nothing is held after any of it."""

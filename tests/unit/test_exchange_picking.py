@@ -1,4 +1,4 @@
-"""The exchange in a pool that picks nodes: the answer names the node the way the endpoint
+"""A request in a pool that picks nodes: the answer names the node the way the endpoint
 picker protocol does, the stream's tokens reach the node's ledger, and a request that
 arrives without its headers (Envoy routed it already) is refused, not admitted blind."""
 

@@ -35,7 +35,7 @@ PERIODIC = accesslog_pb2.AccessLogType.DownstreamPeriodic
 
 def admit(rig: Any, service: ExtProcService) -> Stream:
     """admit sends a streamed chat's headers and body as Envoy does in this file, and hands the
-    exchange to the service's endings as the Process loop does."""
+    request to the service's endings as the Process loop does."""
     meta = route_metadata(pool="default", release="access_log")
     meta.filter_metadata[usage_log.NAMESPACE].fields[usage_log.FILTER_KEY].number_value = 1
     ex = Stream(rig.gate, service.endings)

@@ -1,6 +1,6 @@
 """Unit tests of the Envoy files' profiles (extproc.request.profile): the module doc's table is
 the rows, every file's routes carry the ``release`` of its row, and the mode each row names is
-what an exchange admitted through that file takes."""
+what a request admitted through that file takes."""
 
 from __future__ import annotations
 
