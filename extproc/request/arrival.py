@@ -70,7 +70,6 @@ from extproc import openai_api as oai
 from extproc import picker_protocol as epp
 from extproc import request_facts as facts_of
 from extproc import usage_log
-from extproc.admission import Demand, Lease
 from extproc.answers import (CONTINUE_REQUEST_BODY, CONTINUE_REQUEST_HEADERS,
                              CONTINUE_REQUEST_TRAILERS, CONTINUE_RESPONSE_BODY,
                              CONTINUE_RESPONSE_HEADERS, PASS_THROUGH, PASS_THROUGH_BODY,
@@ -79,10 +78,8 @@ from extproc.config import ClassConfig
 from extproc.errors import RequestError
 from extproc.gate import ANONYMOUS_TENANT, NO_ROUTE_SETTINGS, Gate, PoolRuntime
 from extproc.outcomes import RequestOutcome
-from extproc.request.admit import (Admitted, Refused, acquire, admit, cap_of, count, pass_to_node,
-                                   refusal_outcome)
-from extproc.request.profile import ReleaseMode
-from extproc.request.refusals import no_eligible_endpoint, pass_error, path_error, refusal
+from extproc.request.admit import Admitted, Refused, decide, pass_to_node
+from extproc.request.refusals import pass_error, path_error, refusal
 from extproc.request_facts import ATTR_PATH, UNDECODABLE_ATTRIBUTES, RequestFacts
 
 
@@ -321,52 +318,18 @@ class Arrival:
 
     async def _decide(self, raw: bytes, send: Callable[[pb.ProcessingResponse], Awaitable[None]] | None,
                       ) -> pb.ProcessingResponse | Admitted:
-        """_decide feeds the whole body ``raw`` to admission (``extproc.request.admit``):
-        count it, acquire a lease, and return it in its ending (``Admitted``), or the
-        refusal's answer."""
-        gate = self.gate
-        started = gate.clock.now()
-        pool, cls, endpoint = self.pool, self.class_cfg, self.endpoint
-        assert pool is not None and cls is not None and endpoint is not None
-        try:
-            parsed, prompt_tokens, reserved = await count(gate, endpoint, raw, self.content_type,
-                                                          pool, self.route)
-        except RequestError as err:
-            return self._refuse(err, refusal_outcome(err))
-        among = self.hint if pool.config.picks else None
-        if among is not None and not gate.admission.eligible_nodes(self.pool_name, among):
-            return self._no_eligible_endpoint(
-                retry=gate.admission.named_nodes(self.pool_name, among) > 0)
-        demand = Demand(pool=self.pool_name, tenant=self.tenant, class_name=cls.name,
-                        prompt_tokens=prompt_tokens, reserved_completion=reserved, among=among,
-                        prefix=parsed.prefix, fairness_id=self.fairness_id, blocks=parsed.blocks)
-        lease = await acquire(gate, demand, cls, send, started)
-        if type(lease) is Refused:
+        """_decide hands the whole body ``raw`` to admission (``admit.decide``): the
+        admission (``Admitted``), or the refusal's answer."""
+        decided = await decide(self.gate, self, raw, send)
+        if type(decided) is Refused:
             self.state = _DONE
-            return lease.answer
-        assert isinstance(lease, Lease)
+            return decided.answer
         self.state = _ADMITTED
-        # Request facts only the decision reads: an admitted request may stay in flight (or
-        # parked for its access log entry) for minutes, thousands at once.
+        # Request facts only the decision reads: an admitted request may stay in flight for
+        # minutes, thousands at once.
         self.content_type = None
         self.hint = None
-        gate.metrics.request(self.pool_name, cls.name, RequestOutcome.ADMITTED)
-        # A FULL_DUPLEX_STREAMED body either way carries no link (``ReleaseMode.choose``).
-        mode = ReleaseMode.choose(self.response_sent, self.route.release,
-                                  self.duplex or self.response_duplex)
-        return admit(gate, lease, mode, parsed, raw, cap=cap_of(pool, parsed, reserved),
-                     duplex=self.duplex, response_duplex=self.response_duplex,
-                     usage_filter=self.usage_filter)
-
-    def _no_eligible_endpoint(self, retry: bool) -> pb.ProcessingResponse:
-        """_no_eligible_endpoint counts and answers a request whose subset hint allows no node
-        kvgate may pick (``refusals.no_eligible_endpoint``)."""
-        self.state = _DONE
-        cls = self.class_cfg
-        self.gate.metrics.request(self.pool_name or self.gate.config.default_pool,
-                                  cls.name if cls is not None else self.gate.config.tenants.default_class,
-                                  RequestOutcome.REJECTED_NO_ENDPOINT)
-        return no_eligible_endpoint(retry)
+        return decided
 
     # --- response ------------------------------------------------------------------------
 
