@@ -272,7 +272,17 @@ class Arrival:
         raw = self._collect(msg)
         if not isinstance(raw, bytes):
             return raw
-        return await self._decide(raw, send)
+        # The whole body: admission decides (``admit.decide``).
+        decided = await decide(self.gate, self, raw, send)
+        if type(decided) is Refused:
+            self.state = _DONE
+            return decided.answer
+        self.state = _ADMITTED
+        # Request facts only the decision reads: an admitted request may stay in flight for
+        # minutes, thousands at once.
+        self.content_type = None
+        self.hint = None
+        return decided
 
     def _begin_at_body(self, attributes: Any, metadata: Any,
                        body: bool) -> pb.ProcessingResponse | None:
@@ -315,21 +325,6 @@ class Arrival:
                 return self._refuse_too_large(len(raw))
         self.body = None
         return raw
-
-    async def _decide(self, raw: bytes, send: Callable[[pb.ProcessingResponse], Awaitable[None]] | None,
-                      ) -> pb.ProcessingResponse | Admitted:
-        """_decide hands the whole body ``raw`` to admission (``admit.decide``): the
-        admission (``Admitted``), or the refusal's answer."""
-        decided = await decide(self.gate, self, raw, send)
-        if type(decided) is Refused:
-            self.state = _DONE
-            return decided.answer
-        self.state = _ADMITTED
-        # Request facts only the decision reads: an admitted request may stay in flight for
-        # minutes, thousands at once.
-        self.content_type = None
-        self.hint = None
-        return decided
 
     # --- response ------------------------------------------------------------------------
 
