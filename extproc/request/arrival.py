@@ -95,7 +95,8 @@ class Arrival:
 
     Methods are called in Envoy's message order; each returns the answer to send, and
     ``request_body`` returns ``Admitted`` when it admits the request: its ending holds the
-    lease from then on, and nothing here does.
+    lease from then on, and nothing here does. What it has identified of the request is what
+    admission reads (``admit.Identified``).
     """
 
     __slots__ = ("gate", "state", "endpoint", "pool", "pool_name", "class_cfg", "tenant",
