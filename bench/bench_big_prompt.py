@@ -1,7 +1,7 @@
 """bench_big_prompt: does a 1 MiB prompt delay other requests' decisions? (issue 17)
 
 One process, kvgate's own admission path without gRPC: a ``Gate`` with the server's
-tokenizing thread pool on uvloop, and ``Exchange.request_body`` called as the ext_proc loop
+tokenizing thread pool on uvloop, and ``Arrival.request_body`` called as the ext_proc loop
 calls it. A stream of small chats (2 KB, one every 2 ms) is decided throughout; in the
 setups with a big prompt, a 1 MiB prompt of one kind arrives every 250 ms (parsed and
 counted in the thread pool, as every body above 32 KB is). Each small decision's time,
@@ -55,7 +55,8 @@ from bench.reports import machine, publish  # noqa: E402
 from extproc.admission import Admission  # noqa: E402
 from extproc.clock import MonotonicClock  # noqa: E402
 from extproc.configparse import parse_config  # noqa: E402
-from extproc.exchange import Exchange  # noqa: E402
+from extproc.request.admit import Admitted  # noqa: E402
+from extproc.request.arrival import Arrival  # noqa: E402
 from extproc.gate import Gate  # noqa: E402
 from extproc.request_facts import ATTR_CONTENT_TYPE, ATTR_METHOD, ATTR_PATH  # noqa: E402
 from extproc import tokens as tk  # noqa: E402
@@ -98,16 +99,15 @@ async def _decide(gate: Gate, body: pb.HttpBody, attributes: object, *,
     """_decide admits one request as the ext_proc loop would and releases it; returns the
     decision's time (seconds), or None for a 503 refusal when ``may_refuse`` (a big prompt
     the count pool could not count)."""
-    ex = Exchange(gate)
     t0 = time.perf_counter()
-    resp = await ex.request_body(body, None, attributes)
+    resp = await Arrival(gate).request_body(body, None, attributes)
     took = time.perf_counter() - t0
-    if resp is None or isinstance(resp, list) or resp.HasField("immediate_response"):
+    if type(resp) is not Admitted:
         if may_refuse and isinstance(resp, pb.ProcessingResponse) and \
                 resp.immediate_response.status.code == 503:
             return None
         raise SystemExit(f"a request was refused: {resp}")
-    ex.finish()
+    resp.ending.finish()
     return took
 
 

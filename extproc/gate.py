@@ -1,4 +1,4 @@
-"""gate: what every exchange shares, and how a request is told apart from another.
+"""gate: what every request shares, and how a request is told apart from another.
 
 A ``Gate`` holds the configuration, each pool's tokenizer and chat template, the API-key
 table, the admission core, the metrics and the executor that tokenizes large bodies off the
@@ -85,7 +85,7 @@ NO_ROUTE_SETTINGS = RouteSettings()
 
 
 class Gate:
-    """Gate holds what every exchange shares and can be reconfigured at run time.
+    """Gate holds what every request shares and can be reconfigured at run time.
 
     ``offload_bytes``: bodies larger than this are parsed and tokenized in ``executor``
     (None: the loop's default executor).

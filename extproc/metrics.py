@@ -23,13 +23,13 @@ from extproc.admission.types import Outcome, PoolSnapshot
 from extproc.outcomes import LogResult, RequestOutcome
 from extproc.usage_log import RESULTS as LOGGED_USAGE_RESULTS
 
-# The outcome label of kvgate_requests_total: the exchange's RequestOutcome, in its order.
+# The outcome label of kvgate_requests_total: the request's RequestOutcome, in its order.
 OUTCOMES = tuple(outcome.value for outcome in RequestOutcome)
 # The cause label of kvgate_releases_total: the admission core's Outcome, in its order.
 CAUSES = tuple(cause.value for cause in Outcome)
 # The result label of kvgate_access_log_entries_total: LogResult (Endings.logged).
 ACCESS_LOG_RESULTS = tuple(result.value for result in LogResult)
-# The reason label of kvgate_tenant_header_unseen_total (see the exchange's tenant lookup).
+# The reason label of kvgate_tenant_header_unseen_total (see the arrival's tenant lookup).
 TENANT_HEADER_UNSEEN_REASONS = ("absent", "other_header")
 # Decisions take tens of microseconds to a few milliseconds; waits in a class queue longer.
 DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,

@@ -3,7 +3,7 @@
 Gateways that implement an ``InferencePool`` (Istio, Envoy Gateway, kgateway, GKE) call the
 pool's endpoint picker through ext_proc with both bodies ``FULL_DUPLEX_STREAMED``
 (docs/endpoint-picker-protocol.md has the facts and their sources). This module holds what
-that protocol names and the few pure functions kvgate needs to speak it; the exchange
+that protocol names and the few pure functions kvgate needs to speak it; the request
 decides, this module only reads and writes the protocol's shapes.
 
 - The proxy may restrict the choice: filter metadata ``envoy.lb.subset_hint`` /

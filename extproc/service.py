@@ -1,8 +1,12 @@
-"""service: the grpc.aio ext_proc service, one ``Exchange`` per stream.
+"""service: the grpc.aio ext_proc service, one request's stages per stream.
 
 ``ExtProcService.Process`` is one ext_proc stream (one HTTP request): it reads Envoy's
-messages, dispatches them by kind to an ``Exchange`` and writes the answers. However the
-stream ends (response end of stream, a clean end after a client disconnect,
+messages and feeds each, by ``answer``, to the stage the stream is in, and writes the
+answers. A stream begins as the request's ``Arrival`` (``extproc.request.arrival``:
+identified, its body collected, admitted or refused); the admission returns ``Admitted``, and
+from then on the response goes to its ``Ending`` (``extproc.request.ending``), which holds the
+lease. The service holds which stage the stream is in and reads nothing else of them. However
+the stream ends (response end of stream, a clean end after a client disconnect,
 ``CancelledError``, an error in kvgate, shutdown), its end goes to the service's ``Endings``
 in ``finally``, which releases the lease exactly once or keeps it for the end that comes
 from elsewhere (the observing stream, the access log: ``extproc.request.registry``). A stream whose
@@ -26,10 +30,11 @@ from google.protobuf.message import DecodeError
 
 from extproc import logwire
 from extproc.answers import CONTINUE_RESPONSE_TRAILERS
-from extproc.request.ending import Observed
-from extproc.request.registry import Endings
-from extproc.exchange import Exchange
 from extproc.gate import Gate
+from extproc.request.admit import Admitted
+from extproc.request.arrival import Arrival
+from extproc.request.ending import Ending, Observed
+from extproc.request.registry import Endings
 from extproc.metrics import Metrics
 from extproc.request_facts import UNDECODABLE_ATTRIBUTES
 
@@ -52,7 +57,7 @@ def decode_request(data: bytes) -> pb.ProcessingRequest:
     Envoy copies request header bytes into request attributes, which are protobuf strings:
     a header that is not UTF-8 makes the whole message undecodable. Rather than fail the
     stream (a 500 for a client's bad byte), the attributes are dropped and marked
-    (UNDECODABLE_ATTRIBUTES) so that the exchange refuses the request with a 400.
+    (UNDECODABLE_ATTRIBUTES) so that the arrival refuses the request with a 400.
     """
     try:
         return pb.ProcessingRequest.FromString(data)
@@ -67,18 +72,48 @@ def _protocol(req: Any) -> Any:
     return req.protocol_config if req.HasField("protocol_config") else None
 
 
-class ExtProcService(pb_grpc.ExternalProcessorServicer):
-    """ExtProcService serves Envoy's ext_proc streams, one ``Exchange`` per stream.
+async def answer(arrival: Arrival, ending: Ending | None, req: Any, send: Any) -> Any:
+    """answer feeds one of Envoy's messages ``req`` to the stage its stream is in and returns
+    what to write (None: nothing; a list: several, in order; ``Admitted``: the request was
+    admitted, write its ``answer`` and feed its ``ending`` from now on).
 
-    ``active`` maps each open stream's task (and each observed request's settling task) to
-    its exchange, for shutdown. ``endings`` holds the requests whose end comes from
-    elsewhere than their stream.
+    The request side is the ``arrival``'s; the response is the ``ending``'s once the request is
+    admitted (None: not admitted), the arrival's before. ``send`` writes a message at once
+    (a longer message timeout before waiting in a queue).
+    """
+    kind = req.WhichOneof("request")
+    if kind == "response_body":  # the most frequent: one per upstream chunk
+        if ending is not None:
+            return ending.answer_chunk(req.response_body)
+        return arrival.response_body(req.response_body)
+    if kind == "request_headers":
+        return arrival.request_headers(req.request_headers, req.metadata_context, _protocol(req))
+    if kind == "request_body":
+        return await arrival.request_body(req.request_body, send, req.attributes,
+                                          req.metadata_context, _protocol(req))
+    if kind == "response_headers":
+        if ending is not None:
+            return ending.answer_headers(req.response_headers, req.metadata_context)
+        return arrival.response_headers(req.response_headers, req.attributes, req.metadata_context)
+    if kind == "request_trailers":
+        return arrival.request_trailers()
+    if kind == "response_trailers":
+        return CONTINUE_RESPONSE_TRAILERS
+    return None  # a newer Envoy's message kind: nothing to do with it
+
+
+class ExtProcService(pb_grpc.ExternalProcessorServicer):
+    """ExtProcService serves Envoy's ext_proc streams, one request's stages per stream.
+
+    ``active`` maps each open stream's task to its request's ending once admitted (None
+    before), and each observed request's settling task to its ending, for shutdown.
+    ``endings`` holds the requests whose end comes from elsewhere than their stream.
     """
 
     def __init__(self, gate: Gate, metrics: Metrics) -> None:
         self._gate = gate
         self._metrics = metrics
-        self.active: dict[asyncio.Task[Any], Exchange] = {}
+        self.active: dict[asyncio.Task[Any], Ending | None] = {}
         self.endings = Endings(gate.clock, metrics, self._maybe_idle)
         self._idle = asyncio.Event()
         self._idle.set()
@@ -91,24 +126,34 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
         if req.observability_mode:
             await self.endings.observe(req, read)
             return
-        ex = Exchange(self._gate, self.endings)
+        arrival = Arrival(self._gate)
+        ending: Ending | None = None  # the stage after the arrival: the admitted request's
         task = asyncio.current_task()
         assert task is not None
-        self.active[task] = ex
+        active = self.active
+        active[task] = None
         self._idle.clear()
         write = context.write
         eof = grpc.aio.EOF
-        handed_over = False  # to the access log: the stream ends, the lease stays
+        # Handed over to the access log: the stream ends, the lease stays; once the answer
+        # is written (a stream that ends before leaves it ``unsure``, Endings.stream_ended).
+        parked = handed_over = False
         try:
             while True:
-                resp = await self._answer(ex, req, write)
+                resp = await answer(arrival, ending, req, write)
+                if type(resp) is Admitted:
+                    ending = resp.ending
+                    active[task] = ending
+                    # Before Envoy can send the response, or log the request's end.
+                    parked = self.endings.admitted(ending)
+                    resp = resp.answer
                 if type(resp) is list:  # FULL_DUPLEX_STREAMED: headers, then the body's chunks
                     for one in resp:
                         await write(one)
                 elif resp is not None:
                     await write(resp)
                 resp = None
-                if self.endings.handed_over(ex.ending):
+                if parked:
                     handed_over = True
                     return
                 # Not held while waiting: the body message carries the whole prompt.
@@ -123,32 +168,12 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
             log.exception("ext_proc stream failed; ending it (Envoy answers the client 500)")
             raise
         finally:
-            del self.active[task]
-            observed = self.endings.stream_ended(ex.ending, handed_over)
+            del active[task]
+            observed = self.endings.stream_ended(ending, handed_over)
             if observed is not None:
                 settle = asyncio.get_running_loop().create_task(self._settle(observed))
-                self.active[settle] = ex
+                active[settle] = observed
             self._maybe_idle()
-
-    async def _answer(self, ex: Exchange, req: Any, write: Any) -> Any:
-        """_answer hands one message to the exchange by its kind and returns the answer to
-        write (None: nothing; a list: several, in order)."""
-        kind = req.WhichOneof("request")
-        if kind == "response_body":
-            return ex.response_body(req.response_body)
-        if kind == "request_headers":
-            return ex.request_headers(req.request_headers, req.metadata_context, _protocol(req))
-        if kind == "request_body":
-            return await ex.request_body(req.request_body, write, req.attributes,
-                                         req.metadata_context, _protocol(req))
-        if kind == "response_headers":
-            return ex.response_headers(req.response_headers, attributes=req.attributes,
-                                       metadata=req.metadata_context)
-        if kind == "request_trailers":
-            return ex.request_trailers()
-        if kind == "response_trailers":
-            return CONTINUE_RESPONSE_TRAILERS
-        return None  # a newer Envoy's message kind: nothing to do with it
 
     async def _settle(self, observed: Observed) -> None:
         try:
@@ -179,8 +204,9 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
         Returns how many streams were open and requests parked.
         """
         open_streams = list(self.active.items())
-        for task, ex in open_streams:
-            ex.finish(gave_up=True)
+        for task, ending in open_streams:
+            if ending is not None:
+                ending.finish(gave_up=True)
             task.cancel()
         parked = self.endings.give_up()
         self._maybe_idle()

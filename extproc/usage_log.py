@@ -51,7 +51,7 @@ FILTER_KEY = "filter"
 COMPLETION_KEY = "completion_tokens"
 EVENTS_KEY = "events"
 DONE_KEY = "done"
-# kvgate's own namespace (exchange.METADATA_NAMESPACE), where its answer to the request
+# kvgate's own namespace (gate.METADATA_NAMESPACE), where its answer to the request
 # body writes the link and STRIP_KEY.
 GATE_NAMESPACE = "kvgate"
 STRIP_KEY = "strip_usage"
@@ -281,7 +281,7 @@ class LoggedUsage:
     result: str
 
     def tracker(self, streamed: bool) -> openai_usage.ResponseTracker | None:
-        """tracker is this usage in the shape the exchange settles a lease from; None when
+        """tracker is this usage in the shape an ending settles a lease from; None when
         it holds no count at all (the reservation is charged)."""
         if self.completion_tokens is None and self.events is None:
             return None

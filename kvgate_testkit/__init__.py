@@ -5,7 +5,9 @@ process, a free port, waiting on a condition), ``upstream`` (a fast OpenAI-shape
 inference server), ``stack`` (the real Envoy with kvgate and the fake upstream),
 ``nodes_stack`` (simulated nodes that kvgate picks among), ``redis_server`` (a real
 Redis-protocol server), ``kvmetrics`` (reading kvgate's /metrics) and ``promtool``
-(Prometheus's rule checker); ``EXPOSITIONS``, engines' /metrics samples. It lives beside ``tests/`` and ``bench/`` so that neither
+(Prometheus's rule checker); ``stream`` (one ext_proc stream fed to kvgate's request
+stages in-process, the unit tests' seam on a request); ``EXPOSITIONS``, engines' /metrics
+samples. It lives beside ``tests/`` and ``bench/`` so that neither
 imports the other; it needs the dev extra (``make install``) and is not in the
 distribution.
 """

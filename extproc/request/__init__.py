@@ -6,6 +6,7 @@ each takes; ``admit``: the decision on a whole body (count, acquire, answer: ``R
 kind of ending per way an admitted request ends, holding its lease until it releases it once;
 ``causes``: the cause and charge table the endings apply; ``registry``: the endings whose end
 comes from elsewhere than their own stream (observed, parked, awaiting their cause);
-``accesslog``: Envoy's access log, read entry by entry for the registry. Identifying a request
-and collecting its body are still ``extproc.exchange``'s.
+``accesslog``: Envoy's access log, read entry by entry for the registry; ``arrival``: a request
+identified and its body collected, then handed to ``admit``. A stream is in one stage at a
+time, its arrival's and then, once admitted, its ending's (``extproc.service.answer``).
 """

@@ -1,12 +1,13 @@
 """admit: the decision on one request's whole body: count it, acquire its lease, answer it.
 
-``count`` parses the body and counts its prompt tokens (off the event loop for a large body)
-and the completion tokens to reserve; ``acquire`` asks the admission core for a lease and
-returns it, or ``Refused`` with the answer that ends the request (a budget's 429, a 503 when
-the pool went away or the shared store cannot answer); ``admit`` puts the lease into the
-ending its ``ReleaseMode`` names (``extproc.request.ending``) and answers the body:
-``Admitted``. Identifying the request and collecting its body are the exchange's
-(``extproc.exchange``), which feeds these in that order.
+``decide`` is the decision, fed a request its arrival (``extproc.request.arrival``) has
+identified (``Identified``) and collected the whole body of; it returns ``Refused`` or
+``Admitted``, and the service feeds the admitted request's ending the response from then on.
+Its steps: ``count`` parses the body and counts its prompt tokens (off the event loop for a
+large body) and the completion tokens to reserve; ``acquire`` asks the admission core for a
+lease and returns it, or ``Refused`` with the answer that ends the request (a budget's 429, a
+503 when the pool went away or the shared store cannot answer); ``admit`` puts the lease into
+the ending its ``ReleaseMode`` names (``extproc.request.ending``) and answers the body.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TypeAlias
+from typing import Protocol, TypeAlias
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
@@ -31,11 +32,13 @@ from extproc.outcomes import REJECTED_BY, RequestOutcome
 from extproc.prefix import prefix_of, prompt_ids
 from extproc.request.ending import Ending, of_mode
 from extproc.request.profile import ReleaseMode
+from extproc.request.refusals import no_eligible_endpoint, refusal
 from extproc.request.registry import LINK_KEY
 
 log = logging.getLogger("kvgate.exchange")
 
-__all__ = ["Admitted", "Refused", "acquire", "admit", "cap_of", "count", "pass_to_node", "refusal_outcome"]
+__all__ = ["Admitted", "Identified", "Refused", "acquire", "admit", "cap_of", "count", "decide", "pass_to_node",
+           "refusal_outcome"]
 
 # What one message is answered with: one response, or several in order (FULL_DUPLEX_STREAMED).
 Answer: TypeAlias = "pb.ProcessingResponse | list[pb.ProcessingResponse]"
@@ -64,6 +67,63 @@ class Admitted:
     def lease(self) -> Lease:
         """lease is the admitted request's lease (held by its ending)."""
         return self.ending.lease
+
+
+class Identified(Protocol):
+    """Identified is what admission reads of a request its arrival has identified: its
+    endpoint, pool and class (None before identification), tenant, route settings, the
+    endpoints the proxy allows (``hint``, None: any), and how its stream's protocol carries
+    the response (``response_sent``, ``duplex``, ``response_duplex``; ``usage_filter``: the
+    access log's usage filter announced itself)."""
+
+    endpoint: oai.Endpoint | None
+    pool: PoolRuntime | None
+    pool_name: str
+    class_cfg: ClassConfig | None
+    tenant: str
+    fairness_id: str | None
+    route: RouteSettings
+    content_type: str | None
+    hint: frozenset[str] | None
+    response_sent: bool
+    duplex: bool
+    response_duplex: bool
+    usage_filter: bool
+
+
+async def decide(gate: Gate, request: Identified, raw: bytes,
+                 send: Callable[[pb.ProcessingResponse], Awaitable[None]] | None) -> Refused | Admitted:
+    """decide is the decision on the identified ``request``'s whole body ``raw``: count it,
+    acquire a lease, and put it into the ending its mode names (``Admitted``), or ``Refused``
+    (a body kvgate refuses, no eligible endpoint, a budget's 429, a 503). ``send``: as for
+    ``acquire``."""
+    started = gate.clock.now()
+    pool, cls, endpoint, pool_name = request.pool, request.class_cfg, request.endpoint, request.pool_name
+    assert pool is not None and cls is not None and endpoint is not None
+    try:
+        parsed, prompt_tokens, reserved = await count(gate, endpoint, raw, request.content_type,
+                                                      pool, request.route)
+    except RequestError as err:
+        outcome = refusal_outcome(err)
+        gate.metrics.request(pool_name, cls.name, outcome)
+        return Refused(refusal(err, outcome))
+    among = request.hint if pool.config.picks else None
+    if among is not None and not gate.admission.eligible_nodes(pool_name, among):
+        gate.metrics.request(pool_name, cls.name, RequestOutcome.REJECTED_NO_ENDPOINT)
+        return Refused(no_eligible_endpoint(gate.admission.named_nodes(pool_name, among) > 0))
+    demand = Demand(pool=pool_name, tenant=request.tenant, class_name=cls.name,
+                    prompt_tokens=prompt_tokens, reserved_completion=reserved, among=among,
+                    prefix=parsed.prefix, fairness_id=request.fairness_id, blocks=parsed.blocks)
+    lease = await acquire(gate, demand, cls, send, started)
+    if type(lease) is Refused:
+        return lease
+    assert isinstance(lease, Lease)
+    gate.metrics.request(pool_name, cls.name, RequestOutcome.ADMITTED)
+    duplex, response_duplex = request.duplex, request.response_duplex
+    # A FULL_DUPLEX_STREAMED body either way carries no link (``ReleaseMode.choose``).
+    mode = ReleaseMode.choose(request.response_sent, request.route.release, duplex or response_duplex)
+    return admit(gate, lease, mode, parsed, raw, cap=cap_of(pool, parsed, reserved),
+                 duplex=duplex, response_duplex=response_duplex, usage_filter=request.usage_filter)
 
 
 def _evaluate(endpoint: oai.Endpoint, body: bytes, content_type: str | None,

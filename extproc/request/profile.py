@@ -85,7 +85,7 @@ class ReleaseMode(Enum):
 
     @property
     def on_stream(self) -> bool:
-        """on_stream: the response body comes on the admission stream, read by the exchange."""
+        """on_stream: the response body comes on the admission stream, read by its ending."""
         return self in (ReleaseMode.STREAM, ReleaseMode.STREAM_AND_LOG)
 
     @property

@@ -1,6 +1,6 @@
 """refusals: the answers kvgate ends a request with before admitting it, and the errors they
 carry: a path or method it does not admit, a pass path asked for wrongly, no endpoint the proxy
-allows. Counting them is the caller's (the exchange's), in the pool and class it names."""
+allows. Counting them is the caller's (the arrival's), in the pool and class it names."""
 
 from __future__ import annotations
 

@@ -80,24 +80,22 @@ class Endings:
 
     # --- the admission stream ----------------------------------------------------------
 
-    def admitted(self, ending: Ending) -> None:
+    def admitted(self, ending: Ending) -> bool:
         """admitted registers a request just admitted, before Envoy can send its response
-        or log its end: a Parked request is parked (its stream may end now), an Observed one
-        linked, and one whose cause the access log tells kept for its cause."""
+        or log its end: a Parked request is parked, an Observed one linked, and one whose
+        cause the access log tells kept for its cause. Returns whether the request was handed
+        over to the access log (Parked): its stream may end now, the lease held."""
         link = ending.link
         if link is None:
-            return
+            return False
         if isinstance(ending, Parked):
             self.parked[link] = ending
-        elif isinstance(ending, Observed):
+            return True
+        if isinstance(ending, Observed):
             self.links[link] = ending
         if isinstance(ending, ToldByLog):
             self.causes[link] = (ending, self._clock.now())
-
-    def handed_over(self, ending: Ending | None) -> bool:
-        """handed_over: the request's end comes by the access log; its stream may end with
-        the lease held."""
-        return ending is not None and ending.link is not None and ending.link in self.parked
+        return False
 
     def stream_ended(self, ending: Ending | None, handed_over: bool) -> Observed | None:
         """stream_ended follows the end of a request's admission stream, however it ended

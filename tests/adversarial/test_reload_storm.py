@@ -273,10 +273,20 @@ def test_a_pool_removed_before_the_decision_gets_a_clean_answer(rig: Rig, when: 
                 msg = request_body(chat(" " * 40_000, max_tokens=5))  # 40 KB, ~300 tokens: off the loop
                 msg.attributes[EXT_PROC].update({"request.path": "/v1/chat/completions",
                                                  "request.method": "POST"})
-                await call.write(msg)
-                while not any(ex.pool_name == "default" and ex.body is None
-                              for ex in rig.server.service.active.values()):
-                    await asyncio.sleep(0.002)  # until the body waits for a counting thread
+                executor = rig.server.executor
+                counting = threading.Event()  # the body's count handed to the (busy) executor
+                submit = executor.submit
+
+                def handed(fn: Any, /, *args: Any) -> Any:
+                    counting.set()
+                    return submit(fn, *args)
+                executor.submit = handed  # type: ignore[method-assign]
+                try:
+                    await call.write(msg)
+                    while not counting.is_set():
+                        await asyncio.sleep(0.002)  # until the body waits for a counting thread
+                finally:
+                    del executor.submit
                 reload_meant(rig.server, CONFIGS[2])
                 gate.set()
                 await asyncio.gather(*busy)

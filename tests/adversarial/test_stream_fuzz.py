@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from extproc import service as service_module
-from extproc.exchange import Exchange
+from extproc.request.admit import Admitted
 from tests.adversarial.support import (TOKEN, Rig, chat, kind, request_body, request_headers,
                                        response_body, response_headers, sse, usage_json)
 
@@ -35,24 +35,27 @@ EXT_PROC = "envoy.filters.http.ext_proc"  # the key Envoy files request attribut
 
 
 class Recorded(Rig):
-    """Recorded is a Rig that keeps every Exchange the service creates (to check each lease)."""
+    """Recorded is a Rig that keeps every admission the service makes (to check each lease)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.created: list[Exchange] = []
+        self.created: list[Admitted] = []
 
 
 @pytest.fixture(scope="module")
 def rig() -> Iterator[Recorded]:
     r = Recorded()
 
-    def recording(gate: Any, endings: Any = None) -> Exchange:
-        ex = Exchange(gate, endings)
-        r.created.append(ex)
-        return ex
+    answer = service_module.answer
+
+    async def recording(*args: Any) -> Any:
+        resp = await answer(*args)
+        if type(resp) is Admitted:
+            r.created.append(resp)
+        return resp
     try:
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(service_module, "Exchange", recording)
+            mp.setattr(service_module, "answer", recording)
             yield r
     finally:
         r.close()
@@ -237,6 +240,7 @@ def bucket(rig: Rig) -> float:
 @given(streams=st.lists(STREAM, min_size=1, max_size=4))
 def test_random_streams_end_with_nothing_held(rig: Recorded, streams: list[tuple[list[Any], str]]) -> None:
     errors = rig.count("kvgate_internal_errors_total")
+    admitted_before = rig.count("kvgate_requests_total", outcome="admitted")
     tokens_before = bucket(rig)
 
     async def go() -> tuple[list[Any], list[str]]:
@@ -261,7 +265,8 @@ def test_random_streams_end_with_nothing_held(rig: Recorded, streams: list[tuple
     assert least <= rig.count("kvgate_internal_errors_total") - errors <= most
     assert rig.nothing_held(), rig.held()
     assert rig.count("kvgate_releases_total") == rig.count("kvgate_requests_total", outcome="admitted")
-    leases = {id(ex.ending.lease): ex.ending.lease for ex in rig.created if ex.ending is not None}
+    leases = {id(admitted.lease): admitted.lease for admitted in rig.created}
+    assert len(leases) == rig.count("kvgate_requests_total", outcome="admitted") - admitted_before
     for lease in leases.values():
         assert lease.released and lease.outcome is not None
     # What the default pool's bucket lost: at least every prompt, at most every reservation

@@ -3,7 +3,7 @@
 Every request gets a tenant header value (or API key, or per-route metadata) nobody
 configured. Unknown identities share the anonymous tenant, so the ``/metrics`` text,
 the token buckets and the memory kvgate holds must not grow with their number. Driven
-through ``Exchange`` with the real admission core, tokenizer and metrics (gRPC adds
+through ``Stream`` with the real admission core, tokenizer and metrics (gRPC adds
 nothing to identity handling).
 """
 
@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry
 from extproc.admission import Admission
 from extproc.clock import ManualClock
 from extproc.configparse import parse_config
-from extproc.exchange import Exchange
+from kvgate_testkit.stream import Stream
 from extproc.gate import Gate
 from extproc.metrics import Metrics
 from tests.adversarial.support import CONFIG, chat, header_map
@@ -50,7 +50,7 @@ class Gateway:
 
     async def request(self, headers: list[tuple[str, bytes]], metadata: Any = None) -> str:
         """request runs one request to completion; returns the body answer's kind."""
-        ex = Exchange(self.gate)
+        ex = Stream(self.gate)
         hs = [(":path", b"/v1/chat/completions"), (":method", b"POST"),
               ("content-type", b"application/json"), *headers]
         first = ex.request_headers(pb.HttpHeaders(headers=header_map(hs)), metadata)

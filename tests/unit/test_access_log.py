@@ -10,27 +10,27 @@ from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.request.registry import LINK_KEY
+from extproc.request.registry import CAUSE_WAIT_S, LINK_KEY
 from extproc.request.profile import ReleaseMode
-from extproc.exchange import Exchange
+from kvgate_testkit.stream import Stream
 from extproc.gate import METADATA_NAMESPACE
 from extproc.service import ExtProcService
 from tests.unit.test_exchange import Rig, body_msg, chat, route_metadata
+from kvgate_testkit import held
 from tests.unit.test_exchange_attributes import attrs
 
 NO_RESPONSE = pb.ProtocolConfiguration(request_body_mode=pm.ProcessingMode.BUFFERED,
                                        response_body_mode=pm.ProcessingMode.NONE)
 
 
-def park(rig: Rig, service: ExtProcService, release: str = "access_log") -> Exchange:
+def park(rig: Rig, service: ExtProcService, release: str = "access_log") -> Stream:
     """park admits a request as the Process loop does, and hands it to the service's endings
     as the loop does once it is admitted."""
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate, service.endings)
     meta = route_metadata(pool="default", release=release)
     asyncio.run(ex.request_body(body_msg(chat(max_tokens=50)), None, attrs(), meta, NO_RESPONSE))
     assert ex.ending.link is not None and ex.ending.mode is ReleaseMode.ACCESS_LOG
-    service.endings.admitted(ex.ending)
-    assert service.endings.handed_over(ex.ending)
+    assert ex.handed_over
     return ex
 
 
@@ -93,6 +93,29 @@ def test_a_lost_entry_is_released_by_the_ttl_and_only_then() -> None:
     assert service.endings.logged(entry(old.ending.link)) == "unmatched"
 
 
+def test_a_parked_request_whose_answer_never_got_out_is_released_after_the_cause_wait() -> None:
+    # The service's own loop: Envoy reset the stream while kvgate wrote the admitted body's
+    # answer, so the request may never have gone upstream and no entry may ever name it. It is
+    # not handed over (kept only till the cause wait, not the parked TTL).
+    rig = Rig()
+    service = ExtProcService(rig.gate, rig.metrics)
+
+    class Reset(held.Stream):
+        async def write(self, resp: pb.ProcessingResponse) -> None:
+            raise asyncio.CancelledError  # as grpc.aio's write on a stream Envoy reset
+
+    async def stream() -> None:
+        with pytest.raises(asyncio.CancelledError):
+            await service.Process(None, Reset(held.messages("access-log", chat(max_tokens=50))))
+
+    asyncio.run(stream())
+    assert rig.inflight() == 1 and list(service.endings.unsure) == list(service.endings.parked)
+    rig.clock.advance(CAUSE_WAIT_S)
+    assert service.endings.sweep_parked(rig.clock.now(), ttl_s=900.0) == 1
+    assert rig.inflight() == 0 and not service.endings.parked
+    assert rig.count("kvgate_releases_total", cause="client_disconnect") == 1
+
+
 def test_give_up_releases_the_parked_requests_too() -> None:
     rig = Rig()
     service = ExtProcService(rig.gate, rig.metrics)
@@ -104,11 +127,11 @@ def test_give_up_releases_the_parked_requests_too() -> None:
 
 def test_a_route_without_release_access_log_is_not_parked() -> None:
     rig = Rig()
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     asyncio.run(ex.request_body(body_msg(chat(max_tokens=50)), None, attrs(),
                                 route_metadata(pool="default"), NO_RESPONSE))
     assert ex.ending.link is not None and ex.ending.mode is ReleaseMode.OBSERVED
-    bad = Exchange(rig.gate)
+    bad = Stream(rig.gate)
     asyncio.run(bad.request_body(body_msg(chat(max_tokens=50)), None, attrs(),
                                  route_metadata(pool="default", release="sometimes"), NO_RESPONSE))
     assert bad.ending.mode is ReleaseMode.OBSERVED

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from extproc import tokens as tk
 from extproc.countpool import CountPool, TokenizerBusy, TokenizerFailed
-from extproc.exchange import Exchange
+from kvgate_testkit.stream import Stream
 from extproc.gate import Gate
 from extproc.tokens import load_tokenizer
 from tests.unit.test_exchange import Rig, body_msg, chat, headers_msg, set_headers
@@ -305,7 +305,7 @@ async def test_a_server_installs_its_pool_sizes_its_threads_and_stops_both() -> 
     assert tk._far is None
 
 
-# --- through the exchange: a 503 that holds nothing -------------------------------
+# --- through the request path: a 503 that holds nothing -------------------------------
 
 class Refusing:
     def __init__(self, error: Exception) -> None:
@@ -323,7 +323,7 @@ async def test_a_count_the_pool_cannot_make_is_a_503_and_nothing_is_held(error: 
     tpm_before = rig.admission.snapshot("default").tpm_available
     tk.use_count_pool(Refusing(error))
     try:
-        ex = Exchange(rig.gate)
+        ex = Stream(rig.gate)
         ex.request_headers(headers_msg(), None)
         resp = await ex.request_body(body_msg(chat("Summarise: " + word(100_000, 12))))
     finally:

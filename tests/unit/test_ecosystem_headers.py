@@ -14,7 +14,7 @@ from extproc.configparse import parse_config
 from extproc.envoycheck import check_envoy
 from extproc.envoyconf import MODES, envoy_bootstrap, header_strip, picks_by_mode
 from extproc.errors import ConfigError
-from extproc.exchange import Exchange
+from kvgate_testkit.stream import Stream
 from tests.unit.test_exchange import API_KEY, BASE_CONFIG, Rig, body_msg, chat, headers_msg, route_metadata
 
 FAIRNESS = "x-llm-d-inference-fairness-id"
@@ -22,18 +22,18 @@ OBJECTIVE = "x-llm-d-inference-objective"
 
 
 async def admitted_class(rig: Rig, extra: list[tuple[str, str]], metadata: Any = None) -> tuple[str, str]:
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     resp = ex.request_headers(headers_msg(extra=extra), metadata)
     assert not resp.HasField("immediate_response"), resp
     await ex.request_body(body_msg(chat()))
     assert ex.ending is not None
-    got = (ex.tenant, ex.ending.lease.demand.class_name)
+    got = (ex.admitted.lease.demand.tenant, ex.admitted.lease.demand.class_name)
     ex.finish()
     return got
 
 
 def refused(rig: Rig, extra: list[tuple[str, str]]) -> int:
-    resp = Exchange(rig.gate).request_headers(headers_msg(extra=extra))
+    resp = Stream(rig.gate).request_headers(headers_msg(extra=extra))
     return resp.immediate_response.status.code
 
 
@@ -56,11 +56,11 @@ async def test_the_fairness_header_follows_the_tenant_headers_rules():
 
 
 async def flow_of(rig: Rig, extra: list[tuple[str, str]]) -> str | None:
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     ex.request_headers(headers_msg(extra=extra))
     await ex.request_body(body_msg(chat()))
     assert ex.ending is not None
-    flow = ex.ending.lease.demand.fairness_id
+    flow = ex.admitted.lease.demand.fairness_id
     ex.finish()
     return flow
 
@@ -109,9 +109,9 @@ async def test_both_headers_are_read_from_request_attributes_when_envoy_skips_he
     attrs = struct_pb2.Struct()
     attrs.update({"request.path": "/v1/chat/completions", "request.method": "POST",
                   f"request.headers['{FAIRNESS}']": "acme", f"request.headers['{OBJECTIVE}']": "gold"})
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     await ex.request_body(body_msg(chat()), attributes={"envoy.filters.http.ext_proc": attrs})
-    assert ex.ending is not None and (ex.tenant, ex.ending.lease.demand.class_name) == ("acme", "gold")
+    assert ex.ending is not None and (ex.admitted.lease.demand.tenant, ex.admitted.lease.demand.class_name) == ("acme", "gold")
     ex.finish()
     assert rig.count("kvgate_tenant_header_unseen_total", reason="other_header") == 0
 

@@ -1,5 +1,5 @@
 """Unit tests of endings: the release mode each Envoy shape gives an admitted request, the
-cause and charge table the exchange's finish applies, and the registry that holds the
+cause and charge table the endings apply, and the registry that holds the
 requests whose end comes from elsewhere than their own stream."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from extproc.request import ending as endings
 from extproc.admission import Outcome
 from extproc.request.registry import CAUSE_WAIT_S, Endings
-from extproc.exchange import Exchange
+from kvgate_testkit.stream import Stream
 from extproc.request.causes import cause_of, charged_completion
 from extproc.request.profile import ReleaseMode, RouteRelease
 from tests.unit.test_exchange import (BASE_CONFIG, Rig, body_msg, chat, headers_msg,
@@ -54,10 +54,10 @@ def _protocol(response_body: int, request_body: int = pm.ProcessingMode.BUFFERED
     ("unread", pm.ProcessingMode.NONE, ReleaseMode.UNREAD),  # envoy-reservation
     (None, pm.ProcessingMode.NONE, ReleaseMode.OBSERVED),  # an operator's file without the key
 ])
-def test_an_exchange_names_its_mode_at_admission(release: str | None, response_body: int,
+def test_a_request_names_its_mode_at_admission(release: str | None, response_body: int,
                                                  mode: ReleaseMode) -> None:
     rig = Rig()
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     meta = route_metadata(pool="default", **({"release": release} if release else {}))
     asyncio.run(ex.request_body(body_msg(chat(max_tokens=20)), None, attrs(), meta,
                                 _protocol(response_body)))
@@ -69,7 +69,7 @@ def test_an_exchange_names_its_mode_at_admission(release: str | None, response_b
 
 def test_the_inference_pool_shape_is_released_by_its_stream() -> None:
     rig = Rig()
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     duplex = _protocol(pm.ProcessingMode.FULL_DUPLEX_STREAMED, pm.ProcessingMode.FULL_DUPLEX_STREAMED)
     meta = route_metadata(pool="default", release="stream_and_log")
     assert ex.request_headers(headers_msg(), meta, duplex) is None  # answered with the body
@@ -83,7 +83,7 @@ def test_an_unread_request_ends_by_its_stream_with_the_cause_its_headers_allow(
     """deploy/envoy-reservation.yaml: a stream that ends after the response headers ends a
     response kvgate never reads (``ended``); one that ends before them was cut short."""
     rig = Rig()
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     asyncio.run(ex.request_body(body_msg(chat(max_tokens=20)), None, attrs(),
                                 route_metadata(pool="default", release="unread"),
                                 _protocol(pm.ProcessingMode.NONE)))
@@ -124,24 +124,25 @@ def test_the_registry_holds_each_mode_where_its_end_comes_from() -> None:
     rig = Rig({"pools": {"default": {**BASE_CONFIG["pools"]["default"], "max_concurrency": 4}}})
     changed: list[int] = []
     reg = Endings(rig.clock, rig.metrics, lambda: changed.append(1))
-    admitted = {}
+    admitted, handed_over = {}, {}
     for release, response_body in (("access_log", pm.ProcessingMode.NONE),
                                    ("stream_and_log", pm.ProcessingMode.NONE),
                                    ("stream_and_log", pm.ProcessingMode.STREAMED),
                                    ("stream", pm.ProcessingMode.STREAMED)):
-        ex = Exchange(rig.gate)
+        ex = Stream(rig.gate)
         asyncio.run(ex.request_body(body_msg(chat(max_tokens=20)), None, attrs(),
                                     route_metadata(pool="default", release=release),
                                     _protocol(response_body)))
         assert ex.ending is not None
-        reg.admitted(ex.ending)
+        handed_over[ex.ending.mode] = reg.admitted(ex.ending)
         admitted[ex.ending.mode] = ex.ending
     parked, observed = admitted[ReleaseMode.ACCESS_LOG], admitted[ReleaseMode.OBSERVED_AND_LOG]
     logged = admitted[ReleaseMode.STREAM_AND_LOG]
     assert set(reg.parked) == {parked.link}
     assert set(reg.links) == {observed.link}
     assert set(reg.causes) == {observed.link, logged.link}
-    assert reg.handed_over(parked) and not reg.handed_over(observed)
+    assert handed_over == {ReleaseMode.ACCESS_LOG: True, ReleaseMode.OBSERVED_AND_LOG: False,
+                           ReleaseMode.STREAM_AND_LOG: False, ReleaseMode.STREAM: False}
     assert reg.stream_ended(observed, False) is reg.links[observed.link]  # settled later
     assert reg.stream_ended(admitted[ReleaseMode.STREAM], False) is None  # released now
     assert admitted[ReleaseMode.STREAM].outcome is Outcome.CLIENT_DISCONNECT
@@ -159,7 +160,7 @@ def test_a_parked_request_whose_stream_ended_before_its_answer_was_written_waits
     reg = Endings(rig.clock, rig.metrics, lambda: None)
     told, lost = [], []
     for ex_list in (told, lost):
-        ex = Exchange(rig.gate)
+        ex = Stream(rig.gate)
         asyncio.run(ex.request_body(body_msg(chat(max_tokens=20)), None, attrs(),
                                     route_metadata(pool="default", release="access_log"),
                                     _protocol(pm.ProcessingMode.NONE)))

@@ -1,6 +1,7 @@
-"""Unit tests of one request's state machine (extproc.exchange), without gRPC.
+"""Unit tests of one request's stages (extproc.request: arrival, admission, ending),
+fed as the service feeds them (kvgate_testkit.stream), without gRPC.
 
-The exchange gets the protobuf messages Envoy sends and answers as Envoy expects; the
+The stages get the protobuf messages Envoy sends and answers as Envoy expects; the
 admission core, tokenizer and OpenAI parsing are the real ones, time is a ManualClock.
 """
 
@@ -23,7 +24,7 @@ from extproc.admission import Admission
 from extproc.clock import ManualClock
 from extproc.configparse import parse_config
 from extproc.answers import PASS_THROUGH
-from extproc.exchange import Exchange
+from kvgate_testkit.stream import Stream
 from extproc.gate import ANONYMOUS_TENANT, Gate
 from extproc.metrics import Metrics
 from extproc.tokens import load_tokenizer
@@ -75,6 +76,12 @@ class Rig:
                 if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
                     total += s.value
         return total
+
+
+def tpm(rig: Rig, pool: str = "default") -> float:
+    """tpm is the pool's token bucket now (tokens): a settle refunds what was reserved and not
+    used."""
+    return rig.admission.snapshot(pool).tpm_available
 
 
 def headers_msg(path: str = "/v1/chat/completions", *, method: str = "POST",
@@ -133,8 +140,8 @@ USAGE_CHUNK = {"id": "c", "object": "chat.completion.chunk", "choices": [],
 
 
 async def admit(rig: Rig, body: bytes = b"", *, extra: list[tuple[str, str]] = (),
-                metadata: Any = None) -> tuple[Exchange, pb.ProcessingResponse]:
-    ex = Exchange(rig.gate)
+                metadata: Any = None) -> tuple[Stream, pb.ProcessingResponse]:
+    ex = Stream(rig.gate)
     first = ex.request_headers(headers_msg(extra=extra), metadata)
     assert first.WhichOneof("response") == "request_headers", first
     resp = await ex.request_body(body_msg(body or chat()))
@@ -149,9 +156,9 @@ async def test_non_streamed_chat_is_admitted_and_released_as_completed_with_repo
     assert resp.WhichOneof("response") == "request_body"
     assert not resp.request_body.response.HasField("body_mutation")
     assert rig.inflight() == 1
-    assert rig.admission.snapshot("default").kv_inflight == ex.ending.lease.demand.tokens
-    assert ex.ending.lease.demand.reserved_completion == 100
-    assert ex.ending.lease.demand.tenant == ANONYMOUS_TENANT
+    assert rig.admission.snapshot("default").kv_inflight == ex.admitted.lease.demand.tokens
+    assert ex.admitted.lease.demand.reserved_completion == 100
+    assert ex.admitted.lease.demand.tenant == ANONYMOUS_TENANT
 
     rh = ex.response_headers(response_headers_msg())
     hs = set_headers(rh.response_headers.response)
@@ -166,7 +173,7 @@ async def test_non_streamed_chat_is_admitted_and_released_as_completed_with_repo
     ex.response_body(body_msg(payload[10:], eos=True))
     # released at the response's end of stream, before the stream closes
     assert rig.inflight() == 0
-    assert ex.ending.lease.released and ex.ending.outcome.value == "completed"
+    assert ex.admitted.lease.released and ex.ending.outcome.value == "completed"
     # refund: the reservation (100 completion) is settled at the reported 7
     assert rig.admission.snapshot("default").tpm_available == pytest.approx(tpm_before + 93, abs=1)
     assert ex.finish() is None  # the stream's end changes nothing more
@@ -194,9 +201,10 @@ async def test_stream_without_usage_gets_usage_upstream_and_the_client_never_see
     assert replaced == sse(token_chunk(2))
     assert b"usage" not in replaced
     assert rig.inflight() == 1
+    before = tpm(rig)
     ex.response_body(body_msg(b"", eos=True))
     assert rig.inflight() == 0
-    assert ex.ending.tracker.completion_tokens == 3
+    assert tpm(rig) == pytest.approx(before + 50 - 3, abs=1)  # settled at the hidden usage
 
 
 async def test_stream_that_asks_for_usage_is_left_alone() -> None:
@@ -217,7 +225,7 @@ async def test_stream_that_asks_for_usage_is_left_alone() -> None:
 async def test_other_paths_and_methods_pass_through_without_admission(path: str, method: str,
                                                                         unknown: str, body: bool) -> None:
     rig = Rig({"limits": {"max_body_bytes": 65536, "unknown_paths": unknown}})
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     assert ex.request_headers(headers_msg(path, method=method, end_of_stream=not body)) is PASS_THROUGH
     if body:  # Envoy without allow_mode_override still sends the rest: answered with CONTINUE.
         assert (await ex.request_body(body_msg(b"{}"))).WhichOneof("response") == "request_body"
@@ -234,7 +242,7 @@ async def test_other_paths_and_methods_pass_through_without_admission(path: str,
 async def test_a_pass_path_takes_get_and_head_only(path: str, method: str) -> None:
     rig = Rig()
     for body in (False, True):
-        ex = Exchange(rig.gate)
+        ex = Stream(rig.gate)
         imm = ex.request_headers(headers_msg(path, method=method, end_of_stream=not body)).immediate_response
         assert imm.status.code == 405
         assert orjson.loads(imm.body)["error"]["code"] == "method_not_allowed"
@@ -248,7 +256,7 @@ async def test_a_pass_path_takes_get_and_head_only(path: str, method: str) -> No
 @pytest.mark.parametrize("method", ["GET", "HEAD"])
 async def test_a_pass_path_takes_no_body(method: str) -> None:
     rig = Rig()
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     imm = ex.request_headers(headers_msg("/v1/models", method=method, content_length=2)).immediate_response
     assert imm.status.code == 400
     err = orjson.loads(imm.body)["error"]
@@ -256,14 +264,14 @@ async def test_a_pass_path_takes_no_body(method: str) -> None:
     assert set_headers(imm)["x-kvgate-reason"] == "invalid"
     assert rig.count("kvgate_requests_total", outcome="rejected_invalid") == 1
     # A declared length of 0 is no body, though its end comes in a frame of its own.
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     assert ex.request_headers(headers_msg("/v1/models", method=method, content_length=0)) is PASS_THROUGH
     assert rig.count("kvgate_requests_total", outcome="passed") == 1
 
 
 async def test_an_admitted_paths_405_names_post() -> None:
     rig = Rig()
-    imm = Exchange(rig.gate).request_headers(headers_msg(method="GET", end_of_stream=True)).immediate_response
+    imm = Stream(rig.gate).request_headers(headers_msg(method="GET", end_of_stream=True)).immediate_response
     assert imm.status.code == 405 and set_headers(imm)["allow"] == "POST"
 
 
@@ -273,7 +281,7 @@ async def test_an_admitted_paths_405_names_post() -> None:
 async def test_unknown_paths_and_methods_are_refused_by_default(path: str, method: str,
                                                                  status: int) -> None:
     rig = Rig()
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     imm = ex.request_headers(headers_msg(path, method=method)).immediate_response
     assert imm.status.code == status
     err = orjson.loads(imm.body)["error"]
@@ -288,29 +296,30 @@ async def test_the_responses_api_is_admitted_like_chat_and_settled_from_its_usag
     pools = orjson.loads(orjson.dumps(BASE_CONFIG["pools"]))
     pools["default"]["enforce_max_tokens"] = True
     rig = Rig({"pools": pools})
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     ex.request_headers(headers_msg("/v1/responses"))
     body = orjson.dumps({"model": "m", "instructions": "Be brief.",
                          "input": [{"role": "user", "content": [{"type": "input_text",
                                                                   "text": "word " * 200}]}]})
     resp = await ex.request_body(body_msg(body))
     assert rig.inflight() == 1
-    demand = ex.ending.lease.demand
+    demand = ex.admitted.lease.demand
     assert demand.prompt_tokens >= 200
     # no cap given, the pool enforces one: the reservation goes upstream as max_output_tokens
     sent = orjson.loads(resp.request_body.response.body_mutation.body)
     assert sent["max_output_tokens"] == 256 and "max_tokens" not in sent
     ex.response_headers(response_headers_msg())
+    before = tpm(rig)
     ex.response_body(body_msg(orjson.dumps({"object": "response", "output": [],
                                             "usage": {"input_tokens": 210, "output_tokens": 7,
                                                       "total_tokens": 217}})))
     assert rig.inflight() == 0
-    assert ex.ending.tracker.completion_tokens == 7
+    assert tpm(rig) == pytest.approx(before + 256 - 7, abs=1)  # settled at output_tokens
 
 
 async def test_a_streamed_response_reads_usage_from_response_completed() -> None:
     rig = Rig()
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     ex.request_headers(headers_msg("/v1/responses"))
     await ex.request_body(body_msg(orjson.dumps({"input": "hi", "stream": True,
                                                  "max_output_tokens": 50})))
@@ -318,8 +327,10 @@ async def test_a_streamed_response_reads_usage_from_response_completed() -> None
     events = (b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","delta":"x"}\n\n'
               b'event: response.completed\ndata: {"type":"response.completed","response":'
               b'{"usage":{"input_tokens":3,"output_tokens":4,"total_tokens":7}}}\n\n')
+    before = tpm(rig)
     ex.response_body(body_msg(events))
-    assert ex.ending.tracker.completion_tokens == 4 and rig.inflight() == 0
+    assert rig.inflight() == 0
+    assert tpm(rig) == pytest.approx(before + 50 - 4, abs=1)  # settled at output_tokens
 
 
 @pytest.mark.parametrize("body,param", [({"model": "m"}, "input"), ({"input": 5}, "input"),
@@ -328,7 +339,7 @@ async def test_a_streamed_response_reads_usage_from_response_completed() -> None
                                         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens")])
 async def test_a_bad_responses_body_is_a_400_naming_the_field(body: dict, param: str) -> None:
     rig = Rig()
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     ex.request_headers(headers_msg("/v1/responses"))
     imm = (await ex.request_body(body_msg(orjson.dumps(body)))).immediate_response
     assert imm.status.code == 400 and orjson.loads(imm.body)["error"]["param"] == param
@@ -338,7 +349,7 @@ async def test_a_bad_responses_body_is_a_400_naming_the_field(body: dict, param:
 
 async def test_declared_content_length_over_the_cap_is_413_before_any_body() -> None:
     rig = Rig()
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     resp = ex.request_headers(headers_msg(content_length=65537))
     imm = resp.immediate_response
     assert imm.status.code == 413
@@ -365,7 +376,7 @@ async def test_chunked_body_over_the_cap_is_413_and_never_tokenized() -> None:
     pool = rig.gate.pools["default"]
     spy = CountingTokenizer(pool.tokenizer)
     rig.gate.pools["default"] = type(pool)(pool.config, spy, pool.template)
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     ex.request_headers(headers_msg())  # no content-length: chunked
     big = chat("x " * 40000)
     resp = await ex.request_body(body_msg(big))
@@ -380,16 +391,16 @@ async def test_chunked_body_over_the_cap_is_413_and_never_tokenized() -> None:
 async def test_a_body_sent_in_parts_is_collected_and_capped() -> None:
     """A non-BUFFERED Envoy config sends the body in parts: decide on the whole of it."""
     rig = Rig()
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     ex.request_headers(headers_msg())
     payload = chat(max_tokens=5)
     first = await ex.request_body(body_msg(payload[:10], eos=False))
     assert first == pb.ProcessingResponse(request_body=pb.BodyResponse())
     assert ex.ending is None
     await ex.request_body(body_msg(payload[10:], eos=True))
-    assert ex.ending is not None and ex.ending.lease.demand.reserved_completion == 5
+    assert ex.ending is not None and ex.admitted.lease.demand.reserved_completion == 5
     ex.finish()
-    big = Exchange(rig.gate)
+    big = Stream(rig.gate)
     big.request_headers(headers_msg())
     assert (await big.request_body(body_msg(b"x" * 40000, eos=False))).WhichOneof("response") == "request_body"
     resp = await big.request_body(body_msg(b"x" * 40000, eos=False))
@@ -470,7 +481,7 @@ BAD_BODIES = [
 async def test_bad_bodies_get_an_openai_shaped_4xx_and_hold_nothing(body: bytes, content_type: str,
                                                                      status: int) -> None:
     rig = Rig()
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     hs = headers_msg()
     for h in hs.headers.headers:
         if h.key == "content-type":
@@ -489,14 +500,14 @@ async def test_bad_bodies_get_an_openai_shaped_4xx_and_hold_nothing(body: bytes,
 
 async def test_post_without_a_body_is_refused_at_the_headers() -> None:
     rig = Rig()
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     resp = ex.request_headers(headers_msg(end_of_stream=True))
     assert resp.immediate_response.status.code == 400
 
 
 async def test_duplicate_tenant_headers_are_refused() -> None:
     rig = Rig()
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     resp = ex.request_headers(headers_msg(extra=[("x-tenant-id", "acme"), ("x-tenant-id", "gold-1")]))
     imm = resp.immediate_response
     assert imm.status.code == 400
@@ -509,18 +520,18 @@ async def test_duplicate_tenant_headers_are_refused() -> None:
 async def test_tenant_from_header_and_from_hashed_api_key() -> None:
     rig = Rig()
     by_header, _ = await admit(rig, extra=[("x-tenant-id", "acme")])
-    assert by_header.ending.lease.demand.tenant == "acme"
-    assert by_header.ending.lease.demand.class_name == "standard"
+    assert by_header.admitted.lease.demand.tenant == "acme"
+    assert by_header.admitted.lease.demand.class_name == "standard"
     # the key is a credential: it wins over a header claiming another tenant
     by_key, _ = await admit(rig, extra=[("authorization", f"Bearer {API_KEY}"),
                                         ("x-tenant-id", "acme")])
-    assert by_key.ending.lease.demand.tenant == "gold-1"
-    assert by_key.ending.lease.demand.class_name == "gold"
+    assert by_key.admitted.lease.demand.tenant == "gold-1"
+    assert by_key.admitted.lease.demand.class_name == "gold"
     assert rig.admission.snapshot("default").inflight_by_class.get("gold") == 1
     by_key.finish()
     unknown, _ = await admit(rig, extra=[("authorization", "Bearer nope"),
                                          ("x-tenant-id", "someone-else")])
-    assert unknown.ending.lease.demand.tenant == ANONYMOUS_TENANT
+    assert unknown.admitted.lease.demand.tenant == ANONYMOUS_TENANT
     for ex in (by_header, unknown):
         ex.finish()
 
@@ -529,7 +540,7 @@ async def test_a_tenant_with_keys_is_not_reachable_by_its_name_alone() -> None:
     rig = Rig()
     for extra in ([("x-tenant-id", "gold-1")],
                   [("x-tenant-id", "gold-1"), ("authorization", "Bearer wrong-key")]):
-        ex = Exchange(rig.gate)
+        ex = Stream(rig.gate)
         resp = ex.request_headers(headers_msg(extra=extra))
         imm = resp.immediate_response
         assert imm.status.code == 401, extra
@@ -541,9 +552,9 @@ async def test_a_tenant_with_keys_is_not_reachable_by_its_name_alone() -> None:
     # with its key the claim is the tenant's; a keyless tenant's name is still enough
     ok, _ = await admit(rig, extra=[("x-tenant-id", "gold-1"),
                                     ("authorization", f"Bearer {API_KEY}")])
-    assert ok.ending.lease.demand.class_name == "gold"
+    assert ok.admitted.lease.demand.class_name == "gold"
     plain, _ = await admit(rig, extra=[("x-tenant-id", "acme")])
-    assert plain.ending.lease.demand.tenant == "acme"
+    assert plain.admitted.lease.demand.tenant == "acme"
     for ex in (ok, plain):
         ex.finish()
 
@@ -552,8 +563,8 @@ async def test_route_metadata_picks_pool_class_and_context_window() -> None:
     rig = Rig()
     md = route_metadata(pool="small", tenant_class="gold", context_window=512.0)
     ex, resp = await admit(rig, chat(max_tokens=10), metadata=md)
-    assert ex.ending.lease.demand.pool == "small"
-    assert ex.ending.lease.demand.class_name == "gold"
+    assert ex.admitted.lease.demand.pool == "small"
+    assert ex.admitted.lease.demand.class_name == "gold"
     assert rig.inflight("small") == 1 and rig.inflight("default") == 0
     # 600 tokens fit the file's 1024 window of pool small, not the route's 512
     _, resp = await admit(rig, chat("word " * 600, max_tokens=10), metadata=md)
@@ -564,7 +575,7 @@ async def test_route_metadata_picks_pool_class_and_context_window() -> None:
 
 async def test_route_max_body_bytes_applies_to_content_length() -> None:
     rig = Rig()
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     resp = ex.request_headers(headers_msg(content_length=2000), route_metadata(max_body_bytes=1024.0))
     assert resp.immediate_response.status.code == 413
 
@@ -583,7 +594,7 @@ async def test_bad_route_metadata_is_counted_and_ignored(values: dict[str, Any],
     rig = Rig()
     ex, resp = await admit(rig, metadata=route_metadata(**values))
     assert resp.WhichOneof("response") == "request_body"
-    assert ex.ending.lease.demand.pool == "default"
+    assert ex.admitted.lease.demand.pool == "default"
     assert rig.count("kvgate_route_metadata_errors_total", key=key) == 1
     await admit(rig, metadata=route_metadata(**values))
     assert rig.count("kvgate_route_metadata_errors_total", key=key) == 2
@@ -656,9 +667,9 @@ async def test_large_bodies_are_counted_off_the_loop_with_the_same_result() -> N
     on_loop.gate.offload_bytes = 1 << 30
     ex1, _ = await admit(rig, chat(text, max_tokens=10))
     ex2, _ = await admit(on_loop, chat(text, max_tokens=10))
-    assert ex1.ending.lease.demand.prompt_tokens == ex2.ending.lease.demand.prompt_tokens
+    assert ex1.admitted.lease.demand.prompt_tokens == ex2.admitted.lease.demand.prompt_tokens
     tok = load_tokenizer("cl100k_base")
-    assert ex1.ending.lease.demand.prompt_tokens >= tok.count(text) > 2000
+    assert ex1.admitted.lease.demand.prompt_tokens >= tok.count(text) > 2000
 
 
 async def test_a_waiting_class_extends_envoys_message_timeout_first() -> None:
@@ -669,7 +680,7 @@ async def test_a_waiting_class_extends_envoys_message_timeout_first() -> None:
     async def send(resp: pb.ProcessingResponse) -> None:
         sent.append(resp)
 
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     ex.request_headers(headers_msg(extra=[("x-tenant-id", "slow")]))
     resp = await ex.request_body(body_msg(chat()), send)
     assert resp.WhichOneof("response") == "request_body"
@@ -681,7 +692,7 @@ async def test_a_waiter_whose_stream_is_cancelled_holds_nothing() -> None:
     rig = Rig({"tenants": {**BASE_CONFIG["tenants"],
                            "tenants": {"slow": {"class": "patient"}}}})
     held = [(await admit(rig))[0] for _ in range(2)]
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     ex.request_headers(headers_msg(extra=[("x-tenant-id", "slow")]))
     task = asyncio.ensure_future(ex.request_body(body_msg(chat())))
     await asyncio.sleep(0)  # let it queue (no time passes on the manual clock)
@@ -705,13 +716,13 @@ EVENTS = st.lists(st.sampled_from(["headers", "body", "big", "rh200", "rh500", "
 @given(st.lists(EVENTS, min_size=1, max_size=4))
 def test_every_stream_ends_with_nothing_held_and_at_most_one_release(scripts: list[list[str]]) -> None:
     """Whatever order messages arrive in (even nonsense), after finish nothing is held and
-    each exchange released at most once."""
+    each request released at most once."""
     async def run() -> None:
         rig = Rig()
-        exchanges = []
+        streams = []
         for script in scripts:
-            ex = Exchange(rig.gate)
-            exchanges.append(ex)
+            ex = Stream(rig.gate)
+            streams.append(ex)
             for ev in script:
                 if ev == "headers":
                     ex.request_headers(headers_msg())
@@ -730,7 +741,7 @@ def test_every_stream_ends_with_nothing_held_and_at_most_one_release(scripts: li
                     ex.finish()
                 else:
                     ex.finish(gave_up=True)
-        for ex in exchanges:
+        for ex in streams:
             ex.finish()
         assert rig.inflight() == 0
         assert rig.admission.snapshot("default").kv_inflight == 0
@@ -779,21 +790,24 @@ async def test_enforce_max_tokens_caps_an_uncapped_request_at_its_reservation() 
     common = resp.request_body.response
     sent = orjson.loads(common.body_mutation.body)
     # no max_tokens: the reservation is min(window - prompt, default_max_tokens) = 256
-    assert ex.ending.lease.demand.reserved_completion == 256
+    assert ex.admitted.lease.demand.reserved_completion == 256
     assert sent["max_tokens"] == 256
     assert "stream_options" not in sent  # not streamed: nothing else changes
     assert set_headers(common)["content-length"] == str(len(common.body_mutation.body))
-    assert ex.ending.strip is False
+    ex.finish()
 
 
 async def test_enforce_max_tokens_divides_the_reservation_over_the_choices_and_keeps_stream_usage() -> None:
     rig = _enforcing()
     ex, resp = await admit(rig, chat(n=2, stream=True))
     sent = orjson.loads(resp.request_body.response.body_mutation.body)
-    assert ex.ending.lease.demand.reserved_completion == 2 * 256
+    assert ex.admitted.lease.demand.reserved_completion == 2 * 256
     assert sent["max_tokens"] == 256 and sent["n"] == 2
     assert sent["stream_options"] == {"include_usage": True}
-    assert ex.ending.strip is True
+    # Asked for by kvgate, not by the client: hidden from it.
+    ex.response_headers(response_headers_msg(content_type="text/event-stream"))
+    out = ex.response_body(body_msg(sse(token_chunk(0), USAGE_CHUNK), eos=True))
+    assert out.response_body.response.body_mutation.body == sse(token_chunk(0))
 
 
 @pytest.mark.parametrize("cap", [{"max_tokens": 40}, {"max_completion_tokens": 40}])
@@ -801,14 +815,14 @@ async def test_enforce_max_tokens_leaves_a_client_cap_alone(cap: dict[str, int])
     rig = _enforcing()
     ex, resp = await admit(rig, chat(**cap))
     assert not resp.request_body.response.HasField("body_mutation")
-    assert ex.ending.lease.demand.reserved_completion == 40
+    assert ex.admitted.lease.demand.reserved_completion == 40
 
 
 async def test_without_enforce_max_tokens_an_uncapped_request_goes_as_sent() -> None:
     rig = Rig()
     ex, resp = await admit(rig, chat())
     assert not resp.request_body.response.HasField("body_mutation")
-    assert ex.ending.lease.demand.reserved_completion == 256
+    assert ex.admitted.lease.demand.reserved_completion == 256
 
 
 def test_kvgates_own_503s_and_500_say_whether_a_retry_may_pass() -> None:

@@ -1,4 +1,4 @@
-"""Unit tests of the exchange when Envoy skips request headers (deploy/envoy.yaml).
+"""Unit tests of a request's arrival when Envoy skips request headers (deploy/envoy.yaml).
 
 The stream's first message is then the request body, and the request facts kvgate needs
 come with it as request attributes (``request.path``, ``request.method``, a few headers).
@@ -17,7 +17,7 @@ from google.protobuf import struct_pb2
 from extproc.answers import PASS_THROUGH_BODY, PASS_THROUGH_RESPONSE
 from extproc.request.ending import Observed
 from extproc.request.profile import ReleaseMode
-from extproc.exchange import Exchange
+from kvgate_testkit.stream import Stream
 from extproc.request_facts import (ATTR_AUTHORIZATION, ATTR_CONTENT_TYPE, ATTR_METHOD, ATTR_PATH,
                                    request_attributes, tenant_attribute)
 from tests.unit.test_exchange import API_KEY, Rig, body_msg, chat, headers_msg, \
@@ -42,15 +42,15 @@ def attrs(path: str = "/v1/chat/completions", method: str = "POST", *,
     return req.attributes  # the real protobuf map type
 
 
-def body_first(rig: Rig, body: bytes, attributes: Any, metadata: Any = None) -> tuple[Exchange, pb.ProcessingResponse]:
-    ex = Exchange(rig.gate)
+def body_first(rig: Rig, body: bytes, attributes: Any, metadata: Any = None) -> tuple[Stream, pb.ProcessingResponse]:
+    ex = Stream(rig.gate)
     resp = asyncio.run(ex.request_body(body_msg(body), None, attributes, metadata))
     return ex, resp
 
 
 def with_headers(rig: Rig, body: bytes, extra: list[tuple[str, str]] = (),
                  metadata: Any = None) -> pb.ProcessingResponse:
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     first = ex.request_headers(headers_msg(extra=extra), metadata)
     if first.WhichOneof("response") != "request_headers":
         return first
@@ -70,7 +70,7 @@ def test_a_body_first_request_is_admitted_and_released_like_one_with_headers() -
     rig = Rig()
     ex, resp = body_first(rig, chat(max_tokens=5), attrs(tenant="acme"))
     assert resp.WhichOneof("response") == "request_body" and not resp.HasField("immediate_response")
-    assert rig.inflight() == 1 and ex.tenant == "acme"
+    assert rig.inflight() == 1 and ex.admitted.lease.demand.tenant == "acme"
     ex.response_headers(response_headers_msg())
     ex.response_body(body_msg(orjson.dumps({"usage": {"completion_tokens": 5}})))
     assert rig.inflight() == 0
@@ -80,10 +80,10 @@ def test_a_body_first_request_is_admitted_and_released_like_one_with_headers() -
 def test_api_key_and_tenant_header_decide_as_with_headers() -> None:
     rig = Rig()
     ex, _ = body_first(rig, chat(), attrs(tenant="acme", authorization=f"Bearer {API_KEY}"))
-    assert ex.tenant == "gold-1"  # the key wins over the header claim
+    assert ex.admitted.lease.demand.tenant == "gold-1"  # the key wins over the header claim
     ex.finish()
     ex, _ = body_first(rig, chat(), attrs(tenant="nobody-known"))
-    assert ex.tenant == "_anonymous"
+    assert ex.admitted.lease.demand.tenant == "_anonymous"
     ex.finish()
     assert rig.inflight() == 0
 
@@ -113,7 +113,7 @@ def test_refusals_match_the_headers_configuration() -> None:
         assert status_of(resp) == status, (body[:40], kw)
         if body:
             # With headers sent, the content-type header is replaced by the one given.
-            ex = Exchange(rig.gate)
+            ex = Stream(rig.gate)
             msg = headers_msg()
             if extra:
                 for h in msg.headers.headers:
@@ -127,7 +127,7 @@ def test_refusals_match_the_headers_configuration() -> None:
 def test_route_settings_come_with_the_body() -> None:
     rig = Rig()
     ex, resp = body_first(rig, chat(), attrs(), route_metadata(pool="small"))
-    assert ex.pool_name == "small" and rig.inflight("small") == 1
+    assert ex.admitted.lease.demand.pool == "small" and rig.inflight("small") == 1
     ex.finish()
     assert rig.inflight("small") == 0
 
@@ -166,7 +166,7 @@ def test_without_request_path_kvgate_refuses_and_says_why(caplog: Any) -> None:
 
 def test_a_stream_that_starts_with_response_headers_passes_through() -> None:
     rig = Rig()
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     assert ex.response_headers(response_headers_msg()) == PASS_THROUGH_RESPONSE
     assert ex.response_body(body_msg(b"{}")).WhichOneof("response") == "response_body"
     assert ex.finish() is None
@@ -174,8 +174,8 @@ def test_a_stream_that_starts_with_response_headers_passes_through() -> None:
 
 def test_envoys_own_413_gets_kvgates_shape_before_or_after_request_headers() -> None:
     rig = Rig()
-    skipped = Exchange(rig.gate)                 # deploy/envoy.yaml: nothing seen yet
-    four_message = Exchange(rig.gate)            # headers seen, waiting for the body
+    skipped = Stream(rig.gate)                 # deploy/envoy.yaml: nothing seen yet
+    four_message = Stream(rig.gate)            # headers seen, waiting for the body
     four_message.request_headers(headers_msg())
     for ex in (skipped, four_message):
         resp = ex.response_headers(response_headers_msg(413, "text/plain"))
@@ -188,7 +188,7 @@ def test_envoys_own_413_gets_kvgates_shape_before_or_after_request_headers() -> 
 
 def test_envoys_own_413_is_counted_under_the_tenants_class() -> None:
     rig = Rig()
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     resp = ex.response_headers(response_headers_msg(413, "text/plain"),
                                attributes=attrs(authorization=f"Bearer {API_KEY}"))
     assert status_of(resp) == 413
@@ -200,10 +200,10 @@ def test_envoys_own_413_is_counted_under_the_tenants_class() -> None:
 
 def test_attributes_on_later_messages_change_nothing() -> None:
     rig = Rig()
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     ex.request_headers(headers_msg(extra=[("x-tenant-id", "acme")]))
     asyncio.run(ex.request_body(body_msg(chat()), None, attrs(tenant="other"), None))
-    assert ex.tenant == "acme" and rig.inflight() == 1
+    assert ex.admitted.lease.demand.tenant == "acme" and rig.inflight() == 1
     ex.finish()
     assert rig.inflight() == 0
 
@@ -211,11 +211,12 @@ def test_attributes_on_later_messages_change_nothing() -> None:
 def test_header_values_beyond_latin1_are_read_as_their_utf8_bytes() -> None:
     rig = Rig()
     ex, resp = body_first(rig, chat(), attrs(tenant="caf\u00e9\u2603", authorization="Bearer \u2603"))
-    assert not resp.HasField("immediate_response") and ex.tenant == "_anonymous"
+    assert not resp.HasField("immediate_response") and ex.admitted.lease.demand.tenant == "_anonymous"
     ex.finish()
-    same = Exchange(rig.gate)
+    same = Stream(rig.gate)
     same.request_headers(headers_msg(extra=[("x-tenant-id", "caf\u00e9\u2603")]))
-    assert same.tenant == ex.tenant
+    asyncio.run(same.request_body(body_msg(chat())))
+    assert same.admitted.lease.demand.tenant == ex.admitted.lease.demand.tenant
     same.finish()
     assert rig.inflight() == 0
 
@@ -240,7 +241,7 @@ def test_attributes_that_were_not_utf8_are_refused_with_a_400() -> None:
     decoded = decode_request(hostile)
     assert decoded.request_body.body == req.request_body.body and decoded.request_body.end_of_stream
     rig = Rig()
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     resp = asyncio.run(ex.request_body(decoded.request_body, None, decoded.attributes, None))
     assert status_of(resp) == 400 and rig.inflight() == 0
     assert decode_request(wire) == req  # a good message is untouched
@@ -258,8 +259,8 @@ def _no_response_body() -> pb.ProtocolConfiguration:
                                     response_body_mode=pm.ProcessingMode.NONE)
 
 
-def _charged(rig: Rig, ex: Exchange, before: float) -> float:
-    """what the pool bucket kept for a released exchange (the manual clock never moves)"""
+def _charged(rig: Rig, ex: Stream, before: float) -> float:
+    """what the pool bucket kept for a released request (the manual clock never moves)"""
     assert rig.inflight() == 0
     available = rig.admission.snapshot("default").tpm_available
     assert available is not None
@@ -270,14 +271,14 @@ def test_response_headers_on_a_stream_without_a_body_charge_the_whole_reservatio
     rig = Rig()
     before = rig.admission.snapshot("default").tpm_available
     assert before is not None
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     asyncio.run(ex.request_body(body_msg(chat(max_tokens=300)), None, attrs(), _UNREAD, _no_response_body()))
     assert ex.ending.mode is ReleaseMode.UNREAD and rig.inflight() == 1
     resp = ex.response_headers(response_headers_msg(200, "text/event-stream"))
     names = {h.header.key for h in resp.response_headers.response.header_mutation.set_headers}
     assert "x-ratelimit-remaining-tokens" in names
     assert not resp.HasField("mode_override")  # Envoy would close the stream at once
-    assert ex.ending.mode is ReleaseMode.UNREAD and ex.ending.tracker is None and rig.inflight() == 1
+    assert ex.ending.mode is ReleaseMode.UNREAD and rig.inflight() == 1
     assert ex.finish().value == "ended"
     assert rig.count("kvgate_releases_total", cause="ended") == 1
     assert _charged(rig, ex, before) >= 300
@@ -287,12 +288,12 @@ def test_the_same_headers_from_an_observing_stream_are_followed_and_refunded() -
     rig = Rig()
     before = rig.admission.snapshot("default").tpm_available
     assert before is not None
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     asyncio.run(ex.request_body(body_msg(chat(max_tokens=300)), None, attrs(), None, _no_response_body()))
     ending = ex.ending
     assert isinstance(ending, Observed)
     ending.observed_headers(200, "application/json", False)  # as the observing stream feeds it
-    assert ending.mode is ReleaseMode.OBSERVED and ending.tracker is not None
+    assert ending.mode is ReleaseMode.OBSERVED
     usage = {"usage": {"prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11}}
     ending.response_chunk(orjson.dumps({"choices": [], **usage}), True)
     assert ex.ending.outcome is not None and ex.ending.outcome.value == "completed"
@@ -301,7 +302,7 @@ def test_the_same_headers_from_an_observing_stream_are_followed_and_refunded() -
 
 def test_an_upstream_error_without_a_body_is_an_upstream_error() -> None:
     rig = Rig()
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     asyncio.run(ex.request_body(body_msg(chat(max_tokens=30)), None, attrs(), _UNREAD, _no_response_body()))
     ex.response_headers(response_headers_msg(503))
     assert ex.finish().value == "upstream_error"
@@ -313,7 +314,7 @@ def test_a_tenant_attribute_under_another_name_is_counted_and_logged(caplog) -> 
                            "tenants": {"acme": {"class": "gold"}}}})
     for _ in range(3):
         ex, _ = body_first(rig, chat(max_tokens=2), attrs(tenant="acme"))  # request.headers['x-tenant-id']
-        assert ex.class_cfg.name == "standard"
+        assert ex.admitted.lease.demand.class_name == "standard"
         ex.finish()
     assert rig.count("kvgate_tenant_header_unseen_total", reason="other_header") == 3
     lines = [r for r in caplog.records if "does not read" in r.getMessage()]

@@ -1,4 +1,4 @@
-"""The exchange as an InferencePool's endpoint picker: both bodies FULL_DUPLEX_STREAMED (the
+"""A request's stages as an InferencePool's endpoint picker: both bodies FULL_DUPLEX_STREAMED (the
 headers' answer comes with the body's decision, every body byte goes back as streamed
 chunks), the proxy's subset hint, the protocol's 503, and the node charge following the
 endpoint that served. Nothing is held after any of it."""
@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from extproc import picker_protocol as epp
-from extproc.exchange import Exchange
+from kvgate_testkit.stream import Stream
 from tests.unit.test_exchange import (body_msg, chat, headers_msg, response_headers_msg,
                                       set_headers, sse, token_chunk)
 from tests.unit.test_exchange_picking import picking_rig
@@ -51,9 +51,9 @@ def streamed(resp: pb.ProcessingResponse, kind: str) -> tuple[bytes, bool]:
 
 
 async def admit(rig: Any, body: bytes, md: base_pb2.Metadata | None = None,
-                parts: int = 1) -> tuple[Exchange, list[pb.ProcessingResponse]]:
+                parts: int = 1) -> tuple[Stream, list[pb.ProcessingResponse]]:
     """admit sends headers and ``body`` in ``parts`` chunks, as Envoy does in FULL_DUPLEX_STREAMED."""
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     assert ex.request_headers(headers_msg(), md, DUPLEX) is None  # owed until the body's end
     step = -(-len(body) // parts)
     for at in range(0, len(body) - step, step):
@@ -217,7 +217,7 @@ async def test_the_usage_chunk_kvgate_asked_for_is_hidden_from_the_client():
 
 async def test_a_stream_that_ends_mid_body_holds_nothing():
     rig = picking_rig()
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     ex.request_headers(headers_msg(), hint([N0]), DUPLEX)
     assert await ex.request_body(body_msg(chat()[:10], eos=False)) is None
     assert ex.finish() is None
@@ -228,7 +228,7 @@ async def test_malformed_or_oversized_bodies_are_refused_whole_and_take_nothing(
     rig = picking_rig()
     _, (resp,) = await admit(rig, b'{"model": "m", "messages": [', parts=2)
     assert resp.immediate_response.status.code == 400
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     ex.request_headers(headers_msg(), None, DUPLEX)
     resp = None
     for _ in range(2000):  # chunks until past limits.max_body_bytes, without an end
@@ -241,7 +241,7 @@ async def test_malformed_or_oversized_bodies_are_refused_whole_and_take_nothing(
 
 async def test_request_trailers_before_the_body_ends_are_refused():
     rig = picking_rig()
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     ex.request_headers(headers_msg(), None, DUPLEX)
     await ex.request_body(body_msg(chat(), eos=False))
     assert ex.request_trailers().immediate_response.status.code == 400
@@ -250,7 +250,7 @@ async def test_request_trailers_before_the_body_ends_are_refused():
 
 async def test_a_path_kvgate_does_not_admit_is_routed_and_its_bodies_passed_back():
     rig = picking_rig()
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     resp = ex.request_headers(headers_msg("/v1/models", method="GET", end_of_stream=True), hint([N1]), DUPLEX)
     assert not resp.HasField("mode_override")  # not allowed with FULL_DUPLEX_STREAMED bodies
     assert set_headers(resp.request_headers.response)[epp.DESTINATION_KEY] == N1
@@ -259,12 +259,12 @@ async def test_a_path_kvgate_does_not_admit_is_routed_and_its_bodies_passed_back
     assert rig.count("kvgate_requests_total", outcome="passed") == 1
     # With unknown_paths: pass a request body may come too, passed back as it came.
     rig = picking_rig(limits={"max_body_bytes": 65536, "unknown_paths": "pass"})
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     assert ex.request_headers(headers_msg("/v2/other", method="PUT"), hint([N1]), DUPLEX).HasField("request_headers")
     assert streamed(await ex.request_body(body_msg(b"{}", eos=True)), "request_body") == (b"{}", True)
     assert all(n.picks == 0 for n in rig.admission.nodes("default"))
     assert rig.count("kvgate_requests_total", outcome="passed") == 1
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     resp = ex.request_headers(headers_msg("/v1/models", method="GET"), hint(["10.1.1.1:1"]), DUPLEX)
     assert resp.immediate_response.status.code == 503
 
@@ -273,12 +273,12 @@ async def test_the_hint_holds_with_a_buffered_body_too():
     # deploy/envoy-endpoint-picker.yaml (body BUFFERED) under a gateway that sets a hint.
     from tests.unit.test_exchange_picking import node_of
     rig = picking_rig(usage=(0.5, 0.0))
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     assert ex.request_headers(headers_msg(), hint([N0])).HasField("request_headers")
     resp = await ex.request_body(body_msg(chat(max_tokens=100)))
     assert node_of(resp)[0] == N0
     ex.finish()
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     ex.request_headers(headers_msg(), hint([]))
     resp = await ex.request_body(body_msg(chat(max_tokens=100)))
     assert resp.immediate_response.status.code == 503 and rig.inflight() == 0
@@ -304,7 +304,7 @@ def test_in_full_duplex_every_stream_ends_with_nothing_held(hint_value, parts, s
         body = chat("split me " * 10, max_tokens=50, stream=True)
         step = -(-len(body) // parts)
         pieces = [body[at:at + step] for at in range(0, len(body), step)]
-        ex = Exchange(rig.gate)
+        ex = Stream(rig.gate)
         ex.request_headers(headers_msg(), None if hint_value is None else hint(hint_value), DUPLEX)
         for s in steps:
             if s == "chunk" and pieces:

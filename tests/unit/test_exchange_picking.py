@@ -1,4 +1,4 @@
-"""The exchange in a pool that picks nodes: the answer names the node the way the endpoint
+"""A request in a pool that picks nodes: the answer names the node the way the endpoint
 picker protocol does, the stream's tokens reach the node's ledger, and a request that
 arrives without its headers (Envoy routed it already) is refused, not admitted blind."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from extproc.admission.types import NodeReport
-from extproc.exchange import Exchange
+from kvgate_testkit.stream import Stream
 from extproc.picker_protocol import DESTINATION_KEY as DESTINATION_HEADER
 from extproc.picker_protocol import LB_NAMESPACE
 from tests.unit.test_exchange import (Rig, body_msg, chat, headers_msg, response_headers_msg,
@@ -38,7 +38,7 @@ def node_of(resp: Any) -> tuple[str, str, bool]:
 
 async def test_an_admitted_request_is_sent_to_the_node_with_room():
     rig = picking_rig(usage=(0.9, 0.1))
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     ex.request_headers(headers_msg())
     resp = await ex.request_body(body_msg(chat(max_tokens=100)))
     assert node_of(resp) == ("127.0.0.1:7001", "127.0.0.1:7001", True)
@@ -48,7 +48,7 @@ async def test_an_admitted_request_is_sent_to_the_node_with_room():
 
 async def test_the_streamed_tokens_tell_the_node_how_far_the_request_has_got():
     rig = picking_rig()
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     ex.request_headers(headers_msg())
     await ex.request_body(body_msg(chat(max_tokens=100, stream=True)))
     ex.response_headers(response_headers_msg(content_type="text/event-stream"))
@@ -62,7 +62,7 @@ async def test_the_streamed_tokens_tell_the_node_how_far_the_request_has_got():
 
 async def test_no_node_with_room_is_a_429_and_takes_nothing():
     rig = picking_rig(usage=(0.99, 0.99))
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     ex.request_headers(headers_msg())
     resp = await ex.request_body(body_msg(chat(max_tokens=500)))
     imm = resp.immediate_response
@@ -75,7 +75,7 @@ async def test_a_request_whose_headers_envoy_skipped_is_refused_in_a_picking_poo
     rig = picking_rig()
     attrs = struct_pb2.Struct()
     attrs.update({"request.path": "/v1/chat/completions", "request.method": "POST"})
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     resp = await ex.request_body(body_msg(chat()), attributes={"envoy.filters.http.ext_proc": attrs})
     assert resp.immediate_response.status.code == 500
     assert rig.inflight() == 0
@@ -84,7 +84,7 @@ async def test_a_request_whose_headers_envoy_skipped_is_refused_in_a_picking_poo
 
 async def test_a_path_kvgate_does_not_admit_still_goes_to_an_up_node_uncharged():
     rig = picking_rig()
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     resp = ex.request_headers(headers_msg("/v1/models", method="GET", end_of_stream=True))
     headers = set_headers(resp.request_headers.response)
     assert headers[DESTINATION_HEADER] in ("127.0.0.1:7000", "127.0.0.1:7001")
@@ -92,6 +92,6 @@ async def test_a_path_kvgate_does_not_admit_still_goes_to_an_up_node_uncharged()
     assert all(n.picks == 0 for n in rig.admission.nodes("default"))
     # ... and with no node up, a 503 instead of a request Envoy cannot route.
     rig.clock.advance(10.0)
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     resp = ex.request_headers(headers_msg("/v1/models", method="GET", end_of_stream=True))
     assert resp.immediate_response.status.code == 503

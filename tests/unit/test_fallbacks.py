@@ -14,7 +14,7 @@ from extproc.admission.types import NodeReport
 from extproc.config import MAX_FALLBACKS
 from extproc.configparse import parse_config
 from extproc.errors import ConfigError
-from extproc.exchange import Exchange
+from kvgate_testkit.stream import Stream
 from tests.unit.test_exchange import Rig, body_msg, chat, headers_msg, response_headers_msg
 from tests.unit.test_exchange_picker_protocol import served
 from tests.unit.test_exchange_picking import node_of
@@ -67,7 +67,7 @@ def test_the_next_best_follow_the_score_affinity_included_and_ties_go_in_candida
 
 async def test_an_answer_names_the_node_charged_then_the_next_best_that_fit():
     rig = rig_with(2, (0.5, 0.1, 0.999, 0.3))  # room: B, then D, then A; C has no room
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     ex.request_headers(headers_msg())
     resp = await ex.request_body(body_msg(chat(max_tokens=100)))
     assert node_of(resp) == (f"{B},{D},{A}", f"{B},{D},{A}", True)
@@ -77,7 +77,7 @@ async def test_an_answer_names_the_node_charged_then_the_next_best_that_fit():
 async def test_without_fallbacks_or_with_no_other_node_that_fits_one_node_is_named():
     for fallbacks, usage in ((None, (0.5, 0.1, 0.3)), (0, (0.5, 0.1, 0.3)), (3, (0.999, 0.1, 0.999))):
         rig = rig_with(fallbacks, usage)
-        ex = Exchange(rig.gate)
+        ex = Stream(rig.gate)
         ex.request_headers(headers_msg())
         resp = await ex.request_body(body_msg(chat(max_tokens=100)))
         assert node_of(resp)[:2] == (B, B)
@@ -85,7 +85,7 @@ async def test_without_fallbacks_or_with_no_other_node_that_fits_one_node_is_nam
 
 async def test_the_charge_moves_to_the_fallback_that_served_and_nothing_is_left_after():
     rig = rig_with(1, (0.5, 0.1))
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     ex.request_headers(headers_msg())
     resp = await ex.request_body(body_msg(chat(max_tokens=100)))
     assert node_of(resp)[0] == f"{B},{A}"

@@ -19,7 +19,7 @@ from extproc import usage_log
 from extproc.admission.types import NodeReport
 from extproc.request.accesslog import AccessLogReceiver, upstream_address
 from extproc.request.profile import ReleaseMode
-from extproc.exchange import Exchange
+from kvgate_testkit.stream import Stream
 from extproc.service import ExtProcService
 from tests.unit.test_exchange import body_msg, chat, headers_msg, route_metadata
 from tests.unit.test_exchange_picking import node_of, picking_rig
@@ -33,23 +33,22 @@ NODE_PORTS = (7000, 7001)  # the picking rig's two nodes, 10,000 KV tokens each
 PERIODIC = accesslog_pb2.AccessLogType.DownstreamPeriodic
 
 
-def admit(rig: Any, service: ExtProcService) -> Exchange:
+def admit(rig: Any, service: ExtProcService) -> Stream:
     """admit sends a streamed chat's headers and body as Envoy does in this file, and hands the
-    exchange to the service's endings as the Process loop does."""
+    request to the service's endings as the Process loop does."""
     meta = route_metadata(pool="default", release="access_log")
     meta.filter_metadata[usage_log.NAMESPACE].fields[usage_log.FILTER_KEY].number_value = 1
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate, service.endings)
     assert ex.request_headers(headers_msg(), meta, PICKER_LOG) is not None
     resp = asyncio.run(ex.request_body(body_msg(chat(max_tokens=PROMPT_MAX, stream=True)), None,
                                        None, meta))
     assert ex.ending.mode is ReleaseMode.ACCESS_LOG and ex.ending.link is not None
-    assert node_of(resp)[0] == ex.ending.lease.node  # the node is named, as in the picker file
-    service.endings.admitted(ex.ending)
-    assert service.endings.handed_over(ex.ending)
+    assert node_of(resp)[0] == ex.admitted.lease.node  # the node is named, as in the picker file
+    assert ex.handed_over
     return ex
 
 
-def periodic(ex: Exchange, events: Any, upstream: tuple[str, int] | None = None) -> accesslog_pb2.HTTPAccessLogEntry:
+def periodic(ex: Stream, events: Any, upstream: tuple[str, int] | None = None) -> accesslog_pb2.HTTPAccessLogEntry:
     """periodic is Envoy's periodic entry of ``ex``'s stream in flight: the usage filter has
     counted ``events`` so far (None: no event yet), the upstream is ``upstream``."""
     e = usage_entry(ex.ending.link, {} if events is None else {usage_log.EVENTS_KEY: events}, cut_short=True)
@@ -80,7 +79,7 @@ def test_periodic_entries_tell_the_ledger_the_tokens_so_far_and_never_release() 
     rig = picking_rig()
     service = ExtProcService(rig.gate, rig.metrics)
     ex = admit(rig, service)
-    node = ex.ending.lease.node
+    node = ex.admitted.lease.node
     prompt = footprints(rig)[node]
     for events in (None, 3, 10, 7):  # a lower count (a reordered entry) never shrinks it
         assert service.endings.logged(periodic(ex, events)) == "progress"
@@ -104,7 +103,7 @@ def test_the_first_periodic_entry_with_a_token_is_the_first_token() -> None:
     rig = picking_rig()
     service = ExtProcService(rig.gate, rig.metrics)
     ex = admit(rig, service)
-    node = ex.ending.lease.node
+    node = ex.admitted.lease.node
     name = next(n.name for n in rig.admission.nodes("default") if n.address == node)
 
     def foreign_after_report(mark: int) -> int:
@@ -139,12 +138,12 @@ def test_the_node_that_serves_takes_the_charge() -> None:
     rig = picking_rig()
     service = ExtProcService(rig.gate, rig.metrics)
     ex = admit(rig, service)
-    picked = ex.ending.lease.node
+    picked = ex.admitted.lease.node
     other = next(f"127.0.0.1:{p}" for p in NODE_PORTS if f"127.0.0.1:{p}" != picked)
     host, port = other.split(":")
     assert service.endings.logged(periodic(ex, 4, (host, int(port)))) == "progress"
     held = footprints(rig)
-    assert held[picked] == 0 and held[other] > 0 and ex.ending.lease.node == other
+    assert held[picked] == 0 and held[other] > 0 and ex.admitted.lease.node == other
     # An address that is no node of the pool leaves the charge where it is, loudly.
     assert service.endings.logged(periodic(ex, 5, ("10.9.9.9", 1))) == "progress"
     assert footprints(rig)[other] == held[other] + 1
@@ -166,7 +165,7 @@ def test_periodic_entries_of_requests_not_parked_here_touch_nothing() -> None:
     old = usage_entry(ex.ending.link, {usage_log.EVENTS_KEY: 2})
     old.common_properties.intermediate_log_entry = True
     assert service.endings.logged(old) == "progress"
-    assert rig.inflight() == 1 and footprints(rig)[ex.ending.lease.node] == before[ex.ending.lease.node] + 2
+    assert rig.inflight() == 1 and footprints(rig)[ex.admitted.lease.node] == before[ex.admitted.lease.node] + 2
 
 
 def test_upstream_address_reads_ipv4_ipv6_and_nothing() -> None:

@@ -1,6 +1,6 @@
 """Unit tests of the Envoy files' profiles (extproc.request.profile): the module doc's table is
 the rows, every file's routes carry the ``release`` of its row, and the mode each row names is
-what an exchange admitted through that file takes."""
+what a request admitted through that file takes."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc import envoyconf
 from extproc.configparse import load_config
-from extproc.exchange import Exchange
+from kvgate_testkit.stream import Stream
 from extproc.gate import METADATA_NAMESPACE
 from extproc.request import profile
 from extproc.request.profile import PROFILES, ReleaseMode, Seen
@@ -79,7 +79,7 @@ def _protocol(row: profile.Profile) -> pb.ProtocolConfiguration:
 @pytest.mark.parametrize("name", [n for n, p in PROFILES.items() if not p.picks])
 def test_a_request_through_each_file_takes_its_rows_mode_at_admission(name: str) -> None:
     row = PROFILES[name]
-    ex = Exchange(Rig().gate)
+    ex = Stream(Rig().gate)
     meta = route_metadata(pool="default", **({"release": row.release.value} if row.release else {}))
     asyncio.run(ex.request_body(body_msg(chat(max_tokens=20)), None, attrs(), meta, _protocol(row)))
     assert ex.ending.mode is row.mode

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from extproc import usage_log
 from extproc.request.registry import LINK_KEY
 from extproc.request.profile import ReleaseMode
-from extproc.exchange import Exchange
+from kvgate_testkit.stream import Stream
 from extproc.gate import METADATA_NAMESPACE
 from extproc.server import ExtProcService
 from tests.unit.test_access_log import NO_RESPONSE
@@ -28,19 +28,18 @@ from tests.unit.test_exchange_attributes import attrs
 MAX_TOKENS = 500
 
 
-def admit(rig: Rig, service: ExtProcService, *, announced: bool = True, **fields: Any) -> tuple[Exchange, Any]:
+def admit(rig: Rig, service: ExtProcService, *, announced: bool = True, **fields: Any) -> tuple[Stream, Any]:
     """admit admits a chat on an access-log route, handed to the service's endings as the
     Process loop hands it;
     ``announced``: the usage filter's mark is in the request's metadata."""
     meta = route_metadata(pool="default", release="access_log")
     if announced:
         meta.filter_metadata[usage_log.NAMESPACE].fields[usage_log.FILTER_KEY].number_value = 1
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate, service.endings)
     resp = asyncio.run(ex.request_body(body_msg(chat(max_tokens=MAX_TOKENS, **fields)), None, attrs(),
                                        meta, NO_RESPONSE))
     assert ex.ending.link is not None and ex.ending.mode is ReleaseMode.ACCESS_LOG
-    service.endings.admitted(ex.ending)
-    assert service.endings.handed_over(ex.ending)
+    assert ex.handed_over
     return ex, resp
 
 

@@ -9,7 +9,7 @@ import logging
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.exchange import Exchange
+from kvgate_testkit.stream import Stream
 from extproc.waitwatch import cut_at_base_timeout
 from tests.unit.test_exchange import BASE_CONFIG, Rig, admit, body_msg, chat, headers_msg
 
@@ -44,7 +44,7 @@ async def cut_after(rig: Rig, seconds: float) -> None:
     async def send(resp: pb.ProcessingResponse) -> None:
         sent.append(resp)
 
-    ex = Exchange(rig.gate)
+    ex = Stream(rig.gate)
     ex.request_headers(headers_msg(extra=[("x-tenant-id", "slow")]))
     task = asyncio.ensure_future(ex.request_body(body_msg(chat()), send))
     for _ in range(5):  # let it reach the queue; no time passes on the manual clock

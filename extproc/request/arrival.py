@@ -1,14 +1,18 @@
-"""exchange: one HTTP request's admission state machine, free of gRPC.
+"""arrival: one HTTP request's arrival at kvgate, free of gRPC: identified, its body
+collected, handed to admission.
 
-An ``Exchange`` receives the decoded ext_proc messages of one request in the order Envoy
-sends them (request headers, request body, response headers, response body chunks) and
-returns the ``ProcessingResponse`` to send back. The lease it is granted goes, at
-admission, into an ending (``extproc.request.ending``) of the kind the request's
-``ReleaseMode`` names (from the Envoy file's profile, ``extproc.request.profile``), which
-holds it until it releases it: the exchange hands it the response it sees, and ``finish``
-when the stream ends.
+An ``Arrival`` receives the request side of one ext_proc stream in the order Envoy sends it
+(request headers, or request attributes with the first body message; the body's parts; the
+trailers) and returns the answer to each. Once the whole body is here it hands it to
+admission (``extproc.request.admit``): a refusal is answered here, and an admission is
+returned as ``Admitted``, whose ending (``extproc.request.ending``) holds the lease and takes
+the response from then on: the stream's stage changes from the arrival to the ending, and the
+service (``extproc.service``) feeds the response to whichever holds the stream. A response
+that comes before any admission (Envoy answered, or nothing was admitted) is still the
+arrival's.
 
-What reaches kvgate, by file of deploy/ (``kvgate envoy-filter --mode``):
+What reaches kvgate, by file of deploy/ (``kvgate envoy-filter --mode``; the table is
+``extproc.request.profile``):
 
 - request headers skipped (envoy.yaml, the recommended three-message file; envoy-jwt,
   -reservation, -observe, -access-log): the body message is the first, and the few request
@@ -49,10 +53,9 @@ as they come, read on the way for usage and tokens. A subset hint restricts the 
 kvgate may pick (503 when none of them may be picked), and the endpoint the proxy says
 served the request takes the request's node charge when it is not the one picked.
 
-What every exchange shares (configuration, tokenizers, identity, route settings) is the
+What every request shares (configuration, tokenizers, identity, route settings) is the
 ``Gate`` (``extproc.gate``); the answers it sends are built in ``extproc.answers``, its
-refusals in ``extproc.request.refusals``, and the decision on a whole body (count, acquire,
-answer) in ``extproc.request.admit``.
+refusals in ``extproc.request.refusals``.
 """
 
 from __future__ import annotations
@@ -67,7 +70,6 @@ from extproc import openai_api as oai
 from extproc import picker_protocol as epp
 from extproc import request_facts as facts_of
 from extproc import usage_log
-from extproc.admission import Demand, Lease, Outcome
 from extproc.answers import (CONTINUE_REQUEST_BODY, CONTINUE_REQUEST_HEADERS,
                              CONTINUE_REQUEST_TRAILERS, CONTINUE_RESPONSE_BODY,
                              CONTINUE_RESPONSE_HEADERS, PASS_THROUGH, PASS_THROUGH_BODY,
@@ -76,41 +78,33 @@ from extproc.config import ClassConfig
 from extproc.errors import RequestError
 from extproc.gate import ANONYMOUS_TENANT, NO_ROUTE_SETTINGS, Gate, PoolRuntime
 from extproc.outcomes import RequestOutcome
-from extproc.request.admit import (Refused, acquire, admit, cap_of, count, pass_to_node,
-                                   refusal_outcome)
-from extproc.request.ending import Ending
-from extproc.request.profile import ReleaseMode
-from extproc.request.refusals import no_eligible_endpoint, pass_error, path_error, refusal
-from extproc.request.registry import Endings
+from extproc.request.admit import Admitted, Refused, decide, pass_to_node
+from extproc.request.refusals import pass_error, path_error, refusal
 from extproc.request_facts import ATTR_PATH, UNDECODABLE_ATTRIBUTES, RequestFacts
 
 
-__all__ = ["Exchange"]
+__all__ = ["Arrival"]
 
 
-# --- one request -------------------------------------------------------------------
-
-# States of an exchange.
+# States of an arrival (_ADMITTED: the request is the ending's from then on).
 _NEW, _BODY, _PASS, _ADMITTED, _DONE = range(5)
 
 
-class Exchange:
-    """Exchange is one HTTP request's admission state machine (see the module doc).
+class Arrival:
+    """Arrival is one HTTP request's arrival at kvgate (see the module doc).
 
-    Methods are called in Envoy's message order; each returns the response to send.
-    ``endings``: the registry an admitted request's ending is handed to as it is admitted,
-    for the ends that come from elsewhere than this stream (None: kept here alone).
-    ``finish`` must be called once the ext_proc stream ends, however it ends: it releases
-    the lease (if still held) with the cause derived from what was seen.
+    Methods are called in Envoy's message order; each returns the answer to send, and
+    ``request_body`` returns ``Admitted`` when it admits the request: its ending holds the
+    lease from then on, and nothing here does. What it has identified of the request is what
+    admission reads (``admit.Identified``).
     """
 
     __slots__ = ("gate", "state", "endpoint", "pool", "pool_name", "class_cfg", "tenant",
-                 "fairness_id", "route", "content_type", "body", "max_body", "ending", "endings",
+                 "fairness_id", "route", "content_type", "body", "max_body",
                  "response_sent", "duplex", "response_duplex", "hint", "usage_filter")
 
-    def __init__(self, gate: Gate, endings: Endings | None = None) -> None:
+    def __init__(self, gate: Gate) -> None:
         self.gate = gate
-        self.endings = endings
         self.state = _NEW
         self.endpoint: oai.Endpoint | None = None
         self.pool: PoolRuntime | None = None
@@ -120,12 +114,10 @@ class Exchange:
         self.fairness_id: str | None = None  # Demand.fairness_id (Gate.fairness_id_of)
         self.route = NO_ROUTE_SETTINGS
         self.content_type: str | None = None
+        # The body's parts until its end (None: not collecting). The parsed body itself is
+        # not kept: an in-flight request holds no copy of its prompt.
         self.body: bytearray | None = None
         self.max_body = 0
-        # The admitted request's lease until its release (None: not admitted), of the kind of
-        # ending its mode names. The parsed body itself is not kept: an in-flight request
-        # holds no copy of its prompt.
-        self.ending: Ending | None = None
         # The access log's usage filter announced itself on the request (``usage_log``).
         self.usage_filter = False
         # The stream's protocol sends the response body here (False: response body NONE,
@@ -252,15 +244,15 @@ class Exchange:
     async def request_body(self, msg: pb.HttpBody,
                            send: Callable[[pb.ProcessingResponse], Awaitable[None]] | None = None,
                            attributes: Any = None, metadata: Any = None,
-                           protocol: Any = None) -> pb.ProcessingResponse | list[pb.ProcessingResponse] | None:
+                           protocol: Any = None) -> pb.ProcessingResponse | Admitted | None:
         """request_body decides: parse, count, check the context window, then acquire.
 
-        With a FULL_DUPLEX_STREAMED request body, chunks before the last are not answered
-        (None), and an admitted request is answered with a list: the owed request-headers
-        answer, then the body as streamed chunks. A passed-through request's chunks go
-        back as they came.
+        An admitted request is returned as ``Admitted`` (its ``answer`` is what to send: with a
+        FULL_DUPLEX_STREAMED request body a list, the owed request-headers answer, then the
+        body as streamed chunks). With such a body, chunks before the last are not answered
+        (None); a passed-through request's chunks go back as they came.
 
-        ``send`` lets the exchange extend Envoy's message timeout before it waits in its
+        ``send`` lets admission extend Envoy's message timeout before it waits in its
         class's queue (``override_message_timeout``); None when the caller cannot.
         ``attributes`` and ``metadata`` identify the request when it is the stream's first
         message (Envoy skips request headers); otherwise they are not read. ``protocol`` is
@@ -281,7 +273,17 @@ class Exchange:
         raw = self._collect(msg)
         if not isinstance(raw, bytes):
             return raw
-        return await self._decide(raw, send)
+        # The whole body: admission decides (``admit.decide``).
+        decided = await decide(self.gate, self, raw, send)
+        if type(decided) is Refused:
+            self.state = _DONE
+            return decided.answer
+        self.state = _ADMITTED
+        # Request facts only the decision reads: an admitted request may stay in flight for
+        # minutes, thousands at once.
+        self.content_type = None
+        self.hint = None
+        return decided
 
     def _begin_at_body(self, attributes: Any, metadata: Any,
                        body: bool) -> pb.ProcessingResponse | None:
@@ -325,96 +327,33 @@ class Exchange:
         self.body = None
         return raw
 
-    async def _decide(self, raw: bytes, send: Callable[[pb.ProcessingResponse], Awaitable[None]] | None,
-                      ) -> pb.ProcessingResponse | list[pb.ProcessingResponse]:
-        """_decide feeds the whole body ``raw`` to the decision (``extproc.request.admit``):
-        count it, acquire a lease, and answer it with the lease in its ending."""
-        gate = self.gate
-        started = gate.clock.now()
-        pool, cls, endpoint = self.pool, self.class_cfg, self.endpoint
-        assert pool is not None and cls is not None and endpoint is not None
-        try:
-            parsed, prompt_tokens, reserved = await count(gate, endpoint, raw, self.content_type,
-                                                          pool, self.route)
-        except RequestError as err:
-            return self._refuse(err, refusal_outcome(err))
-        among = self.hint if pool.config.picks else None
-        if among is not None and not gate.admission.eligible_nodes(self.pool_name, among):
-            return self._no_eligible_endpoint(
-                retry=gate.admission.named_nodes(self.pool_name, among) > 0)
-        demand = Demand(pool=self.pool_name, tenant=self.tenant, class_name=cls.name,
-                        prompt_tokens=prompt_tokens, reserved_completion=reserved, among=among,
-                        prefix=parsed.prefix, fairness_id=self.fairness_id, blocks=parsed.blocks)
-        lease = await acquire(gate, demand, cls, send, started)
-        if type(lease) is Refused:
-            self.state = _DONE
-            return lease.answer
-        assert isinstance(lease, Lease)
-        self.state = _ADMITTED
-        # Request facts only the decision reads: an admitted request may stay in flight (or
-        # parked for its access log entry) for minutes, thousands at once.
-        self.content_type = None
-        self.hint = None
-        gate.metrics.request(self.pool_name, cls.name, RequestOutcome.ADMITTED)
-        # A FULL_DUPLEX_STREAMED body either way carries no link (``ReleaseMode.choose``).
-        mode = ReleaseMode.choose(self.response_sent, self.route.release,
-                                  self.duplex or self.response_duplex)
-        admitted = admit(gate, lease, mode, parsed, raw, cap=cap_of(pool, parsed, reserved),
-                         duplex=self.duplex, response_duplex=self.response_duplex,
-                         usage_filter=self.usage_filter)
-        self.ending = ending = admitted.ending
-        if self.endings is not None:
-            self.endings.admitted(ending)  # before Envoy can send the response, or log its end
-        return admitted.answer
-
-    def _no_eligible_endpoint(self, retry: bool) -> pb.ProcessingResponse:
-        """_no_eligible_endpoint counts and answers a request whose subset hint allows no node
-        kvgate may pick (``refusals.no_eligible_endpoint``)."""
-        self.state = _DONE
-        cls = self.class_cfg
-        self.gate.metrics.request(self.pool_name or self.gate.config.default_pool,
-                                  cls.name if cls is not None else self.gate.config.tenants.default_class,
-                                  RequestOutcome.REJECTED_NO_ENDPOINT)
-        return no_eligible_endpoint(retry)
-
     # --- response ------------------------------------------------------------------------
 
-    def response_headers(self, msg: pb.HttpHeaders, *, attributes: Any = None,
+    def response_headers(self, msg: pb.HttpHeaders, attributes: Any = None,
                          metadata: Any = None) -> pb.ProcessingResponse:
-        """response_headers hands the upstream status to the request's ending and adds the
-        x-ratelimit-* headers.
-
-        ``attributes`` and ``metadata`` come with a stream's first message: they name the
-        tenant of a request Envoy refused before kvgate saw it. A response before any
-        admission had no request body (nothing to admit) or was answered by Envoy itself: it
-        passes through, except Envoy's own 413 for a body above its buffer limit, which gets
-        kvgate's OpenAI-shaped 413 like any body above the cap.
+        """response_headers answers response headers that come before any admission (once a
+        request is admitted they are its ending's): Envoy answered before the body reached
+        kvgate, or there was nothing to admit. They pass through, except Envoy's own 413 for a
+        body above its buffer limit, which gets kvgate's OpenAI-shaped 413 like any body
+        above the cap. ``attributes`` and ``metadata`` come with a stream's first message:
+        they name the tenant of a request Envoy refused before kvgate saw it.
         """
-        if self.state in (_NEW, _BODY):
-            # Nothing admitted: Envoy answered before the body reached kvgate (or there was
-            # no body). Its own 413 for a body above its buffer limit gets kvgate's shape.
-            first = self.state == _NEW
-            self.state = _PASS
-            for h in msg.headers.headers:
-                if h.key == ":status" and h.raw_value == b"413":
-                    if first and attributes and UNDECODABLE_ATTRIBUTES not in attributes:
-                        self.pool_name, self.class_cfg = self.gate.class_of_attributes(attributes, metadata)
-                    return self._refuse(RequestError(
-                        "The request body is above this endpoint's limit.", status=413,
-                        code="request_too_large"), RequestOutcome.REJECTED_BODY_TOO_LARGE)
-            return PASS_THROUGH_RESPONSE if first else CONTINUE_RESPONSE_HEADERS
-        ending = self.ending
-        if ending is None:
+        if self.state not in (_NEW, _BODY):
             return CONTINUE_RESPONSE_HEADERS
-        return ending.answer_headers(msg, metadata)
+        first = self.state == _NEW
+        self.state = _PASS
+        for h in msg.headers.headers:
+            if h.key == ":status" and h.raw_value == b"413":
+                if first and attributes and UNDECODABLE_ATTRIBUTES not in attributes:
+                    self.pool_name, self.class_cfg = self.gate.class_of_attributes(attributes, metadata)
+                return self._refuse(RequestError(
+                    "The request body is above this endpoint's limit.", status=413,
+                    code="request_too_large"), RequestOutcome.REJECTED_BODY_TOO_LARGE)
+        return PASS_THROUGH_RESPONSE if first else CONTINUE_RESPONSE_HEADERS
 
     def response_body(self, msg: pb.HttpBody) -> pb.ProcessingResponse:
-        """response_body hands one response chunk to the request's ending, which answers it
-        (``Ending.answer_chunk``). Before any admission the chunk passes as it came (with a
-        FULL_DUPLEX_STREAMED response body, sent back at once)."""
-        ending = self.ending
-        if ending is not None:
-            return ending.answer_chunk(msg)
+        """response_body answers a response chunk that comes before any admission: as it came
+        (with a FULL_DUPLEX_STREAMED response body, sent back at once)."""
         if self.response_duplex:
             return epp.streamed_chunk("response_body", msg.body, msg.end_of_stream)
         return CONTINUE_RESPONSE_BODY
@@ -429,16 +368,6 @@ class Exchange:
                                              "endpoint; send the JSON body without trailers"),
                                 RequestOutcome.REJECTED_INVALID)
         return CONTINUE_REQUEST_TRAILERS
-
-    # --- the end -------------------------------------------------------------------------
-
-    def finish(self, *, gave_up: bool = False) -> Outcome | None:
-        """finish tells the request's ending that kvgate is done with the request (its stream
-        ended; ``gave_up``: kvgate ends it, a timeout): the lease is released if still held,
-        and the cause returned (None if nothing to do). Idempotent."""
-        self.state = _DONE
-        ending = self.ending
-        return None if ending is None else ending.finish(gave_up)
 
     # --- refusals ------------------------------------------------------------------------
 
