@@ -179,7 +179,7 @@ def test_the_lua_script_counts_shared_prefixes_like_the_python_rule(redis_server
                         clock.advance(TTL * 0.6)
                 elif op[0] == "release_c":
                     stores["a"].know_pools(["p"])
-                    await stores["a"]._release(stores["c"].replica_id)
+                    await stores["a"]._gone.release(stores["c"].replica_id)
                     for i in reversed(range(len(live))):
                         if live[i][1] == "c":
                             end(i)
