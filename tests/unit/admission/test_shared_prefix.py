@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import math
 import secrets
+from collections import Counter
 
 import pytest
 import redis as redis_sync
@@ -24,6 +25,7 @@ from extproc.admission import Admission, Demand, Lease, Outcome
 from extproc.admission.types import NodeReport
 from extproc.admission.shared_nodes import Candidate as C, NodeAsk, others_seen, pick_shared
 from extproc.admission.sharing import MAX_LINKS, MAX_NODE_KEYS, SharedPrefixes
+from extproc.admission.store.fairshare import yields
 from extproc.admission.store.redis import RedisStore
 from extproc.admission.store.redis_ledger import read_gens, read_shares
 from extproc.admission.types import Budget, Chain, Grant, Plan, PoolLimits, Refusal
@@ -103,12 +105,15 @@ def test_the_lua_script_counts_shared_prefixes_like_the_python_rule(redis_server
         clock = ManualClock(T0)
         config = cfg(redis_server.url, lease_ttl_s=TTL)
         stores = {name: _quiet(RedisStore(config, clock=clock)) for name in "abc"}
+        for who in "ab":  # as serving replicas do: their refreshes run (and purge) in the pool from the start
+            stores[who].know_pools(["p"])
         r = redis_sync.Redis.from_url(redis_server.url)
         prefix = f"{config.key_prefix}{{p}}"
         model: dict[str, SharedPrefixes] = {n: SharedPrefixes() for n in NODES}
         held = dict.fromkeys(NODES, 0)
         # live leases: grant, replica, path, tail, keys taken, expiry (s)
         live: list[tuple[Grant, str, list[str], int, tuple[int, ...], float]] = []
+        wants: dict[str, tuple[float, int]] = {}  # replica id -> its latest refusal for lack of room (fairshare)
 
         def end(i: int) -> None:
             g, who, _path, _tail, keys, _exp = live.pop(i)
@@ -140,7 +145,13 @@ def test_the_lua_script_counts_shared_prefixes_like_the_python_rule(redis_server
                     if want.chosen is None:
                         assert isinstance(got, Refusal), (got, want)
                         assert got.budget is Budget.NODE_KV and got.used == (want.best_room or 0)
+                        wants[me] = (clock.now(), prompt)
                         continue
+                    leases = Counter(stores[w].replica_id for _g, w, *_ in live)
+                    if yields(me, prompt, leases, wants, clock.now()):
+                        assert isinstance(got, Refusal) and got.budget is Budget.SLOTS, (got, leases, wants)
+                        continue
+                    wants.pop(me, None)
                     assert isinstance(got, Grant) and got.picked == want.chosen, (got, want)
                     c = next(c for c in cands if c.name == want.chosen)
                     shares = model[want.chosen]
