@@ -141,14 +141,15 @@ def test_the_lua_script_counts_shared_prefixes_like_the_python_rule(redis_server
                     me = stores[who].replica_id
                     others = {c.name: others_seen(gens, me, c.name, since, False) for c in cands}
                     want = pick_shared(ask, held, others, None, model)
-                    got = await stores[who].admit(node_plan(ask), clock.now())
+                    plan = node_plan(ask)
+                    got = await stores[who].admit(plan, clock.now())
                     if want.chosen is None:
                         assert isinstance(got, Refusal), (got, want)
                         assert got.budget is Budget.NODE_KV and got.used == (want.best_room or 0)
-                        wants[me] = (clock.now(), prompt)
+                        wants[me] = (clock.now(), plan.tokens)
                         continue
                     leases = Counter(stores[w].replica_id for _g, w, *_ in live)
-                    if yields(me, prompt, leases, wants, clock.now()):
+                    if yields(me, plan.tokens, leases, wants, clock.now()):
                         assert isinstance(got, Refusal) and got.budget is Budget.SLOTS, (got, leases, wants)
                         continue
                     wants.pop(me, None)
