@@ -18,7 +18,6 @@ from redis.asyncio.connection import Connection
 
 from extproc.admission.shared_nodes import Candidate as C, NodeAsk
 from extproc.admission.store.fallback import MODE_LOCAL_SHARE, MODE_SHARED, StoreUnavailableError
-from extproc.admission.store.fairshare import FAIR_WINDOW_S
 from extproc.admission.store.redis import RedisStore
 from extproc.admission.store.redis_client import RedisClient, RoundTripError
 from extproc.admission.store.redis_lua import HEARTBEAT, HeartbeatArg, HeartbeatKeys, word
@@ -246,7 +245,6 @@ async def test_a_replica_cut_off_and_one_sharing_never_pass_the_limit_together(r
             assert await admit("b", b, 2) == 0 and await admit("a", a, 2) == 0
             end("a", a, 2)
             await a.flush()
-            clock.advance(FAIR_WINDOW_S)  # A, refused just now and holding less, stopped asking (fairshare)
             assert await admit("b", b, 3) == 2
         finally:
             await a.close()
