@@ -68,7 +68,7 @@ import yaml  # noqa: E402
 from bench.bench_trace import (DEFAULT_TRACE, close_results, read_preemptions, FULL, NODE, NODES, POLICIES, TRACE_SLICE, Background,  # noqa: E402
                                Burst, Client, Policy, Req, Result, Run, Scenario, Summary, _background, _fmt,
                                _pct, _sample, _wait_signals, build_requests, envoy_for, kvgate_config,
-                               read_trace, summarize)
+                               parse_kvgate_metrics, read_trace, summarize)
 from bench.bench_protection import Node  # noqa: E402
 from extproc.configparse import parse_config  # noqa: E402
 from kvgate_testkit.faultproxy import FaultProxy  # noqa: E402
@@ -246,6 +246,9 @@ class RowRun:
     plan: list[tuple[float, str]] = field(default_factory=list)
     done: list[tuple[float, str]] = field(default_factory=list)   # the plan as carried out
     resets: int = 0
+    # per replica alive at the end: kvgate's decisions (``kvgate_requests_total``) as
+    # ``class/outcome`` -> count, which says why a replica refused more than another
+    decisions: list[dict[str, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -431,6 +434,24 @@ async def _poll_modes(session: aiohttp.ClientSession, admin_urls: Sequence[str],
         await asyncio.sleep(max(0.0, tick - time.monotonic()))
 
 
+async def _decisions(session: aiohttp.ClientSession, admin_urls: Sequence[str],
+                     live: Sequence[bool]) -> list[dict[str, int]]:
+    """_decisions is every replica's ``kvgate_requests_total`` by ``class/outcome`` ({} for a dead one)."""
+    out: list[dict[str, int]] = []
+    for url, alive in zip(admin_urls, live):
+        seen: dict[str, int] = {}
+        if alive:
+            try:
+                async with session.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=5.0)) as resp:
+                    for k, v in parse_kvgate_metrics(await resp.text()).items():
+                        if k.startswith("kvgate_requests_total/"):
+                            seen[k.removeprefix("kvgate_requests_total/")] = int(v)
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                pass
+        out.append(seen)
+    return out
+
+
 async def _answers(port: int, timeout: float = 30.0) -> bool:
     """_answers waits until the Redis server on ``port`` answers PING (True), or gives up after ``timeout`` s."""
     deadline = time.monotonic() + timeout
@@ -512,6 +533,7 @@ async def drive_row(rr: RowRun, reqs: list[Req], sc: Scenario, speedup: float, e
                 except asyncio.CancelledError:
                     pass
         run.preemptions = await read_preemptions(session, sim_urls)
+        rr.decisions = await _decisions(session, admin_urls, rr.live)
     close_results(run, label)
 
 
@@ -784,6 +806,9 @@ def main(argv: list[str] | None = None) -> int:
             s = summarize(rr.run, sc.background)
             print(f"  [{label}] {rr.run.wall_s:.0f} s: preemptions {rr.run.preemptions}, goodput "
                   f"{s.goodput:,.0f} tok/s" + (f"  ERROR: {rr.run.error}" if rr.run.error else ""), flush=True)
+            for k, seen in enumerate(rr.decisions):
+                print(f"  replica {k + 1} decisions: " + ", ".join(f"{d} {n}" for d, n in sorted(seen.items())),
+                      flush=True)
             if rr.run.error:
                 for log in sorted((Path(tmp) / row.key).glob("*.log")):
                     print(f"  --- {log.name} (tail) ---\n{log.read_text(errors='replace')[-1500:]}", file=sys.stderr)

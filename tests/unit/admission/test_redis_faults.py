@@ -99,7 +99,7 @@ async def test_the_refresher_survives_a_client_error_and_the_store_shares_again(
         failing_writes[0] = 3  # the next refresh and the first probes meet dead connections
         await until(lambda: store.mode == MODE_LOCAL_SHARE)
         await until(lambda: failing_writes[0] == 0 and store.mode == MODE_SHARED)
-        assert store._task is not None and not store._task.done()
+        assert store._upkeep.task is not None and not store._upkeep.task.done()
         assert "connection" in seen.errors and seen.modes[-1] == MODE_SHARED
         granted = await store.admit(one_plan(), 0.0)
         assert isinstance(granted, Grant) and not granted.id.startswith("local:")
@@ -124,7 +124,7 @@ async def test_the_refresher_survives_its_own_bug_logs_and_counts_it(redis_serve
         await store.start()
         monkeypatch.setattr(store, "_refresh_cmds", broken)
         await until(lambda: fails[0] == 0 and store.mode == MODE_SHARED and "internal" in seen.errors)
-        assert not store._task.done()
+        assert not store._upkeep.task.done()
         assert "survived an unexpected ValueError" in caplog.text and "a bug in the store" in caplog.text
     finally:
         await store.close()
@@ -162,7 +162,7 @@ def test_on_uvloop_connections_reset_under_load_leave_no_replica_out_of_shared_m
             await until(lambda: store.mode == MODE_SHARED)
             back = time.monotonic() - healed
             await store.flush()
-            alive = store._task is not None and not store._task.done()
+            alive = store._upkeep.task is not None and not store._upkeep.task.done()
             mode = store.mode
             live = store.live_leases("p")
             await store.close()
@@ -542,13 +542,13 @@ async def test_a_replica_whose_heartbeat_expired_loses_its_leases_only_when_it_n
         await b.start()
         held = [await b.admit(slots_plan(), clock.now()) for _ in range(3)]
         assert all(isinstance(g, Grant) for g in held)
-        b._task.cancel()  # B stops as SIGKILL stops it: no refresh, no goodbye
+        b._upkeep.task.cancel()  # B stops as SIGKILL stops it: no refresh, no goodbye
         clock.advance(b._presence_ttl + 0.1)  # its heartbeat expires; its leases have 29 s left
         assert await a.refresh()
-        await until(lambda: not a._checking)
+        await until(lambda: not a._gone.checking)
         assert await a.refresh()
         assert await a.refresh()
-        await until(lambda: not a._checking)
+        await until(lambda: not a._gone.checking)
         gone = a.usage("p", clock.now()).inflight == 0
         assert gone == (answer != "the same process")
         granted = [await a.admit(slots_plan(), clock.now()) for _ in range(4)]
@@ -576,7 +576,7 @@ async def test_an_admission_behind_settles_that_time_out_decides_alone_without_a
             server.pause()
             try:
                 store.settle(held[0], 10, clock.now())  # the flusher sends it, and hangs
-                await until(lambda: store._batch is not None)
+                await until(lambda: store._settles.batch is not None)
                 got = await store.admit(slots_plan(), clock.now())
                 assert store.mode == MODE_LOCAL_SHARE
                 assert isinstance(got, Grant) and got.id.startswith("local:")

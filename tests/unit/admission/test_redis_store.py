@@ -28,6 +28,7 @@ from extproc.admission.store.memory import MemoryStore
 from extproc.admission.store.fallback import (LOCAL_PREFIX, MODE_FAIL_CLOSED, MODE_LOCAL_SHARE, MODE_SHARED,
                                               RECOVER_S, StoreUnavailableError, Within, local_within)
 from extproc.admission.store.redis import RedisStore
+from extproc.admission.store.redis_commands import admit_cmd
 from extproc.clock import ManualClock
 from extproc.config import RedisStoreConfig
 from extproc.configparse import parse_config
@@ -325,7 +326,7 @@ async def test_round_trips_still_on_the_wire_cannot_bring_a_settled_lease_back(s
     # The admission: cancelled first (as after a timeout), then it arrives.
     p = plan(10, lim)
     r.execute_command(*rs._settle_cmd(p, keys, "lost.1", 0, T0))
-    reply = r.execute_command(*rs._admit_cmd(p, keys, "lost.1", T0))
+    reply = r.execute_command(*admit_cmd(p, keys, "lost.1", T0, rs.config.lease_ttl_s, -1.0))
     assert reply.startswith(b"2|") and int(r.hget(keys.st, "n")) == 0 and r.hlen(keys.lh) == 0
 
 

@@ -644,7 +644,7 @@ async def test_a_released_replica_leaves_no_published_generation(redis_server):
         assert await dead.refresh()
         assert r.hlen(f"{prefix}:sn") == 1 and r.hexists(f"{prefix}:sr", dead.replica_id)
         alive.know_pools(["p"])
-        assert await alive._release(dead.replica_id) == 1
+        assert await alive._gone.release(dead.replica_id) == 1
         assert r.hlen(f"{prefix}:sn") == 0 and not r.hexists(f"{prefix}:sr", dead.replica_id)
     finally:
         await alive.close()

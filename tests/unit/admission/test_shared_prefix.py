@@ -103,6 +103,8 @@ def test_the_lua_script_counts_shared_prefixes_like_the_python_rule(redis_server
         clock = ManualClock(T0)
         config = cfg(redis_server.url, lease_ttl_s=TTL)
         stores = {name: _quiet(RedisStore(config, clock=clock)) for name in "abc"}
+        for who in "ab":  # as serving replicas do: their refreshes run (and purge) in the pool from the start
+            stores[who].know_pools(["p"])
         r = redis_sync.Redis.from_url(redis_server.url)
         prefix = f"{config.key_prefix}{{p}}"
         model: dict[str, SharedPrefixes] = {n: SharedPrefixes() for n in NODES}
@@ -179,7 +181,7 @@ def test_the_lua_script_counts_shared_prefixes_like_the_python_rule(redis_server
                         clock.advance(TTL * 0.6)
                 elif op[0] == "release_c":
                     stores["a"].know_pools(["p"])
-                    await stores["a"]._release(stores["c"].replica_id)
+                    await stores["a"]._gone.release(stores["c"].replica_id)
                     for i in reversed(range(len(live))):
                         if live[i][1] == "c":
                             end(i)
