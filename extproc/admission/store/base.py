@@ -87,7 +87,7 @@ class Store(ABC):
 
 
 class SyncStore(Store):
-    """SyncStore is an in-process store that answers at once: ``try_acquire`` needs one."""
+    """SyncStore is an in-process store that answers at once: ``Admission.acquire`` then decides without suspending."""
 
     @abstractmethod
     def admit_now(self, plan: Plan, now: float) -> Grant | Refusal:
