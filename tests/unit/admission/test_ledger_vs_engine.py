@@ -256,11 +256,11 @@ def drive(ops: list[tuple], nodes: int, engine_block: int, batched: int, error: 
 def check(pool: PoolNodes, engines: dict[str, Engine], live: list[Live], others: dict[str, int], now: float) -> None:
     """check asserts, on every node, that what kvgate charges there (foreign KV + holds, a
     shared prefix once; what its room is taken from) covers what the engine holds for
-    kvgate's requests and ``others``, what it held for its other clients at its last report
-    (0 where not checked); and that a node whose requests all ended has nothing left charged.
+    kvgate's requests and ``others``, what it held for its other clients at its last report;
+    and that a node whose requests all ended has nothing left charged.
 
     Ends included: what a report subtracted of a request that ended since stays counted until
-    the next report (``Node.kept``). Not covered by the operations drawn (see
+    the next report (``Node.kept``). Not found by the operations drawn, yet a gap (see
     ``test_a_request_stopped_before_the_scrape_and_still_held_gives_credit_counted_nowhere``):
     a request the engine ended by its stop before a scrape, kvgate still holding it, and a
     request sharing its prefix admitted before its end is seen."""

@@ -281,7 +281,7 @@ def test_a_rise_of_kvgates_own_requests_in_the_report_is_no_foreign_rise():
     clock = ManualClock(T0)
     adm = Admission(config(pool=nodes_pool(1)), clock)
     report(adm, clock, {"n0": 0.0})
-    lease = adm.try_acquire(demand(20_000, 2))
+    lease = adm.try_acquire(demand(20_000, 2))  # one token of two: still running at the mark
     assert isinstance(lease, Lease)
     clock.advance(1)
     report(adm, clock, {"n0": 0.20})         # no mark: the node shows it, kvgate cannot subtract it
