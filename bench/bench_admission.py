@@ -1,16 +1,17 @@
 """bench_admission: what one admission decision costs: acquire + release of a lease, in-process.
 
-Every request kvgate admits goes through ``Admission.try_acquire`` (or ``acquire``, which
-takes the same path when capacity is free) and ``Lease.release``. This measures that pair
-on the in-memory store, with a real monotonic clock, for:
+Every request kvgate admits goes through ``Admission.acquire`` and ``Lease.release``. This
+measures that pair on the in-memory store, with a real monotonic clock, for:
 
 - slots only: one pool with a concurrency limit, one class;
 - all three budgets + tenants: slots with a guaranteed class, the pool's TPM bucket, the
   in-flight KV budget and per-tenant buckets, four tenants in turn (the buckets are large
   enough that a million pairs a minute are never refused: refusals are not what is timed);
 - the same on a pool with backends (adaptive scale evaluated at each admission);
-- the same through ``await acquire`` on an event loop (no wait: no task, no future);
-- a walk of the wait queue (``poll``, what every release does while requests wait): 16
+- the same through ``await acquire`` on an event loop (no wait: no task, no future); the
+  rows above run ``acquire`` to its answer without a loop (``kvgate_testkit.admission.acquire_now``);
+- a walk of the wait queue (what every release, or new signals, start while requests wait,
+  here started by the pool's signals): 16
   waiters, one per tenant, each refused by its own tenant's empty bucket; its figure is
   per walk, not per pair.
 
@@ -27,7 +28,6 @@ import argparse
 import asyncio
 import gc
 import os
-import platform
 import statistics
 import sys
 import time
@@ -40,10 +40,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.reports import machine  # noqa: E402
 from extproc.admission import Admission, Demand, Lease, Outcome, PoolSignals  # noqa: E402
 from extproc.clock import MonotonicClock  # noqa: E402
 from extproc.config import ADAPTIVE_DEFAULTS, Config  # noqa: E402
-from extproc.configparse import parse_config
+from extproc.configparse import parse_config  # noqa: E402
+from kvgate_testkit.admission import acquire_now, demand_of  # noqa: E402
 
 BATCH = 100
 TARGET_NS = 10_000
@@ -78,9 +80,9 @@ def full(backends: bool = False) -> Config:
     return parse_config(data)
 
 
-def demands(adm: Admission) -> list[Demand]:
+def demands(cfg: Config) -> list[Demand]:
     """demands is one request per tenant: a 1,200-token prompt reserving 300 completion tokens."""
-    return [adm.demand(t, 1200, 300) for t in TENANTS]
+    return [demand_of(cfg, t, 1200, 300) for t in TENANTS]
 
 
 def read_now(clock: MonotonicClock) -> PoolSignals:
@@ -102,14 +104,14 @@ def measure(pairs: Callable[[int], None], batches: int) -> list[float]:
 
 
 def sync_pairs(adm: Admission, ds: list[Demand]) -> Callable[[int], None]:
-    """sync_pairs runs n try_acquire + release pairs, each lease released with 250 completion tokens."""
+    """sync_pairs runs n acquire + release pairs (``acquire_now``: no loop), each lease released
+    with 250 completion tokens."""
     completed = Outcome.COMPLETED
-    try_acquire = adm.try_acquire
     k = len(ds)
 
     def run(n: int) -> None:
         for i in range(n):
-            lease = try_acquire(ds[i % k])
+            lease = acquire_now(adm, ds[i % k])
             if type(lease) is not Lease:
                 raise RuntimeError(f"the benchmark must not be refused: {lease}")
             lease.release(completed, 250)
@@ -144,18 +146,18 @@ def walk_config() -> Config:
                          "tenants": {"classes": {"standard": {"max_wait_s": 600}}, "tenants": tenants}})
 
 
-def queued_walks(adm: Admission,
+def queued_walks(adm: Admission, cfg: Config, clock: MonotonicClock,
                  loop: asyncio.AbstractEventLoop) -> tuple[Callable[[int], None], Callable[[], None]]:
     """queued_walks queues one waiter per tenant, each refused by its own empty bucket; returns
-    (run, stop): run(n) walks the queue n times (``poll``: each walk tries all 16 waiters and
-    admits none), stop refuses the waiters and ends their tasks.
+    (run, stop): run(n) walks the queue n times (the pool's signals handed in, which start a
+    walk: each tries all 16 waiters and admits none), stop refuses the waiters and ends their tasks.
 
     A tenant's first request (1,500 tokens) empties its bucket; the second waits about 30 s
     for the refill, longer than the benchmark runs, so every walk visits the same 16.
     """
-    ds = [adm.demand(f"t{i}", 1200, 300) for i in range(WALK_TENANTS)]
+    ds = [demand_of(cfg, f"t{i}", 1200, 300) for i in range(WALK_TENANTS)]
     for d in ds:
-        first = adm.try_acquire(d)
+        first = acquire_now(adm, d)
         if type(first) is not Lease:
             raise RuntimeError(f"the benchmark's first request must be admitted: {first}")
         first.release(Outcome.COMPLETED, 300)
@@ -167,11 +169,11 @@ def queued_walks(adm: Admission,
         return tasks
 
     tasks = loop.run_until_complete(queue())
-    poll = adm.poll
+    update = adm.update_signals
 
     def run(n: int) -> None:
         for _ in range(n):
-            poll("default")
+            update("default", read_now(clock))
         if adm.snapshot("default").waiting != len(ds):
             raise RuntimeError("a walk admitted or refused a waiter: the benchmark measures walks that keep them")
 
@@ -196,17 +198,20 @@ def main() -> int:
     clock = MonotonicClock()
     rows = []
 
-    adm = Admission(slots_only(), clock)
-    rows.append(summary("slots only", measure(sync_pairs(adm, [adm.demand("anyone", 1200, 300)]), batches)))
+    cfg = slots_only()
+    adm = Admission(cfg, clock)
+    rows.append(summary("slots only", measure(sync_pairs(adm, [demand_of(cfg, "anyone", 1200, 300)]), batches)))
 
-    adm = Admission(full(), clock)
-    rows.append(summary("all three budgets + tenants", measure(sync_pairs(adm, demands(adm)), batches)))
+    cfg = full()
+    adm = Admission(cfg, clock)
+    rows.append(summary("all three budgets + tenants", measure(sync_pairs(adm, demands(cfg)), batches)))
 
-    adm = Admission(full(backends=True), clock)
+    cfg = full(backends=True)
+    adm = Admission(cfg, clock)
     adm.update_signals("default", read_now(clock))
     time.sleep(0.01)  # let the scale recover to 1.0 (1000/s) so nothing is refused
     adm.update_signals("default", read_now(clock))
-    ds = demands(adm)
+    ds = demands(cfg)
     run = sync_pairs(adm, ds)
 
     def adaptive(n: int) -> None:
@@ -217,11 +222,13 @@ def main() -> int:
 
     loop = asyncio.new_event_loop()
     try:
-        adm = Admission(full(), clock)
-        rows.append(summary("all three + tenants, await acquire", measure(async_pairs(adm, demands(adm), loop),
+        cfg = full()
+        adm = Admission(cfg, clock)
+        rows.append(summary("all three + tenants, await acquire", measure(async_pairs(adm, demands(cfg), loop),
                                                                            batches)))
-        adm = Admission(walk_config(), clock)
-        run, stop = queued_walks(adm, loop)
+        cfg = walk_config()
+        adm = Admission(cfg, clock)
+        run, stop = queued_walks(adm, cfg, clock, loop)
         try:
             # A walk costs some 16 pairs: a tenth of the batches takes as long as a row above.
             rows.append(summary(f"a walk of the wait queue ({WALK_TENANTS} waiters, none fits), per walk",
@@ -236,8 +243,7 @@ def main() -> int:
         "# Admission microbenchmark: acquire + release of one lease",
         "",
         f"Command: `{command}` (or `make bench-admission`). "
-        f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, Python {platform.python_version()}, "
-        f"{platform.machine()}, os.cpu_count() = {os.cpu_count()}.",
+        f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {machine()}.",
         "",
         f"In-memory store, real monotonic clock; each figure is the time of a batch of {BATCH} pairs / {BATCH},",
         "median and p99 over the batches. Target: median <= 10 us (10,000 ns) per pair with all three",

@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import dataclasses
 import os
-import platform
 import random
 import sys
 import threading
@@ -50,8 +49,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb  # noqa: E402
 from google.protobuf import struct_pb2  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
 
+from bench import reports  # noqa: E402
 from bench.bench_tokens import KINDS  # noqa: E402
-from bench.reports import publish  # noqa: E402
+from bench.reports import machine, publish  # noqa: E402
 from extproc.admission import Admission  # noqa: E402
 from extproc.clock import MonotonicClock  # noqa: E402
 from extproc.configparse import parse_config  # noqa: E402
@@ -339,8 +339,7 @@ def report(res: dict[str, tuple[list[float], list[float], list[int]]], *, comman
               f"another thread waited at most {max(w for _, w, _ in hostile) * 1e3:.1f} ms, and the "
               f"count took {max(c for _, _, c in hostile) * 1e3:.1f} ms of CPU in the serving process "
               "(the rest runs in the worker, on another core when there is one).", "", *LEVERS, "",
-              f"Machine: CPython {platform.python_version()}, {os.cpu_count()} CPUs "
-              f"({platform.machine()}), shared with other work (load average at start: "
+              f"Machine: {machine()}, shared with other work (load average at start: "
               f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; at the end: "
               f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}). Run took {wall_s:.0f} s."]
     return "\n".join(lines)
@@ -359,8 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         res = uvloop.run(measure(args.rounds, args.seconds))
     except ImportError:
         res = asyncio.run(measure(args.rounds, args.seconds))
-    command = "python bench/bench_big_prompt.py" + "".join(
-        f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    command = reports.command("bench/bench_big_prompt.py", ap, args)
     probe = gil_probe(args.rounds)
     text = report(res, command=command, rounds=args.rounds, seconds=args.seconds, load=load,
                   wall_s=time.monotonic() - started, probe=probe)

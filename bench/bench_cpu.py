@@ -40,45 +40,28 @@ if str(ROOT) not in sys.path:  # run as a script from the repository root
     sys.path.insert(0, str(ROOT))
 
 import argparse  # noqa: E402
-import asyncio  # noqa: E402
 import collections  # noqa: E402
 import os  # noqa: E402
-import platform  # noqa: E402
 import random  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-from typing import Any  # noqa: E402
 
 import orjson  # noqa: E402
 
-from bench.bench_overhead import (BENCH_CONFIG, PICKED, ChatBodies, _picks_the_upstream,  # noqa: E402
-                                  _run, closed_loop, cpu_seconds, hold_streams, pct, variant_file,
-                                  wait_picker_nodes_up)
+from bench import reports  # noqa: E402
+from bench.bare import COMMAND as BARE  # noqa: E402
+from bench.httpload import ChatBodies, closed_loop, hold_streams, run  # noqa: E402
+from bench.reports import machine, pct, publish  # noqa: E402
+from bench.sampling import cpu_seconds  # noqa: E402
+from bench.stacks import hot_stack, wait_picker_nodes_up  # noqa: E402
 from bench.revision import checkout  # noqa: E402
-from kvgate_testkit.procs import Proc, exit_on_sigterm, wait_until  # noqa: E402
+from kvgate_testkit.procs import exit_on_sigterm, wait_until  # noqa: E402
 from kvgate_testkit.stack import Stack  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 PROFILE_HZ = 250  # py-spy's samples per second
-
-
-class _SourceStack(Stack):
-    """_SourceStack is a kvgate stack whose kvgate runs from another copy of the sources
-    (``source``: a directory holding an ``extproc`` package), for before/after runs."""
-
-    def __init__(self, workdir: Path, config: dict[str, Any], source: Path, **kwargs: Any) -> None:
-        super().__init__(workdir, config, **kwargs)
-        self.source = source
-
-    def _spawn(self, name: str, argv: list[str]) -> Proc:
-        if name != "kvgate":
-            return super()._spawn(name, argv)
-        # ``python -m`` puts the working directory first on sys.path: that picks the copy.
-        proc = Proc(argv, self.workdir / f"{name}.log", cwd=self.source)
-        self.procs[name] = proc
-        return proc
 
 
 def _processor_pid(stack: Stack) -> int:
@@ -214,7 +197,7 @@ def _profile(stacks: dict[str, Stack], seconds: float, clients: int, out_dir: Pa
             nonlocal answered
             while spy_proc.poll() is None and time.monotonic() < deadline:
                 answered += len(await closed_loop(stack.envoy_port, bodies, clients, 200))
-        _run(load())
+        run(load())
         spy_proc.wait(timeout=30)
         if path.exists():
             written.append((path, answered))
@@ -258,6 +241,30 @@ def _frame(frame: str) -> str:
     return f"{func} ({where.rsplit('/', 1)[-1]}" if where else func
 
 
+def _stacks(args: argparse.Namespace, work: Path) -> dict[str, Stack]:
+    """_stacks are the run's setups, by name, for each Envoy file of ``--variants``: the bare
+    processor (and its ``--bare-levers``), kvgate, and kvgate at ``--baseline``; with
+    ``--refused-under`` kvgate's pool admits that many at once and no bare setup runs."""
+    base = checkout(args.baseline, work / "baseline") if args.baseline else None
+    stacks: dict[str, Stack] = {}
+    for variant in args.variants:
+        if not args.refused_under:
+            stacks[f"bare {variant}"] = hot_stack(work / f"bare-{variant}", variant, work, BARE)
+        for lever in args.bare_levers if not args.refused_under else ():
+            stacks[f"bare {lever} {variant}"] = hot_stack(work / f"bare-{lever}-{variant}", variant, work,
+                                                          [*BARE, f"--{lever}"])
+        stacks[f"kvgate {variant}"] = hot_stack(work / f"kvgate-{variant}", variant, work)
+        if base is not None:
+            stacks[f"kvgate@{args.baseline} {variant}"] = hot_stack(work / f"kvgate-base-{variant}", variant,
+                                                                    work, source=base)
+    if args.refused_under:
+        for stack in stacks.values():
+            cfg = orjson.loads(orjson.dumps(stack.kvgate_config))
+            cfg["pools"]["default"]["max_concurrency"] = args.refused_under
+            stack.kvgate_config = cfg
+    return stacks
+
+
 def main(argv: list[str] | None = None) -> int:
     """main runs the comparison and writes the report (bench/results/cpu.md by default)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -284,42 +291,19 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-cpu-") as tmp:
         work = Path(tmp)
-        base = checkout(args.baseline, work / "baseline") if args.baseline else None
-        bare = [sys.executable, str(ROOT / "bench" / "bench_overhead.py"), "--serve-bare", "{port}"]
-        stacks: dict[str, Stack] = {}
-        for variant in args.variants:
-            envoy_file = variant_file(variant, work)
-            common: dict[str, Any] = {"envoy_template": envoy_file, "upstream_args": ["--fast"]}
-            if not args.refused_under:
-                stacks[f"bare {variant}"] = Stack(work / f"bare-{variant}", None, processor=bare, **common)
-            for lever in args.bare_levers if not args.refused_under else ():
-                stacks[f"bare {lever} {variant}"] = Stack(
-                    work / f"bare-{lever}-{variant}", None, processor=[*bare, f"--{lever}"], **common)
-            stacks[f"kvgate {variant}"] = Stack(work / f"kvgate-{variant}", BENCH_CONFIG, **common)
-            if base is not None:
-                stacks[f"kvgate@{args.baseline} {variant}"] = _SourceStack(
-                    work / f"kvgate-base-{variant}", BENCH_CONFIG, base, **common)
-            if variant in PICKED:
-                for name in [n for n in stacks if n.endswith(" " + variant)]:
-                    _picks_the_upstream(stacks[name])
-        if args.refused_under:
-            for stack in stacks.values():
-                cfg = orjson.loads(orjson.dumps(stack.kvgate_config))
-                cfg["pools"]["default"]["max_concurrency"] = args.refused_under
-                stack.kvgate_config = cfg
+        stacks = _stacks(args, work)
         try:
             for stack in stacks.values():
                 stack.start()
             wait_picker_nodes_up(stacks.values())
-            cpu, lat, count, threads = _run(_rounds(stacks, args.clients, args.requests, args.rounds,
+            cpu, lat, count, threads = run(_rounds(stacks, args.clients, args.requests, args.rounds,
                                                     args.seed, args.refused_under))
             profiles = (_profile(stacks, args.profile, args.clients, args.out.parent, args.native)
                         if args.profile else [])
         finally:
             for stack in stacks.values():
                 stack.stop()
-    command = "python bench/bench_cpu.py" + "".join(
-        f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    command = reports.command("bench/bench_cpu.py", ap, args)
     # The ratio column: to the bare processor, or for refusals to the baseline (or kvgate).
     against = (f"kvgate@{args.baseline}" if args.baseline else "kvgate") if args.refused_under else "bare"
     refused = ([f"Every request of the rounds refused (429) with {args.refused_under} streams held "
@@ -327,8 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{against}'s CPU per refusal.", ""] if args.refused_under else [])
     lines = ["# kvgate's processor CPU per request against a bare processor", "",
              f"Command: `{command}`", "",
-             f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, Python "
-             f"{platform.python_version()}; load average at the start {load[0]:.2f} {load[1]:.2f} "
+             f"Machine: {machine()}; load average at the start {load[0]:.2f} {load[1]:.2f} "
              f"{load[2]:.2f}; run took {time.monotonic() - started:.0f} s. ~2 KB non-streaming "
              f"chats at {args.clients} clients, {args.rounds} shuffled rounds of "
              f"{args.requests} requests per setup. CPU: user + system of the processor process "
@@ -355,11 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     for path, requests in profiles:
         lines += ["", f"## Profile: {path.stem.removeprefix('cpu-profile-')} (py-spy, every thread)",
                   "", *summarize_profile(path, requests)]
-    text = "\n".join(lines) + "\n"
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(text)
-    return 0
+    return publish(args.out, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import heapq
 import math
-import platform
 import random
 import sys
 from dataclasses import dataclass, field
@@ -41,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.reports import publish  # noqa: E402
+from bench.reports import machine, publish  # noqa: E402
 from extproc.admission import Admission, Demand, Lease, Outcome  # noqa: E402
 from extproc.clock import ManualClock  # noqa: E402
 from extproc.configparse import parse_config  # noqa: E402
@@ -98,7 +97,8 @@ async def run(slots: int, fairness: str, max_wait_s: float, streams: dict[str, l
               ) -> dict[str, Tally]:
     """run replays ``streams`` (tenant -> arrivals) against one pool; each tenant's tally."""
     clock = ManualClock(0.0)
-    adm = Admission(config(slots, fairness, max_wait_s), clock)
+    # The queue's own timers (deadlines) fire as the clock passes them, at the loop's next turn.
+    adm = Admission(config(slots, fairness, max_wait_s), clock, timers=clock)
     tallies = {t: Tally() for t in streams}
     events: list[tuple[float, int, str, Any]] = []
     seq = 0
@@ -139,13 +139,11 @@ async def run(slots: int, fairness: str, max_wait_s: float, streams: dict[str, l
             task.add_done_callback(lambda t, n=tenant, a=at, s=service: finished(n, a, s, t))
         else:
             data.release(Outcome.COMPLETED, TOKENS)
-        adm.poll()  # the queue's timers, at the manual clock's instant (deadlines)
         for _ in range(4):  # let the acquires run and their callbacks queue the ends
             await asyncio.sleep(0)
     # Whoever still waits when the arrivals end is refused at its deadline: move past it.
     while pending:
         clock.advance(max_wait_s + 1.0)
-        adm.poll()
         for _ in range(4):
             await asyncio.sleep(0)
     await adm.close()
@@ -223,8 +221,7 @@ def main() -> int:
         "# Fairness between the tenants of one class: the quiet tenant's wait",
         "",
         f"Command: `{command}` (or `make bench-fairness`). "
-        f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, Python {platform.python_version()}, "
-        f"{platform.machine()}.",
+        f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {machine()}.",
         "",
         f"In process: `Admission` with a manual clock and the in-memory store, one pool, one class "
         f"(`max_wait_s: {args.max_wait_s:g}`), every request {TOKENS} tokens and a slot held for an "

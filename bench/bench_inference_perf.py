@@ -52,9 +52,11 @@ from typing import Any  # noqa: E402
 
 import yaml  # noqa: E402
 
-from bench.bench_prefix import revision, samples  # noqa: E402
+from bench import reports  # noqa: E402
 from bench.inference_perf_reports import Measured, Sample, node_figures, read_stages, tables  # noqa: E402
-from bench.reports import publish  # noqa: E402
+from bench.reports import machine, publish  # noqa: E402
+from bench.revision import describe  # noqa: E402
+from bench.sampling import readings  # noqa: E402
 from kvgate_testkit.nodes_stack import MODEL, NodesStack  # noqa: E402
 from kvgate_testkit.procs import exit_on_sigterm, wait_until  # noqa: E402
 
@@ -143,7 +145,7 @@ class Sampler:
         nodes = []
         for url in self.urls:
             with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
-                nodes.append(samples(resp.read().decode()))
+                nodes.append(readings(resp.read().decode()))
         return Sample(time.time(), tuple(nodes))
 
     def _run(self) -> None:
@@ -222,9 +224,9 @@ def report(measured: list[Measured], args: argparse.Namespace, command: str, wal
     lines = [
         "# inference-perf's shared_prefix workload: Envoy round robin against kvgate picking by prefix "
         "(bench/bench_inference_perf.py)", "",
-        f"Command: `{command}` (`make bench-inference-perf`). Revision {revision()}, "
-        f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; {platform.machine()}, {os.cpu_count()} CPU cores shared "
-        f"with other work, Python {platform.python_version()} for the stack, {version}; the run took {wall_s:.0f} s.", "",
+        f"Command: `{command}` (`make bench-inference-perf`). Revision {describe()}, "
+        f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; {machine()} for the stack, shared with other work, "
+        f"{version}; the run took {wall_s:.0f} s.", "",
         "The client is inference-perf (kubernetes-sigs), unmodified, from its own virtualenv; every figure but the "
         "nodes' comes from its own per-stage reports (`stage_N_lifecycle_metrics.json`; its stage window from "
         "`inference-perf.partial.stage_N.yaml`). Each setup gets three fresh `kvgate sim --enable-prefix-caching` "
@@ -281,8 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"{args.inference_perf} not found: run `make install-inference-perf`")
     args.inference_perf = str(Path(exe).resolve())  # it runs in each setup's folder
     exit_on_sigterm()  # a killed run still stops what it started
-    command = "python bench/bench_inference_perf.py" + "".join(
-        f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    command = reports.command("bench/bench_inference_perf.py", ap, args)
     started = time.monotonic()
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bench-inference-perf-"))
     try:

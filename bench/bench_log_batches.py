@@ -27,13 +27,13 @@ import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import gc  # noqa: E402
 import os  # noqa: E402
-import platform  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
-from bench.reports import publish  # noqa: E402
+from bench import reports  # noqa: E402
+from bench.reports import machine, publish  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 
@@ -111,9 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             times[name].append((time.perf_counter() - t0) / entries * 1e6)
     lines = [
         "# Reading the access log's batches: whole or entry by entry", "",
-        "Command: `python bench/bench_log_batches.py" + "".join(
-            f" {a}" for a in (argv if argv is not None else sys.argv[1:])) + "`", "",
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}; "
+        f"Command: `{reports.command('bench/bench_log_batches.py', ap, args)}`", "",
+        f"Machine: {machine()}; "
         f"load average {os.getloadavg()[0]:.2f} at the end. {entries} periodic entries of parked "
         f"requests in {len(batches)} batches ({size / entries:.0f} B an entry), each repeat "
         "handling all of them.", "",

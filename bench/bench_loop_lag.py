@@ -30,11 +30,10 @@ import asyncio  # noqa: E402
 import contextlib  # noqa: E402
 import multiprocessing as mp  # noqa: E402
 import os  # noqa: E402
-import platform  # noqa: E402
-import threading  # noqa: E402
 import time  # noqa: E402
 
-from bench.bench_scrape import LOOPBACK, _serve, pct  # noqa: E402
+from bench.bench_scrape import LOOPBACK, _serve  # noqa: E402
+from bench.reports import machine, pct  # noqa: E402
 from extproc.clock import MonotonicClock  # noqa: E402
 from extproc.configparse import parse_config  # noqa: E402
 from extproc.signals import scraper as scraper_mod  # noqa: E402
@@ -154,7 +153,7 @@ setup's p99 over the loop's p99 without scraping.
 |---|---:|---:|---:|---:|---:|---:|
 {chr(10).join(rows)}
 
-Machine: CPython {platform.python_version()}, {os.cpu_count()} CPUs ({platform.machine()}), shared
+Machine: {machine()}, shared
 with other work (load average at start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}). Run took
 {time.monotonic() - started:.0f} s.
 """)

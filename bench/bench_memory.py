@@ -25,16 +25,14 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-for path in (ROOT, ROOT / "bench"):
-    if str(path) not in sys.path:  # run as a script from the repository root
-        sys.path.insert(0, str(path))
+if str(ROOT) not in sys.path:  # run as a script from the repository root
+    sys.path.insert(0, str(ROOT))
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import gc  # noqa: E402
 import linecache  # noqa: E402
 import os  # noqa: E402
-import platform  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 import tracemalloc  # noqa: E402
@@ -43,7 +41,8 @@ from typing import Any  # noqa: E402
 
 from prometheus_client import CollectorRegistry  # noqa: E402
 
-from bench.reports import publish  # noqa: E402
+from bench import reports  # noqa: E402
+from bench.reports import machine, publish  # noqa: E402
 from kvgate_testkit.procs import exit_on_sigterm  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -131,18 +130,19 @@ def python_objects(held: int, prompt_chars: int) -> dict[str, Any]:
 async def _rss_round(stack: Any, streams: int, settle_s: float) -> tuple[float, float]:
     """_rss_round holds ``streams`` streams open through ``stack``; returns kvgate's RSS growth
     per stream when every first chunk was read, and ``settle_s`` seconds later (bytes)."""
-    import bench_overhead as bo
+    from bench.httpload import Inflight, hold_streams
+    from bench.sampling import rss_bytes
     pid = stack.procs["kvgate"].pid
     await asyncio.sleep(1.0)  # the warm-up's entries and releases are through
-    before = bo.rss_bytes(pid)
-    conns = await bo.hold_streams(stack.envoy_port, streams)
-    opened = bo.rss_bytes(pid) - before
+    before = rss_bytes(pid)
+    conns = await hold_streams(stack.envoy_port, streams)
+    opened = rss_bytes(pid) - before
     await asyncio.sleep(settle_s)
-    settled = bo.rss_bytes(pid) - before
+    settled = rss_bytes(pid) - before
     for conn in conns:
         conn.close()
     await asyncio.gather(*(c.lost for c in conns))
-    meter = await bo.Inflight.open(stack.admin_port)
+    meter = await Inflight.open(stack.admin_port)
     try:
         await meter.wait(0, timeout=60, interval=0.05)
     finally:
@@ -154,42 +154,31 @@ async def resident(stacks: dict[str, Any], streams: int, settle_s: float,
                    reverse: bool) -> dict[str, tuple[float, float] | None]:
     """resident measures one round over every stack (``reverse``: in the other order). Each
     stack is fresh: a process's second burst reuses the heap its first one left."""
-    import bench_overhead as bo
-    bodies = bo.ChatBodies(seed=7)
+    from bench.httpload import ChatBodies, HttpError, closed_loop
+    bodies = ChatBodies(seed=7)
     for stack in stacks.values():
-        await bo.closed_loop(stack.envoy_port, bodies, 8, 200)
+        await closed_loop(stack.envoy_port, bodies, 8, 200)
     order = list(stacks)[::-1] if reverse else list(stacks)
     out: dict[str, tuple[float, float] | None] = {}
     for name in order:
         try:
             out[name] = await _rss_round(stacks[name], streams, settle_s)
-        except bo.HttpError as err:  # a loaded machine: the round is lost, not the run
+        except HttpError as err:  # a loaded machine: the round is lost, not the run
             print(f"{name}: round lost ({err})", file=sys.stderr)
             out[name] = None
     return out
 
 
 def build_stacks(work: Path, variants: Sequence[str], baseline: str | None) -> dict[str, Any]:
-    import bench_overhead as bo
-    from bench_cpu import _SourceStack
-    from revision import checkout
-    from kvgate_testkit.stack import Stack
+    from bench.revision import checkout
+    from bench.stacks import hot_stack
     base = checkout(baseline, work / "baseline") if baseline else None
     stacks: dict[str, Any] = {}
     for variant in variants:
-        envoy_file = bo.variant_file(variant, work)
-        runs: list[tuple[str, Path | None]] = [(f"kvgate {variant}", None)]
+        stacks[f"kvgate {variant}"] = hot_stack(work / f"kvgate-{variant}", variant, work)
         if base is not None:
-            runs.append((f"kvgate@{baseline} {variant}", base))
-        for name, source in runs:
-            workdir = work / name.replace(" ", "-").replace("@", "-")
-            stack = (Stack(workdir, bo.BENCH_CONFIG, envoy_template=envoy_file, upstream_args=["--fast"])
-                     if source is None else
-                     _SourceStack(workdir, bo.BENCH_CONFIG, source, envoy_template=envoy_file,
-                                  upstream_args=["--fast"]))
-            if variant in bo.PICKED:
-                bo._picks_the_upstream(stack)
-            stacks[name] = stack
+            stacks[f"kvgate@{baseline} {variant}"] = hot_stack(work / f"kvgate-{baseline}-{variant}", variant,
+                                                               work, source=base)
     return stacks
 
 
@@ -201,7 +190,7 @@ def report(py: dict[str, Any] | None, rss: dict[str, list[tuple[float, float]]] 
     lines = [
         "# Memory per in-flight request", "",
         f"Command: `{command}`", "",
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}. "
+        f"Machine: {machine()}. "
         f"Load average when the run started: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}. "
         f"Run took {wall_s:.0f} s. Target (issue 17): at most 2,048 B per in-flight request.", ""]
     if py is not None:
@@ -268,7 +257,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     py = None if "python" in args.skip else python_objects(args.held, args.prompt_chars)
     rss = None
     if "resident" not in args.skip:
-        import bench_overhead as bo
+        from bench.httpload import run
+        from bench.stacks import wait_picker_nodes_up
         rss: dict[str, list[tuple[float, float]]] = {}
         for i in range(args.rounds):
             with tempfile.TemporaryDirectory(prefix="kvgate-bench-memory-") as tmp:
@@ -276,16 +266,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 try:
                     for stack in stacks.values():
                         stack.start()
-                    bo.wait_picker_nodes_up(stacks.values())
-                    got = bo._run(resident(stacks, args.streams, args.settle, reverse=i % 2 == 1))
+                    wait_picker_nodes_up(stacks.values())
+                    got = run(resident(stacks, args.streams, args.settle, reverse=i % 2 == 1))
                 finally:
                     for stack in stacks.values():
                         stack.stop()
             for name, value in got.items():
                 if value is not None:
                     rss.setdefault(name, []).append(value)
-    command = "python bench/bench_memory.py" + "".join(
-        f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    command = reports.command("bench/bench_memory.py", ap, args)
     text = report(py, rss, command=command, held=args.held, prompt_chars=args.prompt_chars,
                   streams=args.streams, settle_s=args.settle, baseline=args.baseline,
                   wall_s=time.monotonic() - started, load=load)

@@ -2,8 +2,8 @@
 
 A pool that picks nodes charges each request to a node, and a pick reads every candidate
 node's expected hold. This times, in-process on the in-memory store (real monotonic
-clock), one cycle of what a streamed request does to the admission core: ``try_acquire``
-(the pick), a ``progress`` of one held request (what a periodic access log entry or a
+clock), one cycle of what a streamed request does to the admission core: ``acquire``
+(the pick; run to its answer, which comes at once, by ``kvgate_testkit.admission.acquire_now``), a ``progress`` of one held request (what a periodic access log entry or a
 streamed chunk reports), and the release of the new request with its completion count
 (which teaches its class's lengths), with ``--held`` requests held on four nodes the
 whole time, for each growth rule.
@@ -47,6 +47,7 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
+from bench import reports  # noqa: E402
 from bench.revision import checkout, worker_env  # noqa: E402
 
 GROWTHS = ("worst_case", "learned", "pooled")
@@ -76,7 +77,8 @@ class _HeldPool:
         from extproc.admission import Admission, Outcome
         from extproc.clock import MonotonicClock
         self.clock = MonotonicClock()
-        self.adm = Admission(_config(growth), self.clock)
+        self.config = _config(growth)
+        self.adm = Admission(self.config, self.clock)
         self.rng = random.Random(seed)
         self.report()
         for _ in range(1_000):  # the lengths the growth rules learn
@@ -98,8 +100,9 @@ class _HeldPool:
     def admit(self) -> Any:
         """admit is a new request's lease (200 to 4,000 prompt tokens, 100 to 1,000 reserved)."""
         from extproc.admission import Lease
-        lease = self.adm.try_acquire(self.adm.demand("anyone", self.rng.randint(200, 4000),
-                                                     self.rng.randint(100, 1000)))
+        from kvgate_testkit.admission import acquire_now, demand_of
+        lease = acquire_now(self.adm, demand_of(self.config, "anyone", self.rng.randint(200, 4000),
+                                                self.rng.randint(100, 1000)))
         if type(lease) is not Lease:
             raise RuntimeError(f"the benchmark must not be refused: {lease}")
         return lease
@@ -147,11 +150,12 @@ def measure(growth: str, held: int, seed: int = 7) -> float:
 
 
 def measure_refusal(budget: str, held: int, seed: int = 7) -> float:
-    """measure_refusal is the median ns of one refused ``try_acquire`` with ``held`` requests
+    """measure_refusal is the median ns of one refused ``acquire`` with ``held`` requests
     in flight filling ``budget`` (REFUSALS), over BATCHES batches of BATCH refusals."""
     from extproc.admission import Admission, Lease, Outcome, Rejection
     from extproc.admission.types import NodeReport
     from extproc.clock import MonotonicClock
+    from kvgate_testkit.admission import acquire_now, demand_of
     try:
         from extproc.configparse import parse_config
     except ImportError:  # a --baseline revision from before configparse.py
@@ -166,7 +170,8 @@ def measure_refusal(budget: str, held: int, seed: int = 7) -> float:
                              "address": "127.0.0.1:8001", "kv_capacity_tokens": 100 * held * size}]
         pool["picking"] = {"growth": "worst_case", "reserve_fraction": 0.0}
     clock = MonotonicClock()
-    adm = Admission(parse_config({"pools": {"default": pool}}), clock)
+    cfg = parse_config({"pools": {"default": pool}})
+    adm = Admission(cfg, clock)
     rng = random.Random(seed)
 
     def report(usage: float) -> None:
@@ -176,11 +181,11 @@ def measure_refusal(budget: str, held: int, seed: int = 7) -> float:
 
     report(0.0)
     for _ in range(200):  # hold times learned: the hint walks the requests in flight
-        lease = adm.try_acquire(adm.demand("anyone", 400, 200))
+        lease = acquire_now(adm, demand_of(cfg, "anyone", 400, 200))
         if type(lease) is not Lease:
             raise RuntimeError(f"the benchmark's warm-up must not be refused: {lease}")
         lease.release(Outcome.COMPLETED, rng.randint(10, 200))
-    leases = [adm.try_acquire(adm.demand("anyone", 400, 200)) for _ in range(held)]
+    leases = [acquire_now(adm, demand_of(cfg, "anyone", 400, 200)) for _ in range(held)]
     if any(type(x) is not Lease for x in leases):
         raise RuntimeError("the held requests must be admitted")
     # The node: 98 % used, most of it KV kvgate did not admit; a prompt of 3 % of it is refused.
@@ -190,7 +195,7 @@ def measure_refusal(budget: str, held: int, seed: int = 7) -> float:
         report(0.98)
         t0 = time.perf_counter_ns()
         for _ in range(BATCH):
-            r = adm.try_acquire(adm.demand("anyone", prompt, 200))
+            r = acquire_now(adm, demand_of(cfg, "anyone", prompt, 200))
         per.append((time.perf_counter_ns() - t0) / BATCH)
         if type(r) is not Rejection:
             raise RuntimeError(f"the benchmark's request must be refused: {r}")
@@ -246,6 +251,32 @@ def _rows(got: dict[tuple[str, str, int], float], names: list[str], kind: str, l
     return out
 
 
+def _measure(trees: dict[str, Path], kinds: list[str], helds: list[int]) -> dict[tuple[str, str, int], float]:
+    """_measure runs a worker process per tree (name -> source folder) and asks each, in turn
+    and in alternating order, for every kind at every count of requests held; returns their
+    answers by (tree, kind, held)."""
+    argv_w = [sys.executable, str(Path(__file__).resolve()), "--worker"]
+    workers = {name: subprocess.Popen(argv_w, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                      env=worker_env(src))
+               for name, src in trees.items()}
+    got: dict[tuple[str, str, int], float] = {}
+    try:
+        for i, (growth, held) in enumerate((g, h) for g in kinds for h in helds):
+            order = list(workers) if i % 2 == 0 else list(reversed(workers))
+            for name in order:
+                proc = workers[name]
+                assert proc.stdin is not None and proc.stdout is not None
+                proc.stdin.write(f"{growth} {held}\n")
+                proc.stdin.flush()
+                got[(name, growth, held)] = json.loads(proc.stdout.readline())
+    finally:
+        for proc in workers.values():
+            assert proc.stdin is not None
+            proc.stdin.close()
+            proc.wait(timeout=60)
+    return got
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--held", type=int, nargs="+", default=[0, 500, 2000])
@@ -265,36 +296,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     load = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="kvgate-pick-") as tmp:
-        argv_w = [sys.executable, str(Path(__file__).resolve()), "--worker"]
         trees = {"this tree": ROOT}
         if args.baseline:
             trees[args.baseline] = checkout(args.baseline, Path(tmp))
-        workers = {name: subprocess.Popen(argv_w, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                          env=worker_env(src))
-                   for name, src in trees.items()}
-        got: dict[tuple[str, str, int], float] = {}
-        try:
-            for i, (growth, held) in enumerate((g, h) for g in kinds for h in args.held):
-                order = list(workers) if i % 2 == 0 else list(reversed(workers))
-                for name in order:
-                    proc = workers[name]
-                    assert proc.stdin is not None and proc.stdout is not None
-                    proc.stdin.write(f"{growth} {held}\n")
-                    proc.stdin.flush()
-                    got[(name, growth, held)] = json.loads(proc.stdout.readline())
-        finally:
-            for proc in workers.values():
-                assert proc.stdin is not None
-                proc.stdin.close()
-                proc.wait(timeout=60)
-    command = "python bench/bench_pick.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+        got = _measure(trees, kinds, args.held)
+    command = reports.command("bench/bench_pick.py", ap, args)
     names = list(trees)
     head = " | ".join(f"{n}: us per cycle | x no one held" for n in names)
     lines = ["# A pick's cost by the requests held (bench/bench_pick.py)", "",
              f"Command: `{command}`", "",
              f"Python {platform.python_version()}; load average at the start {load[0]:.2f} {load[1]:.2f} "
              f"{load[2]:.2f}. In-process, in-memory store, {NODES} nodes, reserve 0.1. One cycle: "
-             "try_acquire (the pick) + one held request's progress + the new request's release with "
+             "acquire (the pick, answered at once) + one held request's progress + the new request's release with "
              f"its completion count; median of {BATCHES} batches of {BATCH} cycles. Each worker a "
              "process of its own, rows in turn.", "",
              f"| growth | held | {head} |", "|---|---:|" + "---:|---:|" * len(names)]
@@ -303,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.refusals:
         head = " | ".join(f"{n}: us per refusal | x the fewest held" for n in names)
         lines += ["", "## A refusal's cost by the requests in flight", "",
-                  "One refused `try_acquire` (its retry hint included) with the held requests "
+                  "One refused `acquire` (its retry hint included) with the held requests "
                   "filling the budget: `slots` the pool's max_concurrency, `kv` its "
                   "kv_budget_tokens, `node` a picking pool's one node, 98 % used (mostly KV "
                   "kvgate did not admit), asked for a prompt three times what kvgate holds "

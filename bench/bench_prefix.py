@@ -42,22 +42,21 @@ import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
-import platform  # noqa: E402
 import random  # noqa: E402
-import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from datetime import datetime, timezone  # noqa: E402
-from typing import Any  # noqa: E402
 
 import aiohttp  # noqa: E402
 import orjson  # noqa: E402
 
 from bench import prefix_trace  # noqa: E402
-from bench.prefix_trace import samples  # noqa: E402
-from bench.reports import publish  # noqa: E402
+from bench import reports  # noqa: E402
+from bench.reports import machine, percentile, publish  # noqa: E402
+from bench.revision import describe  # noqa: E402
+from bench.sampling import readings  # noqa: E402
 from extproc.config import PickingConfig  # noqa: E402
 from kvgate_testkit.nodes_stack import MODEL, NodesStack  # noqa: E402
 from kvgate_testkit.procs import LOOPBACK, Proc, exit_on_sigterm, free_port  # noqa: E402
@@ -110,14 +109,6 @@ def burst_messages(shared: bool, n: int, prefix_tokens: int, question_tokens: in
     of ``question_tokens`` words of each request's own."""
     return [[{"role": "system", "content": seeded_words(0 if shared else 1000 + i, prefix_tokens)},
              {"role": "user", "content": seeded_words(2000 + i, question_tokens)}] for i in range(n)]
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """percentile is the nearest-rank ``q`` quantile (0..1) of ``values``; None if empty."""
-    if not values:
-        return None
-    ranked = sorted(values)
-    return ranked[max(0, math.ceil(q * len(ranked)) - 1)]
 
 
 def ratio(num: float | None, den: float | None) -> float | None:
@@ -212,7 +203,7 @@ def node_args(args: argparse.Namespace) -> list[str]:
 
 async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
     async with session.get(url) as resp:
-        return samples(await resp.text())
+        return readings(await resp.text())
 
 
 async def one(session: aiohttp.ClientSession, url: str, messages: list[dict[str, str]],
@@ -318,21 +309,14 @@ def run_row(row: Row, args: argparse.Namespace) -> Result:
             stack.stop()
 
 
-def revision() -> str:
-    """revision is the checkout's ``git describe`` (with -dirty), or 'unknown'."""
-    out = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=10"], cwd=ROOT,
-                         capture_output=True, text=True, check=False)
-    return out.stdout.strip() or "unknown"
-
-
 def report(results: Sequence[Result], args: argparse.Namespace, command: str, wall_s: float) -> str:
     """report is the markdown report of a run."""
     prompt = next((r.prompt_tokens for r in results if r.prompt_tokens), None)
     lines = [
         "# A burst sharing one long system prompt, direct and through kvgate (bench/bench_prefix.py)", "",
-        f"Command: `{command}` (`make bench-prefix`). Revision {revision()}, "
-        f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; {platform.machine()}, {os.cpu_count()} CPU "
-        f"cores shared with other work, Python {platform.python_version()}; the run took {wall_s:.0f} s.", "",
+        f"Command: `{command}` (`make bench-prefix`). Revision {describe()}, "
+        f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; {machine()}, shared with other work; "
+        f"the run took {wall_s:.0f} s.", "",
         f"Each row: a fresh `kvgate sim --enable-prefix-caching` node of {args.kv_tokens} KV tokens "
         f"(blocks of {args.block_size}, speedup {args.speedup:g}: times are simulated seconds), "
         f"{args.requests} streamed chats at once, each a {args.prefix_tokens}-word system prompt "
@@ -368,7 +352,7 @@ def run_trace(args: argparse.Namespace, command: str) -> str:
     rows = [r for r in main_rows if r.key in keys]
     sweep = prefix_trace.sweep_rows(args.sweep_affinity, args.sweep_record, args.affinity, args.record) \
         if args.sweep else []
-    started, rev = time.monotonic(), revision()
+    started, rev = time.monotonic(), describe()
     done: list[prefix_trace.RowResult] = []
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-prefix-") as tmp:
         for i, row in enumerate([*rows, *sweep]):
@@ -383,8 +367,7 @@ def run_trace(args: argparse.Namespace, command: str) -> str:
             done.append(r)
     made = " (`make bench-prefix`)" if args.mode == "both" and not args.sweep else ""
     head = (f"Command: `{{command}}`{made}. Revision {rev} when it started, "
-            f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; {platform.machine()}, {os.cpu_count()} CPU cores "
-            f"shared with other work, Python {platform.python_version()}; the replay took "
+            f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; {machine()}, shared with other work; the replay took "
             f"{time.monotonic() - started:.0f} s.")
     setup = prefix_trace.describe(w, replay, trace, args.trace_kv_tokens, args.trace_speedup)
     return prefix_trace.report(done[:len(rows)], done[len(rows):], setup, command, head, args.affinity, args.record)
@@ -426,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the trace replay's results file ('-': print only)")
     args = ap.parse_args(argv)
     exit_on_sigterm()  # a killed run still stops what it started
-    command = "python bench/bench_prefix.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    command = reports.command("bench/bench_prefix.py", ap, args)
     if args.mode in ("burst", "both"):
         started = time.monotonic()
         results = []

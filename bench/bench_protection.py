@@ -42,7 +42,6 @@ import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
-import platform  # noqa: E402
 import random  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -53,13 +52,16 @@ from typing import Any  # noqa: E402
 import aiohttp  # noqa: E402
 import orjson  # noqa: E402
 import yaml  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from bench.load import Client, Result, by_class, goodput, replay, result_rows, session  # noqa: E402
+from bench.reports import cell, command, machine, percentile  # noqa: E402
+from bench.sampling import node_state, readings, scraped, wait_fresh  # noqa: E402
+from bench.stacks import Procs, failure  # noqa: E402
 from extproc.configparse import parse_config  # noqa: E402
 from sim.api import words  # noqa: E402
 from sim.engine import EngineParams  # noqa: E402
 from kvgate_testkit.stack import envoy_config  # noqa: E402
-from kvgate_testkit.procs import LOOPBACK, VENV_BIN, Proc, exit_on_sigterm, free_port  # noqa: E402
+from kvgate_testkit.procs import LOOPBACK, exit_on_sigterm, free_port  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 RATELIMIT_FILTER = ROOT / "bench" / "envoy_local_ratelimit.yaml"
@@ -212,6 +214,17 @@ class Policy:
     rps: bool = False
 
 
+def adaptive_for(speedup: float) -> dict[str, Any]:
+    """adaptive_for is kvgate's ``adaptive`` section for simulated nodes run ``speedup`` times
+    faster than real time: watermarks 0.70/0.85, each duration divided by the speedup (and the
+    recovery rate multiplied by it), so that kvgate acts at the same simulated instants."""
+    return {"high_watermark": 0.85, "low_watermark": 0.70, "min_scale": 0.6,
+            "recovery_per_s": 0.1 * speedup,
+            "poll_interval_s": max(0.01, 1.0 / speedup),
+            "scrape_timeout_s": max(0.005, 0.5 / speedup),
+            "stale_after_s": 3.0 / speedup}
+
+
 def _kvgate_base(w: Workload, speedup: float, sim_port: int, *, tpm: bool, backends: bool,
                  kv_budget: bool, classes: bool,
                  batch_kv_watermark: float = BATCH_KV_WATERMARK) -> dict[str, Any]:
@@ -233,11 +246,7 @@ def _kvgate_base(w: Workload, speedup: float, sim_port: int, *, tpm: bool, backe
     cfg: dict[str, Any] = {
         "pools": {"default": pool},
         "limits": {"max_body_bytes": 1_048_576},
-        "adaptive": {"high_watermark": 0.85, "low_watermark": 0.70, "min_scale": 0.6,
-                     "recovery_per_s": 0.1 * speedup,
-                     "poll_interval_s": max(0.01, 1.0 / speedup),
-                     "scrape_timeout_s": max(0.005, 0.5 / speedup),
-                     "stale_after_s": 3.0 / speedup},
+        "adaptive": adaptive_for(speedup),
         "server": {"drain_s": 0, "grace_s": 1},
     }
     if classes:
@@ -289,23 +298,6 @@ def ratelimit_filter(w: Workload, speedup: float) -> dict[str, Any]:
 # --- one run ----------------------------------------------------------------------------
 
 @dataclass(slots=True)
-class Result:
-    """Result is how one request ended. Times in simulated seconds from the run's start."""
-
-    req: Req
-    status: str = "pending"        # ok | refused | error
-    attempts: int = 0
-    refusals: int = 0              # 429 answers seen (including retried ones)
-    last_status: int | None = None
-    ttft: float | None = None      # from the first attempt to the first token
-    done_at: float | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    # (status, simulated s from the attempt's start to its answer's headers) per attempt
-    answers: list[tuple[int, float]] = field(default_factory=list)
-
-
-@dataclass(slots=True)
 class Run:
     """Run is one policy's outcome: per-request results, the timeline, the node's counters."""
 
@@ -318,106 +310,6 @@ class Run:
     error: str | None = None
 
 
-def _retry_delay(headers: Any, attempt: int) -> float:
-    """_retry_delay is the real seconds to wait before retrying, as openai-python decides it.
-
-    ``retry-after-ms`` then ``retry-after`` (kvgate); ``x-ratelimit-reset`` (Envoy's
-    local rate limit); else exponential backoff from 0.5 s.
-    """
-    for name, unit in (("retry-after-ms", 0.001), ("retry-after", 1.0), ("x-ratelimit-reset", 1.0)):
-        value = headers.get(name)
-        if value is not None:
-            try:
-                secs = float(value) * unit
-            except ValueError:
-                continue
-            if 0 <= secs <= 60:
-                return secs
-    return min(8.0, 0.5 * 2 ** attempt)
-
-
-class Client:
-    """Client replays the workload through Envoy, in real time ``speedup`` times faster."""
-
-    def __init__(self, url: str, speedup: float, t0: float, batch_deadline: float) -> None:
-        self.url = url
-        self.speedup = speedup
-        self.t0 = t0
-        self.batch_deadline = batch_deadline   # real monotonic instant
-        self.inflight = {"online": 0, "batch": 0}
-
-    def sim_now(self) -> float:
-        return (time.monotonic() - self.t0) * self.speedup
-
-    async def send(self, session: aiohttp.ClientSession, r: Result) -> None:
-        req = r.req
-        start_at = self.t0 + req.at / self.speedup
-        await asyncio.sleep(max(0.0, start_at - time.monotonic()))
-        first = self.sim_now()
-        headers = {"content-type": "application/json", "x-tenant-id": req.tenant}
-        max_retries = 2 if req.klass == "online" else 1_000_000
-        while True:
-            r.attempts += 1
-            retryable = False
-            delay = 0.0
-            self.inflight[req.klass] += 1
-            sent = self.sim_now()
-            try:
-                async with session.post(self.url, data=req.body, headers=headers) as resp:
-                    r.last_status = resp.status
-                    r.answers.append((resp.status, self.sim_now() - sent))
-                    if resp.status == 200:
-                        if req.stream:
-                            await self._read_stream(resp, r, first)
-                        else:
-                            usage = (await resp.json(loads=orjson.loads)).get("usage") or {}
-                            r.prompt_tokens = usage.get("prompt_tokens", 0)
-                            r.completion_tokens = usage.get("completion_tokens", 0)
-                        if r.completion_tokens:
-                            r.status = "ok"
-                            r.done_at = self.sim_now()
-                            return
-                    else:
-                        await resp.read()
-                        if resp.status == 429:
-                            r.refusals += 1
-                        retryable = (resp.status in (408, 409, 429) or resp.status >= 500) and \
-                            resp.headers.get("x-should-retry", "true") != "false"
-                        delay = _retry_delay(resp.headers, r.attempts - 1)
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                retryable = True
-                delay = _retry_delay({}, r.attempts - 1)
-            finally:
-                self.inflight[req.klass] -= 1
-            out_of_time = req.klass == "batch" and time.monotonic() + delay > self.batch_deadline
-            if not retryable or r.attempts > max_retries or out_of_time:
-                r.status = "refused" if r.last_status == 429 else "error"
-                r.done_at = self.sim_now()
-                return
-            await asyncio.sleep(delay)
-
-    async def _read_stream(self, resp: aiohttp.ClientResponse, r: Result, first: float) -> None:
-        async for line in resp.content:
-            if not line.startswith(b"data: "):
-                continue
-            if r.ttft is None and b'"content":"' in line and b'"content":""' not in line:
-                r.ttft = self.sim_now() - first
-            elif line.startswith(b'data: {"id"') and b'"usage":{' in line:
-                usage = orjson.loads(line[6:]).get("usage") or {}
-                r.prompt_tokens = usage.get("prompt_tokens", 0)
-                r.completion_tokens = usage.get("completion_tokens", 0)
-
-
-def _parse_metrics(text: str) -> dict[str, float]:
-    """_parse_metrics sums kvgate's admission gauges over labels (one pool)."""
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name.startswith("kvgate_") and s.name in _GAUGES:
-                out[s.name] = out.get(s.name, 0.0) + s.value
-    return out
-
-
 _GAUGES = {"kvgate_inflight_requests", "kvgate_concurrency_limit", "kvgate_admission_scale",
            "kvgate_kv_inflight_tokens", "kvgate_kv_budget_tokens", "kvgate_pool_alarm"}
 
@@ -428,16 +320,15 @@ async def _sample(session: aiohttp.ClientSession, client: Client, sim_url: str,
     """_sample records the node's and kvgate's state every ``period_s`` real seconds."""
     last_print = 0.0
     while True:
-        row: dict[str, float] = {"t": client.sim_now(), "client_online": client.inflight["online"],
-                                 "client_batch": client.inflight["batch"]}
+        row: dict[str, float] = {"t": client.sim_now(), "client_online": client.attempting["online"],
+                                 "client_batch": client.attempting["batch"]}
         try:
-            async with session.get(f"{sim_url}/sim/state") as resp:
-                st = await resp.json(loads=orjson.loads)
+            st = await node_state(session, sim_url)
             row.update(kv_usage=st["kv_usage"], running=st["running"], waiting=st["waiting"],
                        preemptions=st["preemptions"], crashes=st["crashes"])
             if admin_url is not None:
                 async with session.get(f"{admin_url}/metrics") as resp:
-                    row.update(_parse_metrics(await resp.text()))
+                    row.update(readings(await resp.text(), _GAUGES))
         except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, ValueError):
             pass  # a missed sample leaves a gap in the plot, nothing more
         timeline.append(row)
@@ -454,8 +345,6 @@ async def drive(run: Run, reqs: list[Req], w: Workload, speedup: float, envoy_po
     client = Client(f"http://{LOOPBACK}:{envoy_port}/v1/chat/completions", speedup, t0,
                     t0 + (w.duration_s + w.drain_s) / speedup)
     run.results = [Result(r) for r in reqs]
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
-    connector = aiohttp.TCPConnector(limit=0, force_close=False)
 
     def progress(row: dict[str, float]) -> None:
         done = sum(1 for r in run.results if r.status != "pending")
@@ -464,23 +353,11 @@ async def drive(run: Run, reqs: list[Req], w: Workload, speedup: float, envoy_po
               f"waiting={row.get('waiting', 0):.0f}  preemptions={row.get('preemptions', 0):.0f}",
               flush=True)
 
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        sampler = asyncio.create_task(_sample(session, client, sim_url, admin_url, run.timeline,
-                                              0.5 / speedup, progress))
-        try:
-            limit = (w.duration_s + w.drain_s) / speedup + 60.0
-            await asyncio.wait_for(asyncio.gather(*(client.send(session, r) for r in run.results)),
-                                   timeout=limit)
-        except TimeoutError:
-            run.error = "the run did not end within its time limit; unfinished requests count as errors"
-        finally:
-            sampler.cancel()
-            try:
-                await sampler
-            except asyncio.CancelledError:
-                pass
-        async with session.get(f"{sim_url}/sim/state") as resp:
-            st = await resp.json(loads=orjson.loads)
+    async with session() as s:
+        run.error = await replay([client.send(s, r) for r in run.results],
+                                 (w.duration_s + w.drain_s) / speedup + 60.0,
+                                 [_sample(s, client, sim_url, admin_url, run.timeline, 0.5 / speedup, progress)])
+        st = await node_state(s, sim_url)
         run.preemptions, run.crashes = st["preemptions"], st["crashes"]
     for r in run.results:
         if r.status == "pending":
@@ -492,86 +369,36 @@ def run_policy(policy: Policy, reqs: list[Req], w: Workload, node: Node, speedup
                batch_kv_watermark: float = BATCH_KV_WATERMARK) -> Run:
     """run_policy starts a fresh simulator (+ kvgate) + Envoy, replays the workload, stops them."""
     run = Run(policy)
-    workdir.mkdir(parents=True, exist_ok=True)
-    procs: list[Proc] = []
     started = time.monotonic()
-    try:
-        sim_port = free_port()
-        sim = Proc(node.argv(sim_port, speedup, seed, overflow), workdir / "sim.log")
-        procs.append(sim)
-        grpc_port = admin_port = None
-        if policy.kvgate is not None:
-            grpc_port, admin_port = free_port(), free_port()
-            cfg_path = workdir / "kvgate.yaml"
-            kv_cfg = policy.kvgate(w, speedup, sim_port, batch_kv_watermark)
-            cfg_path.write_text(yaml.safe_dump(kv_cfg, sort_keys=False))
-            kv = Proc([sys.executable, "-m", "extproc", "serve", "--config", str(cfg_path),
-                       "--grpc-listen", f"{LOOPBACK}:{grpc_port}",
-                       "--admin-listen", f"{LOOPBACK}:{admin_port}", "--log-level", "warning"],
-                      workdir / "kvgate.log")
-            procs.append(kv)
-        envoy_port = free_port()
-        # The load generator stands for the verified source that sets x-tenant-id in front of
-        # Envoy (the shipped file strips a client's copy): the tenants keep their classes.
-        cfg = envoy_config(listen=envoy_port, upstream=sim_port, grpc=grpc_port,
-                           tenant_header_from_client=True)
-        if policy.rps:
-            hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-            hcm["http_filters"].insert(len(hcm["http_filters"]) - 1, ratelimit_filter(w, speedup))
-        envoy_yaml = workdir / "envoy.yaml"
-        envoy_yaml.write_text(yaml.safe_dump(cfg, sort_keys=False))
-        sim.wait_port(sim_port)
-        if admin_port is not None:
-            procs[1].wait_port(admin_port)
-            procs[1].wait_port(grpc_port)
-        envoy = Proc([str(VENV_BIN / "envoy"), "-c", str(envoy_yaml), "--log-level", "error",
-                      "--disable-hot-restart", "--concurrency", "1"], workdir / "envoy.log")
-        procs.append(envoy)
-        envoy.wait_port(envoy_port)
-        admin_url = f"http://{LOOPBACK}:{admin_port}" if admin_port is not None else None
-        if admin_url is not None:
-            _wait_signals(admin_url, policy)
-        asyncio.run(drive(run, reqs, w, speedup, envoy_port, f"http://{LOOPBACK}:{sim_port}",
-                          admin_url, label))
-        for p in procs:
-            if not p.alive():
-                run.error = (run.error or "") + f" {Path(p.argv[0]).name} exited during the run"
-    except Exception as exc:  # one policy failing must not lose the others' results
-        run.error = f"{type(exc).__name__}: {exc}"[:2000]
-    finally:
-        for p in reversed(procs):
-            p.stop()
+    with Procs(workdir) as procs:
+        try:
+            sim_port = free_port()
+            sim = procs.start("sim", node.argv(sim_port, speedup, seed, overflow))
+            sim.wait_port(sim_port)
+            kv = None if policy.kvgate is None else procs.kvgate(policy.kvgate(w, speedup, sim_port,
+                                                                               batch_kv_watermark))
+            if kv is not None:
+                needs_backend = policy.key in ("seed", "kvgate")
+                wait_fresh(kv.admin_url, lambda m: not needs_backend or scraped(m))
+            envoy_port = free_port()
+            # The load generator stands for the verified source that sets x-tenant-id in front of
+            # Envoy (the shipped file strips a client's copy): the tenants keep their classes.
+            cfg = envoy_config(listen=envoy_port, upstream=sim_port, grpc=None if kv is None else kv.grpc_port,
+                               tenant_header_from_client=True)
+            if policy.rps:
+                hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+                hcm["http_filters"].insert(len(hcm["http_filters"]) - 1, ratelimit_filter(w, speedup))
+            procs.envoy(cfg, envoy_port)
+            asyncio.run(drive(run, reqs, w, speedup, envoy_port, f"http://{LOOPBACK}:{sim_port}",
+                              None if kv is None else kv.admin_url, label))
+            run.error = ((run.error or "") + procs.died()) or None
+        except Exception as exc:  # one policy failing must not lose the others' results
+            run.error = failure(exc)
     run.wall_s = time.monotonic() - started
     return run
 
 
-def _wait_signals(admin_url: str, policy: Policy, timeout: float = 10.0) -> None:
-    """_wait_signals waits until kvgate has scraped the node (its scale is known), so a run
-    does not start while kvgate still counts the fresh node as stale."""
-    import urllib.request
-
-    needs_backend = policy.key in ("seed", "kvgate")
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"{admin_url}/metrics", timeout=2) as resp:
-                m = _parse_metrics(resp.read().decode())
-            if not needs_backend or (m.get("kvgate_pool_alarm") == 0.0 and m.get("kvgate_admission_scale") == 1.0):
-                return
-        except OSError:
-            pass
-        time.sleep(0.05)
-    raise TimeoutError("kvgate did not report fresh backend signals in time")
-
-
 # --- the report ---------------------------------------------------------------------------
-
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    v = sorted(values)
-    return v[min(len(v) - 1, max(0, math.ceil(q * len(v)) - 1))]
-
 
 @dataclass(frozen=True, slots=True)
 class Summary:
@@ -588,22 +415,12 @@ class Summary:
 
 def summarize(run: Run) -> Summary:
     """summarize turns a run's results into its table row."""
-    by_class: dict[str, dict[str, int]] = {}
-    for klass in ("online", "batch"):
-        rs = [r for r in run.results if r.req.klass == klass]
-        by_class[klass] = {"ok": sum(r.status == "ok" for r in rs),
-                           "refused": sum(r.status == "refused" for r in rs),
-                           "error": sum(r.status == "error" for r in rs),
-                           "429s": sum(r.refusals for r in rs)}
     ttfts = [r.ttft for r in run.results if r.req.klass == "online" and r.status == "ok" and r.ttft is not None]
-    ok = [r for r in run.results if r.status == "ok"]
-    start = min((r.req.at for r in run.results), default=0.0)
-    end = max((r.done_at for r in ok if r.done_at is not None), default=start)
-    span = max(1e-9, end - start)
-    tokens = sum(r.prompt_tokens + r.completion_tokens for r in ok)
-    return Summary(overflow=run.preemptions + run.crashes, by_class=by_class,
-                   ttft_p50=_pct(ttfts, 0.50), ttft_p99=_pct(ttfts, 0.99),
-                   goodput=tokens / span, output_rate=sum(r.completion_tokens for r in ok) / span,
+    tokens, span = goodput(run.results)
+    return Summary(overflow=run.preemptions + run.crashes, by_class=by_class(run.results),
+                   ttft_p50=percentile(ttfts, 0.50), ttft_p99=percentile(ttfts, 0.99),
+                   goodput=tokens / span,
+                   output_rate=sum(r.completion_tokens for r in run.results if r.status == "ok") / span,
                    span_s=span)
 
 
@@ -656,22 +473,17 @@ def plot(run: Run, path: Path, node: Node) -> None:
     plt.close(fig)
 
 
-def _fmt(x: float | None, digits: int = 2) -> str:
-    return "n/a" if x is None else f"{x:.{digits}f}"
-
-
 def report(runs: list[Run], w: Workload, node: Node, speedup: float, seed: int, overflow: str,
-           wall_s: float, out: Path, batch_kv_watermark: float = BATCH_KV_WATERMARK) -> str:
+           wall_s: float, out: Path, batch_kv_watermark: float = BATCH_KV_WATERMARK,
+           command: str = "python bench/bench_protection.py") -> str:
     """report writes the markdown table and PNGs to ``out`` and returns the verdict line."""
     sums = {run.policy.key: summarize(run) for run in runs}
     lines = [
         "# Protection benchmark: joint limiting against KV exhaustion",
         "",
-        f"Generated by `python bench/bench_protection.py{' --tiny' if w.name == 'tiny' else ''}"
-        f"{'' if batch_kv_watermark == BATCH_KV_WATERMARK else f' --batch-kv-watermark {batch_kv_watermark:g}'}` "
-        f"(`make bench-protection`), workload `{w.name}`, seed {seed}, speedup {speedup:g}x, "
-        f"overflow mode `{overflow}`, {len(runs)} policies in {wall_s:.0f} s wall time on "
-        f"{os.cpu_count()} cores ({platform.python_implementation()} {platform.python_version()}).",
+        f"Generated by `{command}` (`make bench-protection`), workload `{w.name}`, seed {seed}, "
+        f"speedup {speedup:g}x, overflow mode `{overflow}`, {len(runs)} policies in {wall_s:.0f} s wall "
+        f"time on {machine()}.",
         "",
         "| policy | overflow events | online ok / refused / error | batch ok / refused / error "
         "| 429s seen (online, batch) | online TTFT p50 / p99 (s) | goodput (tok/s) | output (tok/s) |",
@@ -683,7 +495,7 @@ def report(runs: list[Run], w: Workload, node: Node, speedup: float, seed: int, 
         name = run.policy.title + (f" (**error**: {run.error})" if run.error else "")
         lines.append(f"| {name} | {s.overflow} | {o['ok']} / {o['refused']} / {o['error']} "
                      f"| {b['ok']} / {b['refused']} / {b['error']} | {o['429s']}, {b['429s']} "
-                     f"| {_fmt(s.ttft_p50)} / {_fmt(s.ttft_p99)} | {s.goodput:,.0f} | {s.output_rate:,.0f} |")
+                     f"| {cell(s.ttft_p50)} / {cell(s.ttft_p99)} | {s.goodput:,.0f} | {s.output_rate:,.0f} |")
     verdict = _verdict(runs, sums)
     lines += ["", verdict, ""]
     lines += [
@@ -755,15 +567,10 @@ def _verdict(runs: list[Run], sums: dict[str, Summary]) -> str:
 def dump_raw(run: Run, path: Path) -> None:
     """dump_raw writes a run's per-request results and timeline as JSON (for analysis)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    requests = [{"id": r.req.id, "at": r.req.at, "tenant": r.req.tenant, "class": r.req.klass,
-                 "prompt_tokens": r.req.prompt_tokens, "max_tokens": r.req.max_tokens,
-                 "status": r.status, "attempts": r.attempts, "refusals": r.refusals,
-                 "last_status": r.last_status, "ttft": r.ttft, "done_at": r.done_at,
-                 "usage": [r.prompt_tokens, r.completion_tokens], "answers": r.answers}
-                for r in run.results]
     path.write_bytes(orjson.dumps({"policy": run.policy.key, "preemptions": run.preemptions,
                                    "crashes": run.crashes, "error": run.error,
-                                   "requests": requests, "timeline": run.timeline}))
+                                   "requests": result_rows(run.results, "prompt_tokens", "max_tokens"),
+                                   "timeline": run.timeline}))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -811,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  [{label}] {run.wall_s:.0f} s: overflow events {s.overflow}, online ok "
                   f"{s.by_class['online']['ok']}/{sum(r.req.klass == 'online' for r in run.results)}, "
                   f"batch ok {s.by_class['batch']['ok']}/{sum(r.req.klass == 'batch' for r in run.results)}, "
-                  f"TTFT p99 {_fmt(s.ttft_p99)} s, goodput {s.goodput:,.0f} tok/s"
+                  f"TTFT p99 {cell(s.ttft_p99)} s, goodput {s.goodput:,.0f} tok/s"
                   + (f"  ERROR: {run.error}" if run.error else ""), flush=True)
             if run.error:
                 for name in ("kvgate", "envoy", "sim"):
@@ -823,7 +630,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.raw is not None:
                 dump_raw(run, args.raw / f"protection_{key}.json")
     verdict = report(runs, w, node, args.speedup, args.seed, args.overflow,
-                     time.monotonic() - started, args.out, args.batch_kv_watermark)
+                     time.monotonic() - started, args.out, args.batch_kv_watermark,
+                     command("bench/bench_protection.py", ap, args))
     print(verdict)
     print(f"report: {args.out / 'protection.md'}")
     return 1 if any(r.error for r in runs) else 0

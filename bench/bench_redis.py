@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -43,11 +42,14 @@ if str(ROOT) not in sys.path:
 
 import redis as redis_sync  # noqa: E402
 
+from bench.httpload import run  # noqa: E402
+from bench.reports import machine  # noqa: E402
 from extproc.admission import Admission, Demand, Lease, Outcome  # noqa: E402
 from extproc.admission.store.redis import LOCAL_PREFIX, RedisStore  # noqa: E402
 from extproc.clock import MonotonicClock  # noqa: E402
 from extproc.config import Config  # noqa: E402
 from extproc.configparse import parse_config
+from kvgate_testkit.admission import demand_of  # noqa: E402
 from kvgate_testkit.redis_server import RedisServer, server_version  # noqa: E402
 
 TARGET_PER_S = 1000
@@ -76,9 +78,10 @@ def config(url: str | None, replicas: int = 1) -> Config:
     return parse_config(data)
 
 
-def demands(adm: Admission) -> list[Demand]:
-    return [adm.demand(t, prompt_tokens=200, max_tokens=100)
-            for t in ("acme", "globex", "initech", "umbrella")]
+def demands() -> list[Demand]:
+    """demands is one request per tenant: 200 prompt tokens reserving 100 completion tokens."""
+    cfg = config(None)  # the tenants' classes, whatever the store
+    return [demand_of(cfg, t, 200, 100) for t in ("acme", "globex", "initech", "umbrella")]
 
 
 class Errors:
@@ -125,7 +128,7 @@ async def latency(url: str | None, n: int) -> tuple[list[float], int]:
     adm, store = make(url)
     if store is not None:
         await store.start()
-    ds = demands(adm)
+    ds = demands()
     for i in range(200):  # warm: connections, scripts, caches
         await pair(adm, ds[i % 4])
     out = []
@@ -155,7 +158,7 @@ async def throughput(url: str | None, concurrency: int, seconds: float,
     adm, store = make(url, errors, replicas)
     if store is not None:
         await store.start()
-    ds = demands(adm)
+    ds = demands()
     shared = local = 0
     stop_at = 0.0
 
@@ -190,17 +193,9 @@ def held(url: str) -> tuple[int, int]:
     return int(st.get(b"n", 0)), int(st.get(b"kv", 0))
 
 
-def run_loop(coro: Any) -> Any:
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
-
-
 def child(args: argparse.Namespace) -> int:
     """child is one replica process of measure 3: prints its result as JSON."""
-    print(json.dumps(run_loop(throughput(args.url, args.concurrency, args.seconds, args.replicas))),
+    print(json.dumps(run(throughput(args.url, args.concurrency, args.seconds, args.replicas))),
           flush=True)
     return 0
 
@@ -212,6 +207,37 @@ def _errors(m: dict[str, Any]) -> str:
 def pct(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def _measure(args: argparse.Namespace, n_lat: int) -> tuple[list[float], list[float], int, dict[str, Any],
+                                                          dict[str, Any], list[dict[str, Any]], str]:
+    """_measure runs the three measures on a fresh Redis server: ``n_lat`` admissions one at a time
+    (memory store, Redis: latencies in µs and how many Redis pairs were decided locally),
+    throughput of one replica (memory, Redis) and of ``--replicas`` processes at once; checks
+    after each that Redis holds nothing; returns them with the server's version."""
+    with RedisServer() as server:
+        url = server.url
+        lat_mem, _ = run(latency(None, n_lat))
+        lat_redis, lat_local = run(latency(url, n_lat))
+        assert held(url) == (0, 0), f"leaked after the latency run: {held(url)}"
+        one_mem = run(throughput(None, args.concurrency, args.seconds))
+        one = run(throughput(url, args.concurrency, args.seconds))
+        assert held(url) == (0, 0), f"leaked after one replica: {held(url)}"
+        procs = [subprocess.Popen([sys.executable, __file__, "--child", "--url", url,
+                                   "--seconds", str(args.seconds), "--concurrency", str(args.concurrency),
+                                   "--replicas", str(args.replicas)],
+                                  stdout=subprocess.PIPE, text=True, cwd=ROOT)
+                 for _ in range(args.replicas)]
+        many = []
+        for p in procs:
+            out, _ = p.communicate(timeout=120)
+            if p.returncode != 0:
+                raise RuntimeError(f"replica process failed ({p.returncode})")
+            many.append(json.loads(out.strip().splitlines()[-1]))
+        assert held(url) == (0, 0), f"leaked after {args.replicas} replicas: {held(url)}"
+        # The binary's own banner: Valkey answers INFO with a Redis-compatible redis_version.
+        redis_version = server_version(server.binary)
+    return lat_mem, lat_redis, lat_local, one_mem, one, many, redis_version
 
 
 def main() -> int:
@@ -230,28 +256,7 @@ def main() -> int:
         args.seconds = 1.5
     n_lat = 500 if args.quick else 3000
 
-    with RedisServer() as server:
-        url = server.url
-        lat_mem, _ = run_loop(latency(None, n_lat))
-        lat_redis, lat_local = run_loop(latency(url, n_lat))
-        assert held(url) == (0, 0), f"leaked after the latency run: {held(url)}"
-        one_mem = run_loop(throughput(None, args.concurrency, args.seconds))
-        one = run_loop(throughput(url, args.concurrency, args.seconds))
-        assert held(url) == (0, 0), f"leaked after one replica: {held(url)}"
-        procs = [subprocess.Popen([sys.executable, __file__, "--child", "--url", url,
-                                   "--seconds", str(args.seconds), "--concurrency", str(args.concurrency),
-                                   "--replicas", str(args.replicas)],
-                                  stdout=subprocess.PIPE, text=True, cwd=ROOT)
-                 for _ in range(args.replicas)]
-        many = []
-        for p in procs:
-            out, _ = p.communicate(timeout=120)
-            if p.returncode != 0:
-                raise RuntimeError(f"replica process failed ({p.returncode})")
-            many.append(json.loads(out.strip().splitlines()[-1]))
-        assert held(url) == (0, 0), f"leaked after {args.replicas} replicas: {held(url)}"
-        # The binary's own banner: Valkey answers INFO with a Redis-compatible redis_version.
-        redis_version = server_version(server.binary)
+    lat_mem, lat_redis, lat_local, one_mem, one, many, redis_version = _measure(args, n_lat)
 
     load = os.getloadavg()
     med_mem, med_redis = statistics.median(lat_mem), statistics.median(lat_redis)
@@ -264,8 +269,8 @@ def main() -> int:
         "",
         f"Command: `{cmd}` (also `make bench-redis`). Date: "
         f"{datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}.",
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs shared by redis-server, the benchmark "
-        f"and everything else running; Python {platform.python_version()}, {redis_version}, "
+        f"Machine: {machine()}, shared by redis-server, the benchmark and everything else running; "
+        f"{redis_version}, "
         f"redis-py without hiredis, uvloop. Load average at the end: {load[0]:.2f} (1 min), {load[1]:.2f} (5 min).",
         "",
         "An admission is `await Admission.acquire` + `Lease.release` on one pool with every budget "

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import platform
 import statistics
 import sys
 import time
@@ -34,7 +33,7 @@ if str(ROOT) not in sys.path:
 
 import redis as redis_sync  # noqa: E402
 
-from bench.reports import publish  # noqa: E402
+from bench.reports import machine, publish  # noqa: E402
 from extproc.admission.shared_nodes import Candidate, NodeAsk  # noqa: E402
 from extproc.admission.sharing import MAX_LINKS  # noqa: E402
 from extproc.admission.store.redis import RedisStore  # noqa: E402
@@ -124,9 +123,8 @@ def main() -> int:
         "# Redis store: what counting shared prefixes once costs an admission",
         "",
         f"Command: `python bench/bench_redis_prefix.py --pairs {args.pairs}` (also `make bench-redis-prefix`). "
-        f"Date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}. Machine: {platform.machine()}, "
-        f"{os.cpu_count()} CPUs shared with redis-server and everything else running; Python "
-        f"{platform.python_version()}. Load average at the end: {load[0]:.2f} (1 min).",
+        f"Date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}. Machine: {machine()}, shared with "
+        f"redis-server and everything else running. Load average at the end: {load[0]:.2f} (1 min).",
         "",
         f"One admit + settle pair at a time (two round trips) on a pool of {len(NODES)} nodes with "
         f"{2 * RUNNING * len(NODES)} leases with chains running there (see the module doc); {args.pairs} "

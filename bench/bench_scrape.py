@@ -26,12 +26,12 @@ if str(ROOT) not in sys.path:  # run as a script from the repository root
 import argparse  # noqa: E402
 import multiprocessing as mp  # noqa: E402
 import os  # noqa: E402
-import platform  # noqa: E402
 import statistics  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer  # noqa: E402
 
+from bench.reports import machine, pct  # noqa: E402
 from extproc.admission.types import PoolSignals  # noqa: E402
 from extproc.clock import MonotonicClock  # noqa: E402
 from extproc.configparse import parse_config  # noqa: E402
@@ -68,11 +68,6 @@ def _serve(body: bytes, count: int, ports: mp.Queue, stop: mp.Event) -> None:
     stop.wait()
     for srv in servers:
         srv.shutdown()
-
-
-def pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
 def main() -> None:
@@ -144,8 +139,7 @@ exposition of {lines} lines ({len(body)} bytes). One round is `Scraper.poll_once
 Goal: a round well under the poll interval: {"met" if p99 < 0.25 * POLL_INTERVAL_S * 1e3 else "NOT met"}
 (p99 below a quarter of the interval).
 
-Machine: {platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} CPUs
-({platform.machine()}), shared with other work while it ran: figures are upper bounds.
+Machine: {machine()}, shared with other work while it ran: figures are upper bounds.
 """
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(report, encoding="utf-8")

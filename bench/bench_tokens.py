@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import random
 import statistics
 import sys
@@ -31,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.reports import machine  # noqa: E402
 from extproc import tokens as tk  # noqa: E402
 from extproc.openai_api import Endpoint, count_prompt_tokens, parse_request  # noqa: E402
 from extproc.openai_usage import ResponseTracker  # noqa: E402
@@ -265,8 +265,7 @@ def report(count_rows: list[str], at_mib: dict[tuple[str, str], float], hot_rows
         "  the default covers, or prefer a tiktoken rank file over tokenizer.json (Llama 3's",
         "  `tokenizer.model`, Qwen's `qwen.tiktoken`).",
         "",
-        f"Machine: {platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} CPUs"
-        f" ({platform.machine()}), shared with other work while it ran. Wall time under load is",
+        f"Machine: {machine()}, shared with other work while it ran. Wall time under load is",
         "longer than these CPU times: that is what the factor 2 in the sizing rule is for.",
         "",
     ]

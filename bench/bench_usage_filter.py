@@ -40,7 +40,6 @@ if str(ROOT) not in sys.path:  # run as a script from the repository root
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import os  # noqa: E402
-import platform  # noqa: E402
 import random  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
@@ -51,8 +50,10 @@ from typing import Any  # noqa: E402
 
 import orjson  # noqa: E402
 
-from bench.bench_overhead import Conn, cpu_seconds, http_request, pct  # noqa: E402
-from bench.reports import publish  # noqa: E402
+from bench import reports  # noqa: E402
+from bench.httpload import Conn, http_request  # noqa: E402
+from bench.reports import machine, pct, publish  # noqa: E402
+from bench.sampling import cpu_seconds  # noqa: E402
 from extproc import usage_log  # noqa: E402
 from kvgate_testkit.procs import exit_on_sigterm  # noqa: E402
 from kvgate_testkit.stack import Stack, metadata_route  # noqa: E402
@@ -193,8 +194,7 @@ def report(res: dict[str, dict[str, Figures]], *, loads: tuple[Load, ...], comma
     lines = [
         "# The Lua usage filter's cost per streamed chunk, side by side with no filter", "",
         f"Command: `{command}`", "",
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, Python "
-        f"{platform.python_version()}; one Envoy worker thread per setup, deploy/envoy-access-log.yaml "
+        f"Machine: {machine()}; one Envoy worker thread per setup, deploy/envoy-access-log.yaml "
         "without ext_proc and without the access log, the route's metadata as kvgate's answer "
         "writes it for a client that did not ask for usage (the filter counts every event and hides "
         f"the usage chunk). Load average at the start: {' '.join(f'{x:.2f}' for x in load_avg)}. "
@@ -265,8 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             for stack in stacks.values():
                 stack.stop()
-    command = "python bench/bench_usage_filter.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    publish(args.out, report(res, loads=loads, command=command.strip(), rounds=args.rounds,
+    command = reports.command("bench/bench_usage_filter.py", ap, args)
+    publish(args.out, report(res, loads=loads, command=command, rounds=args.rounds,
                              wall_s=time.monotonic() - t0, load_avg=load_avg, sources=sources))
     return 0
 

@@ -36,7 +36,6 @@ import asyncio
 import math
 import os
 import time
-import urllib.request
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -45,11 +44,12 @@ from typing import Any, TypeGuard
 
 import aiohttp
 import orjson
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench.bench_protection import CHAT_OVERHEAD, MODEL
-from bench.bench_trace import (NODE, NODE_HEADER, Background, Policy, Req, Run, Scenario, _pct, drive,
-                               kv_for_requests)
+from bench.bench_trace import NODE, Background, Policy, Req, Run, Scenario, drive, kv_for_requests
+from bench.load import NODE_HEADER
+from bench.reports import percentile
+from bench.sampling import fetch_readings
 from kvgate_testkit.nodes_stack import NodesStack
 from sim.api import OUTPUT_TOKENS_HEADER, words
 from sim.blocks import blocks_for
@@ -379,21 +379,6 @@ class RowResult:
     node_preemptions: list[int] = field(default_factory=list)
 
 
-def samples(text: str) -> dict[str, float]:
-    """samples sums an exposition's samples by name (labels dropped)."""
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[s.name] = out.get(s.name, 0.0) + s.value
-    return out
-
-
-def node_counters(url: str) -> dict[str, float]:
-    """node_counters is a node's /metrics, summed by name (``samples``)."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
-        return samples(resp.read().decode())
-
-
 def run_row(row: TraceRow, replay: Replay, w: Window, kv_tokens: int, speedup: float, workdir: Path,
             label: str) -> RowResult:
     """run_row starts three fresh nodes (and kvgate) behind Envoy, replays the window, stops them."""
@@ -429,7 +414,7 @@ def run_row(row: TraceRow, replay: Replay, w: Window, kv_tokens: int, speedup: f
 
         result.oracle_lookup_s, result.oracle_placed_s = asyncio.run(replay_all())
         for url in urls:
-            c = node_counters(url)
+            c = fetch_readings(f"{url}/metrics")
             result.node_preemptions.append(int(c.get("vllm:num_preemptions_total", 0)))
             result.prefix_queries += c.get("vllm:prefix_cache_queries_total", 0.0)
             result.prefix_hits += c.get("vllm:prefix_cache_hits_total", 0.0)
@@ -486,7 +471,7 @@ def figures(r: RowResult) -> Figures:
     return Figures(
         completed=len(ok), total=len(results), within_slo=len(good),
         goodput=sum(x.prompt_tokens + x.completion_tokens for x in good) / span,
-        ttft_p50=_pct(ttfts, 0.5), ttft_p99=_pct(ttfts, 0.99), preemptions=r.preemptions,
+        ttft_p50=percentile(ttfts, 0.5), ttft_p99=percentile(ttfts, 0.99), preemptions=r.preemptions,
         hit_rate=r.prefix_hits / r.prefix_queries if r.prefix_queries else None,
         kv_waiting=sum(kv_for_requests(row) for row in waiting) / len(waiting) if waiting else None,
         refused=sum(x.status != "ok" for x in results), affinity_picks=r.affinity_picks,
@@ -553,8 +538,8 @@ def describe(w: Window, replay: Replay, trace: Path, kv_tokens: int, speedup: fl
         f"{w.start_s:g}-{w.start_s + w.window_s:g}; 1 conversation in {w.sample} kept (by the first block "
         f"after block 0, so a kept conversation keeps every turn): {replay.kept} requests, of which "
         f"{replay.too_long} left out (prompt + max_tokens over the {CONTEXT:,}-token context): {len(reqs)} "
-        f"replayed; prompt tokens p50 {_f(_pct(prompts, 0.5), ',.0f')}, p99 {_f(_pct(prompts, 0.99), ',.0f')}; "
-        f"output p50 {_f(_pct(outs, 0.5), ',.0f')}, p99 {_f(_pct(outs, 0.99), ',.0f')}.",
+        f"replayed; prompt tokens p50 {_f(percentile(prompts, 0.5), ',.0f')}, p99 {_f(percentile(prompts, 0.99), ',.0f')}; "
+        f"output p50 {_f(percentile(outs, 0.5), ',.0f')}, p99 {_f(percentile(outs, 0.99), ',.0f')}.",
         f"- Time: compressed {w.compress:g}x (a trace second lasts 1/{w.compress:g} simulated s), the nodes run "
         f"{speedup:g}x faster than real time: {w.window_s / w.compress:.0f} simulated s of arrivals, "
         f"{w.window_s / w.compress / speedup:.0f} real s. All times below are simulated seconds.",
@@ -607,9 +592,9 @@ def report(results: Sequence[RowResult], sweep: Sequence[RowResult], setup: Sequ
     for r in results:
         if r.oracle_lookup_s:
             lines += ["", f"The oracle's lookups of a request's cached prefix on the three nodes took p50 "
-                      f"{_f(_pct(r.oracle_lookup_s, 0.5), '.3f')} s, p99 {_f(_pct(r.oracle_lookup_s, 0.99), '.3f')} s; "
-                      f"from arrival to placement (lookups and its queue) p50 {_f(_pct(r.oracle_placed_s, 0.5), '.3f')} "
-                      f"s, p99 {_f(_pct(r.oracle_placed_s, 0.99), '.3f')} s (real time; part of its TTFT)."]
+                      f"{_f(percentile(r.oracle_lookup_s, 0.5), '.3f')} s, p99 {_f(percentile(r.oracle_lookup_s, 0.99), '.3f')} s; "
+                      f"from arrival to placement (lookups and its queue) p50 {_f(percentile(r.oracle_placed_s, 0.5), '.3f')} "
+                      f"s, p99 {_f(percentile(r.oracle_placed_s, 0.99), '.3f')} s (real time; part of its TTFT)."]
     if sweep:
         lines += ["", f"## Sweep: prefix_affinity (record {record:,} keys) and prefix_record_keys (affinity "
                   f"{affinity:g}), same window, same run", "",

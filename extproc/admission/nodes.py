@@ -7,7 +7,8 @@ node then has a ledger: its KV capacity (configured, or as reported), its last r
 ``rules.node_hold`` and ``rules.node_headroom`` turn that into the node's room;
 ``PoolNodes.pick`` charges the node with the most room that fits a request.
 
-How a node counts kvgate's requests once, and reads foreign KV's rise: ``extproc.admission.node``.
+How a node counts kvgate's requests once, and reads foreign KV's rise: ``extproc.admission.node``;
+what a request is expected to grow to, by the lengths its class learned: ``extproc.admission.growth``.
 
 What a pick reads. A node keeps the sums of its charges' footprints and expected holds,
 changed as a charge comes, progresses, moves or goes, so a pick costs the same whatever
@@ -30,12 +31,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from extproc.admission import rules
-from extproc.admission.lengths import Lengths
+from extproc.admission.growth import GrowthRule
 from extproc.admission.node import Charge, Moments, Node, NodeState, PassedOver
 from extproc.admission.retry import MAX_WAIT_S, HoldTimes, expected_wait
 from extproc.admission.shared_nodes import Candidate, NodeAsk, Pooled
 from extproc.admission.types import Chain, NodeReport
-from extproc.config import Growth, PickingConfig, PoolConfig
+from extproc.config import PickingConfig, PoolConfig
 
 # Admission-to-first-token times remembered to learn when a request is surely prefilled.
 FIRST_TOKEN_SAMPLES = 200
@@ -111,12 +112,11 @@ class PoolNodes:
         self.nodes: dict[str, Node] = {}
         self.picking: PickingConfig = config.picking
         self.stale_after_s = stale_after_s
-        self.lengths: dict[str, Lengths] = {}
+        self.growth = GrowthRule(config.picking)
         self.holds = HoldTimes()
         # Seconds from admission to the first token of the latest requests that streamed one.
         self.first_tokens: deque[float] = deque(maxlen=FIRST_TOKEN_SAMPLES)
         self._turn = 0  # rotates the order in which equal nodes are offered
-        self._taught = False  # a completion length was learned since every charge was counted
         self._recount: list[Charge] = []  # the charges this pass has still to recount, last first
         self.reconfigure(config, stale_after_s)
 
@@ -126,7 +126,7 @@ class PoolNodes:
         A node removed by the reload is no longer picked; its charges stay valid and are
         released as their requests end.
         """
-        self.picking = config.picking
+        self.picking = self.growth.picking = config.picking
         self.stale_after_s = stale_after_s
         nodes: dict[str, Node] = {}
         block = config.picking.block_tokens
@@ -145,7 +145,7 @@ class PoolNodes:
     def relearn(self) -> None:
         """relearn counts every charge of every node again with the lengths learned now, all at
         once (a reload: the growth rule or its quantile may have changed)."""
-        self._taught = False
+        self.growth.taught = False
         self._recount = [c for n in self.nodes.values() for c in n.charges]
         self._recount_some(len(self._recount))
 
@@ -159,7 +159,7 @@ class PoolNodes:
             n = c.node
             if not c.held or c not in n.charges:
                 continue
-            own, moments = self._expect(c.class_name, c.prompt, c.reserved, c.generated)
+            own, moments = self.growth.expect(c.class_name, c.prompt, c.reserved, c.generated)
             if own != c.own or moments != c.moments:
                 n.count_again(c, c.generated, own, moments)
 
@@ -171,8 +171,8 @@ class PoolNodes:
         settle = self.settle_s()
         for n in self.nodes.values():
             n.mark(mark, now, settle, since)
-        if self._taught and not self._recount:  # a pass over every charge held, oldest first
-            self._taught = False
+        if self.growth.taught and not self._recount:  # a pass over every charge held, oldest first
+            self.growth.taught = False
             self._recount = [c for n in self.nodes.values() for c in reversed(n.charges)]
         if self._recount:
             self._recount_some(RECOUNT_PER_ROUND)
@@ -199,71 +199,9 @@ class PoolNodes:
 
     # --- the rule ------------------------------------------------------------------
 
-    def _learned(self, class_name: str) -> Lengths | None:
-        if self.picking.growth is Growth.WORST_CASE:
-            return None
-        known = self.lengths.get(class_name)
-        if known is None or len(known.sorted) < self.picking.min_samples:
-            return None
-        return known
-
-    def _growth_lengths(self, class_name: str) -> list[int] | None:
-        known = self._learned(class_name)
-        return None if known is None else known.sorted
-
-    def _moments(self, reserved: int, generated: int, class_name: str) -> tuple[int, float, float]:
-        known = self._learned(class_name)
-        if known is None:
-            return rules.growth_moments(reserved, generated, None, None)
-        lengths, prefix = known.view()
-        return rules.growth_moments(reserved, generated, lengths, prefix)
-
-    @property
-    def pooled(self) -> bool:
-        """pooled is True when growth is bounded per node, not per request (``growth: pooled``)."""
-        return self.picking.growth is Growth.POOLED
-
-    def _expect(self, class_name: str, prompt: int, reserved: int,
-                generated: int) -> tuple[int, Moments | None]:
-        """_expect is what a request adds to its node's sums with the lengths learned now: its
-        own hold and its ``Moments`` (see ``Charge``)."""
-        if self.pooled:
-            return 0, self._moments(reserved, generated, class_name)
-        return rules.node_hold(prompt, reserved, generated, self._growth_lengths(class_name),
-                               self.picking.quantile), None
-
-    def hold(self, prompt: int, reserved: int, generated: int, class_name: str) -> int:
-        """hold is what a request is expected to hold on its node at most, in tokens (alone
-        on it, with pooled growth)."""
-        if self.pooled:
-            return prompt + generated + rules.pooled_growth(
-                [self._moments(reserved, generated, class_name)], self.picking.quantile)
-        return rules.node_hold(prompt, reserved, generated, self._growth_lengths(class_name),
-                               self.picking.quantile)
-
-    def _alone(self, c: Charge) -> int:
-        """_alone is what charge ``c`` is expected to hold at most, alone on its node, as it was
-        last counted (``hold`` of its request then)."""
-        if c.moments is None:
-            return c.own
-        return c.footprint + rules.pooled_bound(*c.moments, self.picking.quantile)
-
     def held(self, n: Node, extra: tuple[str, int, int] | None = None) -> int:
-        """held is the tokens kvgate's charges on ``n`` are expected to hold at most; with
-        ``extra`` (class, prompt, reserved), one more request that has generated nothing.
-
-        Read from the node's sums, whatever the requests held there; the prompt blocks they
-        share are counted once (``Node.shared``)."""
-        if self.pooled:
-            footprint, left, mean, var = n.footprints - n.shared, n.left, n.mean, n.var
-            if extra is not None:
-                more, m, v = self._moments(extra[2], 0, extra[0])
-                footprint, left, mean, var = footprint + extra[1], left + more, mean + m, var + v
-            return footprint + rules.pooled_bound(left, mean, var, self.picking.quantile)
-        total = n.owns - n.shared
-        if extra is not None:
-            total += self.hold(extra[1], extra[2], 0, extra[0])
-        return total
+        """held is what kvgate's charges on ``n`` are expected to hold at most (``GrowthRule.held``)."""
+        return self.growth.held(n, extra)
 
     def headroom(self, n: Node, now: float) -> int | None:
         """headroom is the room left on ``n`` for a new request at ``now`` (tokens; None:
@@ -313,7 +251,7 @@ class PoolNodes:
         events say it caches of the prompt (None: no events read): where exact it ranks the
         node instead of kvgate's record, where partial beside it (``cached_guess``).
         """
-        need = self.hold(prompt, reserved, 0, class_name)
+        need = self.growth.hold(prompt, reserved, 0, class_name)
         if not self.picking.shared_prefix:
             chain = None
         candidates: list[tuple[str, int | None, int, int]] = []
@@ -322,7 +260,7 @@ class PoolNodes:
         horizon = self._horizon_s()
         for n, cap in self._eligible_in_turn(among, now):
             held = self.held(n)
-            if self.pooled:
+            if self.growth.pooled:
                 # What the request adds to the node's pooled bound is its need there: handed
                 # to pick_node as held + need, whose sum is the bound with the request.
                 held = self.held(n, (class_name, prompt, reserved)) - need
@@ -349,7 +287,7 @@ class PoolNodes:
         n = self.nodes[verdict.chosen]
         charge = Charge(n, class_name, prompt, reserved, now, chain)
         charge.fallbacks = tuple(self.nodes[name].address for name in verdict.next_best(self.picking.fallbacks))
-        n.add(charge, *self._expect(class_name, prompt, reserved, 0))
+        n.add(charge, *self.growth.expect(class_name, prompt, reserved, 0))
         n.count_pick(prompt, credits.get(n.name, 0), verdict.by_affinity)
         return charge
 
@@ -372,9 +310,9 @@ class PoolNodes:
             rows.append(Candidate(n.name, cap, n.foreign + n.kept + rise, self.held(n), rise, n.since, n.idle,
                                   n.prefixes.block if chain is not None else 0, min(prompt, n.cached(chain))))
         pooled = None
-        if self.pooled:
-            pooled = Pooled(prompt, *self._moments(reserved, 0, class_name), self.picking.quantile)
-        return NodeAsk(tuple(rows), self.hold(prompt, reserved, 0, class_name),
+        if self.growth.pooled:
+            pooled = Pooled(prompt, *self.growth.moments(reserved, 0, class_name), self.picking.quantile)
+        return NodeAsk(tuple(rows), self.growth.hold(prompt, reserved, 0, class_name),
                        self.picking.reserve_fraction, rules.node_watermark(watermark, self.picking.reserve_fraction), pooled,
                        chain, prompt, self.picking.prefix_affinity)
 
@@ -407,7 +345,7 @@ class PoolNodes:
         if n is None:
             return None
         c = Charge(n, class_name, prompt, reserved, now, chain if self.picking.shared_prefix else None)
-        n.add(c, *self._expect(class_name, prompt, reserved, 0))
+        n.add(c, *self.growth.expect(class_name, prompt, reserved, 0))
         n.count_pick(prompt, credit, by_affinity)
         return c
 
@@ -420,7 +358,7 @@ class PoolNodes:
         if not caps:
             return None
         largest = max(rules.effective_capacity(c, self.picking.reserve_fraction) for c in caps)
-        need = self.hold(prompt, reserved, 0, class_name)
+        need = self.growth.hold(prompt, reserved, 0, class_name)
         return largest if need > largest else None
 
     # --- the requests ----------------------------------------------------------------
@@ -433,7 +371,7 @@ class PoolNodes:
             charge.first_at = now
             self.first_tokens.append(max(0.0, now - charge.admitted_at))
         if generated > charge.generated:
-            charge.node.count_again(charge, generated, *self._expect(
+            charge.node.count_again(charge, generated, *self.growth.expect(
                 charge.class_name, charge.prompt, charge.reserved, generated))
 
     def release(self, charge: Charge, completion_tokens: int | None, completed: bool,
@@ -454,8 +392,7 @@ class PoolNodes:
         if completed:
             self.holds.add(now - charge.admitted_at, charge.reserved)
             if completion_tokens is not None and completion_tokens >= 0:
-                self.lengths.setdefault(charge.class_name, Lengths()).add(completion_tokens)
-                self._taught = self.picking.growth is not Growth.WORST_CASE
+                self.growth.learn(charge.class_name, completion_tokens)
         return True
 
     def named(self, among: frozenset[str] | None) -> int:
@@ -509,7 +446,7 @@ class PoolNodes:
             room = self.headroom(n, now)
             if room is None:
                 continue
-            t = expected_wait(now, ((c.admitted_at, self._alone(c), c.reserved) for c in n.charges),
+            t = expected_wait(now, ((c.admitted_at, self.growth.alone(c), c.reserved) for c in n.charges),
                               need - room, holds)
             if t is not None and (best is None or t < best):
                 best = t

@@ -50,7 +50,7 @@ def place(nodes: PoolNodes, demand: Demand, cls: ClassConfig, plan: Plan, now: f
     pt, ct = demand.prompt_tokens, demand.reserved_completion
     largest = nodes.never_fits(cls.name, pt, ct)
     if largest is not None:
-        return Refusal(Budget.NODE_KV, 0.0, False, nodes.hold(pt, ct, 0, cls.name), 0, largest)
+        return Refusal(Budget.NODE_KV, 0.0, False, nodes.growth.hold(pt, ct, 0, cls.name), 0, largest)
     if shared:
         ask = nodes.ask(cls.name, pt, ct, cls.kv_watermark, now, demand.among, demand.prefix)
         return Placement(nodes, demand, cls, Plan(plan.limits, plan.tenant, plan.class_name, plan.tokens,

@@ -1,4 +1,4 @@
-"""pool: ``PoolRuntime``, one pool's state inside the controller.
+"""pool: ``PoolControl``, what the controller keeps of one pool.
 
 Its configuration, adaptive tracker and limits at the current scale; its wait queue and
 what the last walk of it stopped on; the leases it holds and how long completed ones held,
@@ -19,6 +19,7 @@ from extproc.admission.retry import HoldTimes, expected_wait, first_end
 from extproc.admission.slots import effective_guarantees, effective_limit
 from extproc.admission.types import POOL_BUCKET, Budget, BucketSpec, Plan, PoolLimits, Refusal
 from extproc.admission.waitqueue import Blocks, WaitQueue
+from extproc.clock import Timer
 from extproc.config import PoolConfig
 
 # Budgets that come back when leases are released: their retry hint is learned.
@@ -27,8 +28,9 @@ _ADMITTED = attrgetter("admitted_at", "demand.reserved_completion")
 _ADMITTED_TOKENS = attrgetter("admitted_at", "demand.tokens", "demand.reserved_completion")
 
 
-class PoolRuntime:
-    """PoolRuntime is one pool's runtime: its config, adaptive tracker, cached limits and wait queue.
+class PoolControl:
+    """PoolControl is what the controller keeps of one pool: its config, adaptive tracker, cached
+    limits and wait queue.
 
     ``retry_estimate_s`` is the retry hint (s) for budgets that come back on release;
     ``guaranteed`` and ``kv_watermarks`` are the classes' guaranteed slots and KV
@@ -49,7 +51,7 @@ class PoolRuntime:
         self.limits: PoolLimits | None = None
         self.queue = WaitQueue()
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.timer: asyncio.TimerHandle | None = None
+        self.timer: Timer | None = None
         self.timer_at = math.inf
         self.blocks = Blocks()
         self.draining = False

@@ -1,6 +1,6 @@
 """waitqueue: requests waiting (boundedly) for capacity: higher priority first, tenants in turn within a class.
 
-The queue only orders and walks; the controller decides, for each waiter the walk
+The queue only orders and walks; its driver (``waiting.BoundedWait``) decides, for each waiter the walk
 yields, what the walk does next (``Step``). The anti-starvation rule lives in those
 steps: a waiter that does not fit on a budget every request needs (slots, KV tokens, the
 pool's bucket) STOPs the walk, so no smaller request of the same or a lower priority
@@ -68,7 +68,7 @@ _SCALED = (Budget.KV, Budget.CLASS_KV, Budget.POOL_TPM)
 
 
 class Step(Enum):
-    """Step is what the walk does after the controller has served one waiter."""
+    """Step is what the walk does after its driver has served one waiter."""
 
     NEXT = 1        # go on with the next waiter in order
     SKIP_CLASS = 2  # no later waiter of this class fits now

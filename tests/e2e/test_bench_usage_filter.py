@@ -31,4 +31,4 @@ def test_quick_run_writes_the_report(tmp_path: Path) -> None:
     assert {name: cells[-1] for name, cells in rows.items()} == {
         "none": "no", "reader": "no", "shipped": "yes", "baseline": "yes"}
     assert all(int(cells[1]) == 8 * 10 for cells in rows.values())  # every stream's chunks
-    assert "python bench/bench_usage_filter.py --quick" in out.read_text()
+    assert "`python bench/bench_usage_filter.py --baseline HEAD --rounds 1 --quick`" in out.read_text()

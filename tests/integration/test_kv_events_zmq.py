@@ -18,6 +18,7 @@ from extproc.clock import ManualClock
 from extproc.configparse import parse_config
 from extproc.engine_blocks import EngineBlocks, token_keys
 from extproc.signals.kv_events import KvEvents, NodeEvents, Subscriber, ViewState, decode_batch
+from kvgate_testkit.admission import acquire_now
 from kvgate_testkit.procs import wait_until
 from tests.kv_capture import load
 from tests.unit.admission.helpers import T0
@@ -167,7 +168,7 @@ def place(adm: Admission, prompt: list[int], requests: int) -> list[str]:
     """place admits ``requests`` requests of ``prompt`` (keyed by its token ids); their nodes."""
     nodes = []
     for _ in range(requests):
-        lease = adm.try_acquire(Demand(pool="default", tenant="t", class_name="standard",
+        lease = acquire_now(adm, Demand(pool="default", tenant="t", class_name="standard",
                                        prompt_tokens=len(prompt), reserved_completion=100,
                                        blocks=token_keys(prompt)))
         assert isinstance(lease, Lease)

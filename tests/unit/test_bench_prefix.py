@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import tiktoken
 
-from bench.bench_prefix import (ROWS, Result, Row, burst_messages, kvgate_table, percentile, ratio,
+from bench.bench_prefix import (ROWS, Result, Row, burst_messages, kvgate_table, ratio,
                                 seeded_words, table, verdicts)
+from bench.reports import percentile
 
 pytestmark = pytest.mark.bench
 

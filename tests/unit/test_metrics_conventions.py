@@ -11,6 +11,7 @@ from extproc.clock import ManualClock
 from extproc.configparse import parse_config
 from extproc.metrics import (ACCESS_LOG_RESULTS, CAUSES, LOGGED_USAGE_RESULTS, OUTCOMES, STORE_ERROR_REASONS,
                              TENANT_HEADER_UNSEEN_REASONS, Metrics)
+from kvgate_testkit.admission import acquire_now
 
 CONFIG = {"pools": {"a": {"max_concurrency": 2}, "b": {"max_concurrency": 2}}, "default_pool": "a",
           "tenants": {"classes": {"standard": {}, "gold": {"priority": 10}}}}
@@ -90,7 +91,7 @@ def test_a_nodes_prefix_hits_and_kvgates_estimate_are_exported_side_by_side() ->
     metrics.attach(adm, tuple(cfg.tenants.classes))
     adm.report_node("default", "n0", NodeReport(kv_usage=0.0, capacity_tokens=100_000, at=clock.now()))
     for q in ("a", "b"):
-        lease = adm.try_acquire(Demand(pool="default", tenant="t", class_name="standard", prompt_tokens=10_200,
+        lease = acquire_now(adm, Demand(pool="default", tenant="t", class_name="standard", prompt_tokens=10_200,
                                        reserved_completion=800, prefix=chain_of([*SYSTEM, (q, 200)])))
         assert isinstance(lease, Lease)
     metrics.prefix_cache("default", "n0", 9_984, 20_400)

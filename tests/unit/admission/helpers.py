@@ -46,8 +46,8 @@ class Recorder:
 class YieldingStore(Store):
     """YieldingStore is the in-memory store behind an ``await`` that really suspends.
 
-    It runs the controller's asynchronous paths (the ones a Redis store takes: no
-    ``try_acquire``, drains in a task, grants that arrive after their waiter left) with the
+    It runs the controller's asynchronous paths (the ones a Redis store takes: every
+    admission awaits the store, drains in a task, grants that arrive after their waiter left) with the
     real rule and real state, without a network.
     """
 

@@ -10,7 +10,8 @@ from extproc.admission import (Admission, Demand, InvalidDemandError, Lease, Out
                                Reason, Rejection, UnknownPoolError)
 from extproc.admission.store.base import Store
 from extproc.clock import ManualClock
-from tests.unit.admission.helpers import STALE_AFTER_S, T0, YieldingStore, config, no_jitter, tenants
+from kvgate_testkit.admission import acquire_now
+from tests.unit.admission.helpers import STALE_AFTER_S, T0, config, no_jitter, tenants
 
 BACKENDS = [{"name": "n1", "metrics_url": "http://127.0.0.1:9/metrics"}]
 
@@ -117,7 +118,7 @@ async def test_unknown_usage_charges_the_whole_reservation(clock: ManualClock, s
 ])
 async def test_hostile_completion_counts(clock: ManualClock, reported, charged):
     adm = Admission(config(pool={"tpm": 100_000}), clock)
-    lease = adm.try_acquire(demand(1000, 2000))
+    lease = acquire_now(adm, demand(1000, 2000))
     lease.release(Outcome.COMPLETED, reported)
     assert adm.snapshot("default").tpm_available == pytest.approx(100_000 - charged)
 
@@ -185,8 +186,8 @@ async def test_tenant_buckets_are_separate(clock: ManualClock, store: Store):
 
 def test_release_is_idempotent_and_changes_nothing_twice(clock: ManualClock):
     adm = Admission(config(pool={"tpm": 6000, "kv_budget_tokens": 10_000}), clock)
-    lease = adm.try_acquire(demand(100, 100))
-    other = adm.try_acquire(demand(100, 100))
+    lease = acquire_now(adm, demand(100, 100))
+    other = acquire_now(adm, demand(100, 100))
     assert lease.release(Outcome.COMPLETED, 50) is True
     before = adm.snapshot("default")
     assert lease.release(Outcome.UPSTREAM_ERROR, None) is False
@@ -200,42 +201,26 @@ def test_release_is_idempotent_and_changes_nothing_twice(clock: ManualClock):
 def test_lease_fields(clock: ManualClock):
     adm = Admission(config(), clock)
     d = demand()
-    lease = adm.try_acquire(d)
+    lease = acquire_now(adm, d)
     assert lease.demand is d and lease.id and not lease.released
     assert lease.rate.limit_requests == 4 and lease.rate.remaining_requests == 3
     assert lease.rate.limit_tokens is None
 
 
-def test_demand_helper_resolves_class_and_reservation(clock: ManualClock):
-    cfg = config(pool={"context_window": 8192, "default_max_tokens": 1024},
-                 tenants=tenants({"standard": {}, "gold": {}}, {"acme": {"class": "gold"}}))
-    adm = Admission(cfg, clock)
-    d = adm.demand("acme", 7500)
-    assert (d.pool, d.class_name, d.prompt_tokens, d.reserved_completion) == ("default", "gold", 7500, 692)
-    assert adm.demand("stranger", 10, 50).class_name == "standard"
-    assert adm.demand("stranger", 10, 50).reserved_completion == 50
-    with pytest.raises(UnknownPoolError):
-        adm.demand("acme", 1, pool="nope")
-
-
 async def test_bad_calls_raise_named_errors(clock: ManualClock):
     adm = Admission(config(), clock)
     with pytest.raises(UnknownPoolError):
-        adm.try_acquire(demand(pool="nope"))
+        acquire_now(adm, demand(pool="nope"))
     with pytest.raises(UnknownPoolError):
         await adm.acquire(demand(pool="nope"))
     with pytest.raises(UnknownPoolError):
         adm.update_signals("nope", sig(0.1, T0))
     with pytest.raises(UnknownPoolError):
-        adm.poll("nope")
-    with pytest.raises(UnknownPoolError):
         adm.snapshot("nope")
     for bad in (demand(-1, 0), demand(1, -1), demand(1.5, 0), demand(True, 0)):  # type: ignore[arg-type]
         with pytest.raises(InvalidDemandError):
-            adm.try_acquire(bad)
+            acquire_now(adm, bad)
     assert adm.snapshot("default").inflight == 0
-    with pytest.raises(TypeError):
-        Admission(config(), clock, YieldingStore()).try_acquire(demand())
 
 
 async def test_reconfigure_applies_to_new_admissions_and_old_leases_release(clock: ManualClock, store: Store):
@@ -257,7 +242,7 @@ async def test_reconfigure_applies_to_new_admissions_and_old_leases_release(cloc
 
 def test_unknown_class_falls_back_to_the_default_class(clock: ManualClock):
     adm = Admission(config(), clock)
-    lease = adm.try_acquire(demand(class_name="removed-by-a-reload"))
+    lease = acquire_now(adm, demand(class_name="removed-by-a-reload"))
     assert isinstance(lease, Lease)
     assert adm.snapshot("default").inflight_by_class == {"standard": 1}
     lease.release(Outcome.COMPLETED, 1)
@@ -314,24 +299,24 @@ async def test_a_batch_kv_watermark_keeps_chats_in_when_the_scale_shrinks(clock:
 def test_the_retry_hint_comes_from_when_a_slot_is_expected_back(clock: ManualClock):
     adm = Admission(config(), clock, rand=no_jitter)
     for _ in range(3):                          # requests that each held a slot for 6 s
-        x = adm.try_acquire(demand())
+        x = acquire_now(adm, demand())
         clock.advance(6.0)
         x.release(Outcome.COMPLETED, 10)
-    held = [adm.try_acquire(demand()) for _ in range(4)]
+    held = [acquire_now(adm, demand()) for _ in range(4)]
     clock.advance(2.0)
-    r = adm.try_acquire(demand())
+    r = acquire_now(adm, demand())
     assert isinstance(r, Rejection) and r.reason is Reason.CONCURRENCY
     assert r.retry_after_s == pytest.approx(4.0)  # the holders are 2 s into holds of 6 s
     assert "retry after 4.0s" in r.message
     held[0].release(Outcome.CLIENT_DISCONNECT)    # a disconnect is no hold time to learn from
-    assert isinstance(adm.try_acquire(demand()), Lease)
+    assert isinstance(acquire_now(adm, demand()), Lease)
     assert len(adm._pools["default"].live) == 4 and len(adm._pools["default"].holds) == 3
 
 
 def test_without_completed_requests_the_retry_hint_is_the_poll_interval(clock: ManualClock):
     adm = Admission(config(), clock, rand=no_jitter)
-    [adm.try_acquire(demand()) for _ in range(4)]
-    r = adm.try_acquire(demand())
+    [acquire_now(adm, demand()) for _ in range(4)]
+    r = acquire_now(adm, demand())
     assert isinstance(r, Rejection) and r.retry_after_s == 1.0
 
 
@@ -339,10 +324,10 @@ def mixed_history(adm: Admission, clock: ManualClock, tokens: tuple[int, int] = 
     """mixed_history completes 18 chats of 50 ms, then 2 generations of 2 s side by side:
     the pool's median hold is 50 ms, its mean 0.245 s."""
     for _ in range(18):
-        x = adm.try_acquire(demand(*tokens))
+        x = acquire_now(adm, demand(*tokens))
         clock.advance(0.05)
         assert isinstance(x, Lease) and x.release(Outcome.COMPLETED, 10)
-    longs = [adm.try_acquire(demand(*tokens)) for _ in range(2)]
+    longs = [acquire_now(adm, demand(*tokens)) for _ in range(2)]
     clock.advance(2.0)
     for x in longs:
         assert isinstance(x, Lease) and x.release(Outcome.COMPLETED, 10)
@@ -356,15 +341,15 @@ def test_in_mixed_traffic_a_slot_behind_long_generations_is_expected_back_when_t
     them: the slot is back in 1.7 s, when the first of them is expected to end."""
     adm = Admission(config(pool={"max_concurrency": 2}), clock, rand=no_jitter)
     mixed_history(adm, clock)
-    longs = [adm.try_acquire(demand()) for _ in range(2)]
+    longs = [acquire_now(adm, demand()) for _ in range(2)]
     clock.advance(0.3)
-    r = adm.try_acquire(demand())
+    r = acquire_now(adm, demand())
     assert isinstance(r, Rejection) and r.reason is Reason.CONCURRENCY
     assert r.retry_after_s == pytest.approx(1.7) and "retry after 1.7s" in r.message
     clock.advance(r.retry_after_s)              # the client honours it: the generations end then
     for x in longs:
         assert isinstance(x, Lease) and x.release(Outcome.COMPLETED, 10)
-    assert isinstance(adm.try_acquire(demand()), Lease)
+    assert isinstance(acquire_now(adm, demand()), Lease)
 
 
 def test_a_slot_held_past_every_completed_hold_is_expected_to_take_as_long_again(clock: ManualClock):
@@ -373,15 +358,15 @@ def test_a_slot_held_past_every_completed_hold_is_expected_to_take_as_long_again
     not the 50 ms floor over and over."""
     adm = Admission(config(pool={"max_concurrency": 1}), clock, rand=no_jitter)
     for _ in range(10):
-        x = adm.try_acquire(demand())
+        x = acquire_now(adm, demand())
         clock.advance(0.05)
         assert isinstance(x, Lease) and x.release(Outcome.COMPLETED, 10)
-    held = adm.try_acquire(demand())
+    held = acquire_now(adm, demand())
     assert isinstance(held, Lease)
     waits = []
     for _ in range(3):
         clock.advance(waits[-1] if waits else 0.5)
-        r = adm.try_acquire(demand())
+        r = acquire_now(adm, demand())
         assert isinstance(r, Rejection)
         waits.append(r.retry_after_s)
     assert waits == pytest.approx([0.5, 1.0, 2.0])
@@ -394,26 +379,26 @@ def test_in_mixed_traffic_kv_is_expected_back_when_the_holders_needed_have_ended
     adm = Admission(config(pool={"max_concurrency": 10, "kv_budget_tokens": 1000}), clock,
                     rand=no_jitter)
     mixed_history(adm, clock)
-    gen = adm.try_acquire(demand(500, 100))
+    gen = acquire_now(adm, demand(500, 100))
     clock.advance(0.99)
-    chat = adm.try_acquire(demand(200, 100))
+    chat = acquire_now(adm, demand(200, 100))
     clock.advance(0.01)
     assert isinstance(gen, Lease) and isinstance(chat, Lease)
-    r = adm.try_acquire(demand(400, 100))         # 900 in use + 500 > 1000: 400 missing
+    r = acquire_now(adm, demand(400, 100))         # 900 in use + 500 > 1000: 400 missing
     assert isinstance(r, Rejection) and r.reason is Reason.KV_BUDGET
     assert r.retry_after_s == pytest.approx(1.0)
-    r = adm.try_acquire(demand(100, 100))         # 100 missing: the chat alone frees them
+    r = acquire_now(adm, demand(100, 100))         # 100 missing: the chat alone frees them
     assert isinstance(r, Rejection) and r.retry_after_s == pytest.approx(0.245 - 0.01)
 
 
 def test_refusals_at_one_instant_are_told_hints_spread_over_a_quarter_of_the_wait(clock: ManualClock):
     adm = Admission(config(pool={"max_concurrency": 2}), clock, rand=random.Random(30).random)
     mixed_history(adm, clock)
-    [adm.try_acquire(demand()) for _ in range(2)]
+    [acquire_now(adm, demand()) for _ in range(2)]
     clock.advance(0.3)
     hints = []
     for _ in range(200):
-        r = adm.try_acquire(demand())
+        r = acquire_now(adm, demand())
         assert isinstance(r, Rejection)
         hints.append(r.retry_after_s)
     assert all(1.7 - 1e-9 <= h < 1.7 * 1.25 for h in hints)
@@ -429,15 +414,15 @@ def test_a_slots_refusal_reads_at_most_the_walk_limit_of_leases_whatever_is_in_f
     limit = retry.WALK_LIMIT + 50
     adm = Admission(config(pool={"max_concurrency": limit}), clock, rand=no_jitter)
     for _ in range(3):                          # requests that each held a slot for 6 s
-        x = adm.try_acquire(demand())
+        x = acquire_now(adm, demand())
         clock.advance(6.0)
         x.release(Outcome.COMPLETED, 10)
     held = []
     for _ in range(limit):                      # admitted 10 ms apart
-        held.append(adm.try_acquire(demand()))
+        held.append(acquire_now(adm, demand()))
         clock.advance(0.01)
     held.pop(0).release(Outcome.CLIENT_DISCONNECT)  # the oldest leaves: order is kept
-    held.append(adm.try_acquire(demand()))
+    held.append(acquire_now(adm, demand()))
     live = adm._pools["default"].live
     assert [x.admitted_at for x in live] == sorted(x.admitted_at for x in live)
     read: list[float] = []
@@ -447,7 +432,7 @@ def test_a_slots_refusal_reads_at_most_the_walk_limit_of_leases_whatever_is_in_f
         return walk(now, (read.append(now - t[0]) or t for t in admitted), holds)
 
     monkeypatch.setattr("extproc.admission.pool.first_end", counting)
-    r = adm.try_acquire(demand())
+    r = acquire_now(adm, demand())
     assert isinstance(r, Rejection) and r.reason is Reason.CONCURRENCY
     assert len(read) == retry.WALK_LIMIT + 1 and read == sorted(read, reverse=True)
     assert r.retry_after_s == pytest.approx(6.0 - read[0])  # the oldest, read[0] s into 6 s holds

@@ -18,17 +18,17 @@ def walked(pool: PoolNodes, n: Node) -> int:
     """walked is what ``n``'s charges hold, each worked out anew with the lengths learned now
     (the rule itself, as the pick read it before the sums)."""
     q = pool.picking.quantile
-    if pool.pooled:
+    if pool.growth.pooled:
         moments = []
         for c in n.charges:
-            known = pool.lengths.get(c.class_name)
+            known = pool.growth.lengths.get(c.class_name)
             learned = known is not None and len(known.sorted) >= pool.picking.min_samples
             lengths, prefix = known.view() if learned else (None, None)
             moments.append(rules.growth_moments(c.reserved, c.generated, lengths, prefix))
         return sum(c.footprint for c in n.charges) + rules.pooled_growth(moments, q)
     total = 0
     for c in n.charges:
-        known = pool.lengths.get(c.class_name)
+        known = pool.growth.lengths.get(c.class_name)
         learned = (pool.picking.growth != "worst_case" and known is not None
                    and len(known.sorted) >= pool.picking.min_samples)
         total += rules.node_hold(c.prompt, c.reserved, c.generated, known.sorted if learned else None, q)
@@ -37,7 +37,7 @@ def walked(pool: PoolNodes, n: Node) -> int:
 
 def counted(pool: PoolNodes, n: Node) -> int:
     """counted is what ``n``'s charges hold as each of them was last counted."""
-    if pool.pooled:
+    if pool.growth.pooled:
         return (sum(c.footprint for c in n.charges)
                 + rules.pooled_growth([c.moments for c in n.charges if c.moments is not None],
                                       pool.picking.quantile))
@@ -132,11 +132,11 @@ def test_a_scrape_round_recounts_a_bounded_share_of_the_charges_held(growth, mon
     charges = [pool.pick("standard", 10, 1_000, 1.0, T0) for _ in range(10)]
     pool.release(charges.pop(), 900, True, T0)      # a length that moves the quantile
     stale = lambda: sum(1 for c in charges if c.held and                     # noqa: E731
-                        (c.own, c.moments) != pool._expect(c.class_name, c.prompt, c.reserved, c.generated))
+                        (c.own, c.moments) != pool.growth.expect(c.class_name, c.prompt, c.reserved, c.generated))
     assert stale() == 9
     pool.mark(1, T0)
     assert stale() == 5                     # four recounted
-    waiting = next(c for c in charges if (c.own, c.moments) != pool._expect(c.class_name, c.prompt, c.reserved, c.generated))
+    waiting = next(c for c in charges if (c.own, c.moments) != pool.growth.expect(c.class_name, c.prompt, c.reserved, c.generated))
     pool.release(waiting, 5, False, T0)     # one still to recount goes (cut short: teaches nothing)
     pool.mark(2, T0)
     assert stale() <= 1                     # four more read (the released one passed over)
@@ -144,7 +144,7 @@ def test_a_scrape_round_recounts_a_bounded_share_of_the_charges_held(growth, mon
     assert stale() == 0
     for n in pool.nodes.values():
         assert pool.held(n) == counted(pool, n) == walked(pool, n)
-    assert not pool._recount and not pool._taught
+    assert not pool._recount and not pool.growth.taught
 
 
 def test_with_worst_case_growth_the_lengths_learned_walk_nothing():
@@ -153,7 +153,7 @@ def test_with_worst_case_growth_the_lengths_learned_walk_nothing():
     c = pool.pick("standard", 10, 1_000, 1.0, T0)
     assert isinstance(c, Charge)
     pool.release(c, 100, True, T0)
-    assert not pool._taught and pool.lengths["standard"].sorted == [100]   # kept for a reload
+    assert not pool.growth.taught and pool.growth.lengths["standard"].sorted == [100]   # kept for a reload
 
 
 def test_a_reload_that_changes_the_growth_rule_counts_every_charge_again():

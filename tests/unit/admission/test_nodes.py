@@ -15,6 +15,7 @@ from extproc.admission.nodes import PoolNodes
 from extproc.admission.types import NodeReport
 from extproc.clock import ManualClock
 from extproc.errors import ConfigError
+from kvgate_testkit.admission import acquire_now
 from tests.unit.admission.helpers import T0, config, no_jitter
 
 CAP = 100_000
@@ -78,7 +79,7 @@ def test_a_request_counts_once_before_and_after_it_is_in_the_report():
     report(adm, clock, {"n0": 0.10})                       # 10k foreign, nothing of ours
     (node,) = adm.nodes("default")
     assert node.foreign_tokens == 10_000 and node.headroom_tokens == 90_000
-    lease = adm.try_acquire(demand(20_000, 10_000))
+    lease = acquire_now(adm, demand(20_000, 10_000))
     assert isinstance(lease, Lease) and lease.node == "127.0.0.1:8001"
     assert adm.nodes("default")[0].headroom_tokens == 60_000   # counted before any report
     lease.progress(1)                                       # first token: surely in the cache now
@@ -98,7 +99,7 @@ def test_a_request_without_its_first_token_at_the_mark_is_not_subtracted():
     clock = ManualClock(T0)
     adm = Admission(config(pool=nodes_pool(1)), clock)
     report(adm, clock, {"n0": 0.0})
-    lease = adm.try_acquire(demand(20_000, 0))
+    lease = acquire_now(adm, demand(20_000, 0))
     assert isinstance(lease, Lease)
     adm.mark_nodes(1)
     lease.progress(1)                                       # after the mark: maybe not in the report
@@ -114,7 +115,7 @@ def test_a_request_never_streamed_counts_once_when_settled_on_a_node_that_queues
     clock = ManualClock(T0)
     adm = Admission(config(pool=nodes_pool(1)), clock)
     report(adm, clock, {"n0": 0.0}, waiting=0)
-    first = adm.try_acquire(demand(20_000, 0))
+    first = acquire_now(adm, demand(20_000, 0))
     assert isinstance(first, Lease)
     clock.advance(0.5)
     adm.mark_nodes(1)                                       # no first token seen yet in the pool
@@ -122,8 +123,8 @@ def test_a_request_never_streamed_counts_once_when_settled_on_a_node_that_queues
     assert adm.nodes("default")[0].foreign_tokens == 20_000  # nothing says it is prefilled
     first.release(Outcome.COMPLETED, 100)
     report(adm, clock, {"n0": 0.0}, waiting=0)
-    slow = adm.try_acquire(demand(1_000, 0))                # its stream lags: 2.5 s to a token
-    chats = [adm.try_acquire(demand(1_000, 0)) for _ in range(2)]
+    slow = acquire_now(adm, demand(1_000, 0))                # its stream lags: 2.5 s to a token
+    chats = [acquire_now(adm, demand(1_000, 0)) for _ in range(2)]
     assert isinstance(slow, Lease) and all(isinstance(c, Lease) for c in chats)
     clock.advance(0.3)
     for chat in chats:
@@ -133,10 +134,10 @@ def test_a_request_never_streamed_counts_once_when_settled_on_a_node_that_queues
     slow.progress(1)
     slow.release(Outcome.COMPLETED, 1)                      # the typical request took 0.3 s
     report(adm, clock, {"n0": 0.0}, waiting=0)
-    document = adm.try_acquire(demand(20_000, 0))
+    document = acquire_now(adm, demand(20_000, 0))
     assert isinstance(document, Lease)
     clock.advance(1.0)                                      # older than 0.3 s, younger than 2.5 s
-    late = adm.try_acquire(demand(5_000, 0))                # admitted 0.1 s before the mark
+    late = acquire_now(adm, demand(5_000, 0))                # admitted 0.1 s before the mark
     assert isinstance(late, Lease)
     clock.advance(0.1)
     adm.mark_nodes(2)
@@ -156,7 +157,7 @@ def test_a_request_released_before_its_report_arrives_is_not_subtracted():
     clock = ManualClock(T0)
     adm = Admission(config(pool=nodes_pool(1)), clock)
     report(adm, clock, {"n0": 0.1})
-    lease = adm.try_acquire(demand(20_000, 0))
+    lease = acquire_now(adm, demand(20_000, 0))
     lease.progress(1)
     adm.mark_nodes(1)
     lease.release(Outcome.COMPLETED, 1)                     # gone, maybe before the node rendered
@@ -171,7 +172,7 @@ def test_what_a_report_subtracted_of_a_request_that_ends_stays_counted_until_the
     clock = ManualClock(T0)
     adm = Admission(config(pool=nodes_pool(1)), clock)
     report(adm, clock, {"n0": 0.30})                       # 30k foreign
-    lease = adm.try_acquire(demand(20_000, 1_000))
+    lease = acquire_now(adm, demand(20_000, 1_000))
     assert isinstance(lease, Lease)
     lease.progress(1)
     adm.mark_nodes(1)
@@ -193,7 +194,7 @@ def test_a_request_that_generated_its_whole_reservation_is_not_subtracted():
     clock = ManualClock(T0)
     adm = Admission(config(pool=nodes_pool(1)), clock)
     report(adm, clock, {"n0": 0.30})
-    done, running = adm.try_acquire(demand(20_000, 2)), adm.try_acquire(demand(10_000, 3))
+    done, running = acquire_now(adm, demand(20_000, 2)), acquire_now(adm, demand(10_000, 3))
     assert isinstance(done, Lease) and isinstance(running, Lease)
     done.progress(2)
     running.progress(2)
@@ -213,7 +214,7 @@ def test_foreign_kv_on_the_rise_keeps_its_last_rise_free_until_it_stops():
     (node,) = adm.nodes("default")
     assert node.foreign_tokens == 10_000
     assert node.headroom_tokens == 80_000                  # ...and may take 10k more by the next
-    assert isinstance(adm.try_acquire(demand(80_001, 0)), Rejection)
+    assert isinstance(acquire_now(adm, demand(80_001, 0)), Rejection)
     clock.advance(1)
     report(adm, clock, {"n0": 0.10})                       # it stopped: only what they hold counts
     assert adm.nodes("default")[0].headroom_tokens == 90_000
@@ -227,7 +228,7 @@ def one_node_held_for(clock: ManualClock, seconds: float) -> Admission:
     admitted and ended), the node reported empty before and after."""
     adm = Admission(config(pool=nodes_pool(1)), clock)
     report(adm, clock, {"n0": 0.0})
-    lease = adm.try_acquire(demand(1_000, 0))
+    lease = acquire_now(adm, demand(1_000, 0))
     clock.advance(seconds)
     lease.release(Outcome.COMPLETED, 0)
     report(adm, clock, {"n0": 0.0})
@@ -243,7 +244,7 @@ def test_a_rise_is_projected_over_the_time_kvgates_requests_hold_a_node():
     clock.advance(0.5)
     report(adm, clock, {"n0": 0.10})                       # +5k in 0.5 s: 40k more in 4 s
     assert adm.nodes("default")[0].headroom_tokens == CAP - 10_000 - 40_000
-    assert isinstance(adm.try_acquire(demand(50_001, 0)), Rejection)
+    assert isinstance(acquire_now(adm, demand(50_001, 0)), Rejection)
 
 
 def test_a_rise_in_steps_stays_projected_through_a_report_between_two_steps():
@@ -258,7 +259,7 @@ def test_a_rise_in_steps_stays_projected_through_a_report_between_two_steps():
     clock.advance(1.0)
     report(adm, clock, {"n0": 0.10})                       # between two steps: flat for 1 s...
     assert adm.nodes("default")[0].headroom_tokens == CAP - 10_000 - 20_000   # 10k in 2 s, 4 s on
-    assert isinstance(adm.try_acquire(demand(70_001, 0)), Rejection)
+    assert isinstance(acquire_now(adm, demand(70_001, 0)), Rejection)
     for _ in range(4):
         clock.advance(1.0)
         report(adm, clock, {"n0": 0.10})
@@ -273,15 +274,15 @@ def test_a_rise_read_a_while_ago_is_projected_from_its_report_not_from_now():
     assert adm.nodes("default")[0].headroom_tokens == CAP - 5_000 - 10_000
     clock.advance(1.0)                                      # no report since: 1 s more to rise,
     assert adm.nodes("default")[0].headroom_tokens == CAP - 5_000 - 12_500   # 5 s ahead in all
-    assert isinstance(adm.try_acquire(demand(82_501, 0)), Rejection)
-    assert isinstance(adm.try_acquire(demand(82_500, 0)), Lease)
+    assert isinstance(acquire_now(adm, demand(82_501, 0)), Rejection)
+    assert isinstance(acquire_now(adm, demand(82_500, 0)), Lease)
 
 
 def test_a_rise_of_kvgates_own_requests_in_the_report_is_no_foreign_rise():
     clock = ManualClock(T0)
     adm = Admission(config(pool=nodes_pool(1)), clock)
     report(adm, clock, {"n0": 0.0})
-    lease = adm.try_acquire(demand(20_000, 2))  # one token of two: still running at the mark
+    lease = acquire_now(adm, demand(20_000, 2))  # one token of two: still running at the mark
     assert isinstance(lease, Lease)
     clock.advance(1)
     report(adm, clock, {"n0": 0.20})         # no mark: the node shows it, kvgate cannot subtract it
@@ -306,13 +307,13 @@ def test_the_nodes_running_count_tells_a_foreign_step_from_a_request_entering_th
     and others took 25k. Only the node's running count tells which."""
     clock = ManualClock(T0)
     adm = one_node_held_for(clock, 4.0)                    # requests hold the node 4 s
-    a = adm.try_acquire(demand(24_999, 100))
+    a = acquire_now(adm, demand(24_999, 100))
     assert isinstance(a, Lease)
     clock.advance(1.0)
     a.progress(1)                                          # in the cache: 25k
     adm.mark_nodes(1)
     report(adm, clock, {"n0": 0.25}, mark=1, waiting=0, running=1)
-    x = adm.try_acquire(demand(25_000, 0))                 # admitted just before the next report
+    x = acquire_now(adm, demand(25_000, 0))                 # admitted just before the next report
     assert isinstance(x, Lease)
     adm.mark_nodes(2)
     clock.advance(1.0)
@@ -324,7 +325,7 @@ def test_the_nodes_running_count_tells_a_foreign_step_from_a_request_entering_th
         assert node.headroom_tokens == CAP - 25_000 - held
     else:              # it is not: others took 25k in 1 s, and may take 25k a second for 4 s more
         assert node.headroom_tokens == CAP - (25_000 + 100_000) - held
-        assert isinstance(adm.try_acquire(demand(1_000, 0)), Rejection)
+        assert isinstance(acquire_now(adm, demand(1_000, 0)), Rejection)
 
 
 @settings(max_examples=150, deadline=None)
@@ -357,7 +358,7 @@ def test_worst_case_growth_never_admits_past_capacity(foreign, ops):
         clock.advance(0.01)
         live = [i for i, x in enumerate(leases) if not x.released]
         if op == "admit":
-            got = adm.try_acquire(demand(a, b))
+            got = acquire_now(adm, demand(a, b))
             if isinstance(got, Lease):
                 leases.append(got)
                 generated[len(leases) - 1] = 0
@@ -397,15 +398,15 @@ def test_requests_spread_over_the_nodes_with_room_and_wait_for_one_when_none_has
     clock = ManualClock(T0)
     adm = Admission(config(pool=nodes_pool(3)), clock)
     report(adm, clock, {"n0": 0.0, "n1": 0.0, "n2": 0.0})
-    got = [adm.try_acquire(demand(29_000, 1_000)) for _ in range(9)]
+    got = [acquire_now(adm, demand(29_000, 1_000)) for _ in range(9)]
     assert all(isinstance(x, Lease) for x in got)
     assert sorted(x.node for x in got) == ["127.0.0.1:8001"] * 3 + ["127.0.0.1:8002"] * 3 + \
         ["127.0.0.1:8003"] * 3
-    r = adm.try_acquire(demand(29_000, 1_000))
+    r = acquire_now(adm, demand(29_000, 1_000))
     assert isinstance(r, Rejection) and r.reason is Reason.KV_BUDGET and r.retryable
     assert "No node of pool 'default' has room" in r.message
     got[4].release(Outcome.COMPLETED, 1_000)
-    again = adm.try_acquire(demand(29_000, 1_000))
+    again = acquire_now(adm, demand(29_000, 1_000))
     assert isinstance(again, Lease) and again.node == got[4].node
 
 
@@ -413,7 +414,7 @@ def test_kv_the_node_holds_for_others_keeps_requests_away_from_it():
     clock = ManualClock(T0)
     adm = Admission(config(pool=nodes_pool(3)), clock)
     report(adm, clock, {"n0": 0.92, "n1": 0.0, "n2": 0.0})
-    got = [adm.try_acquire(demand(20_000, 1_000)) for _ in range(8)]
+    got = [acquire_now(adm, demand(20_000, 1_000)) for _ in range(8)]
     assert all(isinstance(x, Lease) for x in got)
     assert "127.0.0.1:8001" not in {x.node for x in got}
     snaps = {n.name: n for n in adm.nodes("default")}
@@ -428,9 +429,9 @@ def test_a_stale_pending_or_refused_node_is_not_picked():
     report(adm, clock, {"n1": 0.0}, refused=("n1",))          # n1 refuses connections: down
     states = {n.name: n.state for n in adm.nodes("default")}
     assert states == {"n0": NodeState.UP, "n1": NodeState.DOWN, "n2": NodeState.PENDING}
-    assert adm.try_acquire(demand(1_000, 100)).node == "127.0.0.1:8001"
+    assert acquire_now(adm, demand(1_000, 100)).node == "127.0.0.1:8001"
     clock.advance(1.5)                                         # n0's report is 3.5 s old: stale
-    r = adm.try_acquire(demand(1_000, 100))
+    r = acquire_now(adm, demand(1_000, 100))
     assert isinstance(r, Rejection) and r.retryable
 
 
@@ -438,7 +439,7 @@ def test_a_request_larger_than_every_node_never_fits():
     clock = ManualClock(T0)
     adm = Admission(config(pool=nodes_pool(2, reserve=0.1)), clock)
     report(adm, clock, {"n0": 0.0, "n1": 0.0})
-    r = adm.try_acquire(demand(85_000, 6_000))
+    r = acquire_now(adm, demand(85_000, 6_000))
     assert isinstance(r, Rejection) and not r.retryable and "largest node" in r.message
 
 
@@ -447,16 +448,16 @@ def test_release_frees_the_node_once_and_learned_growth_admits_more_than_the_wor
     adm = Admission(config(pool=nodes_pool(1, growth="learned", min_samples=5, quantile=0.9)), clock)
     report(adm, clock, {"n0": 0.0})
     for _ in range(5):  # five chats that stopped at 100 tokens of their 4,000
-        lease = adm.try_acquire(demand(1_000, 4_000))
+        lease = acquire_now(adm, demand(1_000, 4_000))
         assert isinstance(lease, Lease)
         assert lease.release(Outcome.COMPLETED, 100) and not lease.release(Outcome.COMPLETED, 100)
     assert adm.nodes("default")[0].requests == 0
-    got = [adm.try_acquire(demand(1_000, 4_000)) for _ in range(60)]
+    got = [acquire_now(adm, demand(1_000, 4_000)) for _ in range(60)]
     admitted = sum(isinstance(x, Lease) for x in got)
     assert admitted == 60                                   # 60 x 1,100 fits; 60 x 5,000 would not
     worst = Admission(config(pool=nodes_pool(1)), clock)
     report(worst, clock, {"n0": 0.0})
-    assert sum(isinstance(worst.try_acquire(demand(1_000, 4_000)), Lease) for _ in range(60)) == 20
+    assert sum(isinstance(acquire_now(worst, demand(1_000, 4_000)), Lease) for _ in range(60)) == 20
 
 
 async def test_a_waiter_gets_the_node_that_frees_first():
@@ -464,7 +465,7 @@ async def test_a_waiter_gets_the_node_that_frees_first():
     adm = Admission(config(pool=nodes_pool(1), tenants={
         "classes": {"standard": {"max_wait_s": 5.0}}}), clock)
     report(adm, clock, {"n0": 0.0})
-    first = adm.try_acquire(demand(60_000, 10_000))
+    first = acquire_now(adm, demand(60_000, 10_000))
     assert isinstance(first, Lease)
     import asyncio
     task = asyncio.ensure_future(adm.acquire(demand(50_000, 10_000)))
@@ -480,15 +481,15 @@ def test_retry_after_comes_from_when_room_is_expected_back():
     adm = Admission(config(pool=nodes_pool(1)), clock, rand=no_jitter)
     report(adm, clock, {"n0": 0.0})
     for _ in range(4):                      # requests that each held their node for 8 s
-        x = adm.try_acquire(demand(10_000, 1_000))
+        x = acquire_now(adm, demand(10_000, 1_000))
         clock.advance(8.0)
         report(adm, clock, {"n0": 0.0})
         x.release(Outcome.COMPLETED, 10)
-    held = [adm.try_acquire(demand(40_000, 5_000)) for _ in range(2)]
+    held = [acquire_now(adm, demand(40_000, 5_000)) for _ in range(2)]
     assert all(isinstance(x, Lease) for x in held)
     clock.advance(3.0)
     report(adm, clock, {"n0": 0.0})
-    r = adm.try_acquire(demand(40_000, 5_000))
+    r = acquire_now(adm, demand(40_000, 5_000))
     assert isinstance(r, Rejection)
     assert 4.0 <= r.retry_after_s <= 6.0    # the two are 3 s into a typical 8 s
 
@@ -501,19 +502,19 @@ def test_in_mixed_traffic_a_nodes_room_is_expected_back_when_the_generations_nee
     adm = Admission(config(pool=nodes_pool(1)), clock, rand=no_jitter)
     report(adm, clock, {"n0": 0.0})
     for _ in range(18):
-        x = adm.try_acquire(demand(10_000, 1_000))
+        x = acquire_now(adm, demand(10_000, 1_000))
         clock.advance(0.05)
         assert isinstance(x, Lease) and x.release(Outcome.COMPLETED, 10)
-    longs = [adm.try_acquire(demand(10_000, 1_000)) for _ in range(2)]
+    longs = [acquire_now(adm, demand(10_000, 1_000)) for _ in range(2)]
     clock.advance(2.0)
     for x in longs:
         assert isinstance(x, Lease) and x.release(Outcome.COMPLETED, 10)
     report(adm, clock, {"n0": 0.0})
-    held = [adm.try_acquire(demand(40_000, 5_000)) for _ in range(2)]
+    held = [acquire_now(adm, demand(40_000, 5_000)) for _ in range(2)]
     assert all(isinstance(x, Lease) for x in held)
     clock.advance(0.3)
     report(adm, clock, {"n0": 0.0})
-    r = adm.try_acquire(demand(40_000, 5_000))
+    r = acquire_now(adm, demand(40_000, 5_000))
     assert isinstance(r, Rejection) and r.reason is Reason.KV_BUDGET
     assert r.retry_after_s == pytest.approx(1.7)
 
@@ -564,7 +565,7 @@ def test_equal_idle_nodes_share_light_traffic():
     report(adm, clock, {"n0": 0.0, "n1": 0.0, "n2": 0.0})
     seen = []
     for _ in range(6):  # one request at a time, each done before the next
-        lease = adm.try_acquire(demand(100, 10))
+        lease = acquire_now(adm, demand(100, 10))
         seen.append(lease.node)
         lease.release(Outcome.COMPLETED, 10)
     assert sorted(seen) == sorted(["127.0.0.1:8001", "127.0.0.1:8002", "127.0.0.1:8003"] * 2)
@@ -623,10 +624,10 @@ def _admitted(growth: str, lengths: list[int], **picking) -> int:
     adm = Admission(config(pool=nodes_pool(1, growth=growth, min_samples=len(lengths), **picking)), clock)
     report(adm, clock, {"n0": 0.0})
     for n in lengths:
-        lease = adm.try_acquire(demand(100, 4_000))
+        lease = acquire_now(adm, demand(100, 4_000))
         assert isinstance(lease, Lease)
         lease.release(Outcome.COMPLETED, n)
-    return sum(isinstance(adm.try_acquire(demand(1_000, 4_000)), Lease) for _ in range(100))
+    return sum(isinstance(acquire_now(adm, demand(1_000, 4_000)), Lease) for _ in range(100))
 
 
 def test_pooled_growth_admits_more_than_each_requests_quantile_and_less_than_the_mean():
@@ -650,14 +651,14 @@ def test_a_class_watermark_is_a_share_of_the_whole_node_not_of_what_the_reserve_
     adm = Admission(config(pool=nodes_pool(1, reserve=0.1), tenants={
         "classes": {"standard": {}, "batch": {"kv_watermark": 0.7}}}), clock)
     report(adm, clock, {"n0": 0.0})
-    docs = [adm.try_acquire(demand(34_000, 500, "batch")) for _ in range(2)]
+    docs = [acquire_now(adm, demand(34_000, 500, "batch")) for _ in range(2)]
     assert all(isinstance(x, Lease) for x in docs)      # 69,000 <= 0.7 x 100,000 (not 0.7 x 90,000)
-    over = adm.try_acquire(demand(1_500, 500, "batch"))  # 71,000: above the class's share
+    over = acquire_now(adm, demand(1_500, 500, "batch"))  # 71,000: above the class's share
     assert isinstance(over, Rejection) and over.retryable
     assert adm.nodes("default")[0].passed_over == {"class_watermark": 1}
-    chat = adm.try_acquire(demand(20_000, 500))          # 89,500: the reserve still bounds the rest
+    chat = acquire_now(adm, demand(20_000, 500))          # 89,500: the reserve still bounds the rest
     assert isinstance(chat, Lease)
-    assert isinstance(adm.try_acquire(demand(1_000, 100)), Rejection)
+    assert isinstance(acquire_now(adm, demand(1_000, 100)), Rejection)
 
 
 def test_a_store_sharing_the_nodes_gets_the_same_watermark_as_the_local_pick():

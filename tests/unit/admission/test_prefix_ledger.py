@@ -15,6 +15,7 @@ from extproc.admission.sharing import Prefixes
 from extproc.admission.types import NodeReport
 from extproc.admission.types import Chain
 from extproc.clock import ManualClock
+from kvgate_testkit.admission import acquire_now
 from tests.unit.admission.helpers import T0, config
 from tests.unit.admission.test_nodes import CAP, nodes_pool, report
 
@@ -49,10 +50,10 @@ def one_node(shared_prefix: bool = True) -> tuple[Admission, ManualClock]:
 
 def test_a_second_request_with_the_same_prefix_is_charged_it_once_less_one_block():
     adm, _clock = one_node()
-    a = adm.try_acquire(ask(10_200, 800, chain_of([*SYSTEM, ("qa", 200)])))
+    a = acquire_now(adm, ask(10_200, 800, chain_of([*SYSTEM, ("qa", 200)])))
     assert isinstance(a, Lease)
     assert adm.nodes("default")[0].held_tokens == 11_000
-    b = adm.try_acquire(ask(10_200, 800, chain_of([*SYSTEM, ("qb", 200)])))
+    b = acquire_now(adm, ask(10_200, 800, chain_of([*SYSTEM, ("qb", 200)])))
     assert isinstance(b, Lease)
     node = adm.nodes("default")[0]
     # 10,000 tokens shared: 625 whole blocks of 16, one block less for the ends' error.
@@ -64,7 +65,7 @@ def test_a_second_request_with_the_same_prefix_is_charged_it_once_less_one_block
 def test_off_by_default_and_off_it_charges_every_prompt_whole():
     adm, _clock = one_node(shared_prefix=False)
     for q in ("qa", "qb"):
-        assert isinstance(adm.try_acquire(ask(10_200, 800, chain_of([*SYSTEM, (q, 200)]))), Lease)
+        assert isinstance(acquire_now(adm, ask(10_200, 800, chain_of([*SYSTEM, (q, 200)]))), Lease)
     node = adm.nodes("default")[0]
     assert node.shared_tokens == 0 and node.held_tokens == 22_000
     assert config(pool=nodes_pool(1)).pools["default"].picking.shared_prefix is False
@@ -72,13 +73,13 @@ def test_off_by_default_and_off_it_charges_every_prompt_whole():
 
 def test_a_prefix_shared_only_with_a_request_that_ended_is_charged_again():
     adm, _clock = one_node()
-    a = adm.try_acquire(ask(10_200, 800, chain_of([*SYSTEM, ("qa", 200)])))
-    b = adm.try_acquire(ask(10_200, 800, chain_of([*SYSTEM, ("qb", 200)])))
+    a = acquire_now(adm, ask(10_200, 800, chain_of([*SYSTEM, ("qa", 200)])))
+    b = acquire_now(adm, ask(10_200, 800, chain_of([*SYSTEM, ("qb", 200)])))
     assert isinstance(a, Lease) and isinstance(b, Lease)
     a.release(Outcome.COMPLETED, 800)
     node = adm.nodes("default")[0]
     assert node.shared_tokens == 0 and node.held_tokens == 11_000   # the engine may have evicted it
-    c = adm.try_acquire(ask(10_200, 800, chain_of([*SYSTEM, ("qc", 200)])))
+    c = acquire_now(adm, ask(10_200, 800, chain_of([*SYSTEM, ("qc", 200)])))
     assert isinstance(c, Lease)
     assert adm.nodes("default")[0].shared_tokens == 10_000 - BLOCK   # shared with b, running
 
@@ -87,22 +88,22 @@ def test_a_node_full_for_whole_prompts_takes_requests_that_share_its_prefix():
     clock = ManualClock(T0)
     adm = Admission(config(pool=nodes_pool(1, shared_prefix=True, block_tokens=BLOCK)), clock)
     report(adm, clock, {"n0": 0.0})
-    taken = [adm.try_acquire(ask(10_200, 800, chain_of([*SYSTEM, (f"q{i}", 200)]))) for i in range(12)]
+    taken = [acquire_now(adm, ask(10_200, 800, chain_of([*SYSTEM, (f"q{i}", 200)]))) for i in range(12)]
     assert all(isinstance(t, Lease) for t in taken)    # 12 x 11,000 = 132k whole, ~42k once
-    unique = adm.try_acquire(ask(10_200, 800, chain_of([("other", 10_000), ("q", 200)])))
+    unique = acquire_now(adm, ask(10_200, 800, chain_of([("other", 10_000), ("q", 200)])))
     assert isinstance(unique, Lease)
     node = adm.nodes("default")[0]
     assert node.held_tokens == 13 * 11_000 - 11 * (10_000 - BLOCK)
     # Without sharing the ninth whole prompt is refused.
     adm2, _ = one_node(shared_prefix=False)
-    got = [adm2.try_acquire(ask(10_200, 800, chain_of([*SYSTEM, (f"q{i}", 200)]))) for i in range(10)]
+    got = [acquire_now(adm2, ask(10_200, 800, chain_of([*SYSTEM, (f"q{i}", 200)]))) for i in range(10)]
     assert [isinstance(g, Lease) for g in got].count(True) == 9
 
 
 def test_a_node_that_reports_its_block_size_is_counted_in_its_blocks():
     adm, clock = one_node()
     for q in ("qa", "qb"):
-        assert isinstance(adm.try_acquire(ask(10_200, 800, chain_of([("system", 10_100), (q, 100)]))), Lease)
+        assert isinstance(acquire_now(adm, ask(10_200, 800, chain_of([("system", 10_100), (q, 100)]))), Lease)
     assert adm.nodes("default")[0].shared_tokens == 10_096 - BLOCK      # whole blocks of 16
     adm.report_node("default", "n0", NodeReport(kv_usage=0.2, capacity_tokens=CAP, at=clock.now(),
                                                  block_tokens=512))
@@ -111,7 +112,7 @@ def test_a_node_that_reports_its_block_size_is_counted_in_its_blocks():
 
 def test_a_report_subtracts_a_shared_prefix_once():
     adm, clock = one_node()
-    leases = [adm.try_acquire(ask(10_200, 800, chain_of([*SYSTEM, (f"q{i}", 200)]))) for i in range(3)]
+    leases = [acquire_now(adm, ask(10_200, 800, chain_of([*SYSTEM, (f"q{i}", 200)]))) for i in range(3)]
     for lease in leases:
         assert isinstance(lease, Lease)
         lease.progress(1)
@@ -131,7 +132,7 @@ def test_what_a_report_subtracted_of_a_sharing_request_that_ends_stays_counted_u
     than the blocks the engine shares: foreign KV reads low by that block, which the sharing
     covers only while the request is held."""
     adm, clock = one_node()
-    a, b = (adm.try_acquire(ask(10_200, 800, chain_of([*SYSTEM, (q, 200)]))) for q in ("qa", "qb"))
+    a, b = (acquire_now(adm, ask(10_200, 800, chain_of([*SYSTEM, (q, 200)]))) for q in ("qa", "qb"))
     assert isinstance(a, Lease) and isinstance(b, Lease)
     a.progress(1)
     b.progress(1)
@@ -254,21 +255,21 @@ def two_nodes(**picking) -> Admission:
 
 def test_a_request_goes_where_its_prefix_runs_unless_affinity_is_off():
     adm = two_nodes()
-    a = adm.try_acquire(ask(10_200, 800, chain_of([*SYSTEM, ("qa", 200)])))
-    b = adm.try_acquire(ask(10_200, 800, chain_of([*SYSTEM, ("qb", 200)])))
+    a = acquire_now(adm, ask(10_200, 800, chain_of([*SYSTEM, ("qa", 200)])))
+    b = acquire_now(adm, ask(10_200, 800, chain_of([*SYSTEM, ("qb", 200)])))
     assert isinstance(a, Lease) and isinstance(b, Lease)
     assert b.node == a.node      # the idle node has more room: the prefix won
     by_node = {n.address: n for n in adm.nodes("default")}
     assert by_node[a.node].affinity_picks == 1 and by_node[a.node].shared_tokens == 10_000 - BLOCK
     off = two_nodes(prefix_affinity=0.0)
-    a = off.try_acquire(ask(10_200, 800, chain_of([*SYSTEM, ("qa", 200)])))
-    b = off.try_acquire(ask(10_200, 800, chain_of([*SYSTEM, ("qb", 200)])))
+    a = acquire_now(off, ask(10_200, 800, chain_of([*SYSTEM, ("qa", 200)])))
+    b = acquire_now(off, ask(10_200, 800, chain_of([*SYSTEM, ("qb", 200)])))
     assert isinstance(a, Lease) and isinstance(b, Lease) and b.node != a.node
 
 
 def test_a_hot_prefix_does_not_pile_onto_one_node():
     adm = two_nodes()
-    leases = [adm.try_acquire(ask(10_200, 800, chain_of([*SYSTEM, (f"q{i}", 200)]))) for i in range(24)]
+    leases = [acquire_now(adm, ask(10_200, 800, chain_of([*SYSTEM, (f"q{i}", 200)]))) for i in range(24)]
     assert all(isinstance(x, Lease) for x in leases)
     counts = {n.name: n.requests for n in adm.nodes("default")}
     # Each node holds the prefix once and takes its share: neither takes them all.
@@ -278,15 +279,15 @@ def test_a_hot_prefix_does_not_pile_onto_one_node():
 
 def test_affinity_never_fits_a_request_where_it_does_not_fit():
     adm = two_nodes()
-    big = adm.try_acquire(ask(80_000, 9_000, chain_of([("big", 80_000)])))
+    big = acquire_now(adm, ask(80_000, 9_000, chain_of([("big", 80_000)])))
     assert isinstance(big, Lease)
     # Shares 80k with the request on that node, but fits there only by its credit: it does,
     # once; a request sharing nothing of it goes to the other node.
-    same = adm.try_acquire(ask(80_000, 9_000, chain_of([("big", 80_000)])))
+    same = acquire_now(adm, ask(80_000, 9_000, chain_of([("big", 80_000)])))
     assert isinstance(same, Lease) and same.node == big.node
-    other = adm.try_acquire(ask(80_000, 9_000, chain_of([("else", 80_000)])))
+    other = acquire_now(adm, ask(80_000, 9_000, chain_of([("else", 80_000)])))
     assert isinstance(other, Lease) and other.node != big.node
-    assert isinstance(adm.try_acquire(ask(80_000, 9_000, chain_of([("third", 80_000)]))), Rejection)
+    assert isinstance(acquire_now(adm, ask(80_000, 9_000, chain_of([("third", 80_000)]))), Rejection)
 
 
 def test_with_the_redis_store_check_config_no_longer_warns_about_sharing():
@@ -314,22 +315,22 @@ def test_a_request_a_shared_store_admitted_keeps_its_chain_here():
 
 def test_a_request_goes_where_its_prefix_ended_a_moment_ago_but_is_not_credited_for_it():
     adm = two_nodes()
-    first = adm.try_acquire(ask(10_200, 800, chain_of([*SYSTEM, ("turn1", 200)])))
+    first = acquire_now(adm, ask(10_200, 800, chain_of([*SYSTEM, ("turn1", 200)])))
     assert isinstance(first, Lease)
     first.release(Outcome.COMPLETED, 800)
     # The next turn of that conversation: both nodes idle, the one that served turn 1 may
     # still cache its prefix (placement), but it is charged whole (it may be evicted).
     for _ in range(3):   # whatever the turn order would say
-        nxt = adm.try_acquire(ask(10_500, 800, chain_of([*SYSTEM, ("turn1", 200), ("turn2", 300)])))
+        nxt = acquire_now(adm, ask(10_500, 800, chain_of([*SYSTEM, ("turn1", 200), ("turn2", 300)])))
         assert isinstance(nxt, Lease) and nxt.node == first.node
         by_node = {n.address: n for n in adm.nodes("default")}
         assert by_node[nxt.node].shared_tokens == 0 and by_node[nxt.node].held_tokens == 11_300
         nxt.release(Outcome.COMPLETED, 800)
     off = two_nodes(prefix_affinity=0.0)
-    a = off.try_acquire(ask(10_200, 800, chain_of([*SYSTEM, ("turn1", 200)])))
+    a = acquire_now(off, ask(10_200, 800, chain_of([*SYSTEM, ("turn1", 200)])))
     assert isinstance(a, Lease)
     a.release(Outcome.COMPLETED, 800)
-    b = off.try_acquire(ask(10_500, 800, chain_of([*SYSTEM, ("turn1", 200), ("turn2", 300)])))
+    b = acquire_now(off, ask(10_500, 800, chain_of([*SYSTEM, ("turn1", 200), ("turn2", 300)])))
     assert isinstance(b, Lease) and b.node != a.node      # in turn, blind to the cache
 
 

@@ -22,6 +22,7 @@ from extproc.admission.store.memory import MemoryStore
 from extproc.clock import ManualClock
 from extproc.config import Config
 from extproc.configparse import parse_config
+from kvgate_testkit.admission import acquire_now
 from tests.unit.admission.helpers import STALE_AFTER_S
 
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -89,7 +90,7 @@ def test_invariants_hold_through_any_sequence(cfg: Config, script: list[tuple]) 
     for op in script:
         kind = op[0]
         if kind == "acquire":
-            res = adm.try_acquire(demand(*op[1:]))
+            res = acquire_now(adm, demand(*op[1:]))
             if isinstance(res, Lease):
                 snap = adm.snapshot("default")
                 assert snap.inflight <= snap.concurrency_limit
@@ -139,7 +140,7 @@ def test_refunds_and_refills_never_fill_a_bucket_above_capacity(tpm: int, tenant
     leases: list[Lease] = []
     for op in script:
         if op[0] == "acquire":
-            res = adm.try_acquire(demand(*op[1:]))
+            res = acquire_now(adm, demand(*op[1:]))
             if isinstance(res, Lease):
                 leases.append(res)
         elif op[0] == "release" and leases:
@@ -176,7 +177,7 @@ def test_buckets_are_charged_exactly_the_settled_amounts(script: list[tuple]) ->
 
     for op in script:
         if op[0] == "acquire":
-            res = adm.try_acquire(demand(*op[1:]))
+            res = acquire_now(adm, demand(*op[1:]))
             if isinstance(res, Lease):
                 leases.append(res)
         elif leases:
@@ -212,11 +213,11 @@ def test_a_class_below_its_guarantee_always_gets_a_slot(base: int, gold: int, si
         by_class = adm.snapshot("default").inflight_by_class
         for cls, g in guarantees.items():
             if by_class.get(cls, 0) < g:
-                probe = adm.try_acquire(Demand("default", "t", cls, 1, 0))
+                probe = acquire_now(adm, Demand("default", "t", cls, 1, 0))
                 assert isinstance(probe, Lease), (cls, by_class, probe)
                 probe.release(Outcome.COMPLETED, 0)
         if op[0] == "acquire":
-            res = adm.try_acquire(Demand("default", "t", op[1], 1, 0))
+            res = acquire_now(adm, Demand("default", "t", op[1], 1, 0))
             if isinstance(res, Lease):
                 leases.append(res)
         elif leases:
@@ -244,7 +245,7 @@ def test_the_budget_above_a_watermark_is_always_there_for_the_others(budget: int
     leases: list[Lease] = []
     for op in script:
         if op[0] == "acquire":
-            res = adm.try_acquire(Demand("default", "t", op[1], op[2], 0))
+            res = acquire_now(adm, Demand("default", "t", op[1], op[2], 0))
             if isinstance(res, Lease):
                 leases.append(res)
         elif leases:
@@ -252,6 +253,6 @@ def test_the_budget_above_a_watermark_is_always_there_for_the_others(budget: int
         others = sum(x.demand.tokens for x in leases if x.demand.class_name == "standard")
         probe = budget - ceiling - others
         if probe >= 0:
-            got = adm.try_acquire(Demand("default", "t", "standard", probe, 0))
+            got = acquire_now(adm, Demand("default", "t", "standard", probe, 0))
             assert isinstance(got, Lease), (others, probe, ceiling, got)
             got.release(Outcome.COMPLETED, 0)

@@ -20,7 +20,7 @@ import redis as redis_sync
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from extproc.admission import Admission, Lease, Outcome, Rejection
+from extproc.admission import Admission, Demand, Lease, Outcome, Rejection
 from extproc.admission.kvbudget import effective_kv_budget, kv_ceilings
 from extproc.admission.slots import effective_guarantees, effective_limit
 from extproc.admission.types import Budget, BucketSpec, Grant, Plan, PoolLimits, Refusal
@@ -534,7 +534,7 @@ async def test_a_waiter_on_a_fail_closed_store_is_refused_at_its_deadline(stores
                            "tenants": {"classes": {"standard": {"max_wait_s": 30}}}})
     rs = open_store(stores, cfg(own_server.url, timeout_s=1.0, on_unavailable="fail_closed"), clock)
     adm = Admission(config, clock, rs)
-    d = adm.demand("t", prompt_tokens=10, max_tokens=10)
+    d = Demand(pool="default", tenant="t", class_name="standard", prompt_tokens=10, reserved_completion=10)
     held = await adm.acquire(d)
     assert isinstance(held, Lease)
     waiter = asyncio.create_task(adm.acquire(d))

@@ -18,7 +18,7 @@ import redis as redis_sync
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from extproc.admission import Admission, Lease, Outcome, Rejection, rules
+from extproc.admission import Admission, Demand, Lease, Outcome, Rejection, rules
 from extproc.admission.types import NodeReport
 from extproc.admission.shared_nodes import Candidate as C, NodeAsk, Pooled, others_seen, pick_shared, pick_within
 from extproc.admission.types import Budget, Grant, Plan, PoolLimits, Refusal
@@ -43,6 +43,13 @@ def cfg(url: str, **kw) -> RedisStoreConfig:
     kw.setdefault("timeout_s", 2.0)
     kw.setdefault("expected_replicas", 2)
     return RedisStoreConfig(url=url, key_prefix=f"t{secrets.token_hex(6)}:", **kw)
+
+
+def want(prompt: int, max_tokens: int) -> Demand:
+    """want is a request of tenant t (the default class) to the default pool that reserves its
+    ``max_tokens`` (``kvbudget.reserved_completion`` of a request that gives them)."""
+    return Demand(pool="default", tenant="t", class_name="standard", prompt_tokens=prompt,
+                  reserved_completion=max_tokens)
 
 
 def node_plan(ask: NodeAsk, tokens: int = 1) -> Plan:
@@ -223,7 +230,7 @@ async def test_two_controllers_share_every_nodes_room(redis_server):
         leases: list[Lease] = []
         for i in range(12):
             adm = adms[i % 2]
-            got = await adm.acquire(adm.demand("t", prompt_tokens=2000, max_tokens=1000))
+            got = await adm.acquire(want(2000, 1000))
             if isinstance(got, Lease):
                 leases.append(got)
             else:
@@ -258,7 +265,7 @@ async def test_the_proxys_allowed_endpoints_bound_the_shared_pick(redis_server):
         for n in NODES:
             adm.report_node("default", n, NodeReport(kv_usage=0.0, capacity_tokens=CAP, at=T0))
         among = frozenset({"127.0.0.1:8002"})  # n1 only
-        got = [await adm.acquire(replace(adm.demand("t", prompt_tokens=2000, max_tokens=1000), among=among))
+        got = [await adm.acquire(replace(want(2000, 1000), among=among))
                for _ in range(4)]
         leases = [x for x in got if isinstance(x, Lease)]
         assert [x.node for x in leases] == ["127.0.0.1:8002"] * 3  # n1: 3,000 each in 10,000
@@ -421,7 +428,7 @@ async def _two_replicas_one_full(redis_server, seen_by_b: str):
         adm.report_node("default", "n0", NodeReport(kv_usage=0.0, capacity_tokens=10_000, at=T0))
     held = []
     for _ in range(3):
-        got = await b.acquire(b.demand("t", prompt_tokens=2000, max_tokens=500))
+        got = await b.acquire(want(2000, 500))
         assert isinstance(got, Lease)
         held.append(got)
     if seen_by_b == "first token":
@@ -436,7 +443,7 @@ async def _two_replicas_one_full(redis_server, seen_by_b: str):
     used = 3 * 2001 / 10_000 if seen_by_b == "first token" else 3 * 2000 / 10_000
     a.report_node("default", "n0", NodeReport(kv_usage=used, capacity_tokens=10_000, at=clock.now(),
                                               mark=1, waiting=0, running=3))
-    fourth = await a.acquire(a.demand("t", prompt_tokens=2000, max_tokens=500))
+    fourth = await a.acquire(want(2000, 500))
     return a, b, held, fourth
 
 
@@ -448,8 +455,8 @@ async def test_another_replicas_requests_in_a_report_are_not_counted_twice(redis
     try:
         assert isinstance(fourth, Lease) and fourth.node == "127.0.0.1:8001", fourth
         # and no further: the node is full for a as for b
-        assert isinstance(await a.acquire(a.demand("t", prompt_tokens=1, max_tokens=1)), Rejection)
-        assert isinstance(await b.acquire(b.demand("t", prompt_tokens=1, max_tokens=1)), Rejection)
+        assert isinstance(await a.acquire(want(1, 1)), Rejection)
+        assert isinstance(await b.acquire(want(1, 1)), Rejection)
         shown = {s.name: s.foreign_tokens for s in a.nodes("default")}
         assert shown == {"n0": 0}
     finally:
@@ -489,7 +496,7 @@ async def test_a_request_that_ended_after_it_was_published_is_counted_by_its_hol
         assert {k: int(v) for k, v in r.hgetall(f"{prefix}:nk").items() if int(v)} == {b"n0": 2500}
         # the report a read still shows b's three: until a reads a new one they are foreign
         # again (6,003), as they were before b published them: 10,000 - 6,003 - 2,500 < 2,500
-        got = await a.acquire(a.demand("t", prompt_tokens=2000, max_tokens=500))
+        got = await a.acquire(want(2000, 500))
         assert isinstance(got, Rejection) and got.message.startswith("No node")
     finally:
         if isinstance(fourth, Lease):
@@ -771,7 +778,7 @@ async def _fill(replicas: list[Admission], clock: ManualClock) -> list[Lease]:
     for adm in replicas:
         adm.report_node("default", "n0", NodeReport(kv_usage=0.0, capacity_tokens=60_000, at=clock.now()))
         for n in range(0, 500, 10):
-            got = await adm.acquire(adm.demand("t", prompt_tokens=10, max_tokens=1000))
+            got = await adm.acquire(want(10, 1000))
             assert isinstance(got, Lease)
             got.release(Outcome.COMPLETED, n)
         if isinstance(adm.store, RedisStore):
@@ -779,7 +786,7 @@ async def _fill(replicas: list[Admission], clock: ManualClock) -> list[Lease]:
     held: list[Lease] = []
     while len(held) < 200:
         adm = replicas[len(held) % len(replicas)]
-        got = await adm.acquire(adm.demand("t", prompt_tokens=1000, max_tokens=1000))
+        got = await adm.acquire(want(1000, 1000))
         if not isinstance(got, Lease):
             assert got.message.startswith("No node"), got
             return held

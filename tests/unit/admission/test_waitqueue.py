@@ -2,7 +2,8 @@
 
 Waiters are tasks on the test's event loop; ``until``/``quiet`` let them run until an
 event (a store's answer, a walk's end), never for time to pass. Time moves only with the
-manual clock, and ``poll`` stands in for the timers a real clock would fire.
+manual clock, which is also the wait queues' timers (``ManualClock.call_later``): they
+fire when a test moves it past them.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def demand(prompt: int = 10, completion: int = 0, class_name: str = "standard", 
 
 
 def adm_with(clock: ManualClock, store: Store | None = None, **pool) -> Admission:
-    return Admission(config(pool=pool or {"max_concurrency": 1}, tenants=tenants(CLASSES)), clock, store)
+    return Admission(config(pool=pool or {"max_concurrency": 1}, tenants=tenants(CLASSES)), clock, store, timers=clock)
 
 
 def waiting(adm: Admission, n: int):
@@ -40,9 +41,8 @@ def waiting(adm: Admission, n: int):
 
 
 async def tick(adm: Admission, clock: ManualClock, seconds: float) -> None:
-    """tick moves the clock and runs the wait queues, as the timers would."""
+    """tick moves the clock by ``seconds`` and lets the timers due by then fire and their walks end."""
     clock.advance(seconds)
-    adm.poll()
     await quiet(adm)
 
 
@@ -164,7 +164,7 @@ async def test_a_waiter_for_tokens_is_admitted_when_the_bucket_refills(clock: Ma
 
 async def test_a_tenant_waiting_on_its_own_bucket_blocks_only_itself(clock: ManualClock, store: Store):
     classes = dict(CLASSES, standard={"max_wait_s": 30, "tpm": 600})
-    adm = Admission(config(pool={"max_concurrency": 10}, tenants=tenants(classes)), clock, store)
+    adm = Admission(config(pool={"max_concurrency": 10}, tenants=tenants(classes)), clock, store, timers=clock)
     assert isinstance(await adm.acquire(demand(600, tenant="a")), Lease)
     first = asyncio.create_task(adm.acquire(demand(10, tenant="a")))
     await until(waiting(adm, 1))
@@ -183,7 +183,7 @@ async def test_a_tenant_waiting_on_its_own_bucket_blocks_only_itself(clock: Manu
 
 async def test_guaranteed_slots_are_taken_past_waiters_of_other_classes(clock: ManualClock, store: Store):
     classes = dict(CLASSES, gold={"guaranteed_slots": 1, "max_wait_s": 30})
-    adm = Admission(config(pool={"max_concurrency": 2}, tenants=tenants(classes)), clock, store)
+    adm = Admission(config(pool={"max_concurrency": 2}, tenants=tenants(classes)), clock, store, timers=clock)
     held = await adm.acquire(demand())
     queued = asyncio.create_task(adm.acquire(demand()))  # the free slot is gold's
     await until(waiting(adm, 1))
@@ -196,7 +196,7 @@ async def test_guaranteed_slots_are_taken_past_waiters_of_other_classes(clock: M
 
 async def test_alarm_sheds_waiting_sheddable_requests(clock: ManualClock, store: Store):
     adm = Admission(config(pool={"max_concurrency": 10, "backends": BACKENDS}, tenants=tenants(CLASSES)),
-                    clock, store)
+                    clock, store, timers=clock)
     for _ in range(5):
         adm.update_signals("default", PoolSignals(0.1, 0, False, None, clock.now(), clock.now() + STALE_AFTER_S))
         clock.advance(1)
@@ -235,7 +235,7 @@ async def test_a_grant_that_arrives_after_its_waiter_left_is_given_back(clock: M
 async def test_waiters_of_a_removed_pool_are_refused(clock: ManualClock, store: Store):
     cfg = config(pools={"default": {"max_concurrency": 1}, "other": {"max_concurrency": 1}},
                  tenants=tenants(CLASSES))
-    adm = Admission(cfg, clock, store)
+    adm = Admission(cfg, clock, store, timers=clock)
     held = await adm.acquire(demand(pool="other"))
     task = asyncio.create_task(adm.acquire(demand(pool="other")))
     await until(lambda: adm.snapshot("other").waiting == 1)
@@ -268,7 +268,7 @@ async def test_a_waiter_held_by_its_class_kv_watermark_holds_back_only_its_class
     # KV budget 1000; 'bulk' (same priority as 'standard') may fill it up to 500.
     classes = {"standard": {"max_wait_s": 30}, "bulk": {"max_wait_s": 30, "kv_watermark": 0.5}}
     adm = Admission(config(pool={"max_concurrency": 10, "kv_budget_tokens": 1000},
-                           tenants=tenants(classes)), clock, store)
+                           tenants=tenants(classes)), clock, store, timers=clock)
     first = await adm.acquire(demand(400, class_name="bulk"))
     assert isinstance(first, Lease)
     big = asyncio.create_task(adm.acquire(demand(300, class_name="bulk")))   # 700 > 500: waits
@@ -293,7 +293,7 @@ async def test_a_request_above_its_class_ceiling_at_scale_one_is_refused_at_once
                                                                                  store: Store):
     classes = {"standard": {"max_wait_s": 30}, "bulk": {"max_wait_s": 30, "kv_watermark": 0.5}}
     adm = Admission(config(pool={"max_concurrency": 10, "kv_budget_tokens": 1000},
-                           tenants=tenants(classes)), clock, store)
+                           tenants=tenants(classes)), clock, store, timers=clock)
     r = await adm.acquire(demand(501, class_name="bulk"))
     assert isinstance(r, Rejection) and r.reason is Reason.KV_BUDGET and not r.retryable
     assert "class 'bulk'" in r.message and "(500 tokens)" in r.message
