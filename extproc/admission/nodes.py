@@ -75,7 +75,8 @@ class NodeSnapshot:
     ``inflight_tokens``: footprint now of kvgate's requests on it; ``held_tokens``: what
     they are expected to hold at most (footprint + growth to come); ``headroom_tokens``:
     room left for a new request (None: unknown capacity or report); ``foreign_tokens``: KV
-    the node reported that kvgate did not admit; ``shared_tokens``: of the inflight
+    the node reported that kvgate did not admit (and what that report subtracted of
+    kvgate's requests ended since, ``Node.kept``); ``shared_tokens``: of the inflight
     tokens, those of prompt prefixes counted once (``Node.shared``); ``picks``,
     ``affinity_picks`` (picks its cached prefix won against a roomier node),
     ``prompt_tokens`` (of the requests sent there), ``credit_tokens`` (of those, shared
@@ -306,7 +307,7 @@ class PoolNodes:
         rows = []
         for n, cap in self._eligible_in_turn(among, now):
             rise = n.rise_ahead(horizon, now)
-            rows.append(Candidate(n.name, cap, n.foreign + rise, self.held(n), rise, n.since, n.idle,
+            rows.append(Candidate(n.name, cap, n.foreign + n.kept + rise, self.held(n), rise, n.since, n.idle,
                                   n.prefixes.block if chain is not None else 0, min(prompt, n.cached(chain))))
         pooled = None
         if self.growth.pooled:
@@ -458,7 +459,7 @@ class PoolNodes:
             out.append(NodeSnapshot(
                 name=n.name, address=n.address, state=n.state(now, self.stale_after_s),
                 requests=len(n.charges), inflight_tokens=n.footprints,
-                held_tokens=self.held(n), foreign_tokens=n.net, capacity_tokens=n.capacity,
+                held_tokens=self.held(n), foreign_tokens=n.net + n.kept, capacity_tokens=n.capacity,
                 headroom_tokens=self.headroom(n, now) if n.report_at is not None else None,
                 kv_usage=n.usage, picks=n.picks,
                 passed_over={k.value: v for k, v in n.passed_over.items()}, shared_tokens=n.shared,

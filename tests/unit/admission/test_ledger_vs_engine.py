@@ -138,41 +138,55 @@ def test_a_nodes_charged_kv_is_never_below_what_the_engine_holds_for_kvgate(
     drive(ops, nodes, engine_block, batched, error)
 
 
-# Two requests sharing the system prompt, both in the cache at a scrape round, then ending.
+# Two requests sharing the system prompt, both in the cache at a scrape round, then ending: the
+# report subtracted the second its prompt less the credit, up to two blocks less than the engine
+# shares (``Node.kept``).
 SHARING_THEN_ENDED = [("admit", "sys", 5, 60), ("advance", 0.005, 0, 0), ("admit", "docA", 5, 60),
                       ("advance", 0.2, 0, 0), ("progress", 0, 0, 0), ("progress", 1, 0, 0),
                       ("evict", 0, 0.5, 0), ("mark", 0, 0, 0), ("report", 0, True, 0),
                       ("end", 0, True, 0), ("end", 0, True, 0)]
-# A request the engine finished before a scrape round whose end kvgate sees after its report
-# (a slow client holds the stream): subtracted from the report, gone from the engine.
+# A request the engine finished by its stop before a scrape round, kvgate having seen its first
+# token only, whose end kvgate sees after the report (a slow client holds the stream):
+# subtracted from the report, gone from the engine (``Node.kept``).
+STOPPED_BEFORE_THE_SCRAPE = [("admit", "sys", 5, 3), ("advance", 0.005, 0, 0), ("progress", 0, 0, 0),
+                             ("advance", 0.2, 0, 0), ("evict", 0, 0.5, 0), ("mark", 0, 0, 0),
+                             ("report", 0, True, 0), ("end", 0, True, 0)]
+# The same, kvgate having seen every token it reserved before the scrape round: the engine has
+# ended it, the mark leaves it out (``Node.mark``).
 FINISHED_BEFORE_THE_SCRAPE = [("admit", "sys", 5, 3), ("advance", 0.2, 0, 0), ("progress", 0, 0, 0),
                               ("evict", 0, 0.5, 0), ("mark", 0, 0, 0), ("report", 0, True, 0),
                               ("end", 0, True, 0)]
-
-
 # The engine finished a request (max_tokens 1) before a scrape round while kvgate, which saw
-# its token, still holds it: the report subtracts it, the engine no longer holds it (found by
-# the property test in a full run).
+# its token, still holds it; a second request sharing its prompt is admitted after the report
+# with credit for it (found by the property test in a full run).
 FINISHED_STILL_HELD = [("admit", "sys", 1, 1), ("advance", 0.005, 0, 0), ("progress", 0, 0, 0),
                        ("evict", 0, 0.5, 0), ("mark", 0, 0, 0), ("report", 0, False, 0),
                        ("admit", "sys", 1, 1)]
+# The same with a request that stopped before its reservation (its stop token) and whose last
+# tokens kvgate had not seen at the mark: nothing tells kvgate that the engine ended it.
+STOPPED_STILL_HELD = [("admit", "sys", 1, 3), ("advance", 0.005, 0, 0), ("progress", 0, 0, 0),
+                      ("advance", 0.2, 0, 0), ("evict", 0, 0.5, 0), ("mark", 0, 0, 0),
+                      ("report", 0, False, 0), ("admit", "sys", 1, 1)]
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: once a request the last report subtracted ends, that "
-                   "report's foreign KV may be low (by the credit's margin, up to two blocks a sharing "
-                   "request; by its whole footprint where the engine had freed it before the scrape, "
-                   "while kvgate still held it or after) "
-                   "until the next report")
-@pytest.mark.parametrize("ops", [SHARING_THEN_ENDED, FINISHED_BEFORE_THE_SCRAPE, FINISHED_STILL_HELD],
-                         ids=["margin", "finished", "finished-still-held"])
-def test_foreign_kv_read_from_a_report_is_low_once_requests_it_subtracted_end(ops):
-    drive(ops, 1, 16, 8192, NO_ERROR, others_after_ends=True)
+@pytest.mark.parametrize("ops", [SHARING_THEN_ENDED, STOPPED_BEFORE_THE_SCRAPE, FINISHED_BEFORE_THE_SCRAPE,
+                                 FINISHED_STILL_HELD],
+                         ids=["margin", "stopped", "finished", "finished-still-held"])
+def test_foreign_kv_read_from_a_report_is_not_low_once_requests_it_subtracted_end(ops):
+    drive(ops, 1, 16, 8192, NO_ERROR)
 
 
-def drive(ops: list[tuple], nodes: int, engine_block: int, batched: int, error: dict[str, int],
-          others_after_ends: bool = False) -> None:
+@pytest.mark.xfail(strict=True, reason="known gap: a request the engine ended by its stop before a scrape "
+                   "while kvgate had seen fewer tokens than it reserved is subtracted from that report; a "
+                   "request admitted with credit for the prefix it shares with it is short of those blocks "
+                   "until kvgate sees the first one's end")
+def test_a_request_stopped_before_the_scrape_and_still_held_gives_credit_counted_nowhere():
+    drive(STOPPED_STILL_HELD, 1, 16, 8192, NO_ERROR)
+
+
+def drive(ops: list[tuple], nodes: int, engine_block: int, batched: int, error: dict[str, int]) -> None:
     """drive runs ``ops`` against kvgate's ledger of ``nodes`` nodes and their engines, and
-    ``check`` after each (``others`` also after ends where ``others_after_ends``)."""
+    ``check`` after each."""
     # The node reports its block size (vLLM's cache_config_info) from its first report on.
     pool = PoolNodes(config(pool=nodes_pool(nodes, shared_prefix=True, block_tokens=16)).pools["default"], 3.0)
     engines = {name: Engine(EngineParams(kv_capacity_tokens=CAP, block_size=engine_block,
@@ -184,20 +198,11 @@ def drive(ops: list[tuple], nodes: int, engine_block: int, batched: int, error: 
     mark: int | None = None
     marks = 0
     others: dict[str, int] = {}   # what each engine held for its other clients at its last report
-    ended: set[str] = set()       # nodes where a request ended since their last report
-    # nodes whose last report came while the engine no longer ran one of kvgate's requests that
-    # kvgate still held (finished, or preempted, before the scrape; its end not yet seen)
-    unsure: set[str] = set()
     live: list[Live] = []
 
     def scrape(name: str) -> None:
         stats = engines[name].stats()
         others[name] = stats.background_blocks * engine_block
-        ended.discard(name)
-        unsure.discard(name)
-        if any(r.node == name and r.seq.status is not SeqStatus.RUNNING and r.seq.output_tokens
-               for r in live):
-            unsure.add(name)
         pool.report(name, NodeReport(kv_usage=stats.kv_usage, capacity_tokens=CAP, at=now, mark=mark,
                                      waiting=stats.waiting, running=stats.running, block_tokens=engine_block))
 
@@ -227,7 +232,6 @@ def drive(ops: list[tuple], nodes: int, engine_block: int, batched: int, error: 
         elif kind == "end" and live:          # the stream ends, the request done or not
             r = live.pop(a % len(live))
             engines[r.node].abort(now, r.seq.id)
-            ended.add(r.node)
             pool.release(r.charge, r.seq.output_tokens, b and r.seq.status is SeqStatus.FINISHED, now)
         elif kind == "evict":                 # load the engine's own clients bring evicts its cached blocks
             name = names[a % len(names)]
@@ -240,28 +244,26 @@ def drive(ops: list[tuple], nodes: int, engine_block: int, batched: int, error: 
             scrape(names[a % len(names)])
             if not b:                         # the round is over: later scrapes have no mark
                 mark = None
-        check(pool, engines, live, {n: 0 if (n in ended or n in unsure) and not others_after_ends else v
-                                    for n, v in others.items()}, now)
+        check(pool, engines, live, others, now)
     for r in live:
         engines[r.node].abort(now, r.seq.id)
         pool.release(r.charge, r.seq.output_tokens, False, now)
     live.clear()
-    check(pool, engines, live, dict.fromkeys(others, 0), now)
+    check(pool, engines, live, others, now)
     assert all(not n.prefixes.refs and not n.prefixes.dup and not n.prefixes.extra for n in pool.nodes.values())
 
 
 def check(pool: PoolNodes, engines: dict[str, Engine], live: list[Live], others: dict[str, int], now: float) -> None:
     """check asserts, on every node, that what kvgate charges there (foreign KV + holds, a
     shared prefix once; what its room is taken from) covers what the engine holds for
-    kvgate's requests and ``others``, what it held for its other clients at its last report
-    (0 where not checked); and that a node whose requests all ended has nothing left charged.
+    kvgate's requests and ``others``, what it held for its other clients at its last report;
+    and that a node whose requests all ended has nothing left charged.
 
-    ``others`` is not checked once a request ended on the node since its last report: the
-    report subtracted that request's prompt less the prefix it shared counted once (less a
-    block, ``sharing``), and the engine shared up to two blocks more; nor where the last
-    report came while the engine no longer ran a request kvgate still held, finished or
-    preempted before the scrape (see
-    ``test_foreign_kv_read_from_a_report_is_low_once_requests_it_subtracted_end``)."""
+    Ends included: what a report subtracted of a request that ended since stays counted until
+    the next report (``Node.kept``). Not found by the operations drawn, yet a gap (see
+    ``test_a_request_stopped_before_the_scrape_and_still_held_gives_credit_counted_nowhere``):
+    a request the engine ended by its stop before a scrape, kvgate still holding it, and a
+    request sharing its prefix admitted before its end is seen."""
     for snap in pool.snapshot(now):
         truth = engine_holds(engines[snap.name], [r.seq for r in live if r.node == snap.name])
         charged = snap.foreign_tokens + snap.held_tokens

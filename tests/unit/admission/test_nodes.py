@@ -165,6 +165,46 @@ def test_a_request_released_before_its_report_arrives_is_not_subtracted():
     assert adm.nodes("default")[0].foreign_tokens == 10_000
 
 
+def test_what_a_report_subtracted_of_a_request_that_ends_stays_counted_until_the_next_report():
+    """The node may have ended a request (its stop token) before it rendered its report, while
+    kvgate sees its end after the report (a slow client holds the stream): the report's
+    foreign KV reads low by its footprint, which its hold covers only while it is held."""
+    clock = ManualClock(T0)
+    adm = Admission(config(pool=nodes_pool(1)), clock)
+    report(adm, clock, {"n0": 0.30})                       # 30k foreign
+    lease = acquire_now(adm, demand(20_000, 1_000))
+    assert isinstance(lease, Lease)
+    lease.progress(1)
+    adm.mark_nodes(1)
+    report(adm, clock, {"n0": 0.30}, mark=1)               # ended: not among the node's 30k
+    node = adm.nodes("default")[0]
+    assert node.foreign_tokens == 30_000 - 20_001 and node.headroom_tokens == CAP - 30_000 - 999
+    lease.release(Outcome.COMPLETED, 1)
+    node = adm.nodes("default")[0]
+    assert node.foreign_tokens == 30_000 and node.headroom_tokens == CAP - 30_000
+    clock.advance(1)
+    adm.mark_nodes(2)
+    report(adm, clock, {"n0": 0.20}, mark=2)               # the next report alone counts
+    assert adm.nodes("default")[0].foreign_tokens == 20_000
+
+
+def test_a_request_that_generated_its_whole_reservation_is_not_subtracted():
+    """An engine ends a request at its max_tokens and frees its blocks at once: once kvgate
+    has seen that many tokens the node no longer holds it, whenever its end reaches kvgate."""
+    clock = ManualClock(T0)
+    adm = Admission(config(pool=nodes_pool(1)), clock)
+    report(adm, clock, {"n0": 0.30})
+    done, running = acquire_now(adm, demand(20_000, 2)), acquire_now(adm, demand(10_000, 3))
+    assert isinstance(done, Lease) and isinstance(running, Lease)
+    done.progress(2)
+    running.progress(2)
+    adm.mark_nodes(1)
+    report(adm, clock, {"n0": (40_002 - 0.5) / CAP}, mark=1)  # 30k foreign and the running one
+    node = adm.nodes("default")[0]
+    assert node.foreign_tokens == 30_000
+    assert node.headroom_tokens == CAP - 30_000 - 20_002 - 10_003
+
+
 def test_foreign_kv_on_the_rise_keeps_its_last_rise_free_until_it_stops():
     clock = ManualClock(T0)
     adm = Admission(config(pool=nodes_pool(1)), clock)
@@ -242,18 +282,18 @@ def test_a_rise_of_kvgates_own_requests_in_the_report_is_no_foreign_rise():
     clock = ManualClock(T0)
     adm = Admission(config(pool=nodes_pool(1)), clock)
     report(adm, clock, {"n0": 0.0})
-    lease = acquire_now(adm, demand(20_000, 0))
+    lease = acquire_now(adm, demand(20_000, 2))  # one token of two: still running at the mark
     assert isinstance(lease, Lease)
     clock.advance(1)
     report(adm, clock, {"n0": 0.20})         # no mark: the node shows it, kvgate cannot subtract it
     node = adm.nodes("default")[0]
     assert node.foreign_tokens == 20_000     # counted twice until the next mark (safe side)...
-    assert node.headroom_tokens == 60_000    # ...but not projected on top as a rise of others
+    assert node.headroom_tokens == 59_998    # ...but not projected on top as a rise of others
     lease.progress(1)
     adm.mark_nodes(1)
     clock.advance(1)
     report(adm, clock, {"n0": 0.20}, mark=1)  # subtracted now: the floor drop is no rise either
-    assert adm.nodes("default")[0].headroom_tokens == CAP - 20_001
+    assert adm.nodes("default")[0].headroom_tokens == CAP - 20_002
     lease.release(Outcome.COMPLETED, 0)
     clock.advance(1)
     report(adm, clock, {"n0": 0.0}, mark=None)
@@ -629,3 +669,17 @@ def test_a_store_sharing_the_nodes_gets_the_same_watermark_as_the_local_pick():
     assert shared_nodes.pick_shared(ask, {"n0": 34_500}).chosen == "n0"       # 69,000 <= 70,000
     assert shared_nodes.pick_shared(ask, {"n0": 36_000}).by_watermark        # 70,500 > 70,000
     assert pool.ask("batch", 1_000, 0, 1.0, clock.now()).watermark == 1.0
+
+
+def test_a_store_sharing_the_nodes_is_asked_with_what_a_report_subtracted_of_requests_ended_since():
+    clock = ManualClock(T0)
+    pool = PoolNodes(config(pool=nodes_pool(1)).pools["default"], 3.0)
+    pool.report("n0", NodeReport(kv_usage=0.30, capacity_tokens=CAP, at=clock.now()))
+    charge = pool.pick("standard", 20_000, 1_000, 1.0, clock.now())
+    assert isinstance(charge, Charge)
+    pool.progress(charge, 1, clock.now())
+    pool.mark(1, clock.now())
+    pool.report("n0", NodeReport(kv_usage=0.30, capacity_tokens=CAP, at=clock.now(), mark=1))  # ended there
+    assert pool.ask("standard", 1, 0, 1.0, clock.now()).candidates[0].foreign == 30_000 - 20_001
+    pool.release(charge, 1, True, clock.now())
+    assert pool.ask("standard", 1, 0, 1.0, clock.now()).candidates[0].foreign == 30_000

@@ -127,6 +127,28 @@ def test_a_report_subtracts_a_shared_prefix_once():
     assert 5_000 - 2 * BLOCK <= node.foreign_tokens <= 5_000
 
 
+def test_what_a_report_subtracted_of_a_sharing_request_that_ends_stays_counted_until_the_next():
+    """The report subtracts a request sharing a prefix its prompt less the credit, a block less
+    than the blocks the engine shares: foreign KV reads low by that block, which the sharing
+    covers only while the request is held."""
+    adm, clock = one_node()
+    a, b = (acquire_now(adm, ask(10_200, 800, chain_of([*SYSTEM, (q, 200)]))) for q in ("qa", "qb"))
+    assert isinstance(a, Lease) and isinstance(b, Lease)
+    a.progress(1)
+    b.progress(1)
+    adm.mark_nodes(1)
+    used = 10_000 + 2 * 201 + 30_000                   # the prefix once, and 30k the node's own
+    report(adm, clock, {"n0": used / CAP}, mark=1)
+    assert adm.nodes("default")[0].foreign_tokens == 30_000 - BLOCK
+    b.release(Outcome.COMPLETED, 1)
+    node = adm.nodes("default")[0]
+    # Still counted: what the report took of b (its 10,201 less its credit, 10,000 - 16).
+    assert node.foreign_tokens == 30_000 - BLOCK + 10_201 - (10_000 - BLOCK)
+    clock.advance(1)
+    report(adm, clock, {"n0": (10_201 + 30_000) / CAP})  # the next report: a alone
+    assert adm.nodes("default")[0].foreign_tokens == 40_201   # no mark: a counted twice
+
+
 # --- the engine's truth, whatever the order ---------------------------------------------
 
 # A small trie of pieces: a system prompt most requests share, two conversations below it.
