@@ -453,18 +453,24 @@ def rate_limit_headers(rate: RateInfo | None) -> list[tuple[str, str]]:
     """
     if rate is None:
         return []
+    # Conditional expressions, not max(): a builtin's call costs several times as many
+    # instructions, and this runs on every admitted request.
+    limit, remaining, reset = rate.limit_requests, rate.remaining_requests, rate.reset_requests_s
     headers = [
-        ("x-ratelimit-limit-requests", str(max(0, rate.limit_requests))),
-        ("x-ratelimit-remaining-requests", str(max(0, rate.remaining_requests))),
-        ("x-ratelimit-reset-requests", format_reset(rate.reset_requests_s)),
+        ("x-ratelimit-limit-requests", str(limit) if limit > 0 else "0"),
+        ("x-ratelimit-remaining-requests", str(remaining) if remaining > 0 else "0"),
+        ("x-ratelimit-reset-requests", format_reset(reset) if reset > 0 else "0s"),
     ]
-    if rate.limit_tokens is not None:
-        remaining = rate.remaining_tokens if rate.remaining_tokens is not None else rate.limit_tokens
-        headers += [
-            ("x-ratelimit-limit-tokens", str(max(0, rate.limit_tokens))),
-            ("x-ratelimit-remaining-tokens", str(max(0, int(remaining)))),
-            ("x-ratelimit-reset-tokens", format_reset(rate.reset_tokens_s)),
-        ]
+    limit_tokens = rate.limit_tokens
+    if limit_tokens is not None:
+        left = rate.remaining_tokens
+        left = int(left) if left is not None else limit_tokens
+        reset = rate.reset_tokens_s
+        headers += (
+            ("x-ratelimit-limit-tokens", str(limit_tokens) if limit_tokens > 0 else "0"),
+            ("x-ratelimit-remaining-tokens", str(left) if left > 0 else "0"),
+            ("x-ratelimit-reset-tokens", format_reset(reset) if reset > 0 else "0s"),
+        )
     return headers
 
 

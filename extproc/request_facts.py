@@ -96,8 +96,11 @@ def attribute_values(attributes: Any) -> dict[str, str]:
             fields = attributes[namespace].fields
             for key in fields:
                 value = fields[key]
-                if value.WhichOneof("kind") == "string_value":
-                    values[key] = value.string_value
+                # A text read first: only an empty one needs asking whether the value is a
+                # string at all (one protobuf call fewer per attribute).
+                text = value.string_value
+                if text or value.WhichOneof("kind") == "string_value":
+                    values[key] = text
     return values
 
 
@@ -123,8 +126,19 @@ def _attribute_names(header: str, fairness_header: str | None,
     return _AttributeNames(named[0] or "", named[1], named[2], known)
 
 
+# The tenants configuration last asked about, and its names: the configuration changes only
+# with a reload, and a lookup by identity costs a fraction of the cached call's hashing.
+_last_names: tuple[TenantsConfig | None, _AttributeNames | None] = (None, None)
+
+
 def _names_of(tenants: TenantsConfig) -> _AttributeNames:
-    return _attribute_names(tenants.header, tenants.fairness_header, tenants.objective_header)
+    global _last_names
+    last, names = _last_names
+    if last is tenants and names is not None:
+        return names
+    names = _attribute_names(tenants.header, tenants.fairness_header, tenants.objective_header)
+    _last_names = (tenants, names)
+    return names
 
 
 def from_attributes(values: dict[str, str], tenants: TenantsConfig) -> RequestFacts:
