@@ -151,8 +151,8 @@ class ParsedRequest:
     @property
     def sequences(self) -> int:
         """sequences is how many completions the server generates for this request."""
-        per_prompt = max(self.n, self.best_of or 0)
-        return per_prompt * self.prompts
+        n, best_of = self.n, self.best_of
+        return (best_of if best_of is not None and best_of > n else n) * self.prompts
 
 
 def _bad(message: str, param: str | None, *, status: int = 400, code: str | None = None) -> RequestError:
@@ -262,18 +262,22 @@ def parse_request(endpoint: Endpoint, body: bytes, content_type: str | None) -> 
 
     if endpoint is Endpoint.RESPONSES:
         return _parse_responses(obj, model)
-    stream = _opt_bool(obj, "stream")
+    # A field's check is called only when the body has it: most bodies have few of these,
+    # and a call costs more than the lookup.
+    stream = _opt_bool(obj, "stream") if "stream" in obj else False
     options = obj.get("stream_options")
     include_usage = False
     if options is not None:
         if not isinstance(options, dict):
             raise _bad("Invalid type for 'stream_options': expected an object.", "stream_options")
         include_usage = _opt_bool(options, "include_usage", "stream_options.include_usage")
-    n = _opt_int(obj, "n", minimum=1, maximum=MAX_CHOICES) or 1
-    best_of = _opt_int(obj, "best_of", minimum=1, maximum=MAX_CHOICES)
-    max_tokens = _opt_int(obj, "max_tokens", minimum=1, maximum=MAX_TOKENS_LIMIT)
+    n = (_opt_int(obj, "n", minimum=1, maximum=MAX_CHOICES) if "n" in obj else None) or 1
+    best_of = _opt_int(obj, "best_of", minimum=1, maximum=MAX_CHOICES) if "best_of" in obj else None
+    max_tokens = (_opt_int(obj, "max_tokens", minimum=1, maximum=MAX_TOKENS_LIMIT)
+                  if "max_tokens" in obj else None)
     if endpoint is Endpoint.CHAT:
-        explicit = _opt_int(obj, "max_completion_tokens", minimum=1, maximum=MAX_TOKENS_LIMIT)
+        explicit = (_opt_int(obj, "max_completion_tokens", minimum=1, maximum=MAX_TOKENS_LIMIT)
+                    if "max_completion_tokens" in obj else None)
         if explicit is not None:
             max_tokens = explicit  # the newer name wins, as in vLLM
         if "messages" not in obj:

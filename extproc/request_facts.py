@@ -150,14 +150,18 @@ def from_attributes(values: dict[str, str], tenants: TenantsConfig) -> RequestFa
     (the message decoded): their encoding gives the bytes the header itself would have.
     """
     names = _names_of(tenants)
-    authorization = values.get(ATTR_AUTHORIZATION)
+    get = values.get
+    authorization = get(ATTR_AUTHORIZATION)
+    # Most requests send none of the three headers: a lookup each, no call.
+    tenant = get(names.tenant)
+    fairness = None if names.fairness is None else get(names.fairness)
+    objective = None if names.objective is None else get(names.objective)
     return RequestFacts(
-        path=values.get(ATTR_PATH), method=values.get(ATTR_METHOD, ""),
-        content_type=values.get(ATTR_CONTENT_TYPE),
+        path=get(ATTR_PATH), method=get(ATTR_METHOD, ""), content_type=get(ATTR_CONTENT_TYPE),
         authorization=None if authorization is None else authorization.encode(),
-        tenant=_header_values(values, names.tenant),
-        fairness=_header_values(values, names.fairness),
-        objective=_header_values(values, names.objective))
+        tenant=[] if tenant is None else _split(tenant),
+        fairness=[] if fairness is None else _split(fairness),
+        objective=[] if objective is None else _split(objective))
 
 
 def unread_header_attributes(values: dict[str, str], tenants: TenantsConfig) -> list[str]:
@@ -167,10 +171,6 @@ def unread_header_attributes(values: dict[str, str], tenants: TenantsConfig) -> 
     return [k for k in values if k.startswith("request.headers[") and k not in known]
 
 
-def _header_values(values: dict[str, str], attribute: str | None) -> list[bytes]:
-    """_header_values is the values of the request header that ``attribute`` carries, one
-    per repeated header ([] for None: a header kvgate does not read)."""
-    if attribute is None:
-        return []
-    value = values.get(attribute)
-    return [] if value is None else [v.encode() for v in value.split(",")]
+def _split(value: str) -> list[bytes]:
+    """_split is the values of a request header attribute, one per repeated header."""
+    return [v.encode() for v in value.split(",")]
