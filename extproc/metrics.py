@@ -10,13 +10,17 @@ configured pool and class names, outcome and cause enums, known route-metadata k
 from __future__ import annotations
 
 import importlib.metadata
+import bisect
 import platform
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from itertools import accumulate
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from extproc.admission.types import ERROR_REASONS as STORE_ERROR_REASONS
@@ -290,6 +294,46 @@ class _Tally:
         yield family
 
 
+class _Timings:
+    """_Timings is a Prometheus histogram with one label (``name``_bucket, _count, _sum and
+    _created, as prometheus_client writes them) kept as counts per bucket, exposed when
+    collected: observing through a prometheus_client child costs four Python calls and
+    three locks, on every request; a bisection and two additions cost a fraction of that.
+    """
+
+    __slots__ = ("name", "documentation", "label", "bounds", "series")
+
+    def __init__(self, name: str, documentation: str, label: str, bounds: Sequence[float]) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.label = label
+        self.bounds = tuple(bounds)
+        # label value -> [counts by bucket (the last: above every bound), sum, created]
+        self.series: dict[str, list[Any]] = {}
+
+    def observe(self, value: str, seconds: float) -> None:
+        """observe records one ``seconds`` in the series of label ``value``."""
+        series = self.series.get(value)
+        if series is None:
+            series = self.series[value] = [[0] * (len(self.bounds) + 1), 0.0, time.time()]
+        series[0][bisect.bisect_left(self.bounds, seconds)] += 1  # le: at most the bound
+        series[1] += seconds
+
+    def _family(self) -> HistogramMetricFamily:
+        return HistogramMetricFamily(self.name, self.documentation, labels=[self.label])
+
+    def describe(self) -> Iterable[Metric]:
+        return [self._family()]
+
+    def collect(self) -> Iterator[Metric]:
+        family = self._family()
+        les = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
+        for value, (counts, total, created) in list(self.series.items()):
+            family.add_metric([value], list(zip(les, accumulate(counts))), total)
+            family.samples.append(Sample(f"{self.name}_created", {self.label: value}, created))
+        yield family
+
+
 class Metrics:
     """Metrics owns kvgate's registry and the counters the service updates.
 
@@ -312,9 +356,10 @@ class Metrics:
                                ("pool", "cause"))
         r.register(self.requests)
         r.register(self.releases)
-        self.decision = Histogram("kvgate_decision_seconds",
-                                  "Time from the request body's arrival to the admission answer (seconds).",
-                                  labelnames=["pool"], buckets=DECISION_BUCKETS, registry=r)
+        self.decision = _Timings("kvgate_decision_seconds",
+                                 "Time from the request body's arrival to the admission answer (seconds).",
+                                 "pool", DECISION_BUCKETS)
+        r.register(self.decision)
         self.route_metadata_errors = Counter(
             "kvgate_route_metadata_errors_total",
             "Per-route kvgate metadata entries that were unknown or invalid and were ignored.",
@@ -407,7 +452,6 @@ class Metrics:
                                       ["pool", "node"], registry=r)
         self._store_modes: set[str] = set()
         self._shared_nodes: dict[str, set[str]] = {}
-        self._decision_children: dict[str, Any] = {}
         # One child a result, looked up once: the picker-log file counts thousands of
         # periodic entries a second, and ``labels`` costs more than the rest of the count.
         self._log_children = {result: self.access_log_entries.labels(result)
@@ -476,10 +520,7 @@ class Metrics:
 
     def decision_time(self, pool: str, seconds: float) -> None:
         """decision_time records how long one admission decision of ``pool`` took (seconds)."""
-        child = self._decision_children.get(pool)
-        if child is None:
-            child = self._decision_children[pool] = self.decision.labels(pool)
-        child.observe(seconds)
+        self.decision.observe(pool, seconds)
 
     def access_log_entry(self, result: str) -> None:
         """access_log_entry counts one entry of Envoy's access log (``result`` is one of

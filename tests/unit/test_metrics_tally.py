@@ -29,3 +29,20 @@ def test_a_tally_is_exposed_as_the_counter_it_replaces() -> None:
     tally.zero(("a", "completed"))  # listing it again leaves its count
     assert _without_created_values(generate_latest(ours)) == _without_created_values(generate_latest(theirs))
     assert ours.get_sample_value("kvgate_releases_total", {"pool": "a", "cause": "completed"}) == 3.0
+
+
+def test_timings_are_exposed_as_the_histogram_they_replace() -> None:
+    from prometheus_client import Histogram
+
+    from extproc.metrics import DECISION_BUCKETS, _Timings
+
+    theirs, ours = CollectorRegistry(), CollectorRegistry()
+    hist = Histogram("kvgate_decision_seconds", "Decisions.", labelnames=["pool"],
+                     buckets=DECISION_BUCKETS, registry=theirs)
+    timings = _Timings("kvgate_decision_seconds", "Decisions.", "pool", DECISION_BUCKETS)
+    ours.register(timings)
+    # On a bound (le is inclusive), between bounds, under the first, above the last.
+    for pool, seconds in (("a", 0.001), ("a", 0.0013), ("a", 0.00001), ("b", 99.0), ("a", 0.001)):
+        hist.labels(pool).observe(seconds)
+        timings.observe(pool, seconds)
+    assert _without_created_values(generate_latest(ours)) == _without_created_values(generate_latest(theirs))
