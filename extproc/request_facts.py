@@ -113,6 +113,9 @@ class _AttributeNames:
     fairness: str | None
     objective: str | None
     known: frozenset[str]
+    # Every attribute name kvgate reads (the path and method too): attributes within it
+    # name no unread header, told by one subset test.
+    read: frozenset[str]
 
 
 @functools.lru_cache(maxsize=16)
@@ -123,7 +126,7 @@ def _attribute_names(header: str, fairness_header: str | None,
     other names gets its own entry)."""
     named = [tenant_attribute(h) if h else None for h in (header, fairness_header, objective_header)]
     known = frozenset([ATTR_CONTENT_TYPE, ATTR_AUTHORIZATION, *(n for n in named if n)])
-    return _AttributeNames(named[0] or "", named[1], named[2], known)
+    return _AttributeNames(named[0] or "", named[1], named[2], known, known | {ATTR_PATH, ATTR_METHOD})
 
 
 # The tenants configuration last asked about, and its names: the configuration changes only
@@ -167,7 +170,10 @@ def from_attributes(values: dict[str, str], tenants: TenantsConfig) -> RequestFa
 def unread_header_attributes(values: dict[str, str], tenants: TenantsConfig) -> list[str]:
     """unread_header_attributes names the request-header attributes among ``values`` that
     kvgate does not read (a request_attributes list naming another tenant header)."""
-    known = _names_of(tenants).known
+    names = _names_of(tenants)
+    if values.keys() <= names.read:  # the usual request
+        return []
+    known = names.known
     return [k for k in values if k.startswith("request.headers[") and k not in known]
 
 
