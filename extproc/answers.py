@@ -53,21 +53,55 @@ PASS_THROUGH_RESPONSE = pb.ProcessingResponse(response_headers=pb.HeadersRespons
                                               mode_override=NOTHING_MORE)
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+# Wire tags (field number << 3 | wire type) of HeaderMutation.set_headers (1),
+# HeaderValueOption.header (1) and append_action (3, a varint), HeaderValue.key (1) and
+# raw_value (3).
+_LEN_1, _RAW_VALUE, _APPEND_ACTION = b"\x0a", b"\x1a", b"\x18"
+# Each header's option as wire bytes, by (key, value): most of what kvgate sets repeats (the
+# limits, the reasons, a reset of 0s). Emptied when full: a value that never repeats (the
+# tokens left) costs its encoding each time, and the memory stays bounded.
+_OPTIONS: dict[tuple[str, str], bytes] = {}
+_OPTIONS_MAX = 4096
+
+
+def _varint(n: int) -> bytes:
+    """_varint is ``n`` (>= 0) as a protobuf varint."""
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _option(key: str, value: str) -> bytes:
+    """_option is one entry of HeaderMutation.set_headers as wire bytes: the header ``key``
+    with ``value`` as its raw value, set whether or not the request has it."""
+    k, v = key.encode(), value.encode()
+    header = b"".join((_LEN_1, _varint(len(k)), k, _RAW_VALUE, _varint(len(v)), v))
+    option = b"".join((_LEN_1, _varint(len(header)), header, _APPEND_ACTION, _varint(_OVERWRITE)))
+    return b"".join((_LEN_1, _varint(len(option)), option))
 
 
 def set_headers(mutation: pb.HeaderMutation, headers: list[tuple[str, str]]) -> None:
     """set_headers adds headers to set (replacing any previous value) to ``mutation``.
 
-    Filling the repeated field in place costs a third of building each option with
-    keyword arguments, and this runs on every admitted response.
+    The options are merged as wire bytes in one call, each encoded once while it repeats
+    (``_OPTIONS``): filling each option's three fields through the message's attributes
+    cost about twice as many instructions, and this runs on every admitted response and
+    every refusal.
     """
-    add = mutation.set_headers.add
-    for key, value in headers:
-        option = add()
-        header = option.header
-        header.key = key
-        header.raw_value = value.encode()
-        option.append_action = _OVERWRITE
+    wire = []
+    options = _OPTIONS
+    for pair in headers:
+        got = options.get(pair)
+        if got is None:
+            got = _option(*pair)
+            if len(options) >= _OPTIONS_MAX:
+                options.clear()
+            options[pair] = got
+        wire.append(got)
+    mutation.MergeFromString(b"".join(wire))
 
 
 def immediate(status: int, headers: list[tuple[str, str]], body: bytes,

@@ -151,8 +151,8 @@ class ParsedRequest:
     @property
     def sequences(self) -> int:
         """sequences is how many completions the server generates for this request."""
-        per_prompt = max(self.n, self.best_of or 0)
-        return per_prompt * self.prompts
+        n, best_of = self.n, self.best_of
+        return (best_of if best_of is not None and best_of > n else n) * self.prompts
 
 
 def _bad(message: str, param: str | None, *, status: int = 400, code: str | None = None) -> RequestError:
@@ -262,18 +262,22 @@ def parse_request(endpoint: Endpoint, body: bytes, content_type: str | None) -> 
 
     if endpoint is Endpoint.RESPONSES:
         return _parse_responses(obj, model)
-    stream = _opt_bool(obj, "stream")
+    # A field's check is called only when the body has it: most bodies have few of these,
+    # and a call costs more than the lookup.
+    stream = _opt_bool(obj, "stream") if "stream" in obj else False
     options = obj.get("stream_options")
     include_usage = False
     if options is not None:
         if not isinstance(options, dict):
             raise _bad("Invalid type for 'stream_options': expected an object.", "stream_options")
         include_usage = _opt_bool(options, "include_usage", "stream_options.include_usage")
-    n = _opt_int(obj, "n", minimum=1, maximum=MAX_CHOICES) or 1
-    best_of = _opt_int(obj, "best_of", minimum=1, maximum=MAX_CHOICES)
-    max_tokens = _opt_int(obj, "max_tokens", minimum=1, maximum=MAX_TOKENS_LIMIT)
+    n = (_opt_int(obj, "n", minimum=1, maximum=MAX_CHOICES) if "n" in obj else None) or 1
+    best_of = _opt_int(obj, "best_of", minimum=1, maximum=MAX_CHOICES) if "best_of" in obj else None
+    max_tokens = (_opt_int(obj, "max_tokens", minimum=1, maximum=MAX_TOKENS_LIMIT)
+                  if "max_tokens" in obj else None)
     if endpoint is Endpoint.CHAT:
-        explicit = _opt_int(obj, "max_completion_tokens", minimum=1, maximum=MAX_TOKENS_LIMIT)
+        explicit = (_opt_int(obj, "max_completion_tokens", minimum=1, maximum=MAX_TOKENS_LIMIT)
+                    if "max_completion_tokens" in obj else None)
         if explicit is not None:
             max_tokens = explicit  # the newer name wins, as in vLLM
         if "messages" not in obj:
@@ -453,18 +457,24 @@ def rate_limit_headers(rate: RateInfo | None) -> list[tuple[str, str]]:
     """
     if rate is None:
         return []
+    # Conditional expressions, not max(): a builtin's call costs several times as many
+    # instructions, and this runs on every admitted request.
+    limit, remaining, reset = rate.limit_requests, rate.remaining_requests, rate.reset_requests_s
     headers = [
-        ("x-ratelimit-limit-requests", str(max(0, rate.limit_requests))),
-        ("x-ratelimit-remaining-requests", str(max(0, rate.remaining_requests))),
-        ("x-ratelimit-reset-requests", format_reset(rate.reset_requests_s)),
+        ("x-ratelimit-limit-requests", str(limit) if limit > 0 else "0"),
+        ("x-ratelimit-remaining-requests", str(remaining) if remaining > 0 else "0"),
+        ("x-ratelimit-reset-requests", format_reset(reset) if reset > 0 else "0s"),
     ]
-    if rate.limit_tokens is not None:
-        remaining = rate.remaining_tokens if rate.remaining_tokens is not None else rate.limit_tokens
-        headers += [
-            ("x-ratelimit-limit-tokens", str(max(0, rate.limit_tokens))),
-            ("x-ratelimit-remaining-tokens", str(max(0, int(remaining)))),
-            ("x-ratelimit-reset-tokens", format_reset(rate.reset_tokens_s)),
-        ]
+    limit_tokens = rate.limit_tokens
+    if limit_tokens is not None:
+        left = rate.remaining_tokens
+        left = int(left) if left is not None else limit_tokens
+        reset = rate.reset_tokens_s
+        headers += (
+            ("x-ratelimit-limit-tokens", str(limit_tokens) if limit_tokens > 0 else "0"),
+            ("x-ratelimit-remaining-tokens", str(left) if left > 0 else "0"),
+            ("x-ratelimit-reset-tokens", format_reset(reset) if reset > 0 else "0s"),
+        )
     return headers
 
 

@@ -108,6 +108,11 @@ class ResponseTracker:
     # non-streamed
 
     def _feed_json(self, chunk: bytes, end_of_stream: bool) -> None:
+        if end_of_stream and not self._buf and self._json_tail is None and len(chunk) <= self.max_buffer:
+            # The whole answer in one chunk (Envoy's usual for a short answer): read as it
+            # came, without copying it into the buffer first.
+            self._take_json(chunk)
+            return
         if self._json_tail is None and len(self._buf) + len(chunk) > self.max_buffer:
             self._json_tail = bytes(self._buf)
             self._buf = bytearray()
@@ -117,12 +122,16 @@ class ResponseTracker:
         self._buf += chunk
         if not end_of_stream:
             return
+        body, self._buf = self._buf, bytearray()
+        self._take_json(body)
+
+    def _take_json(self, body: bytes | bytearray) -> None:
+        """_take_json reads the usage of a whole JSON answer (garbage: none)."""
         try:
-            obj = orjson.loads(self._buf)
+            obj = orjson.loads(body)
         except orjson.JSONDecodeError:
-            obj = None
-        self._buf = bytearray()
-        if isinstance(obj, dict):
+            return
+        if type(obj) is dict:
             self._take_usage(obj.get("usage"))
 
     def _search_count(self, chunk: bytes, end_of_stream: bool) -> None:

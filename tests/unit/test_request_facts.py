@@ -56,3 +56,16 @@ def test_each_tenants_configuration_reads_its_own_header_names() -> None:
         after = from_attributes(values, renamed)
         assert after.tenant == [b"blue"] and after.objective == [b"gold"] and after.fairness == []
         assert unread_header_attributes(values, renamed) == [tenant_attribute("x-tenant-id")]
+
+
+def test_only_string_attributes_are_read_and_an_empty_one_is_kept() -> None:
+    # A CEL expression Envoy could not evaluate, or one of another type, is no header value:
+    # left out (a path left out is told apart from an empty one, above).
+    msg = attrs()
+    fields = next(iter(msg.values())).fields
+    fields["request.size"].number_value = 12
+    fields["request.headers['x-empty']"].string_value = ""
+    fields["request.headers['x-null']"].null_value = 0
+    values = attribute_values(msg)
+    assert values["request.headers['x-empty']"] == ""
+    assert "request.size" not in values and "request.headers['x-null']" not in values

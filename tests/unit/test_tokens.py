@@ -311,6 +311,24 @@ def test_cache_is_bounded() -> None:
     assert cache.get(cache.key("text 4" * 20)) == 4
 
 
+def test_texts_kept_as_keys_are_bounded_in_characters() -> None:
+    """A text up to _SHORT_KEY_CHARS keys itself (no digest to collide): the characters such
+    keys hold stay within the budget, the oldest going first; digests do not count."""
+    cache = tk._CountCache(max_entries=100, max_chars=250)
+    medium = [f"{i:03d}" + "x" * 97 for i in range(4)]  # 100 characters each
+    assert all(cache.key(t) == t for t in medium)
+    long_text = "y" * (tk._SHORT_KEY_CHARS + 1)
+    assert isinstance(cache.key(long_text), bytes)
+    cache.put(cache.key(long_text), 7)
+    for i, text in enumerate(medium):
+        cache.put(cache.key(text), i)
+    # 400 characters offered, 250 allowed: the two oldest texts went, and the digest before them.
+    assert [cache.get(cache.key(t)) for t in medium] == [None, None, 2, 3]
+    assert cache.get(cache.key(long_text)) is None and len(cache) == 2
+    cache.put(cache.key(medium[3]), 3)  # counted again by another thread: nothing changes
+    assert len(cache) == 2 and cache.get(cache.key(medium[2])) == 2
+
+
 # --- bounds -----------------------------------------------------------------------
 
 @settings(max_examples=200, deadline=None)

@@ -1,0 +1,42 @@
+"""The header options answers.set_headers writes as wire bytes are the ones protobuf builds."""
+
+from __future__ import annotations
+
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from extproc import answers
+
+
+def _built(headers: list[tuple[str, str]]) -> pb.HeaderMutation:
+    mutation = pb.HeaderMutation(remove_headers=["content-length"])
+    for key, value in headers:
+        option = mutation.set_headers.add()
+        option.header.key = key
+        option.header.raw_value = value.encode()
+        option.append_action = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+    return mutation
+
+
+def test_set_headers_writes_what_protobuf_builds() -> None:
+    cases = [
+        [("x-ratelimit-limit-requests", "64"), ("x-ratelimit-remaining-tokens", "9999999999663")],
+        # Lengths of 127 and 128 bytes (a varint of one byte, then two), a multi-byte UTF-8
+        # value, an empty one, a long one, the same key twice (both kept, in order).
+        [("k", "v" * 127), ("k", "v" * 128), ("x-é", "ü" * 70), ("empty", ""),
+         ("x" * 300, "y" * 20_000), ("a", "1"), ("a", "2")],
+    ]
+    for headers in cases:
+        for _ in range(2):  # encoded, then from the cache
+            mutation = pb.HeaderMutation(remove_headers=["content-length"])
+            answers.set_headers(mutation, headers)
+            assert mutation == _built(headers)
+            assert mutation.SerializeToString() == _built(headers).SerializeToString()
+
+
+def test_the_option_cache_stays_bounded() -> None:
+    for n in range(answers._OPTIONS_MAX + 10):
+        mutation = pb.HeaderMutation()
+        answers.set_headers(mutation, [("x-ratelimit-remaining-tokens", str(n))])
+        assert mutation.set_headers[0].header.raw_value == str(n).encode()
+    assert len(answers._OPTIONS) <= answers._OPTIONS_MAX
