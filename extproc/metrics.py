@@ -360,6 +360,29 @@ class Metrics:
                                  "Time from the request body's arrival to the admission answer (seconds).",
                                  "pool", DECISION_BUCKETS)
         r.register(self.decision)
+        self._request_path_series(r)
+        self._backend_series(r)
+        self._store_series(r)
+        self._store_modes: set[str] = set()
+        self._shared_nodes: dict[str, set[str]] = {}
+        # One child a result, looked up once: the picker-log file counts thousands of
+        # periodic entries a second, and ``labels`` costs more than the rest of the count.
+        self._log_children = {result: self.access_log_entries.labels(result)
+                              for result in ACCESS_LOG_RESULTS}
+        # The same for counts met on every request of some files (one a final log entry,
+        # one a request without the tenant header), made at the first count.
+        self._usage_children: dict[str, Any] = {}
+        self._unseen_children: dict[str, Any] = {}
+        self._source: SnapshotSource | None = None
+        self._classes: Sequence[str] = ()
+        self.registry.register(_AdmissionCollector(lambda: self._source, lambda: self._classes))
+        self._kv_events: KvEventViews | None = None
+        self.registry.register(_KvEventsCollector(lambda: self._kv_events))
+        self.ready.set(0)
+
+    def _request_path_series(self, r: CollectorRegistry) -> None:
+        """_request_path_series registers the series of the request path, the process's
+        lifecycle (ready, reloads) and the access log."""
         self.route_metadata_errors = Counter(
             "kvgate_route_metadata_errors_total",
             "Per-route kvgate metadata entries that were unknown or invalid and were ignored.",
@@ -409,7 +432,9 @@ class Metrics:
             "reported (settled with it), invalid (not a whole number in [0, 2^40): settled as "
             "without usage), none (no usage in the response).",
             ["result"], registry=r)
-        # Scraper observer metrics.
+
+    def _backend_series(self, r: CollectorRegistry) -> None:
+        """_backend_series registers the scraper observer's series: what each backend reported."""
         self.backend_kv = Gauge("kvgate_backend_kv_cache_usage_ratio",
                                 "KV-cache usage a backend last reported (ratio 0..1).",
                                 ["pool", "backend"], registry=r)
@@ -436,7 +461,9 @@ class Metrics:
         self.pool_stale_gauge = Gauge("kvgate_pool_signals_stale",
                                       "1 while the pool's backend signals are missing or too old.",
                                       ["pool"], registry=r)
-        # Shared-store (Redis) observer metrics.
+
+    def _store_series(self, r: CollectorRegistry) -> None:
+        """_store_series registers the shared store's (Redis) observer series."""
         self.store_mode_gauge = Gauge("kvgate_store_mode",
                                       "1 for where admissions are decided now (shared, local_share, "
                                       "fail_closed), 0 for the other modes seen.", ["mode"], registry=r)
@@ -450,22 +477,6 @@ class Metrics:
                                       "KV tokens every replica's leases hold on each node, as the shared "
                                       "ledger (Redis) said at this replica's last refresh.",
                                       ["pool", "node"], registry=r)
-        self._store_modes: set[str] = set()
-        self._shared_nodes: dict[str, set[str]] = {}
-        # One child a result, looked up once: the picker-log file counts thousands of
-        # periodic entries a second, and ``labels`` costs more than the rest of the count.
-        self._log_children = {result: self.access_log_entries.labels(result)
-                              for result in ACCESS_LOG_RESULTS}
-        # The same for counts met on every request of some files (one a final log entry,
-        # one a request without the tenant header), made at the first count.
-        self._usage_children: dict[str, Any] = {}
-        self._unseen_children: dict[str, Any] = {}
-        self._source: SnapshotSource | None = None
-        self._classes: Sequence[str] = ()
-        self.registry.register(_AdmissionCollector(lambda: self._source, lambda: self._classes))
-        self._kv_events: KvEventViews | None = None
-        self.registry.register(_KvEventsCollector(lambda: self._kv_events))
-        self.ready.set(0)
 
     def attach(self, source: SnapshotSource, classes: Sequence[str]) -> None:
         """attach makes the gauges read ``source`` (the admission core) at scrape time.
