@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections import Counter
 
 import redis as redis_sync
 import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from extproc.admission import Admission, Demand, Lease, Outcome, Rejection
 from extproc.admission.store.fairshare import FAIR_WINDOW_S, wants, yields
+from extproc.admission.store.redis import RedisStore
 from extproc.admission.types import Budget, Grant, Plan, Refusal
 from extproc.clock import ManualClock
 from extproc.configparse import parse_config
@@ -145,3 +149,64 @@ async def test_only_requests_that_wait_make_their_replica_want_room(stores, redi
     held.release(Outcome.COMPLETED, 5)
     assert isinstance(await asyncio.wait_for(waiter, 10), Lease)
     assert r.hget(st, want) is None  # granted: it wants no more
+
+
+# --- the script against the rule, on random traffic of three replicas --------------------------
+
+FAIR_ADMIT = st.tuples(st.just("admit"), st.sampled_from("aaabc"), st.sampled_from((5, 10, 20)), st.booleans())  # waits
+# admissions three times as often as the rest, and most by a, so that the pool is full, a holds
+# more than the others and the rule has work
+FAIR_OPS = st.lists(st.one_of(
+    FAIR_ADMIT, FAIR_ADMIT, FAIR_ADMIT,
+    st.tuples(st.just("settle"), st.integers(0, 63)),
+    st.tuples(st.just("advance"), st.sampled_from((0.05, 0.1, 0.3)))), min_size=10, max_size=50)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=FAIR_OPS, slots=st.integers(1, 4))
+# a holds both slots, b's waiting request is refused, a's request ends: a's next yields to b
+@example(ops=[("admit", "a", 10, False), ("admit", "a", 10, False), ("admit", "b", 10, True), ("settle", 0),
+              ("admit", "a", 10, False), ("admit", "b", 10, True), ("admit", "a", 10, False)], slots=2)
+# the same with a request of c's that is answered with a 429 at once: a takes the room back
+@example(ops=[("admit", "a", 10, False), ("admit", "a", 10, False), ("admit", "c", 10, False), ("settle", 0),
+              ("admit", "a", 10, False)], slots=2)
+def test_the_admit_script_shares_slots_as_the_python_rule(redis_server, ops: list[tuple], slots: int) -> None:
+    """Three replicas admit (waiting or not), settle and let time pass over a pool of
+    ``slots`` slots: the script grants, refuses for slots, and yields exactly as ``wants``
+    and ``yields`` say over the model's leases and wants."""
+
+    async def run() -> None:
+        clock = ManualClock(T0)
+        config = cfg(redis_server.url, lease_ttl_s=3600.0)
+        stores = {who: RedisStore(config, clock=clock) for who in "abc"}
+        lim = limits(base=slots, kv=None, tpm=None, guarantees={})
+        live: list[tuple[Grant, str]] = []
+        wanting: dict[str, tuple[float, int]] = {}
+        try:
+            for op in ops:
+                if op[0] == "admit":
+                    _, who, tokens, waits = op
+                    me, now = stores[who].replica_id, clock.now()
+                    got = await stores[who].admit(dataclasses.replace(plan(tokens, lim), waits=waits), now)
+                    leases = Counter(stores[w].replica_id for _g, w in live)
+                    if len(live) >= slots:
+                        assert isinstance(got, Refusal) and got.budget is Budget.SLOTS, got
+                        if wants(got.budget, got.retryable, waits):
+                            wanting[me] = (now, tokens)
+                    elif yields(me, tokens, leases, wanting, now):
+                        assert isinstance(got, Refusal) and got.budget is Budget.SLOTS, (got, leases, wanting)
+                    else:
+                        assert isinstance(got, Grant), (got, leases, wanting)
+                        wanting.pop(me, None)
+                        live.append((got, who))
+                elif op[0] == "settle" and live:
+                    g, who = live.pop(op[1] % len(live))
+                    stores[who].settle(g, g.plan.tokens, clock.now())
+                    await stores[who].flush()
+                elif op[0] == "advance":
+                    clock.advance(op[1])
+        finally:
+            for s in stores.values():
+                await s.close()
+
+    asyncio.run(run())
