@@ -66,7 +66,8 @@ class Decider:
         tb = tenants.buckets.get(demand.tenant, NOT_CACHED)
         if tb is NOT_CACHED:
             tb = tenants.bucket(demand.tenant, cls.name)
-        return cls, Plan(limits, demand.tenant, cls.name, pt + ct, tb), now
+        # waits: a retryable refusal of a class that waits queues the request (controller.acquire)
+        return cls, Plan(limits, demand.tenant, cls.name, pt + ct, tb, None, cls.max_wait_s > 0), now
 
     def _seen(self, pool: str, blocks: tuple[int, ...] | None) -> Seen | None:
         """_seen is what each node of ``pool`` caches of the prompt of ``blocks`` by its KV

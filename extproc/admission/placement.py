@@ -54,7 +54,7 @@ def place(nodes: PoolNodes, demand: Demand, cls: ClassConfig, plan: Plan, now: f
     if shared:
         ask = nodes.ask(cls.name, pt, ct, cls.kv_watermark, now, demand.among, demand.prefix)
         return Placement(nodes, demand, cls, Plan(plan.limits, plan.tenant, plan.class_name, plan.tokens,
-                                                  plan.tenant_bucket, ask), None, ask)
+                                                  plan.tenant_bucket, ask, plan.waits), None, ask)
     picked = nodes.pick(cls.name, pt, ct, cls.kv_watermark, now, demand.among, demand.prefix, seen)
     if isinstance(picked, Charge):
         return Placement(nodes, demand, cls, plan, picked, None)

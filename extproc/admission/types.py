@@ -311,6 +311,9 @@ class Plan:
     charged at admission); ``tenant_bucket`` is the tenant's own bucket (None: none);
     ``nodes`` is the per-node question (``shared_nodes.NodeAsk``) a store that shares the
     nodes' ledger answers with the pool's budgets (None: no node to pick there).
+    ``waits``: a retryable refusal of this plan puts (or keeps) its request in the bounded
+    wait, rather than answering it with a 429 at once; a shared store lets only such
+    refusals claim room from the other replicas (``store.fairshare``).
     Treat it as immutable; it is not frozen only because one is built per request on
     the hot path, and a frozen dataclass costs three times as much to build.
     """
@@ -321,6 +324,7 @@ class Plan:
     tokens: int
     tenant_bucket: BucketSpec | None = None
     nodes: Any = None
+    waits: bool = False
 
     @property
     def pool(self) -> str:

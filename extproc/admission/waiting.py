@@ -162,7 +162,7 @@ class BoundedWait:
             return Step.NEXT
         d = w.demand
         plan = w.plan = Plan(limits, d.tenant, cls.name, d.prompt_tokens + d.reserved_completion,
-                             tenants.bucket(d.tenant, cls.name))
+                             tenants.bucket(d.tenant, cls.name), None, True)
         return plan
 
     def _served(self, p: PoolControl, now: float, w: Waiter, plan: Plan, res: Grant | Refusal) -> Step:

@@ -264,7 +264,7 @@ def local_within(plan: Plan, replicas: int, within: Within, local: tuple[int, in
                      kv_ceilings={name: (min(now, kv_cap), base) for name, (now, base) in lim.kv_ceilings.items()},
                      bucket=_share_bucket(lim.bucket, share))
     return Plan(limits, plan.tenant, plan.class_name, plan.tokens,
-                _share_bucket(plan.tenant_bucket, share), plan.nodes)
+                _share_bucket(plan.tenant_bucket, share), plan.nodes, plan.waits)
 
 
 def _share_bucket(spec: BucketSpec | None, share: float) -> BucketSpec | None:

@@ -59,6 +59,12 @@ report's mark saw (``shared_nodes.others_seen``), never below the node's rise. A
 settles or expires takes what it contributed to both generations with it, so a request
 never counts twice (its hold and its published footprint) once it has left.
 
+Replicas share a saturated pool fairly (``fairshare``): a replica re-tries its own waiters
+the moment its own request ends, so without a rule the room a request frees goes back to
+the replica that ran it and the shares drift apart; the admit script makes a replica that
+holds more of the pool's leases leave the room to one whose waiting request was refused
+for lack of it (``Plan.waits``: a 429 answered at once claims nothing).
+
 Key layout: ``redis_ledger``, with the readers of the ledger's hashes.
 
 Tenant buckets expire once they would be full again (a full bucket and a missing one are

@@ -52,7 +52,8 @@ def admit_cmd(plan: Plan, keys: Keys, lease_id: str, now: float | None, ttl: flo
                    tbase=None if tb is None else float(tb.base_capacity),
                    texp=texp,
                    ckv=None if ceiling is None else ceiling[0],
-                   cbase=None if ceiling is None else ceiling[1], guarantees=cached[2])
+                   cbase=None if ceiling is None else ceiling[1], waits=1 if plan.waits else 0,
+                   guarantees=cached[2])
     if plan.nodes is None:
         return ADMIT.command(keys.of_plan(plan), pack(arg), "-", "-")
     return ADMIT.command(keys.of_plan(plan), pack(arg), node_arg(plan.nodes), chain_arg(plan.nodes))

@@ -4,7 +4,9 @@ Key layout (``P`` = ``key_prefix``; ``{pool}`` is a hash tag, so that a pool's k
 one Redis Cluster slot and one script may touch them all):
 
 =========================  ======  ==========================================================
-``P{pool}:st``             hash    ``n`` slots in use, ``kv`` in-flight KV tokens, ``c:<class>`` slots per class
+``P{pool}:st``             hash    ``n`` slots in use, ``kv`` in-flight KV tokens, ``c:<class>`` slots per class,
+                                   ``r:<replica>`` live leases per replica and ``w:<replica>`` the instant and
+                                   tokens of its latest refusal that wants room (``fairshare.wants``)
 ``P{pool}:lz``             zset    lease id -> expiry (s, store time)
 ``P{pool}:lh``             hash    lease id -> ``<class>\\t<tokens>[\\t<node>\\t<hold>\\t<round>\\t<fn>\\t<fo>[\\t<l>\\t<m>\\t<v>]]``:
                                    what the lease holds, what it adds to its replica's newest

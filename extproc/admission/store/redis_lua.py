@@ -29,6 +29,7 @@ from typing import Any, NamedTuple, get_type_hints
 
 from extproc.admission import rules
 from extproc.admission.bucket import FIT_SLACK
+from extproc.admission.store.fairshare import FAIR_SLACK, FAIR_WINDOW_S, WANTING
 from extproc.admission.store.fallback import LOCAL_PREFIX
 from extproc.admission.store.redis_sharing import SHARING_LUA
 from extproc.admission.shared_nodes import NodeAsk
@@ -119,7 +120,8 @@ class AdmitArg(NamedTuple):
     lifetime (s); ``cls``, ``n``: the plan's class and tokens; ``pool``: ``AdmitPool``,
     packed; ``tcap``, ``trate``, ``tbase``: the tenant bucket as ``pcap`` ...; ``texp``:
     how long (s) a tenant bucket lives after it would be full (< 0: forever); ``ckv``,
-    ``cbase``: the class's KV ceiling now and at scale 1.0 (tokens); ``guarantees``:
+    ``cbase``: the class's KV ceiling now and at scale 1.0 (tokens); ``waits``: 1 when a
+    retryable refusal keeps the request waiting (``Plan.waits``), else 0; ``guarantees``:
     ``Guarantee`` words, packed.
     """
 
@@ -135,6 +137,7 @@ class AdmitArg(NamedTuple):
     texp: float
     ckv: int | None
     cbase: int | None
+    waits: int
     guarantees: str
 
 
@@ -362,6 +365,8 @@ def _constants() -> str:
     lines = [f"local FIT = {FIT_SLACK!r}", f"local LOCAL = '{LOCAL_PREFIX}'",
              f"local MAX_LINKS = {MAX_LINKS}", f"local MAX_NODE_KEYS = {MAX_NODE_KEYS}"]
     lines += [f"local B_{b.name} = '{b.value}'" for b in Budget]
+    lines += [f"local FAIR_S = {FAIR_WINDOW_S!r}", f"local FAIR_SLACK = {FAIR_SLACK!r}",
+              "local WANTING = {" + ", ".join(f"[B_{b.name}] = true" for b in WANTING) + "}"]
     return "\n".join(lines)
 
 
@@ -443,6 +448,10 @@ local function replica_of(id)
   if string.sub(id, 1, #LOCAL) == LOCAL then id = string.sub(id, #LOCAL + 1) end
   return string.match(id, '^(.*)%.') or id
 end
+-- leases_add moves a replica's count of live leases (fairshare: r:<replica> in st) by d.
+local function leases_add(st, replica, d)
+  if redis.call('HINCRBY', st, 'r:' .. replica, d) <= 0 then redis.call('HDEL', st, 'r:' .. replica) end
+end
 -- stamps is a replica's generations in sr: the instants of the newest and the one before
 -- (nil: none) and its round (nil: none yet).
 local function stamps(sr, replica)
@@ -472,6 +481,7 @@ end
 local function untake(st, nk, nm, sn, sr, pk, ps, lk, id, rec)
   local cls, tok, node, hold, rnd, fn, fo, l, m, v = rec_fields(rec)
   redis.call('HINCRBY', st, 'n', -1)
+  leases_add(st, replica_of(id), -1)
   redis.call('HINCRBY', st, 'c:' .. cls, -1)
   -- 0 - tok, not -tok: Lua writes -0 as "-0", which HINCRBY refuses
   redis.call('HINCRBY', st, 'kv', 0 - tok)
@@ -631,6 +641,9 @@ local rebuild_ms = redis.call('PTTL', rb)
 if rebuild_ms > 0 then return '3 ' .. fmt(rebuild_ms / 1000) .. view(now, st, pbk, pb ~= nil) end
 local function refused(r)
   save()
+  -- fairshare.wants: a refusal for lack of room of a request that waits makes this replica
+  -- want room (a 429 answered at once wants nothing)
+  if waits == 1 and r[3] == 1 and WANTING[r[1]] then redis.call('HSET', st, 'w:' .. replica_of(id), fmt(now) .. ' ' .. n) end
   return '0 ' .. r[1] .. ' ' .. fmt(r[2]) .. ' ' .. r[3] .. ' ' .. fmt(r[4]) .. ' ' .. fmt(r[5]) .. ' '
     .. fmt(r[6]) .. view(now, st, pbk, pb ~= nil)
 end
@@ -794,6 +807,26 @@ if ARGV[2] ~= '-' then
 end
 local refusal = decide()
 if refusal then return refused(refusal) end
+-- fairshare.yields: another replica wanted room lately for a request no larger than this
+-- one and holds fewer leases: this one leaves the room to it (refused as slots, retryable;
+-- it wants nothing)
+local mine = tonumber(redis.call('HGET', st, 'r:' .. me)) or 0
+if mine > 0 then
+  local h = redis.call('HGETALL', st)
+  for i = 1, #h, 2 do
+    local f = h[i]
+    if string.sub(f, 1, 2) == 'w:' then
+      local who, w = string.sub(f, 3), args(h[i + 1])
+      if now - tonumber(w[1]) >= FAIR_S then redis.call('HDEL', st, f)
+      elseif who ~= me and tonumber(w[2]) <= n and (tonumber(redis.call('HGET', st, 'r:' .. who)) or 0) < FAIR_SLACK * mine then
+        save()
+        return '0 ' .. B_SLOTS .. ' ' .. fmt(est) .. ' 1 1 ' .. mine .. ' ' .. mine .. view(now, st, pbk, pb ~= nil)
+      end
+    end
+  end
+end
+redis.call('HDEL', st, 'w:' .. me)
+leases_add(st, me, 1)
 local nin = redis.call('HINCRBY', st, 'n', 1)
 redis.call('HINCRBY', st, 'c:' .. cls, 1)
 redis.call('HINCRBY', st, 'kv', n)
@@ -897,6 +930,7 @@ $each_lease
     redis.call('ZADD', lz, exp, id)
     redis.call('HSET', lh, id, record(cls, tok, node, hold, round, seen, 0, l, m, v))
     redis.call('HINCRBY', st, 'n', 1)
+    leases_add(st, replica_of(id), 1)
     redis.call('HINCRBY', st, 'c:' .. cls, 1)
     redis.call('HINCRBY', st, 'kv', tok)
     if node ~= '-' then

@@ -24,7 +24,7 @@ from kvgate_testkit.redis_server import RedisServer
 # ``now`` an instant, None a missing number), the fields that expand into others, its group.
 SAMPLES: list[tuple[Any, dict[str, Any], str | None]] = [
     (L.AdmitArg(1000.25, "r.1", 30.0, "gold", 700, L.pack(L.AdmitPool(6, 8000, None, 1.5, 6000.0, 100.0, 6000.0)),
-                3000.0, 50.0, 3000.0, -1.0, 4400, None, L.pack(L.Guarantee("gold", 2))),
+                3000.0, 50.0, 3000.0, -1.0, 4400, None, 1, L.pack(L.Guarantee("gold", 2))),
      {"pool": L.AdmitPool}, "guarantees"),
     (L.SettleArg(None, "r.2", 512, 30.0, None, None, 3000.0, 50.0, 60.0), {}, None),
     (L.RefreshArg(1000.5, 30.0, 1, "replica-a", 7), {}, None),

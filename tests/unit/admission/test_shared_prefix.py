@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import math
 import secrets
+from collections import Counter
 
 import pytest
 import redis as redis_sync
@@ -24,6 +25,7 @@ from extproc.admission import Admission, Demand, Lease, Outcome
 from extproc.admission.types import NodeReport
 from extproc.admission.shared_nodes import Candidate as C, NodeAsk, others_seen, pick_shared
 from extproc.admission.sharing import MAX_LINKS, MAX_NODE_KEYS, SharedPrefixes
+from extproc.admission.store.fairshare import wants as wants_room, yields
 from extproc.admission.store.redis import RedisStore
 from extproc.admission.store.redis_ledger import read_gens, read_shares
 from extproc.admission.types import Budget, Chain, Grant, Plan, PoolLimits, Refusal
@@ -47,8 +49,8 @@ def cfg(url: str, **kw) -> RedisStoreConfig:
     return RedisStoreConfig(url=url, key_prefix=f"t{secrets.token_hex(6)}:", **kw)
 
 
-def node_plan(ask: NodeAsk) -> Plan:
-    return Plan(WIDE, "a", "standard", 1, None, ask)
+def node_plan(ask: NodeAsk, waits: bool = False) -> Plan:
+    return Plan(WIDE, "a", "standard", 1, None, ask, waits)
 
 
 class _Seen:
@@ -77,7 +79,7 @@ ADMIT = st.tuples(
     st.lists(st.tuples(st.sampled_from(NODES), st.integers(0, 30_000), st.integers(0, 9_000), st.booleans(),
                        st.integers(0, 4_000)),                      # node, cap, foreign, other block, cached
              min_size=1, max_size=2, unique_by=lambda c: c[0]),
-    st.sampled_from((0.0, 1.0, 2.5)), st.booleans())                # affinity; mark saw the published
+    st.sampled_from((0.0, 1.0, 2.5)), st.booleans(), st.booleans())  # affinity; mark saw the published; waits
 OPS = st.lists(st.one_of(
     ADMIT,
     st.tuples(st.just("settle"), st.integers(0, 63)),
@@ -111,6 +113,7 @@ def test_the_lua_script_counts_shared_prefixes_like_the_python_rule(redis_server
         held = dict.fromkeys(NODES, 0)
         # live leases: grant, replica, path, tail, keys taken, expiry (s)
         live: list[tuple[Grant, str, list[str], int, tuple[int, ...], float]] = []
+        wanting: dict[str, tuple[float, int]] = {}  # replica id -> its latest refusal that wants room (fairshare)
 
         def end(i: int) -> None:
             g, who, _path, _tail, keys, _exp = live.pop(i)
@@ -125,7 +128,7 @@ def test_the_lua_script_counts_shared_prefixes_like_the_python_rule(redis_server
         try:
             for op in ops:
                 if op[0] == "admit":
-                    _, who, leaf, tail, rows, affinity, saw = op
+                    _, who, leaf, tail, rows, affinity, saw, waits = op
                     path = path_to(leaf)
                     chain = kvgate_chain(path, error, block)
                     prompt = sum(TRIE[n][1] for n in path) + tail
@@ -138,11 +141,19 @@ def test_the_lua_script_counts_shared_prefixes_like_the_python_rule(redis_server
                     me = stores[who].replica_id
                     others = {c.name: others_seen(gens, me, c.name, since, False) for c in cands}
                     want = pick_shared(ask, held, others, None, model)
-                    got = await stores[who].admit(node_plan(ask), clock.now())
+                    plan = node_plan(ask, waits)
+                    got = await stores[who].admit(plan, clock.now())
                     if want.chosen is None:
                         assert isinstance(got, Refusal), (got, want)
                         assert got.budget is Budget.NODE_KV and got.used == (want.best_room or 0)
+                        if wants_room(got.budget, got.retryable, plan.waits):
+                            wanting[me] = (clock.now(), plan.tokens)
                         continue
+                    leases = Counter(stores[w].replica_id for _g, w, *_ in live)
+                    if yields(me, plan.tokens, leases, wanting, clock.now()):
+                        assert isinstance(got, Refusal) and got.budget is Budget.SLOTS, (got, leases, wanting)
+                        continue
+                    wanting.pop(me, None)
                     assert isinstance(got, Grant) and got.picked == want.chosen, (got, want)
                     c = next(c for c in cands if c.name == want.chosen)
                     shares = model[want.chosen]
