@@ -55,8 +55,8 @@ PASS_THROUGH_RESPONSE = pb.ProcessingResponse(response_headers=pb.HeadersRespons
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 # Wire tags (field number << 3 | wire type) of HeaderMutation.set_headers (1),
 # HeaderValueOption.header (1) and append_action (3, a varint), HeaderValue.key (1) and
-# raw_value (3).
-_LEN_1, _RAW_VALUE, _APPEND_ACTION = b"\x0a", b"\x1a", b"\x18"
+# raw_value (3); _LEN_2: a length-delimited field 2.
+_LEN_1, _LEN_2, _RAW_VALUE, _APPEND_ACTION = b"\x0a", b"\x12", b"\x1a", b"\x18"
 # Each header's option as wire bytes, by (key, value): most of what kvgate sets repeats (the
 # limits, the reasons, a reset of 0s). Emptied when full: a value that never repeats (the
 # tokens left) costs its encoding each time, and the memory stays bounded.
@@ -88,9 +88,13 @@ def set_headers(mutation: pb.HeaderMutation, headers: list[tuple[str, str]]) -> 
 
     The options are merged as wire bytes in one call, each encoded once while it repeats
     (``_OPTIONS``): filling each option's three fields through the message's attributes
-    cost about twice as many instructions, and this runs on every admitted response and
-    every refusal.
+    cost about twice as many instructions, and this runs on every refusal.
     """
+    mutation.MergeFromString(_options_wire(headers))
+
+
+def _options_wire(headers: list[tuple[str, str]]) -> bytes:
+    """_options_wire is ``headers`` as HeaderMutation.set_headers entries, wire bytes."""
     wire = []
     options = _OPTIONS
     for pair in headers:
@@ -101,7 +105,38 @@ def set_headers(mutation: pb.HeaderMutation, headers: list[tuple[str, str]]) -> 
                 options.clear()
             options[pair] = got
         wire.append(got)
-    mutation.MergeFromString(b"".join(wire))
+    return b"".join(wire)
+
+
+# HeaderMutation.remove_headers (2) naming content-length, as wire bytes.
+_REMOVE_CONTENT_LENGTH = b"\x12\x0econtent-length"
+# Varints of the lengths an answer's parts have (a response's headers are a few hundred
+# bytes): a list index, where _varint is a Python call.
+_VARINTS = [_varint(n) for n in range(4096)]
+
+
+def _field(tag: bytes, value: bytes) -> bytes:
+    """_field is a length-delimited field: its ``tag``, the length of ``value``, ``value``."""
+    n = len(value)
+    return b"".join((tag, _VARINTS[n] if n < 4096 else _varint(n), value))
+
+
+def response_headers_answer(headers: list[tuple[str, str]], drop_length: bool) -> pb.ProcessingResponse:
+    """response_headers_answer lets the response's headers go to the client with ``headers``
+    set (replacing any previous value), and without content-length if ``drop_length``.
+
+    Built as wire bytes and parsed in one call (ProcessingResponse.response_headers (2),
+    HeadersResponse.response (1), CommonResponse.header_mutation (2)): reaching the header
+    mutation through three message attributes and merging into it cost more, and every
+    admitted response is answered here.
+    """
+    mutation = _options_wire(headers)
+    if drop_length:
+        mutation += _REMOVE_CONTENT_LENGTH
+    return _FROM_WIRE(_field(_LEN_2, _field(_LEN_1, _field(_LEN_2, mutation))))
+
+
+_FROM_WIRE = pb.ProcessingResponse.FromString
 
 
 def immediate(status: int, headers: list[tuple[str, str]], body: bytes,

@@ -1,4 +1,4 @@
-"""The header options answers.set_headers writes as wire bytes are the ones protobuf builds."""
+"""The answers answers.py writes as wire bytes are the ones protobuf builds."""
 
 from __future__ import annotations
 
@@ -40,3 +40,21 @@ def test_the_option_cache_stays_bounded() -> None:
         answers.set_headers(mutation, [("x-ratelimit-remaining-tokens", str(n))])
         assert mutation.set_headers[0].header.raw_value == str(n).encode()
     assert len(answers._OPTIONS) <= answers._OPTIONS_MAX
+
+
+def test_response_headers_answer_is_what_protobuf_builds() -> None:
+    cases = [[("x-ratelimit-limit-requests", "64"), ("x-ratelimit-reset-requests", "0s")],
+             # The answer's lengths past one varint byte, then past the table of varints.
+             [("k", "v" * 200), ("x-é", "ü" * 70)], [("x" * 300, "y" * 5000)], []]
+    for headers in cases:
+        for drop_length in (False, True):
+            built = pb.ProcessingResponse()
+            mutation = built.response_headers.response.header_mutation
+            mutation.CopyFrom(_built(headers))
+            if not drop_length:
+                del mutation.remove_headers[:]
+            got = answers.response_headers_answer(headers, drop_length)
+            assert got == built
+            assert got.SerializeToString() == built.SerializeToString()
+            assert got.WhichOneof("response") == "response_headers"
+
