@@ -174,8 +174,8 @@ def body_answer(new_body: bytes | None, node: str | None,
     Envoy does not fix content-length for a replaced body: it is set in the same answer,
     or Envoy would fail the request with 500.
     """
-    if new_body is None and node is None and not metadata:
-        return CONTINUE_REQUEST_BODY
+    if new_body is None and node is None:
+        return _FROM_WIRE(_metadata_wire(metadata)) if metadata else CONTINUE_REQUEST_BODY
     resp = pb.ProcessingResponse()
     resp.request_body.SetInParent()
     common = resp.request_body.response
@@ -189,6 +189,48 @@ def body_answer(new_body: bytes | None, node: str | None,
         for key, value in metadata:
             fields[key].string_value = value
     return resp
+
+
+# ProcessingResponse.request_body (3), present and empty; its dynamic_metadata's (8) entry
+# (Struct.fields, 1) with the key (1) ``kvgate``, whose value (2) is a Struct (Value field 5).
+_EMPTY_REQUEST_BODY, _DYNAMIC_METADATA, _STRUCT_VALUE = b"\x1a\x00", b"\x42", b"\x2a"
+_NAMESPACE_KEY = _LEN_1 + _varint(len(METADATA_NAMESPACE.encode())) + METADATA_NAMESPACE.encode()
+
+
+def _metadata_wire(metadata: list[tuple[str, str]]) -> bytes:
+    """_metadata_wire is the body answer that lets the body go as it came, with ``metadata``'s
+    (key, string value) pairs in the ``kvgate`` dynamic metadata, as wire bytes.
+
+    Parsed in one call where three map navigations into the Struct, then each value's
+    setter, cost several times as many instructions; every request whose response is read
+    from its access log or by another filter gets one. What wraps the entries depends only
+    on their length: built once per length (``_METADATA_PREFIXES``).
+    """
+    entries = []
+    for key, value in metadata:
+        k, v = key.encode(), value.encode()
+        # Struct.fields entry: key (1), Value (2) with string_value (3).
+        entries.append(_field(_LEN_1, _field(_LEN_1, k) + _field(_LEN_2, _field(_RAW_VALUE, v))))
+    wire = b"".join(entries)
+    prefix = _METADATA_PREFIXES.get(len(wire))
+    if prefix is None:
+        if len(_METADATA_PREFIXES) >= _OPTIONS_MAX:
+            _METADATA_PREFIXES.clear()
+        prefix = _METADATA_PREFIXES[len(wire)] = _metadata_prefix(len(wire))
+    return prefix + wire
+
+
+def _metadata_prefix(n: int) -> bytes:
+    """_metadata_prefix is what precedes ``n`` bytes of Struct.fields entries in a body answer
+    (``_metadata_wire``): the empty request_body, then dynamic_metadata's ``kvgate`` entry."""
+    struct = _STRUCT_VALUE + _varint(n)  # the Value, n bytes of its Struct to follow
+    entry_len = len(_NAMESPACE_KEY) + len(_LEN_2) + len(_varint(len(struct) + n)) + len(struct) + n
+    dynamic_len = len(_LEN_1) + len(_varint(entry_len)) + entry_len
+    return b"".join((_EMPTY_REQUEST_BODY, _DYNAMIC_METADATA, _varint(dynamic_len), _LEN_1,
+                     _varint(entry_len), _NAMESPACE_KEY, _LEN_2, _varint(len(struct) + n), struct))
+
+
+_METADATA_PREFIXES: dict[int, bytes] = {}
 
 
 def duplex_answer(body: bytes, replaced: bool, node: str | None) -> list[pb.ProcessingResponse]:

@@ -6,6 +6,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc import answers
+from extproc.gate import METADATA_NAMESPACE
 
 
 def _built(headers: list[tuple[str, str]]) -> pb.HeaderMutation:
@@ -58,3 +59,17 @@ def test_response_headers_answer_is_what_protobuf_builds() -> None:
             assert got.SerializeToString() == built.SerializeToString()
             assert got.WhichOneof("response") == "response_headers"
 
+
+def test_body_answer_with_metadata_is_what_protobuf_builds() -> None:
+    cases = [[("link", "a1b2c3-17")], [("link", "x" * 130), ("x-ratelimit-limit-requests", "64")],
+             [("k", "é" * 3000)], [("k", "1"), ("k", "2")]]
+    for metadata in cases:
+        built = pb.ProcessingResponse()
+        built.request_body.SetInParent()
+        fields = built.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.fields
+        for key, value in metadata:
+            fields[key].string_value = value
+        got = answers.body_answer(None, None, metadata)
+        assert got == built
+        assert got.WhichOneof("response") == "request_body"
+        assert got.SerializeToString(deterministic=True) == built.SerializeToString(deterministic=True)
