@@ -121,19 +121,41 @@ def _field(tag: bytes, value: bytes) -> bytes:
     return b"".join((tag, _VARINTS[n] if n < 4096 else _varint(n), value))
 
 
+def _prefix(prefixes: dict[int, bytes], n: int, wrap: Any) -> bytes:
+    """_prefix is what ``wrap`` (a function of the payload) puts before a payload of ``n``
+    bytes: it depends only on the length, so each is built once, in ``prefixes``."""
+    got = prefixes.get(n)
+    if got is None:
+        if len(prefixes) >= _OPTIONS_MAX:
+            prefixes.clear()
+        got = prefixes[n] = wrap(bytes(n))[:-n or None]
+    return got
+
+
+def _headers_answer_wire(mutation: bytes) -> bytes:
+    # ProcessingResponse.response_headers (2), HeadersResponse.response (1),
+    # CommonResponse.header_mutation (2).
+    return _field(_LEN_2, _field(_LEN_1, _field(_LEN_2, mutation)))
+
+
+_HEADERS_PREFIXES: dict[int, bytes] = {}
+
+
 def response_headers_answer(headers: list[tuple[str, str]], drop_length: bool) -> pb.ProcessingResponse:
     """response_headers_answer lets the response's headers go to the client with ``headers``
     set (replacing any previous value), and without content-length if ``drop_length``.
 
-    Built as wire bytes and parsed in one call (ProcessingResponse.response_headers (2),
-    HeadersResponse.response (1), CommonResponse.header_mutation (2)): reaching the header
-    mutation through three message attributes and merging into it cost more, and every
-    admitted response is answered here.
+    Built as wire bytes, its wrapping once per length, and parsed in one call: reaching
+    the header mutation through three message attributes and merging into it cost more,
+    and every admitted response is answered here.
     """
     mutation = _options_wire(headers)
     if drop_length:
         mutation += _REMOVE_CONTENT_LENGTH
-    return _FROM_WIRE(_field(_LEN_2, _field(_LEN_1, _field(_LEN_2, mutation))))
+    prefix = _HEADERS_PREFIXES.get(len(mutation))
+    if prefix is None:
+        prefix = _prefix(_HEADERS_PREFIXES, len(mutation), _headers_answer_wire)
+    return _FROM_WIRE(prefix + mutation)
 
 
 _FROM_WIRE = pb.ProcessingResponse.FromString
@@ -175,7 +197,10 @@ def body_answer(new_body: bytes | None, node: str | None,
     or Envoy would fail the request with 500.
     """
     if new_body is None and node is None:
-        return _FROM_WIRE(_metadata_wire(metadata)) if metadata else CONTINUE_REQUEST_BODY
+        if not metadata:
+            return CONTINUE_REQUEST_BODY
+        if len(metadata) == 1:  # the link alone (STREAM_AND_LOG)
+            return _FROM_WIRE(_one_entry_wire(*metadata[0]))
     resp = pb.ProcessingResponse()
     resp.request_body.SetInParent()
     common = resp.request_body.response
@@ -197,37 +222,36 @@ _EMPTY_REQUEST_BODY, _DYNAMIC_METADATA, _STRUCT_VALUE = b"\x1a\x00", b"\x42", b"
 _NAMESPACE_KEY = _LEN_1 + _varint(len(METADATA_NAMESPACE.encode())) + METADATA_NAMESPACE.encode()
 
 
-def _metadata_wire(metadata: list[tuple[str, str]]) -> bytes:
-    """_metadata_wire is the body answer that lets the body go as it came, with ``metadata``'s
-    (key, string value) pairs in the ``kvgate`` dynamic metadata, as wire bytes.
+def _one_entry_wire(key: str, value: str) -> bytes:
+    """_one_entry_wire is the body answer that lets the body go as it came, with ``key``:
+    ``value`` (a string) in the ``kvgate`` dynamic metadata, as wire bytes.
 
-    Parsed in one call where three map navigations into the Struct, then each value's
-    setter, cost several times as many instructions; every request whose response is read
-    from its access log or by another filter gets one. What wraps the entries depends only
-    on their length: built once per length (``_METADATA_PREFIXES``).
+    Parsed in one call where three map navigations into the Struct and the value's setter
+    cost more, on every request of the STREAM_AND_LOG mode (its link). Only for one entry:
+    encoding each further pair here costs more than its setter (the rates beside the link
+    go through the Struct). The entry is written out without calls (a long one goes
+    through ``_field``), its wrapping built once per length.
     """
-    entries = []
-    for key, value in metadata:
-        k, v = key.encode(), value.encode()
-        # Struct.fields entry: key (1), Value (2) with string_value (3).
-        entries.append(_field(_LEN_1, _field(_LEN_1, k) + _field(_LEN_2, _field(_RAW_VALUE, v))))
-    wire = b"".join(entries)
+    k, v = key.encode(), value.encode()
+    # Struct.fields entry: key (1), Value (2) with string_value (3).
+    if len(k) + len(v) < 1024:
+        varints = _VARINTS
+        value_wire = _RAW_VALUE + varints[len(v)] + v
+        entry = b"".join((_LEN_1, varints[len(k)], k, _LEN_2, varints[len(value_wire)], value_wire))
+        wire = _LEN_1 + varints[len(entry)] + entry
+    else:
+        wire = _field(_LEN_1, _field(_LEN_1, k) + _field(_LEN_2, _field(_RAW_VALUE, v)))
     prefix = _METADATA_PREFIXES.get(len(wire))
     if prefix is None:
-        if len(_METADATA_PREFIXES) >= _OPTIONS_MAX:
-            _METADATA_PREFIXES.clear()
-        prefix = _METADATA_PREFIXES[len(wire)] = _metadata_prefix(len(wire))
+        prefix = _prefix(_METADATA_PREFIXES, len(wire), _metadata_answer_wire)
     return prefix + wire
 
 
-def _metadata_prefix(n: int) -> bytes:
-    """_metadata_prefix is what precedes ``n`` bytes of Struct.fields entries in a body answer
-    (``_metadata_wire``): the empty request_body, then dynamic_metadata's ``kvgate`` entry."""
-    struct = _STRUCT_VALUE + _varint(n)  # the Value, n bytes of its Struct to follow
-    entry_len = len(_NAMESPACE_KEY) + len(_LEN_2) + len(_varint(len(struct) + n)) + len(struct) + n
-    dynamic_len = len(_LEN_1) + len(_varint(entry_len)) + entry_len
-    return b"".join((_EMPTY_REQUEST_BODY, _DYNAMIC_METADATA, _varint(dynamic_len), _LEN_1,
-                     _varint(entry_len), _NAMESPACE_KEY, _LEN_2, _varint(len(struct) + n), struct))
+def _metadata_answer_wire(entries: bytes) -> bytes:
+    # The empty request_body, then dynamic_metadata's ``kvgate`` entry: its key, its value
+    # a Value holding a Struct of ``entries``.
+    namespace = _NAMESPACE_KEY + _field(_LEN_2, _field(_STRUCT_VALUE, entries))
+    return _EMPTY_REQUEST_BODY + _field(_DYNAMIC_METADATA, _field(_LEN_1, namespace))
 
 
 _METADATA_PREFIXES: dict[int, bytes] = {}
