@@ -55,8 +55,8 @@ PASS_THROUGH_RESPONSE = pb.ProcessingResponse(response_headers=pb.HeadersRespons
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 # Wire tags (field number << 3 | wire type) of HeaderMutation.set_headers (1),
 # HeaderValueOption.header (1) and append_action (3, a varint), HeaderValue.key (1) and
-# raw_value (3).
-_LEN_1, _RAW_VALUE, _APPEND_ACTION = b"\x0a", b"\x1a", b"\x18"
+# raw_value (3); _LEN_2: a length-delimited field 2.
+_LEN_1, _LEN_2, _RAW_VALUE, _APPEND_ACTION = b"\x0a", b"\x12", b"\x1a", b"\x18"
 # Each header's option as wire bytes, by (key, value): most of what kvgate sets repeats (the
 # limits, the reasons, a reset of 0s). Emptied when full: a value that never repeats (the
 # tokens left) costs its encoding each time, and the memory stays bounded.
@@ -88,9 +88,13 @@ def set_headers(mutation: pb.HeaderMutation, headers: list[tuple[str, str]]) -> 
 
     The options are merged as wire bytes in one call, each encoded once while it repeats
     (``_OPTIONS``): filling each option's three fields through the message's attributes
-    cost about twice as many instructions, and this runs on every admitted response and
-    every refusal.
+    cost about twice as many instructions, and this runs on every refusal.
     """
+    mutation.MergeFromString(_options_wire(headers))
+
+
+def _options_wire(headers: list[tuple[str, str]]) -> bytes:
+    """_options_wire is ``headers`` as HeaderMutation.set_headers entries, wire bytes."""
     wire = []
     options = _OPTIONS
     for pair in headers:
@@ -101,7 +105,60 @@ def set_headers(mutation: pb.HeaderMutation, headers: list[tuple[str, str]]) -> 
                 options.clear()
             options[pair] = got
         wire.append(got)
-    mutation.MergeFromString(b"".join(wire))
+    return b"".join(wire)
+
+
+# HeaderMutation.remove_headers (2) naming content-length, as wire bytes.
+_REMOVE_CONTENT_LENGTH = b"\x12\x0econtent-length"
+# Varints of the lengths an answer's parts have (a response's headers are a few hundred
+# bytes): a list index, where _varint is a Python call.
+_VARINTS = [_varint(n) for n in range(4096)]
+
+
+def _field(tag: bytes, value: bytes) -> bytes:
+    """_field is a length-delimited field: its ``tag``, the length of ``value``, ``value``."""
+    n = len(value)
+    return b"".join((tag, _VARINTS[n] if n < 4096 else _varint(n), value))
+
+
+def _prefix(prefixes: dict[int, bytes], n: int, wrap: Any) -> bytes:
+    """_prefix is what ``wrap`` (a function of the payload) puts before a payload of ``n``
+    bytes: it depends only on the length, so each is built once, in ``prefixes``."""
+    got = prefixes.get(n)
+    if got is None:
+        if len(prefixes) >= _OPTIONS_MAX:
+            prefixes.clear()
+        got = prefixes[n] = wrap(bytes(n))[:-n or None]
+    return got
+
+
+def _headers_answer_wire(mutation: bytes) -> bytes:
+    # ProcessingResponse.response_headers (2), HeadersResponse.response (1),
+    # CommonResponse.header_mutation (2).
+    return _field(_LEN_2, _field(_LEN_1, _field(_LEN_2, mutation)))
+
+
+_HEADERS_PREFIXES: dict[int, bytes] = {}
+
+
+def response_headers_answer(headers: list[tuple[str, str]], drop_length: bool) -> pb.ProcessingResponse:
+    """response_headers_answer lets the response's headers go to the client with ``headers``
+    set (replacing any previous value), and without content-length if ``drop_length``.
+
+    Built as wire bytes, its wrapping once per length, and parsed in one call: reaching
+    the header mutation through three message attributes and merging into it cost more,
+    and every admitted response is answered here.
+    """
+    mutation = _options_wire(headers)
+    if drop_length:
+        mutation += _REMOVE_CONTENT_LENGTH
+    prefix = _HEADERS_PREFIXES.get(len(mutation))
+    if prefix is None:
+        prefix = _prefix(_HEADERS_PREFIXES, len(mutation), _headers_answer_wire)
+    return _FROM_WIRE(prefix + mutation)
+
+
+_FROM_WIRE = pb.ProcessingResponse.FromString
 
 
 def immediate(status: int, headers: list[tuple[str, str]], body: bytes,
@@ -139,8 +196,11 @@ def body_answer(new_body: bytes | None, node: str | None,
     Envoy does not fix content-length for a replaced body: it is set in the same answer,
     or Envoy would fail the request with 500.
     """
-    if new_body is None and node is None and not metadata:
-        return CONTINUE_REQUEST_BODY
+    if new_body is None and node is None:
+        if not metadata:
+            return CONTINUE_REQUEST_BODY
+        if len(metadata) == 1:  # the link alone (STREAM_AND_LOG)
+            return _FROM_WIRE(_one_entry_wire(*metadata[0]))
     resp = pb.ProcessingResponse()
     resp.request_body.SetInParent()
     common = resp.request_body.response
@@ -154,6 +214,47 @@ def body_answer(new_body: bytes | None, node: str | None,
         for key, value in metadata:
             fields[key].string_value = value
     return resp
+
+
+# ProcessingResponse.request_body (3), present and empty; its dynamic_metadata's (8) entry
+# (Struct.fields, 1) with the key (1) ``kvgate``, whose value (2) is a Struct (Value field 5).
+_EMPTY_REQUEST_BODY, _DYNAMIC_METADATA, _STRUCT_VALUE = b"\x1a\x00", b"\x42", b"\x2a"
+_NAMESPACE_KEY = _LEN_1 + _varint(len(METADATA_NAMESPACE.encode())) + METADATA_NAMESPACE.encode()
+
+
+def _one_entry_wire(key: str, value: str) -> bytes:
+    """_one_entry_wire is the body answer that lets the body go as it came, with ``key``:
+    ``value`` (a string) in the ``kvgate`` dynamic metadata, as wire bytes.
+
+    Parsed in one call where three map navigations into the Struct and the value's setter
+    cost more, on every request of the STREAM_AND_LOG mode (its link). Only for one entry:
+    encoding each further pair here costs more than its setter (the rates beside the link
+    go through the Struct). The entry is written out without calls (a long one goes
+    through ``_field``), its wrapping built once per length.
+    """
+    k, v = key.encode(), value.encode()
+    # Struct.fields entry: key (1), Value (2) with string_value (3).
+    if len(k) + len(v) < 1024:
+        varints = _VARINTS
+        value_wire = _RAW_VALUE + varints[len(v)] + v
+        entry = b"".join((_LEN_1, varints[len(k)], k, _LEN_2, varints[len(value_wire)], value_wire))
+        wire = _LEN_1 + varints[len(entry)] + entry
+    else:
+        wire = _field(_LEN_1, _field(_LEN_1, k) + _field(_LEN_2, _field(_RAW_VALUE, v)))
+    prefix = _METADATA_PREFIXES.get(len(wire))
+    if prefix is None:
+        prefix = _prefix(_METADATA_PREFIXES, len(wire), _metadata_answer_wire)
+    return prefix + wire
+
+
+def _metadata_answer_wire(entries: bytes) -> bytes:
+    # The empty request_body, then dynamic_metadata's ``kvgate`` entry: its key, its value
+    # a Value holding a Struct of ``entries``.
+    namespace = _NAMESPACE_KEY + _field(_LEN_2, _field(_STRUCT_VALUE, entries))
+    return _EMPTY_REQUEST_BODY + _field(_DYNAMIC_METADATA, _field(_LEN_1, namespace))
+
+
+_METADATA_PREFIXES: dict[int, bytes] = {}
 
 
 def duplex_answer(body: bytes, replaced: bool, node: str | None) -> list[pb.ProcessingResponse]:

@@ -286,9 +286,10 @@ class Gate:
         minute). Numbers arrive as doubles and must be whole and positive. Every request
         of a route carries the same entry: results are remembered by its encoding.
         """
-        if metadata is None or METADATA_NAMESPACE not in metadata.filter_metadata:
+        # One map read (get), not a membership test and then the read: this runs on every request.
+        struct = None if metadata is None else metadata.filter_metadata.get(METADATA_NAMESPACE)
+        if struct is None:
             return NO_ROUTE_SETTINGS
-        struct = metadata.filter_metadata[METADATA_NAMESPACE]
         key = struct.SerializeToString(deterministic=True)
         hit = self._routes.get(key)
         if hit is None:

@@ -97,7 +97,12 @@ class ResponseTracker:
         if self.overflowed:
             return None
         if not self.streamed:
-            self._feed_json(chunk, end_of_stream)
+            if end_of_stream and not self._buf and self._json_tail is None and len(chunk) <= self.max_buffer:
+                # The whole answer in one chunk (Envoy's usual for a short answer): read as it
+                # came, without copying it into the buffer first, and one call sooner.
+                self._take_json(chunk)
+            else:
+                self._feed_json(chunk, end_of_stream)
             return None
         self._buf += chunk
         out = self._parse(end_of_stream)
@@ -108,11 +113,6 @@ class ResponseTracker:
     # non-streamed
 
     def _feed_json(self, chunk: bytes, end_of_stream: bool) -> None:
-        if end_of_stream and not self._buf and self._json_tail is None and len(chunk) <= self.max_buffer:
-            # The whole answer in one chunk (Envoy's usual for a short answer): read as it
-            # came, without copying it into the buffer first.
-            self._take_json(chunk)
-            return
         if self._json_tail is None and len(self._buf) + len(chunk) > self.max_buffer:
             self._json_tail = bytes(self._buf)
             self._buf = bytearray()
@@ -152,8 +152,12 @@ class ResponseTracker:
     def _take_usage(self, usage: Any) -> bool:
         if not isinstance(usage, dict):
             return False
-        prompt = _usage_int(usage.get("prompt_tokens"))
-        completion = _usage_int(usage.get("completion_tokens"))
+        # _usage_int written out for the usual names: two calls less on every answer read.
+        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        if not (type(prompt) is int and 0 <= prompt < _MAX_USAGE):
+            prompt = None
+        if not (type(completion) is int and 0 <= completion < _MAX_USAGE):
+            completion = None
         if prompt is None and completion is None:  # the Responses API's names
             prompt = _usage_int(usage.get("input_tokens"))
             completion = _usage_int(usage.get("output_tokens"))

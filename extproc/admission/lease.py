@@ -11,6 +11,8 @@ from typing import Protocol
 from extproc.admission.node import Charge
 from extproc.admission.types import Demand, Grant, Outcome, RateInfo
 
+_tuple_new = tuple.__new__
+
 
 class LeaseOwner(Protocol):
     """LeaseOwner is the port a lease reports through, to the controller that granted it:
@@ -94,13 +96,19 @@ class Lease:
         """
         g = self._grant
         limit = g.plan.limits.limit
+        remaining = limit - g.inflight
+        if remaining < 0:
+            remaining = 0
+        # The tuple made by tuple.__new__, all six fields given: RateInfo's generated
+        # __new__ is a Python frame with keyword matching, a few thousand instructions on
+        # every admitted request (the result is the same RateInfo).
         if g.bucket_capacity is None:
-            return RateInfo(limit_requests=limit, remaining_requests=max(0, limit - g.inflight))
+            return _tuple_new(RateInfo, (limit, remaining, None, None, 0.0, 0.0))
         cap = g.bucket_capacity
         left = g.bucket_tokens or 0.0
-        return RateInfo(limit_requests=limit, remaining_requests=max(0, limit - g.inflight),
-                        limit_tokens=int(cap), remaining_tokens=max(0, int(left)),
-                        reset_tokens_s=max(0.0, (cap - left) / g.bucket_rate) if g.bucket_rate else 0.0)
+        rate = g.bucket_rate
+        return _tuple_new(RateInfo, (limit, remaining, int(cap), max(0, int(left)),
+                                     max(0.0, (cap - left) / rate) if rate else 0.0, 0.0))
 
     def release(self, outcome: Outcome, completion_tokens: int | None = None) -> bool:
         """release gives the lease back once; True only for the call that released it.

@@ -43,7 +43,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from extproc import openai_api as oai
 from extproc import picker_protocol as epp
 from extproc.admission import Lease, Outcome
-from extproc.answers import CONTINUE_RESPONSE_BODY, CONTINUE_RESPONSE_HEADERS, set_headers
+from extproc.answers import CONTINUE_RESPONSE_BODY, CONTINUE_RESPONSE_HEADERS, response_headers_answer
 from extproc.openai_usage import ResponseTracker
 from extproc.request.causes import awaits_log_cause, cause_of, charged_completion
 from extproc.request.profile import ReleaseMode
@@ -99,14 +99,12 @@ class Ending:
         if lease.node is not None:
             self.served_by(epp.served_endpoint(metadata))
         status, content_type = response_facts(msg.headers.headers)
-        resp = pb.ProcessingResponse()
-        mutation = resp.response_headers.response.header_mutation
-        set_headers(mutation, oai.rate_limit_headers(lease.rate))
+        rate_headers = oai.rate_limit_headers(lease.rate)  # as of the admission, before a release
         # In deploy/envoy-reservation.yaml (Unread) no body follows: not a mode_override to
-        # NONE, with which Envoy would close the stream at once.
-        if self.response_headers(status, content_type, msg.end_of_stream):
-            mutation.remove_headers.append("content-length")  # chunks may shrink: no fixed length
-        return resp
+        # NONE, with which Envoy would close the stream at once. A hidden usage chunk:
+        # chunks may shrink, so no fixed length.
+        return response_headers_answer(
+            rate_headers, self.response_headers(status, content_type, msg.end_of_stream))
 
     def answer_chunk(self, msg: pb.HttpBody) -> pb.ProcessingResponse:
         """answer_chunk takes one response chunk on the admission stream (``response_chunk``)
@@ -335,16 +333,34 @@ class Parked(Ending):
 
 def response_facts(headers: Any) -> tuple[int, str]:
     """response_facts is a response's status (0: none, or not a number) and content type
-    (empty: none), read from its header map's entries (``HeaderValue``s)."""
+    (empty: none), read from its header map's entries (``HeaderValue``s).
+
+    The first entry of each counts, and the reading stops once both are found: Envoy sends
+    ``:status`` first and content-type among the first few, and each entry read costs about
+    a thousand instructions on every response (a response with two content types, which
+    HTTP does not allow, is read by its first).
+    """
     status, content_type = 0, ""
+    found_status = found_type = False
     for h in headers:
-        if h.key == ":status":
+        key = h.key
+        if key == ":status":
+            if found_status:
+                continue
+            found_status = True
             try:
                 status = int(h.raw_value)
             except ValueError:
                 status = 0
-        elif h.key == "content-type":
+            if found_type:
+                break
+        elif key == "content-type":
+            if found_type:
+                continue
+            found_type = True
             content_type = h.raw_value.decode("latin-1")
+            if found_status:
+                break
     return status, content_type
 
 

@@ -1,4 +1,4 @@
-"""The header options answers.set_headers writes as wire bytes are the ones protobuf builds."""
+"""The answers answers.py writes as wire bytes are the ones protobuf builds."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc import answers
+from extproc.gate import METADATA_NAMESPACE
 
 
 def _built(headers: list[tuple[str, str]]) -> pb.HeaderMutation:
@@ -40,3 +41,35 @@ def test_the_option_cache_stays_bounded() -> None:
         answers.set_headers(mutation, [("x-ratelimit-remaining-tokens", str(n))])
         assert mutation.set_headers[0].header.raw_value == str(n).encode()
     assert len(answers._OPTIONS) <= answers._OPTIONS_MAX
+
+
+def test_response_headers_answer_is_what_protobuf_builds() -> None:
+    cases = [[("x-ratelimit-limit-requests", "64"), ("x-ratelimit-reset-requests", "0s")],
+             # The answer's lengths past one varint byte, then past the table of varints.
+             [("k", "v" * 200), ("x-é", "ü" * 70)], [("x" * 300, "y" * 5000)], []]
+    for headers in cases:
+        for drop_length in (False, True):
+            built = pb.ProcessingResponse()
+            mutation = built.response_headers.response.header_mutation
+            mutation.CopyFrom(_built(headers))
+            if not drop_length:
+                del mutation.remove_headers[:]
+            got = answers.response_headers_answer(headers, drop_length)
+            assert got == built
+            assert got.SerializeToString() == built.SerializeToString()
+            assert got.WhichOneof("response") == "response_headers"
+
+
+def test_body_answer_with_metadata_is_what_protobuf_builds() -> None:
+    cases = [[("link", "a1b2c3-17")], [("link", "x" * 130), ("x-ratelimit-limit-requests", "64")],
+             [("k", "é" * 3000)], [("k", "1"), ("k", "2")]]
+    for metadata in cases:
+        built = pb.ProcessingResponse()
+        built.request_body.SetInParent()
+        fields = built.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.fields
+        for key, value in metadata:
+            fields[key].string_value = value
+        got = answers.body_answer(None, None, metadata)
+        assert got == built
+        assert got.WhichOneof("response") == "request_body"
+        assert got.SerializeToString(deterministic=True) == built.SerializeToString(deterministic=True)

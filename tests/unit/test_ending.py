@@ -8,6 +8,7 @@ import asyncio
 
 import orjson
 import pytest
+from envoy.config.core.v3 import base_pb2
 
 from extproc.admission import Demand, Lease, Outcome
 from extproc.request.ending import (Ending, Observed, ObservedAndLog, OnStream, OnStreamAndLog, Parked,
@@ -137,3 +138,12 @@ def test_response_facts_reads_status_and_type() -> None:
     assert response_facts(response_headers_msg(503, "text/event-stream").headers.headers) == (
         503, "text/event-stream")
     assert response_facts([]) == (0, "")
+
+
+def test_response_facts_reads_the_first_of_each() -> None:
+    entries = [base_pb2.HeaderValue(key=k, raw_value=v) for k, v in (
+        ("content-type", b"text/event-stream"), ("x-a", b"1"), (":status", b"200"),
+        ("content-type", b"application/json"), (":status", b"500"))]
+    assert response_facts(entries) == (200, "text/event-stream")
+    assert response_facts(entries[2:]) == (200, "application/json")
+    assert response_facts([base_pb2.HeaderValue(key=":status", raw_value=b"x2")]) == (0, "")
