@@ -19,9 +19,10 @@ kvgate releases it, until the node's next report (``extproc.admission.node``, ``
 twice, where the node held it, for half a poll interval on average. ``poke`` (any thread,
 never blocks) asks for that next report sooner: the thread wakes and scrapes the nodes
 poked, those alone, once ``early_scrape_gap_s`` has passed since each one's last report.
-A node is poked at most once per report (the admission core pokes when its ``kept`` turns
-non-zero, and a report clears it), and a node poked again meanwhile is still scraped once:
-early scrapes of a node come no more than one per gap. A node whose scrape still runs (it
+A node is poked at most once per usable report (the admission core pokes when its ``kept``
+turns non-zero, and only a report with a sample clears it: a node that stops answering is
+poked once), and pokes meanwhile are one: early scrapes of a node come no more than one
+per gap, however many requests end. A node whose scrape still runs (it
 does not answer) is not scraped early; its poke lapses with that scrape's report. An
 early round marks, scrapes and reports like a round, but publishes no pool signals: the
 adaptive scale keeps its poll interval's pace.

@@ -3,6 +3,7 @@ thread's pace driven on a manual clock with a fake wait, and once on the real th
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from typing import Any
 
@@ -14,12 +15,14 @@ from tests.integration.test_scraper import (Behavior, MetricsServer, NodeReports
                                             new_scraper, serve, servers, vllm_body)
 
 
-def picking(nodes: list[MetricsServer], *, poll: float = 1.0, gap: float = 0.2, timeout: float = 1.0) -> Config:
+def picking(nodes: list[MetricsServer], *, poll: float = 1.0, gap: float = 0.2, timeout: float = 1.0,
+            **more: Any) -> Config:
     backends = [{"name": f"n{i}", "metrics_url": s.url, "engine": "vllm", "address": f"127.0.0.1:{9000 + i}"}
                 for i, s in enumerate(nodes)]
     return parse_config({"pools": {"p": {"backends": backends}},
                          "adaptive": {"poll_interval_s": poll, "scrape_timeout_s": timeout,
-                                      "stale_after_s": max(3.0, poll), "early_scrape_gap_s": gap}})
+                                      "stale_after_s": max(3.0, poll), "early_scrape_gap_s": gap},
+                         **more})
 
 
 class Paced:
@@ -98,3 +101,24 @@ def test_the_thread_wakes_early_on_a_poke(new_scraper, servers):
     wait_until(lambda: a.hits >= 1, timeout=10.0, what="the first round")
     scraper.poke("p", "n0")
     wait_until(lambda: a.hits >= 2, timeout=10.0, what="an early scrape, 60 s before the next round")
+
+
+async def test_the_server_hands_the_admission_cores_pokes_to_its_scraper(servers):
+    """The wiring: a node the admission core pokes is scraped long before its next round."""
+    from prometheus_client import CollectorRegistry
+
+    from extproc.metrics import Metrics
+    from extproc.server import Server
+
+    a = serve(servers, Behavior(vllm_body(0.3)))
+    srv = Server(picking([a], poll=60.0, gap=0.001, server={"drain_s": 0.0, "grace_s": 1.0}),
+                 grpc_listen="127.0.0.1:0", admin_listen="127.0.0.1:0", metrics=Metrics(CollectorRegistry()))
+    await srv.start()
+    try:
+        await asyncio.to_thread(wait_until, lambda: a.hits >= 1, what="the first round")
+        assert srv.admission.poke_node is not None
+        srv.admission.poke_node("p", "n0")
+        await asyncio.to_thread(wait_until, lambda: a.hits >= 2, what="an early scrape")
+    finally:
+        await srv.close()
+    assert srv.admission.poke_node is None
