@@ -403,6 +403,8 @@ class Scraper:
                     self.poll_once(due)
         except Exception:
             log.exception("scrape round failed")
+            with self._poke_lock:  # left to the rounds: a round that fails again must not spin
+                self._poked.clear()
         now = self._clock.now()
         due, later = self._early(now)
         if not self._stop.is_set():

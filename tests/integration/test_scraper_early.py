@@ -84,9 +84,9 @@ def test_a_node_whose_scrape_still_runs_is_not_scraped_early(new_scraper, server
     real_read = scraper_mod.read
     monkeypatch.setattr(scraper_mod, "read", lambda *a: (stuck.wait(10.0), real_read(*a))[1])
     node = serve(servers, Behavior(vllm_body(0.3)))
-    run = Paced(new_scraper, picking([node], timeout=0.05))
+    run = Paced(new_scraper, picking([node]))                      # a fetch in time even when busy
     try:
-        run.cycle()                                                 # overruns: its scrape still runs
+        run.cycle()                                                 # overruns (1 s): its scrape still runs
         run.scraper.poke("p", "n0")
         assert run.cycle(0.5) == 0.5 and node.hits == 1             # left to its round
     finally:
@@ -122,3 +122,12 @@ async def test_the_server_hands_the_admission_cores_pokes_to_its_scraper(servers
     finally:
         await srv.close()
     assert srv.admission.poke_node is None
+
+
+def test_an_early_round_that_fails_leaves_its_pokes_to_the_rounds(new_scraper, servers, monkeypatch):
+    a = serve(servers, Behavior(vllm_body(0.3)))
+    run = Paced(new_scraper, picking([a], gap=0.25))
+    run.cycle()
+    run.scraper.poke("p", "n0")
+    monkeypatch.setattr(run.scraper, "poll_once", lambda only=None: 1 / 0)   # a bug in a round
+    assert run.cycle(0.5) == 0.5                                    # not at once, again and again
