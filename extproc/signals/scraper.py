@@ -268,7 +268,7 @@ class Scraper:
                 if self._sink is not None:
                     pc = config.pools.get(node.pool)
                     if pc is not None and pc.picks:
-                        self._report_node(node, result, now, mark)
+                        self._report_node(node, result, now, mark, only is not None)
             out: dict[str, PoolSignals] = {}
             for pool in config.pools.values() if only is None else ():
                 if not pool.backends:
@@ -323,7 +323,7 @@ class Scraper:
                             "stale", pool, name)
         node.up = ok
 
-    def _report_node(self, node: _Node, result: _Result, now: float, mark: int | None) -> None:
+    def _report_node(self, node: _Node, result: _Result, now: float, mark: int | None, early: bool) -> None:
         sink = self._sink
         if sink is None:  # no picking pool: nothing takes node reports
             return
@@ -335,7 +335,7 @@ class Scraper:
                             at=now, refused=failure is not None and failure.reason is ScrapeError.CONNECT,
                             mark=mark, waiting=usable.waiting if usable is not None else None,
                             running=usable.running if usable is not None else None,
-                            block_tokens=usable.block_tokens if usable is not None else None)
+                            block_tokens=usable.block_tokens if usable is not None else None, early=early)
         try:
             sink.report(node.pool, node.backend.name, report)
         except Exception:

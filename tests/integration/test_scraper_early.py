@@ -58,6 +58,7 @@ def test_a_poke_scrapes_that_node_alone_once_its_gap_has_passed(new_scraper, ser
     assert run.cycle(0.125) == 0.75                                 # due: n0 alone, then the round
     assert (a.hits, b.hits) == (2, 1) and run.reported() == ["n0", "n1", "n0"]
     assert len(run.sink.marks) == 2 and run.sink.reports[-1][2].mark == run.sink.marks[-1]
+    assert [r.early for _p, _b, r in run.sink.reports] == [False, False, True]  # reads no rise
     assert len(run.pub.calls) == published                          # the scale keeps its pace
     assert run.cycle(0.75) == 1.0 and (a.hits, b.hits) == (3, 2)    # the round comes on time
 

@@ -4,10 +4,11 @@ subtracted a request released since counts it twice until its next report."""
 from __future__ import annotations
 
 from extproc.admission import Admission, Lease, Outcome
+from extproc.admission.types import NodeReport
 from extproc.clock import ManualClock
 from kvgate_testkit.admission import acquire_now
 from tests.unit.admission.helpers import T0, config
-from tests.unit.admission.test_nodes import demand, nodes_pool, report
+from tests.unit.admission.test_nodes import CAP, demand, nodes_pool, report
 
 
 def poked_admission(n: int = 1) -> tuple[Admission, ManualClock, list[tuple[str, str]]]:
@@ -64,3 +65,21 @@ def test_without_a_hook_a_release_only_keeps_the_count():
     report(adm, clock, {"n0": 0.2}, mark=1)
     lease.release(Outcome.COMPLETED, 1)
     assert adm.nodes("default")[0].foreign_tokens == 20_000
+
+
+def test_an_early_report_reads_foreign_kv_but_not_a_rise():
+    """A rise is read between the rounds' reports: over an early report's fraction of an
+    interval, nothing between two steps of a load, it would wipe out the round's."""
+    clock = ManualClock(T0)
+    adm = Admission(config(pool=nodes_pool(1)), clock)
+    report(adm, clock, {"n0": 0.1})
+    clock.advance(1)
+    report(adm, clock, {"n0": 0.3})                                   # 20k more in a round
+    assert adm.nodes("default")[0].headroom_tokens == CAP - 30_000 - 20_000
+    clock.advance(0.25)
+    adm.report_node("default", "n0", NodeReport(kv_usage=0.3, capacity_tokens=CAP, at=clock.now(), early=True))
+    node = adm.nodes("default")[0]
+    assert node.foreign_tokens == 30_000 and node.headroom_tokens == CAP - 30_000 - 20_000
+    clock.advance(0.75)
+    report(adm, clock, {"n0": 0.3})                                   # the next round: no rise
+    assert adm.nodes("default")[0].headroom_tokens == CAP - 30_000
