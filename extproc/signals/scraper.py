@@ -22,10 +22,11 @@ poked, those alone, once ``early_scrape_gap_s`` has passed since each one's last
 A node is poked at most once per usable report (the admission core pokes when its ``kept``
 turns non-zero, and only a report with a sample clears it: a node that stops answering is
 poked once), and pokes meanwhile are one: early scrapes of a node come no more than one
-per gap, however many requests end. A node whose scrape still runs (it
-does not answer) is not scraped early; its poke lapses with that scrape's report. An
-early round marks, scrapes and reports like a round, but publishes no pool signals: the
-adaptive scale keeps its poll interval's pace.
+per gap, however many requests end. A node whose scrape still runs (it does not answer)
+is not scraped early; its poke lapses with that scrape's report. An early round marks,
+scrapes and reports like a round, but publishes no pool signals (the adaptive scale keeps
+its poll interval's pace), and its reports say they are early (``NodeReport.early``): the
+ledger reads no rise of foreign KV over them.
 
 Nothing a backend sends can stop the thread: every failure is counted by reason through
 the observer and logged at most once per ``log_every_s`` per backend.
