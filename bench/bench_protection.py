@@ -222,7 +222,7 @@ def adaptive_for(speedup: float) -> dict[str, Any]:
             "recovery_per_s": 0.1 * speedup,
             "poll_interval_s": max(0.01, 1.0 / speedup),
             "scrape_timeout_s": max(0.005, 0.5 / speedup),
-            "stale_after_s": 3.0 / speedup}
+            "stale_after_s": 3.0 / speedup, "early_scrape_gap_s": 0.2 / speedup}
 
 
 def _kvgate_base(w: Workload, speedup: float, sim_port: int, *, tpm: bool, backends: bool,

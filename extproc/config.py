@@ -234,7 +234,10 @@ class AdaptiveConfig:
     Watermarks are KV-cache usage ratios; ``min_scale`` is the scale at or above the
     high watermark; ``recovery_per_s`` is the largest rise of the scale per second
     (a shrink applies at once). Polling times are in seconds; ``max_scrape_bytes`` caps
-    the size of one metrics response.
+    the size of one metrics response. ``early_scrape_gap_s``: a node whose last report
+    subtracted a request kvgate has since released is scraped again this long after that
+    report at the soonest, before its next round (0: not before its round;
+    ``extproc.signals.scraper``).
     """
 
     high_watermark: float = 0.85
@@ -244,6 +247,7 @@ class AdaptiveConfig:
     poll_interval_s: float = 1.0
     scrape_timeout_s: float = 0.5
     stale_after_s: float = 3.0
+    early_scrape_gap_s: float = 0.2
     max_scrape_bytes: int = 4 * 1024 * 1024
 
 

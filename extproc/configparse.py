@@ -422,6 +422,7 @@ def _adaptive(data: Any) -> AdaptiveConfig:
         poll_interval_s=s.number("poll_interval_s", d.poll_interval_s, low=0.01, high=60.0),
         scrape_timeout_s=s.number("scrape_timeout_s", d.scrape_timeout_s, low=0.001, high=60.0),
         stale_after_s=s.number("stale_after_s", d.stale_after_s, low=0.0, low_open=True),
+        early_scrape_gap_s=s.number("early_scrape_gap_s", d.early_scrape_gap_s, low=0.0, high=60.0),
         max_scrape_bytes=s.integer("max_scrape_bytes", d.max_scrape_bytes, minimum=1024),
     )
     s.done()

@@ -418,6 +418,9 @@ class Server:
 
         self._scraper = Scraper(config, publish, self.metrics, self.clock,
                                 nodes=_LoopNodeSink(loop, admission))
+        # A released request its node's last report subtracted is counted twice until the
+        # next report: the scraper fetches that one early (extproc.signals.scraper).
+        admission.poke_node = self._scraper.poke
         self._scraper.start()
 
     def _reload_refused(self, err: Exception) -> None:
@@ -488,6 +491,7 @@ class Server:
             await asyncio.get_running_loop().run_in_executor(None, self._discovery.stop)
             self._discovery = None
         if self._scraper is not None:
+            self.admission.poke_node = None
             # stop joins the thread, which may be inside a scrape: keep the loop free meanwhile
             await asyncio.get_running_loop().run_in_executor(None, self._scraper.stop)
             self._scraper = None

@@ -54,6 +54,8 @@ class Admission:
         self._decide = Decider(clock, self._store, rand, Tenants(config.tenants))
         self._waits = BoundedWait(clock, LoopTimers() if timers is None else timers, self._decide, self,
                                   lambda p: self._pools.get(p.name) is p)
+        # (pool, node): asks for an early scrape of a node (``PoolNodes.poke``; None: none).
+        self.poke_node: Callable[[str, str], None] | None = None
         now = clock.now()
         self._pools: dict[str, PoolControl] = {
             name: self._new_pool(pc, config, now) for name, pc in config.pools.items()}
@@ -63,8 +65,17 @@ class Admission:
         p = PoolControl(pc, ScaleParams.of(pc, config.adaptive), config.adaptive.poll_interval_s,
                         tenants.guaranteed, tenants.kv_watermarks, now)
         if pc.picks:
-            p.nodes = PoolNodes(pc, config.adaptive.stale_after_s)
+            p.nodes = self._new_nodes(pc, config)
         return p
+
+    def _new_nodes(self, pc: PoolConfig, config: Config) -> PoolNodes:
+        nodes = PoolNodes(pc, config.adaptive.stale_after_s)
+        nodes.poke = partial(self._poke, pc.name)
+        return nodes
+
+    def _poke(self, pool: str, node: str) -> None:
+        if self.poke_node is not None:
+            self.poke_node(pool, node)
 
     # --- public API -------------------------------------------------------------
 
@@ -245,7 +256,7 @@ class Admission:
             p.kv_watermarks = tenants.kv_watermarks
             if pc.picks:
                 if p.nodes is None:
-                    p.nodes = PoolNodes(pc, config.adaptive.stale_after_s)
+                    p.nodes = self._new_nodes(pc, config)
                 else:
                     p.nodes.reconfigure(pc, config.adaptive.stale_after_s)
             else:

@@ -52,7 +52,10 @@ gateway's burst), it may go on growing at the same rate, and kvgate's requests o
 cannot be taken back: they free their KV only as they end. So a node's room keeps free
 the rise projected over the time kvgate's requests typically hold a node (the pool's
 median hold time, from the report's instant, so a report read a while ago projects
-further; at least one report interval): ``Node.foreign_ahead``. The rise is read at the
+further; at least one report interval): ``Node.foreign_ahead``. Rates are read between
+the reports of the scrape rounds: an early report (``NodeReport.early``) comes a fraction
+of an interval after the last, and the rise over it, nothing between two steps, wiped
+out the rise the round had just read (the trace replay's background load preempted so). The rise is read at the
 faster of two rates: over the last report interval, and over the reports of the last
 hold time. The second remembers a load that rises in steps: one report interval between
 two steps shows no growth, and the first rate alone then opened the node again in the
@@ -191,7 +194,7 @@ class Node:
 
     __slots__ = ("name", "address", "configured_capacity", "reported_capacity", "usage",
                  "report_at", "refused", "foreign", "net", "since", "idle", "floor", "rise", "rise_s", "history",
-                 "subtracted", "kept",
+                 "subtracted", "kept", "base",
                  "charges", "marks", "picks", "passed_over", "exact", "footprints", "owns", "left", "mean", "var",
                  "prefixes", "reported_block", "affinity_picks", "prompt_tokens", "credit_tokens",
                  "recent")
@@ -218,6 +221,8 @@ class Node:
         self.kept = 0
         self.rise = 0                   # tokens foreign KV grew by over the last interval (module doc)
         self.rise_s = 0.0               # that interval, seconds
+        # (instant, net, floor) of the last report of a round, whence the next reads its rise
+        self.base: tuple[float, int, int] | None = None
         # (instant, net, floor) of the latest reports with a usable sample, oldest first.
         self.history: deque[tuple[float, int, int]] = deque(maxlen=RISE_REPORTS)
         # kvgate's requests on the node, oldest admitted first (a refusal's retry hint walks
@@ -411,12 +416,13 @@ class Node:
             self.reported_capacity = r.capacity_tokens
         scale = self.reported_capacity if self.reported_capacity is not None else self.configured_capacity
         self.usage = min(1.0, max(0.0, r.kv_usage))
-        last_at, self.report_at = self.report_at, r.at
+        self.report_at = r.at
         self.kept = 0
         if scale is None:
             self.foreign, self.net, self.floor, self.rise, self.since = 0, 0, None, 0, None
             self.subtracted = {}
             self.history.clear()
+            self.base = None
             return
         used = math.ceil(self.usage * scale)
         idle = r.waiting == 0
@@ -430,13 +436,15 @@ class Node:
         # The node runs no request beyond those subtracted: none of kvgate's others is in its
         # cache yet, so the foreign reading holds nothing of kvgate's (module doc).
         self.exact = r.running is not None and r.running <= len(subtracted)
-        if self.floor is None:
-            self.rise = 0
-        else:
-            rise = net - self.net if self.exact else min(net - self.net, floor - self.floor)
-            self.rise = max(0, rise)
-        self.rise_s = r.at - last_at if last_at is not None else 0.0
         self.foreign, self.net, self.floor, self.since, self.idle = foreign, net, floor, since, idle
+        if r.early:
+            return
+        base, self.base = self.base, (r.at, net, floor)
+        if base is None:
+            self.rise, self.rise_s = 0, 0.0
+        else:
+            rise = net - base[1] if self.exact else min(net - base[1], floor - base[2])
+            self.rise, self.rise_s = max(0, rise), r.at - base[0]
         self.history.append((r.at, net, floor))
 
     def foreign_ahead(self, horizon_s: float, now: float) -> int:

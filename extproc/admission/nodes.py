@@ -106,6 +106,10 @@ class PoolNodes:
     """PoolNodes holds the nodes of one picking pool and picks one for each request.
 
     ``stale_after_s``: a node without a report for this long is not picked (seconds).
+    ``poke(node)``, when set, asks for an early scrape of a node whose last report
+    subtracted a charge released since (its ``kept`` just turned non-zero): that report
+    counts it twice, where the node held it, until the next one. It must return at once
+    (the server's hands the node to the scraper's thread, ``Scraper.poke``).
     """
 
     def __init__(self, config: PoolConfig, stale_after_s: float) -> None:
@@ -118,6 +122,7 @@ class PoolNodes:
         self.first_tokens: deque[float] = deque(maxlen=FIRST_TOKEN_SAMPLES)
         self._turn = 0  # rotates the order in which equal nodes are offered
         self._recount: list[Charge] = []  # the charges this pass has still to recount, last first
+        self.poke: Callable[[str], None] | None = None
         self.reconfigure(config, stale_after_s)
 
     def reconfigure(self, config: PoolConfig, stale_after_s: float) -> None:
@@ -386,7 +391,7 @@ class PoolNodes:
         if not charge.held:
             return False
         charge.held = False
-        charge.node.drop(charge)
+        self._drop(charge)
         if charge.chain is not None:
             charge.node.ended(charge.chain, self.picking.prefix_record_keys)
         if completed:
@@ -394,6 +399,14 @@ class PoolNodes:
             if completion_tokens is not None and completion_tokens >= 0:
                 self.growth.learn(charge.class_name, completion_tokens)
         return True
+
+    def _drop(self, charge: Charge) -> None:
+        """_drop takes a charge off its node, poking the node when its ``kept`` turns non-zero."""
+        n = charge.node
+        was = n.kept
+        n.drop(charge)
+        if not was and n.kept and self.poke is not None:
+            self.poke(n.name)
 
     def named(self, among: frozenset[str] | None) -> int:
         """named counts the nodes that ``among`` allows (None: all), whatever their state."""
@@ -419,7 +432,7 @@ class PoolNodes:
         if target is None:
             return False
         old = charge.node
-        old.drop(charge)
+        self._drop(charge)
         for _since, seen in old.marks.values():
             seen.pop(charge, None)
         charge.node = target

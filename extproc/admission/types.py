@@ -47,7 +47,8 @@ class NodeReport:
     ``mark``: the id of the mark taken before the scrape (None: none was taken);
     ``waiting``: requests the node queues (None: not reported); ``running``: requests in
     its batch, those that hold KV (None: not reported); ``block_tokens``: its KV block size
-    (None: not reported).
+    (None: not reported); ``early``: scraped between rounds, to end a double count
+    (``Scraper.poke``): its foreign KV counts, its interval does not read a rise.
     """
 
     kv_usage: float | None
@@ -58,6 +59,7 @@ class NodeReport:
     waiting: int | None = None
     running: int | None = None
     block_tokens: int | None = None
+    early: bool = False
 
 
 class CachedView(Protocol):

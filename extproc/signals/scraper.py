@@ -14,6 +14,20 @@ mark must be taken before any node renders the metrics this round reads, so the 
 waits for it (at most ``MARK_TIMEOUT_S``; a mark not taken in time is not claimed by the
 round's reports).
 
+Early rounds. A report that subtracted one of kvgate's requests keeps counting it after
+kvgate releases it, until the node's next report (``extproc.admission.node``, ``Node.kept``):
+twice, where the node held it, for half a poll interval on average. ``poke`` (any thread,
+never blocks) asks for that next report sooner: the thread wakes and scrapes the nodes
+poked, those alone, once ``early_scrape_gap_s`` has passed since each one's last report.
+A node is poked at most once per usable report (the admission core pokes when its ``kept``
+turns non-zero, and only a report with a sample clears it: a node that stops answering is
+poked once), and pokes meanwhile are one: early scrapes of a node come no more than one
+per gap, however many requests end. A node whose scrape still runs (it does not answer)
+is not scraped early; its poke lapses with that scrape's report. An early round marks,
+scrapes and reports like a round, but publishes no pool signals (the adaptive scale keeps
+its poll interval's pace), and its reports say they are early (``NodeReport.early``): the
+ledger reads no rise of foreign KV over them.
+
 Nothing a backend sends can stop the thread: every failure is counted by reason through
 the observer and logged at most once per ``log_every_s`` per backend.
 """
@@ -21,9 +35,10 @@ the observer and logged at most once per ``log_every_s`` per backend.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Protocol
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -97,7 +112,7 @@ class _LogGate:
 class _Node:
     """_Node is the scraper's state for one configured backend (touched only by rounds)."""
 
-    __slots__ = ("pool", "backend", "since", "sample", "sampled_at", "inflight", "up", "gate")
+    __slots__ = ("pool", "backend", "since", "sample", "sampled_at", "reported_at", "inflight", "up", "gate")
 
     def __init__(self, pool: str, backend: BackendConfig, since: float, log_every_s: float) -> None:
         self.pool = pool
@@ -105,6 +120,7 @@ class _Node:
         self.since = since                        # instant it was configured (seconds)
         self.sample: NodeSample | None = None     # last usable sample
         self.sampled_at: float | None = None      # instant of that sample (seconds)
+        self.reported_at: float | None = None     # instant of its last round, answered or not
         self.inflight: Future[_Result] | None = None
         self.up: bool | None = None
         self.gate = _LogGate(log_every_s)
@@ -135,12 +151,15 @@ class Scraper:
 
     ``publish(pool, signals)`` is called from the scraper's thread once per pool with
     backends per round; ``observer`` receives per-backend results; ``clock`` (seconds)
-    dates samples and decides staleness, so tests drive it with ``poll_once`` and a
-    ``ManualClock``. ``log_every_s`` bounds log lines per backend.
+    dates samples, decides staleness and paces the thread, so tests drive it with
+    ``poll_once`` (or ``cycle``) and a ``ManualClock``. ``log_every_s`` bounds log lines per
+    backend. ``wait(seconds)`` sleeps the thread until then or a ``poke`` (None: on an event
+    that ``poke`` and ``stop`` set).
     """
 
     def __init__(self, config: Config, publish: Publish, observer: ScrapeObserver, clock: Clock,
-                 *, log_every_s: float = 60.0, nodes: NodeSink | None = None) -> None:
+                 *, log_every_s: float = 60.0, nodes: NodeSink | None = None,
+                 wait: Callable[[float], object] | None = None) -> None:
         self._publish = publish
         self._sink = nodes
         self._rounds = 0
@@ -156,6 +175,10 @@ class Scraper:
         self._executor: ThreadPoolExecutor | None = None
         self._workers = 0
         self._stop = threading.Event()
+        self._wake = threading.Event()         # set by poke and stop: ends the thread's wait
+        self._wait = wait if wait is not None else self._sleep
+        self._poke_lock = threading.Lock()     # guards _poked (any thread pokes)
+        self._poked: dict[tuple[str, str], None] = {}
         self._thread: threading.Thread | None = None
 
     # --- configuration ---------------------------------------------------------------
@@ -195,15 +218,19 @@ class Scraper:
             self._workers = want
         return self._executor
 
-    def poll_once(self) -> dict[str, PoolSignals]:
+    def poll_once(self, only: Collection[tuple[str, str]] | None = None) -> dict[str, PoolSignals]:
         """poll_once scrapes every backend once, publishes every pool, and returns the signals.
 
         Blocks at most about ``scrape_timeout_s``. A backend whose previous scrape is
         still running (a hung DNS lookup, say) is not scraped again; it counts as a timeout.
+        ``only``: an early round of those (pool, backend) alone, whose scrapes are not
+        running: reported, nothing published (module doc).
         """
         with self._round_lock:
             with self._lock:
-                config, nodes = self._config, self._nodes
+                config, every = self._config, self._nodes
+            nodes = every if only is None else \
+                {k: n for k, n in every.items() if k in only and n.inflight is None}
             a = config.adaptive
             executor = self._pool_executor(len(nodes))
             self._rounds += 1
@@ -236,12 +263,15 @@ class Scraper:
                     result = _Result(None, ScrapeFailure(ScrapeError.TIMEOUT, "scrape overran its deadline"),
                                      a.scrape_timeout_s)
                 self._record(node, result, now)
+                node.reported_at = now
+                with self._poke_lock:  # this report ends the double count a poke was for
+                    self._poked.pop((node.pool, node.backend.name), None)
                 if self._sink is not None:
                     pc = config.pools.get(node.pool)
                     if pc is not None and pc.picks:
-                        self._report_node(node, result, now, mark)
+                        self._report_node(node, result, now, mark, only is not None)
             out: dict[str, PoolSignals] = {}
-            for pool in config.pools.values():
+            for pool in config.pools.values() if only is None else ():
                 if not pool.backends:
                     continue  # pools without backends keep scale 1.0: nothing to publish
                 signals = aggregate((nodes[(pool.name, b.name)].reading(now) for b in pool.backends),
@@ -294,7 +324,7 @@ class Scraper:
                             "stale", pool, name)
         node.up = ok
 
-    def _report_node(self, node: _Node, result: _Result, now: float, mark: int | None) -> None:
+    def _report_node(self, node: _Node, result: _Result, now: float, mark: int | None, early: bool) -> None:
         sink = self._sink
         if sink is None:  # no picking pool: nothing takes node reports
             return
@@ -306,7 +336,7 @@ class Scraper:
                             at=now, refused=failure is not None and failure.reason is ScrapeError.CONNECT,
                             mark=mark, waiting=usable.waiting if usable is not None else None,
                             running=usable.running if usable is not None else None,
-                            block_tokens=usable.block_tokens if usable is not None else None)
+                            block_tokens=usable.block_tokens if usable is not None else None, early=early)
         try:
             sink.report(node.pool, node.backend.name, report)
         except Exception:
@@ -340,24 +370,75 @@ class Scraper:
         self._thread = threading.Thread(target=self._run, name="kvgate-scraper", daemon=True)
         self._thread.start()
 
+    def poke(self, pool: str, backend: str) -> None:
+        """poke asks for an early scrape of one node (module doc); from any thread, at once."""
+        with self._poke_lock:
+            self._poked[(pool, backend)] = None
+        self._wake.set()
+
+    def _sleep(self, seconds: float) -> None:
+        self._wake.wait(seconds)
+        # Cleared after the wait, before the next cycle reads the pokes: a poke after this
+        # is read by that cycle or sets the event again.
+        self._wake.clear()
+
     def _run(self) -> None:
-        next_at = time.monotonic()
+        next_at = self._clock.now()
         while not self._stop.is_set():
-            try:
+            next_at = self.cycle(next_at)
+
+    def cycle(self, next_at: float) -> float:
+        """cycle runs what is due on the clock: the round when ``next_at`` has come (the next
+        one then due ``poll_interval_s`` later, not caught up after an overrun), else an early
+        round of the nodes poked whose gap has passed; then waits until the next of these is
+        due or a poke. Returns the next round's instant."""
+        try:
+            if self._clock.now() >= next_at:
                 self.poll_once()
-            except Exception:
-                log.exception("scrape round failed")
-            with self._lock:
-                interval = self._config.adaptive.poll_interval_s
-            next_at += interval
-            delay = next_at - time.monotonic()
-            if delay < 0:  # a round overran: start the next one now, do not try to catch up
-                next_at, delay = time.monotonic(), 0.0
-            self._stop.wait(delay)
+                with self._lock:
+                    interval = self._config.adaptive.poll_interval_s
+                next_at = max(next_at + interval, self._clock.now())
+            else:
+                due, _ = self._early(self._clock.now())
+                if due:
+                    self.poll_once(due)
+        except Exception:
+            log.exception("scrape round failed")
+            with self._poke_lock:  # left to the rounds: a round that fails again must not spin
+                self._poked.clear()
+        now = self._clock.now()
+        due, later = self._early(now)
+        if not self._stop.is_set():
+            self._wait(0.0 if due else max(0.0, min(next_at, later) - now))
+        return next_at
+
+    def _early(self, now: float) -> tuple[list[tuple[str, str]], float]:
+        """_early is the poked nodes due an early scrape at ``now``, and the instant the
+        first of the others will be (inf: none). A node whose scrape still runs is left to
+        its round; pokes for nodes gone (a reload), or with no early scrape at all
+        (``early_scrape_gap_s`` 0), are dropped."""
+        with self._lock:
+            gap_s, nodes = self._config.adaptive.early_scrape_gap_s, self._nodes
+        with self._poke_lock:
+            for key in [k for k in self._poked if gap_s <= 0 or k not in nodes]:
+                del self._poked[key]
+            poked = [nodes[k] for k in self._poked]
+        due: list[tuple[str, str]] = []
+        later = math.inf
+        for n in poked:
+            if n.inflight is not None:
+                continue
+            at = n.reported_at + gap_s if n.reported_at is not None else now
+            if at <= now:
+                due.append((n.pool, n.backend.name))
+            else:
+                later = min(later, at)
+        return due, later
 
     def stop(self, timeout_s: float | None = None) -> None:
         """stop ends the thread (within about ``scrape_timeout_s``) and its worker pool."""
         self._stop.set()
+        self._wake.set()
         thread, self._thread = self._thread, None
         if thread is not None:
             with self._lock:

@@ -23,6 +23,7 @@ def test_defaults_fill_in():
     assert pool.tpm is None and pool.kv_budget_tokens is None
     assert cfg.adaptive.high_watermark == 0.85 and cfg.adaptive.low_watermark == 0.70
     assert cfg.adaptive.min_scale == 0.6
+    assert cfg.adaptive.early_scrape_gap_s == 0.2
     assert cfg.limits.max_body_bytes == 1_048_576
     assert cfg.store.kind == "memory"
     assert cfg.class_of("anyone").name == "standard"
@@ -108,6 +109,8 @@ store:
     (with_(adaptive={"min_scale": 0}), "adaptive.min_scale", "> 0"),
     (with_(adaptive={"min_scale": 1.5}), "adaptive.min_scale", "<= 1"),
     (with_(adaptive={"high_watermark": float("nan")}), "adaptive.high_watermark", "finite"),
+    (with_(adaptive={"early_scrape_gap_s": -0.1}), "adaptive.early_scrape_gap_s", ">= 0"),
+    (with_(adaptive={"early_scrape_gap_s": "0.2"}), "adaptive.early_scrape_gap_s", "a number"),
     (with_(tenants={"default_class": "gold"}), "tenants.default_class", "no class"),
     (with_(tenants={"classes": {"a": {}}, "default_class": "a", "tenants": {"t": {"class": "b"}}}),
      "tenants.tenants.t.class", "no class"),
