@@ -23,6 +23,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -84,12 +85,12 @@ class _LoopNodeSink:
         self._loop = loop
         self._admission = admission
 
-    def mark(self, mark: int) -> bool:
+    def mark(self, mark: int, only: Collection[tuple[str, str]] | None = None) -> bool:
         from extproc.signals.scraper import MARK_TIMEOUT_S
         done = threading.Event()
 
         def take() -> None:
-            self._admission.mark_nodes(mark)
+            self._admission.mark_nodes(mark, only)
             done.set()
 
         try:

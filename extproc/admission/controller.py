@@ -16,7 +16,7 @@ walk them on their own.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from functools import partial
 
 from extproc.admission.adaptive import ScaleParams
@@ -162,8 +162,9 @@ class Admission:
                 self._waits.shed_waiters(p, now)
             self._waits.kick(p)
 
-    def mark_nodes(self, mark: int) -> None:
-        """mark_nodes starts a scrape round in every picking pool (``nodes.PoolNodes.mark``).
+    def mark_nodes(self, mark: int, only: Collection[tuple[str, str]] | None = None) -> None:
+        """mark_nodes starts a scrape round in every picking pool (``nodes.PoolNodes.mark``);
+        an early round's on the (pool, backend) nodes ``only`` it scrapes (None: every node).
 
         ``mark`` is an increasing id that the round's ``report_node`` calls carry. A store
         shared by replicas stamps it with its instant, so that the round's reports are read
@@ -171,9 +172,10 @@ class Admission:
         """
         now = self._clock.now()
         since = self._store.instant()
-        for p in self._pools.values():
+        for name, p in self._pools.items():
             if p.nodes is not None:
-                p.nodes.mark(mark, now, since)
+                p.nodes.mark(mark, now, since,
+                             None if only is None else {b for pool, b in only if pool == name})
 
     def report_node(self, pool: str, backend: str, report: NodeReport) -> None:
         """report_node hands in one node's scrape of a picking pool (on the event-loop thread).

@@ -55,8 +55,8 @@ median hold time, from the report's instant, so a report read a while ago projec
 further; at least one report interval): ``Node.foreign_ahead``. Rates are read between
 the reports of the scrape rounds: an early report (``NodeReport.early``) comes a fraction
 of an interval after the last, and the rise over it, nothing between two steps, wiped
-out the rise the round had just read (the trace replay's background load preempted so). The rise is read at the
-faster of two rates: over the last report interval, and over the reports of the last
+out the rise the round had just read (the trace replay's background load preempted so).
+The rise is read at the faster of two rates: over the last report interval, and over the reports of the last
 hold time. The second remembers a load that rises in steps: one report interval between
 two steps shows no growth, and the first rate alone then opened the node again in the
 middle of the ramp (the trace replay's background load, 4 steps 1 s apart, preempted so).

@@ -170,10 +170,16 @@ class PoolNodes:
 
     # --- reports -------------------------------------------------------------------
 
-    def mark(self, mark: int, now: float, since: float | None = None) -> None:
+    def mark(self, mark: int, now: float, since: float | None = None, only: set[str] | None = None) -> None:
         """mark starts a scrape round at ``now``, ``since`` being the store's instant of the latest
-        answer received (None: none; see ``Node.mark``): see the module doc."""
+        answer received (None: none; see ``Node.mark``): see the module doc. ``only``: the
+        nodes an early round scrapes, marked alone (the rounds' recount is left to them)."""
         settle = self.settle_s()
+        if only is not None:
+            for name in only:
+                if name in self.nodes:
+                    self.nodes[name].mark(mark, now, settle, since)
+            return
         for n in self.nodes.values():
             n.mark(mark, now, settle, since)
         if self.growth.taught and not self._recount:  # a pass over every charge held, oldest first

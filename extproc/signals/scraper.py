@@ -23,8 +23,8 @@ A node is poked at most once per usable report (the admission core pokes when it
 turns non-zero, and only a report with a sample clears it: a node that stops answering is
 poked once), and pokes meanwhile are one: early scrapes of a node come no more than one
 per gap, however many requests end. A node whose scrape still runs (it does not answer)
-is not scraped early; its poke lapses with that scrape's report. An early round marks,
-scrapes and reports like a round, but publishes no pool signals (the adaptive scale keeps
+is not scraped early; its poke lapses with that scrape's report. An early round marks the
+nodes it scrapes (those alone), scrapes and reports them like a round, but publishes no pool signals (the adaptive scale keeps
 its poll interval's pace), and its reports say they are early (``NodeReport.early``): the
 ledger reads no rise of foreign KV over them.
 
@@ -74,8 +74,9 @@ MARK_TIMEOUT_S = 0.2
 class NodeSink(Protocol):
     """NodeSink receives the per-node results of pools that pick nodes (on the scraper's thread)."""
 
-    def mark(self, mark: int) -> bool:
-        """mark takes the round's mark before any scrape starts; False when it could not in time."""
+    def mark(self, mark: int, only: Collection[tuple[str, str]] | None = None) -> bool:
+        """mark takes the round's mark before any scrape starts, on the (pool, backend) nodes
+        ``only`` of an early round (None: every node); False when it could not in time."""
         ...
 
     def report(self, pool: str, backend: str, report: NodeReport) -> None:
@@ -237,7 +238,7 @@ class Scraper:
             mark: int | None = None
             if self._sink is not None and any(p.picks for p in config.pools.values()):
                 try:
-                    mark = self._rounds if self._sink.mark(self._rounds) else None
+                    mark = self._rounds if self._sink.mark(self._rounds, only) else None
                 except Exception:
                     log.exception("taking the round's mark failed")
             fresh: set[int] = set()

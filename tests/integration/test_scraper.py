@@ -526,7 +526,7 @@ class NodeReports:
         self.marks: list[int] = []
         self.reports: list[tuple[str, str, Any]] = []
 
-    def mark(self, mark: int) -> bool:
+    def mark(self, mark: int, only: Any = None) -> bool:
         self.marks.append(mark)
         return True
 

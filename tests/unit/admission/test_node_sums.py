@@ -200,3 +200,17 @@ def test_a_charge_moved_to_a_node_keeps_its_charges_oldest_first():
     assert pool.move(a, other.address)
     ages = [c.admitted_at for c in other.charges]
     assert a in other.charges and ages == sorted(ages) and len(ages) == 1 + sum(c.node is other for c in later)
+
+
+def test_an_early_round_marks_the_nodes_it_scrapes_alone():
+    """An early round (``only``) marks the nodes it scrapes and no other: a node it does not
+    scrape keeps the marks of its own rounds, and the early round recounts nothing."""
+    pool = up("learned", nodes=2)
+    c = pool.pick("standard", 10, 1_000, 1.0, T0)
+    assert isinstance(c, Charge)
+    scraped = c.node
+    other = next(n for n in pool.nodes.values() if n is not scraped)
+    pool.mark(1, T0)
+    pool.mark(2, T0, only={scraped.name})
+    assert list(scraped.marks) == [1, 2]
+    assert list(other.marks) == [1]
