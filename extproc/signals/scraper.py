@@ -24,9 +24,9 @@ turns non-zero, and only a report with a sample clears it: a node that stops ans
 poked once), and pokes meanwhile are one: early scrapes of a node come no more than one
 per gap, however many requests end. A node whose scrape still runs (it does not answer)
 is not scraped early; its poke lapses with that scrape's report. An early round marks the
-nodes it scrapes (those alone), scrapes and reports them like a round, but publishes no pool signals (the adaptive scale keeps
-its poll interval's pace), and its reports say they are early (``NodeReport.early``): the
-ledger reads no rise of foreign KV over them.
+nodes it scrapes (those alone), scrapes and reports them like a round, but publishes no
+pool signals (the adaptive scale keeps its poll interval's pace), and its reports say they
+are early (``NodeReport.early``): the ledger reads no rise of foreign KV over them.
 
 Nothing a backend sends can stop the thread: every failure is counted by reason through
 the observer and logged at most once per ``log_every_s`` per backend.
