@@ -386,7 +386,7 @@ class RedisStore(Store):
         if self._fallback.share_replicas == 1:
             return Within(plan.limits.limit - len(live),
                           (plan.limits.kv_budget or 0) - sum(g.plan.tokens for g in live.values()), None)
-        return self._escrow.within(plan, live, now, self._nodes.held.get(pool, {}), self.others_seen)
+        return self._escrow.within(plan, live, now, self._nodes.held.get(pool, {}))
 
     def _dropped(self, dropped: Pending) -> None:
         """_dropped hears of a settle the queue's bound dropped: its lease expires by itself."""

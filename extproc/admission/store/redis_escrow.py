@@ -9,7 +9,7 @@ margin before its expiry there, and answers what may be admitted alone (``within
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from extproc.admission.rules import node_headroom
 from extproc.admission.store.fallback import Within
@@ -31,10 +31,6 @@ class Held:
         self.node = node
         self.hold = hold
         self.until = until
-
-
-OthersSeen = Callable[[str, str, "float | None", bool], int]
-"""OthersSeen is ``RedisStore.others_seen``: (pool, node, since, idle) -> tokens."""
 
 
 class Escrow:
@@ -86,8 +82,7 @@ class Escrow:
                 for lease_id in [i for i in ledger if i not in ids]:
                     del ledger[lease_id]
 
-    def within(self, plan: Plan, live: dict[str, Grant], now: float, node_held: dict[str, int],
-               others_seen: OthersSeen) -> Within:
+    def within(self, plan: Plan, live: dict[str, Grant], now: float, node_held: dict[str, int]) -> Within:
         """within is what this replica may admit alone in ``plan``'s pool at ``now`` (caller
         s): what its leases certainly hold in Redis (each until a margin before its expiry)
         less what its ``live`` requests there take (slots, KV tokens, tokens per node), and
@@ -107,29 +102,34 @@ class Escrow:
             if g.picked is not None:
                 nodes[g.picked] = nodes.get(g.picked, 0) - escrow_hold(g)
         if plan.nodes is not None:
-            overcommit(plan, nodes, node_held, others_seen)
+            overcommit(plan, nodes, node_held)
         return Within(slots, kv, nodes)
 
 
-def overcommit(plan: Plan, nodes: dict[str, int], held: dict[str, int], others_seen: OthersSeen) -> None:
+def overcommit(plan: Plan, nodes: dict[str, int], held: dict[str, int]) -> None:
     """overcommit takes from this replica's room on each node (``nodes``, tokens) what the
-    node's KV that is not kvgate's (as this replica reads it, net of the others' published
-    requests, as the admit script nets it) leaves short of every replica's holds there
-    (``held``) at the last refresh: the shared rule's headroom, when it is below 0.
+    node's KV that is not this replica's (as this replica reads it) leaves short of every
+    replica's holds there (``held``) at the last refresh: the shared rule's headroom, when
+    it is below 0.
 
     Why: the ledger's holds fitted the node when they were taken; KV that is not
     kvgate's may have risen since, and then the shared rule admits nobody there while
     every replica alone would refill the room of its ended requests, each seeing the
     rise in its own reading but not what the others refill meanwhile. Each taking the
     whole shortfall from its own room, together they refill at most what is left.
+
+    Nothing the other replicas published is subtracted (as the admit script subtracts
+    it): a request they published may have ended since the store was last reached, its
+    room refilled by another within their holds or by KV that is not kvgate's, and the
+    reading cannot tell which. Their requests in the node's cache so count twice, in the
+    reading and in their holds: the price of never over-filling while cut off
+    (docs/operations.md, the replicas' faults).
     """
     ask = plan.nodes
     assert ask is not None
-    pool = plan.limits.pool
     for c in ask.candidates:
         if c.name not in nodes:
             continue
-        foreign = max(c.rise, c.foreign - others_seen(pool, c.name, c.since, c.idle))
-        short = node_headroom(c.cap, ask.reserve_fraction, foreign, held.get(c.name, 0))
+        short = node_headroom(c.cap, ask.reserve_fraction, max(c.rise, c.foreign), held.get(c.name, 0))
         if short < 0:
             nodes[c.name] += short

@@ -373,6 +373,60 @@ async def test_replicas_cut_off_do_not_refill_a_node_whose_foreign_kv_rose_past_
             await b.close()
 
 
+class _Seen:
+    """_Seen stands for a grant's node charge where only the store runs: what its node's last
+    mark saw of it (``node.Charge.seen``, tokens), the one field a refresh publishes."""
+
+    def __init__(self, seen: int) -> None:
+        self.seen = seen
+
+
+async def test_replicas_cut_off_count_nothing_the_others_published_before_the_cut(redis_server):
+    """As the test above, but each replica's request was in the node's cache when it last
+    published (3,000 tokens seen): the reports read during the cut are stamped after that
+    generation. Both requests end while cut off and 7,000 tokens that are not kvgate's come:
+    subtracting the other's stale generation (3,000), each would read 4,000 foreign, no
+    shortfall, and both would refill (13,000 on a 10,000-token node). A request another
+    replica published may have ended since, so a replica cut off subtracts none of it."""
+    clock = ManualClock(1000.0)
+    since: list[float] = []
+
+    def plan(foreign: int) -> Plan:
+        return Plan(slots_plan(64).limits, "a", "standard", 10, None,
+                    NodeAsk((C("n0", 10_000, foreign, 0, 0, since[0] if since else None, False),), 3000, 0.0, 1.0))
+
+    with running(redis_server.port) as proxy:
+        prefix = f"t{secrets.token_hex(6)}:"
+        url = f"redis://127.0.0.1:{proxy.port}/0"
+        a, b = (RedisStore(RedisStoreConfig(url=url, key_prefix=prefix, timeout_s=0.5, lease_ttl_s=30.0,
+                                            expected_replicas=2), clock=clock) for _ in range(2))
+        try:
+            await a.start()
+            await b.start()
+            ga, gb = await a.admit(plan(0), clock.now()), await b.admit(plan(0), clock.now())
+            assert isinstance(ga, Grant) and isinstance(gb, Grant) and ga.picked == gb.picked == "n0"
+            ga.node, gb.node = _Seen(3000), _Seen(3000)
+            clock.advance(1.0)
+            assert await a.refresh() and await b.refresh()   # each publishes its 3,000 seen
+            assert await a.refresh()                         # and reads the other's
+            since.append(clock.now() + 0.5)                  # the reports' marks saw the store after that
+            assert a.others_seen("p", "n0", since[0], False) == b.others_seen("p", "n0", since[0], False) == 3000
+            proxy.set_mode("refuse")
+            assert not isinstance(await a.admit(plan(3000), clock.now()), Grant)
+            assert not isinstance(await b.admit(plan(3000), clock.now()), Grant)
+            a.settle(ga, 10, clock.now())
+            b.settle(gb, 10, clock.now())
+            got = [await a.admit(plan(7000), clock.now()), await b.admit(plan(7000), clock.now())]
+            assert a.mode == b.mode == MODE_LOCAL_SHARE
+            assert not any(isinstance(g, Grant) for g in got)
+            # The other's request alone in the cache (3,000, no rise): the holds fit, each refills.
+            got = [await a.admit(plan(3000), clock.now()), await b.admit(plan(3000), clock.now())]
+            assert all(isinstance(g, Grant) for g in got)
+        finally:
+            await a.close()
+            await b.close()
+
+
 async def test_a_noscript_to_a_round_trip_sent_before_the_scripts_were_loaded_is_not_a_second_loss(monkeypatch):
     """On a server without the scripts, round trip A's NOSCRIPT is held back while B meets
     its own, reports the loss and loads the scripts. A's NOSCRIPT is that same loss: were
