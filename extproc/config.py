@@ -345,7 +345,9 @@ class RedisStoreConfig:
     while Redis is down has seen no peer); None (unset): a replica that has never reached
     Redis fails closed, whatever ``on_unavailable`` says, since no share is known safe.
     ``timeout_s``: one round trip's limit; its default is measured under load
-    (``bench/results/redis-timeout.md``).
+    (``bench/results/redis-timeout.md``). ``recover_s``: how long Redis must answer every
+    probe before a replica cut off shares again (0: at the first answer; see
+    ``store.fallback``).
     """
 
     url: str = "redis://127.0.0.1:6379/0"
@@ -354,6 +356,7 @@ class RedisStoreConfig:
     timeout_s: float = REDIS_TIMEOUT_S
     on_unavailable: str = "local_share"
     expected_replicas: int | None = None
+    recover_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -458,6 +458,7 @@ def _store(data: Any) -> StoreConfig:
         timeout_s=r.number("timeout_s", REDIS_TIMEOUT_S, low=0.0, low_open=True, high=10.0),
         on_unavailable=r.string("on_unavailable", "local_share", choices=ON_UNAVAILABLE),
         expected_replicas=r.integer("expected_replicas", None, minimum=1, optional=True),
+        recover_s=r.number("recover_s", 0.0, low=0.0, high=60.0),
     )
     r.done()
     s.done()

@@ -175,7 +175,7 @@ class RedisStore(Store):
                                     self._read_settles, self._dropped, lambda f: self._upkeep.degrade(f),
                                     lambda what, exc: self._upkeep.survived(what, exc), lambda: self._closed)
         self._fallback = Fallback(config.on_unavailable, config.expected_replicas, self._observer,
-                                  self._client.where)
+                                  self._client.where, config.recover_s)
         self._next = 0
         # The refresh round (one per round trip): stamps this replica's published generations.
         self._round = 0

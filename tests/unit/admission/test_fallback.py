@@ -1,5 +1,5 @@
-"""The shared store's modes without a server: degrade at once, share again with hysteresis,
-decide locally within what the replica's leases hold or fail closed. Instants are fixed; nothing sleeps."""
+"""The shared store's modes without a server: degrade at once, share again at the first
+answer or with hysteresis, decide locally within what the replica's leases hold or fail closed. Instants are fixed; nothing sleeps."""
 
 from __future__ import annotations
 
@@ -9,18 +9,20 @@ import pytest
 
 from extproc.admission.shared_nodes import Candidate as C, NodeAsk
 from extproc.admission.store.fallback import (FLAP_WINDOW_S, LOCAL_PREFIX, MODE_FAIL_CLOSED, MODE_LOCAL_SHARE,
-                                              MODE_SHARED, RECOVER_MAX_S, RECOVER_S, Fallback,
+                                              MODE_SHARED, Fallback,
                                               StoreUnavailableError, Within)
 from extproc.admission.types import Budget, Grant, Plan, PoolLimits, Refusal
 from tests.unit.admission.helpers import Recorder
 
 T0 = 1000.0
+RECOVER_S = 0.5  # the hysteresis the tests below set (``store.redis.recover_s``; default 0)
 LIMITS = PoolLimits(pool="p", scale=1.0, limit=6, base_limit=6, kv_budget=6000, base_kv_budget=6000)
 
 
-def fallback(on_unavailable: str = MODE_LOCAL_SHARE, expected: int | None = 2) -> tuple[Fallback, Recorder]:
+def fallback(on_unavailable: str = MODE_LOCAL_SHARE, expected: int | None = 2,
+             recover_s: float = RECOVER_S) -> tuple[Fallback, Recorder]:
     heard = Recorder()
-    return Fallback(on_unavailable, expected, heard, "127.0.0.1:6379/0"), heard
+    return Fallback(on_unavailable, expected, heard, "127.0.0.1:6379/0", recover_s), heard
 
 
 def test_a_failure_degrades_at_once_and_loudly(caplog: pytest.LogCaptureFixture) -> None:
@@ -47,7 +49,16 @@ def test_shared_mode_returns_only_after_answering_for_recover_s() -> None:
     assert heard.errors == ["timeout", "timeout"]
 
 
-def test_a_flapping_server_must_answer_twice_as_long_each_time_up_to_the_cap() -> None:
+def test_by_default_shared_mode_returns_at_the_first_answer() -> None:
+    f, heard = fallback(recover_s=0.0)
+    f.degrade("timeout", "", T0)
+    assert f.answered(T0 + 0.5)
+    assert heard.modes == [MODE_SHARED, MODE_LOCAL_SHARE, MODE_SHARED]
+    f.degrade("timeout", "", T0 + 1.0)  # flapping: twice nothing is nothing
+    assert f.answered(T0 + 1.5)
+
+
+def test_a_flapping_server_must_answer_twice_as_long() -> None:
     f, _ = fallback()
     now = T0
     waits = []
@@ -58,7 +69,7 @@ def test_a_flapping_server_must_answer_twice_as_long_each_time_up_to_the_cap() -
         now += f.recover_s
         assert f.answered(now)
         now += 1.0  # fails again soon after it came back
-    assert waits == [min(RECOVER_MAX_S, RECOVER_S * 2 ** k) for k in range(8)]
+    assert waits == [RECOVER_S] + [2 * RECOVER_S] * 7
     f.degrade("timeout", "", now + FLAP_WINDOW_S)  # quiet for a window: no longer flapping
     assert f.recover_s == RECOVER_S
 

@@ -183,12 +183,15 @@ def slots_plan(limit: int = 4) -> Plan:
     return Plan(lim, "a", "standard", 10, None)
 
 
-def cut_and_direct(proxy_port: int, url: str, clock: ManualClock) -> tuple[RedisStore, RedisStore]:
+def cut_and_direct(proxy_port: int, url: str, clock: ManualClock,
+                   recover_s: float = 0.5) -> tuple[RedisStore, RedisStore]:
     """cut_and_direct is two replicas of one ledger (lease TTL 30 s, 2 expected): A reaching
-    Redis through the proxy on ``proxy_port``, B directly at ``url``."""
+    Redis through the proxy on ``proxy_port`` and sharing again after Redis answered for
+    ``recover_s``, B directly at ``url``."""
     prefix = f"t{secrets.token_hex(6)}:"
     a = RedisStore(RedisStoreConfig(url=f"redis://127.0.0.1:{proxy_port}/0", key_prefix=prefix,
-                                    timeout_s=0.5, lease_ttl_s=30.0, expected_replicas=2), clock=clock)
+                                    timeout_s=0.5, lease_ttl_s=30.0, expected_replicas=2, recover_s=recover_s),
+                   clock=clock)
     b = RedisStore(RedisStoreConfig(url=url, key_prefix=prefix, timeout_s=2.0,
                                     lease_ttl_s=30.0, expected_replicas=2), clock=clock)
     return a, b
@@ -291,16 +294,19 @@ async def test_a_replica_waiting_to_share_again_keeps_the_room_of_its_ended_leas
             await b.close()
 
 
+@pytest.mark.parametrize("recover_s", [0.0, 0.5])
 async def test_a_grant_made_alone_while_the_last_probe_is_on_the_wire_is_in_redis_before_the_settles(redis_server,
-                                                                                                  monkeypatch):
+                                                                                                  monkeypatch,
+                                                                                                  recover_s):
     """A's probe that brings it back carries its grants made alone; one more made while that
     round trip is on the wire, within the room of A's ended requests, is not in it. Were
     the settles of those requests sent then, A and B would admit over a ledger that lacks
-    it: they wait until another refresh carried it."""
+    it: they wait until another refresh carried it. With no hysteresis (the default) the
+    probe that brings A back is the first that Redis answers."""
     clock = ManualClock(1000.0)
     live: list[Grant] = []
     with running(redis_server.port) as proxy:
-        a, b = cut_and_direct(proxy.port, redis_server.url, clock)
+        a, b = cut_and_direct(proxy.port, redis_server.url, clock, recover_s)
         try:
             await a.start()
             await b.start()
@@ -312,8 +318,9 @@ async def test_a_grant_made_alone_while_the_last_probe_is_on_the_wire_is_in_redi
             live.clear()
             live.append(await a.admit(slots_plan(), clock.now()))
             proxy.set_mode("pass")
-            assert not await a.probe()         # answering since now
-            clock.advance(a.recover_s)
+            if recover_s:
+                assert not await a.probe()     # answering since now
+                clock.advance(a.recover_s)
             real = RedisClient.round_trip
             slipped: list[Grant | object] = []
 

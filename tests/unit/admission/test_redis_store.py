@@ -26,7 +26,7 @@ from extproc.admission.slots import effective_guarantees, effective_limit
 from extproc.admission.types import Budget, BucketSpec, Grant, Plan, PoolLimits, Refusal
 from extproc.admission.store.memory import MemoryStore
 from extproc.admission.store.fallback import (LOCAL_PREFIX, MODE_FAIL_CLOSED, MODE_LOCAL_SHARE, MODE_SHARED,
-                                              RECOVER_S, StoreUnavailableError, Within, local_within)
+                                              StoreUnavailableError, Within, local_within)
 from extproc.admission.store.redis import RedisStore
 from extproc.admission.store.redis_commands import admit_cmd
 from extproc.clock import ManualClock
@@ -63,10 +63,17 @@ def plan(tokens: int, lim: PoolLimits | None = None, class_name: str = "standard
     return Plan(lim or limits(guarantees={}), tenant, class_name, tokens, bucket)
 
 
+RECOVER_S = 0.5
+"""RECOVER_S is the hysteresis these tests set (``store.redis.recover_s``; its default is 0):
+the return to shared mode is under test here as a wait."""
+
+
 def cfg(url: str, prefix: str | None = None, **kw) -> RedisStoreConfig:
     """cfg is a store config under a fresh key prefix; the timeout is 2 s unless a test
-    says otherwise, so that a busy machine does not turn a rule test into an outage."""
+    says otherwise, so that a busy machine does not turn a rule test into an outage;
+    the return to shared mode waits RECOVER_S."""
     kw.setdefault("timeout_s", 2.0)
+    kw.setdefault("recover_s", RECOVER_S)
     return RedisStoreConfig(url=url, key_prefix=prefix or f"t{secrets.token_hex(6)}:", **kw)
 
 
