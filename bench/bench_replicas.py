@@ -628,6 +628,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--policy", choices=sorted(REPLICA_POLICIES), default=DEFAULT_POLICY,
                     help=f"bench_trace's policy each replica runs (default {DEFAULT_POLICY})")
+    ap.add_argument("--repeat", type=int, default=1, choices=range(1, 6), metavar="N",
+                    help="run the rows N times (1-5), in turn; the report adds each row's runs and medians")
     ap.add_argument("--out", type=Path, default=RESULTS, help="the markdown report's path")
     args = ap.parse_args(argv)
     exit_on_sigterm()  # a killed run still stops what it started
@@ -652,42 +654,39 @@ def main(argv: list[str] | None = None) -> int:
     print(f"replicas benchmark: scenario {sc.name} ({len(reqs)} requests, {sc.duration_s:.1f} s simulated), "
           f"speedup {args.speedup:g}x, rows {', '.join(r.key for r in rows)}", flush=True)
     started = time.monotonic()
-    runs: list[RowRun] = []
+    repeats: list[list[RowRun]] = []
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-replicas-") as tmp:
-        for i, row in enumerate(rows):
-            label = f"{i + 1}/{len(rows)} {row.key}"
-            print(f"- {row.key}: {row.replicas} replica(s), {row.fault.title}", flush=True)
-            rr = run_row(row, policy, reqs, sc, args.speedup, args.seed, Path(tmp) / row.key, label)
-            s = summarize(rr.run, sc.background)
-            print(f"  [{label}] {rr.run.wall_s:.0f} s: preemptions {rr.run.preemptions}, goodput "
-                  f"{s.goodput:,.0f} tok/s" + (f"  ERROR: {rr.run.error}" if rr.run.error else ""), flush=True)
-            for k, seen in enumerate(rr.decisions):
-                print(f"  replica {k + 1} decisions: " + ", ".join(f"{d} {n}" for d, n in sorted(seen.items())),
-                      flush=True)
-            if rr.run.error:
-                for log in sorted((Path(tmp) / row.key).glob("*.log")):
-                    print(f"  --- {log.name} (tail) ---\n{log.read_text(errors='replace')[-1500:]}", file=sys.stderr)
-            runs.append(rr)
-    shown_trace = _shown(args.trace)
-    command = " ".join(["python bench/bench_replicas.py", *(["--tiny"] if args.tiny else []),
-                        *([] if args.trace == DEFAULT_TRACE else ["--trace", shown_trace]),
-                        *([] if args.rows is None else ["--rows", args.rows]),
-                        *([] if args.speedup == 3.0 else ["--speedup", f"{args.speedup:g}"]),
-                        *([] if args.seed == 1 else ["--seed", str(args.seed)]),
-                        *([] if args.policy == DEFAULT_POLICY else ["--policy", args.policy]),
-                        *([] if args.out == RESULTS else ["--out", _shown(args.out)])])
-    from bench.replicas_report import report  # the report imports this module's figures
-    lines = report(runs, policy, sc, shown_trace, len(trace_rows), reqs, args.speedup, args.seed,
-                   time.monotonic() - started, command, redis_binary)
+        for k in range(args.repeat):
+            runs: list[RowRun] = []
+            for i, row in enumerate(rows):
+                label = f"{i + 1}/{len(rows)} {row.key}" + (f", run {k + 1}/{args.repeat}" if args.repeat > 1 else "")
+                print(f"- {row.key}: {row.replicas} replica(s), {row.fault.title}", flush=True)
+                workdir = Path(tmp) / f"{row.key}-{k}"
+                rr = run_row(row, policy, reqs, sc, args.speedup, args.seed, workdir, label)
+                s = summarize(rr.run, sc.background)
+                print(f"  [{label}] {rr.run.wall_s:.0f} s: preemptions {rr.run.preemptions}, goodput "
+                      f"{s.goodput:,.0f} tok/s" + (f"  ERROR: {rr.run.error}" if rr.run.error else ""), flush=True)
+                for n, seen in enumerate(rr.decisions):
+                    print(f"  replica {n + 1} decisions: " + ", ".join(f"{d} {c}" for d, c in sorted(seen.items())),
+                          flush=True)
+                if rr.run.error:
+                    for log in sorted(workdir.glob("*.log")):
+                        print(f"  --- {log.name} (tail) ---\n{log.read_text(errors='replace')[-1500:]}",
+                              file=sys.stderr)
+                runs.append(rr)
+            repeats.append(runs)
+    from bench.replicas_report import command_line, report  # the report imports this module's figures
+    lines = report(repeats, policy, sc, shown(args.trace), len(trace_rows), reqs, args.speedup, args.seed,
+                   time.monotonic() - started, command_line(args), redis_binary)
     print("\n".join(lines))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines))
     print(f"report: {args.out}")
-    return 1 if any(r.run.error for r in runs) else 0
+    return 1 if any(r.run.error for runs in repeats for r in runs) else 0
 
 
-def _shown(path: Path) -> str:
-    """_shown is ``path`` as a report may print it: relative to the repository, never this machine's absolute path."""
+def shown(path: Path) -> str:
+    """shown is ``path`` as a report may print it: relative to the repository, never this machine's absolute path."""
     if not path.is_absolute():
         return str(path)
     try:
