@@ -19,6 +19,7 @@ from typing import Protocol, TypeAlias
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from extproc import encoded
 from extproc import openai_api as oai
 from extproc import usage_log
 from extproc.admission import Demand, Lease, Rejection, StoreError, UnknownPoolError
@@ -41,7 +42,7 @@ __all__ = ["Admitted", "Identified", "Refused", "acquire", "admit", "cap_of", "c
            "refusal_outcome"]
 
 # What one message is answered with: one response, or several in order (FULL_DUPLEX_STREAMED).
-Answer: TypeAlias = "pb.ProcessingResponse | list[pb.ProcessingResponse]"
+Answer: TypeAlias = "encoded.Answer | list[pb.ProcessingResponse]"
 
 
 class Refused:
@@ -49,7 +50,7 @@ class Refused:
 
     __slots__ = ("answer",)
 
-    def __init__(self, answer: pb.ProcessingResponse) -> None:
+    def __init__(self, answer: encoded.Answer) -> None:
         self.answer = answer
 
 
@@ -250,6 +251,8 @@ def admit(gate: Gate, lease: Lease, mode: ReleaseMode, parsed: oai.ParsedRequest
         link = gate.new_link()
         answer = _linked_continue(lease, link, capped, node=node)
         if stripped:
+            # The rates beside the link: a message, never wire bytes (``body_answer``).
+            assert isinstance(answer, pb.ProcessingResponse)
             usage_log.ask_to_strip(answer)
     else:
         new_body, strip = oai.upstream_body(parsed, cap_max_tokens=cap)
@@ -265,7 +268,7 @@ def admit(gate: Gate, lease: Lease, mode: ReleaseMode, parsed: oai.ParsedRequest
 
 
 def _linked_continue(lease: Lease, link: str, new_body: bytes | None = None, *,
-                     rates: bool = True, node: str | None = None) -> pb.ProcessingResponse:
+                     rates: bool = True, node: str | None = None) -> encoded.Answer:
     """_linked_continue admits a request whose response is observed on another stream, or
     whose access log entry kvgate reads: the ``link`` and (``rates``) the x-ratelimit-* values
     go into the request's dynamic metadata, where the observing filter, the access log (and
