@@ -112,9 +112,9 @@ async def decide(gate: Gate, request: Identified, raw: bytes,
     if among is not None and not gate.admission.eligible_nodes(pool_name, among):
         gate.metrics.request(pool_name, cls.name, RequestOutcome.REJECTED_NO_ENDPOINT)
         return Refused(no_eligible_endpoint(gate.admission.named_nodes(pool_name, among) > 0))
-    demand = Demand(pool=pool_name, tenant=request.tenant, class_name=cls.name,
-                    prompt_tokens=prompt_tokens, reserved_completion=reserved, among=among,
-                    prefix=parsed.prefix, fairness_id=request.fairness_id, blocks=parsed.blocks)
+    # Positional, in Demand's field order: keywords double what making one costs.
+    demand = Demand(pool_name, request.tenant, cls.name, prompt_tokens, reserved, among,
+                    parsed.prefix, request.fairness_id, parsed.blocks)
     lease = await acquire(gate, demand, cls, send, started)
     if type(lease) is Refused:
         return lease
