@@ -85,6 +85,9 @@ from extproc.request_facts import ATTR_PATH, UNDECODABLE_ATTRIBUTES, RequestFact
 __all__ = ["Arrival"]
 
 
+# A body mode of NONE (a protobuf enum's attribute, read once: not on every request).
+_BODY_NONE = processing_mode_pb2.ProcessingMode.NONE
+
 # States of an arrival (_ADMITTED: the request is the ending's from then on).
 _NEW, _BODY, _PASS, _ADMITTED, _DONE = range(5)
 
@@ -146,7 +149,7 @@ class Arrival:
         self.duplex = epp.full_duplex(protocol)
         self.response_duplex = epp.response_full_duplex(protocol)
         if protocol is not None:  # Envoy sends it with the stream's first message only
-            self.response_sent = protocol.response_body_mode != processing_mode_pb2.ProcessingMode.NONE
+            self.response_sent = protocol.response_body_mode != _BODY_NONE
         self.hint = epp.subset_hint(metadata)
         facts = facts_of.from_headers(msg.headers.headers, self.gate.config.tenants)
         # A body follows unless the headers end the stream (a declared length of 0: an empty
@@ -259,7 +262,7 @@ class Arrival:
         means the response is observed elsewhere or not at all (the module doc).
         """
         if protocol is not None and self.state in (_NEW, _BODY):
-            self.response_sent = protocol.response_body_mode != processing_mode_pb2.ProcessingMode.NONE
+            self.response_sent = protocol.response_body_mode != _BODY_NONE
         if self.state == _NEW:
             first = self._begin_at_body(attributes, metadata,
                                         body=bool(msg.body) or not msg.end_of_stream)

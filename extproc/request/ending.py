@@ -181,7 +181,9 @@ class Ending:
             if awaits_log_cause(self.mode, outcome, cut):
                 self.cause_pending = True  # counted when the entry tells it (``told``)
             else:
-                self.gate.metrics.release(self.pool, outcome.value)
+                # The Outcome itself: a StrEnum is the string it names (``.value`` is a
+                # Python property, read on every release).
+                self.gate.metrics.release(self.pool, outcome)
         return outcome
 
     def _cause_mode(self) -> ReleaseMode:
@@ -227,7 +229,7 @@ class ToldByLog(Ending):
         self.cause_pending = False
         outcome = Outcome.UPSTREAM_ERROR if cut_by_upstream else Outcome.CLIENT_DISCONNECT
         self.outcome = self.lease.outcome = outcome
-        self.gate.metrics.release(self.pool, outcome.value)
+        self.gate.metrics.release(self.pool, outcome)
         return outcome
 
 

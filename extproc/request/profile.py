@@ -66,6 +66,10 @@ class ReleaseMode(Enum):
     UNREAD = "unread"
     ACCESS_LOG = "access_log"
 
+    # Members are singletons, equal by identity alone: hashed so, in C (Enum's own __hash__
+    # is a Python call, and the ending's kind is looked up by its mode on every admission).
+    __hash__ = object.__hash__
+
     @classmethod
     def choose(cls, response_sent: bool, route: RouteRelease | None, duplex: bool) -> ReleaseMode:
         """choose names the mode of a request admitted now: ``response_sent`` is False when
