@@ -364,7 +364,8 @@ def check_context(req: ParsedRequest, prompt_tokens: int, reserved: int, context
     ``context_length_exceeded`` in OpenAI's words.
     """
     longest = req.max_prompt_tokens if req.max_prompt_tokens is not None else prompt_tokens
-    per_seq = reserved // req.sequences if req.sequences > 0 else reserved
+    sequences = req.sequences
+    per_seq = reserved // sequences if sequences > 0 else reserved
     if req.endpoint is _EMBEDDINGS:
         if longest <= context_window:
             return

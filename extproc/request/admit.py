@@ -113,7 +113,7 @@ async def decide(gate: Gate, request: Identified, raw: bytes,
         outcome = refusal_outcome(err)
         gate.metrics.request(pool_name, cls.name, outcome)
         return Refused(refusal(err, outcome))
-    among = request.hint if pool.config.picks else None
+    among = request.hint if pool.picks else None
     if among is not None and not gate.admission.eligible_nodes(pool_name, among):
         gate.metrics.request(pool_name, cls.name, RequestOutcome.REJECTED_NO_ENDPOINT)
         return Refused(no_eligible_endpoint(gate.admission.named_nodes(pool_name, among) > 0))
@@ -139,9 +139,9 @@ def _evaluate(endpoint: oai.Endpoint, body: bytes, content_type: str | None,
     events, keys its engine token ids (``ParsedRequest.blocks``; may run in a worker thread)."""
     parsed = oai.parse_request(endpoint, body, content_type)
     tokens = oai.count_prompt_tokens(parsed, pool.tokenizer, pool.template)
-    if pool.config.picks and pool.config.picking.shared_prefix:
+    if pool.picks and pool.config.picking.shared_prefix:
         parsed.prefix = prefix_of(parsed, pool.tokenizer, pool.template)
-    if pool.config.picks and pool.config.picking.kv_events is not None:
+    if pool.picks and pool.config.picking.kv_events is not None:
         ids = prompt_ids(parsed, pool.tokenizer)
         parsed.blocks = None if ids is None else token_keys(ids)
     return parsed, tokens
@@ -226,7 +226,7 @@ def pass_to_node(gate: Gate, pool_name: str, hint: frozenset[str] | None,
     pool does not pick; Refused (503) when no node is up among those the subset ``hint``
     allows. ``duplex``: no mode_override (the bodies are passed back one by one)."""
     pool = gate.pools.get(pool_name)
-    if pool is None or not pool.config.picks:
+    if pool is None or not pool.picks:
         return None
     address = gate.admission.any_node(pool.config.name, hint)
     if address is None:

@@ -298,7 +298,7 @@ class Arrival:
         if self.state == _PASS:
             self._count_pass()
             return PASS_THROUGH_BODY
-        if self.pool is not None and self.pool.config.picks:
+        if self.pool is not None and self.pool.picks:
             return self._misconfigured(
                 f"pool {self.pool_name!r} picks its nodes (its backends have addresses), but "
                 "Envoy skips the request headers, so they went upstream before kvgate could "
