@@ -370,7 +370,7 @@ def check_context(req: ParsedRequest, prompt_tokens: int, reserved: int, context
         if longest <= context_window:
             return
         per_seq = 0
-    elif longest + max(per_seq, 1) <= context_window:
+    elif longest + (1 if per_seq < 1 else per_seq) <= context_window:
         return
     param = {Endpoint.CHAT: "messages", Endpoint.COMPLETIONS: "prompt"}.get(req.endpoint, "input")
     where = "messages" if req.endpoint is _CHAT else "prompt"

@@ -125,7 +125,7 @@ class Ending:
         self.upstream_error = status >= 400
         streamed = content_type.startswith("text/event-stream")
         strip = self.strip and streamed and not self.upstream_error
-        self.tracker = ResponseTracker(streamed=streamed, strip_usage_chunk=strip)
+        self.tracker = ResponseTracker(streamed, strip)  # positional: keywords build a dict
         if end:
             self.response_end()
         return strip
