@@ -14,10 +14,10 @@ the bytes protobuf would write for them, never as messages:
   wrapping (tags and lengths, which depend only on the payload's length) built once per
   length.
 
-Building such an answer as a message costs a few hundred instructions per field set
-through protobuf's attributes, then parsing or merging, then serializing it again, on every
-request; these cost a few concatenations. Tests compare every answer here with what protobuf
-writes for the same message (tests/unit/test_answers_wire.py).
+As messages, each would be parsed from such bytes or built field by field, then serialized
+again, on every admitted request, each step costing more instructions than the
+concatenations. Tests compare every answer here with what protobuf writes for the same
+message (tests/unit/test_answers_wire.py).
 """
 
 from __future__ import annotations

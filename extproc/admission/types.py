@@ -102,8 +102,7 @@ class Demand(NamedTuple):
     its nodes' KV events and kvgate knows those ids (None: it does not).
 
     A named tuple, immutable as a frozen dataclass is: every request makes one, and a frozen
-    dataclass sets each of its nine fields through ``object.__setattr__`` (~19k instructions
-    under callgrind).
+    dataclass sets each of its nine fields through a call of ``object.__setattr__``.
     """
 
     pool: str
