@@ -22,8 +22,9 @@ __all__ = ["awaits_log_cause", "cause_of", "charged_completion"]
 # The members as module names: reading an attribute of an Enum class goes through
 # EnumType.__getattr__'s hook in Python 3.11 (~1k instructions, a global ~0.1k), and these
 # functions run at every release.
-_COMPLETED, _CLIENT_DISCONNECT, _UPSTREAM_ERROR = Outcome.COMPLETED, Outcome.CLIENT_DISCONNECT, Outcome.UPSTREAM_ERROR
-_TIMEOUT, _ENDED, _UNREAD = Outcome.TIMEOUT, Outcome.ENDED, ReleaseMode.UNREAD
+_COMPLETED, _CLIENT_DISCONNECT = Outcome.COMPLETED, Outcome.CLIENT_DISCONNECT
+_UPSTREAM_ERROR, _TIMEOUT, _ENDED = Outcome.UPSTREAM_ERROR, Outcome.TIMEOUT, Outcome.ENDED
+_UNREAD = ReleaseMode.UNREAD
 
 
 def cause_of(mode: ReleaseMode, *, upstream_error: bool, response_done: bool, gave_up: bool,

@@ -105,8 +105,9 @@ class ReleaseMode(Enum):
 
 # The members as module names for the request path: reading an attribute of an Enum class
 # goes through EnumType.__getattr__'s hook in Python 3.11 (~1k instructions, a global ~0.1k).
-_STREAM, _STREAM_AND_LOG, _OBSERVED = ReleaseMode.STREAM, ReleaseMode.STREAM_AND_LOG, ReleaseMode.OBSERVED
-_OBSERVED_AND_LOG, _UNREAD, _ACCESS_LOG = ReleaseMode.OBSERVED_AND_LOG, ReleaseMode.UNREAD, ReleaseMode.ACCESS_LOG
+_STREAM, _STREAM_AND_LOG = ReleaseMode.STREAM, ReleaseMode.STREAM_AND_LOG
+_OBSERVED, _OBSERVED_AND_LOG = ReleaseMode.OBSERVED, ReleaseMode.OBSERVED_AND_LOG
+_UNREAD, _ACCESS_LOG = ReleaseMode.UNREAD, ReleaseMode.ACCESS_LOG
 _ROUTE_ACCESS_LOG, _ROUTE_UNREAD = RouteRelease.ACCESS_LOG, RouteRelease.UNREAD
 _ROUTE_STREAM_AND_LOG = RouteRelease.STREAM_AND_LOG
 
