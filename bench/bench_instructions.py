@@ -266,8 +266,8 @@ def _kvgate_row(file: str, kind: str, n1: int, n2: int, loop: Any, mark: _Marks)
 
 
 def _bare_row(file: str, n1: int, n2: int, loop: Any, mark: _Marks) -> None:
-    """_bare_row runs the bare processor's phases on ``file``'s messages (decoded as grpc's
-    generated deserializer does)."""
+    """_bare_row runs the bare processor's phases on ``file``'s messages (decoded and its
+    answers encoded as grpc's generated (de)serializers do)."""
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
     from bench.bench_overhead import BareProcessor
@@ -276,11 +276,11 @@ def _bare_row(file: str, n1: int, n2: int, loop: Any, mark: _Marks) -> None:
 
     messages = streams(file, n2)
     bare = BareProcessor(str(held.NODES[0]["address"]) if file == "endpoint-picker-log" else None)
-    decode = pb.ProcessingRequest.FromString
+    decode, encode = pb.ProcessingRequest.FromString, pb.ProcessingResponse.SerializeToString
 
     async def send(count: int) -> None:
         for one in messages[:count]:
-            await bare.Process(None, _Context(one, decode))
+            await bare.Process(None, _Context(one, decode, encode))
     loop.run_until_complete(send(n2))
     mark(label(file, "admitted", None))
     for n in (n1, n2):

@@ -74,6 +74,11 @@ try:  # noqa: E402
 except ImportError:  # a --baseline revision from before extproc/request/
     from extproc.endings import AccessLogReceiver  # type: ignore[no-redef]
 from extproc.service import ExtProcService, decode_request  # noqa: E402
+try:  # noqa: E402
+    from extproc.service import encode_response
+except ImportError:  # a --baseline revision whose answers were all messages
+    def encode_response(resp: Any) -> bytes:
+        return resp.SerializeToString()  # type: ignore[no-any-return]
 from kvgate_testkit import held  # noqa: E402
 
 FILES = ("recommended", *held.FILES)
@@ -136,14 +141,16 @@ def streams(file: str, requests: int) -> list[list[bytes]]:
 class _Context:
     """_Context stands in for grpc.aio's servicer context of one stream: ``read`` decodes the
     next message with ``decode`` (kvgate's registered deserializer unless told), ``write``
-    serializes the answer."""
+    serializes the answer with ``encode`` (kvgate's registered serializer unless told)."""
 
-    __slots__ = ("_messages", "_at", "_decode", "written")
+    __slots__ = ("_messages", "_at", "_decode", "_encode", "written")
 
-    def __init__(self, messages: list[bytes], decode: Callable[[bytes], Any] = decode_request) -> None:
+    def __init__(self, messages: list[bytes], decode: Callable[[bytes], Any] = decode_request,
+                 encode: Callable[[Any], bytes] = encode_response) -> None:
         self._messages = messages
         self._at = 0
         self._decode = decode
+        self._encode = encode
         self.written = 0
 
     async def read(self) -> Any:
@@ -153,8 +160,8 @@ class _Context:
         self._at += 1
         return self._decode(data)
 
-    async def write(self, resp: pb.ProcessingResponse) -> None:
-        self.written += len(resp.SerializeToString())
+    async def write(self, resp: Any) -> None:
+        self.written += len(self._encode(resp))
 
 
 class _FinalEntries:

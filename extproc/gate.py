@@ -18,7 +18,7 @@ import math
 import secrets
 from collections.abc import Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from extproc import request_facts as facts_of
@@ -60,11 +60,17 @@ METADATA_NAMESPACE = "kvgate"
 
 @dataclass(frozen=True, slots=True)
 class PoolRuntime:
-    """PoolRuntime is a pool's configuration with its loaded tokenizer and chat template."""
+    """PoolRuntime is a pool's configuration with its loaded tokenizer and chat template.
+    ``picks``: the configuration's, read once (the property walks the backends, and the
+    request path asks it up to four times a request)."""
 
     config: PoolConfig
     tokenizer: Any
     template: Any
+    picks: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "picks", self.config.picks)
 
 
 @dataclass(frozen=True, slots=True)

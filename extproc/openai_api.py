@@ -51,6 +51,11 @@ class Endpoint(StrEnum):
     RESPONSES = "responses"  # the OpenAI Responses API: generates like chat
 
 
+# The members as module names for the request path: reading an attribute of an Enum class
+# goes through EnumType.__getattr__'s hook in Python 3.11 (~1k instructions, a global ~0.1k).
+_CHAT, _COMPLETIONS, _EMBEDDINGS, _RESPONSES = (Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.EMBEDDINGS,
+                                                Endpoint.RESPONSES)
+
 _PATHS = {
     "/v1/chat/completions": Endpoint.CHAT,
     "/v1/completions": Endpoint.COMPLETIONS,
@@ -253,14 +258,14 @@ def parse_request(endpoint: Endpoint, body: bytes, content_type: str | None) -> 
     model = obj.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad(f"Invalid type for 'model': expected a string, but got {_json_type(model)}.", "model")
-    if endpoint is Endpoint.EMBEDDINGS:
+    if endpoint is _EMBEDDINGS:
         if "input" not in obj:
             raise _bad("Missing required parameter: 'input'.", "input", code="missing_required_parameter")
         shape = prompt_shape(obj["input"], "input")
         return ParsedRequest(endpoint=endpoint, model=model, stream=False, client_wants_usage=False,
                              max_tokens=0, n=1, body=obj, prompts=shape.prompts, prompt=shape)
 
-    if endpoint is Endpoint.RESPONSES:
+    if endpoint is _RESPONSES:
         return _parse_responses(obj, model)
     # A field's check is called only when the body has it: most bodies have few of these,
     # and a call costs more than the lookup.
@@ -275,7 +280,7 @@ def parse_request(endpoint: Endpoint, body: bytes, content_type: str | None) -> 
     best_of = _opt_int(obj, "best_of", minimum=1, maximum=MAX_CHOICES) if "best_of" in obj else None
     max_tokens = (_opt_int(obj, "max_tokens", minimum=1, maximum=MAX_TOKENS_LIMIT)
                   if "max_tokens" in obj else None)
-    if endpoint is Endpoint.CHAT:
+    if endpoint is _CHAT:
         explicit = (_opt_int(obj, "max_completion_tokens", minimum=1, maximum=MAX_TOKENS_LIMIT)
                     if "max_completion_tokens" in obj else None)
         if explicit is not None:
@@ -344,7 +349,7 @@ def request_reservation(req: ParsedRequest, prompt_tokens: int, context_window: 
     against the longest prompt of the request; times the sequences the server generates
     (n or best_of, per prompt). Embeddings reserve 0.
     """
-    if req.endpoint is Endpoint.EMBEDDINGS:
+    if req.endpoint is _EMBEDDINGS:
         return 0
     longest = req.max_prompt_tokens if req.max_prompt_tokens is not None else prompt_tokens
     return reserved_completion(longest, req.max_tokens, context_window, default_max_tokens) * req.sequences
@@ -359,15 +364,16 @@ def check_context(req: ParsedRequest, prompt_tokens: int, reserved: int, context
     ``context_length_exceeded`` in OpenAI's words.
     """
     longest = req.max_prompt_tokens if req.max_prompt_tokens is not None else prompt_tokens
-    per_seq = reserved // req.sequences if req.sequences > 0 else reserved
-    if req.endpoint is Endpoint.EMBEDDINGS:
+    sequences = req.sequences
+    per_seq = reserved // sequences if sequences > 0 else reserved
+    if req.endpoint is _EMBEDDINGS:
         if longest <= context_window:
             return
         per_seq = 0
-    elif longest + max(per_seq, 1) <= context_window:
+    elif longest + (1 if per_seq < 1 else per_seq) <= context_window:
         return
     param = {Endpoint.CHAT: "messages", Endpoint.COMPLETIONS: "prompt"}.get(req.endpoint, "input")
-    where = "messages" if req.endpoint is Endpoint.CHAT else "prompt"
+    where = "messages" if req.endpoint is _CHAT else "prompt"
     raise _bad(f"This model's maximum context length is {context_window} tokens. However, you "
                f"requested {longest + per_seq} tokens ({longest} in the {where}, {per_seq} in the "
                f"completion). Please reduce the length of the {where} or completion.",
@@ -390,7 +396,7 @@ def upstream_body(req: ParsedRequest, *, cap_max_tokens: int | None = None,
     ``stream_usage=False`` skips the first (the response is not seen by this stream, so
     nothing could hide it).
     """
-    if req.endpoint is Endpoint.EMBEDDINGS:
+    if req.endpoint is _EMBEDDINGS:
         return None, False
     # A Responses stream always reports usage (its response.completed event).
     add_usage = stream_usage and req.stream and not req.client_wants_usage
@@ -398,7 +404,7 @@ def upstream_body(req: ParsedRequest, *, cap_max_tokens: int | None = None,
     if not add_usage and not set_cap:
         return None, False
     body = dict(req.body)
-    if req.endpoint is Endpoint.RESPONSES:
+    if req.endpoint is _RESPONSES:
         body["max_output_tokens"] = cap_max_tokens
         try:
             return orjson.dumps(body), False

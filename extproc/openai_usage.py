@@ -76,7 +76,7 @@ class ResponseTracker:
                  "delivered_chunks", "done_seen", "overflowed", "_buf", "_scan", "_line_start", "_data",
                  "_json_tail", "_json_count")
 
-    def __init__(self, *, streamed: bool, strip_usage_chunk: bool, max_buffer: int = 1 << 20) -> None:
+    def __init__(self, streamed: bool, strip_usage_chunk: bool, max_buffer: int = 1 << 20) -> None:
         self.streamed = streamed
         self.strip_usage_chunk = strip_usage_chunk and streamed
         self.max_buffer = max_buffer

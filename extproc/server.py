@@ -30,7 +30,6 @@ from typing import Any
 
 import grpc
 from envoy.service.accesslog.v3 import als_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
@@ -45,7 +44,7 @@ from extproc.errors import ConfigError
 from extproc.gate import Gate
 from extproc.heap import HeapTrimmer, pin_mmap_threshold
 from extproc.metrics import Metrics
-from extproc.service import ExtProcService, decode_request
+from extproc.service import ExtProcService, decode_request, encode_response
 from extproc.tokens import BpeOpenAITokenizer, load_tokenizer, use_count_pool
 
 log = logging.getLogger("kvgate.server")
@@ -191,12 +190,13 @@ class Server:
             # Two kvgates on one port would split Envoy's streams between them silently.
             ("grpc.so_reuseport", 0),
         ])
-        # The generated registration, with a decoder that survives hostile header bytes.
+        # The generated registration, with a decoder that survives hostile header bytes and
+        # an encoder that writes answers already encoded as they are.
         self._grpc.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
             EXT_PROC_SERVICE, {
                 "Process": grpc.stream_stream_rpc_method_handler(
                     self.service.Process, request_deserializer=decode_request,
-                    response_serializer=pb.ProcessingResponse.SerializeToString)}),))
+                    response_serializer=encode_response)}),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         # The access log's batches as raw bytes: the receiver parses them entry by entry.
         self._grpc.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(

@@ -14,7 +14,7 @@ first message is in observability mode is such an observing stream, followed by
 ``Endings.observe``.
 
 ``decode_request`` parses Envoy's messages so that a client's bad header byte cannot fail
-the stream.
+the stream; ``encode_response`` writes the answers, some of which are wire bytes already.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf.message import DecodeError
 
 from extproc import logwire
-from extproc.answers import CONTINUE_RESPONSE_TRAILERS
+from extproc.encoded import CONTINUE_RESPONSE_TRAILERS
 from extproc.gate import Gate
 from extproc.request.admit import Admitted
 from extproc.request.arrival import Arrival
@@ -65,6 +65,13 @@ def decode_request(data: bytes) -> pb.ProcessingRequest:
         req = pb.ProcessingRequest.FromString(_without_field(data, _ATTRIBUTES_FIELD))
         req.attributes[UNDECODABLE_ATTRIBUTES].SetInParent()
         return req
+
+
+def encode_response(resp: Any) -> bytes:
+    """encode_response is one answer to Envoy as grpc writes it (the ext_proc method's
+    response serializer): wire bytes as they are (``extproc.encoded``), a
+    ``ProcessingResponse`` serialized."""
+    return resp if type(resp) is bytes else resp.SerializeToString()
 
 
 def _protocol(req: Any) -> Any:

@@ -5,7 +5,9 @@ the ``ProcessingRequest`` Envoy sends and feeds it through the service's own dis
 (``extproc.service.answer``) to the stage the stream is in (the request's ``Arrival``, then
 its ``Ending``), as ``ExtProcService.Process`` does, and returns the answer to write. What a
 test reads of the request is what the stages return: ``admitted`` (``Admitted``: its
-``lease``, its ``ending`` and the ending's ``outcome``), and what ``finish`` returns.
+``lease``, its ``ending`` and the ending's ``outcome``), and what ``finish`` returns. An
+answer is returned as Envoy reads it: one kvgate writes as wire bytes (``extproc.encoded``)
+is parsed into the ``ProcessingResponse`` it encodes.
 """
 
 from __future__ import annotations
@@ -57,8 +59,10 @@ class Stream:
             self.admitted = resp
             if self.endings is not None:
                 self.handed_over = self.endings.admitted(resp.ending)
-            return resp.answer
-        return resp
+            resp = resp.answer
+        if type(resp) is list:
+            return [_as_read(one) for one in resp]
+        return _as_read(resp)
 
     def request_headers(self, msg: pb.HttpHeaders, metadata: Any = None,
                         protocol: Any = None) -> pb.ProcessingResponse | None:
@@ -106,6 +110,11 @@ def _request(*, metadata: Any = None, protocol: Any = None, attributes: Any = No
     for key, value in (attributes or {}).items():
         req.attributes[key].CopyFrom(value)
     return req
+
+
+def _as_read(resp: Any) -> Any:
+    """_as_read is an answer as Envoy reads it: wire bytes parsed, a message as it is."""
+    return pb.ProcessingResponse.FromString(resp) if type(resp) is bytes else resp
 
 
 def _now(step: Awaitable[Any]) -> Any:

@@ -87,8 +87,7 @@ class Chain:
     ends: tuple[int, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class Demand:
+class Demand(NamedTuple):
     """Demand is what one request asks of a pool, in tokens.
 
     ``prompt_tokens`` are counted; ``reserved_completion`` are the completion tokens
@@ -101,6 +100,9 @@ class Demand:
     client input: held only while the request waits, never a metric label. ``blocks``: the
     keys of the prompt's engine token ids (``engine_blocks.token_keys``), where the pool reads
     its nodes' KV events and kvgate knows those ids (None: it does not).
+
+    A named tuple, immutable as a frozen dataclass is: every request makes one, and a frozen
+    dataclass sets each of its nine fields through a call of ``object.__setattr__``.
     """
 
     pool: str

@@ -70,10 +70,9 @@ from extproc import openai_api as oai
 from extproc import picker_protocol as epp
 from extproc import request_facts as facts_of
 from extproc import usage_log
-from extproc.answers import (CONTINUE_REQUEST_BODY, CONTINUE_REQUEST_HEADERS,
-                             CONTINUE_REQUEST_TRAILERS, CONTINUE_RESPONSE_BODY,
-                             CONTINUE_RESPONSE_HEADERS, PASS_THROUGH, PASS_THROUGH_BODY,
-                             PASS_THROUGH_RESPONSE, misconfigured)
+from extproc.answers import PASS_THROUGH, PASS_THROUGH_BODY, PASS_THROUGH_RESPONSE, misconfigured
+from extproc.encoded import (CONTINUE_REQUEST_BODY, CONTINUE_REQUEST_HEADERS, CONTINUE_REQUEST_TRAILERS,
+                             CONTINUE_RESPONSE_BODY, CONTINUE_RESPONSE_HEADERS, Answer)
 from extproc.config import ClassConfig
 from extproc.errors import RequestError
 from extproc.gate import ANONYMOUS_TENANT, NO_ROUTE_SETTINGS, Gate, PoolRuntime
@@ -85,6 +84,9 @@ from extproc.request_facts import ATTR_PATH, UNDECODABLE_ATTRIBUTES, RequestFact
 
 __all__ = ["Arrival"]
 
+
+# A body mode of NONE (a protobuf enum's attribute, read once: not on every request).
+_BODY_NONE = processing_mode_pb2.ProcessingMode.NONE
 
 # States of an arrival (_ADMITTED: the request is the ending's from then on).
 _NEW, _BODY, _PASS, _ADMITTED, _DONE = range(5)
@@ -132,7 +134,7 @@ class Arrival:
     # --- request headers -------------------------------------------------------------
 
     def request_headers(self, msg: pb.HttpHeaders, metadata: Any = None,
-                        protocol: Any = None) -> pb.ProcessingResponse | None:
+                        protocol: Any = None) -> Answer | None:
         """request_headers picks the endpoint, pool, tenant and class; refuses early what it can.
 
         Answers 413 for a declared content-length above the cap (before any body is
@@ -147,7 +149,7 @@ class Arrival:
         self.duplex = epp.full_duplex(protocol)
         self.response_duplex = epp.response_full_duplex(protocol)
         if protocol is not None:  # Envoy sends it with the stream's first message only
-            self.response_sent = protocol.response_body_mode != processing_mode_pb2.ProcessingMode.NONE
+            self.response_sent = protocol.response_body_mode != _BODY_NONE
         self.hint = epp.subset_hint(metadata)
         facts = facts_of.from_headers(msg.headers.headers, self.gate.config.tenants)
         # A body follows unless the headers end the stream (a declared length of 0: an empty
@@ -181,7 +183,7 @@ class Arrival:
         return None if self.duplex else CONTINUE_REQUEST_HEADERS
 
     def _begin_from_attributes(self, attributes: Any, metadata: Any,
-                               body: bool) -> pb.ProcessingResponse | None:
+                               body: bool) -> Answer | None:
         """_begin_from_attributes identifies a request whose headers Envoy skipped, from the
         request attributes sent with its first body message (``request_facts``);
         ``body``: that message carries body bytes (or more are to come).
@@ -207,7 +209,7 @@ class Arrival:
                 "ext_proc filter's request_attributes (see deploy/envoy.yaml)")
         return self._begin(facts, metadata, body)
 
-    def _begin(self, facts: RequestFacts, metadata: Any, body: bool) -> pb.ProcessingResponse | None:
+    def _begin(self, facts: RequestFacts, metadata: Any, body: bool) -> Answer | None:
         """_begin picks endpoint, pool, tenant and class; returns a refusal or None.
 
         A path kvgate does not admit leaves the state _PASS (``_not_admitted``; ``body``:
@@ -244,7 +246,7 @@ class Arrival:
     async def request_body(self, msg: pb.HttpBody,
                            send: Callable[[pb.ProcessingResponse], Awaitable[None]] | None = None,
                            attributes: Any = None, metadata: Any = None,
-                           protocol: Any = None) -> pb.ProcessingResponse | Admitted | None:
+                           protocol: Any = None) -> Answer | Admitted | None:
         """request_body decides: parse, count, check the context window, then acquire.
 
         An admitted request is returned as ``Admitted`` (its ``answer`` is what to send: with a
@@ -260,7 +262,7 @@ class Arrival:
         means the response is observed elsewhere or not at all (the module doc).
         """
         if protocol is not None and self.state in (_NEW, _BODY):
-            self.response_sent = protocol.response_body_mode != processing_mode_pb2.ProcessingMode.NONE
+            self.response_sent = protocol.response_body_mode != _BODY_NONE
         if self.state == _NEW:
             first = self._begin_at_body(attributes, metadata,
                                         body=bool(msg.body) or not msg.end_of_stream)
@@ -270,9 +272,9 @@ class Arrival:
             if self.duplex:
                 return epp.streamed_chunk("request_body", msg.body, msg.end_of_stream)
             return CONTINUE_REQUEST_BODY
-        raw = self._collect(msg)
-        if not isinstance(raw, bytes):
-            return raw
+        raw, answer = self._collect(msg)
+        if raw is None:
+            return answer
         # The whole body: admission decides (``admit.decide``).
         decided = await decide(self.gate, self, raw, send)
         if type(decided) is Refused:
@@ -286,7 +288,7 @@ class Arrival:
         return decided
 
     def _begin_at_body(self, attributes: Any, metadata: Any,
-                       body: bool) -> pb.ProcessingResponse | None:
+                       body: bool) -> Answer | None:
         """_begin_at_body identifies a request first seen at its body (Envoy skipped the
         request headers): a refusal or a pass-through answer, or None to read the body.
         ``body``: the message carries body bytes, or more are to come."""
@@ -296,7 +298,7 @@ class Arrival:
         if self.state == _PASS:
             self._count_pass()
             return PASS_THROUGH_BODY
-        if self.pool is not None and self.pool.config.picks:
+        if self.pool is not None and self.pool.picks:
             return self._misconfigured(
                 f"pool {self.pool_name!r} picks its nodes (its backends have addresses), but "
                 "Envoy skips the request headers, so they went upstream before kvgate could "
@@ -306,31 +308,31 @@ class Arrival:
         self.body = bytearray()
         return None
 
-    def _collect(self, msg: pb.HttpBody) -> bytes | pb.ProcessingResponse | None:
-        """_collect is the whole request body once its last part has come; before that, the
-        answer to this part (None in FULL_DUPLEX_STREAMED), or the 413 for a body above the
-        cap."""
+    def _collect(self, msg: pb.HttpBody) -> tuple[bytes | None, Answer | None]:
+        """_collect is the whole request body once its last part has come, as (body, None);
+        before that (None, the answer to this part: None in FULL_DUPLEX_STREAMED), or (None,
+        the 413) for a body above the cap. Two values, as an answer may be bytes too."""
         body = self.body
         assert body is not None
         if body or not msg.end_of_stream:
             # Only a non-BUFFERED Envoy config sends a body in parts: keep collecting.
             body += msg.body
             if len(body) > self.max_body:
-                return self._refuse_too_large(len(body))
+                return None, self._refuse_too_large(len(body))
             if not msg.end_of_stream:
-                return None if self.duplex else CONTINUE_REQUEST_BODY
+                return None, None if self.duplex else CONTINUE_REQUEST_BODY
             raw = bytes(body)
         else:  # BUFFERED: the whole body in one message
             raw = msg.body
             if len(raw) > self.max_body:
-                return self._refuse_too_large(len(raw))
+                return None, self._refuse_too_large(len(raw))
         self.body = None
-        return raw
+        return raw, None
 
     # --- response ------------------------------------------------------------------------
 
     def response_headers(self, msg: pb.HttpHeaders, attributes: Any = None,
-                         metadata: Any = None) -> pb.ProcessingResponse:
+                         metadata: Any = None) -> Answer:
         """response_headers answers response headers that come before any admission (once a
         request is admitted they are its ending's): Envoy answered before the body reached
         kvgate, or there was nothing to admit. They pass through, except Envoy's own 413 for a
@@ -351,14 +353,14 @@ class Arrival:
                     code="request_too_large"), RequestOutcome.REJECTED_BODY_TOO_LARGE)
         return PASS_THROUGH_RESPONSE if first else CONTINUE_RESPONSE_HEADERS
 
-    def response_body(self, msg: pb.HttpBody) -> pb.ProcessingResponse:
+    def response_body(self, msg: pb.HttpBody) -> Answer:
         """response_body answers a response chunk that comes before any admission: as it came
         (with a FULL_DUPLEX_STREAMED response body, sent back at once)."""
         if self.response_duplex:
             return epp.streamed_chunk("response_body", msg.body, msg.end_of_stream)
         return CONTINUE_RESPONSE_BODY
 
-    def request_trailers(self) -> pb.ProcessingResponse:
+    def request_trailers(self) -> Answer:
         """request_trailers answers the request's trailers. With a FULL_DUPLEX_STREAMED body
         still being collected they end the body without an end of stream on it: kvgate does
         not decide on such a body and refuses the request (400), taking nothing."""
@@ -371,7 +373,7 @@ class Arrival:
 
     # --- refusals ------------------------------------------------------------------------
 
-    def _refuse(self, err: RequestError, outcome: RequestOutcome) -> pb.ProcessingResponse:
+    def _refuse(self, err: RequestError, outcome: RequestOutcome) -> Answer:
         self.state = _DONE
         cls = self.class_cfg
         self.gate.metrics.request(self.pool_name or self.gate.config.default_pool,
@@ -380,7 +382,7 @@ class Arrival:
         return refusal(err, outcome)
 
     def _not_admitted(self, method: str, path: str, admitted_path: bool,
-                      body: bool) -> pb.ProcessingResponse | None:
+                      body: bool) -> Answer | None:
         """_not_admitted decides on a request kvgate does not admit (another path, or an
         admitted path with another method than POST): the state _PASS, or a refusal.
 
@@ -410,12 +412,12 @@ class Arrival:
         self.gate.metrics.request(config.default_pool, config.tenants.default_class,
                                   RequestOutcome.PASSED)
 
-    def _misconfigured(self, message: str) -> pb.ProcessingResponse:
+    def _misconfigured(self, message: str) -> Answer:
         self.state = _DONE
         self.gate.misconfigured(message)
         return misconfigured()
 
-    def _refuse_too_large(self, size: int) -> pb.ProcessingResponse:
+    def _refuse_too_large(self, size: int) -> Answer:
         self.body = None
         return self._refuse(RequestError(
             f"The request body is {size} bytes, above this endpoint's limit of "

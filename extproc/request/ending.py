@@ -43,7 +43,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from extproc import openai_api as oai
 from extproc import picker_protocol as epp
 from extproc.admission import Lease, Outcome
-from extproc.answers import CONTINUE_RESPONSE_BODY, CONTINUE_RESPONSE_HEADERS, response_headers_answer
+from extproc.encoded import CONTINUE_RESPONSE_BODY, CONTINUE_RESPONSE_HEADERS, Answer, response_headers
 from extproc.openai_usage import ResponseTracker
 from extproc.request.causes import awaits_log_cause, cause_of, charged_completion
 from extproc.request.profile import ReleaseMode
@@ -88,7 +88,7 @@ class Ending:
 
     # --- the response on the admission stream -------------------------------------------
 
-    def answer_headers(self, msg: pb.HttpHeaders, metadata: Any) -> pb.ProcessingResponse:
+    def answer_headers(self, msg: pb.HttpHeaders, metadata: Any) -> Answer:
         """answer_headers takes the response headers Envoy sent on the admission stream (with
         the stream's ``metadata``: the endpoint the proxy says served the request) and answers
         them with the x-ratelimit-* headers; a response whose injected usage chunk is hidden
@@ -103,10 +103,10 @@ class Ending:
         # In deploy/envoy-reservation.yaml (Unread) no body follows: not a mode_override to
         # NONE, with which Envoy would close the stream at once. A hidden usage chunk:
         # chunks may shrink, so no fixed length.
-        return response_headers_answer(
+        return response_headers(
             rate_headers, self.response_headers(status, content_type, msg.end_of_stream))
 
-    def answer_chunk(self, msg: pb.HttpBody) -> pb.ProcessingResponse:
+    def answer_chunk(self, msg: pb.HttpBody) -> Answer:
         """answer_chunk takes one response chunk on the admission stream (``response_chunk``)
         and answers it: as it came, or without the injected usage chunk."""
         replacement = self.response_chunk(msg.body, msg.end_of_stream)
@@ -125,7 +125,7 @@ class Ending:
         self.upstream_error = status >= 400
         streamed = content_type.startswith("text/event-stream")
         strip = self.strip and streamed and not self.upstream_error
-        self.tracker = ResponseTracker(streamed=streamed, strip_usage_chunk=strip)
+        self.tracker = ResponseTracker(streamed, strip)  # positional: keywords build a dict
         if end:
             self.response_end()
         return strip
@@ -181,7 +181,9 @@ class Ending:
             if awaits_log_cause(self.mode, outcome, cut):
                 self.cause_pending = True  # counted when the entry tells it (``told``)
             else:
-                self.gate.metrics.release(self.pool, outcome.value)
+                # The Outcome itself: a StrEnum is the string it names (``.value`` is a
+                # Python property, read on every release).
+                self.gate.metrics.release(self.pool, outcome)
         return outcome
 
     def _cause_mode(self) -> ReleaseMode:
@@ -202,7 +204,7 @@ class OnDuplexStream(OnStream):
 
     __slots__ = ()
 
-    def answer_chunk(self, msg: pb.HttpBody) -> pb.ProcessingResponse:
+    def answer_chunk(self, msg: pb.HttpBody) -> Answer:
         replacement = self.response_chunk(msg.body, msg.end_of_stream)
         return epp.streamed_chunk("response_body", msg.body if replacement is None else replacement,
                                   msg.end_of_stream)
@@ -227,7 +229,7 @@ class ToldByLog(Ending):
         self.cause_pending = False
         outcome = Outcome.UPSTREAM_ERROR if cut_by_upstream else Outcome.CLIENT_DISCONNECT
         self.outcome = self.lease.outcome = outcome
-        self.gate.metrics.release(self.pool, outcome.value)
+        self.gate.metrics.release(self.pool, outcome)
         return outcome
 
 

@@ -66,6 +66,10 @@ class ReleaseMode(Enum):
     UNREAD = "unread"
     ACCESS_LOG = "access_log"
 
+    # Members are singletons, equal by identity alone: hashed so, in C (Enum's own __hash__
+    # is a Python call, and the ending's kind is looked up by its mode on every admission).
+    __hash__ = object.__hash__
+
     @classmethod
     def choose(cls, response_sent: bool, route: RouteRelease | None, duplex: bool) -> ReleaseMode:
         """choose names the mode of a request admitted now: ``response_sent`` is False when
@@ -74,29 +78,38 @@ class ReleaseMode(Enum):
         FULL_DUPLEX_STREAMED request body (its answer carries no link yet, so no entry can be
         matched to it)."""
         if not response_sent:
-            if route is RouteRelease.ACCESS_LOG:
-                return cls.ACCESS_LOG
-            if route is RouteRelease.UNREAD:
-                return cls.UNREAD
-            return cls.OBSERVED_AND_LOG if route is RouteRelease.STREAM_AND_LOG else cls.OBSERVED
-        if route is RouteRelease.STREAM_AND_LOG and not duplex:
-            return cls.STREAM_AND_LOG
-        return cls.STREAM
+            if route is _ROUTE_ACCESS_LOG:
+                return _ACCESS_LOG
+            if route is _ROUTE_UNREAD:
+                return _UNREAD
+            return _OBSERVED_AND_LOG if route is _ROUTE_STREAM_AND_LOG else _OBSERVED
+        if route is _ROUTE_STREAM_AND_LOG and not duplex:
+            return _STREAM_AND_LOG
+        return _STREAM
 
     @property
     def on_stream(self) -> bool:
         """on_stream: the response body comes on the admission stream, read by its ending."""
-        return self in (ReleaseMode.STREAM, ReleaseMode.STREAM_AND_LOG)
+        return self is _STREAM or self is _STREAM_AND_LOG
 
     @property
     def observed(self) -> bool:
         """observed: the response is read from an observability-mode stream."""
-        return self in (ReleaseMode.OBSERVED, ReleaseMode.OBSERVED_AND_LOG)
+        return self is _OBSERVED or self is _OBSERVED_AND_LOG
 
     @property
     def cause_from_log(self) -> bool:
         """cause_from_log: the cause of a stream cut short comes from its access log entry."""
-        return self in (ReleaseMode.STREAM_AND_LOG, ReleaseMode.OBSERVED_AND_LOG)
+        return self is _STREAM_AND_LOG or self is _OBSERVED_AND_LOG
+
+
+# The members as module names for the request path: reading an attribute of an Enum class
+# goes through EnumType.__getattr__'s hook in Python 3.11 (~1k instructions, a global ~0.1k).
+_STREAM, _STREAM_AND_LOG = ReleaseMode.STREAM, ReleaseMode.STREAM_AND_LOG
+_OBSERVED, _OBSERVED_AND_LOG = ReleaseMode.OBSERVED, ReleaseMode.OBSERVED_AND_LOG
+_UNREAD, _ACCESS_LOG = ReleaseMode.UNREAD, ReleaseMode.ACCESS_LOG
+_ROUTE_ACCESS_LOG, _ROUTE_UNREAD = RouteRelease.ACCESS_LOG, RouteRelease.UNREAD
+_ROUTE_STREAM_AND_LOG = RouteRelease.STREAM_AND_LOG
 
 
 class Seen(Enum):

@@ -1,12 +1,13 @@
-"""The answers answers.py writes as wire bytes are the ones protobuf builds."""
+"""The answers kvgate writes as wire bytes (extproc.encoded) are the ones protobuf builds."""
 
 from __future__ import annotations
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc import answers
+from extproc import answers, encoded
 from extproc.gate import METADATA_NAMESPACE
+from extproc.service import encode_response
 
 
 def _built(headers: list[tuple[str, str]]) -> pb.HeaderMutation:
@@ -36,11 +37,11 @@ def test_set_headers_writes_what_protobuf_builds() -> None:
 
 
 def test_the_option_cache_stays_bounded() -> None:
-    for n in range(answers._OPTIONS_MAX + 10):
+    for n in range(encoded._CACHE_MAX + 10):
         mutation = pb.HeaderMutation()
         answers.set_headers(mutation, [("x-ratelimit-remaining-tokens", str(n))])
         assert mutation.set_headers[0].header.raw_value == str(n).encode()
-    assert len(answers._OPTIONS) <= answers._OPTIONS_MAX
+    assert len(encoded._OPTIONS) <= encoded._CACHE_MAX
 
 
 def test_response_headers_answer_is_what_protobuf_builds() -> None:
@@ -54,10 +55,9 @@ def test_response_headers_answer_is_what_protobuf_builds() -> None:
             mutation.CopyFrom(_built(headers))
             if not drop_length:
                 del mutation.remove_headers[:]
-            got = answers.response_headers_answer(headers, drop_length)
-            assert got == built
-            assert got.SerializeToString() == built.SerializeToString()
-            assert got.WhichOneof("response") == "response_headers"
+            got = encoded.response_headers(headers, drop_length)
+            assert got == built.SerializeToString()
+            assert pb.ProcessingResponse.FromString(got) == built
 
 
 def test_body_answer_with_metadata_is_what_protobuf_builds() -> None:
@@ -70,6 +70,27 @@ def test_body_answer_with_metadata_is_what_protobuf_builds() -> None:
         for key, value in metadata:
             fields[key].string_value = value
         got = answers.body_answer(None, None, metadata)
-        assert got == built
-        assert got.WhichOneof("response") == "request_body"
-        assert got.SerializeToString(deterministic=True) == built.SerializeToString(deterministic=True)
+        if len(metadata) == 1:  # the link alone: wire bytes, written as they are
+            assert got == built.SerializeToString()
+        wire = encode_response(got)
+        assert pb.ProcessingResponse.FromString(wire) == built
+        assert pb.ProcessingResponse.FromString(wire).SerializeToString(deterministic=True) == \
+            built.SerializeToString(deterministic=True)
+
+
+def test_the_constant_answers_are_what_protobuf_builds() -> None:
+    for name, phase, kind in [("CONTINUE_REQUEST_HEADERS", "request_headers", pb.HeadersResponse),
+                              ("CONTINUE_REQUEST_BODY", "request_body", pb.BodyResponse),
+                              ("CONTINUE_RESPONSE_HEADERS", "response_headers", pb.HeadersResponse),
+                              ("CONTINUE_RESPONSE_BODY", "response_body", pb.BodyResponse),
+                              ("CONTINUE_REQUEST_TRAILERS", "request_trailers", pb.TrailersResponse),
+                              ("CONTINUE_RESPONSE_TRAILERS", "response_trailers", pb.TrailersResponse)]:
+        built = pb.ProcessingResponse(**{phase: kind()})
+        assert getattr(encoded, name) == built.SerializeToString()
+        assert pb.ProcessingResponse.FromString(getattr(encoded, name)).WhichOneof("response") == phase
+
+
+def test_the_serializer_writes_bytes_as_they_are_and_serializes_messages() -> None:
+    assert encode_response(encoded.CONTINUE_RESPONSE_BODY) is encoded.CONTINUE_RESPONSE_BODY
+    message = answers.PASS_THROUGH_BODY
+    assert encode_response(message) == message.SerializeToString()

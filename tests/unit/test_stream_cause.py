@@ -17,7 +17,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from extproc.request.registry import CAUSE_WAIT_S, LINK_KEY
 from extproc.gate import METADATA_NAMESPACE
 from extproc.request.profile import STREAM_AND_LOG
-from extproc.service import ExtProcService
+from extproc.service import ExtProcService, encode_response
 from tests.unit.test_access_log import entry as log_entry
 from tests.unit.test_exchange import (Rig, body_msg, chat, response_headers_msg, route_metadata,
                                       sse, token_chunk)
@@ -28,7 +28,8 @@ SSE = "text/event-stream"
 
 class Context:
     """Context is the two calls of a grpc.aio servicer context that ``Process`` makes: it
-    hands out ``messages`` in turn, then the end of the stream, and keeps what is written."""
+    hands out ``messages`` in turn, then the end of the stream, and keeps what is written
+    (as Envoy reads it: encoded by the method's serializer, parsed)."""
 
     def __init__(self, messages: Sequence[pb.ProcessingRequest]) -> None:
         self._messages = list(messages)
@@ -37,8 +38,8 @@ class Context:
     async def read(self) -> Any:
         return self._messages.pop(0) if self._messages else grpc.aio.EOF
 
-    async def write(self, resp: pb.ProcessingResponse) -> None:
-        self.written.append(resp)
+    async def write(self, resp: Any) -> None:
+        self.written.append(pb.ProcessingResponse.FromString(encode_response(resp)))
 
 
 def messages(*chunks: bytes, release: str = STREAM_AND_LOG, end: bool = False) -> list[pb.ProcessingRequest]:

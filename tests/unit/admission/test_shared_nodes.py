@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from dataclasses import replace
 
 import pytest
 import redis as redis_sync
@@ -269,7 +268,7 @@ async def test_the_proxys_allowed_endpoints_bound_the_shared_pick(redis_server):
         for n in NODES:
             adm.report_node("default", n, NodeReport(kv_usage=0.0, capacity_tokens=CAP, at=T0))
         among = frozenset({"127.0.0.1:8002"})  # n1 only
-        got = [await adm.acquire(replace(want(2000, 1000), among=among))
+        got = [await adm.acquire(want(2000, 1000)._replace(among=among))
                for _ in range(4)]
         leases = [x for x in got if isinstance(x, Lease)]
         assert [x.node for x in leases] == ["127.0.0.1:8002"] * 3  # n1: 3,000 each in 10,000
