@@ -341,45 +341,6 @@ async def test_a_grant_made_alone_while_the_last_probe_is_on_the_wire_is_in_redi
             await b.close()
 
 
-async def test_replicas_cut_off_do_not_refill_a_node_whose_foreign_kv_rose_past_their_holds(redis_server):
-    """A and B each hold 3,000 tokens on a 10,000-token node, and their requests end while
-    both are cut off. 7,000 tokens that are not kvgate's came meanwhile. Each reads 3,000
-    free on the node and holds 3,000 of room there: refilling both, they would put 13,000
-    on it (and the shared rule admits no more than 3,000). The holds overshoot the node by
-    3,000, which each takes from its own room: neither refills."""
-    clock = ManualClock(1000.0)
-
-    def plan(foreign: int) -> Plan:
-        return Plan(slots_plan(64).limits, "a", "standard", 10, None,
-                    NodeAsk((C("n0", 10_000, foreign, 0),), 3000, 0.0, 1.0))
-
-    with running(redis_server.port) as proxy:
-        prefix = f"t{secrets.token_hex(6)}:"
-        url = f"redis://127.0.0.1:{proxy.port}/0"
-        a, b = (RedisStore(RedisStoreConfig(url=url, key_prefix=prefix, timeout_s=0.5, lease_ttl_s=30.0,
-                                            expected_replicas=2), clock=clock) for _ in range(2))
-        try:
-            await a.start()
-            await b.start()
-            ga, gb = await a.admit(plan(0), clock.now()), await b.admit(plan(0), clock.now())
-            assert isinstance(ga, Grant) and isinstance(gb, Grant) and ga.picked == gb.picked == "n0"
-            assert await a.refresh() and await b.refresh()   # each reads the node's 6,000 held
-            proxy.set_mode("refuse")
-            assert not isinstance(await a.admit(plan(0), clock.now()), Grant)
-            assert not isinstance(await b.admit(plan(0), clock.now()), Grant)
-            a.settle(ga, 10, clock.now())
-            b.settle(gb, 10, clock.now())
-            got = [await a.admit(plan(7000), clock.now()), await b.admit(plan(7000), clock.now())]
-            assert a.mode == b.mode == MODE_LOCAL_SHARE
-            assert not any(isinstance(g, Grant) for g in got)
-            # With no rise the holds fit, and each refills its own room.
-            got = [await a.admit(plan(0), clock.now()), await b.admit(plan(0), clock.now())]
-            assert all(isinstance(g, Grant) for g in got)
-        finally:
-            await a.close()
-            await b.close()
-
-
 class _Seen:
     """_Seen stands for a grant's node charge where only the store runs: what its node's last
     mark saw of it (``node.Charge.seen``, tokens), the one field a refresh publishes."""
@@ -388,15 +349,23 @@ class _Seen:
         self.seen = seen
 
 
-async def test_replicas_cut_off_count_nothing_the_others_published_before_the_cut(redis_server):
-    """As the test above, but each replica's request was in the node's cache when it last
-    published (3,000 tokens seen): the reports read during the cut are stamped after that
-    generation. Both requests end while cut off and 7,000 tokens that are not kvgate's come:
-    subtracting the other's stale generation (3,000), each would read 4,000 foreign, no
-    shortfall, and both would refill (13,000 on a 10,000-token node). A request another
-    replica published may have ended since, so a replica cut off subtracts none of it."""
+@pytest.mark.parametrize("published", [False, True])
+async def test_replicas_cut_off_do_not_refill_a_node_whose_foreign_kv_rose_past_their_holds(redis_server,
+                                                                                          published):
+    """A and B each hold 3,000 tokens on a 10,000-token node, and their requests end while
+    both are cut off. 7,000 tokens that are not kvgate's came meanwhile. Each reads 3,000
+    free on the node and holds 3,000 of room there: refilling both, they would put 13,000
+    on it (and the shared rule admits no more than 3,000). The holds overshoot the node by
+    3,000, which each takes from its own room: neither refills.
+
+    ``published``: each request was in the node's cache when its replica last published
+    (3,000 tokens seen), and the reports read during the cut are stamped after that
+    generation. Subtracting the other's stale generation, each would read 4,000 foreign,
+    no shortfall, and both would refill: a request another replica published may have
+    ended since, so a replica cut off subtracts none of it."""
     clock = ManualClock(1000.0)
     since: list[float] = []
+    other = 3000 if published else 0  # what each reads of the other's request before it ends
 
     def plan(foreign: int) -> Plan:
         return Plan(slots_plan(64).limits, "a", "standard", 10, None,
@@ -412,22 +381,25 @@ async def test_replicas_cut_off_count_nothing_the_others_published_before_the_cu
             await b.start()
             ga, gb = await a.admit(plan(0), clock.now()), await b.admit(plan(0), clock.now())
             assert isinstance(ga, Grant) and isinstance(gb, Grant) and ga.picked == gb.picked == "n0"
-            ga.node, gb.node = _Seen(3000), _Seen(3000)
-            clock.advance(1.0)
-            assert await a.refresh() and await b.refresh()   # each publishes its 3,000 seen
-            assert await a.refresh()                         # and reads the other's
-            since.append(clock.now() + 0.5)                  # the reports' marks saw the store after that
-            assert a.others_seen("p", "n0", since[0], False) == b.others_seen("p", "n0", since[0], False) == 3000
+            if published:
+                ga.node, gb.node = _Seen(3000), _Seen(3000)
+                clock.advance(1.0)
+            assert await a.refresh() and await b.refresh()   # each reads the node's 6,000 held
+            if published:
+                assert await a.refresh()                     # and A reads B's generation
+                since.append(clock.now() + 0.5)              # the reports' marks saw the store after it
+                assert a.others_seen("p", "n0", since[0], False) == 3000
+                assert b.others_seen("p", "n0", since[0], False) == 3000
             proxy.set_mode("refuse")
-            assert not isinstance(await a.admit(plan(3000), clock.now()), Grant)
-            assert not isinstance(await b.admit(plan(3000), clock.now()), Grant)
+            assert not isinstance(await a.admit(plan(other), clock.now()), Grant)
+            assert not isinstance(await b.admit(plan(other), clock.now()), Grant)
             a.settle(ga, 10, clock.now())
             b.settle(gb, 10, clock.now())
             got = [await a.admit(plan(7000), clock.now()), await b.admit(plan(7000), clock.now())]
             assert a.mode == b.mode == MODE_LOCAL_SHARE
             assert not any(isinstance(g, Grant) for g in got)
-            # The other's request alone in the cache (3,000, no rise): the holds fit, each refills.
-            got = [await a.admit(plan(3000), clock.now()), await b.admit(plan(3000), clock.now())]
+            # With no rise the holds fit, and each refills its own room.
+            got = [await a.admit(plan(other), clock.now()), await b.admit(plan(other), clock.now())]
             assert all(isinstance(g, Grant) for g in got)
         finally:
             await a.close()
