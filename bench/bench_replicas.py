@@ -88,9 +88,8 @@ SPLIT_SLACK = 1.2
 # Thirty trace seconds: a smoke run with a burst and background load, a few real seconds a row.
 TINY = Scenario(
     name="tiny", start_s=1560.0, window_s=30.0, compress=1.4, online_tenants=6,
-    max_tokens_mix=FULL.max_tokens_mix,
+    max_tokens_mix=FULL.max_tokens_mix, batch_max_tokens=64,
     bursts=(Burst(at=6.0, count=2, prompt=(6000, 8000), output=(20, 40)),),
-    batch_max_tokens=64,
     background=Background(node=2, tokens=16_384, start_s=5.0, end_s=14.0, ramp_s=2.0),
     drain_s=10.0)
 
@@ -530,11 +529,13 @@ async def drive_row(rr: RowRun, reqs: list[Req], sc: Scenario, speedup: float, e
 
 def replica_config(policy: Policy, sc: Scenario, speedup: float, sim_ports: Sequence[int], redis_url: str,
                    replicas: int, node: Node = NODE) -> dict[str, Any]:
-    """replica_config is one replica's kvgate configuration: bench_trace's ``policy`` with the Redis store at ``redis_url`` (lease TTL LEASE_TTL_S real seconds, the
-    default round-trip timeout, ``local_share`` while Redis is unavailable)."""
+    """replica_config is one replica's kvgate configuration: bench_trace's ``policy`` with the Redis store
+    at ``redis_url`` (lease TTL LEASE_TTL_S real seconds, the default round-trip timeout, ``local_share``
+    while Redis is unavailable, the default 1 s refresh divided by ``speedup`` as every kvgate duration)."""
     cfg = kvgate_config(policy, sc, speedup, sim_ports, node)
     cfg["store"] = {"redis": {"url": redis_url, "key_prefix": "bench-replicas:", "lease_ttl_s": LEASE_TTL_S,
-                              "on_unavailable": "local_share", "expected_replicas": replicas}}
+                              "refresh_s": 1.0 / speedup, "on_unavailable": "local_share",
+                              "expected_replicas": replicas}}
     parse_config(cfg)
     return cfg
 

@@ -347,7 +347,9 @@ class RedisStoreConfig:
     ``timeout_s``: one round trip's limit; its default is measured under load
     (``bench/results/redis-timeout.md``). ``recover_s``: how long Redis must answer every
     probe before a replica cut off shares again (0: at the first answer; see
-    ``store.fallback``).
+    ``store.fallback``). ``refresh_s``: how often a replica in shared mode refreshes its
+    leases, heartbeat and what it publishes of the nodes' caches, and reads the others'
+    (None: min(1 s, lease_ttl_s / 3); ``store.redis.beats``).
     """
 
     url: str = "redis://127.0.0.1:6379/0"
@@ -357,6 +359,7 @@ class RedisStoreConfig:
     on_unavailable: str = "local_share"
     expected_replicas: int | None = None
     recover_s: float = 0.0
+    refresh_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

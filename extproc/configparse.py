@@ -459,7 +459,11 @@ def _store(data: Any) -> StoreConfig:
         on_unavailable=r.string("on_unavailable", "local_share", choices=ON_UNAVAILABLE),
         expected_replicas=r.integer("expected_replicas", None, minimum=1, optional=True),
         recover_s=r.number("recover_s", 0.0, low=0.0, high=60.0),
+        refresh_s=None if r.raw("refresh_s", None) is None else r.number("refresh_s", 1.0, low=0.05, high=10.0),
     )
+    if cfg.refresh_s is not None and cfg.refresh_s > cfg.lease_ttl_s / 3.0:
+        raise ConfigError("store.redis.refresh_s", f"must be at most lease_ttl_s / 3 ({cfg.lease_ttl_s / 3.0:g} s), "
+                          f"so that a lease outlives two missed refreshes; got {cfg.refresh_s:g}")
     r.done()
     s.done()
     return StoreConfig(kind="redis", redis=cfg)

@@ -7,8 +7,8 @@ admission and ONE per settle, so a decision is atomic across replicas. Time insi
 scripts is Redis ``TIME``: replicas' clocks never meet.
 
 Crash safety: every grant is a lease with an expiry (Redis time + ``lease_ttl_s``). A
-background task of each replica extends its live leases every ``min(BEAT_S, lease_ttl_s /
-3)`` in one pipelined round trip with its heartbeat (and re-takes any that Redis lost,
+background task of each replica extends its live leases every ``refresh_s`` (default
+``min(BEAT_S, lease_ttl_s / 3)``, ``beats``) in one pipelined round trip with its heartbeat (and re-takes any that Redis lost,
 e.g. after a restart). Every script first purges the expired leases of its pool,
 returning their slots and KV tokens. A heartbeat lives PRESENCE_BEATS refreshes plus
 ``timeout_s`` and carries where the replica answers ``/healthz`` (``advertise``); a
@@ -122,6 +122,18 @@ a replica cut off from Redis stops counting on the room it holds: what it admitt
 has by then been seen by the nodes' reports the other replicas read."""
 
 
+def beats(config: RedisStoreConfig) -> tuple[float, float]:
+    """beats is a replica's refresh interval (s: ``refresh_s``, else min(BEAT_S, lease TTL / 3))
+    and how long its heartbeat says present (s): PRESENCE_BEATS of the default interval or
+    of a longer one, plus ``timeout_s``, so that a shorter ``refresh_s`` freshens what the
+    replicas read of each other without declaring a slow replica dead sooner. The ledger
+    is rebuilt that long after Redis lost it: every replica in shared mode refreshes
+    within it."""
+    default = min(BEAT_S, config.lease_ttl_s / 3.0)
+    every = default if config.refresh_s is None else config.refresh_s
+    return every, PRESENCE_BEATS * max(every, default) + config.timeout_s
+
+
 class RedisStore(Store):
     """RedisStore is the store shared by kvgate replicas through one Redis (see the module doc).
 
@@ -145,11 +157,8 @@ class RedisStore(Store):
         self._observer: StoreObserver = observer or UnobservedStore()
         self._clock = clock
         self._ttl = config.lease_ttl_s
-        self._refresh_every = min(BEAT_S, config.lease_ttl_s / 3.0)
+        self._refresh_every, self._presence_ttl = beats(config)
         self._probe_every = min(0.5, self._refresh_every)
-        # How long a heartbeat says present, and how long the ledger is rebuilt after
-        # Redis lost it: every replica in shared mode refreshes within that time.
-        self._presence_ttl = PRESENCE_BEATS * self._refresh_every + config.timeout_s
         self._prefix = config.key_prefix
         self._replicas_key = f"{config.key_prefix}replicas"
         self._heartbeat_keys = HeartbeatKeys(self._replicas_key, f"{config.key_prefix}replica_addrs",

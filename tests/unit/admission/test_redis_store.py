@@ -27,7 +27,7 @@ from extproc.admission.types import Budget, BucketSpec, Grant, Plan, PoolLimits,
 from extproc.admission.store.memory import MemoryStore
 from extproc.admission.store.fallback import (LOCAL_PREFIX, MODE_FAIL_CLOSED, MODE_LOCAL_SHARE, MODE_SHARED,
                                               StoreUnavailableError, Within, local_within)
-from extproc.admission.store.redis import RedisStore
+from extproc.admission.store.redis import BEAT_S, PRESENCE_BEATS, RedisStore, beats
 from extproc.admission.store.redis_commands import admit_cmd
 from extproc.clock import ManualClock
 from extproc.config import RedisStoreConfig
@@ -232,6 +232,24 @@ async def test_replicas_count_each_other_by_heartbeat(stores, redis_server):
     await b.close()
     await a.refresh()
     assert a.replicas == 1
+
+
+async def test_a_shorter_refresh_keeps_a_stalled_replicas_heartbeat_as_long(stores, redis_server):
+    """refresh_s freshens what the replicas read of each other; it does not declare a
+    replica that stalls gone sooner: a heartbeat lives PRESENCE_BEATS of the default
+    interval plus the timeout (``beats``), whatever the refresh."""
+    clock = ManualClock(T0)
+    config = cfg(redis_server.url, refresh_s=0.1)
+    fast, stalled = open_store(stores, config, clock), open_store(stores, config, clock)
+    assert beats(config) == (0.1, PRESENCE_BEATS * BEAT_S + config.timeout_s)
+    await stalled.start()
+    await fast.start()
+    clock.advance(PRESENCE_BEATS * 0.1 + config.timeout_s + 0.5)  # past three of its own refreshes
+    await fast.refresh()
+    assert fast.replicas == 2
+    clock.advance(PRESENCE_BEATS * BEAT_S - PRESENCE_BEATS * 0.1)  # past the heartbeat's life
+    await fast.refresh()
+    assert fast.replicas == 1
 
 
 # --- leases ------------------------------------------------------------------------
