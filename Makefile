@@ -26,7 +26,7 @@ INFERENCE_PERF_PYTHON ?=
 # e.g. BENCH_IP_ARGS="--rates 2,4,8 --stage-s 20"
 BENCH_IP_ARGS ?=
 
-.PHONY: install run test test-under-load test-unit test-e2e test-vllm bench bench-admission bench-overhead bench-cpu bench-instructions bench-picker bench-prefix bench-protection bench-redis bench-redis-prefix bench-scrape bench-tokens bench-trace bench-replicas bench-vllm bench-vllm-prefix bench-loop-lag bench-big-prompt bench-memory bench-log-batches bench-pick bench-usage-filter bench-fairness install-vllm install-inference-perf bench-inference-perf record-kv-events check-config clean
+.PHONY: install run test test-under-load test-unit test-e2e test-vllm bench bench-admission bench-overhead bench-cpu bench-instructions bench-picker bench-prefix bench-protection bench-redis bench-redis-prefix bench-scrape bench-tokens bench-trace bench-replicas bench-vllm bench-vllm-prefix bench-loop-lag bench-big-prompt bench-memory bench-pick bench-usage-filter bench-fairness install-vllm install-inference-perf bench-inference-perf record-kv-events check-config clean
 
 install: $(STAMP)
 
@@ -119,10 +119,6 @@ USAGE_FILTER_BASELINE ?= 9aba953
 bench-usage-filter: install
 	mkdir -p $(BENCH_OUT)
 	$(PY) bench/bench_usage_filter.py --baseline $(USAGE_FILTER_BASELINE) --out $(BENCH_OUT)/usage-filter.md
-
-bench-log-batches: install
-	mkdir -p $(BENCH_OUT)
-	$(PY) bench/bench_log_batches.py --out $(BENCH_OUT)/log-batches.md
 
 bench-picker: install
 	mkdir -p $(BENCH_OUT)
@@ -241,7 +237,7 @@ bench-big-prompt: install
 	mkdir -p $(BENCH_OUT)
 	$(PY) bench/bench_big_prompt.py --out $(BENCH_OUT)/big-prompt.md
 
-bench: bench-admission bench-fairness bench-scrape bench-tokens bench-overhead bench-memory bench-log-batches bench-pick bench-usage-filter bench-cpu bench-instructions bench-picker bench-prefix bench-protection bench-trace bench-replicas bench-redis bench-redis-prefix bench-loop-lag bench-big-prompt
+bench: bench-admission bench-fairness bench-scrape bench-tokens bench-overhead bench-memory bench-pick bench-usage-filter bench-cpu bench-instructions bench-picker bench-prefix bench-protection bench-trace bench-replicas bench-redis bench-redis-prefix bench-loop-lag bench-big-prompt
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info
