@@ -26,7 +26,7 @@ INFERENCE_PERF_PYTHON ?=
 # e.g. BENCH_IP_ARGS="--rates 2,4,8 --stage-s 20"
 BENCH_IP_ARGS ?=
 
-.PHONY: install run test test-under-load test-unit test-e2e test-vllm bench bench-admission bench-overhead bench-cpu bench-instructions bench-picker bench-prefix bench-protection bench-redis bench-scrape bench-tokens bench-trace bench-replicas bench-vllm bench-vllm-prefix bench-loop-lag bench-big-prompt bench-memory bench-pick bench-usage-filter bench-fairness install-vllm install-inference-perf bench-inference-perf record-kv-events check-config clean
+.PHONY: install run test test-under-load test-unit test-e2e test-vllm bench bench-admission bench-overhead bench-cpu bench-instructions bench-picker bench-prefix bench-protection bench-redis bench-scrape bench-tokens bench-trace bench-replicas bench-vllm bench-vllm-prefix bench-big-prompt bench-memory bench-pick bench-usage-filter bench-fairness install-vllm install-inference-perf bench-inference-perf record-kv-events check-config clean
 
 install: $(STAMP)
 
@@ -225,15 +225,11 @@ bench-inference-perf: install install-inference-perf
 	mkdir -p $(BENCH_OUT)
 	$(PY) bench/bench_inference_perf.py --inference-perf $(IP_VENV)/bin/inference-perf --out $(BENCH_OUT)/inference-perf.md $(BENCH_IP_ARGS)
 
-bench-loop-lag: install
-	mkdir -p $(BENCH_OUT)
-	$(PY) bench/bench_loop_lag.py --out $(BENCH_OUT)/loop-lag.md
-
 bench-big-prompt: install
 	mkdir -p $(BENCH_OUT)
 	$(PY) bench/bench_big_prompt.py --out $(BENCH_OUT)/big-prompt.md
 
-bench: bench-admission bench-fairness bench-scrape bench-tokens bench-overhead bench-memory bench-pick bench-usage-filter bench-cpu bench-instructions bench-picker bench-prefix bench-protection bench-trace bench-replicas bench-redis bench-loop-lag bench-big-prompt
+bench: bench-admission bench-fairness bench-scrape bench-tokens bench-overhead bench-memory bench-pick bench-usage-filter bench-cpu bench-instructions bench-picker bench-prefix bench-protection bench-trace bench-replicas bench-redis bench-big-prompt
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info
