@@ -50,7 +50,6 @@ from google.protobuf import struct_pb2  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 from bench import reports  # noqa: E402
-from bench.bench_tokens import KINDS  # noqa: E402
 from bench.reports import machine, publish  # noqa: E402
 from extproc.admission import Admission  # noqa: E402
 from extproc.clock import MonotonicClock  # noqa: E402
@@ -70,8 +69,34 @@ BIG = 1 << 20
 SMALL_EVERY_S = 0.002
 BIG_EVERY_S = 0.25
 TARGET_MS = 5.0
-# The kinds of 1 MiB prompt measured (bench_tokens' texts): prose, and the worst for BPE.
-BIG_KINDS = ("natural (docs + code)", "CJK", "hostile: one 'word'")
+
+
+def natural_text(size: int, rng: random.Random) -> str:
+    """natural_text is ``size`` characters of English prose and Python code: this repository's docs and sources."""
+    files = sorted(ROOT.glob("*.md")) + sorted((ROOT / "extproc").rglob("*.py"))
+    corpus = "\n".join(p.read_text(encoding="utf-8") for p in files)
+    return (corpus * (size // len(corpus) + 1))[:size]
+
+
+def cjk_text(size: int, rng: random.Random) -> str:
+    """cjk_text is ``size`` bytes of Chinese-like text: ideographs with a comma or full stop every ~12."""
+    out: list[str] = []
+    n = 0
+    while n < size:
+        out.append("".join(chr(rng.randint(0x4E00, 0x9FFF)) for _ in range(rng.randint(6, 18))))
+        out.append(rng.choice("，。"))
+        n += 3 * (len(out[-2]) + 1)
+    return "".join(out)[: size // 3]
+
+
+def hostile_letters(size: int, rng: random.Random) -> str:
+    """hostile_letters is one endless 'word' of ``size`` random letters: the worst text for BPE."""
+    return "".join(rng.choice("abcdefghijk") for _ in range(size))
+
+
+# The kinds of 1 MiB prompt measured: prose, and the worst for BPE.
+KINDS = {"natural (docs + code)": natural_text, "CJK": cjk_text, "hostile: one 'word'": hostile_letters}
+BIG_KINDS = tuple(KINDS)
 CONFIG = {
     "pools": {"default": {"max_concurrency": 1_000_000, "tpm": 10**13, "context_window": 4_000_000,
                           "default_max_tokens": 16, "tokenizer": "cl100k_base"}},
