@@ -26,7 +26,7 @@ INFERENCE_PERF_PYTHON ?=
 # e.g. BENCH_IP_ARGS="--rates 2,4,8 --stage-s 20"
 BENCH_IP_ARGS ?=
 
-.PHONY: install run test test-under-load test-unit test-e2e test-vllm bench bench-admission bench-overhead bench-cpu bench-instructions bench-prefix bench-protection bench-redis bench-trace bench-replicas bench-vllm bench-vllm-prefix bench-big-prompt bench-memory bench-pick bench-usage-filter bench-fairness install-vllm install-inference-perf bench-inference-perf record-kv-events check-config clean
+.PHONY: install run test test-under-load test-unit test-e2e test-vllm bench bench-admission bench-overhead bench-cpu bench-instructions bench-prefix bench-protection bench-redis bench-trace bench-replicas bench-vllm bench-vllm-prefix bench-big-prompt bench-memory bench-pick bench-fairness install-vllm install-inference-perf bench-inference-perf record-kv-events check-config clean
 
 install: $(STAMP)
 
@@ -111,14 +111,6 @@ MEM_BASELINE ?= main
 bench-memory: install
 	mkdir -p $(BENCH_OUT)
 	$(PY) bench/bench_memory.py --baseline $(MEM_BASELINE) --out $(BENCH_OUT)/memory.md
-
-# What Envoy's Lua usage filter costs per streamed chunk (no kvgate in the path), this tree
-# beside the filter at USAGE_FILTER_BASELINE (a git revision; 9aba953: before it was made lean).
-USAGE_FILTER_BASELINE ?= 9aba953
-
-bench-usage-filter: install
-	mkdir -p $(BENCH_OUT)
-	$(PY) bench/bench_usage_filter.py --baseline $(USAGE_FILTER_BASELINE) --out $(BENCH_OUT)/usage-filter.md
 
 # A burst sharing one long system prompt on a node that caches prefixes: direct, through kvgate
 # prefix-blind and counting the shared prefix once; and a unique burst (issue 29).
@@ -217,7 +209,7 @@ bench-big-prompt: install
 	mkdir -p $(BENCH_OUT)
 	$(PY) bench/bench_big_prompt.py --out $(BENCH_OUT)/big-prompt.md
 
-bench: bench-admission bench-fairness bench-overhead bench-memory bench-pick bench-usage-filter bench-cpu bench-instructions bench-prefix bench-protection bench-trace bench-replicas bench-redis bench-big-prompt
+bench: bench-admission bench-fairness bench-overhead bench-memory bench-pick bench-cpu bench-instructions bench-prefix bench-protection bench-trace bench-replicas bench-redis bench-big-prompt
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info
