@@ -26,7 +26,7 @@ INFERENCE_PERF_PYTHON ?=
 # e.g. BENCH_IP_ARGS="--rates 2,4,8 --stage-s 20"
 BENCH_IP_ARGS ?=
 
-.PHONY: install run test test-under-load test-unit test-e2e test-vllm bench bench-admission bench-overhead bench-cpu bench-instructions bench-prefix bench-protection bench-redis bench-trace bench-replicas bench-vllm bench-vllm-prefix bench-big-prompt bench-memory bench-pick bench-fairness install-vllm install-inference-perf bench-inference-perf record-kv-events check-config clean
+.PHONY: install run test test-under-load test-unit test-e2e test-vllm bench bench-admission bench-overhead bench-cpu bench-instructions bench-prefix bench-protection bench-trace bench-replicas bench-vllm bench-vllm-prefix bench-big-prompt bench-memory bench-pick bench-fairness install-vllm install-inference-perf bench-inference-perf record-kv-events check-config clean
 
 install: $(STAMP)
 
@@ -143,10 +143,6 @@ bench-replicas: install
 	mkdir -p $(BENCH_OUT)
 	$(PY) bench/bench_replicas.py --trace $(TRACE) --repeat $(REPLICA_PASSES) --out $(BENCH_OUT)/replicas.md
 
-bench-redis: install
-	mkdir -p $(BENCH_OUT)
-	$(PY) bench/bench_redis.py --out $(BENCH_OUT)/redis.md
-
 # pip also brings PyPI's CUDA builds of torchvision, torchaudio and torchcodec, with which
 # `import vllm` fails (torchvision::nms); text serving needs none of them.
 install-vllm: $(VLLM_STAMP)
@@ -209,7 +205,7 @@ bench-big-prompt: install
 	mkdir -p $(BENCH_OUT)
 	$(PY) bench/bench_big_prompt.py --out $(BENCH_OUT)/big-prompt.md
 
-bench: bench-admission bench-fairness bench-overhead bench-memory bench-pick bench-cpu bench-instructions bench-prefix bench-protection bench-trace bench-replicas bench-redis bench-big-prompt
+bench: bench-admission bench-fairness bench-overhead bench-memory bench-pick bench-cpu bench-instructions bench-prefix bench-protection bench-trace bench-replicas bench-big-prompt
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info
