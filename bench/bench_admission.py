@@ -36,16 +36,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from bench.reports import machine
+from extproc.admission import Admission, Demand, Lease, Outcome, PoolSignals
+from extproc.clock import MonotonicClock
+from extproc.config import ADAPTIVE_DEFAULTS, Config
+from extproc.configparse import parse_config
+from kvgate_testkit.admission import acquire_now, demand_of
 
-from bench.reports import machine  # noqa: E402
-from extproc.admission import Admission, Demand, Lease, Outcome, PoolSignals  # noqa: E402
-from extproc.clock import MonotonicClock  # noqa: E402
-from extproc.config import ADAPTIVE_DEFAULTS, Config  # noqa: E402
-from extproc.configparse import parse_config  # noqa: E402
-from kvgate_testkit.admission import acquire_now, demand_of  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 BATCH = 100
 TARGET_NS = 10_000

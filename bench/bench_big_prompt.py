@@ -42,27 +42,26 @@ from pathlib import Path
 
 import orjson
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from google.protobuf import struct_pb2
+from prometheus_client import CollectorRegistry
 
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb  # noqa: E402
-from google.protobuf import struct_pb2  # noqa: E402
-from prometheus_client import CollectorRegistry  # noqa: E402
+from bench import reports
+from bench.reports import machine, publish
+from extproc.admission import Admission
+from extproc.clock import MonotonicClock
+from extproc.configparse import parse_config
+from extproc.request.admit import Admitted
+from extproc.request.arrival import Arrival
+from extproc.gate import Gate
+from extproc.request_facts import ATTR_CONTENT_TYPE, ATTR_METHOD, ATTR_PATH
+from extproc import tokens as tk
+from extproc.countpool import CountPool
+from extproc.metrics import Metrics
+from extproc.server import TOKENIZE_THREADS
+from extproc.tokens import BpeOpenAITokenizer
 
-from bench import reports  # noqa: E402
-from bench.reports import machine, publish  # noqa: E402
-from extproc.admission import Admission  # noqa: E402
-from extproc.clock import MonotonicClock  # noqa: E402
-from extproc.configparse import parse_config  # noqa: E402
-from extproc.request.admit import Admitted  # noqa: E402
-from extproc.request.arrival import Arrival  # noqa: E402
-from extproc.gate import Gate  # noqa: E402
-from extproc.request_facts import ATTR_CONTENT_TYPE, ATTR_METHOD, ATTR_PATH  # noqa: E402
-from extproc import tokens as tk  # noqa: E402
-from extproc.countpool import CountPool  # noqa: E402
-from extproc.metrics import Metrics  # noqa: E402
-from extproc.server import TOKENIZE_THREADS  # noqa: E402
-from extproc.tokens import BpeOpenAITokenizer  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 RESULTS = ROOT / "bench" / "results"
 BIG = 1 << 20

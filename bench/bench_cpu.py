@@ -35,30 +35,28 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import argparse
+import collections
+import os
+import random
+import shutil
+import subprocess
+import tempfile
+import time
+
+import orjson
+
+from bench import reports
+from bench.bare import COMMAND as BARE
+from bench.httpload import ChatBodies, closed_loop, hold_streams, run
+from bench.reports import machine, pct, publish
+from bench.sampling import cpu_seconds
+from bench.stacks import hot_stack, wait_picker_nodes_up
+from bench.revision import checkout
+from kvgate_testkit.procs import exit_on_sigterm, wait_until
+from kvgate_testkit.stack import Stack
+
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from the repository root
-    sys.path.insert(0, str(ROOT))
-
-import argparse  # noqa: E402
-import collections  # noqa: E402
-import os  # noqa: E402
-import random  # noqa: E402
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-
-import orjson  # noqa: E402
-
-from bench import reports  # noqa: E402
-from bench.bare import COMMAND as BARE  # noqa: E402
-from bench.httpload import ChatBodies, closed_loop, hold_streams, run  # noqa: E402
-from bench.reports import machine, pct, publish  # noqa: E402
-from bench.sampling import cpu_seconds  # noqa: E402
-from bench.stacks import hot_stack, wait_picker_nodes_up  # noqa: E402
-from bench.revision import checkout  # noqa: E402
-from kvgate_testkit.procs import exit_on_sigterm, wait_until  # noqa: E402
-from kvgate_testkit.stack import Stack  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 PROFILE_HZ = 250  # py-spy's samples per second

@@ -30,20 +30,17 @@ import asyncio
 import heapq
 import math
 import random
-import sys
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from bench.reports import machine, publish
+from extproc.admission import Admission, Demand, Lease, Outcome
+from extproc.clock import ManualClock
+from extproc.configparse import parse_config
 
-from bench.reports import machine, publish  # noqa: E402
-from extproc.admission import Admission, Demand, Lease, Outcome  # noqa: E402
-from extproc.clock import ManualClock  # noqa: E402
-from extproc.configparse import parse_config  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 RESULTS = ROOT / "bench" / "results" / "fairness.md"
 LOUD_FACTOR = 10

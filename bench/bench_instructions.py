@@ -39,28 +39,26 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import argparse
+import json
+import os
+import platform
+import re
+import resource
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+from bench.reports import publish
+from bench.revision import checked_out, describe, worker_env
+from kvgate_testkit.procs import exit_on_sigterm
+
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from the repository root
-    sys.path.insert(0, str(ROOT))
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import platform  # noqa: E402
-import re  # noqa: E402
-import resource  # noqa: E402
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Iterable, Mapping, Sequence  # noqa: E402
-from contextlib import ExitStack  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from typing import Any  # noqa: E402
-
-from bench.reports import publish  # noqa: E402
-from bench.revision import checked_out, describe, worker_env  # noqa: E402
-from kvgate_testkit.procs import exit_on_sigterm  # noqa: E402
 
 FILES = ("recommended", "access-log", "endpoint-picker-log")  # bench_request_path.FILES
 KINDS = ("admitted", "refused")

@@ -31,24 +31,22 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import argparse
+import gc
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import tempfile
+import time
+from typing import Any
+
+from bench import reports
+from bench.revision import checkout, worker_env
+
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from the repository root
-    sys.path.insert(0, str(ROOT))
-
-import argparse  # noqa: E402
-import gc  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import platform  # noqa: E402
-import random  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from typing import Any  # noqa: E402
-
-from bench import reports  # noqa: E402
-from bench.revision import checkout, worker_env  # noqa: E402
 
 GROWTHS = ("worst_case", "learned", "pooled")
 REFUSALS = ("slots", "kv", "node")

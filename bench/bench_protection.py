@@ -34,34 +34,32 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import argparse
+import asyncio
+import math
+import os
+import random
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+import yaml
+
+from bench.load import Client, Result, by_class, goodput, replay, result_rows, session
+from bench.reports import cell, command, machine, percentile
+from bench.sampling import node_state, readings, scraped, wait_fresh
+from bench.stacks import Procs, failure
+from extproc.configparse import parse_config
+from sim.api import words
+from sim.engine import EngineParams
+from kvgate_testkit.stack import envoy_config
+from kvgate_testkit.procs import LOOPBACK, exit_on_sigterm, free_port
+
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from the repository root
-    sys.path.insert(0, str(ROOT))
-
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import math  # noqa: E402
-import os  # noqa: E402
-import random  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
-from typing import Any  # noqa: E402
-
-import aiohttp  # noqa: E402
-import orjson  # noqa: E402
-import yaml  # noqa: E402
-
-from bench.load import Client, Result, by_class, goodput, replay, result_rows, session  # noqa: E402
-from bench.reports import cell, command, machine, percentile  # noqa: E402
-from bench.sampling import node_state, readings, scraped, wait_fresh  # noqa: E402
-from bench.stacks import Procs, failure  # noqa: E402
-from extproc.configparse import parse_config  # noqa: E402
-from sim.api import words  # noqa: E402
-from sim.engine import EngineParams  # noqa: E402
-from kvgate_testkit.stack import envoy_config  # noqa: E402
-from kvgate_testkit.procs import LOOPBACK, exit_on_sigterm, free_port  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 RATELIMIT_FILTER = ROOT / "bench" / "envoy_local_ratelimit.yaml"

@@ -39,32 +39,30 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from the repository root
-    sys.path.insert(0, str(ROOT))
+import argparse
+import asyncio
+import fnmatch
+import tempfile
+import time
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import fnmatch  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-import zlib  # noqa: E402
-from collections.abc import Sequence  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
-from typing import Any  # noqa: E402
+import aiohttp
+import yaml
 
-import aiohttp  # noqa: E402
-import yaml  # noqa: E402
-
-from bench.bench_trace import (DEFAULT_TRACE, close_results, read_preemptions, FULL, NODE, NODES, POLICIES, TRACE_SLICE, Background,  # noqa: E402
+from bench.bench_trace import (DEFAULT_TRACE, close_results, read_preemptions, FULL, NODE, NODES, POLICIES, TRACE_SLICE, Background,
                                Burst, Client, Policy, Req, Result, Run, Scenario, Summary, _background, _fmt,
                                _pct, _sample, _wait_signals, build_requests, envoy_for, kvgate_config,
                                parse_kvgate_metrics, read_trace, summarize)
-from bench.bench_protection import Node  # noqa: E402
-from extproc.configparse import parse_config  # noqa: E402
-from kvgate_testkit.faultproxy import FaultProxy  # noqa: E402
-from kvgate_testkit.procs import LOOPBACK, VENV_BIN, Proc, exit_on_sigterm, free_port  # noqa: E402
-from kvgate_testkit.redis_server import RedisServer, _ping, redis_server_binary  # noqa: E402
+from bench.bench_protection import Node
+from extproc.configparse import parse_config
+from kvgate_testkit.faultproxy import FaultProxy
+from kvgate_testkit.procs import LOOPBACK, VENV_BIN, Proc, exit_on_sigterm, free_port
+from kvgate_testkit.redis_server import RedisServer, _ping, redis_server_binary
+
+ROOT = Path(__file__).resolve().parents[1]
 
 RESULTS = ROOT / "bench" / "results" / "replicas.md"
 # bench_trace's policies a replica may run: the growth settings the store takes.

@@ -33,53 +33,51 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from the repository root
-    sys.path.insert(0, str(ROOT))
+import argparse
+import asyncio
+import cProfile
+import io
+import os
+import platform
+import pstats
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import cProfile  # noqa: E402
-import io  # noqa: E402
-import os  # noqa: E402
-import platform  # noqa: E402
-import pstats  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from typing import Any  # noqa: E402
+import grpc
+import orjson
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from google.protobuf import struct_pb2
+from prometheus_client import CollectorRegistry
 
-import grpc  # noqa: E402
-import orjson  # noqa: E402
-from envoy.config.core.v3 import base_pb2  # noqa: E402
-from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode  # noqa: E402
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb  # noqa: E402
-from google.protobuf import struct_pb2  # noqa: E402
-from prometheus_client import CollectorRegistry  # noqa: E402
-
-from bench.bench_overhead import BENCH_CONFIG, ChatBodies  # noqa: E402
-from bench.revision import checked_out, worker_env  # noqa: E402
-from extproc.admission import Admission  # noqa: E402
-from extproc.clock import Clock, MonotonicClock  # noqa: E402
+from bench.bench_overhead import BENCH_CONFIG, ChatBodies
+from bench.revision import checked_out, worker_env
+from extproc.admission import Admission
+from extproc.clock import Clock, MonotonicClock
 try:
-    from extproc.configparse import parse_config  # noqa: E402
+    from extproc.configparse import parse_config
 except ImportError:  # a --baseline revision from before configparse.py
-    from extproc.config import parse_config  # type: ignore[no-redef]  # noqa: E402
-from extproc.gate import Gate  # noqa: E402
-from extproc.metrics import Metrics  # noqa: E402
-from extproc.request_facts import ATTR_CONTENT_TYPE, ATTR_METHOD, ATTR_PATH  # noqa: E402
-try:  # noqa: E402
+    from extproc.config import parse_config  # type: ignore[no-redef]
+from extproc.gate import Gate
+from extproc.metrics import Metrics
+from extproc.request_facts import ATTR_CONTENT_TYPE, ATTR_METHOD, ATTR_PATH
+try:
     from extproc.request.accesslog import AccessLogReceiver
 except ImportError:  # a --baseline revision from before extproc/request/
     from extproc.endings import AccessLogReceiver  # type: ignore[no-redef]
-from extproc.service import ExtProcService, decode_request  # noqa: E402
-try:  # noqa: E402
+from extproc.service import ExtProcService, decode_request
+try:
     from extproc.service import encode_response
 except ImportError:  # a --baseline revision whose answers were all messages
     def encode_response(resp: Any) -> bytes:
         return resp.SerializeToString()  # type: ignore[no-any-return]
-from kvgate_testkit import held  # noqa: E402
+from kvgate_testkit import held
+
+ROOT = Path(__file__).resolve().parents[1]
 
 FILES = ("recommended", *held.FILES)
 # What kvgate is sent for one request, by file.

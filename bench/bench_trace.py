@@ -45,38 +45,36 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from the repository root
-    sys.path.insert(0, str(ROOT))
+import argparse
+import asyncio
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Sequence  # noqa: E402
-from typing import Any  # noqa: E402
+import aiohttp
+import orjson
 
-import aiohttp  # noqa: E402
-import orjson  # noqa: E402
-
-from bench import load  # noqa: E402
-from bench import reports  # noqa: E402
-from bench.bench_protection import Node  # noqa: E402
-from bench.load import Placer, Result, replay, session  # noqa: E402
-from bench.reports import cell, percentile  # noqa: E402
-from bench.sampling import node_state, readings, scraped, wait_fresh  # noqa: E402
-from bench.sampling import preemptions as read_preemptions  # noqa: E402
-from bench.stacks import Procs, failure  # noqa: E402
+from bench import load
+from bench import reports
+from bench.bench_protection import Node
+from bench.load import Placer, Result, replay, session
+from bench.reports import cell, percentile
+from bench.sampling import node_state, readings, scraped, wait_fresh
+from bench.sampling import preemptions as read_preemptions
+from bench.stacks import Procs, failure
 # The replay's parts, one module a concept; bench_replicas, prefix_trace and the tests take
 # them from here as well.
-from bench.trace_policies import (BATCH_WATERMARK, ONLINE_WAIT_S, ORACLE_LEAD_S, PICKER_ENVOY, POLICIES,  # noqa: E402
+from bench.trace_policies import (BATCH_WATERMARK, ONLINE_WAIT_S, ORACLE_LEAD_S, PICKER_ENVOY, POLICIES,
                                   Oracle, Policy, api_key, envoy_for, key_digest, kvgate_config)
-from bench.trace_report import (TTFT_TARGET_S, Run, Summary, dump_raw, kv_for_requests,  # noqa: E402
+from bench.trace_report import (TTFT_TARGET_S, Run, Summary, dump_raw, kv_for_requests,
                                 preemptions_at_arrival, report, summarize)
-from bench.trace_workload import (DEFAULT_TRACE, FULL, NODE, NODES, TINY, TRACE_SLICE, Background,  # noqa: E402
+from bench.trace_workload import (DEFAULT_TRACE, FULL, NODE, NODES, TINY, TRACE_SLICE, Background,
                                   Burst, Req, Scenario, build_requests, read_trace)
-from sim.api import OUTPUT_TOKENS_HEADER  # noqa: E402
-from kvgate_testkit.procs import LOOPBACK, exit_on_sigterm, free_port  # noqa: E402
+from sim.api import OUTPUT_TOKENS_HEADER
+from kvgate_testkit.procs import LOOPBACK, exit_on_sigterm, free_port
+
+ROOT = Path(__file__).resolve().parents[1]
 
 RESULTS = ROOT / "bench" / "results"
 # bench_replicas reads the report's percentiles and cells under these names.

@@ -48,33 +48,31 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from the repository root
-    sys.path.insert(0, str(ROOT))
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import os  # noqa: E402
-import signal  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Sequence  # noqa: E402
+import aiohttp
+import openai
+from tokenizers import Tokenizer
 
-import aiohttp  # noqa: E402
-import openai  # noqa: E402
-from tokenizers import Tokenizer  # noqa: E402
-
-from bench.sampling import descendants  # noqa: E402
+from bench.sampling import descendants
 # The benchmark's parts, a module a concept; its tests take them from here as well.
-from bench.vllm_report import (GATE_COUNTERS, GATE_WATCH, KvCheck, Outcome, preemption_cell,  # noqa: E402
+from bench.vllm_report import (GATE_COUNTERS, GATE_WATCH, KvCheck, Outcome, preemption_cell,
                                prefix_report, prefix_target, report, spread, versions)
-from bench.vllm_rows import (ENGINE_ENV, MODEL_NAME, PICKER_ENVOY, PICKER_LOG_ENVOY, POOL_ENVOY,  # noqa: E402
+from bench.vllm_rows import (ENGINE_ENV, MODEL_NAME, PICKER_ENVOY, PICKER_LOG_ENVOY, POOL_ENVOY,
                              PREFIX_ROWS, ROWS, SCENARIOS, Burst, EngineFlags, Row, Scenario, baseline,
                              burst_texts, prompts, shared_prefix_prompts)
-from bench.vllm_stack import (Engine, Gate, backend_name, kvgate_config, parse_metrics,  # noqa: E402
+from bench.vllm_stack import (Engine, Gate, backend_name, kvgate_config, parse_metrics,
                               render_envoy)
-from kvgate_testkit.procs import exit_on_sigterm, wait_until  # noqa: E402
+from kvgate_testkit.procs import exit_on_sigterm, wait_until
+
+ROOT = Path(__file__).resolve().parents[1]
 
 RESULTS = ROOT / "bench" / "results"
 MODEL_SCRIPT = ROOT / "bench" / "vllm_model.py"

@@ -23,17 +23,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import zmq
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.bench_vllm import ENGINE_ENV, LOOPBACK, MODEL_NAME, EngineFlags, build_model  # noqa: E402
-from kvgate_testkit.procs import ROOT, Proc, free_port, wait_until  # noqa: E402
+from bench.bench_vllm import ENGINE_ENV, MODEL_NAME, EngineFlags, build_model
+from kvgate_testkit.procs import LOOPBACK, ROOT, Proc, free_port, wait_until
 
 FLAGS = EngineFlags(blocks=17, block_size=32, max_model_len=512, max_num_seqs=4,
                     max_num_batched_tokens=512)

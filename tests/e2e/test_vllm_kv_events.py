@@ -28,7 +28,7 @@ if not VLLM_PYTHON.exists():
 
 from prometheus_client import CollectorRegistry  # noqa: E402
 
-from bench.bench_vllm import ENGINE_ENV, LOOPBACK, EngineFlags, build_model  # noqa: E402
+from bench.bench_vllm import ENGINE_ENV, EngineFlags, build_model  # noqa: E402
 from bench.record_kv_events import MODEL_NAME, complete  # noqa: E402
 from extproc.configparse import parse_config  # noqa: E402
 from extproc.engine_blocks import token_keys  # noqa: E402
@@ -36,7 +36,7 @@ from extproc.metrics import Metrics  # noqa: E402
 from extproc.server import Server  # noqa: E402
 from extproc.signals.kv_events import ViewState  # noqa: E402
 from extproc.tokens import load_tokenizer  # noqa: E402
-from kvgate_testkit.procs import Proc, free_port, wait_until  # noqa: E402
+from kvgate_testkit.procs import LOOPBACK, Proc, free_port, wait_until  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 
