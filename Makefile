@@ -158,7 +158,7 @@ $(VLLM_STAMP):
 # Records the KV cache events the real engine publishes (bytes as sent) into the fixture the
 # KV events tests read; run it again only to follow a new vLLM (it rewrites a committed file).
 record-kv-events: install install-vllm
-	$(PY) bench/record_kv_events.py --out tests/fixtures/vllm_kv_events.jsonl
+	$(PY) tests/kv_capture.py --out tests/fixtures/vllm_kv_events.jsonl
 
 # The end-to-end test against the real engine (make test runs it too once .venv-vllm exists).
 test-vllm: install install-vllm
