@@ -47,7 +47,7 @@ from google.protobuf import struct_pb2
 from prometheus_client import CollectorRegistry
 
 from bench import reports
-from bench.reports import machine, publish
+from bench.reports import machine, pct, publish
 from extproc.admission import Admission
 from extproc.clock import MonotonicClock
 from extproc.configparse import parse_config
@@ -179,11 +179,6 @@ async def _stream(gate: Gate, big: list[pb.HttpBody], seconds: float, attributes
     return smalls, bigs, refused
 
 
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
-
-
 async def measure(rounds: int, seconds: float) -> dict[str, tuple[list[float], list[float], list[int]]]:
     config = parse_config(CONFIG)
     clock = MonotonicClock()
@@ -312,7 +307,7 @@ LEVERS = [
 def report(res: dict[str, tuple[list[float], list[float], list[int]]], *, command: str, rounds: int,
            seconds: float, load: tuple[float, float, float], wall_s: float,
            probe: dict[str, list[tuple[float, float, float]]]) -> str:
-    floor = _pct(res["no big prompt"][0], 0.99) * 1e3
+    floor = pct(res["no big prompt"][0], 0.99) * 1e3
     lines = [
         "# A 1 MiB prompt beside small decisions (issue 17)", "",
         f"Command: `{command}`", "",
@@ -329,10 +324,10 @@ def report(res: dict[str, tuple[list[float], list[float], list[int]]], *, comman
     ]
     for name, (smalls, bigs, refused) in res.items():
         mx = max(smalls) * 1e3
-        lines.append(f"| {name} | {len(smalls)} | {_pct(smalls, 0.5) * 1e3:.3f} | "
-                     f"{_pct(smalls, 0.99) * 1e3:.3f} | {mx:.2f} | "
+        lines.append(f"| {name} | {len(smalls)} | {pct(smalls, 0.5) * 1e3:.3f} | "
+                     f"{pct(smalls, 0.99) * 1e3:.3f} | {mx:.2f} | "
                      f"{'' if not bigs else f'{mx - floor:.2f}'} | {len(bigs) or ''} | "
-                     f"{'' if not bigs else f'{_pct(bigs, 0.5) * 1e3:.1f}'} | "
+                     f"{'' if not bigs else f'{pct(bigs, 0.5) * 1e3:.1f}'} | "
                      f"{sum(refused) if name != 'no big prompt' else ''} |")
     worst = max(max(s) * 1e3 - floor for n, (s, _, _) in res.items() if n.endswith("count pool"))
     ways = ("count pool", "pieces, no pool", "one call")
@@ -343,7 +338,7 @@ def report(res: dict[str, tuple[list[float], list[float], list[int]]], *, comman
               "|---|" + "---:|" * (len(ways) + 2)]
     for kind in BIG_KINDS:
         got = [res[f"1 MiB {kind}, {w}"][0] for w in ways]
-        p99 = [_pct(g, 0.99) for g in got]
+        p99 = [pct(g, 0.99) for g in got]
         lines.append(f"| {kind} | " + " | ".join(f"{max(g) * 1e3 - floor:.2f}" for g in got)
                      + f" | {p99[1] / p99[0]:.1f}x | {p99[2] / p99[0]:.1f}x |")
     lines += ["", "The GIL alone: the longest another thread waited to run while one thread "

@@ -35,6 +35,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from bench import reports
 from bench.reports import machine, publish
 from extproc.admission import Admission, Demand, Lease, Outcome
 from extproc.clock import ManualClock
@@ -64,11 +65,8 @@ class Tally:
 
 
 def percentile(values: list[float], q: float) -> float:
-    """percentile is the nearest-rank ``q`` quantile (0..1) of sorted ``values`` (0 when empty)."""
-    if not values:
-        return 0.0
-    k = max(0, min(len(values) - 1, math.ceil(q * len(values)) - 1))
-    return values[k]
+    """percentile is the reports' nearest-rank ``q`` quantile (0..1) of ``values``, 0 when empty."""
+    return reports.percentile(values, q) or 0.0
 
 
 def config(slots: int, fairness: str, max_wait_s: float) -> Any:
