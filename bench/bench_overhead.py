@@ -47,7 +47,6 @@ import argparse
 import asyncio
 import os
 import random
-import re
 import resource
 import tempfile
 import time

@@ -37,7 +37,6 @@ from pathlib import Path
 import argparse
 import asyncio
 import math
-import os
 import random
 import tempfile
 import time

@@ -37,7 +37,6 @@ from pathlib import Path
 import argparse
 import asyncio
 import math
-import os
 import random
 import tempfile
 import time
@@ -49,13 +48,12 @@ import aiohttp
 import orjson
 import yaml
 
-from bench.load import Client, Result, by_class, goodput, replay, result_rows, session
+from bench.load import CHAT_OVERHEAD, Client, Result, by_class, goodput, replay, result_rows, session
 from bench.reports import cell, command, machine, percentile
 from bench.sampling import node_state, readings, scraped, wait_fresh
-from bench.stacks import Procs, failure
+from bench.stacks import MODEL, Node, Procs, adaptive_for, failure
 from extproc.configparse import parse_config
 from sim.api import words
-from sim.engine import EngineParams
 from kvgate_testkit.stack import envoy_config
 from kvgate_testkit.procs import LOOPBACK, exit_on_sigterm, free_port
 
@@ -63,38 +61,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 RESULTS = ROOT / "bench" / "results"
 RATELIMIT_FILTER = ROOT / "bench" / "envoy_local_ratelimit.yaml"
-MODEL = "sim-llama-3-8b"
 # Policy 5's KV watermark of the batch class (see _kvgate_base); --batch-kv-watermark.
 BATCH_KV_WATERMARK = 0.7
-# The chat template's cost of one user message (OpenAI recipe: 3 per message, 1 for the
-# role "user", 3 to prime the reply): a content of n one-token words is an n+7-token prompt.
-CHAT_OVERHEAD = 7
 
 
 # --- the node and the workload ----------------------------------------------------------
-
-@dataclass(slots=True)
-class Node(EngineParams):
-    """Node is the simulated vLLM node the benchmark starts: the simulator's engine settings
-    (capacities in tokens, speeds in tokens/s) plus the model's context length (tokens)."""
-
-    max_model_len: int = 32_768
-
-    def argv(self, port: int, speedup: float, seed: int, overflow: str) -> list[str]:
-        """argv is the simulator's command line for this node."""
-        return [sys.executable, "-m", "sim", "--listen", f"{LOOPBACK}:{port}", "--model", MODEL,
-                "--max-model-len", str(self.max_model_len),
-                "--kv-capacity-tokens", str(self.kv_capacity_tokens),
-                "--block-size", str(self.block_size), "--max-num-seqs", str(self.max_num_seqs),
-                "--max-num-batched-tokens", str(self.max_num_batched_tokens),
-                "--prefill-tokens-per-s", str(self.prefill_tokens_per_s),
-                "--decode-tokens-per-s", str(self.decode_tokens_per_s),
-                "--batch-slowdown", str(self.batch_slowdown), "--speedup", str(speedup),
-                "--seed", str(seed), "--overflow", overflow,
-                # Streams write every 8 tokens (the first at once): TTFT is exact and Envoy,
-                # kvgate and the client see 8x fewer chunks on 2 shared cores.
-                "--stream-interval", "8", "--log-level", "WARNING"]
-
 
 @dataclass(frozen=True, slots=True)
 class Burst:
@@ -210,17 +181,6 @@ class Policy:
     title: str
     kvgate: Callable[[Workload, float, int, float], dict[str, Any]] | None = None
     rps: bool = False
-
-
-def adaptive_for(speedup: float) -> dict[str, Any]:
-    """adaptive_for is kvgate's ``adaptive`` section for simulated nodes run ``speedup`` times
-    faster than real time: watermarks 0.70/0.85, each duration divided by the speedup (and the
-    recovery rate multiplied by it), so that kvgate acts at the same simulated instants."""
-    return {"high_watermark": 0.85, "low_watermark": 0.70, "min_scale": 0.6,
-            "recovery_per_s": 0.1 * speedup,
-            "poll_interval_s": max(0.01, 1.0 / speedup),
-            "scrape_timeout_s": max(0.005, 0.5 / speedup),
-            "stale_after_s": 3.0 / speedup, "early_scrape_gap_s": 0.2 / speedup}
 
 
 def _kvgate_base(w: Workload, speedup: float, sim_port: int, *, tpm: bool, backends: bool,

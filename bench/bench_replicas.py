@@ -53,10 +53,11 @@ import aiohttp
 import yaml
 
 from bench.bench_trace import (DEFAULT_TRACE, close_results, read_preemptions, FULL, NODE, NODES, POLICIES, TRACE_SLICE, Background,
-                               Burst, Client, Policy, Req, Result, Run, Scenario, Summary, _background, _fmt,
-                               _pct, _sample, _wait_signals, build_requests, envoy_for, kvgate_config,
+                               Burst, Client, Policy, Req, Result, Run, Scenario, Summary, _background,
+                               _sample, _wait_signals, build_requests, envoy_for, kvgate_config,
                                parse_kvgate_metrics, read_trace, summarize)
-from bench.bench_protection import Node
+from bench.reports import percentile
+from bench.stacks import Node
 from extproc.configparse import parse_config
 from kvgate_testkit.faultproxy import FaultProxy
 from kvgate_testkit.procs import LOOPBACK, VENV_BIN, Proc, exit_on_sigterm, free_port
@@ -284,7 +285,7 @@ def figures(rr: RowRun, background: Background, reference: float | None) -> Figu
         refused=tuple(sum(r.status == "refused" for r in rs) for rs in per),
         errors=tuple(sum(r.status == "error" for r in rs) for rs in per),
         share=max_share(alive) if len(alive) > 1 else None, alive=len(alive),
-        latency_p99=_pct([r.done_at - r.req.at for r in ok if r.done_at is not None], 0.99),
+        latency_p99=percentile([r.done_at - r.req.at for r in ok if r.done_at is not None], 0.99),
         shared_again=again, degraded=tuple(degraded_s(rr.polls, i) for i in range(n)), kv_max=kv_max)
 
 

@@ -57,12 +57,11 @@ import orjson
 
 from bench import load
 from bench import reports
-from bench.bench_protection import Node
 from bench.load import Placer, Result, replay, session
-from bench.reports import cell, percentile
+from bench.reports import cell
 from bench.sampling import node_state, readings, scraped, wait_fresh
 from bench.sampling import preemptions as read_preemptions
-from bench.stacks import Procs, failure
+from bench.stacks import Node, Procs, failure
 # The replay's parts, one module a concept; bench_replicas, prefix_trace and the tests take
 # them from here as well.
 from bench.trace_policies import (BATCH_WATERMARK, ONLINE_WAIT_S, ORACLE_LEAD_S, PICKER_ENVOY, POLICIES,
@@ -77,9 +76,6 @@ from kvgate_testkit.procs import LOOPBACK, exit_on_sigterm, free_port
 ROOT = Path(__file__).resolve().parents[1]
 
 RESULTS = ROOT / "bench" / "results"
-# bench_replicas reads the report's percentiles and cells under these names.
-_pct = percentile
-_fmt = cell
 __all__ = ["BATCH_WATERMARK", "DEFAULT_TRACE", "FULL", "NODE", "NODES", "ONLINE_WAIT_S", "ORACLE_LEAD_S",
            "PICKER_ENVOY", "POLICIES", "TINY", "TRACE_SLICE", "TTFT_TARGET_S", "Background", "Burst", "Client",
            "Node", "Oracle", "Policy", "Req", "Result", "Run", "Scenario", "Summary", "api_key", "build_requests",

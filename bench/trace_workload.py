@@ -18,7 +18,8 @@ from typing import Any
 
 import orjson
 
-from bench.bench_protection import CHAT_OVERHEAD, MODEL, Node
+from bench.load import CHAT_OVERHEAD
+from bench.stacks import MODEL, Node
 from sim.api import words
 
 ROOT = Path(__file__).resolve().parents[1]

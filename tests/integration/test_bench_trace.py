@@ -19,7 +19,7 @@ import pytest
 import tiktoken
 
 from bench import bench_trace
-from bench.bench_protection import CHAT_OVERHEAD
+from bench.load import CHAT_OVERHEAD
 from bench.bench_trace import (NODE, POLICIES, TINY, TRACE_SLICE, Background, Oracle, Req, Run, Scenario,
                                api_key, key_digest,
                                build_requests, envoy_for, kvgate_config, preemptions_at_arrival, read_trace,
