@@ -49,9 +49,9 @@ import orjson
 import yaml
 
 from bench.load import CHAT_OVERHEAD, Client, Result, by_class, goodput, replay, result_rows, session
-from bench.reports import cell, command, machine, percentile
+from bench.reports import cell, chosen, command, machine, percentile
 from bench.sampling import node_state, readings, scraped, wait_fresh
-from bench.stacks import MODEL, Node, Procs, adaptive_for, failure
+from bench.stacks import MODEL, Node, Procs, adaptive_for, failure, print_tails
 from extproc.configparse import parse_config
 from sim.api import words
 from kvgate_testkit.stack import envoy_config
@@ -548,11 +548,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="also write each policy's requests and timeline as JSON to this folder")
     args = ap.parse_args(argv)
     exit_on_sigterm()  # a killed run still stops what it started
-    keys = [k.strip() for k in args.policies.split(",") if k.strip()]
-    known = {p.key: p for p in POLICIES}
-    unknown = [k for k in keys if k not in known]
-    if unknown or not keys:
-        ap.error(f"unknown policies {unknown}; choose from {', '.join(known)}")
+    policies = chosen(ap, args.policies, {p.key: p for p in POLICIES}, "policies")
     if not args.speedup > 0:
         ap.error("--speedup must be > 0")
     if not 0 < args.batch_kv_watermark <= 1:
@@ -562,13 +558,14 @@ def main(argv: list[str] | None = None) -> int:
     reqs = build_requests(w, args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"protection benchmark: workload {w.name} ({len(reqs)} requests, "
-          f"{w.duration_s:g} s simulated), speedup {args.speedup:g}x, policies {', '.join(keys)}", flush=True)
+          f"{w.duration_s:g} s simulated), speedup {args.speedup:g}x, "
+          f"policies {', '.join(p.key for p in policies)}", flush=True)
     started = time.monotonic()
     runs = []
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-protection-") as tmp:
-        for i, key in enumerate(keys):
-            policy = known[key]
-            label = f"{i + 1}/{len(keys)} {key}"
+        for i, policy in enumerate(policies):
+            key = policy.key
+            label = f"{i + 1}/{len(policies)} {key}"
             print(f"- {policy.title}", flush=True)
             run = run_policy(policy, reqs, w, node, args.speedup, args.seed, args.overflow,
                              Path(tmp) / key, label, args.batch_kv_watermark)
@@ -579,11 +576,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"TTFT p99 {cell(s.ttft_p99)} s, goodput {s.goodput:,.0f} tok/s"
                   + (f"  ERROR: {run.error}" if run.error else ""), flush=True)
             if run.error:
-                for name in ("kvgate", "envoy", "sim"):
-                    log = Path(tmp) / key / f"{name}.log"
-                    if log.exists():
-                        print(f"  --- {name}.log (tail) ---\n{log.read_text(errors='replace')[-1500:]}",
-                              file=sys.stderr)
+                print_tails(Path(tmp) / key)
             runs.append(run)
             if args.raw is not None:
                 dump_raw(run, args.raw / f"protection_{key}.json")

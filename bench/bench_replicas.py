@@ -57,7 +57,7 @@ from bench.bench_trace import (DEFAULT_TRACE, close_results, read_preemptions, F
                                _sample, _wait_signals, build_requests, envoy_for, kvgate_config,
                                parse_kvgate_metrics, read_trace, summarize)
 from bench.reports import percentile
-from bench.stacks import Node
+from bench.stacks import Node, print_tails
 from extproc.configparse import parse_config
 from kvgate_testkit.faultproxy import FaultProxy
 from kvgate_testkit.procs import LOOPBACK, VENV_BIN, Proc, exit_on_sigterm, free_port
@@ -669,9 +669,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  replica {n + 1} decisions: " + ", ".join(f"{d} {c}" for d, c in sorted(seen.items())),
                           flush=True)
                 if rr.run.error:
-                    for log in sorted(workdir.glob("*.log")):
-                        print(f"  --- {log.name} (tail) ---\n{log.read_text(errors='replace')[-1500:]}",
-                              file=sys.stderr)
+                    print_tails(workdir)
                 runs.append(rr)
             repeats.append(runs)
     from bench.replicas_report import command_line, report  # the report imports this module's figures

@@ -58,10 +58,10 @@ import orjson
 from bench import load
 from bench import reports
 from bench.load import Placer, Result, replay, session
-from bench.reports import cell
+from bench.reports import cell, chosen
 from bench.sampling import node_state, readings, scraped, wait_fresh
 from bench.sampling import preemptions as read_preemptions
-from bench.stacks import Node, Procs, failure
+from bench.stacks import Node, Procs, failure, print_tails
 # The replay's parts, one module a concept; bench_replicas, prefix_trace and the tests take
 # them from here as well.
 from bench.trace_policies import (BATCH_WATERMARK, ONLINE_WAIT_S, ORACLE_LEAD_S, PICKER_ENVOY, POLICIES,
@@ -294,11 +294,7 @@ def parser() -> argparse.ArgumentParser:
 def chosen_policies(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[Policy]:
     """chosen_policies is ``--policies`` in its order, each picking policy with ``--reserve``'s
     reserve when given; a bad option ends the command with its message."""
-    keys = [k.strip() for k in args.policies.split(",") if k.strip()]
-    known = {p.key: p for p in POLICIES}
-    unknown = [k for k in keys if k not in known]
-    if unknown or not keys:
-        ap.error(f"unknown policies {unknown}; choose from {', '.join(known)}")
+    policies = chosen(ap, args.policies, {p.key: p for p in POLICIES}, "policies")
     if not 0 < args.speedup <= 100:
         ap.error("--speedup must be in (0, 100]")
     if not 0 < args.online_wait <= 60:
@@ -306,11 +302,11 @@ def chosen_policies(ap: argparse.ArgumentParser, args: argparse.Namespace) -> li
     if args.reserve is not None:
         if not 0 <= args.reserve <= 0.5:
             ap.error("--reserve must be in [0, 0.5]")
-        known = {k: p if p.picking is None else Policy(p.key, f"{p.title} (reserve {args.reserve:g} by --reserve)",
-                                                        p.balance, p.kvgate,
-                                                        {**p.picking, "reserve_fraction": args.reserve})
-                 for k, p in known.items()}
-    return [known[k] for k in keys]
+        policies = [p if p.picking is None else Policy(p.key, f"{p.title} (reserve {args.reserve:g} by --reserve)",
+                                                       p.balance, p.kvgate,
+                                                       {**p.picking, "reserve_fraction": args.reserve})
+                    for p in policies]
+    return policies
 
 
 def run_policies(policies: list[Policy], reqs: list[Req], sc: Scenario, args: argparse.Namespace) -> list[Run]:
@@ -335,9 +331,7 @@ def run_policies(policies: list[Policy], reqs: list[Req], sc: Scenario, args: ar
                       f"goodput {s.goodput:,.0f} tok/s" + (f"  ERROR: {run.error}" if run.error else ""),
                       flush=True)
                 if run.error:
-                    for log in sorted((Path(tmp) / key).glob("*.log")):
-                        print(f"  --- {log.name} (tail) ---\n{log.read_text(errors='replace')[-1500:]}",
-                              file=sys.stderr)
+                    print_tails(Path(tmp) / key)
             runs.append(run)
             if args.raw is not None:
                 dump_raw(run, args.raw / f"trace_{key}.json")

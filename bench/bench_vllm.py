@@ -61,6 +61,7 @@ import aiohttp
 import openai
 from tokenizers import Tokenizer
 
+from bench.reports import chosen
 from bench.sampling import descendants
 # The benchmark's parts, a module a concept; its tests take them from here as well.
 from bench.vllm_report import (GATE_COUNTERS, GATE_WATCH, KvCheck, Outcome, preemption_cell,
@@ -364,11 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     scenario = SCENARIOS[args.scenario]
     if args.requests is None:
         args.requests = scenario.burst.requests
-    keys = ([k.strip() for k in args.rows.split(",") if k.strip()] if args.rows is not None
-            else [r.key for r in scenario.rows])
-    unknown = [k for k in keys if k not in {r.key for r in scenario.rows}]
-    if unknown or not keys:
-        ap.error(f"unknown rows {unknown} for scenario {scenario.key}")
+    rows = {r.key: r for r in scenario.rows}
+    keys = list(rows) if args.rows is None else [r.key for r in chosen(ap, args.rows, rows, "rows")]
     if args.runs < 1:
         ap.error("--runs must be at least 1")
     if not args.vllm_python.exists():

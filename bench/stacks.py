@@ -150,6 +150,13 @@ class Procs:
         self.procs.clear()
 
 
+def print_tails(workdir: Path, chars: int = 1500) -> None:
+    """print_tails prints the last ``chars`` characters of each process log in ``workdir`` to
+    stderr: what a failed run's processes said last."""
+    for log in sorted(workdir.glob("*.log")):
+        print(f"  --- {log.name} (tail) ---\n{log.read_text(errors='replace')[-chars:]}", file=sys.stderr)
+
+
 def failure(exc: BaseException) -> str:
     """failure is how a run that raised is reported: the error's type and message, at most 2,000
     characters (one run failing must not lose the others' results)."""
