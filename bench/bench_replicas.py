@@ -52,11 +52,14 @@ from typing import Any
 import aiohttp
 import yaml
 
-from bench.bench_trace import (DEFAULT_TRACE, close_results, read_preemptions, FULL, NODE, NODES, POLICIES, TRACE_SLICE, Background,
-                               Burst, Client, Policy, Req, Result, Run, Scenario, Summary, _background,
-                               _sample, _wait_signals, build_requests, envoy_for, kvgate_config,
-                               parse_kvgate_metrics, read_trace, summarize)
+from bench.bench_trace import Client, apply_background, close_results, parse_kvgate_metrics, sample, wait_signals
+from bench.load import Result
+from bench.trace_policies import POLICIES, Policy, envoy_for, kvgate_config
+from bench.trace_report import Run, Summary, summarize
+from bench.trace_workload import (DEFAULT_TRACE, FULL, NODE, NODES, TRACE_SLICE, Background, Burst, Req,
+                                  Scenario, build_requests, read_trace)
 from bench.reports import percentile
+from bench.sampling import preemptions as read_preemptions
 from bench.stacks import Node, print_tails
 from extproc.configparse import parse_config
 from kvgate_testkit.faultproxy import FaultProxy
@@ -496,9 +499,9 @@ async def drive_row(rr: RowRun, reqs: list[Req], sc: Scenario, speedup: float, e
     rr.live = [True] * n
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        tasks = [asyncio.create_task(_sample(session, together, sim_urls, None, run.timeline,  # type: ignore[arg-type]
+        tasks = [asyncio.create_task(sample(session, together, sim_urls, None, run.timeline,  # type: ignore[arg-type]
                                              0.5 / speedup, None)),
-                 asyncio.create_task(_background(session, together, sim_urls, sc.background,  # type: ignore[arg-type]
+                 asyncio.create_task(apply_background(session, together, sim_urls, sc.background,  # type: ignore[arg-type]
                                                  run.background)),
                  asyncio.create_task(_poll_modes(session, admin_urls, t0, rr.polls, rr.live))]
         inject = asyncio.create_task(_inject(rr, t0, redis, proxies, victim))
@@ -588,7 +591,7 @@ def run_row(row: Row, policy: Policy, reqs: list[Req], sc: Scenario, speedup: fl
         for kv, admin_port, grpc_port in zip(kvgates, admin_ports, grpc_ports):
             kv.wait_port(admin_port)
             kv.wait_port(grpc_port)
-            _wait_signals(f"http://{LOOPBACK}:{admin_port}", timeout=20.0)
+            wait_signals(f"http://{LOOPBACK}:{admin_port}", timeout=20.0)
         for envoy, port in zip(envoys, envoy_ports):
             envoy.wait_port(port)
         rr.plan = fault_plan(row.fault, FAULT_AT * sc.duration_s / speedup)

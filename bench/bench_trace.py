@@ -62,25 +62,17 @@ from bench.reports import cell, chosen
 from bench.sampling import node_state, readings, scraped, wait_fresh
 from bench.sampling import preemptions as read_preemptions
 from bench.stacks import Node, Procs, failure, print_tails
-# The replay's parts, one module a concept; bench_replicas, prefix_trace and the tests take
-# them from here as well.
 from bench.trace_policies import (BATCH_WATERMARK, ONLINE_WAIT_S, ORACLE_LEAD_S, PICKER_ENVOY, POLICIES,
-                                  Oracle, Policy, api_key, envoy_for, key_digest, kvgate_config)
-from bench.trace_report import (TTFT_TARGET_S, Run, Summary, dump_raw, kv_for_requests,
-                                preemptions_at_arrival, report, summarize)
-from bench.trace_workload import (DEFAULT_TRACE, FULL, NODE, NODES, TINY, TRACE_SLICE, Background,
-                                  Burst, Req, Scenario, build_requests, read_trace)
+                                  Oracle, Policy, api_key, envoy_for, kvgate_config)
+from bench.trace_report import Run, dump_raw, report, summarize
+from bench.trace_workload import (DEFAULT_TRACE, FULL, NODE, NODES, TINY, TRACE_SLICE, Background, Req, Scenario,
+                                  build_requests, read_trace)
 from sim.api import OUTPUT_TOKENS_HEADER
 from kvgate_testkit.procs import LOOPBACK, exit_on_sigterm, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
 RESULTS = ROOT / "bench" / "results"
-__all__ = ["BATCH_WATERMARK", "DEFAULT_TRACE", "FULL", "NODE", "NODES", "ONLINE_WAIT_S", "ORACLE_LEAD_S",
-           "PICKER_ENVOY", "POLICIES", "TINY", "TRACE_SLICE", "TTFT_TARGET_S", "Background", "Burst", "Client",
-           "Node", "Oracle", "Policy", "Req", "Result", "Run", "Scenario", "Summary", "api_key", "build_requests",
-           "close_results", "drive", "envoy_for", "key_digest", "kv_for_requests", "kvgate_config", "main",
-           "preemptions_at_arrival", "read_preemptions", "read_trace", "run_policy", "skip_reason", "summarize"]
 
 
 # --- one run ----------------------------------------------------------------------------------
@@ -111,10 +103,10 @@ def parse_kvgate_metrics(text: str) -> dict[str, float]:
             if v or not k.startswith("kvgate_requests_total/")}
 
 
-async def _sample(session: aiohttp.ClientSession, client: Client, sim_urls: Sequence[str],
+async def sample(session: aiohttp.ClientSession, client: Client, sim_urls: Sequence[str],
                   admin_url: str | None, timeline: list[dict[str, Any]], period_s: float,
                   oracle: Placer | None) -> None:
-    """_sample records every node's state, the client's open requests and kvgate's gauges every ``period_s`` real s."""
+    """sample records every node's state, the client's open requests and kvgate's gauges every ``period_s`` real s."""
     while True:
         row: dict[str, Any] = {"t": client.sim_now(), "open_online": client.open["online"],
                                "open_batch": client.open["batch"], "refused_online": client.refusals["online"],
@@ -136,9 +128,9 @@ async def _sample(session: aiohttp.ClientSession, client: Client, sim_urls: Sequ
         await asyncio.sleep(period_s)
 
 
-async def _background(session: aiohttp.ClientSession, client: Client, sim_urls: Sequence[str],
+async def apply_background(session: aiohttp.ClientSession, client: Client, sim_urls: Sequence[str],
                       bg: Background, applied: list[tuple[float, int]]) -> None:
-    """_background puts the unadmitted load on its node for its window, then takes it away;
+    """apply_background puts the unadmitted load on its node for its window, then takes it away;
     ``applied`` gets (simulated s, tokens) as the node confirms each setting."""
     url = f"{sim_urls[bg.node]}/sim/config"
     for at, tokens in bg.steps():
@@ -165,8 +157,8 @@ async def drive(run: Run, reqs: list[Req], sc: Scenario, speedup: float, envoy_p
     async with session() as s:
         run.error = await replay([client.send(s, r) for r in run.results],
                                  (sc.duration_s + sc.drain_s) / speedup + 60.0,
-                                 [_sample(s, client, sim_urls, admin_url, run.timeline, 0.5 / speedup, client.oracle),
-                                  _background(s, client, sim_urls, sc.background, run.background)])
+                                 [sample(s, client, sim_urls, admin_url, run.timeline, 0.5 / speedup, client.oracle),
+                                  apply_background(s, client, sim_urls, sc.background, run.background)])
         run.preemptions = await read_preemptions(s, sim_urls)
     close_results(run, label)
 
@@ -184,8 +176,8 @@ def skip_reason(policy: Policy) -> str | None:
     return None
 
 
-def _wait_signals(admin_url: str, timeout: float = 10.0) -> None:
-    """_wait_signals waits until kvgate has scraped the nodes, so a run does not start while
+def wait_signals(admin_url: str, timeout: float = 10.0) -> None:
+    """wait_signals waits until kvgate has scraped the nodes, so a run does not start while
     kvgate still counts them as stale."""
     wait_fresh(admin_url, scraped, timeout)
 
@@ -214,7 +206,7 @@ def run_policy(policy: Policy, reqs: list[Req], sc: Scenario, node: Node, speedu
             if policy.kvgate is not None:
                 kv = procs.kvgate(kvgate_config(policy, sc, speedup, sim_ports, node, batch_watermark,
                                                 online_wait_s))
-                _wait_signals(kv.admin_url)
+                wait_signals(kv.admin_url)
             envoy_port = free_port()
             procs.envoy(envoy_for(policy, listen=envoy_port, grpc=None if kv is None else kv.grpc_port,
                                   sim_ports=sim_ports, picker_template=picker_envoy), envoy_port)

@@ -45,7 +45,10 @@ from typing import Any, TypeGuard
 import aiohttp
 import orjson
 
-from bench.bench_trace import NODE, Background, Policy, Req, Run, Scenario, drive, kv_for_requests
+from bench.bench_trace import drive
+from bench.trace_policies import Policy
+from bench.trace_report import Run, kv_for_requests
+from bench.trace_workload import NODE, Background, Req, Scenario
 from bench.load import CHAT_OVERHEAD, NODE_HEADER
 from bench.reports import percentile
 from bench.sampling import fetch_readings

@@ -16,7 +16,9 @@ from datetime import datetime, timezone
 from bench.bench_replicas import (DEFAULT_POLICY, FAULT_AT, FAULT_GOODPUT, LEASE_TTL_S, MODE_POLL_S,
                                   NO_FAULT_GOODPUT, RECOVERY_WAIT_S, RESULTS, ROOT, SHARED_WITHIN_S, SPLIT_SLACK,
                                   Figures, RowRun, error_answers, figures, shown, split_limit, verdict)
-from bench.bench_trace import DEFAULT_TRACE, NODE, NODES, Policy, Req, Scenario, summarize
+from bench.trace_policies import Policy
+from bench.trace_report import summarize
+from bench.trace_workload import DEFAULT_TRACE, NODE, NODES, Req, Scenario
 from bench.reports import cell
 from kvgate_testkit.redis_server import server_version
 
