@@ -281,29 +281,6 @@ def gil_probe(rounds: int) -> dict[str, list[tuple[float, float, float]]]:
     return out
 
 
-LEVERS = [
-    "## Levers weighed for the hostile word (issue 17)", "",
-    "- **Count pool** (kept): the rest of a text from a stretch without a cut point, counted "
-    "by bpe-openai in a worker process (`extproc/countpool.py`); exact, the same engine's "
-    "one-call count; the serving process keeps only the bounded cut search (12 KiB), the "
-    "text's encoding in 64 Ki-character parts and the pipe: the *CPU here* column above.",
-    "- **tiktoken for such stretches** (rejected): it releases the GIL, but its merge is "
-    "superlinear on one long piece: one call on a 1 MiB word took 582 ms of CPU "
-    "(`bench/results/tokens.md`) against bpe-openai's 59 ms, and 5 s of wall time on this "
-    "machine under a load of ~4 (a 1 MiB word counted in a thread beside a probe, "
-    "measured while choosing): ten times the CPU for every hostile prompt.",
-    "- **HF `tokenizers`' `encode_batch`** (kept, for `hf:` specs): `encode` holds the GIL "
-    "for the whole call, `encode_batch` hands it over; measured on a 256 KiB text beside a "
-    "thread sleeping 0.5 ms at a time (load ~5): the other thread waited 2,080 ms with "
-    "`encode`, 89 ms with `encode_batch` (the machine's scheduling, not the GIL), the same "
-    "tokens.",
-    "- **Cutting inside a pre-token at a BPE token boundary** (not tried): the bpe crate "
-    "proves a cut exact where the two tokens around it are a valid pair, but bpe-openai's "
-    "Python API takes `str` only, and in a run of CJK ideographs the boundaries may fall "
-    "inside characters: no guarantee of a cut, so a fallback was needed anyway.",
-]
-
-
 def report(res: dict[str, tuple[list[float], list[float], list[int]]], *, command: str, rounds: int,
            seconds: float, load: tuple[float, float, float], wall_s: float,
            probe: dict[str, list[tuple[float, float, float]]]) -> str:
@@ -357,7 +334,8 @@ def report(res: dict[str, tuple[list[float], list[float], list[int]]], *, comman
               f"whose stream alone has a p99 of {floor:.1f} ms). The GIL alone, for the hostile word: "
               f"another thread waited at most {max(w for _, w, _ in hostile) * 1e3:.1f} ms, and the "
               f"count took {max(c for _, _, c in hostile) * 1e3:.1f} ms of CPU in the serving process "
-              "(the rest runs in the worker, on another core when there is one).", "", *LEVERS, "",
+              "(the rest runs in the worker, on another core when there is one).", "",
+              "The levers weighed for the hostile word are in `bench/results/overhead-levers.md`.", "",
               f"Machine: {machine()}, shared with other work (load average at start: "
               f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; at the end: "
               f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}). Run took {wall_s:.0f} s."]
