@@ -13,11 +13,10 @@ instead of grpcio, ``--asyncio`` runs on asyncio's own loop instead of uvloop,
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import argparse
 import asyncio
+import sys
+from pathlib import Path
 from typing import Any
 
 from bench.httpload import run

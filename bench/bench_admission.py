@@ -35,7 +35,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from bench.reports import machine
+from bench import reports
+from bench.reports import machine, publish
 from extproc.admission import Admission, Demand, Lease, Outcome, PoolSignals
 from extproc.clock import MonotonicClock
 from extproc.config import ADAPTIVE_DEFAULTS, Config
@@ -235,7 +236,7 @@ def main() -> int:
     finally:
         loop.close()
 
-    command = "python bench/bench_admission.py" + (" --quick" if args.quick else "")
+    command = reports.command("bench/bench_admission.py", ap, args)
     lines = [
         "# Admission microbenchmark: acquire + release of one lease",
         "",
@@ -258,10 +259,7 @@ def main() -> int:
               "",
               "The machine is shared (other processes run during the benchmark): p99 shows their noise,",
               "the minimum what a pair costs undisturbed.", ""]
-    text = "\n".join(lines)
-    print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text, encoding="utf-8")
+    publish(args.out, "\n".join(lines))
     return 0 if full_row["median"] <= TARGET_NS else 1
 
 

@@ -32,17 +32,16 @@ time of grpc's C core, upb and the tokenizer goes to the Python line that called
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import argparse
 import collections
 import os
 import random
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import orjson
 

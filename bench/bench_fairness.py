@@ -210,8 +210,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", type=Path, default=RESULTS, help="where to write the report")
     args = ap.parse_args()
-    command = (f"python bench/bench_fairness.py --service-s {args.service_s:g} --quiet-requests "
-               f"{args.quiet_requests} --max-wait-s {args.max_wait_s:g} --seed {args.seed}")
+    command = reports.command("bench/bench_fairness.py", ap, args)
     lines = [
         "# Fairness between the tenants of one class: the quiet tenant's wait",
         "",

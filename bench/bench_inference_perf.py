@@ -29,21 +29,20 @@ window (sampled; bench/inference_perf_reports.py).
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import argparse
 import json
 import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
 import urllib.request
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import yaml

@@ -36,9 +36,6 @@ the paths' lengths): the baseline's column has that much beside this tree's.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import argparse
 import json
 import os
@@ -47,13 +44,16 @@ import re
 import resource
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from bench import reports
 from bench.reports import publish
 from bench.revision import checked_out, describe, worker_env
 from kvgate_testkit.procs import exit_on_sigterm
@@ -449,8 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         jobs += [Job("bare", "bare", None, run) for run in range(1, args.runs + 1)]
         done = run_jobs(jobs, args, work)
     version = subprocess.run(["valgrind", "--version"], capture_output=True, text=True).stdout.strip()
-    command = "python bench/bench_instructions.py" + "".join(
-        f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    command = reports.command("bench/bench_instructions.py", ap, args)
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     head = ["# kvgate's instructions per request, under callgrind", "",
             f"Command: `{command}` ({time.monotonic() - started:.0f} s, {len(jobs)} workers "

@@ -21,18 +21,17 @@ endpoint-picker-log file, and the access-log file it is built on). Two parts, on
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import argparse
 import asyncio
 import gc
 import linecache
 import os
+import sys
 import tempfile
 import time
 import tracemalloc
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry

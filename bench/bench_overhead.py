@@ -40,18 +40,17 @@ bench/bare.py. It writes ``bench/results/overhead.md``.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import argparse
 import asyncio
 import os
 import random
 import resource
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from bench import reports

@@ -28,9 +28,6 @@ is doing.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import argparse
 import gc
 import json
@@ -39,8 +36,10 @@ import platform
 import random
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from bench import reports
@@ -333,10 +332,9 @@ def main(argv: list[str] | None = None) -> int:
         for growth in args.growth:
             lines += _rows(got, names, f"round:{growth}", growth, args.held, 1e6, ".2f", ratio=False)
     text = "\n".join(lines) + "\n"
-    print(text)
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+        return reports.publish(args.out, text)
+    print(text)
     return 0
 
 

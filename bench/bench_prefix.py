@@ -31,18 +31,17 @@ over ``prefix_affinity`` and ``prefix_record_keys``.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import argparse
 import asyncio
 import math
 import random
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from pathlib import Path
 
 import aiohttp
 import orjson

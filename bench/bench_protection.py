@@ -31,17 +31,16 @@ Writes ``bench/results/protection.md`` and one PNG per policy.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import argparse
 import asyncio
 import math
 import random
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp

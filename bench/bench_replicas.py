@@ -36,17 +36,16 @@ time back to shared mode, each node's KV use; targets: the constants below.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import argparse
 import asyncio
 import fnmatch
+import sys
 import tempfile
 import time
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp

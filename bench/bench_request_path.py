@@ -30,9 +30,6 @@ microseconds.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import argparse
 import asyncio
 import cProfile
@@ -42,8 +39,10 @@ import platform
 import pstats
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -54,6 +53,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 from prometheus_client import CollectorRegistry
 
+from bench import reports
 from bench.bench_overhead import BENCH_CONFIG, ChatBodies
 from bench.revision import checked_out, worker_env
 from extproc.admission import Admission
@@ -302,8 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         load = os.getloadavg()
         with checked_out(args.baseline) as source:
             lines = _paired(source, args.baseline, args.file, args.requests, args.rounds)
-        command = "python bench/bench_request_path.py" + "".join(
-            f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+        command = reports.command("bench/bench_request_path.py", ap, args)
         text = "\n".join([
             "# kvgate's own request path, this tree against a git revision", "",
             f"Command: `{command}`", "",
@@ -312,10 +311,9 @@ def main(argv: list[str] | None = None) -> int:
             "no gRPC, in two worker processes run round for round in turn; CPU time of the "
             "worker per request.", "",
             "| extproc | us CPU per request, median | min |", "|---|---:|---:|", *lines, ""])
-        print(text)
         if args.out is not None:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(text)
+            return reports.publish(args.out, text)
+        print(text)
         return 0
     path = _Path(args.file, args.requests)
     loop = asyncio.new_event_loop()

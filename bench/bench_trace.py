@@ -42,14 +42,13 @@ refusals per class. Writes ``bench/results/trace.md``.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import argparse
 import asyncio
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import aiohttp

@@ -45,17 +45,16 @@ each gated row judged against the issue's targets. No frozen check. Writes
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import argparse
 import asyncio
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import aiohttp
 import openai
