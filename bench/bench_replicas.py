@@ -500,8 +500,8 @@ async def drive_row(rr: RowRun, reqs: list[Req], sc: Scenario, speedup: float, e
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         tasks = [asyncio.create_task(sample(session, together, sim_urls, None, run.timeline,  # type: ignore[arg-type]
                                              0.5 / speedup, None)),
-                 asyncio.create_task(apply_background(session, together, sim_urls, sc.background,  # type: ignore[arg-type]
-                                                 run.background)),
+                 asyncio.create_task(apply_background(session, together,  # type: ignore[arg-type]
+                                                      sim_urls, sc.background, run.background)),
                  asyncio.create_task(_poll_modes(session, admin_urls, t0, rr.polls, rr.live))]
         inject = asyncio.create_task(_inject(rr, t0, redis, proxies, victim))
         try:

@@ -3,9 +3,10 @@
 
 Recording starts vLLM (the CPU build in ``.venv-vllm``, the tiny local model of ``bench/vllm_model.py``)
 with ``--kv-events-config`` publishing on a loopback ZMQ PUB socket with a replay socket,
-subscribes to it (on loopback the subscriber binds, the engine connects), sends a few completions whose prompts are token ids (so that the tokens
-the engine caches are known exactly), and writes every message received, frame by frame in
-hex, one JSON object per line, to ``--out``:
+subscribes to it (on loopback the subscriber binds, the engine connects), sends a few
+completions whose prompts are token ids (so that the tokens the engine caches are known
+exactly), and writes every message received, frame by frame in hex, one JSON object per
+line, to ``--out``:
 
 - ``{"kind": "pub", "frames": [topic, seq, payload]}``: a message of the PUB socket;
 - ``{"kind": "replay", "frames": [...]}``: what the replay socket answered to a request for
@@ -79,6 +80,17 @@ def _prompts() -> list[tuple[str, list[int]]]:
     ]
 
 
+def wait_healthy(engine: Proc, url: str) -> None:
+    """wait_healthy returns once the vLLM engine at ``url`` answers /health (up to 300 s), and
+    raises with the end of its output if it exits first."""
+    def healthy() -> bool:
+        if not engine.alive():
+            raise RuntimeError(f"vLLM exited:\n{engine.output()[-4000:]}")
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+            return resp.status == 200
+    wait_until(healthy, timeout=300, interval=0.5, what="vLLM /health")
+
+
 def complete(url: str, prompt: list[int]) -> None:
     """complete sends one completion of token ids ``prompt`` (4 tokens) and waits for it."""
     from bench.vllm_rows import MODEL_NAME
@@ -124,12 +136,7 @@ def record(vllm_python: Path, model_dir: Path, workdir: Path) -> list[dict[str, 
                                        "argv": shown}]
     url = f"http://{LOOPBACK}:{http}"
     try:
-        def healthy() -> bool:
-            if not proc.alive():
-                raise RuntimeError(f"vLLM exited:\n{proc.output()[-4000:]}")
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
-                return resp.status == 200
-        wait_until(healthy, timeout=300, interval=0.5, what="vLLM /health")
+        wait_healthy(proc, url)
         time.sleep(1.0)  # the SUB socket's subscription reaches the PUB socket
         for name, prompt in _prompts():
             complete(url, prompt)
