@@ -61,25 +61,17 @@ import openai
 from tokenizers import Tokenizer
 
 from bench.reports import chosen
-from bench.sampling import descendants
-# The benchmark's parts, a module a concept; its tests take them from here as well.
-from bench.vllm_report import (GATE_COUNTERS, GATE_WATCH, KvCheck, Outcome, preemption_cell,
-                               prefix_report, prefix_target, report, spread, versions)
-from bench.vllm_rows import (ENGINE_ENV, MODEL_NAME, PICKER_ENVOY, PICKER_LOG_ENVOY, POOL_ENVOY,
-                             PREFIX_ROWS, ROWS, SCENARIOS, Burst, EngineFlags, Row, Scenario, baseline,
-                             burst_texts, prompts, shared_prefix_prompts)
-from bench.vllm_stack import (Engine, Gate, backend_name, kvgate_config, parse_metrics,
-                              render_envoy)
+from bench.vllm_report import (GATE_COUNTERS, GATE_WATCH, KvCheck, Outcome, preemption_cell, prefix_report, report,
+                               versions)
+from bench.vllm_rows import (ENGINE_ENV, MODEL_NAME, SCENARIOS, Burst, EngineFlags, Row, Scenario, burst_texts,
+                             prompts)
+from bench.vllm_stack import Engine, Gate, backend_name, parse_metrics
 from kvgate_testkit.procs import exit_on_sigterm, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 
 RESULTS = ROOT / "bench" / "results"
 MODEL_SCRIPT = ROOT / "bench" / "vllm_model.py"
-__all__ = ["PICKER_ENVOY", "PICKER_LOG_ENVOY", "POOL_ENVOY", "PREFIX_ROWS", "ROWS", "SCENARIOS", "Burst",
-           "EngineFlags", "KvCheck", "Outcome", "baseline", "burst_texts", "descendants", "kvgate_config",
-           "main", "parse_metrics", "prefix_report", "prefix_target", "preemption_cell", "prompts",
-           "render_envoy", "report", "shared_prefix_prompts", "skipped_rows", "spread"]
 
 
 # --- one burst --------------------------------------------------------------------------

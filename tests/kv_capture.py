@@ -113,7 +113,8 @@ def _drain(sub: zmq.Socket[bytes], out: list[dict[str, object]], quiet_s: float)
 
 def record(vllm_python: Path, model_dir: Path, workdir: Path) -> list[dict[str, object]]:
     """record runs the engine and the requests; returns the lines to write."""
-    from bench.bench_vllm import ENGINE_ENV, EngineFlags, build_model  # the engine, only when recording
+    from bench.bench_vllm import build_model  # the engine's parts, only when recording
+    from bench.vllm_rows import ENGINE_ENV, EngineFlags
     flags = EngineFlags(blocks=17, block_size=32, max_model_len=512, max_num_seqs=4, max_num_batched_tokens=512)
     build_model(vllm_python, model_dir)
     pub, replay, http = free_port(), free_port(), free_port()

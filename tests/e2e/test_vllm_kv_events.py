@@ -28,8 +28,8 @@ if not VLLM_PYTHON.exists():
 
 from prometheus_client import CollectorRegistry  # noqa: E402
 
-from bench.bench_vllm import ENGINE_ENV, EngineFlags, build_model  # noqa: E402
-from bench.vllm_rows import MODEL_NAME  # noqa: E402
+from bench.bench_vllm import build_model  # noqa: E402
+from bench.vllm_rows import ENGINE_ENV, MODEL_NAME, EngineFlags  # noqa: E402
 from extproc.configparse import parse_config  # noqa: E402
 from extproc.engine_blocks import token_keys  # noqa: E402
 from extproc.metrics import Metrics  # noqa: E402
