@@ -55,15 +55,14 @@ from typing import Any
 
 from bench import reports
 from bench.bare import COMMAND as BARE
-# bench_instructions and bench_request_path take BareProcessor and BENCH_CONFIG from here.
-from bench.bare import LEVERS, BareProcessor  # noqa: F401
+from bench.bare import LEVERS
 from bench.httpload import (ChatBodies, Inflight, StreamTimes, closed_loop, hold_streams, open_loop,
                             run, streams)
 from bench.overhead_report import (ProgressCost, RateStep, Results, Sizes, best_rung,
                                    report, spread)
 from bench.reports import pct, publish
 from bench.sampling import cpu_seconds, rss_bytes
-from bench.stacks import BENCH_CONFIG, hot_stack, wait_picker_nodes_up  # noqa: F401
+from bench.stacks import hot_stack, wait_picker_nodes_up
 from bench.variants import BARE_ONLY, VARIANTS
 from kvgate_testkit.procs import exit_on_sigterm
 from kvgate_testkit.stack import Stack

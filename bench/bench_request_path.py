@@ -16,7 +16,7 @@ of the request (``kvgate_testkit.held.final_message``, a batch of one, as bytes,
 written into a serialized copy so that building it costs next to nothing): in the
 picker-log file a node of two is picked for every request.
 
-Every body is a different ~2 KB chat (``bench_overhead.ChatBodies``), so every prompt is
+Every body is a different ~2 KB chat (``httpload.ChatBodies``), so every prompt is
 tokenized in the first round (later rounds meet tokens.py's count cache: this bench weighs the
 rest of the path). ``--profile`` runs one more pass under cProfile and prints the functions
 with the most own time. ``--baseline REF`` runs this tree and ``extproc`` as it is at git
@@ -54,8 +54,9 @@ from google.protobuf import struct_pb2
 from prometheus_client import CollectorRegistry
 
 from bench import reports
-from bench.bench_overhead import BENCH_CONFIG, ChatBodies
+from bench.httpload import ChatBodies
 from bench.revision import checked_out, worker_env
+from bench.stacks import BENCH_CONFIG
 from extproc.admission import Admission
 from extproc.clock import Clock, MonotonicClock
 try:
