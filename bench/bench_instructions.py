@@ -192,7 +192,7 @@ def _hold_one(path: Any, loop: Any) -> Any:
 
     import grpc
 
-    from bench.bench_request_path import _Context
+    from bench.bench_request_path import StreamContext
     from kvgate_testkit import held
 
     if path.file == "endpoint-picker-log":
@@ -200,12 +200,12 @@ def _hold_one(path: Any, loop: Any) -> Any:
     first = path.streams[0]
     if path.file != "recommended":
         parked = path.service.endings.parked
-        loop.run_until_complete(path.service.Process(None, _Context(first)))
+        loop.run_until_complete(path.service.Process(None, StreamContext(first)))
         link = next(reversed(parked))
         return lambda: path.receiver.batch(path.entries(link))
     ended = asyncio.Event()
 
-    class Open(_Context):
+    class Open(StreamContext):
         async def read(self) -> Any:
             got = await super().read()
             if got is grpc.aio.EOF:
@@ -238,9 +238,9 @@ def _outcomes(path: Any) -> dict[str, float]:
 def _kvgate_row(file: str, kind: str, n1: int, n2: int, loop: Any, mark: _Marks) -> None:
     """_kvgate_row runs one row's phases: setup and warm-up, a round of n1, a round of n2;
     then checks that every request was admitted (or refused) and nothing is left held."""
-    from bench.bench_request_path import _Path
+    from bench.bench_request_path import RequestPath
 
-    path = _Path(file, n2, clock=Ticks(), max_concurrency=1 if kind == "refused" else None)
+    path = RequestPath(file, n2, clock=Ticks(), max_concurrency=1 if kind == "refused" else None)
     end = _hold_one(path, loop) if kind == "refused" else None
     if kind == "refused" and file == "recommended":
         path.streams = [s[:1] for s in path.streams]  # a 429 ends the stream at the body
@@ -269,7 +269,7 @@ def _bare_row(file: str, n1: int, n2: int, loop: Any, mark: _Marks) -> None:
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
     from bench.bare import BareProcessor
-    from bench.bench_request_path import _Context, streams
+    from bench.bench_request_path import StreamContext, streams
     from kvgate_testkit import held
 
     messages = streams(file, n2)
@@ -278,7 +278,7 @@ def _bare_row(file: str, n1: int, n2: int, loop: Any, mark: _Marks) -> None:
 
     async def send(count: int) -> None:
         for one in messages[:count]:
-            await bare.Process(None, _Context(one, decode, encode))
+            await bare.Process(None, StreamContext(one, decode, encode))
     loop.run_until_complete(send(n2))
     mark(label(file, "admitted", None))
     for n in (n1, n2):

@@ -137,8 +137,8 @@ def streams(file: str, requests: int) -> list[list[bytes]]:
     return [[m.SerializeToString() for m in held.messages(file, body)] for body in chats]
 
 
-class _Context:
-    """_Context stands in for grpc.aio's servicer context of one stream: ``read`` decodes the
+class StreamContext:
+    """StreamContext stands in for grpc.aio's servicer context of one stream: ``read`` decodes the
     next message with ``decode`` (kvgate's registered deserializer unless told), ``write``
     serializes the answer with ``encode`` (kvgate's registered serializer unless told)."""
 
@@ -188,8 +188,8 @@ class _FinalEntries:
         return cut[0] + raw + cut[1]
 
 
-class _Path:
-    """_Path is one file's request path in one process: the service, its inputs, and a round
+class RequestPath:
+    """RequestPath is one file's request path in one process: the service, its inputs, and a round
     of them (``run``: kvgate's CPU seconds per request). The clock is the monotonic one
     unless told; ``max_concurrency`` replaces the pool's (1: every request beside one held
     is refused)."""
@@ -219,11 +219,11 @@ class _Path:
             held.nodes_up(self.admission, self.clock.now())
         self._sent += 1
         if self.entries is None:
-            await self.service.Process(None, _Context(messages))
+            await self.service.Process(None, StreamContext(messages))
             return
         parked = self.service.endings.parked
         before = len(parked)
-        await self.service.Process(None, _Context(messages))
+        await self.service.Process(None, StreamContext(messages))
         self.receiver.batch(self.entries(next(reversed(parked))) if len(parked) > before
                             else self.entries.refused)
 
@@ -245,7 +245,7 @@ class _Path:
 def _worker(file: str, requests: int) -> None:
     """_worker serves rounds on demand: one line on stdin runs a round, the CPU per request
     (seconds) is written back as one line; it ends at the end of stdin."""
-    path = _Path(file, requests)
+    path = RequestPath(file, requests)
     loop = asyncio.new_event_loop()
     path.run(loop, 200)  # warm-up
     for _ in sys.stdin:
@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
             return reports.publish(args.out, text)
         print(text)
         return 0
-    path = _Path(args.file, args.requests)
+    path = RequestPath(args.file, args.requests)
     loop = asyncio.new_event_loop()
     path.run(loop, 200)  # warm-up
     per = [path.run(loop) for _ in range(args.rounds)]
