@@ -35,7 +35,6 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import reports
-from bench.revision import checkout, worker_env
+from bench.revision import Workers, checkout
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -252,25 +251,12 @@ def _measure(trees: dict[str, Path], kinds: list[str], helds: list[int]) -> dict
     """_measure runs a worker process per tree (name -> source folder) and asks each, in turn
     and in alternating order, for every kind at every count of requests held; returns their
     answers by (tree, kind, held)."""
-    argv_w = [sys.executable, str(Path(__file__).resolve()), "--worker"]
-    workers = {name: subprocess.Popen(argv_w, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                      env=worker_env(src))
-               for name, src in trees.items()}
     got: dict[tuple[str, str, int], float] = {}
-    try:
-        for i, (growth, held) in enumerate((g, h) for g in kinds for h in helds):
-            order = list(workers) if i % 2 == 0 else list(reversed(workers))
-            for name in order:
-                proc = workers[name]
-                assert proc.stdin is not None and proc.stdout is not None
-                proc.stdin.write(f"{growth} {held}\n")
-                proc.stdin.flush()
-                got[(name, growth, held)] = json.loads(proc.stdout.readline())
-    finally:
-        for proc in workers.values():
-            assert proc.stdin is not None
-            proc.stdin.close()
-            proc.wait(timeout=60)
+    with Workers([sys.executable, str(Path(__file__).resolve()), "--worker"], trees) as workers:
+        for growth in kinds:
+            for held in helds:
+                for name, answer in workers.ask(f"{growth} {held}").items():
+                    got[(name, growth, held)] = json.loads(answer)
     return got
 
 

@@ -38,7 +38,6 @@ import os
 import platform
 import pstats
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -55,7 +54,7 @@ from prometheus_client import CollectorRegistry
 
 from bench import reports
 from bench.httpload import ChatBodies
-from bench.revision import checked_out, worker_env
+from bench.revision import Workers, checked_out
 from bench.stacks import BENCH_CONFIG
 from extproc.admission import Admission
 from extproc.clock import Clock, MonotonicClock
@@ -258,25 +257,11 @@ def _paired(source: Path, label: str, file: str, requests: int, rounds: int) -> 
     same machine; returns the report lines (medians and the median of the paired ratios)."""
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--requests", str(requests),
             "--file", file]
-    workers = {"this tree": subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                             text=True, cwd=ROOT),
-               label: subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                       text=True, cwd=source, env=worker_env(source))}
-    got: dict[str, list[float]] = {name: [] for name in workers}
-    try:
-        for i in range(rounds):
-            order = list(workers) if i % 2 == 0 else list(reversed(workers))
-            for name in order:
-                proc = workers[name]
-                assert proc.stdin is not None and proc.stdout is not None
-                proc.stdin.write("go\n")
-                proc.stdin.flush()
-                got[name].append(float(proc.stdout.readline()))
-    finally:
-        for proc in workers.values():
-            assert proc.stdin is not None
-            proc.stdin.close()
-            proc.wait(timeout=30)
+    got: dict[str, list[float]] = {"this tree": [], label: []}
+    with Workers(argv, {"this tree": ROOT, label: source}) as workers:
+        for _ in range(rounds):
+            for name, answer in workers.ask("go").items():
+                got[name].append(float(answer))
     ratios = [a / b for a, b in zip(got["this tree"], got[label])]
     return [f"| {name} | {statistics.median(v) * 1e6:.1f} | {min(v) * 1e6:.1f} |" for name, v in got.items()] + [
         "", f"this tree / {label}, median of {rounds} paired rounds: {statistics.median(ratios):.3f} "
