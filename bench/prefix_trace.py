@@ -52,8 +52,7 @@ from bench.trace_workload import NODE, Background, Req, Scenario
 from bench.load import CHAT_OVERHEAD, NODE_HEADER
 from bench.reports import percentile
 from bench.sampling import fetch_readings
-from bench.stacks import MODEL
-from kvgate_testkit.nodes_stack import NodesStack
+from kvgate_testkit.nodes_stack import MODEL, NodesStack
 from sim.api import OUTPUT_TOKENS_HEADER, words
 from sim.blocks import blocks_for
 

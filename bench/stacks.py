@@ -29,11 +29,11 @@ import orjson
 import yaml
 
 from bench.variants import PICKED, variant_file
+from kvgate_testkit.nodes_stack import MODEL
 from kvgate_testkit.procs import LOOPBACK, VENV_BIN, Proc, free_port, wait_until
 from kvgate_testkit.stack import Stack
 from sim.engine import EngineParams
 
-MODEL = "sim-llama-3-8b"  # the simulated nodes' model
 # kvgate's configuration in the hot-path benchmarks: limits far above the load, so that they
 # measure the path, not refusals.
 BENCH_CONFIG: dict[str, Any] = {
