@@ -26,7 +26,7 @@ INFERENCE_PERF_PYTHON ?=
 # e.g. BENCH_IP_ARGS="--rates 2,4,8 --stage-s 20"
 BENCH_IP_ARGS ?=
 
-.PHONY: install run test test-under-load test-unit test-e2e test-vllm bench bench-admission bench-overhead bench-cpu bench-instructions bench-picker bench-prefix bench-protection bench-redis bench-redis-prefix bench-redis-timeout bench-scrape bench-tokens bench-trace bench-replicas bench-vllm bench-vllm-prefix bench-loop-lag bench-big-prompt bench-memory bench-log-batches bench-pick bench-usage-filter bench-fairness install-vllm install-inference-perf bench-inference-perf record-kv-events check-config clean
+.PHONY: install run test test-under-load test-unit test-e2e test-vllm bench bench-admission bench-overhead bench-cpu bench-instructions bench-prefix bench-protection bench-trace bench-replicas bench-vllm bench-vllm-prefix bench-big-prompt bench-memory bench-pick bench-fairness install-vllm install-inference-perf bench-inference-perf record-kv-events check-config clean
 
 install: $(STAMP)
 
@@ -112,22 +112,6 @@ bench-memory: install
 	mkdir -p $(BENCH_OUT)
 	$(PY) bench/bench_memory.py --baseline $(MEM_BASELINE) --out $(BENCH_OUT)/memory.md
 
-# What Envoy's Lua usage filter costs per streamed chunk (no kvgate in the path), this tree
-# beside the filter at USAGE_FILTER_BASELINE (a git revision; 9aba953: before it was made lean).
-USAGE_FILTER_BASELINE ?= 9aba953
-
-bench-usage-filter: install
-	mkdir -p $(BENCH_OUT)
-	$(PY) bench/bench_usage_filter.py --baseline $(USAGE_FILTER_BASELINE) --out $(BENCH_OUT)/usage-filter.md
-
-bench-log-batches: install
-	mkdir -p $(BENCH_OUT)
-	$(PY) bench/bench_log_batches.py --out $(BENCH_OUT)/log-batches.md
-
-bench-picker: install
-	mkdir -p $(BENCH_OUT)
-	$(PY) bench/bench_picker.py --out $(BENCH_OUT)/picker.md
-
 # A burst sharing one long system prompt on a node that caches prefixes: direct, through kvgate
 # prefix-blind and counting the shared prefix once; and a unique burst (issue 29).
 # The Mooncake trace beside a clone (../shared/traces), else the committed slice of the
@@ -159,26 +143,6 @@ bench-replicas: install
 	mkdir -p $(BENCH_OUT)
 	$(PY) bench/bench_replicas.py --trace $(TRACE) --repeat $(REPLICA_PASSES) --out $(BENCH_OUT)/replicas.md
 
-bench-redis: install
-	mkdir -p $(BENCH_OUT)
-	$(PY) bench/bench_redis.py --out $(BENCH_OUT)/redis.md
-
-bench-redis-prefix: install
-	mkdir -p $(BENCH_OUT)
-	$(PY) bench/bench_redis_prefix.py --out $(BENCH_OUT)/redis-prefix.md
-
-bench-redis-timeout: install
-	mkdir -p $(BENCH_OUT)
-	$(PY) bench/bench_redis_timeout.py --out $(BENCH_OUT)/redis-timeout.md
-
-bench-scrape: install
-	mkdir -p $(BENCH_OUT)
-	$(PY) bench/bench_scrape.py --out $(BENCH_OUT)/scrape.md
-
-bench-tokens: install
-	mkdir -p $(BENCH_OUT)
-	$(PY) bench/bench_tokens.py --out $(BENCH_OUT)/tokens.md
-
 # pip also brings PyPI's CUDA builds of torchvision, torchaudio and torchcodec, with which
 # `import vllm` fails (torchvision::nms); text serving needs none of them.
 install-vllm: $(VLLM_STAMP)
@@ -194,7 +158,7 @@ $(VLLM_STAMP):
 # Records the KV cache events the real engine publishes (bytes as sent) into the fixture the
 # KV events tests read; run it again only to follow a new vLLM (it rewrites a committed file).
 record-kv-events: install install-vllm
-	$(PY) bench/record_kv_events.py --out tests/fixtures/vllm_kv_events.jsonl
+	$(PY) tests/kv_capture.py --out tests/fixtures/vllm_kv_events.jsonl
 
 # The end-to-end test against the real engine (make test runs it too once .venv-vllm exists).
 test-vllm: install install-vllm
@@ -237,15 +201,11 @@ bench-inference-perf: install install-inference-perf
 	mkdir -p $(BENCH_OUT)
 	$(PY) bench/bench_inference_perf.py --inference-perf $(IP_VENV)/bin/inference-perf --out $(BENCH_OUT)/inference-perf.md $(BENCH_IP_ARGS)
 
-bench-loop-lag: install
-	mkdir -p $(BENCH_OUT)
-	$(PY) bench/bench_loop_lag.py --out $(BENCH_OUT)/loop-lag.md
-
 bench-big-prompt: install
 	mkdir -p $(BENCH_OUT)
 	$(PY) bench/bench_big_prompt.py --out $(BENCH_OUT)/big-prompt.md
 
-bench: bench-admission bench-fairness bench-scrape bench-tokens bench-overhead bench-memory bench-log-batches bench-pick bench-usage-filter bench-cpu bench-instructions bench-picker bench-prefix bench-protection bench-trace bench-replicas bench-redis bench-redis-prefix bench-redis-timeout bench-loop-lag bench-big-prompt
+bench: bench-admission bench-fairness bench-overhead bench-memory bench-pick bench-cpu bench-instructions bench-prefix bench-protection bench-trace bench-replicas bench-big-prompt
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

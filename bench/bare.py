@@ -13,19 +13,16 @@ instead of grpcio, ``--asyncio`` runs on asyncio's own loop instead of uvloop,
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import sys
 from pathlib import Path
+from typing import Any
+
+from bench.httpload import run
+from kvgate_testkit.procs import LOOPBACK
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from the repository root
-    sys.path.insert(0, str(ROOT))
-
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-from typing import Any  # noqa: E402
-
-from bench.httpload import run  # noqa: E402
-from kvgate_testkit.procs import LOOPBACK  # noqa: E402
 
 PICKER_HEADER = "x-gateway-destination-endpoint"
 # The command of a bare processor for kvgate_testkit's Stack (which fills in {port}).

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import os
 import statistics
 import sys
 import time
@@ -36,16 +35,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from bench import reports
+from bench.reports import machine, publish
+from extproc.admission import Admission, Demand, Lease, Outcome, PoolSignals
+from extproc.clock import MonotonicClock
+from extproc.config import ADAPTIVE_DEFAULTS, Config
+from extproc.configparse import parse_config
+from kvgate_testkit.admission import acquire_now, demand_of
 
-from bench.reports import machine  # noqa: E402
-from extproc.admission import Admission, Demand, Lease, Outcome, PoolSignals  # noqa: E402
-from extproc.clock import MonotonicClock  # noqa: E402
-from extproc.config import ADAPTIVE_DEFAULTS, Config  # noqa: E402
-from extproc.configparse import parse_config  # noqa: E402
-from kvgate_testkit.admission import acquire_now, demand_of  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 BATCH = 100
 TARGET_NS = 10_000
@@ -238,7 +236,7 @@ def main() -> int:
     finally:
         loop.close()
 
-    command = "python bench/bench_admission.py" + (" --quick" if args.quick else "")
+    command = reports.command("bench/bench_admission.py", ap, args)
     lines = [
         "# Admission microbenchmark: acquire + release of one lease",
         "",
@@ -261,10 +259,7 @@ def main() -> int:
               "",
               "The machine is shared (other processes run during the benchmark): p99 shows their noise,",
               "the minimum what a pair costs undisturbed.", ""]
-    text = "\n".join(lines)
-    print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text, encoding="utf-8")
+    publish(args.out, "\n".join(lines))
     return 0 if full_row["median"] <= TARGET_NS else 1
 
 

@@ -42,36 +42,60 @@ from pathlib import Path
 
 import orjson
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from google.protobuf import struct_pb2
+from prometheus_client import CollectorRegistry
 
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb  # noqa: E402
-from google.protobuf import struct_pb2  # noqa: E402
-from prometheus_client import CollectorRegistry  # noqa: E402
+from bench import reports
+from bench.reports import machine, pct, publish
+from extproc.admission import Admission
+from extproc.clock import MonotonicClock
+from extproc.configparse import parse_config
+from extproc.request.admit import Admitted
+from extproc.request.arrival import Arrival
+from extproc.gate import Gate
+from extproc.request_facts import ATTR_CONTENT_TYPE, ATTR_METHOD, ATTR_PATH
+from extproc import tokens as tk
+from extproc.countpool import CountPool
+from extproc.metrics import Metrics
+from extproc.server import TOKENIZE_THREADS
+from extproc.tokens import BpeOpenAITokenizer
 
-from bench import reports  # noqa: E402
-from bench.bench_tokens import KINDS  # noqa: E402
-from bench.reports import machine, publish  # noqa: E402
-from extproc.admission import Admission  # noqa: E402
-from extproc.clock import MonotonicClock  # noqa: E402
-from extproc.configparse import parse_config  # noqa: E402
-from extproc.request.admit import Admitted  # noqa: E402
-from extproc.request.arrival import Arrival  # noqa: E402
-from extproc.gate import Gate  # noqa: E402
-from extproc.request_facts import ATTR_CONTENT_TYPE, ATTR_METHOD, ATTR_PATH  # noqa: E402
-from extproc import tokens as tk  # noqa: E402
-from extproc.countpool import CountPool  # noqa: E402
-from extproc.metrics import Metrics  # noqa: E402
-from extproc.server import TOKENIZE_THREADS  # noqa: E402
-from extproc.tokens import BpeOpenAITokenizer  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 RESULTS = ROOT / "bench" / "results"
 BIG = 1 << 20
 SMALL_EVERY_S = 0.002
 BIG_EVERY_S = 0.25
 TARGET_MS = 5.0
-# The kinds of 1 MiB prompt measured (bench_tokens' texts): prose, and the worst for BPE.
-BIG_KINDS = ("natural (docs + code)", "CJK", "hostile: one 'word'")
+
+
+def natural_text(size: int, rng: random.Random) -> str:
+    """natural_text is ``size`` characters of English prose and Python code: this repository's docs and sources."""
+    files = sorted(ROOT.glob("*.md")) + sorted((ROOT / "extproc").rglob("*.py"))
+    corpus = "\n".join(p.read_text(encoding="utf-8") for p in files)
+    return (corpus * (size // len(corpus) + 1))[:size]
+
+
+def cjk_text(size: int, rng: random.Random) -> str:
+    """cjk_text is ``size`` bytes of Chinese-like text: ideographs with a comma or full stop every ~12."""
+    out: list[str] = []
+    n = 0
+    while n < size:
+        out.append("".join(chr(rng.randint(0x4E00, 0x9FFF)) for _ in range(rng.randint(6, 18))))
+        out.append(rng.choice("，。"))
+        n += 3 * (len(out[-2]) + 1)
+    return "".join(out)[: size // 3]
+
+
+def hostile_letters(size: int, rng: random.Random) -> str:
+    """hostile_letters is one endless 'word' of ``size`` random letters: the worst text for BPE."""
+    return "".join(rng.choice("abcdefghijk") for _ in range(size))
+
+
+# The kinds of 1 MiB prompt measured: prose, and the worst for BPE.
+KINDS = {"natural (docs + code)": natural_text, "CJK": cjk_text, "hostile: one 'word'": hostile_letters}
+BIG_KINDS = tuple(KINDS)
 CONFIG = {
     "pools": {"default": {"max_concurrency": 1_000_000, "tpm": 10**13, "context_window": 4_000_000,
                           "default_max_tokens": 16, "tokenizer": "cl100k_base"}},
@@ -153,11 +177,6 @@ async def _stream(gate: Gate, big: list[pb.HttpBody], seconds: float, attributes
         smalls.append(time.perf_counter() - due)
     await task
     return smalls, bigs, refused
-
-
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
 
 
 async def measure(rounds: int, seconds: float) -> dict[str, tuple[list[float], list[float], list[int]]]:
@@ -262,33 +281,10 @@ def gil_probe(rounds: int) -> dict[str, list[tuple[float, float, float]]]:
     return out
 
 
-LEVERS = [
-    "## Levers weighed for the hostile word (issue 17)", "",
-    "- **Count pool** (kept): the rest of a text from a stretch without a cut point, counted "
-    "by bpe-openai in a worker process (`extproc/countpool.py`); exact, the same engine's "
-    "one-call count; the serving process keeps only the bounded cut search (12 KiB), the "
-    "text's encoding in 64 Ki-character parts and the pipe: the *CPU here* column above.",
-    "- **tiktoken for such stretches** (rejected): it releases the GIL, but its merge is "
-    "superlinear on one long piece: one call on a 1 MiB word took 582 ms of CPU "
-    "(`bench/results/tokens.md`) against bpe-openai's 59 ms, and 5 s of wall time on this "
-    "machine under a load of ~4 (a 1 MiB word counted in a thread beside a probe, "
-    "measured while choosing): ten times the CPU for every hostile prompt.",
-    "- **HF `tokenizers`' `encode_batch`** (kept, for `hf:` specs): `encode` holds the GIL "
-    "for the whole call, `encode_batch` hands it over; measured on a 256 KiB text beside a "
-    "thread sleeping 0.5 ms at a time (load ~5): the other thread waited 2,080 ms with "
-    "`encode`, 89 ms with `encode_batch` (the machine's scheduling, not the GIL), the same "
-    "tokens.",
-    "- **Cutting inside a pre-token at a BPE token boundary** (not tried): the bpe crate "
-    "proves a cut exact where the two tokens around it are a valid pair, but bpe-openai's "
-    "Python API takes `str` only, and in a run of CJK ideographs the boundaries may fall "
-    "inside characters: no guarantee of a cut, so a fallback was needed anyway.",
-]
-
-
 def report(res: dict[str, tuple[list[float], list[float], list[int]]], *, command: str, rounds: int,
            seconds: float, load: tuple[float, float, float], wall_s: float,
            probe: dict[str, list[tuple[float, float, float]]]) -> str:
-    floor = _pct(res["no big prompt"][0], 0.99) * 1e3
+    floor = pct(res["no big prompt"][0], 0.99) * 1e3
     lines = [
         "# A 1 MiB prompt beside small decisions (issue 17)", "",
         f"Command: `{command}`", "",
@@ -305,10 +301,10 @@ def report(res: dict[str, tuple[list[float], list[float], list[int]]], *, comman
     ]
     for name, (smalls, bigs, refused) in res.items():
         mx = max(smalls) * 1e3
-        lines.append(f"| {name} | {len(smalls)} | {_pct(smalls, 0.5) * 1e3:.3f} | "
-                     f"{_pct(smalls, 0.99) * 1e3:.3f} | {mx:.2f} | "
+        lines.append(f"| {name} | {len(smalls)} | {pct(smalls, 0.5) * 1e3:.3f} | "
+                     f"{pct(smalls, 0.99) * 1e3:.3f} | {mx:.2f} | "
                      f"{'' if not bigs else f'{mx - floor:.2f}'} | {len(bigs) or ''} | "
-                     f"{'' if not bigs else f'{_pct(bigs, 0.5) * 1e3:.1f}'} | "
+                     f"{'' if not bigs else f'{pct(bigs, 0.5) * 1e3:.1f}'} | "
                      f"{sum(refused) if name != 'no big prompt' else ''} |")
     worst = max(max(s) * 1e3 - floor for n, (s, _, _) in res.items() if n.endswith("count pool"))
     ways = ("count pool", "pieces, no pool", "one call")
@@ -319,7 +315,7 @@ def report(res: dict[str, tuple[list[float], list[float], list[int]]], *, comman
               "|---|" + "---:|" * (len(ways) + 2)]
     for kind in BIG_KINDS:
         got = [res[f"1 MiB {kind}, {w}"][0] for w in ways]
-        p99 = [_pct(g, 0.99) for g in got]
+        p99 = [pct(g, 0.99) for g in got]
         lines.append(f"| {kind} | " + " | ".join(f"{max(g) * 1e3 - floor:.2f}" for g in got)
                      + f" | {p99[1] / p99[0]:.1f}x | {p99[2] / p99[0]:.1f}x |")
     lines += ["", "The GIL alone: the longest another thread waited to run while one thread "
@@ -338,7 +334,8 @@ def report(res: dict[str, tuple[list[float], list[float], list[int]]], *, comman
               f"whose stream alone has a p99 of {floor:.1f} ms). The GIL alone, for the hostile word: "
               f"another thread waited at most {max(w for _, w, _ in hostile) * 1e3:.1f} ms, and the "
               f"count took {max(c for _, _, c in hostile) * 1e3:.1f} ms of CPU in the serving process "
-              "(the rest runs in the worker, on another core when there is one).", "", *LEVERS, "",
+              "(the rest runs in the worker, on another core when there is one).", "",
+              "The levers weighed for the hostile word are in `bench/results/overhead-levers.md`.", "",
               f"Machine: {machine()}, shared with other work (load average at start: "
               f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; at the end: "
               f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}). Run took {wall_s:.0f} s."]

@@ -20,48 +20,35 @@ how long requests hold), and every request of the rounds is refused with a 429 (
 processor: it refuses nothing; the ratio is to ``kvgate@REF`` when ``--baseline`` is given).
 Under overload nearly every request is refused: what each costs, with N in flight.
 
-``--profile SECONDS`` samples each processor with py-spy (``pip install py-spy``; not a
-dependency of kvgate) for that long under load after the rounds, and lists the functions
-with the most samples (own and with callees). Read them as shares, not as CPU: on a loaded
-machine py-spy also counts a thread that waits for a core, and without ``--native`` the
-time of grpc's C core, upb and the tokenizer goes to the Python line that called them
-(bench/results/cpu-levers.md).
-
     python bench/bench_cpu.py [--variants recommended access-log] [--baseline main] [--out FILE]
 """
 
 from __future__ import annotations
 
+import argparse
+import collections
+import os
+import random
 import sys
+import tempfile
+import time
 from pathlib import Path
 
+import orjson
+
+from bench import reports
+from bench.bare import COMMAND as BARE
+from bench.httpload import ChatBodies, closed_loop, hold_streams, run
+from bench.reports import machine, pct, publish
+from bench.sampling import cpu_seconds
+from bench.stacks import hot_stack, wait_picker_nodes_up
+from bench.revision import checkout
+from kvgate_testkit.procs import exit_on_sigterm, wait_until
+from kvgate_testkit.stack import Stack
+
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from the repository root
-    sys.path.insert(0, str(ROOT))
-
-import argparse  # noqa: E402
-import collections  # noqa: E402
-import os  # noqa: E402
-import random  # noqa: E402
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-
-import orjson  # noqa: E402
-
-from bench import reports  # noqa: E402
-from bench.bare import COMMAND as BARE  # noqa: E402
-from bench.httpload import ChatBodies, closed_loop, hold_streams, run  # noqa: E402
-from bench.reports import machine, pct, publish  # noqa: E402
-from bench.sampling import cpu_seconds  # noqa: E402
-from bench.stacks import hot_stack, wait_picker_nodes_up  # noqa: E402
-from bench.revision import checkout  # noqa: E402
-from kvgate_testkit.procs import exit_on_sigterm, wait_until  # noqa: E402
-from kvgate_testkit.stack import Stack  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
-PROFILE_HZ = 250  # py-spy's samples per second
 
 
 def _processor_pid(stack: Stack) -> int:
@@ -174,73 +161,6 @@ def thread_table(threads: dict[str, dict[str, list[float]]], count: dict[str, in
     return lines
 
 
-def _profile(stacks: dict[str, Stack], seconds: float, clients: int, out_dir: Path,
-             native: bool = False) -> list[tuple[Path, int]]:
-    """_profile samples every processor with py-spy while load runs through its stack, one
-    at a time (``native``: C frames too); returns the raw (collapsed stacks) files written,
-    each with the number of requests answered while it was sampled."""
-    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-    written = []
-    for name, stack in stacks.items():
-        path = out_dir / f"cpu-profile-{name.replace(' ', '-').replace('@', '-at-')}.txt"
-        path.unlink(missing_ok=True)
-        spy_proc = subprocess.Popen([spy, "record", "--pid", str(_processor_pid(stack)), "--duration",
-                                     str(int(seconds)), "--rate", str(PROFILE_HZ), "--format", "raw",
-                                     *(["--native"] if native else ["--nonblocking"]),
-                                     "--output", str(path)],
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        bodies = ChatBodies(seed=11)
-        deadline = time.monotonic() + seconds + 2
-        answered = 0
-
-        async def load() -> None:
-            nonlocal answered
-            while spy_proc.poll() is None and time.monotonic() < deadline:
-                answered += len(await closed_loop(stack.envoy_port, bodies, clients, 200))
-        run(load())
-        spy_proc.wait(timeout=30)
-        if path.exists():
-            written.append((path, answered))
-        else:
-            print(f"py-spy wrote nothing for {name}: {spy_proc.stderr.read().decode()[-500:]}")
-    return written
-
-
-def summarize_profile(path: Path, requests: int, top: int = 25) -> list[str]:
-    """summarize_profile reads py-spy's collapsed stacks and lists the functions with the most
-    samples, own (the innermost frame) and inclusive (anywhere on the stack), as shares of
-    all samples and as sampled microseconds per request (one sample stands for 1/PROFILE_HZ
-    s of one thread; waiting for a core counts too, see the module doc)."""
-    own: collections.Counter[str] = collections.Counter()
-    inclusive: collections.Counter[str] = collections.Counter()
-    total = 0
-    for line in path.read_text().splitlines():
-        stack, _, n = line.rpartition(" ")
-        if not stack or not n.isdigit():
-            continue
-        count = int(n)
-        total += count
-        names = [_frame(f) for f in stack.split(";")]
-        own[names[-1]] += count
-        for f in set(names):
-            inclusive[f] += count
-    if not total or not requests:
-        return ["(no samples)"]
-    per = 1e6 / PROFILE_HZ / requests
-    lines = [f"{total} samples over {requests} requests ({total * per:.0f} us per request)", "",
-             "| own | us/req | function |", "|---:|---:|---|"]
-    lines += [f"| {c / total:.1%} | {c * per:.0f} | `{f}` |" for f, c in own.most_common(top)]
-    lines += ["", "| with callees | us/req | function |", "|---:|---:|---|"]
-    lines += [f"| {c / total:.1%} | {c * per:.0f} | `{f}` |" for f, c in inclusive.most_common(top)]
-    return lines
-
-
-def _frame(frame: str) -> str:
-    """_frame shortens py-spy's ``func (path/file.py:line)`` to ``func (file.py:line)``."""
-    func, _, where = frame.partition(" (")
-    return f"{func} ({where.rsplit('/', 1)[-1]}" if where else func
-
-
 def _stacks(args: argparse.Namespace, work: Path) -> dict[str, Stack]:
     """_stacks are the run's setups, by name, for each Envoy file of ``--variants``: the bare
     processor (and its ``--bare-levers``), kvgate, and kvgate at ``--baseline``; with
@@ -280,9 +200,6 @@ def main(argv: list[str] | None = None) -> int:
                          "(UNIMPLEMENTED) instead of taking it")
     ap.add_argument("--refused-under", type=int, metavar="N",
                     help="time refusals instead: the pool admits N at once, N streams are held")
-    ap.add_argument("--profile", type=float, metavar="SECONDS",
-                    help="sample each kvgate with py-spy for this long and list its hottest functions")
-    ap.add_argument("--native", action="store_true", help="profile C frames too (py-spy --native)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", type=Path, default=RESULTS / "cpu.md")
     args = ap.parse_args(argv)
@@ -298,8 +215,6 @@ def main(argv: list[str] | None = None) -> int:
             wait_picker_nodes_up(stacks.values())
             cpu, lat, count, threads = run(_rounds(stacks, args.clients, args.requests, args.rounds,
                                                     args.seed, args.refused_under))
-            profiles = (_profile(stacks, args.profile, args.clients, args.out.parent, args.native)
-                        if args.profile else [])
         finally:
             for stack in stacks.values():
                 stack.stop()
@@ -335,9 +250,6 @@ def main(argv: list[str] | None = None) -> int:
               f"{1e6 / os.sysconf('SC_CLK_TCK') / args.requests:.1f} us a request (a tick "
               "a round); threads under 5 us a request are summed.", "",
               *thread_table(threads, count)]
-    for path, requests in profiles:
-        lines += ["", f"## Profile: {path.stem.removeprefix('cpu-profile-')} (py-spy, every thread)",
-                  "", *summarize_profile(path, requests)]
     return publish(args.out, "\n".join(lines))
 
 

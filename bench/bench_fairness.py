@@ -30,20 +30,18 @@ import asyncio
 import heapq
 import math
 import random
-import sys
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from bench import reports
+from bench.reports import machine, publish
+from extproc.admission import Admission, Demand, Lease, Outcome
+from extproc.clock import ManualClock
+from extproc.configparse import parse_config
 
-from bench.reports import machine, publish  # noqa: E402
-from extproc.admission import Admission, Demand, Lease, Outcome  # noqa: E402
-from extproc.clock import ManualClock  # noqa: E402
-from extproc.configparse import parse_config  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 RESULTS = ROOT / "bench" / "results" / "fairness.md"
 LOUD_FACTOR = 10
@@ -67,11 +65,8 @@ class Tally:
 
 
 def percentile(values: list[float], q: float) -> float:
-    """percentile is the nearest-rank ``q`` quantile (0..1) of sorted ``values`` (0 when empty)."""
-    if not values:
-        return 0.0
-    k = max(0, min(len(values) - 1, math.ceil(q * len(values)) - 1))
-    return values[k]
+    """percentile is the reports' nearest-rank ``q`` quantile (0..1) of ``values``, 0 when empty."""
+    return reports.percentile(values, q) or 0.0
 
 
 def config(slots: int, fairness: str, max_wait_s: float) -> Any:
@@ -215,8 +210,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", type=Path, default=RESULTS, help="where to write the report")
     args = ap.parse_args()
-    command = (f"python bench/bench_fairness.py --service-s {args.service_s:g} --quiet-requests "
-               f"{args.quiet_requests} --max-wait-s {args.max_wait_s:g} --seed {args.seed}")
+    command = reports.command("bench/bench_fairness.py", ap, args)
     lines = [
         "# Fairness between the tenants of one class: the quiet tenant's wait",
         "",

@@ -29,36 +29,33 @@ window (sampled; bench/inference_perf_reports.py).
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
 import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bench import reports
+from bench.inference_perf_reports import Measured, Sample, node_figures, read_stages, tables
+from bench.reports import machine, publish
+from bench.revision import describe
+from bench.sampling import readings
+from kvgate_testkit.nodes_stack import MODEL, NodesStack
+from kvgate_testkit.procs import exit_on_sigterm, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from the repository root
-    sys.path.insert(0, str(ROOT))
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import platform  # noqa: E402
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-import urllib.request  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from datetime import datetime, timezone  # noqa: E402
-from typing import Any  # noqa: E402
-
-import yaml  # noqa: E402
-
-from bench import reports  # noqa: E402
-from bench.inference_perf_reports import Measured, Sample, node_figures, read_stages, tables  # noqa: E402
-from bench.reports import machine, publish  # noqa: E402
-from bench.revision import describe  # noqa: E402
-from bench.sampling import readings  # noqa: E402
-from kvgate_testkit.nodes_stack import MODEL, NodesStack  # noqa: E402
-from kvgate_testkit.procs import exit_on_sigterm, wait_until  # noqa: E402
 
 PICKER_LOG_ENVOY = ROOT / "deploy" / "envoy-endpoint-picker-log.yaml"
 LOCAL_KVGATE = ROOT / "deploy" / "local" / "kvgate.yaml"

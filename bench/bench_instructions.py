@@ -6,7 +6,7 @@ the same tree; the number of instructions a request executes does not. Each work
 ``valgrind --tool=callgrind`` and drives, in one process, the request path of
 ``bench_request_path`` (``ExtProcService.Process`` with the messages Envoy sends in each file,
 no gRPC; in the log files Envoy's final access log entry too) or the bare processor of
-``bench_overhead`` (``BareProcessor``: CONTINUE to everything) with the same messages. Between
+``bench/bare.py`` (``BareProcessor``: CONTINUE to everything) with the same messages. Between
 phases it calls ``os.getppid()``, which nothing else in the process calls, and callgrind dumps
 its counters there (``--dump-before=getppid``): one count per phase, startup apart. A file's
 phases are its warm-up (every request sent once: each prompt tokenized, kvgate's count cache
@@ -36,31 +36,29 @@ the paths' lengths): the baseline's column has that much beside this tree's.
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import platform
+import re
+import resource
+import shutil
+import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from bench import reports
+from bench.reports import publish
+from bench.revision import checked_out, describe, worker_env
+from kvgate_testkit.procs import exit_on_sigterm
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from the repository root
-    sys.path.insert(0, str(ROOT))
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import platform  # noqa: E402
-import re  # noqa: E402
-import resource  # noqa: E402
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Iterable, Mapping, Sequence  # noqa: E402
-from contextlib import ExitStack  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from typing import Any  # noqa: E402
-
-from bench.reports import publish  # noqa: E402
-from bench.revision import checked_out, describe, worker_env  # noqa: E402
-from kvgate_testkit.procs import exit_on_sigterm  # noqa: E402
 
 FILES = ("recommended", "access-log", "endpoint-picker-log")  # bench_request_path.FILES
 KINDS = ("admitted", "refused")
@@ -194,7 +192,7 @@ def _hold_one(path: Any, loop: Any) -> Any:
 
     import grpc
 
-    from bench.bench_request_path import _Context
+    from bench.bench_request_path import StreamContext
     from kvgate_testkit import held
 
     if path.file == "endpoint-picker-log":
@@ -202,12 +200,12 @@ def _hold_one(path: Any, loop: Any) -> Any:
     first = path.streams[0]
     if path.file != "recommended":
         parked = path.service.endings.parked
-        loop.run_until_complete(path.service.Process(None, _Context(first)))
+        loop.run_until_complete(path.service.Process(None, StreamContext(first)))
         link = next(reversed(parked))
         return lambda: path.receiver.batch(path.entries(link))
     ended = asyncio.Event()
 
-    class Open(_Context):
+    class Open(StreamContext):
         async def read(self) -> Any:
             got = await super().read()
             if got is grpc.aio.EOF:
@@ -240,9 +238,9 @@ def _outcomes(path: Any) -> dict[str, float]:
 def _kvgate_row(file: str, kind: str, n1: int, n2: int, loop: Any, mark: _Marks) -> None:
     """_kvgate_row runs one row's phases: setup and warm-up, a round of n1, a round of n2;
     then checks that every request was admitted (or refused) and nothing is left held."""
-    from bench.bench_request_path import _Path
+    from bench.bench_request_path import RequestPath
 
-    path = _Path(file, n2, clock=Ticks(), max_concurrency=1 if kind == "refused" else None)
+    path = RequestPath(file, n2, clock=Ticks(), max_concurrency=1 if kind == "refused" else None)
     end = _hold_one(path, loop) if kind == "refused" else None
     if kind == "refused" and file == "recommended":
         path.streams = [s[:1] for s in path.streams]  # a 429 ends the stream at the body
@@ -270,8 +268,8 @@ def _bare_row(file: str, n1: int, n2: int, loop: Any, mark: _Marks) -> None:
     answers encoded as grpc's generated (de)serializers do)."""
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-    from bench.bench_overhead import BareProcessor
-    from bench.bench_request_path import _Context, streams
+    from bench.bare import BareProcessor
+    from bench.bench_request_path import StreamContext, streams
     from kvgate_testkit import held
 
     messages = streams(file, n2)
@@ -280,7 +278,7 @@ def _bare_row(file: str, n1: int, n2: int, loop: Any, mark: _Marks) -> None:
 
     async def send(count: int) -> None:
         for one in messages[:count]:
-            await bare.Process(None, _Context(one, decode, encode))
+            await bare.Process(None, StreamContext(one, decode, encode))
     loop.run_until_complete(send(n2))
     mark(label(file, "admitted", None))
     for n in (n1, n2):
@@ -451,8 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         jobs += [Job("bare", "bare", None, run) for run in range(1, args.runs + 1)]
         done = run_jobs(jobs, args, work)
     version = subprocess.run(["valgrind", "--version"], capture_output=True, text=True).stdout.strip()
-    command = "python bench/bench_instructions.py" + "".join(
-        f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    command = reports.command("bench/bench_instructions.py", ap, args)
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     head = ["# kvgate's instructions per request, under callgrind", "",
             f"Command: `{command}` ({time.monotonic() - started:.0f} s, {len(jobs)} workers "

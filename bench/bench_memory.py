@@ -21,29 +21,26 @@ endpoint-picker-log file, and the access-log file it is built on). Two parts, on
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import gc
+import linecache
+import os
 import sys
+import tempfile
+import time
+import tracemalloc
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from bench import reports
+from bench.reports import machine, publish
+from kvgate_testkit.procs import exit_on_sigterm
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from the repository root
-    sys.path.insert(0, str(ROOT))
-
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import gc  # noqa: E402
-import linecache  # noqa: E402
-import os  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-import tracemalloc  # noqa: E402
-from collections.abc import Callable, Sequence  # noqa: E402
-from typing import Any  # noqa: E402
-
-from prometheus_client import CollectorRegistry  # noqa: E402
-
-from bench import reports  # noqa: E402
-from bench.reports import machine, publish  # noqa: E402
-from kvgate_testkit.procs import exit_on_sigterm  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 

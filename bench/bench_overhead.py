@@ -40,39 +40,34 @@ bench/bare.py. It writes ``bench/results/overhead.md``.
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import os
+import random
+import resource
 import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from bench import reports
+from bench.bare import COMMAND as BARE
+from bench.bare import LEVERS
+from bench.httpload import (ChatBodies, Inflight, StreamTimes, closed_loop, hold_streams, open_loop,
+                            run, streams)
+from bench.overhead_report import (ProgressCost, RateStep, Results, Sizes, best_rung,
+                                   report, spread)
+from bench.reports import pct, publish
+from bench.sampling import cpu_seconds, rss_bytes
+from bench.stacks import hot_stack, wait_picker_nodes_up
+from bench.variants import BARE_ONLY, VARIANTS
+from kvgate_testkit.procs import exit_on_sigterm
+from kvgate_testkit.stack import Stack
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from the repository root
-    sys.path.insert(0, str(ROOT))
-
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import os  # noqa: E402
-import random  # noqa: E402
-import re  # noqa: E402
-import resource  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Sequence  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from typing import Any  # noqa: E402
-
-from bench import reports  # noqa: E402
-from bench.bare import COMMAND as BARE  # noqa: E402
-# bench_instructions and bench_request_path take BareProcessor and BENCH_CONFIG from here.
-from bench.bare import LEVERS, BareProcessor  # noqa: E402, F401
-from bench.httpload import (ChatBodies, Inflight, StreamTimes, closed_loop, hold_streams, open_loop,  # noqa: E402
-                            run, streams)
-from bench.overhead_report import (ProgressCost, RateStep, Results, Sizes, best_rung,  # noqa: E402
-                                   report, spread)
-from bench.reports import pct, publish  # noqa: E402
-from bench.sampling import cpu_seconds, rss_bytes  # noqa: E402
-from bench.stacks import BENCH_CONFIG, hot_stack, wait_picker_nodes_up  # noqa: E402, F401
-from bench.variants import BARE_ONLY, VARIANTS  # noqa: E402
-from kvgate_testkit.procs import exit_on_sigterm  # noqa: E402
-from kvgate_testkit.stack import Stack  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 SETUPS = ("plain", "bare", "kvgate")

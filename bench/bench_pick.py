@@ -28,27 +28,23 @@ is doing.
 
 from __future__ import annotations
 
+import argparse
+import gc
+import json
+import os
+import platform
+import random
+import statistics
 import sys
+import tempfile
+import time
 from pathlib import Path
+from typing import Any
+
+from bench import reports
+from bench.revision import Workers, checkout
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from the repository root
-    sys.path.insert(0, str(ROOT))
-
-import argparse  # noqa: E402
-import gc  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import platform  # noqa: E402
-import random  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from typing import Any  # noqa: E402
-
-from bench import reports  # noqa: E402
-from bench.revision import checkout, worker_env  # noqa: E402
 
 GROWTHS = ("worst_case", "learned", "pooled")
 REFUSALS = ("slots", "kv", "node")
@@ -255,25 +251,12 @@ def _measure(trees: dict[str, Path], kinds: list[str], helds: list[int]) -> dict
     """_measure runs a worker process per tree (name -> source folder) and asks each, in turn
     and in alternating order, for every kind at every count of requests held; returns their
     answers by (tree, kind, held)."""
-    argv_w = [sys.executable, str(Path(__file__).resolve()), "--worker"]
-    workers = {name: subprocess.Popen(argv_w, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                      env=worker_env(src))
-               for name, src in trees.items()}
     got: dict[tuple[str, str, int], float] = {}
-    try:
-        for i, (growth, held) in enumerate((g, h) for g in kinds for h in helds):
-            order = list(workers) if i % 2 == 0 else list(reversed(workers))
-            for name in order:
-                proc = workers[name]
-                assert proc.stdin is not None and proc.stdout is not None
-                proc.stdin.write(f"{growth} {held}\n")
-                proc.stdin.flush()
-                got[(name, growth, held)] = json.loads(proc.stdout.readline())
-    finally:
-        for proc in workers.values():
-            assert proc.stdin is not None
-            proc.stdin.close()
-            proc.wait(timeout=60)
+    with Workers([sys.executable, str(Path(__file__).resolve()), "--worker"], trees) as workers:
+        for growth in kinds:
+            for held in helds:
+                for name, answer in workers.ask(f"{growth} {held}").items():
+                    got[(name, growth, held)] = json.loads(answer)
     return got
 
 
@@ -335,10 +318,9 @@ def main(argv: list[str] | None = None) -> int:
         for growth in args.growth:
             lines += _rows(got, names, f"round:{growth}", growth, args.held, 1e6, ".2f", ratio=False)
     text = "\n".join(lines) + "\n"
-    print(text)
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+        return reports.publish(args.out, text)
+    print(text)
     return 0
 
 

@@ -31,36 +31,32 @@ over ``prefix_affinity`` and ``prefix_record_keys``.
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import math
+import random
 import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 
+import aiohttp
+import orjson
+
+from bench import prefix_trace
+from bench import reports
+from bench.reports import machine, percentile, publish
+from bench.revision import describe
+from bench.sampling import readings
+from extproc.config import PickingConfig
+from kvgate_testkit.nodes_stack import MODEL, NodesStack
+from kvgate_testkit.procs import LOOPBACK, Proc, exit_on_sigterm, free_port
+from sim.api import WORDS
+
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from the repository root
-    sys.path.insert(0, str(ROOT))
-
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import math  # noqa: E402
-import os  # noqa: E402
-import random  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Sequence  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
-from datetime import datetime, timezone  # noqa: E402
-
-import aiohttp  # noqa: E402
-import orjson  # noqa: E402
-
-from bench import prefix_trace  # noqa: E402
-from bench import reports  # noqa: E402
-from bench.reports import machine, percentile, publish  # noqa: E402
-from bench.revision import describe  # noqa: E402
-from bench.sampling import readings  # noqa: E402
-from extproc.config import PickingConfig  # noqa: E402
-from kvgate_testkit.nodes_stack import MODEL, NodesStack  # noqa: E402
-from kvgate_testkit.procs import LOOPBACK, Proc, exit_on_sigterm, free_port  # noqa: E402
-from sim.api import WORDS  # noqa: E402
 
 # The issue's targets for the real engine (issue 29, Evidence): the shared burst through
 # kvgate at most this many times the direct time, with no preemption.

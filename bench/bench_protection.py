@@ -31,72 +31,41 @@ Writes ``bench/results/protection.md`` and one PNG per policy.
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import math
+import random
 import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import yaml
+
+from bench.load import CHAT_OVERHEAD, Client, Result, by_class, goodput, replay, result_rows, session
+from bench.reports import cell, chosen, command, machine, percentile
+from bench.sampling import node_state, readings, scraped, wait_fresh
+from bench.stacks import Node, Procs, adaptive_for, failure, print_tails
+from extproc.configparse import parse_config
+from sim.api import words
+from kvgate_testkit.nodes_stack import MODEL
+from kvgate_testkit.stack import envoy_config
+from kvgate_testkit.procs import LOOPBACK, exit_on_sigterm, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from the repository root
-    sys.path.insert(0, str(ROOT))
-
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import math  # noqa: E402
-import os  # noqa: E402
-import random  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
-from typing import Any  # noqa: E402
-
-import aiohttp  # noqa: E402
-import orjson  # noqa: E402
-import yaml  # noqa: E402
-
-from bench.load import Client, Result, by_class, goodput, replay, result_rows, session  # noqa: E402
-from bench.reports import cell, command, machine, percentile  # noqa: E402
-from bench.sampling import node_state, readings, scraped, wait_fresh  # noqa: E402
-from bench.stacks import Procs, failure  # noqa: E402
-from extproc.configparse import parse_config  # noqa: E402
-from sim.api import words  # noqa: E402
-from sim.engine import EngineParams  # noqa: E402
-from kvgate_testkit.stack import envoy_config  # noqa: E402
-from kvgate_testkit.procs import LOOPBACK, exit_on_sigterm, free_port  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 RATELIMIT_FILTER = ROOT / "bench" / "envoy_local_ratelimit.yaml"
-MODEL = "sim-llama-3-8b"
 # Policy 5's KV watermark of the batch class (see _kvgate_base); --batch-kv-watermark.
 BATCH_KV_WATERMARK = 0.7
-# The chat template's cost of one user message (OpenAI recipe: 3 per message, 1 for the
-# role "user", 3 to prime the reply): a content of n one-token words is an n+7-token prompt.
-CHAT_OVERHEAD = 7
 
 
 # --- the node and the workload ----------------------------------------------------------
-
-@dataclass(slots=True)
-class Node(EngineParams):
-    """Node is the simulated vLLM node the benchmark starts: the simulator's engine settings
-    (capacities in tokens, speeds in tokens/s) plus the model's context length (tokens)."""
-
-    max_model_len: int = 32_768
-
-    def argv(self, port: int, speedup: float, seed: int, overflow: str) -> list[str]:
-        """argv is the simulator's command line for this node."""
-        return [sys.executable, "-m", "sim", "--listen", f"{LOOPBACK}:{port}", "--model", MODEL,
-                "--max-model-len", str(self.max_model_len),
-                "--kv-capacity-tokens", str(self.kv_capacity_tokens),
-                "--block-size", str(self.block_size), "--max-num-seqs", str(self.max_num_seqs),
-                "--max-num-batched-tokens", str(self.max_num_batched_tokens),
-                "--prefill-tokens-per-s", str(self.prefill_tokens_per_s),
-                "--decode-tokens-per-s", str(self.decode_tokens_per_s),
-                "--batch-slowdown", str(self.batch_slowdown), "--speedup", str(speedup),
-                "--seed", str(seed), "--overflow", overflow,
-                # Streams write every 8 tokens (the first at once): TTFT is exact and Envoy,
-                # kvgate and the client see 8x fewer chunks on 2 shared cores.
-                "--stream-interval", "8", "--log-level", "WARNING"]
-
 
 @dataclass(frozen=True, slots=True)
 class Burst:
@@ -212,17 +181,6 @@ class Policy:
     title: str
     kvgate: Callable[[Workload, float, int, float], dict[str, Any]] | None = None
     rps: bool = False
-
-
-def adaptive_for(speedup: float) -> dict[str, Any]:
-    """adaptive_for is kvgate's ``adaptive`` section for simulated nodes run ``speedup`` times
-    faster than real time: watermarks 0.70/0.85, each duration divided by the speedup (and the
-    recovery rate multiplied by it), so that kvgate acts at the same simulated instants."""
-    return {"high_watermark": 0.85, "low_watermark": 0.70, "min_scale": 0.6,
-            "recovery_per_s": 0.1 * speedup,
-            "poll_interval_s": max(0.01, 1.0 / speedup),
-            "scrape_timeout_s": max(0.005, 0.5 / speedup),
-            "stale_after_s": 3.0 / speedup, "early_scrape_gap_s": 0.2 / speedup}
 
 
 def _kvgate_base(w: Workload, speedup: float, sim_port: int, *, tpm: bool, backends: bool,
@@ -590,11 +548,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="also write each policy's requests and timeline as JSON to this folder")
     args = ap.parse_args(argv)
     exit_on_sigterm()  # a killed run still stops what it started
-    keys = [k.strip() for k in args.policies.split(",") if k.strip()]
-    known = {p.key: p for p in POLICIES}
-    unknown = [k for k in keys if k not in known]
-    if unknown or not keys:
-        ap.error(f"unknown policies {unknown}; choose from {', '.join(known)}")
+    policies = chosen(ap, args.policies, {p.key: p for p in POLICIES}, "policies")
     if not args.speedup > 0:
         ap.error("--speedup must be > 0")
     if not 0 < args.batch_kv_watermark <= 1:
@@ -604,13 +558,14 @@ def main(argv: list[str] | None = None) -> int:
     reqs = build_requests(w, args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"protection benchmark: workload {w.name} ({len(reqs)} requests, "
-          f"{w.duration_s:g} s simulated), speedup {args.speedup:g}x, policies {', '.join(keys)}", flush=True)
+          f"{w.duration_s:g} s simulated), speedup {args.speedup:g}x, "
+          f"policies {', '.join(p.key for p in policies)}", flush=True)
     started = time.monotonic()
     runs = []
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-protection-") as tmp:
-        for i, key in enumerate(keys):
-            policy = known[key]
-            label = f"{i + 1}/{len(keys)} {key}"
+        for i, policy in enumerate(policies):
+            key = policy.key
+            label = f"{i + 1}/{len(policies)} {key}"
             print(f"- {policy.title}", flush=True)
             run = run_policy(policy, reqs, w, node, args.speedup, args.seed, args.overflow,
                              Path(tmp) / key, label, args.batch_kv_watermark)
@@ -621,11 +576,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"TTFT p99 {cell(s.ttft_p99)} s, goodput {s.goodput:,.0f} tok/s"
                   + (f"  ERROR: {run.error}" if run.error else ""), flush=True)
             if run.error:
-                for name in ("kvgate", "envoy", "sim"):
-                    log = Path(tmp) / key / f"{name}.log"
-                    if log.exists():
-                        print(f"  --- {name}.log (tail) ---\n{log.read_text(errors='replace')[-1500:]}",
-                              file=sys.stderr)
+                print_tails(Path(tmp) / key)
             runs.append(run)
             if args.raw is not None:
                 dump_raw(run, args.raw / f"protection_{key}.json")

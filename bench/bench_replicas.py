@@ -36,35 +36,36 @@ time back to shared mode, each node's KV use; targets: the constants below.
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import fnmatch
 import sys
+import tempfile
+import time
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from bench.bench_trace import Client, apply_background, close_results, parse_kvgate_metrics, sample, wait_signals
+from bench.load import Result
+from bench.trace_policies import POLICIES, Policy, envoy_for, kvgate_config
+from bench.trace_report import Run, Summary, summarize
+from bench.trace_workload import (DEFAULT_TRACE, FULL, NODE, NODES, TRACE_SLICE, Background, Burst, Req,
+                                  Scenario, build_requests, read_trace)
+from bench.reports import percentile
+from bench.sampling import preemptions as read_preemptions
+from bench.stacks import Node, print_tails
+from extproc.configparse import parse_config
+from kvgate_testkit.faultproxy import FaultProxy
+from kvgate_testkit.procs import LOOPBACK, VENV_BIN, Proc, exit_on_sigterm, free_port
+from kvgate_testkit.redis_server import RedisServer, _ping, redis_server_binary
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from the repository root
-    sys.path.insert(0, str(ROOT))
-
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import fnmatch  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-import zlib  # noqa: E402
-from collections.abc import Sequence  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
-from typing import Any  # noqa: E402
-
-import aiohttp  # noqa: E402
-import yaml  # noqa: E402
-
-from bench.bench_trace import (DEFAULT_TRACE, close_results, read_preemptions, FULL, NODE, NODES, POLICIES, TRACE_SLICE, Background,  # noqa: E402
-                               Burst, Client, Policy, Req, Result, Run, Scenario, Summary, _background, _fmt,
-                               _pct, _sample, _wait_signals, build_requests, envoy_for, kvgate_config,
-                               parse_kvgate_metrics, read_trace, summarize)
-from bench.bench_protection import Node  # noqa: E402
-from extproc.configparse import parse_config  # noqa: E402
-from kvgate_testkit.faultproxy import FaultProxy  # noqa: E402
-from kvgate_testkit.procs import LOOPBACK, VENV_BIN, Proc, exit_on_sigterm, free_port  # noqa: E402
-from kvgate_testkit.redis_server import RedisServer, _ping, redis_server_binary  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "replicas.md"
 # bench_trace's policies a replica may run: the growth settings the store takes.
@@ -285,7 +286,7 @@ def figures(rr: RowRun, background: Background, reference: float | None) -> Figu
         refused=tuple(sum(r.status == "refused" for r in rs) for rs in per),
         errors=tuple(sum(r.status == "error" for r in rs) for rs in per),
         share=max_share(alive) if len(alive) > 1 else None, alive=len(alive),
-        latency_p99=_pct([r.done_at - r.req.at for r in ok if r.done_at is not None], 0.99),
+        latency_p99=percentile([r.done_at - r.req.at for r in ok if r.done_at is not None], 0.99),
         shared_again=again, degraded=tuple(degraded_s(rr.polls, i) for i in range(n)), kv_max=kv_max)
 
 
@@ -496,10 +497,10 @@ async def drive_row(rr: RowRun, reqs: list[Req], sc: Scenario, speedup: float, e
     rr.live = [True] * n
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        tasks = [asyncio.create_task(_sample(session, together, sim_urls, None, run.timeline,  # type: ignore[arg-type]
+        tasks = [asyncio.create_task(sample(session, together, sim_urls, None, run.timeline,  # type: ignore[arg-type]
                                              0.5 / speedup, None)),
-                 asyncio.create_task(_background(session, together, sim_urls, sc.background,  # type: ignore[arg-type]
-                                                 run.background)),
+                 asyncio.create_task(apply_background(session, together,  # type: ignore[arg-type]
+                                                      sim_urls, sc.background, run.background)),
                  asyncio.create_task(_poll_modes(session, admin_urls, t0, rr.polls, rr.live))]
         inject = asyncio.create_task(_inject(rr, t0, redis, proxies, victim))
         try:
@@ -590,7 +591,7 @@ def run_row(row: Row, policy: Policy, reqs: list[Req], sc: Scenario, speedup: fl
         for kv, admin_port, grpc_port in zip(kvgates, admin_ports, grpc_ports):
             kv.wait_port(admin_port)
             kv.wait_port(grpc_port)
-            _wait_signals(f"http://{LOOPBACK}:{admin_port}", timeout=20.0)
+            wait_signals(f"http://{LOOPBACK}:{admin_port}", timeout=20.0)
         for envoy, port in zip(envoys, envoy_ports):
             envoy.wait_port(port)
         rr.plan = fault_plan(row.fault, FAULT_AT * sc.duration_s / speedup)
@@ -671,9 +672,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  replica {n + 1} decisions: " + ", ".join(f"{d} {c}" for d, c in sorted(seen.items())),
                           flush=True)
                 if rr.run.error:
-                    for log in sorted(workdir.glob("*.log")):
-                        print(f"  --- {log.name} (tail) ---\n{log.read_text(errors='replace')[-1500:]}",
-                              file=sys.stderr)
+                    print_tails(workdir)
                 runs.append(rr)
             repeats.append(runs)
     from bench.replicas_report import command_line, report  # the report imports this module's figures

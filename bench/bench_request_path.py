@@ -16,7 +16,7 @@ of the request (``kvgate_testkit.held.final_message``, a batch of one, as bytes,
 written into a serialized copy so that building it costs next to nothing): in the
 picker-log file a node of two is picked for every request.
 
-Every body is a different ~2 KB chat (``bench_overhead.ChatBodies``), so every prompt is
+Every body is a different ~2 KB chat (``httpload.ChatBodies``), so every prompt is
 tokenized in the first round (later rounds meet tokens.py's count cache: this bench weighs the
 rest of the path). ``--profile`` runs one more pass under cProfile and prints the functions
 with the most own time. ``--baseline REF`` runs this tree and ``extproc`` as it is at git
@@ -30,56 +30,54 @@ microseconds.
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import cProfile
+import io
+import os
+import platform
+import pstats
+import statistics
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from the repository root
-    sys.path.insert(0, str(ROOT))
+import grpc
+import orjson
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from google.protobuf import struct_pb2
+from prometheus_client import CollectorRegistry
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import cProfile  # noqa: E402
-import io  # noqa: E402
-import os  # noqa: E402
-import platform  # noqa: E402
-import pstats  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from typing import Any  # noqa: E402
-
-import grpc  # noqa: E402
-import orjson  # noqa: E402
-from envoy.config.core.v3 import base_pb2  # noqa: E402
-from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode  # noqa: E402
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb  # noqa: E402
-from google.protobuf import struct_pb2  # noqa: E402
-from prometheus_client import CollectorRegistry  # noqa: E402
-
-from bench.bench_overhead import BENCH_CONFIG, ChatBodies  # noqa: E402
-from bench.revision import checked_out, worker_env  # noqa: E402
-from extproc.admission import Admission  # noqa: E402
-from extproc.clock import Clock, MonotonicClock  # noqa: E402
+from bench import reports
+from bench.httpload import ChatBodies
+from bench.revision import Workers, checked_out
+from bench.stacks import BENCH_CONFIG
+from extproc.admission import Admission
+from extproc.clock import Clock, MonotonicClock
 try:
-    from extproc.configparse import parse_config  # noqa: E402
+    from extproc.configparse import parse_config
 except ImportError:  # a --baseline revision from before configparse.py
-    from extproc.config import parse_config  # type: ignore[no-redef]  # noqa: E402
-from extproc.gate import Gate  # noqa: E402
-from extproc.metrics import Metrics  # noqa: E402
-from extproc.request_facts import ATTR_CONTENT_TYPE, ATTR_METHOD, ATTR_PATH  # noqa: E402
-try:  # noqa: E402
+    from extproc.config import parse_config  # type: ignore[no-redef]
+from extproc.gate import Gate
+from extproc.metrics import Metrics
+from extproc.request_facts import ATTR_CONTENT_TYPE, ATTR_METHOD, ATTR_PATH
+try:
     from extproc.request.accesslog import AccessLogReceiver
 except ImportError:  # a --baseline revision from before extproc/request/
     from extproc.endings import AccessLogReceiver  # type: ignore[no-redef]
-from extproc.service import ExtProcService, decode_request  # noqa: E402
-try:  # noqa: E402
+from extproc.service import ExtProcService, decode_request
+try:
     from extproc.service import encode_response
 except ImportError:  # a --baseline revision whose answers were all messages
     def encode_response(resp: Any) -> bytes:
         return resp.SerializeToString()  # type: ignore[no-any-return]
-from kvgate_testkit import held  # noqa: E402
+from kvgate_testkit import held
+
+ROOT = Path(__file__).resolve().parents[1]
 
 FILES = ("recommended", *held.FILES)
 # What kvgate is sent for one request, by file.
@@ -138,8 +136,8 @@ def streams(file: str, requests: int) -> list[list[bytes]]:
     return [[m.SerializeToString() for m in held.messages(file, body)] for body in chats]
 
 
-class _Context:
-    """_Context stands in for grpc.aio's servicer context of one stream: ``read`` decodes the
+class StreamContext:
+    """StreamContext stands in for grpc.aio's servicer context of one stream: ``read`` decodes the
     next message with ``decode`` (kvgate's registered deserializer unless told), ``write``
     serializes the answer with ``encode`` (kvgate's registered serializer unless told)."""
 
@@ -189,8 +187,8 @@ class _FinalEntries:
         return cut[0] + raw + cut[1]
 
 
-class _Path:
-    """_Path is one file's request path in one process: the service, its inputs, and a round
+class RequestPath:
+    """RequestPath is one file's request path in one process: the service, its inputs, and a round
     of them (``run``: kvgate's CPU seconds per request). The clock is the monotonic one
     unless told; ``max_concurrency`` replaces the pool's (1: every request beside one held
     is refused)."""
@@ -220,11 +218,11 @@ class _Path:
             held.nodes_up(self.admission, self.clock.now())
         self._sent += 1
         if self.entries is None:
-            await self.service.Process(None, _Context(messages))
+            await self.service.Process(None, StreamContext(messages))
             return
         parked = self.service.endings.parked
         before = len(parked)
-        await self.service.Process(None, _Context(messages))
+        await self.service.Process(None, StreamContext(messages))
         self.receiver.batch(self.entries(next(reversed(parked))) if len(parked) > before
                             else self.entries.refused)
 
@@ -246,7 +244,7 @@ class _Path:
 def _worker(file: str, requests: int) -> None:
     """_worker serves rounds on demand: one line on stdin runs a round, the CPU per request
     (seconds) is written back as one line; it ends at the end of stdin."""
-    path = _Path(file, requests)
+    path = RequestPath(file, requests)
     loop = asyncio.new_event_loop()
     path.run(loop, 200)  # warm-up
     for _ in sys.stdin:
@@ -259,25 +257,11 @@ def _paired(source: Path, label: str, file: str, requests: int, rounds: int) -> 
     same machine; returns the report lines (medians and the median of the paired ratios)."""
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--requests", str(requests),
             "--file", file]
-    workers = {"this tree": subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                             text=True, cwd=ROOT),
-               label: subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                       text=True, cwd=source, env=worker_env(source))}
-    got: dict[str, list[float]] = {name: [] for name in workers}
-    try:
-        for i in range(rounds):
-            order = list(workers) if i % 2 == 0 else list(reversed(workers))
-            for name in order:
-                proc = workers[name]
-                assert proc.stdin is not None and proc.stdout is not None
-                proc.stdin.write("go\n")
-                proc.stdin.flush()
-                got[name].append(float(proc.stdout.readline()))
-    finally:
-        for proc in workers.values():
-            assert proc.stdin is not None
-            proc.stdin.close()
-            proc.wait(timeout=30)
+    got: dict[str, list[float]] = {"this tree": [], label: []}
+    with Workers(argv, {"this tree": ROOT, label: source}) as workers:
+        for _ in range(rounds):
+            for name, answer in workers.ask("go").items():
+                got[name].append(float(answer))
     ratios = [a / b for a, b in zip(got["this tree"], got[label])]
     return [f"| {name} | {statistics.median(v) * 1e6:.1f} | {min(v) * 1e6:.1f} |" for name, v in got.items()] + [
         "", f"this tree / {label}, median of {rounds} paired rounds: {statistics.median(ratios):.3f} "
@@ -304,8 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         load = os.getloadavg()
         with checked_out(args.baseline) as source:
             lines = _paired(source, args.baseline, args.file, args.requests, args.rounds)
-        command = "python bench/bench_request_path.py" + "".join(
-            f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+        command = reports.command("bench/bench_request_path.py", ap, args)
         text = "\n".join([
             "# kvgate's own request path, this tree against a git revision", "",
             f"Command: `{command}`", "",
@@ -314,12 +297,11 @@ def main(argv: list[str] | None = None) -> int:
             "no gRPC, in two worker processes run round for round in turn; CPU time of the "
             "worker per request.", "",
             "| extproc | us CPU per request, median | min |", "|---|---:|---:|", *lines, ""])
-        print(text)
         if args.out is not None:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(text)
+            return reports.publish(args.out, text)
+        print(text)
         return 0
-    path = _Path(args.file, args.requests)
+    path = RequestPath(args.file, args.requests)
     loop = asyncio.new_event_loop()
     path.run(loop, 200)  # warm-up
     per = [path.run(loop) for _ in range(args.rounds)]

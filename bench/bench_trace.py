@@ -42,51 +42,36 @@ refusals per class. Writes ``bench/results/trace.md``.
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import sys
+import tempfile
+import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+from bench import load
+from bench import reports
+from bench.load import Placer, Result, replay, session
+from bench.reports import cell, chosen
+from bench.sampling import node_state, readings, scraped, wait_fresh
+from bench.sampling import preemptions as read_preemptions
+from bench.stacks import Node, Procs, failure, print_tails
+from bench.trace_policies import (BATCH_WATERMARK, ONLINE_WAIT_S, ORACLE_LEAD_S, PICKER_ENVOY, POLICIES,
+                                  Oracle, Policy, api_key, envoy_for, kvgate_config)
+from bench.trace_report import Run, dump_raw, report, summarize
+from bench.trace_workload import (DEFAULT_TRACE, FULL, NODE, NODES, TINY, TRACE_SLICE, Background, Req, Scenario,
+                                  build_requests, read_trace)
+from sim.api import OUTPUT_TOKENS_HEADER
+from kvgate_testkit.procs import LOOPBACK, exit_on_sigterm, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from the repository root
-    sys.path.insert(0, str(ROOT))
-
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Sequence  # noqa: E402
-from typing import Any  # noqa: E402
-
-import aiohttp  # noqa: E402
-import orjson  # noqa: E402
-
-from bench import load  # noqa: E402
-from bench import reports  # noqa: E402
-from bench.bench_protection import Node  # noqa: E402
-from bench.load import Placer, Result, replay, session  # noqa: E402
-from bench.reports import cell, percentile  # noqa: E402
-from bench.sampling import node_state, readings, scraped, wait_fresh  # noqa: E402
-from bench.sampling import preemptions as read_preemptions  # noqa: E402
-from bench.stacks import Procs, failure  # noqa: E402
-# The replay's parts, one module a concept; bench_replicas, prefix_trace and the tests take
-# them from here as well.
-from bench.trace_policies import (BATCH_WATERMARK, ONLINE_WAIT_S, ORACLE_LEAD_S, PICKER_ENVOY, POLICIES,  # noqa: E402
-                                  Oracle, Policy, api_key, envoy_for, key_digest, kvgate_config)
-from bench.trace_report import (TTFT_TARGET_S, Run, Summary, dump_raw, kv_for_requests,  # noqa: E402
-                                preemptions_at_arrival, report, summarize)
-from bench.trace_workload import (DEFAULT_TRACE, FULL, NODE, NODES, TINY, TRACE_SLICE, Background,  # noqa: E402
-                                  Burst, Req, Scenario, build_requests, read_trace)
-from sim.api import OUTPUT_TOKENS_HEADER  # noqa: E402
-from kvgate_testkit.procs import LOOPBACK, exit_on_sigterm, free_port  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
-# bench_replicas reads the report's percentiles and cells under these names.
-_pct = percentile
-_fmt = cell
-__all__ = ["BATCH_WATERMARK", "DEFAULT_TRACE", "FULL", "NODE", "NODES", "ONLINE_WAIT_S", "ORACLE_LEAD_S",
-           "PICKER_ENVOY", "POLICIES", "TINY", "TRACE_SLICE", "TTFT_TARGET_S", "Background", "Burst", "Client",
-           "Node", "Oracle", "Policy", "Req", "Result", "Run", "Scenario", "Summary", "api_key", "build_requests",
-           "close_results", "drive", "envoy_for", "key_digest", "kv_for_requests", "kvgate_config", "main",
-           "preemptions_at_arrival", "read_preemptions", "read_trace", "run_policy", "skip_reason", "summarize"]
 
 
 # --- one run ----------------------------------------------------------------------------------
@@ -117,10 +102,10 @@ def parse_kvgate_metrics(text: str) -> dict[str, float]:
             if v or not k.startswith("kvgate_requests_total/")}
 
 
-async def _sample(session: aiohttp.ClientSession, client: Client, sim_urls: Sequence[str],
+async def sample(session: aiohttp.ClientSession, client: Client, sim_urls: Sequence[str],
                   admin_url: str | None, timeline: list[dict[str, Any]], period_s: float,
                   oracle: Placer | None) -> None:
-    """_sample records every node's state, the client's open requests and kvgate's gauges every ``period_s`` real s."""
+    """sample records every node's state, the client's open requests and kvgate's gauges every ``period_s`` real s."""
     while True:
         row: dict[str, Any] = {"t": client.sim_now(), "open_online": client.open["online"],
                                "open_batch": client.open["batch"], "refused_online": client.refusals["online"],
@@ -142,9 +127,9 @@ async def _sample(session: aiohttp.ClientSession, client: Client, sim_urls: Sequ
         await asyncio.sleep(period_s)
 
 
-async def _background(session: aiohttp.ClientSession, client: Client, sim_urls: Sequence[str],
+async def apply_background(session: aiohttp.ClientSession, client: Client, sim_urls: Sequence[str],
                       bg: Background, applied: list[tuple[float, int]]) -> None:
-    """_background puts the unadmitted load on its node for its window, then takes it away;
+    """apply_background puts the unadmitted load on its node for its window, then takes it away;
     ``applied`` gets (simulated s, tokens) as the node confirms each setting."""
     url = f"{sim_urls[bg.node]}/sim/config"
     for at, tokens in bg.steps():
@@ -171,8 +156,8 @@ async def drive(run: Run, reqs: list[Req], sc: Scenario, speedup: float, envoy_p
     async with session() as s:
         run.error = await replay([client.send(s, r) for r in run.results],
                                  (sc.duration_s + sc.drain_s) / speedup + 60.0,
-                                 [_sample(s, client, sim_urls, admin_url, run.timeline, 0.5 / speedup, client.oracle),
-                                  _background(s, client, sim_urls, sc.background, run.background)])
+                                 [sample(s, client, sim_urls, admin_url, run.timeline, 0.5 / speedup, client.oracle),
+                                  apply_background(s, client, sim_urls, sc.background, run.background)])
         run.preemptions = await read_preemptions(s, sim_urls)
     close_results(run, label)
 
@@ -190,8 +175,8 @@ def skip_reason(policy: Policy) -> str | None:
     return None
 
 
-def _wait_signals(admin_url: str, timeout: float = 10.0) -> None:
-    """_wait_signals waits until kvgate has scraped the nodes, so a run does not start while
+def wait_signals(admin_url: str, timeout: float = 10.0) -> None:
+    """wait_signals waits until kvgate has scraped the nodes, so a run does not start while
     kvgate still counts them as stale."""
     wait_fresh(admin_url, scraped, timeout)
 
@@ -220,7 +205,7 @@ def run_policy(policy: Policy, reqs: list[Req], sc: Scenario, node: Node, speedu
             if policy.kvgate is not None:
                 kv = procs.kvgate(kvgate_config(policy, sc, speedup, sim_ports, node, batch_watermark,
                                                 online_wait_s))
-                _wait_signals(kv.admin_url)
+                wait_signals(kv.admin_url)
             envoy_port = free_port()
             procs.envoy(envoy_for(policy, listen=envoy_port, grpc=None if kv is None else kv.grpc_port,
                                   sim_ports=sim_ports, picker_template=picker_envoy), envoy_port)
@@ -300,11 +285,7 @@ def parser() -> argparse.ArgumentParser:
 def chosen_policies(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[Policy]:
     """chosen_policies is ``--policies`` in its order, each picking policy with ``--reserve``'s
     reserve when given; a bad option ends the command with its message."""
-    keys = [k.strip() for k in args.policies.split(",") if k.strip()]
-    known = {p.key: p for p in POLICIES}
-    unknown = [k for k in keys if k not in known]
-    if unknown or not keys:
-        ap.error(f"unknown policies {unknown}; choose from {', '.join(known)}")
+    policies = chosen(ap, args.policies, {p.key: p for p in POLICIES}, "policies")
     if not 0 < args.speedup <= 100:
         ap.error("--speedup must be in (0, 100]")
     if not 0 < args.online_wait <= 60:
@@ -312,11 +293,11 @@ def chosen_policies(ap: argparse.ArgumentParser, args: argparse.Namespace) -> li
     if args.reserve is not None:
         if not 0 <= args.reserve <= 0.5:
             ap.error("--reserve must be in [0, 0.5]")
-        known = {k: p if p.picking is None else Policy(p.key, f"{p.title} (reserve {args.reserve:g} by --reserve)",
-                                                        p.balance, p.kvgate,
-                                                        {**p.picking, "reserve_fraction": args.reserve})
-                 for k, p in known.items()}
-    return [known[k] for k in keys]
+        policies = [p if p.picking is None else Policy(p.key, f"{p.title} (reserve {args.reserve:g} by --reserve)",
+                                                       p.balance, p.kvgate,
+                                                       {**p.picking, "reserve_fraction": args.reserve})
+                    for p in policies]
+    return policies
 
 
 def run_policies(policies: list[Policy], reqs: list[Req], sc: Scenario, args: argparse.Namespace) -> list[Run]:
@@ -341,9 +322,7 @@ def run_policies(policies: list[Policy], reqs: list[Req], sc: Scenario, args: ar
                       f"goodput {s.goodput:,.0f} tok/s" + (f"  ERROR: {run.error}" if run.error else ""),
                       flush=True)
                 if run.error:
-                    for log in sorted((Path(tmp) / key).glob("*.log")):
-                        print(f"  --- {log.name} (tail) ---\n{log.read_text(errors='replace')[-1500:]}",
-                              file=sys.stderr)
+                    print_tails(Path(tmp) / key)
             runs.append(run)
             if args.raw is not None:
                 dump_raw(run, args.raw / f"trace_{key}.json")

@@ -45,43 +45,33 @@ each gated row judged against the issue's targets. No frozen check. Writes
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
+import aiohttp
+import openai
+from tokenizers import Tokenizer
+
+from bench.reports import chosen
+from bench.vllm_report import (GATE_COUNTERS, GATE_WATCH, KvCheck, Outcome, preemption_cell, prefix_report, report,
+                               versions)
+from bench.vllm_rows import (ENGINE_ENV, MODEL_NAME, SCENARIOS, Burst, EngineFlags, Row, Scenario, burst_texts,
+                             prompts)
+from bench.vllm_stack import Engine, Gate, backend_name, parse_metrics
+from kvgate_testkit.procs import exit_on_sigterm, wait_until
+
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from the repository root
-    sys.path.insert(0, str(ROOT))
-
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import os  # noqa: E402
-import signal  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Sequence  # noqa: E402
-
-import aiohttp  # noqa: E402
-import openai  # noqa: E402
-from tokenizers import Tokenizer  # noqa: E402
-
-from bench.sampling import descendants  # noqa: E402
-# The benchmark's parts, a module a concept; its tests take them from here as well.
-from bench.vllm_report import (GATE_COUNTERS, GATE_WATCH, KvCheck, Outcome, preemption_cell,  # noqa: E402
-                               prefix_report, prefix_target, report, spread, versions)
-from bench.vllm_rows import (ENGINE_ENV, MODEL_NAME, PICKER_ENVOY, PICKER_LOG_ENVOY, POOL_ENVOY,  # noqa: E402
-                             PREFIX_ROWS, ROWS, SCENARIOS, Burst, EngineFlags, Row, Scenario, baseline,
-                             burst_texts, prompts, shared_prefix_prompts)
-from bench.vllm_stack import (Engine, Gate, backend_name, kvgate_config, parse_metrics,  # noqa: E402
-                              render_envoy)
-from kvgate_testkit.procs import exit_on_sigterm, wait_until  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 MODEL_SCRIPT = ROOT / "bench" / "vllm_model.py"
-__all__ = ["PICKER_ENVOY", "PICKER_LOG_ENVOY", "POOL_ENVOY", "PREFIX_ROWS", "ROWS", "SCENARIOS", "Burst",
-           "EngineFlags", "KvCheck", "Outcome", "baseline", "burst_texts", "descendants", "kvgate_config",
-           "main", "parse_metrics", "prefix_report", "prefix_target", "preemption_cell", "prompts",
-           "render_envoy", "report", "shared_prefix_prompts", "skipped_rows", "spread"]
 
 
 # --- one burst --------------------------------------------------------------------------
@@ -366,11 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     scenario = SCENARIOS[args.scenario]
     if args.requests is None:
         args.requests = scenario.burst.requests
-    keys = ([k.strip() for k in args.rows.split(",") if k.strip()] if args.rows is not None
-            else [r.key for r in scenario.rows])
-    unknown = [k for k in keys if k not in {r.key for r in scenario.rows}]
-    if unknown or not keys:
-        ap.error(f"unknown rows {unknown} for scenario {scenario.key}")
+    rows = {r.key: r for r in scenario.rows}
+    keys = list(rows) if args.rows is None else [r.key for r in chosen(ap, args.rows, rows, "rows")]
     if args.runs < 1:
         ap.error("--runs must be at least 1")
     if not args.vllm_python.exists():

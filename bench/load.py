@@ -24,6 +24,9 @@ import orjson
 # A placer routes a request to a node with this header (Envoy matches it to one cluster per node).
 NODE_HEADER = "x-bench-node"
 ONLINE_RETRIES = 2  # openai-python's default
+# The chat template's cost of one user message (OpenAI recipe: 3 per message, 1 for the
+# role "user", 3 to prime the reply): a content of n one-token words is an n+7-token prompt.
+CHAT_OVERHEAD = 7
 
 
 class Placer(Protocol):

@@ -45,12 +45,14 @@ from typing import Any, TypeGuard
 import aiohttp
 import orjson
 
-from bench.bench_protection import CHAT_OVERHEAD, MODEL
-from bench.bench_trace import NODE, Background, Policy, Req, Run, Scenario, drive, kv_for_requests
-from bench.load import NODE_HEADER
+from bench.bench_trace import drive
+from bench.trace_policies import Policy
+from bench.trace_report import Run, kv_for_requests
+from bench.trace_workload import NODE, Background, Req, Scenario
+from bench.load import CHAT_OVERHEAD, NODE_HEADER
 from bench.reports import percentile
 from bench.sampling import fetch_readings
-from kvgate_testkit.nodes_stack import NodesStack
+from kvgate_testkit.nodes_stack import MODEL, NodesStack
 from sim.api import OUTPUT_TOKENS_HEADER, words
 from sim.blocks import blocks_for
 

@@ -16,7 +16,10 @@ from datetime import datetime, timezone
 from bench.bench_replicas import (DEFAULT_POLICY, FAULT_AT, FAULT_GOODPUT, LEASE_TTL_S, MODE_POLL_S,
                                   NO_FAULT_GOODPUT, RECOVERY_WAIT_S, RESULTS, ROOT, SHARED_WITHIN_S, SPLIT_SLACK,
                                   Figures, RowRun, error_answers, figures, shown, split_limit, verdict)
-from bench.bench_trace import DEFAULT_TRACE, NODE, NODES, Policy, Req, Scenario, _fmt, summarize
+from bench.trace_policies import Policy
+from bench.trace_report import summarize
+from bench.trace_workload import DEFAULT_TRACE, NODE, NODES, Req, Scenario
+from bench.reports import cell
 from kvgate_testkit.redis_server import server_version
 
 
@@ -90,8 +93,8 @@ def report(repeats: list[list[RowRun]], policy: Policy, sc: Scenario, trace: str
         again = _seconds(f.shared_again, recovery_bound) if rr.row.fault.redis else "n/a"
         lines.append(
             f"| {name} | {' / '.join(map(str, rr.run.preemptions))} = {f.preemptions} | {s.goodput:,.0f} "
-            f"| {_fmt(f.goodput_ratio)} | {' / '.join(map(str, f.refusals))} "
-            f"| {'n/a' if f.share is None else f'{f.share:.0%}'} | {_fmt(s.ttft_p99)} | {_fmt(f.latency_p99)} "
+            f"| {cell(f.goodput_ratio)} | {' / '.join(map(str, f.refusals))} "
+            f"| {'n/a' if f.share is None else f'{f.share:.0%}'} | {cell(s.ttft_p99)} | {cell(f.latency_p99)} "
             f"| {per} | {again} | {' / '.join(f'{d:.1f}' for d in f.degraded)} "
             f"| {' / '.join(f'{k:.0%}' for k in f.kv_max)} |")
     names = list(verdict(runs[0].row, figs[runs[0].row.key])) if runs else []
@@ -137,7 +140,7 @@ def passes(repeats: list[list[RowRun]], sc: Scenario) -> list[str]:
         goal = NO_FAULT_GOODPUT if rr.row.fault.kind == "none" else FAULT_GOODPUT
         alive = figs[0].alive
         lines.append(
-            f"| {rr.row.key} | {' / '.join(_fmt(x) for x in ratios) or 'n/a'} | {_fmt(med)} "
+            f"| {rr.row.key} | {' / '.join(cell(x) for x in ratios) or 'n/a'} | {cell(med)} "
             f"| {' / '.join(str(f.preemptions) for f in figs)} "
             f"| {' / '.join('n/a' if f.share is None else f'{f.share:.0%}' for f in figs)} "
             f"| {'n/a' if share is None else f'{share:.0%}'} "

@@ -7,9 +7,11 @@ import argparse
 import math
 import os
 import platform
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 def publish(out: Path, text: str) -> int:
@@ -70,6 +72,16 @@ def command(script: str, parser: argparse.ArgumentParser, args: argparse.Namespa
         else:
             words += [flag, _word(value)]
     return " ".join(words)
+
+
+def chosen(ap: argparse.ArgumentParser, text: str, known: Mapping[str, T], what: str) -> list[T]:
+    """chosen is ``known``'s entries for the comma-separated keys in ``text``, in their order; a
+    key ``known`` lacks, or none at all, ends the command with a message listing the choices."""
+    keys = [k.strip() for k in text.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in known]
+    if unknown or not keys:
+        ap.error(f"unknown {what} {unknown}; choose from {', '.join(known)}")
+    return [known[k] for k in keys]
 
 
 def machine() -> str:

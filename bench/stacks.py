@@ -1,5 +1,7 @@
 """stacks: the processes a benchmark runs on loopback ports.
 
+- ``Node``: a simulated vLLM node (``python -m sim``) as the replay benchmarks start it, and
+  ``adaptive_for``: kvgate's ``adaptive`` section for nodes run ``speedup`` times faster;
 - ``Procs``: one run's processes (simulated nodes, kvgate, the real Envoy), each logging to
   its own file in the run's folder, stopped together, newest first:
 
@@ -27,8 +29,10 @@ import orjson
 import yaml
 
 from bench.variants import PICKED, variant_file
+from kvgate_testkit.nodes_stack import MODEL
 from kvgate_testkit.procs import LOOPBACK, VENV_BIN, Proc, free_port, wait_until
 from kvgate_testkit.stack import Stack
+from sim.engine import EngineParams
 
 # kvgate's configuration in the hot-path benchmarks: limits far above the load, so that they
 # measure the path, not refusals.
@@ -51,6 +55,40 @@ class Kvgate:
     @property
     def admin_url(self) -> str:
         return f"http://{LOOPBACK}:{self.admin_port}"
+
+
+@dataclass(slots=True)
+class Node(EngineParams):
+    """Node is the simulated vLLM node the benchmark starts: the simulator's engine settings
+    (capacities in tokens, speeds in tokens/s) plus the model's context length (tokens)."""
+
+    max_model_len: int = 32_768
+
+    def argv(self, port: int, speedup: float, seed: int, overflow: str) -> list[str]:
+        """argv is the simulator's command line for this node."""
+        return [sys.executable, "-m", "sim", "--listen", f"{LOOPBACK}:{port}", "--model", MODEL,
+                "--max-model-len", str(self.max_model_len),
+                "--kv-capacity-tokens", str(self.kv_capacity_tokens),
+                "--block-size", str(self.block_size), "--max-num-seqs", str(self.max_num_seqs),
+                "--max-num-batched-tokens", str(self.max_num_batched_tokens),
+                "--prefill-tokens-per-s", str(self.prefill_tokens_per_s),
+                "--decode-tokens-per-s", str(self.decode_tokens_per_s),
+                "--batch-slowdown", str(self.batch_slowdown), "--speedup", str(speedup),
+                "--seed", str(seed), "--overflow", overflow,
+                # Streams write every 8 tokens (the first at once): TTFT is exact and Envoy,
+                # kvgate and the client see 8x fewer chunks on 2 shared cores.
+                "--stream-interval", "8", "--log-level", "WARNING"]
+
+
+def adaptive_for(speedup: float) -> dict[str, Any]:
+    """adaptive_for is kvgate's ``adaptive`` section for simulated nodes run ``speedup`` times
+    faster than real time: watermarks 0.70/0.85, each duration divided by the speedup (and the
+    recovery rate multiplied by it), so that kvgate acts at the same simulated instants."""
+    return {"high_watermark": 0.85, "low_watermark": 0.70, "min_scale": 0.6,
+            "recovery_per_s": 0.1 * speedup,
+            "poll_interval_s": max(0.01, 1.0 / speedup),
+            "scrape_timeout_s": max(0.005, 0.5 / speedup),
+            "stale_after_s": 3.0 / speedup, "early_scrape_gap_s": 0.2 / speedup}
 
 
 class Procs:
@@ -110,6 +148,13 @@ class Procs:
         for p in reversed(self.procs):
             p.stop()
         self.procs.clear()
+
+
+def print_tails(workdir: Path, chars: int = 1500) -> None:
+    """print_tails prints the last ``chars`` characters of each process log in ``workdir`` to
+    stderr: what a failed run's processes said last."""
+    for log in sorted(workdir.glob("*.log")):
+        print(f"  --- {log.name} (tail) ---\n{log.read_text(errors='replace')[-chars:]}", file=sys.stderr)
 
 
 def failure(exc: BaseException) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from bench.bench_protection import Node, adaptive_for
+from bench.stacks import Node, adaptive_for
 from bench.load import NODE_HEADER
 from bench.trace_workload import NODE, Background, Req, Scenario
 from extproc.configparse import parse_config

@@ -12,8 +12,8 @@ from typing import Any
 
 import orjson
 
-from bench.bench_protection import Node
 from bench.load import Result, by_class, goodput, result_rows
+from bench.stacks import Node
 from bench.reports import cell, machine, percentile
 from bench.trace_policies import BATCH_WATERMARK, ONLINE_WAIT_S, ORACLE_LEAD_S, PICKER_ENVOY, Policy
 from bench.trace_workload import NODES, RAMP_STEPS, Background, Req, Scenario

@@ -18,7 +18,9 @@ from typing import Any
 
 import orjson
 
-from bench.bench_protection import CHAT_OVERHEAD, MODEL, Node
+from bench.load import CHAT_OVERHEAD
+from bench.stacks import Node
+from kvgate_testkit.nodes_stack import MODEL
 from sim.api import words
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -28,8 +28,9 @@ import openai  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
-from bench.bench_vllm import (MODEL_NAME, ROWS, Burst, Engine, EngineFlags, Gate,  # noqa: E402
-                              build_model, prompts, run_burst)
+from bench.bench_vllm import build_model, run_burst  # noqa: E402
+from bench.vllm_rows import MODEL_NAME, ROWS, Burst, EngineFlags, prompts  # noqa: E402
+from bench.vllm_stack import Engine, Gate  # noqa: E402
 from extproc import usage_log  # noqa: E402
 from kvgate_testkit.procs import wait_until  # noqa: E402
 

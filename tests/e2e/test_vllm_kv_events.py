@@ -28,15 +28,16 @@ if not VLLM_PYTHON.exists():
 
 from prometheus_client import CollectorRegistry  # noqa: E402
 
-from bench.bench_vllm import ENGINE_ENV, LOOPBACK, EngineFlags, build_model  # noqa: E402
-from bench.record_kv_events import MODEL_NAME, complete  # noqa: E402
+from bench.bench_vllm import build_model  # noqa: E402
+from bench.vllm_rows import ENGINE_ENV, MODEL_NAME, EngineFlags  # noqa: E402
 from extproc.configparse import parse_config  # noqa: E402
 from extproc.engine_blocks import token_keys  # noqa: E402
 from extproc.metrics import Metrics  # noqa: E402
 from extproc.server import Server  # noqa: E402
 from extproc.signals.kv_events import ViewState  # noqa: E402
 from extproc.tokens import load_tokenizer  # noqa: E402
-from kvgate_testkit.procs import Proc, free_port, wait_until  # noqa: E402
+from kvgate_testkit.procs import LOOPBACK, Proc, free_port, wait_until  # noqa: E402
+from tests.kv_capture import complete, wait_healthy  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 
@@ -77,12 +78,7 @@ async def test_kvgate_knows_exactly_what_the_real_engine_caches(tmp_path: Path) 
                  metrics=Metrics(CollectorRegistry()), scrape=True)
     await srv.start()
     try:
-        def healthy() -> bool:
-            if not engine.alive():
-                raise RuntimeError(f"vLLM exited:\n{engine.output()[-4000:]}")
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
-                return resp.status == 200
-        await asyncio.to_thread(wait_until, healthy, 300, 0.5, "vLLM /health")
+        await asyncio.to_thread(wait_healthy, engine, url)
         assert srv.admission.node_events is not None
         view = srv.admission.node_events("default", "n0")
         await asyncio.to_thread(wait_until, lambda: view.state is not ViewState.DOWN, 30, 0.05, "subscribed")

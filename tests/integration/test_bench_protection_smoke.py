@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from bench.bench_protection import CHAT_OVERHEAD, POLICIES, TINY, build_requests
+from bench.bench_protection import POLICIES, TINY, build_requests
+from bench.load import CHAT_OVERHEAD
 from kvgate_testkit.procs import ROOT
 
 pytestmark = [pytest.mark.e2e, pytest.mark.bench]

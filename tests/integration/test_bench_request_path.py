@@ -8,14 +8,14 @@ import asyncio
 
 import pytest
 
-from bench.bench_request_path import FILES, _Path
+from bench.bench_request_path import FILES, RequestPath
 
 pytestmark = pytest.mark.bench
 
 
 @pytest.mark.parametrize("file", FILES)
 def test_each_file_s_path_admits_and_settles_every_request(file: str) -> None:
-    path = _Path(file, 40)
+    path = RequestPath(file, 40)
     loop = asyncio.new_event_loop()
     try:
         assert path.run(loop) > 0  # raises if a lease was left held

@@ -1,5 +1,5 @@
 """The KV events subscriber over real ZMQ sockets: a publisher in the test plays back, byte for
-byte, what the real vLLM engine published (tests/fixtures, bench/record_kv_events.py) on a PUB
+byte, what the real vLLM engine published (tests/fixtures, tests/kv_capture.py) on a PUB
 socket and answers replay requests on a ROUTER socket as vLLM does; the subscriber fills the
 gap the engine left, survives hostile messages and a lost connection, and placement follows
 what the events say each node caches."""

@@ -13,10 +13,12 @@ import pytest
 import yaml
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from bench.bench_vllm import (PICKER_ENVOY, PICKER_LOG_ENVOY, POOL_ENVOY, PREFIX_ROWS, ROWS, SCENARIOS, Burst,
-                              EngineFlags, KvCheck, Outcome, baseline, burst_texts, descendants, kvgate_config,
-                              parse_metrics, prefix_report, prefix_target, preemption_cell, prompts,
-                              render_envoy, report, shared_prefix_prompts, skipped_rows, spread)
+from bench.bench_vllm import skipped_rows
+from bench.sampling import descendants
+from bench.vllm_report import KvCheck, Outcome, preemption_cell, prefix_report, prefix_target, report, spread
+from bench.vllm_rows import (PICKER_ENVOY, PICKER_LOG_ENVOY, POOL_ENVOY, PREFIX_ROWS, ROWS, SCENARIOS, Burst,
+                             EngineFlags, baseline, burst_texts, prompts, shared_prefix_prompts)
+from bench.vllm_stack import kvgate_config, parse_metrics, render_envoy
 from tests.deploy.support import envoy_validate
 from kvgate_testkit.procs import ROOT, wait_until
 

@@ -11,7 +11,10 @@ import orjson
 import pytest
 import tiktoken
 
-from bench.bench_trace import Policy, Req, Result, Run
+from bench.load import Result
+from bench.trace_policies import Policy
+from bench.trace_report import Run
+from bench.trace_workload import Req
 from bench.prefix_trace import (CONTEXT, HASH_BLOCK, MAX_TOKENS, SIM_BLOCK, TTFT_SLO_S, CacheOracle, RowResult,
                                 TraceRequest, TraceRow, Window, build_replay, figures, main_rows, prompt_text,
                                 read_mooncake, sampled, sweep_rows, table, verdicts)

@@ -1,5 +1,5 @@
 """The KV events reader against what the real vLLM engine published (tests/fixtures, recorded by
-bench/record_kv_events.py): the decoder, the index of a node's cached blocks, the sequence
+tests/kv_capture.py): the decoder, the index of a node's cached blocks, the sequence
 logic, and hostile messages, which are counted and dropped, never raised."""
 
 from __future__ import annotations
