@@ -8,10 +8,10 @@ scripts is Redis ``TIME``: replicas' clocks never meet.
 
 Crash safety: every grant is a lease with an expiry (Redis time + ``lease_ttl_s``). A
 background task of each replica extends its live leases every ``refresh_s`` (default
-``min(BEAT_S, lease_ttl_s / 3)``, ``beats``) in one pipelined round trip with its heartbeat (and re-takes any that Redis lost,
-e.g. after a restart). Every script first purges the expired leases of its pool,
-returning their slots and KV tokens. A heartbeat lives PRESENCE_BEATS refreshes plus
-``timeout_s`` and carries where the replica answers ``/healthz`` (``advertise``); a
+``min(BEAT_S, lease_ttl_s / 3)``, ``beats``) in one pipelined round trip with its
+heartbeat (and re-takes any that Redis lost, e.g. after a restart). Every script first
+purges the expired leases of its pool, returning their slots and KV tokens. A heartbeat
+lives PRESENCE_BEATS default refreshes plus ``timeout_s`` and carries where the replica answers ``/healthz`` (``advertise``); a
 replica that finds another's heartbeat gone asks there, and releases that replica's
 leases at once when its port refuses or another process answers (``replica_runs``): so
 the leases of a replica killed with SIGKILL come back within seconds, at the latest
