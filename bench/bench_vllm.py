@@ -63,8 +63,7 @@ from tokenizers import Tokenizer
 from bench.reports import chosen
 from bench.vllm_report import (GATE_COUNTERS, GATE_WATCH, KvCheck, Outcome, preemption_cell, prefix_report, report,
                                versions)
-from bench.vllm_rows import (ENGINE_ENV, MODEL_NAME, SCENARIOS, Burst, EngineFlags, Row, Scenario, burst_texts,
-                             prompts)
+from bench.vllm_rows import ENGINE_ENV, MODEL_NAME, SCENARIOS, Burst, EngineFlags, Row, Scenario, burst_texts
 from bench.vllm_stack import Engine, Gate, backend_name, parse_metrics
 from kvgate_testkit.procs import exit_on_sigterm, wait_until
 
