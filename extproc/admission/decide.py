@@ -115,7 +115,7 @@ class Decider:
         except BaseException:
             undo(placed)
             raise
-        return attach(placed, res, now, p.retry_estimate_s)
+        return attach(placed, res, now, p.retry_estimate_s, self.store.node_holds(p.name))
 
     def undo(self, grant: Grant, now: float) -> None:
         """undo takes back a grant nobody received: the store's charge and the node's."""

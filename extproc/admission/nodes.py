@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from extproc.admission import rules
@@ -445,7 +445,8 @@ class PoolNodes:
         target.add(charge, charge.own, charge.moments)
         return True
 
-    def retry_after(self, need: int, now: float, fallback_s: float) -> float:
+    def retry_after(self, need: int, now: float, fallback_s: float,
+                    shared: Mapping[str, int] | None = None) -> float:
         """retry_after estimates when some node has room for ``need`` tokens (seconds).
 
         ``retry.expected_wait`` per up node, over the requests kvgate holds there (oldest
@@ -454,6 +455,14 @@ class PoolNodes:
         before any request completed; when no release would make room (KV held by others
         must shrink first), the longer of ``fallback_s`` and a mean hold (at most the hint's
         ceiling).
+
+        ``shared``: what every replica's requests hold per node, as a shared store last read
+        it (``Store.node_holds``; None: this replica's are all). A node's room is then its
+        capacity less its foreign KV net of the other replicas' requests and less those
+        holds, and this replica's requests, only part of the holders there, are taken to
+        free their part of what is missing (the others' like them). Its own reading alone
+        shows rooms the others' holds have taken, and a refused client told to come back
+        at once spends its retries before the room comes back.
         """
         holds = self.holds
         if not len(holds):
@@ -465,8 +474,15 @@ class PoolNodes:
             room = self.headroom(n, now)
             if room is None:
                 continue
+            short = need - room
+            if shared is not None and n.capacity is not None:
+                own = self.held(n)
+                every = max(own, shared.get(n.name, 0))
+                room = rules.node_headroom(n.capacity, self.picking.reserve_fraction,
+                                           n.net + n.kept + n.rise_ahead(self._horizon_s(), now), every)
+                short = need - room if need <= room or own <= 0 else math.ceil((need - room) * own / every)
             t = expected_wait(now, ((c.admitted_at, self.growth.alone(c), c.reserved) for c in n.charges),
-                              need - room, holds)
+                              short, holds)
             if t is not None and (best is None or t < best):
                 best = t
         return best if best is not None else min(MAX_WAIT_S, max(fallback_s, holds.residual(0.0) or 0.0))

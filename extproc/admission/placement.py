@@ -16,6 +16,7 @@ controller only calls the store between the two.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from extproc.admission.node import Charge, PassedOver
@@ -63,12 +64,14 @@ def place(nodes: PoolNodes, demand: Demand, cls: ClassConfig, plan: Plan, now: f
     return Refusal(budget, wait, True, picked.need, picked.best_room or 0, picked.best_room or 0)
 
 
-def attach(placed: Placement, res: Grant | Refusal, now: float, retry_estimate_s: float) -> Grant | Refusal:
+def attach(placed: Placement, res: Grant | Refusal, now: float, retry_estimate_s: float,
+           holds: Mapping[str, int] | None = None) -> Grant | Refusal:
     """attach completes a placement with the store's answer: a grant gets its node charge (the
     one charged here, or the one the sharing store chose, charged here now); a refusal takes
     the charge back, and a sharing store's KV refusal counts every candidate passed over and
-    gets its retry hint from these nodes (a picking pool has no pool-wide KV budget, so its
-    KV refusals are the node rule's)."""
+    gets its retry hint from these nodes over every replica's holds there (``holds``,
+    ``Store.node_holds``; a picking pool has no pool-wide KV budget, so its KV refusals are
+    the node rule's)."""
     nodes, charge = placed.nodes, placed.charge
     if charge is not None:
         if isinstance(res, Grant):
@@ -82,7 +85,7 @@ def attach(placed: Placement, res: Grant | Refusal, now: float, retry_estimate_s
         if res.budget is Budget.NODE_KV or res.budget is Budget.CLASS_KV:
             nodes.passed_over_all(ask, PassedOver.NO_ROOM if res.budget is Budget.NODE_KV
                                   else PassedOver.CLASS_WATERMARK)
-            wait = nodes.retry_after(ask.need, now, retry_estimate_s)
+            wait = nodes.retry_after(ask.need, now, retry_estimate_s, holds)
             return Refusal(res.budget, wait, True, res.needed, res.used, res.limit)
         return res
     if res.picked is not None:

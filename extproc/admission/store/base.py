@@ -27,6 +27,7 @@ Contract of every store:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 
 from extproc.admission.types import Grant, Plan, PoolUsage, Refusal
 from extproc.errors import KvgateError
@@ -81,6 +82,12 @@ class Store(ABC):
         held when it rendered a report whose mark saw the store's instant ``since``, and
         that are still held (``shared_nodes.others_seen``); 0 without other replicas."""
         return 0
+
+    def node_holds(self, pool: str) -> Mapping[str, int] | None:
+        """node_holds is what every replica's leases hold per node of ``pool`` (tokens), as the
+        store last read it, for retry hints (``nodes.PoolNodes.retry_after``); None: this
+        replica's leases are all there is."""
+        return None
 
     async def close(self) -> None:
         """close releases the store's connections; the in-memory store has none."""

@@ -84,7 +84,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from extproc.admission.store.base import Store
@@ -233,6 +233,10 @@ class RedisStore(Store):
         ``pool`` as the last refresh read them, beyond the node's cross-replica sharing then
         (tokens; as the admit script subtracts it, ``shared_nodes.pick_shared``)."""
         return self._nodes.others_seen(self.replica_id, pool, node, since, idle)
+
+    def node_holds(self, pool: str) -> Mapping[str, int] | None:
+        """node_holds is every replica's holds per node of ``pool`` as the last refresh read them."""
+        return self._nodes.held.get(pool)
 
     def know_pools(self, pools: Iterable[str]) -> None:
         """know_pools names the pools every replica serves, so that this one refreshes their

@@ -17,7 +17,7 @@ import redis as redis_sync
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from extproc.admission import Admission, Demand, Lease, Outcome, Rejection, rules
+from extproc.admission import Admission, Demand, Lease, Outcome, Reason, Rejection, rules
 from extproc.admission.types import NodeReport
 from extproc.admission.shared_nodes import Candidate as C, NodeAsk, Pooled, others_seen, pick_shared, pick_within
 from extproc.admission.types import Budget, Grant, Plan, PoolLimits, Refusal
@@ -28,6 +28,7 @@ from extproc.clock import ManualClock
 from extproc.config import RedisStoreConfig
 from extproc.configparse import parse_config
 from kvgate_testkit.redis_server import RedisServer
+from tests.unit.admission.helpers import no_jitter
 
 pytestmark = pytest.mark.redis
 
@@ -448,6 +449,53 @@ async def _two_replicas_one_full(redis_server, seen_by_b: str):
                                               mark=1, waiting=0, running=3))
     fourth = await a.acquire(want(2000, 500))
     return a, b, held, fourth
+
+
+async def test_a_node_refusals_retry_hint_counts_every_replicas_holds(redis_server):
+    """Beside another replica, a refused client is told when room is expected back on the
+    node as every replica holds it. a's requests held their node 8 s each; b holds 5,000
+    of n0's 10,000 and a 2,500, 3 s in. a's reading alone shows 7,500 free, so a request
+    of 5,000 would be told to come back at once; the shared holds leave 2,500, and a's
+    holder, a third of them, is taken to free its third of what is missing: when it ends,
+    5 s on."""
+    clock = ManualClock(T0)
+    config = one_node_config(10_000)
+    shared = cfg(redis_server.url)
+    sa, sb = RedisStore(shared, clock=clock), RedisStore(shared, clock=clock)
+    a, b = Admission(config, clock, sa, rand=no_jitter), Admission(config, clock, sb, rand=no_jitter)
+    held: list[Lease] = []
+    try:
+        for s in (sa, sb):
+            s.know_pools(["default"])
+
+        def report() -> None:
+            for adm in (a, b):
+                adm.report_node("default", "n0", NodeReport(kv_usage=0.0, capacity_tokens=10_000, at=clock.now()))
+
+        report()
+        for _ in range(4):                      # a learns its holds: 8 s each
+            x = await a.acquire(want(2000, 500))
+            assert isinstance(x, Lease)
+            clock.advance(8.0)
+            report()
+            x.release(Outcome.COMPLETED, 10)
+        await sa.flush()
+        for adm, n in ((b, 2), (a, 1)):
+            for _ in range(n):
+                x = await adm.acquire(want(2000, 500))
+                assert isinstance(x, Lease)
+                held.append(x)
+        clock.advance(3.0)
+        report()
+        assert await sa.refresh()               # a reads every replica's holds: 7,500 on n0
+        r = await a.acquire(want(4000, 1000))
+        assert isinstance(r, Rejection) and r.reason is Reason.KV_BUDGET
+        assert r.retry_after_s == pytest.approx(5.0)
+    finally:
+        for x in held:
+            x.release(Outcome.COMPLETED, 1)
+        await a.close()
+        await b.close()
 
 
 async def test_another_replicas_requests_in_a_report_are_not_counted_twice(redis_server):
