@@ -102,6 +102,24 @@ class NodeSnapshot:
     credit_tokens: int = 0
 
 
+def shared_short(need: int, n: Node, own: int, every: int, reserve_fraction: float, horizon_s: float,
+                 now: float) -> int:
+    """shared_short is what this replica's requests on node ``n`` must free (tokens) for
+    ``need`` to fit there beside other replicas, at ``now``: the node's room is its capacity
+    less its foreign KV net of the others' requests (with the rise over ``horizon_s``) and
+    less ``every`` replica's holds there (a shared store's last reading; at least this
+    replica's ``own``); this replica's requests are taken to free their share of what is
+    missing, the others' requests being like them (all of it when this replica holds
+    nothing there: its requests cannot tell). A replica's own holds alone show rooms the
+    others' have taken, and a refused client sent back at once spends its retries before
+    the room comes back."""
+    every = max(own, every)
+    room = rules.node_headroom(n.capacity or 0, reserve_fraction, n.net + n.kept + n.rise_ahead(horizon_s, now), every)
+    if need <= room or own <= 0:
+        return need - room
+    return math.ceil((need - room) * own / every)
+
+
 class PoolNodes:
     """PoolNodes holds the nodes of one picking pool and picks one for each request.
 
@@ -454,15 +472,7 @@ class PoolNodes:
         of expected end until enough would be freed; the soonest node wins. ``fallback_s``
         before any request completed; when no release would make room (KV held by others
         must shrink first), the longer of ``fallback_s`` and a mean hold (at most the hint's
-        ceiling).
-
-        ``shared``: what every replica's requests hold per node, as a shared store last read
-        it (``Store.node_holds``; None: this replica's are all). A node's room is then its
-        capacity less its foreign KV net of the other replicas' requests and less those
-        holds, and this replica's requests, only part of the holders there, are taken to
-        free their part of what is missing (the others' like them). Its own reading alone
-        shows rooms the others' holds have taken, and a refused client told to come back
-        at once spends its retries before the room comes back.
+        ceiling). ``shared``: every replica's holds per node (``shared_short``; None: none).
         """
         holds = self.holds
         if not len(holds):
@@ -474,13 +484,8 @@ class PoolNodes:
             room = self.headroom(n, now)
             if room is None:
                 continue
-            short = need - room
-            if shared is not None and n.capacity is not None:
-                own = self.held(n)
-                every = max(own, shared.get(n.name, 0))
-                room = rules.node_headroom(n.capacity, self.picking.reserve_fraction,
-                                           n.net + n.kept + n.rise_ahead(self._horizon_s(), now), every)
-                short = need - room if need <= room or own <= 0 else math.ceil((need - room) * own / every)
+            short = need - room if shared is None else shared_short(
+                need, n, self.held(n), shared.get(n.name, 0), self.picking.reserve_fraction, self._horizon_s(), now)
             t = expected_wait(now, ((c.admitted_at, self.growth.alone(c), c.reserved) for c in n.charges),
                               short, holds)
             if t is not None and (best is None or t < best):

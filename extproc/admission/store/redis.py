@@ -234,8 +234,7 @@ class RedisStore(Store):
         (tokens; as the admit script subtracts it, ``shared_nodes.pick_shared``)."""
         return self._nodes.others_seen(self.replica_id, pool, node, since, idle)
 
-    def node_holds(self, pool: str) -> Mapping[str, int] | None:
-        """node_holds is every replica's holds per node of ``pool`` as the last refresh read them."""
+    def node_holds(self, pool: str) -> Mapping[str, int] | None:  # as the last refresh read them
         return self._nodes.held.get(pool)
 
     def know_pools(self, pools: Iterable[str]) -> None:
