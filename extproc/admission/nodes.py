@@ -478,6 +478,7 @@ class PoolNodes:
         if not len(holds):
             return fallback_s
         best: float | None = None
+        horizon = self._horizon_s()
         for n in self.nodes.values():
             if n.state(now, self.stale_after_s) is not NodeState.UP:
                 continue
@@ -485,7 +486,7 @@ class PoolNodes:
             if room is None:
                 continue
             short = need - room if shared is None else shared_short(
-                need, n, self.held(n), shared.get(n.name, 0), self.picking.reserve_fraction, self._horizon_s(), now)
+                need, n, self.held(n), shared.get(n.name, 0), self.picking.reserve_fraction, horizon, now)
             t = expected_wait(now, ((c.admitted_at, self.growth.alone(c), c.reserved) for c in n.charges),
                               short, holds)
             if t is not None and (best is None or t < best):
