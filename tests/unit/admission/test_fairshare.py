@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from extproc.admission import Admission, Demand, Lease, Outcome, Rejection
 from extproc.admission.store.fairshare import FAIR_WINDOW_S, wants, yields
 from extproc.admission.store.redis import RedisStore
-from extproc.admission.types import Budget, Grant, Plan, Refusal
+from extproc.admission.types import Budget, Grant, NodeReport, Plan, Refusal
 from extproc.clock import ManualClock
 from extproc.configparse import parse_config
 from tests.unit.admission.test_redis_store import (T0, cfg, limits, open_store, plan, stores,  # noqa: F401
@@ -149,6 +149,46 @@ async def test_only_requests_that_wait_make_their_replica_want_room(stores, redi
     held.release(Outcome.COMPLETED, 5)
     assert isinstance(await asyncio.wait_for(waiter, 10), Lease)
     assert r.hget(st, want) is None  # granted: it wants no more
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+async def test_a_waiter_no_node_has_room_for_holds_smaller_ones_back_only_while_alone(stores, redis_server, replicas):
+    """One node of 10,000 with 6,000 held: a request of 5,000 waits for room. Alone, this
+    replica holds one of 3,000 behind it, so that the room gathers for the larger; beside
+    another replica, which would take that room anyway (``waitqueue``), the smaller one is
+    admitted at once. Either way the larger gets in when the holder ends."""
+    clock = ManualClock(T0)
+    config = parse_config({
+        "pools": {"default": {"max_concurrency": 100, "picking": {"growth": "worst_case", "reserve_fraction": 0.0},
+                              "backends": [{"name": "n0", "metrics_url": "http://127.0.0.1:9/n0",
+                                            "address": "127.0.0.1:8001", "kv_capacity_tokens": 10_000}]}},
+        "tenants": {"classes": {"standard": {"max_wait_s": 30}}}})
+    store_cfg = cfg(redis_server.url)
+    opened = [open_store(stores, store_cfg, clock) for _ in range(replicas)]
+    for s in opened:
+        s.know_pools(["default"])
+        assert await s.refresh()
+    store = opened[0]
+    assert await store.refresh() and store.replicas == replicas
+    a = Admission(config, clock, store)
+    a.report_node("default", "n0", NodeReport(kv_usage=0.0, capacity_tokens=10_000, at=T0))
+
+    def demand(prompt: int) -> Demand:
+        return Demand(pool="default", tenant="t", class_name="standard", prompt_tokens=prompt, reserved_completion=1000)
+    held = await a.acquire(demand(5000))
+    assert isinstance(held, Lease)
+    larger = asyncio.create_task(a.acquire(demand(4000)))
+    await wait_for_event(lambda: a.snapshot("default").waiting == 1)
+    smaller = asyncio.create_task(a.acquire(demand(2000)))
+    if replicas == 1:
+        await wait_for_event(lambda: a.snapshot("default").waiting == 2)  # behind the larger
+    else:
+        assert isinstance(await asyncio.wait_for(smaller, 5), Lease) and not larger.done()
+    held.release(Outcome.COMPLETED, 5)
+    got = [await asyncio.wait_for(t, 10) for t in (larger, smaller)]
+    assert all(isinstance(x, Lease) for x in got), got
+    for x in got:
+        x.release(Outcome.COMPLETED, 5)
 
 
 # --- the script against the rule, on random traffic of three replicas --------------------------
