@@ -127,13 +127,18 @@ def passes(repeats: list[list[RowRun]], sc: Scenario) -> list[str]:
     per_pass = [figures_of(runs, sc) for runs in repeats]
     lines = ["", f"## The rows over {len(repeats)} passes", "",
              "Each pass ran every row in turn; a row's goodput is against the one-replica row of its own pass. "
-             "The tables above are the first pass's.", "",
-             "| row | goodput / 1 replica, each pass | median | preemptions, each pass | largest 429 share, each pass "
+             "The tables above are the first pass's. Completed tokens (the goodput's numerator, against the same "
+             "pass's one-replica row) move less between passes than the goodput: its span ends with the last batch "
+             "document's completion.", "",
+             "| row | goodput / 1 replica, each pass | median | completed tokens / 1 replica, each pass | median "
+             "| preemptions, each pass | largest 429 share, each pass "
              "| median | shared again (s), each pass | 0 preemptions | goodput | 429 split |",
-             "|---|---|---:|---|---|---:|---|---|---|---|"]
+             "|---|---|---:|---|---:|---|---|---:|---|---|---|---|"]
     for rr in repeats[0]:
         figs = [p[rr.row.key] for p in per_pass if rr.row.key in p]
         ratios = [f.goodput_ratio for f in figs if f.goodput_ratio is not None]
+        tokens = [p[rr.row.key].summary.tokens / p["1x-none"].summary.tokens for p in per_pass
+                  if rr.row.key in p and "1x-none" in p and p["1x-none"].summary.tokens]
         shares = [f.share for f in figs if f.share is not None]
         med = statistics.median(ratios) if ratios else None
         share = statistics.median(shares) if shares else None
@@ -141,6 +146,7 @@ def passes(repeats: list[list[RowRun]], sc: Scenario) -> list[str]:
         alive = figs[0].alive
         lines.append(
             f"| {rr.row.key} | {' / '.join(cell(x) for x in ratios) or 'n/a'} | {cell(med)} "
+            f"| {' / '.join(cell(x) for x in tokens) or 'n/a'} | {cell(statistics.median(tokens) if tokens else None)} "
             f"| {' / '.join(str(f.preemptions) for f in figs)} "
             f"| {' / '.join('n/a' if f.share is None else f'{f.share:.0%}' for f in figs)} "
             f"| {'n/a' if share is None else f'{share:.0%}'} "
