@@ -825,7 +825,9 @@ if mine > 0 then
     end
   end
 end
-redis.call('HDEL', st, 'w:' .. me)
+-- fairshare.met: a grant as large as this replica's want ends it
+local own = redis.call('HGET', st, 'w:' .. me)
+if own and tonumber(args(own)[2]) <= n then redis.call('HDEL', st, 'w:' .. me) end
 leases_add(st, me, 1)
 local nin = redis.call('HINCRBY', st, 'n', 1)
 redis.call('HINCRBY', st, 'c:' .. cls, 1)

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from extproc.admission import Admission, Demand, Lease, Outcome, Rejection
-from extproc.admission.store.fairshare import FAIR_WINDOW_S, wants, yields
+from extproc.admission.store.fairshare import FAIR_WINDOW_S, met, wants, yields
 from extproc.admission.store.redis import RedisStore
 from extproc.admission.types import Budget, Grant, NodeReport, Plan, Refusal
 from extproc.clock import ManualClock
@@ -98,6 +98,29 @@ async def test_a_want_ends_after_its_window_and_the_counts_leave_with_the_leases
     clock.advance(31.0)
     assert isinstance(await c.admit(plan(10, lim), clock.now()), Grant)
     assert r.hget(st, f"r:{a.replica_id}") is None and int(r.hget(st, f"r:{c.replica_id}")) == 1
+
+
+async def test_a_smaller_grant_leaves_its_replicas_larger_want(stores, redis_server):
+    """b's waiting request of 30 KV tokens wants room; a smaller one of b's that fits is
+    granted (beside other replicas the wait lets it pass the larger: ``waitqueue``) and b
+    still wants room for the larger; its grant ends the want. Were any grant the end, the
+    other replicas would stop leaving room to b while its large request still waits."""
+    clock = ManualClock(T0)
+    config = cfg(redis_server.url)
+    a, b = open_store(stores, config, clock), open_store(stores, config, clock)
+    lim = limits(base=10, kv=100, tpm=None, guarantees={})
+    held = await a.admit(plan(80, lim), T0)
+    assert isinstance(held, Grant)
+    refused = await b.admit(waiting(plan(30, lim)), T0)
+    assert isinstance(refused, Refusal) and refused.budget is Budget.KV
+    r = redis_sync.Redis.from_url(redis_server.url)
+    st, want = f"{config.key_prefix}{{p}}:st", f"w:{b.replica_id}"
+    assert isinstance(await b.admit(waiting(plan(10, lim)), T0), Grant)
+    assert r.hget(st, want).split()[1] == b"30"
+    a.settle(held, 80, T0 + 0.01)
+    await a.flush()
+    assert isinstance(await b.admit(waiting(plan(30, lim)), T0 + 0.01), Grant)
+    assert r.hget(st, want) is None
 
 
 async def test_a_request_answered_with_a_429_at_once_leaves_no_want(stores, redis_server):
@@ -237,7 +260,8 @@ def test_the_admit_script_shares_slots_as_the_python_rule(redis_server, ops: lis
                         assert isinstance(got, Refusal) and got.budget is Budget.SLOTS, (got, leases, wanting)
                     else:
                         assert isinstance(got, Grant), (got, leases, wanting)
-                        wanting.pop(me, None)
+                        if met(wanting.get(me), tokens):
+                            wanting.pop(me)
                         live.append((got, who))
                 elif op[0] == "settle" and live:
                     g, who = live.pop(op[1] % len(live))
