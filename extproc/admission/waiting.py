@@ -72,7 +72,6 @@ class BoundedWait:
         w.behind = behind
         p.loop = loop
         p.queue.push(w)
-        p.blocks.shared_nodes = self._nodes_shared()
         p.blocks.note(w, refusal)
         self._schedule(p, now)
         try:
@@ -85,11 +84,6 @@ class BoundedWait:
                 if isinstance(got, Lease):
                     got.abandon()
             raise
-
-    def _nodes_shared(self) -> bool:
-        """_nodes_shared says whether other replicas take room on the nodes now (``waitqueue``)."""
-        store = self._decide.store
-        return store.shares_nodes and store.replicas > 1
 
     def _resolve(self, p: PoolControl, w: Waiter, result: Lease | Rejection) -> None:
         """_resolve ends waiter ``w`` with ``result`` (a lease nobody takes any more is abandoned)."""
@@ -153,15 +147,12 @@ class BoundedWait:
         refused first; its driver answers each (waiter, plan) it yields for the store."""
         self._expire(p, now)
         p.blocks.reset()
-        p.blocks.shared_nodes = self._nodes_shared()
         return serve(p.queue, partial(self._prepare, p, now), partial(self._served, p, now))
 
     def _prepare(self, p: PoolControl, now: float, w: Waiter) -> Plan | Step:
         """_prepare is the plan to try for waiter ``w``, or the Step when it needs no try."""
         if w.future.done():  # cancelled; its task has not run its handler yet
             p.queue.remove(w)
-            return Step.NEXT
-        if p.blocks.no_room(w):
             return Step.NEXT
         tenants = self._decide.tenants
         cls = tenants.class_rule(w.demand.class_name)

@@ -11,15 +11,9 @@ capacity and for its turn among its class's tenants (below), never behind an end
 stream of small ones. One exception: a waiter larger than the
 KV budget, its class's KV ceiling or the pool's bucket *at the current scale* (it fits
 only once the scale recovers) blocks nobody, since holding the others back would not
-bring the recovery sooner. Another: while other replicas take room on the same nodes (a
-store that ``shares_nodes``, more than one replica live), a waiter that no node has room
-for stops nobody. The other replicas do not see this queue and take the room a stop
-would gather for it, so the stop would only keep this replica's smaller waiters idle
-beside room they fit in (measured: bench/results/replicas-experiments.md). Within the
-walk, its class's later waiters of at least its tokens need no try: no node has room
-for them either, prefix credit aside. ``Blocks`` keeps what the last walk stopped on
-(arrivals may not jump it) and says when to walk again; ``serve`` is the walk itself,
-written once for the in-process store and for a store that answers asynchronously.
+bring the recovery sooner. ``Blocks`` keeps what the last walk stopped on (arrivals may
+not jump it) and says when to walk again; ``serve`` is the walk itself, written once for
+the in-process store and for a store that answers asynchronously.
 
 Waiters added or removed while a walk is under way (the walk may suspend on a shared
 store) take effect when it ends; a removed waiter is never yielded.
@@ -350,33 +344,21 @@ class Blocks:
 
     ``stop``: (priority, refusal) of the waiter the walk stopped at (None: it did not
     stop); ``tenants``: per tenant, the refusal of its first waiter by its own bucket;
-    ``classes``: per class, that of its first waiter by the class's KV watermark;
-    ``no_node``: per class, the fewest tokens of a waiter no node had room for while
-    ``shared_nodes`` (other replicas take room on the same nodes, as the walk's driver
-    last saw; module doc).
+    ``classes``: per class, that of its first waiter by the class's KV watermark.
     """
 
-    __slots__ = ("stop", "tenants", "classes", "no_node", "shared_nodes")
+    __slots__ = ("stop", "tenants", "classes")
 
     def __init__(self) -> None:
         self.stop: tuple[int, Refusal] | None = None
         self.tenants: dict[str, Refusal] = {}
         self.classes: dict[str, Refusal] = {}
-        self.no_node: dict[str, int] = {}
-        self.shared_nodes = False
 
     def reset(self) -> None:
         """reset forgets the last walk (a new one begins)."""
         self.stop = None
         self.tenants.clear()
         self.classes.clear()
-        self.no_node.clear()
-
-    def no_room(self, w: Waiter) -> bool:
-        """no_room says whether waiter ``w`` needs no try in this walk: an earlier waiter of
-        its class with no more tokens found no node with room (nodes shared; module doc)."""
-        least = self.no_node.get(w.demand.class_name)
-        return least is not None and w.demand.tokens >= least
 
     def note(self, w: Waiter, refusal: Refusal) -> Step:
         """note records what waiter ``w``'s refusal blocks (see the module docstring) and is the
@@ -384,10 +366,6 @@ class Blocks:
         b = refusal.budget
         if b in _SCALED and refusal.needed > refusal.limit:
             return Step.NEXT  # above the budget's scaled size: see _SCALED
-        if b is Budget.NODE_KV and self.shared_nodes:
-            d = w.demand
-            self.no_node[d.class_name] = min(d.tokens, self.no_node.get(d.class_name, d.tokens))
-            return Step.NEXT
         if b in _STOPS:
             if self.stop is None or w.priority > self.stop[0]:
                 self.stop = (w.priority, refusal)

@@ -54,11 +54,6 @@ class Store(ABC):
     shared: bool = False
     shares_nodes: bool = False
 
-    @property
-    def replicas(self) -> int:
-        """replicas is how many replicas share the store as last seen, this one included."""
-        return 1
-
     @abstractmethod
     async def admit(self, plan: Plan, now: float) -> Grant | Refusal:
         """admit charges every budget of ``plan`` at instant ``now`` (s) or refuses it.

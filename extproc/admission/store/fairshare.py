@@ -34,9 +34,7 @@ cost is room left free for up to one poll interval while the poorer replica take
 Ledger (``redis_ledger`` key layout, in ``P{pool}:st``): ``r:<replica>`` the replica's live
 leases (taken with the lease, given back wherever a lease leaves: settle, expiry, a dead
 replica's release), ``w:<replica>`` the store instant (s) of its latest refusal that
-wanted room and that request's KV tokens, removed when a request of the replica at least
-that large is granted (``met``: a smaller one passing it in the replica's wait, as
-``waitqueue`` lets beside other replicas, leaves the larger still wanting). The Lua in
+wanted room and that request's KV tokens, removed when it is granted. The Lua in
 ``redis_lua`` mirrors ``wants`` and ``yields``; the differential test holds them equal.
 """
 
@@ -77,10 +75,3 @@ def yields(me: str, tokens: int, leases: Mapping[str, int], wants: Mapping[str, 
     mine = leases.get(me, 0)
     return any(r != me and now - at < FAIR_WINDOW_S and need <= tokens and leases.get(r, 0) < FAIR_SLACK * mine
                for r, (at, need) in wants.items())
-
-
-def met(want: tuple[float, int] | None, tokens: int) -> bool:
-    """met says whether granting one of a replica's requests of ``tokens`` KV tokens ends its
-    ``want`` (instant, tokens of its latest wanting refusal; None: it wants nothing): the
-    granted request is at least as large as the one that wanted."""
-    return want is not None and want[1] <= tokens

@@ -825,9 +825,7 @@ if mine > 0 then
     end
   end
 end
--- fairshare.met: a grant as large as this replica's want ends it
-local own = redis.call('HGET', st, 'w:' .. me)
-if own and tonumber(args(own)[2]) <= n then redis.call('HDEL', st, 'w:' .. me) end
+redis.call('HDEL', st, 'w:' .. me)
 leases_add(st, me, 1)
 local nin = redis.call('HINCRBY', st, 'n', 1)
 redis.call('HINCRBY', st, 'c:' .. cls, 1)

@@ -73,23 +73,6 @@ def test_arrivals_may_not_jump_what_blocked_the_walk(loop):
     assert b.stop is None and not b.tenants and not b.classes and b.blocker(other, 0) is None
 
 
-def test_with_nodes_shared_a_waiter_no_node_takes_stops_nobody(loop):
-    """Beside other replicas (the store shares the nodes' room) a node refusal holds no
-    arrival back; within the walk only the later waiters of its class with at least its
-    tokens need no try."""
-    b = Blocks()
-    b.shared_nodes = True
-    big = waiter(loop)
-    assert b.note(big, refusal(Budget.NODE_KV)) is Step.NEXT
-    assert b.stop is None and b.blocker(big.demand, 0) is None
-    sized = {n: Demand(pool="default", tenant="u", class_name=c, prompt_tokens=n, reserved_completion=0)
-             for n, c in ((9, "standard"), (10, "standard"), (11, "standard"), (50, "gold"))}
-    assert [n for n, d in sized.items()
-            if b.no_room(Waiter(d, 0, T0, T0 + 30, loop.create_future(), refusal(Budget.SLOTS), PLAN))] == [10, 11]
-    b.reset()
-    assert not b.no_node
-
-
 def test_when_the_queue_is_walked_again(loop):
     q = WaitQueue()
     b = Blocks()
