@@ -482,10 +482,9 @@ class PoolNodes:
         for n in self.nodes.values():
             if n.state(now, self.stale_after_s) is not NodeState.UP:
                 continue
-            room = self.headroom(n, now)
-            if room is None:
+            if n.capacity is None:
                 continue
-            short = need - room if shared is None else shared_short(
+            short = need - (self.headroom(n, now) or 0) if shared is None else shared_short(
                 need, n, self.held(n), shared.get(n.name, 0), self.picking.reserve_fraction, horizon, now)
             t = expected_wait(now, ((c.admitted_at, self.growth.alone(c), c.reserved) for c in n.charges),
                               short, holds)
