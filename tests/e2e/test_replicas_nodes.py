@@ -200,8 +200,10 @@ def test_calls_refused_beside_the_other_replicas_requests_get_in_with_the_client
     for t in calls + holders:
         t.join(60)
     assert results == [MAX_TOKENS] * 4, (results, hints)
+    # The first four 429s answer the calls' first tries, while every node is full; a retry
+    # may be told to come back at once, as room is about to free.
     told = [int(ms) for status, ms in hints if status == 429 and ms is not None]
-    assert len(told) >= 4 and min(told) >= 500, hints
+    assert len(told) >= 4 and min(told[:4]) >= 500, hints
     assert preemptions(a) == before
     wait_until(lambda: held_in_redis(redis_srv) == (0, {}), timeout=LEASE_TTL_S + 5,
                what="Redis holding nothing")
