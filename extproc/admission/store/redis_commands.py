@@ -88,6 +88,15 @@ def read_admit(plan: Plan, lease_id: str, head: bytes) -> Grant | Refusal:
     raise ValueError(f"admit answered code {code} for a fresh lease id")
 
 
+def refused_holds(head: bytes) -> dict[str, int]:
+    """refused_holds is what a node refusal of the admit script (``read_admit``'s head) saw
+    every replica's leases hold on each candidate node (tokens; empty for any other reply)."""
+    r = head.split()
+    if len(r) < 9 or r[0] != b"0":
+        return {}
+    return {r[i].decode(): int(float(r[i + 1])) for i in range(7, len(r) - 1, 2)}
+
+
 def settle_cmd(plan: Plan, keys: Keys, lease_id: str, charged: int, now: float | None, ttl: float,
                texp: float) -> tuple[Any, ...]:
     """settle_cmd is the settle script's call for lease ``lease_id`` of ``plan``, charged

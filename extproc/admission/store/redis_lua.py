@@ -598,7 +598,9 @@ end
 # ARGV[3]: ChainLink words, or '-'. Returns "1 inflight b_tok b_cap b_rate node keys credit
 # by_affinity|view" (granted; '-' without a bucket or a node; keys: the prefix keys the lease
 # took, credit: the tokens it was charged less, by_affinity: 1 when the prefix chose the
-# node), "0 budget retry retryable needed used limit|view" (refused), "2|view" (id cancelled),
+# node), "0 budget retry retryable needed used limit [node holds]...|view" (refused; a node
+# refusal names every candidate's holds over every replica, as ``redis_ledger.node_totals``
+# reads them), "2|view" (id cancelled),
 # "3 seconds|view" (the ledger is being rebuilt after Redis lost it: no admission for that long).
 _ADMIT = _PRELUDE + r"""
 $keys
@@ -644,8 +646,10 @@ local function refused(r)
   -- fairshare.wants: a refusal for lack of room of a request that waits makes this replica
   -- want room (a 429 answered at once wants nothing)
   if waits == 1 and r[3] == 1 and WANTING[r[1]] then redis.call('HSET', st, 'w:' .. replica_of(id), fmt(now) .. ' ' .. n) end
+  local holds = ''
+  if r[7] then holds = ' ' .. r[7] end
   return '0 ' .. r[1] .. ' ' .. fmt(r[2]) .. ' ' .. r[3] .. ' ' .. fmt(r[4]) .. ' ' .. fmt(r[5]) .. ' '
-    .. fmt(r[6]) .. view(now, st, pbk, pb ~= nil)
+    .. fmt(r[6]) .. holds .. view(now, st, pbk, pb ~= nil)
 end
 -- pick_node is shared_nodes.pick_shared (rules.pick_node over every replica's holds) on
 -- the NodeArg words q: the node picked, its hold and the moments that join the node's
@@ -691,21 +695,28 @@ local function pick_node(q)
   $node
   local best, best_room, by_wm, chosen = nil, nil, false, nil
   local roomiest, roomiest_name, got, keys, blk = nil, nil, 0, 0, 0
+  -- holds: every replica's holds on each node as the refusal saw them (node_totals), so
+  -- that the refused replica's retry hint does not read them as old as its last refresh
+  local holds = {}
   $each_node
     local b, d, e, kn, x = ps_read(ps, name)
     local gone = others(name, since, idle) - x
     if gone > 0 then foreign = foreign - gone end
     if foreign < rise then foreign = rise end
     local held = tonumber(redis.call('HGET', nk, name)) or 0
+    local sharing = ps_shared(b, d, e)
     if pl then
       -- pooled growth: the footprints, and the bound of every request's growth with this one's
       local sl, sm, sv = moments_of(nm, name)
+      holds[#holds + 1] = name .. ' ' .. fmt(held + bound(sl, sm, sv, z) - sharing)
       held = held + fp + bound(sl + pl, sm + pm, sv + pv, z) - need
+    else
+      holds[#holds + 1] = name .. ' ' .. fmt(held - sharing)
     end
     -- the prompt blocks the node's leases share, and what this request shares with them
     local cr, k = credit(pk, links, name, block, b, d, e, kn)
     if cr > pt then cr = pt end
-    held = held - ps_shared(b, d, e) - cr
+    held = held - sharing - cr
     local bonus = cr
     if cached > bonus then bonus = cached end
     local eff = math.floor(cap * (1.0 - reserve))
@@ -733,7 +744,7 @@ local function pick_node(q)
   local r = best_room or 0
   local budget = B_NODE_KV
   if by_wm then budget = B_CLASS_KV end
-  return nil, 0, {budget, est, 1, need, r, r}
+  return nil, 0, {budget, est, 1, need, r, r, table.concat(holds, ' ')}
 end
 local function wait_for(tokens, cap, rate)
   if n <= tokens + FIT then return 0 end

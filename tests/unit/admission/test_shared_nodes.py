@@ -498,6 +498,57 @@ async def test_a_node_refusals_retry_hint_counts_every_replicas_holds(redis_serv
         await b.close()
 
 
+async def test_a_node_refusals_retry_hint_reads_the_holds_the_refusal_saw(redis_server):
+    """The holds a refused replica last refreshed can be older than another replica's
+    admissions: b takes 5,000 of n0's 10,000 after a's refresh, which read a's 2,500 alone.
+    By that reading a request of 5,000 fits now, and its client would spend its retries in
+    the first second; the admit script's refusal carries the holds it saw, so the hint is
+    the one of the shared holds: a's holder frees its third of what is missing when it
+    ends, 5 s on."""
+    clock = ManualClock(T0)
+    config = one_node_config(10_000)
+    shared = cfg(redis_server.url)
+    sa, sb = RedisStore(shared, clock=clock), RedisStore(shared, clock=clock)
+    a, b = Admission(config, clock, sa, rand=no_jitter), Admission(config, clock, sb, rand=no_jitter)
+    held: list[Lease] = []
+    try:
+        for s in (sa, sb):
+            s.know_pools(["default"])
+
+        def report() -> None:
+            for adm in (a, b):
+                adm.report_node("default", "n0", NodeReport(kv_usage=0.0, capacity_tokens=10_000, at=clock.now()))
+
+        report()
+        for _ in range(4):                      # a learns its holds: 8 s each
+            x = await a.acquire(want(2000, 500))
+            assert isinstance(x, Lease)
+            clock.advance(8.0)
+            report()
+            x.release(Outcome.COMPLETED, 10)
+        await sa.flush()
+        x = await a.acquire(want(2000, 500))
+        assert isinstance(x, Lease)
+        held.append(x)
+        clock.advance(3.0)
+        report()
+        assert await sa.refresh()               # a reads its own 2,500 on n0...
+        assert sa.node_holds("default") == {"n0": 2500}
+        for _ in range(2):                      # ...then b takes 5,000 more
+            x = await b.acquire(want(2000, 500))
+            assert isinstance(x, Lease)
+            held.append(x)
+        r = await a.acquire(want(4000, 1000))
+        assert isinstance(r, Rejection) and r.reason is Reason.KV_BUDGET
+        assert sa.node_holds("default") == {"n0": 7500}
+        assert r.retry_after_s == pytest.approx(5.0)
+    finally:
+        for x in held:
+            x.release(Outcome.COMPLETED, 1)
+        await a.close()
+        await b.close()
+
+
 async def test_another_replicas_requests_in_a_report_are_not_counted_twice(redis_server):
     """b's three requests are in the node's report a reads and in the shared holds: a counts
     them once and admits the fourth that fits (10,000 - 3 x 2,500 = 2,500). Counted twice
@@ -861,6 +912,12 @@ async def test_two_replicas_pool_their_growth_as_one_replica_does(redis_server):
     try:
         held = await _fill([a, b], clock)
         assert len(held) == n_alone
+        # the refusal's holds (for the hint) are what a refresh reads: the bound of them all
+        refused = (a, b)[len(held) % 2].store
+        assert isinstance(refused, RedisStore)
+        seen = dict(refused.node_holds("default") or {})
+        assert await refused.refresh()
+        assert seen == refused.node_holds("default") and seen["n0"] > 0
         assert {x.node for x in held} == {"127.0.0.1:8001"}
         raw = config.pools["default"].picking
         learned = Admission(parse_config({"pools": {"default": {
