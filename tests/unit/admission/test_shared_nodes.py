@@ -10,7 +10,10 @@ Instants come from manual clocks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
+from collections.abc import AsyncIterator, Callable
+from typing import NamedTuple
 
 import pytest
 import redis as redis_sync
@@ -451,13 +454,21 @@ async def _two_replicas_one_full(redis_server, seen_by_b: str):
     return a, b, held, fourth
 
 
-async def test_a_node_refusals_retry_hint_counts_every_replicas_holds(redis_server):
-    """Beside another replica, a refused client is told when room is expected back on the
-    node as every replica holds it. a's requests held their node 8 s each; b holds 5,000
-    of n0's 10,000 and a 2,500, 3 s in. a's reading alone shows 7,500 free, so a request
-    of 5,000 would be told to come back at once; the shared holds leave 2,500, and a's
-    holder, a third of them, is taken to free its third of what is missing: when it ends,
-    5 s on."""
+class _HintPair(NamedTuple):
+    """_HintPair is two replicas a and b over one node n0 of 10,000 tokens, a having learned
+    that its requests hold the node 8 s each; ``report`` hands both a report of n0 empty;
+    ``held`` are the leases the test takes (released at the end)."""
+
+    clock: ManualClock
+    a: Admission
+    b: Admission
+    sa: RedisStore
+    report: Callable[[], None]
+    held: list[Lease]
+
+
+@contextlib.asynccontextmanager
+async def _hint_pair(redis_server) -> AsyncIterator[_HintPair]:
     clock = ManualClock(T0)
     config = one_node_config(10_000)
     shared = cfg(redis_server.url)
@@ -480,22 +491,38 @@ async def test_a_node_refusals_retry_hint_counts_every_replicas_holds(redis_serv
             report()
             x.release(Outcome.COMPLETED, 10)
         await sa.flush()
-        for adm, n in ((b, 2), (a, 1)):
-            for _ in range(n):
-                x = await adm.acquire(want(2000, 500))
-                assert isinstance(x, Lease)
-                held.append(x)
-        clock.advance(3.0)
-        report()
-        assert await sa.refresh()               # a reads every replica's holds: 7,500 on n0
-        r = await a.acquire(want(4000, 1000))
-        assert isinstance(r, Rejection) and r.reason is Reason.KV_BUDGET
-        assert r.retry_after_s == pytest.approx(5.0)
+        yield _HintPair(clock, a, b, sa, report, held)
     finally:
         for x in held:
             x.release(Outcome.COMPLETED, 1)
         await a.close()
         await b.close()
+
+
+async def _take(adm: Admission, n: int, held: list[Lease]) -> None:
+    """_take admits ``n`` requests of 2,000 prompt tokens and 500 reserved through ``adm``."""
+    for _ in range(n):
+        x = await adm.acquire(want(2000, 500))
+        assert isinstance(x, Lease)
+        held.append(x)
+
+
+async def test_a_node_refusals_retry_hint_counts_every_replicas_holds(redis_server):
+    """Beside another replica, a refused client is told when room is expected back on the
+    node as every replica holds it. a's requests held their node 8 s each; b holds 5,000
+    of n0's 10,000 and a 2,500, 3 s in. a's reading alone shows 7,500 free, so a request
+    of 5,000 would be told to come back at once; the shared holds leave 2,500, and a's
+    holder, a third of them, is taken to free its third of what is missing: when it ends,
+    5 s on."""
+    async with _hint_pair(redis_server) as t:
+        await _take(t.b, 2, t.held)
+        await _take(t.a, 1, t.held)
+        t.clock.advance(3.0)
+        t.report()
+        assert await t.sa.refresh()             # a reads every replica's holds: 7,500 on n0
+        r = await t.a.acquire(want(4000, 1000))
+        assert isinstance(r, Rejection) and r.reason is Reason.KV_BUDGET
+        assert r.retry_after_s == pytest.approx(5.0)
 
 
 async def test_a_node_refusals_retry_hint_reads_the_holds_the_refusal_saw(redis_server):
@@ -505,48 +532,17 @@ async def test_a_node_refusals_retry_hint_reads_the_holds_the_refusal_saw(redis_
     the first second; the admit script's refusal carries the holds it saw, so the hint is
     the one of the shared holds: a's holder frees its third of what is missing when it
     ends, 5 s on."""
-    clock = ManualClock(T0)
-    config = one_node_config(10_000)
-    shared = cfg(redis_server.url)
-    sa, sb = RedisStore(shared, clock=clock), RedisStore(shared, clock=clock)
-    a, b = Admission(config, clock, sa, rand=no_jitter), Admission(config, clock, sb, rand=no_jitter)
-    held: list[Lease] = []
-    try:
-        for s in (sa, sb):
-            s.know_pools(["default"])
-
-        def report() -> None:
-            for adm in (a, b):
-                adm.report_node("default", "n0", NodeReport(kv_usage=0.0, capacity_tokens=10_000, at=clock.now()))
-
-        report()
-        for _ in range(4):                      # a learns its holds: 8 s each
-            x = await a.acquire(want(2000, 500))
-            assert isinstance(x, Lease)
-            clock.advance(8.0)
-            report()
-            x.release(Outcome.COMPLETED, 10)
-        await sa.flush()
-        x = await a.acquire(want(2000, 500))
-        assert isinstance(x, Lease)
-        held.append(x)
-        clock.advance(3.0)
-        report()
-        assert await sa.refresh()               # a reads its own 2,500 on n0...
-        assert sa.node_holds("default") == {"n0": 2500}
-        for _ in range(2):                      # ...then b takes 5,000 more
-            x = await b.acquire(want(2000, 500))
-            assert isinstance(x, Lease)
-            held.append(x)
-        r = await a.acquire(want(4000, 1000))
+    async with _hint_pair(redis_server) as t:
+        await _take(t.a, 1, t.held)
+        t.clock.advance(3.0)
+        t.report()
+        assert await t.sa.refresh()             # a reads its own 2,500 on n0...
+        assert t.sa.node_holds("default") == {"n0": 2500}
+        await _take(t.b, 2, t.held)             # ...then b takes 5,000 more
+        r = await t.a.acquire(want(4000, 1000))
         assert isinstance(r, Rejection) and r.reason is Reason.KV_BUDGET
-        assert sa.node_holds("default") == {"n0": 7500}
+        assert t.sa.node_holds("default") == {"n0": 7500}
         assert r.retry_after_s == pytest.approx(5.0)
-    finally:
-        for x in held:
-            x.release(Outcome.COMPLETED, 1)
-        await a.close()
-        await b.close()
 
 
 async def test_another_replicas_requests_in_a_report_are_not_counted_twice(redis_server):
