@@ -360,14 +360,15 @@ class NodePass:
 
 def pick_node(candidates: Sequence[tuple[str, int | None, int, int]], need: int,
               reserve_fraction: float, watermark: float,
-              affinity: Mapping[str, int] | None = None) -> NodePass:
+              affinity: Mapping[str, int] | None = None, last: frozenset[str] = frozenset()) -> NodePass:
     """pick_node picks, among candidate nodes, the one with the most room that fits ``need``.
 
     Each candidate is (name, capacity, foreign, held) in tokens, in a stable order (ties
     go to the first, so callers order by preference). A node fits when ``need`` is within
     its headroom and, for a ``watermark`` w' < 1 (``node_watermark`` of the class's), within
     floor(w' x effective capacity) - foreign - held. ``affinity``: tokens added to a node's room when ranking the nodes that
-    fit, never when fitting (a prefix cached there; missing: 0). Nothing is changed.
+    fit, never when fitting (a prefix cached there; missing: 0). ``last``: nodes chosen only
+    when no other fits (``choose_node``). Nothing is changed.
     """
     rooms = []
     for name, capacity, foreign, held in candidates:
@@ -376,21 +377,24 @@ def pick_node(candidates: Sequence[tuple[str, int | None, int, int]], need: int,
         class_room = None if watermark >= 1.0 else \
             math.floor(watermark * effective_capacity(capacity, reserve_fraction)) - foreign - held
         rooms.append((name, node_headroom(capacity, reserve_fraction, foreign, held), class_room))
-    return choose_node(rooms, need, affinity)
+    return choose_node(rooms, need, affinity, last)
 
 
 def choose_node(rooms: Iterable[tuple[str, int, int | None]], need: int,
-                affinity: Mapping[str, int] | None = None) -> NodePass:
+                affinity: Mapping[str, int] | None = None, last: frozenset[str] = frozenset()) -> NodePass:
     """choose_node picks the node with the most room that fits ``need`` (tokens): the walk of
     every per-node rule, whatever works out each node's room.
 
     Each entry is (name, room, class_room) in tokens, in order of preference (ties go to
     the first): ``room`` the node's room for one more request, ``class_room`` its room
     within the class's watermark (None: no watermark). ``affinity``: see ``pick_node``.
-    Nothing is changed.
+    ``last``: nodes chosen only when no other fits (where another replica's waiting request
+    gathers room, ``store.fairshare``). Nothing is changed.
     """
     verdict = NodePass(chosen=None, need=need)
     best: int | None = None
+    last_best: tuple[int, str] | None = None
+    last_roomiest: tuple[int, str] | None = None
     roomiest: tuple[int, str] | None = None
     for name, room, class_room in rooms:
         if verdict.best_room is None or room > verdict.best_room:
@@ -402,11 +406,19 @@ def choose_node(rooms: Iterable[tuple[str, int, int | None]], need: int,
             verdict.passed.append((name, "class_watermark"))
             verdict.by_watermark = True
             continue
-        if roomiest is None or room > roomiest[0]:
-            roomiest = (room, name)
         score = room + (affinity.get(name, 0) if affinity else 0)
         verdict.fitting.append((score, name))
+        if name in last:
+            if last_roomiest is None or room > last_roomiest[0]:
+                last_roomiest = (room, name)
+            if last_best is None or score > last_best[0]:
+                last_best = (score, name)
+            continue
+        if roomiest is None or room > roomiest[0]:
+            roomiest = (room, name)
         if best is None or score > best:
             best, verdict.chosen = score, name
+    if verdict.chosen is None and last_best is not None:
+        verdict.chosen, roomiest = last_best[1], last_roomiest
     verdict.by_affinity = roomiest is not None and verdict.chosen != roomiest[1]
     return verdict

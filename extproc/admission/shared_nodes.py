@@ -176,7 +176,8 @@ def others_seen(gens: Mapping[str, SeenGen], me: str, node: str, since: float | 
 
 def pick_shared(ask: NodeAsk, held: Mapping[str, int], others: Mapping[str, int] | None = None,
                 sums: Mapping[str, Sums] | None = None,
-                prefixes: Mapping[str, SharedPrefixes] | None = None) -> rules.NodePass:
+                prefixes: Mapping[str, SharedPrefixes] | None = None,
+                last: frozenset[str] = frozenset()) -> rules.NodePass:
     """pick_shared is ``rules.pick_node`` over ``ask``'s candidates with ``held`` (tokens per
     node, every replica's requests; missing: 0) in place of this replica's own holds, and
     each node's foreign KV less ``others`` (tokens per node, ``others_seen``; missing: 0)
@@ -192,6 +193,9 @@ def pick_shared(ask: NodeAsk, held: Mapping[str, int], others: Mapping[str, int]
     ranked by its credit or what this replica saw cached there, at ``ask.affinity``, as
     ``nodes.PoolNodes.pick`` does with its own.
 
+    ``last``: the nodes where other replicas' waiting requests gather room, taken only when
+    no other fits (``fairshare.gathering``).
+
     This is the rule the Redis admit script applies; the differential test holds them equal.
     """
     rows = []
@@ -199,8 +203,7 @@ def pick_shared(ask: NodeAsk, held: Mapping[str, int], others: Mapping[str, int]
     affinity: dict[str, int] = {}
     for c in ask.candidates:
         shared = (prefixes or {}).get(c.name)
-        gone = (others or {}).get(c.name, 0) - (shared.cross if shared is not None else 0)
-        foreign = max(c.rise, c.foreign - max(0, gone))
+        foreign = _foreign(c, others, shared)
         on = held.get(c.name, 0)
         if p is not None:
             left, mean, var = (sums or {}).get(c.name, (0, 0.0, 0.0))
@@ -213,7 +216,30 @@ def pick_shared(ask: NodeAsk, held: Mapping[str, int], others: Mapping[str, int]
         if bonus:
             affinity[c.name] = math.floor(bonus * ask.affinity)
         rows.append((c.name, c.cap, foreign, on))
-    return rules.pick_node(rows, ask.need, ask.reserve_fraction, ask.watermark, affinity)
+    return rules.pick_node(rows, ask.need, ask.reserve_fraction, ask.watermark, affinity, last)
+
+
+def _foreign(c: Candidate, others: Mapping[str, int] | None, shared: SharedPrefixes | None) -> int:
+    """_foreign is candidate ``c``'s foreign KV less ``others`` beyond the node's ``cross``,
+    never below its rise (``pick_shared``)."""
+    gone = (others or {}).get(c.name, 0) - (shared.cross if shared is not None else 0)
+    return max(c.rise, c.foreign - max(0, gone))
+
+
+def room_bases(ask: NodeAsk, others: Mapping[str, int] | None = None,
+               prefixes: Mapping[str, SharedPrefixes] | None = None) -> tuple[tuple[str, int], ...]:
+    """room_bases is, per candidate of ``ask``, the room ``pick_shared`` reads there before any
+    lease's hold (tokens): the effective capacity, or the class's share of it where the
+    watermark is lower, less the foreign KV. A node refusal's want keeps them
+    (``fairshare.Want``): the other replicas read there where its request is closest to
+    fitting."""
+    out = []
+    for c in ask.candidates:
+        limit = rules.effective_capacity(c.cap, ask.reserve_fraction)
+        if ask.watermark < 1.0:
+            limit = min(limit, math.floor(ask.watermark * limit))
+        out.append((c.name, limit - _foreign(c, others, (prefixes or {}).get(c.name))))
+    return tuple(out)
 
 
 def pick_within(ask: NodeAsk, free: Mapping[str, int] | None) -> rules.NodePass:

@@ -26,6 +26,22 @@ the room. A request answered with a 429 at once never comes back for it: had it 
 room, the other replicas would have left the room empty for the window (seen: the
 replicas' end-to-end test of the global limit failed under load).
 
+A want for node room gathers room on one node, by placement first. The refused request
+records its hold and, per node, the room its replica read there before any hold
+(``Want``); its ``target`` is the node where that room less every replica's holds now is
+the largest, where it is closest to fitting. A replica that defers to it (``deferred``)
+places its own request elsewhere when any other node fits it (``gathering``: those nodes
+are taken last, ``rules.choose_node``), and yields only when the target is the one node
+its request fits. Yielding wherever the wanted request was no larger left room empty for
+nothing: each replica reads a node by its own scrape, the poorer one fuller (it counts
+more of the others' unpublished requests as foreign KV; by 4,500-6,300 tokens a node in
+the replicas bench), so the room left was seldom room it could take (412 yields in a
+three-replica run, followed by the wanting replica's grant within one poll 22 times).
+Leaving room only where the poorer replica reads that it fits (tried: branches ``seat``
+and ``fair-rooms``) took the hand-overs away but left the poorer replica's large requests
+to time out, and the 429 split failed; gathering keeps the hand-over where it builds the
+room, and costs nothing where another node takes the request.
+
 As Netflix's partitions, the shares are enforced only when the pool is full (someone was
 refused), and nothing is held for a replica that does not ask. Unlike a quota it never
 refuses a request that the pool's budgets and no other replica's wish would refuse: the
@@ -34,13 +50,15 @@ cost is room left free for up to one poll interval while the poorer replica take
 Ledger (``redis_ledger`` key layout, in ``P{pool}:st``): ``r:<replica>`` the replica's live
 leases (taken with the lease, given back wherever a lease leaves: settle, expiry, a dead
 replica's release), ``w:<replica>`` the store instant (s) of its latest refusal that
-wanted room and that request's KV tokens, removed when it is granted. The Lua in
-``redis_lua`` mirrors ``wants`` and ``yields``; the differential test holds them equal.
+wanted room and that request's KV tokens (for a node refusal, then its hold and its
+``node room`` pairs), removed when it is granted. The Lua in ``redis_lua`` mirrors
+``wants``, ``deferred``, ``target`` and ``yields``; the differential tests hold them equal.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import NamedTuple
 
 from extproc.admission.types import Budget
 
@@ -65,13 +83,54 @@ def wants(budget: Budget, retryable: bool, waits: bool) -> bool:
     return waits and retryable and budget in WANTING
 
 
-def yields(me: str, tokens: int, leases: Mapping[str, int], wants: Mapping[str, tuple[float, int]],
-           now: float) -> bool:
-    """yields says whether replica ``me`` must leave the room a request of ``tokens`` KV tokens
-    would take at store instant ``now`` (s) to another: some other replica wanted room less
-    than FAIR_WINDOW_S ago for a request of no more tokens (``wants``: replica -> (instant,
-    tokens) of its latest wanting refusal) and holds fewer live leases than FAIR_SLACK
-    times ``me``'s (``leases``: replica -> live leases; missing: none)."""
+class Want(NamedTuple):
+    """Want is a replica's latest refusal that wants room (``wants``): its store instant (s)
+    and its request's KV tokens; for a node refusal also the request's node hold (``need``,
+    tokens) and, per candidate node, the room its reading left there before any lease's hold
+    (``bases``: ``shared_nodes.room_bases``; empty for a refusal of slots or pool KV)."""
+
+    at: float
+    tokens: int
+    need: int = 0
+    bases: tuple[tuple[str, int], ...] = ()
+
+
+def deferred(me: str, tokens: int, leases: Mapping[str, int], wants: Mapping[str, Want],
+             now: float) -> list[Want]:
+    """deferred is the wants replica ``me`` defers to with a request of ``tokens`` KV tokens at
+    store instant ``now`` (s): another replica's, less than FAIR_WINDOW_S old, for a request
+    of no more tokens, of a replica that holds fewer live leases than FAIR_SLACK times
+    ``me``'s (``leases``: replica -> live leases; missing: none)."""
     mine = leases.get(me, 0)
-    return any(r != me and now - at < FAIR_WINDOW_S and need <= tokens and leases.get(r, 0) < FAIR_SLACK * mine
-               for r, (at, need) in wants.items())
+    return [w for r, w in wants.items()
+            if r != me and now - w.at < FAIR_WINDOW_S and w.tokens <= tokens and leases.get(r, 0) < FAIR_SLACK * mine]
+
+
+def target(want: Want, held: Mapping[str, int]) -> str | None:
+    """target is the node a node want gathers room on: where its request is closest to fitting
+    by its replica's reading over every replica's holds now (``held``, per node; a node
+    missing is not read); None for a want of slots or pool KV, or none read."""
+    best: tuple[int, str] | None = None
+    for name, base in want.bases:
+        h = held.get(name)
+        if h is not None and (best is None or base - h > best[0]):
+            best = (base - h, name)
+    return None if best is None else best[1]
+
+
+def gathering(waits_for: list[Want], held: Mapping[str, int]) -> frozenset[str]:
+    """gathering is the nodes the wants ``waits_for`` (``deferred``) gather room on: this
+    replica's request takes one of them only when no other node fits it."""
+    return frozenset(t for w in waits_for if (t := target(w, held)) is not None)
+
+
+def yields(me: str, tokens: int, leases: Mapping[str, int], wants: Mapping[str, Want], now: float,
+           held: Mapping[str, int] | None = None, node: str | None = None) -> bool:
+    """yields says whether replica ``me`` must leave the room a request of ``tokens`` KV tokens
+    would take at store instant ``now`` (s), placed on ``node`` (None: no node), to another:
+    it defers to a want (``deferred``) of slots or pool KV, or to a node want whose room
+    gathers on ``node`` (``target`` over every replica's holds now, ``held``; or on no node
+    this replica reads)."""
+    held = held or {}
+    return any(not w.bases or (t := target(w, held)) is None or t == node
+               for w in deferred(me, tokens, leases, wants, now))

@@ -6,7 +6,8 @@ one Redis Cluster slot and one script may touch them all):
 =========================  ======  ==========================================================
 ``P{pool}:st``             hash    ``n`` slots in use, ``kv`` in-flight KV tokens, ``c:<class>`` slots per class,
                                    ``r:<replica>`` live leases per replica and ``w:<replica>`` the instant and
-                                   tokens of its latest refusal that wants room (``fairshare.wants``)
+                                   tokens of its latest refusal that wants room (``fairshare.wants``; for a
+                                   node refusal then the hold and ``node room`` pairs, ``fairshare.Want``)
 ``P{pool}:lz``             zset    lease id -> expiry (s, store time)
 ``P{pool}:lh``             hash    lease id -> ``<class>\\t<tokens>[\\t<node>\\t<hold>\\t<round>\\t<fn>\\t<fo>[\\t<l>\\t<m>\\t<v>]]``:
                                    what the lease holds, what it adds to its replica's newest

@@ -645,7 +645,11 @@ local function refused(r)
   save()
   -- fairshare.wants: a refusal for lack of room of a request that waits makes this replica
   -- want room (a 429 answered at once wants nothing)
-  if waits == 1 and r[3] == 1 and WANTING[r[1]] then redis.call('HSET', st, 'w:' .. replica_of(id), fmt(now) .. ' ' .. n) end
+  if waits == 1 and r[3] == 1 and WANTING[r[1]] then
+    local w = fmt(now) .. ' ' .. n
+    if r[8] then w = w .. ' ' .. r[8] end
+    redis.call('HSET', st, 'w:' .. replica_of(id), w)
+  end
   local holds = ''
   if r[7] then holds = ' ' .. r[7] end
   return '0 ' .. r[1] .. ' ' .. fmt(r[2]) .. ' ' .. r[3] .. ' ' .. fmt(r[4]) .. ' ' .. fmt(r[5]) .. ' '
@@ -657,6 +661,38 @@ end
 -- others is shared_nodes.others_seen: what the other replicas' leases on node that a
 -- report with mark instant since (nil: none) saw in the cache still hold there.
 local me, gens = replica_of(id), nil
+-- fairshare: the wants this replica defers to (another replica's, recent, for a request no
+-- larger than this one, of a replica holding fewer leases), read before the pick
+local mine = tonumber(redis.call('HGET', st, 'r:' .. me)) or 0
+local deferred = {}
+if mine > 0 then
+  local h = redis.call('HGETALL', st)
+  for i = 1, #h, 2 do
+    local f = h[i]
+    if string.sub(f, 1, 2) == 'w:' then
+      local who, w = string.sub(f, 3), args(h[i + 1])
+      if now - tonumber(w[1]) >= FAIR_S then redis.call('HDEL', st, f)
+      elseif who ~= me and tonumber(w[2]) <= n and (tonumber(redis.call('HGET', st, 'r:' .. who)) or 0) < FAIR_SLACK * mine then
+        deferred[#deferred + 1] = w
+      end
+    end
+  end
+end
+-- target is the node a node want is closest to fitting by its reading over every
+-- replica's holds now (held_at), nil for a want of slots or pool KV
+local held_at = {}
+local function target(w)
+  if #w <= 2 then return nil end
+  local t, tr = nil, nil
+  for i = 4, #w - 1, 2 do
+    local h = held_at[w[i]]
+    if h then
+      local r = tonumber(w[i + 1]) - h
+      if tr == nil or r > tr then t, tr = w[i], r end
+    end
+  end
+  return t
+end
 local function others(node, since, idle)
   if since == nil then return 0 end
   if gens == nil then gens = redis.call('HGETALL', sr) end
@@ -698,6 +734,8 @@ local function pick_node(q)
   -- holds: every replica's holds on each node as the refusal saw them (node_totals), so
   -- that the refused replica's retry hint does not read them as old as its last refresh
   local holds = {}
+  local bases = {}
+  local fitting = {}
   $each_node
     local b, d, e, kn, x = ps_read(ps, name)
     local gone = others(name, since, idle) - x
@@ -708,11 +746,12 @@ local function pick_node(q)
     if pl then
       -- pooled growth: the footprints, and the bound of every request's growth with this one's
       local sl, sm, sv = moments_of(nm, name)
-      holds[#holds + 1] = name .. ' ' .. fmt(held + bound(sl, sm, sv, z) - sharing)
+      held_at[name] = held + bound(sl, sm, sv, z) - sharing
       held = held + fp + bound(sl + pl, sm + pm, sv + pv, z) - need
     else
-      holds[#holds + 1] = name .. ' ' .. fmt(held - sharing)
+      held_at[name] = held - sharing
     end
+    holds[#holds + 1] = name .. ' ' .. fmt(held_at[name])
     -- the prompt blocks the node's leases share, and what this request shares with them
     local cr, k = credit(pk, links, name, block, b, d, e, kn)
     if cr > pt then cr = pt end
@@ -722,17 +761,39 @@ local function pick_node(q)
     local eff = math.floor(cap * (1.0 - reserve))
     if eff < 0 then eff = 0 end
     local room = eff - foreign - held
+    local lim = eff
+    if wm < 1.0 and math.floor(wm * eff) < lim then lim = math.floor(wm * eff) end
+    bases[#bases + 1] = name .. ' ' .. fmt(lim - foreign)
     if best_room == nil or room > best_room then best_room = room end
     if need > room then
       -- no room
     elseif wm < 1.0 and foreign + held + need > math.floor(wm * eff) then
       by_wm = true
     else
-      if roomiest == nil or room > roomiest then roomiest, roomiest_name = room, name end
       local score = room
       if bonus > 0 then score = room + math.floor(bonus * aff) end
-      if best == nil or score > best then best, chosen, got, keys, blk = score, name, cr, k, block end
+      fitting[#fitting + 1] = {score, name, cr, k, block, room}
     end
+  end
+  -- the nodes the deferred wants gather room on are taken last
+  local avoid = {}
+  for _, w in ipairs(deferred) do
+    local t = target(w)
+    if t then avoid[t] = true end
+  end
+  local best_avoided, roomiest_avoided = nil, nil
+  for _, f in ipairs(fitting) do
+    if avoid[f[2]] then
+      if best_avoided == nil or f[1] > best_avoided[1] then best_avoided = f end
+      if roomiest_avoided == nil or f[6] > roomiest_avoided[6] then roomiest_avoided = f end
+    else
+      if roomiest == nil or f[6] > roomiest then roomiest, roomiest_name = f[6], f[2] end
+      if best == nil or f[1] > best then best, chosen, got, keys, blk = f[1], f[2], f[3], f[4], f[5] end
+    end
+  end
+  if chosen == nil and best_avoided then
+    best, chosen, got, keys, blk = best_avoided[1], best_avoided[2], best_avoided[3], best_avoided[4], best_avoided[5]
+    roomiest_name = roomiest_avoided[2]
   end
   if chosen then
     local by_aff = 0
@@ -744,7 +805,7 @@ local function pick_node(q)
   local r = best_room or 0
   local budget = B_NODE_KV
   if by_wm then budget = B_CLASS_KV end
-  return nil, 0, {budget, est, 1, need, r, r, table.concat(holds, ' ')}
+  return nil, 0, {budget, est, 1, need, r, r, table.concat(holds, ' '), fmt(need) .. ' ' .. table.concat(bases, ' ')}
 end
 local function wait_for(tokens, cap, rate)
   if n <= tokens + FIT then return 0 end
@@ -821,19 +882,12 @@ if refusal then return refused(refusal) end
 -- fairshare.yields: another replica wanted room lately for a request no larger than this
 -- one and holds fewer leases: this one leaves the room to it (refused as slots, retryable;
 -- it wants nothing)
-local mine = tonumber(redis.call('HGET', st, 'r:' .. me)) or 0
-if mine > 0 then
-  local h = redis.call('HGETALL', st)
-  for i = 1, #h, 2 do
-    local f = h[i]
-    if string.sub(f, 1, 2) == 'w:' then
-      local who, w = string.sub(f, 3), args(h[i + 1])
-      if now - tonumber(w[1]) >= FAIR_S then redis.call('HDEL', st, f)
-      elseif who ~= me and tonumber(w[2]) <= n and (tonumber(redis.call('HGET', st, 'r:' .. who)) or 0) < FAIR_SLACK * mine then
-        save()
-        return '0 ' .. B_SLOTS .. ' ' .. fmt(est) .. ' 1 1 ' .. mine .. ' ' .. mine .. view(now, st, pbk, pb ~= nil)
-      end
-    end
+-- (a node want is yielded to only where this request took the node it gathers room on)
+for _, w in ipairs(deferred) do
+  local t = target(w)
+  if #w <= 2 or t == nil or t == node then
+    save()
+    return '0 ' .. B_SLOTS .. ' ' .. fmt(est) .. ' 1 1 ' .. mine .. ' ' .. mine .. view(now, st, pbk, pb ~= nil)
   end
 end
 redis.call('HDEL', st, 'w:' .. me)

@@ -13,9 +13,11 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from extproc.admission import Admission, Demand, Lease, Outcome, Rejection
-from extproc.admission.store.fairshare import FAIR_WINDOW_S, wants, yields
+from extproc.admission.shared_nodes import Candidate, NodeAsk
+from extproc.admission.rules import choose_node
+from extproc.admission.store.fairshare import FAIR_WINDOW_S, Want, deferred, gathering, target, wants, yields
 from extproc.admission.store.redis import RedisStore
-from extproc.admission.types import Budget, Grant, Plan, Refusal
+from extproc.admission.types import Budget, Grant, Plan, PoolLimits, Refusal
 from extproc.clock import ManualClock
 from extproc.configparse import parse_config
 from tests.unit.admission.test_redis_store import (T0, cfg, limits, open_store, plan, stores,  # noqa: F401
@@ -42,14 +44,14 @@ def test_only_a_refusal_that_keeps_its_request_waiting_wants_room(budget, retrya
 
 @pytest.mark.parametrize("leases, wants, now, expected", [
     ({"a": 2, "b": 1}, {}, T0, False),                                   # nobody wants room
-    ({"a": 2, "b": 1}, {"b": (T0, 10)}, T0, True),                       # b wants and holds fewer
-    ({"a": 2, "b": 1}, {"b": (T0, 11)}, T0, False),                      # b's request is larger
-    ({"a": 2, "b": 1}, {"b": (T0, 10)}, T0 + FAIR_WINDOW_S, False),      # b stopped asking
-    ({"a": 2, "b": 2}, {"b": (T0, 10)}, T0, False),                      # equal: a takes it
-    ({"a": 1, "b": 2}, {"b": (T0, 10)}, T0, False),                      # b holds more
-    ({"a": 2}, {"b": (T0, 1)}, T0, True),                                # b holds none
-    ({"a": 2, "b": 1}, {"a": (T0, 10)}, T0, False),                      # a's own want
-    ({}, {"b": (T0, 10)}, T0, False),                                    # a holds none
+    ({"a": 2, "b": 1}, {"b": Want(T0, 10)}, T0, True),                       # b wants and holds fewer
+    ({"a": 2, "b": 1}, {"b": Want(T0, 11)}, T0, False),                      # b's request is larger
+    ({"a": 2, "b": 1}, {"b": Want(T0, 10)}, T0 + FAIR_WINDOW_S, False),      # b stopped asking
+    ({"a": 2, "b": 2}, {"b": Want(T0, 10)}, T0, False),                      # equal: a takes it
+    ({"a": 1, "b": 2}, {"b": Want(T0, 10)}, T0, False),                      # b holds more
+    ({"a": 2}, {"b": Want(T0, 1)}, T0, True),                                # b holds none
+    ({"a": 2, "b": 1}, {"a": Want(T0, 10)}, T0, False),                      # a's own want
+    ({}, {"b": Want(T0, 10)}, T0, False),                                    # a holds none
 ])
 def test_a_replica_yields_only_to_one_that_wants_room_and_holds_less(leases, wants, now, expected):
     assert yields("a", 10, leases, wants, now) is expected
@@ -98,6 +100,67 @@ async def test_a_want_ends_after_its_window_and_the_counts_leave_with_the_leases
     clock.advance(31.0)
     assert isinstance(await c.admit(plan(10, lim), clock.now()), Grant)
     assert r.hget(st, f"r:{a.replica_id}") is None and int(r.hget(st, f"r:{c.replica_id}")) == 1
+
+
+@pytest.mark.parametrize("want, held, expected", [
+    (Want(T0, 10), {"n0": 0}, None),                                              # slots: no node
+    (Want(T0, 10, 2500, (("n0", 10_000), ("n1", 9000))), {"n0": 7000, "n1": 5000}, "n1"),  # 4,000 of room
+    (Want(T0, 10, 2500, (("n0", 10_000), ("n1", 9000))), {"n0": 5000, "n1": 5000}, "n0"),
+    (Want(T0, 10, 2500, (("n0", 10_000), ("n1", 9000))), {"n1": 9000}, "n1"),     # n0 not read: not counted
+    (Want(T0, 10, 2500, (("n2", 10_000),)), {"n0": 0}, None),
+])
+def test_a_node_want_gathers_room_where_its_request_is_closest_to_fitting(want, held, expected):
+    assert target(want, held) == expected
+
+
+@pytest.mark.parametrize("node, expected", [("n0", True), ("n1", False), (None, False)])
+def test_a_replica_yields_to_a_node_want_only_on_the_node_it_gathers_on(node, expected):
+    want = Want(T0, 10, 2500, (("n0", 10_000), ("n1", 10_000)))
+    held = {"n0": 7000, "n1": 8000}
+    assert gathering(deferred("a", 10, {"a": 3, "b": 1}, {"b": want}, T0), held) == {"n0"}
+    assert yields("a", 10, {"a": 3, "b": 1}, {"b": want}, T0, held, node) is expected
+    # a want of slots is yielded to wherever the request goes
+    assert yields("a", 10, {"a": 3, "b": 1}, {"b": Want(T0, 10)}, T0, held, node) is True
+
+
+def test_the_nodes_gathered_on_are_chosen_only_when_no_other_fits():
+    rooms = [("n0", 6000, None), ("n1", 5000, None)]
+    assert choose_node(rooms, 4000).chosen == "n0"
+    taken = choose_node(rooms, 4000, last=frozenset({"n0"}))
+    assert taken.chosen == "n1" and not taken.by_affinity  # not an affinity's choice
+    assert choose_node(rooms, 5500, last=frozenset({"n0"})).chosen == "n0"  # n0 alone fits
+
+
+def two_node_plan(lim: PoolLimits, need: int, foreign: int, waits: bool = False) -> Plan:
+    """two_node_plan is a plan of ``need`` tokens on nodes n0 and n1 of 10,000 tokens each,
+    which the asking replica reads holding ``foreign`` tokens for others on each."""
+    ask = NodeAsk((Candidate("n0", 10_000, foreign, 0), Candidate("n1", 10_000, foreign, 0)), need, 0.0, 1.0)
+    return Plan(lim, "a", "standard", need, None, ask, waits)
+
+
+async def test_a_replica_leaves_the_node_a_poorer_replicas_request_gathers_room_on(stores, redis_server):
+    """a holds 4,000 tokens on n0 and 5,000 on n1; b reads 3,000 more on each node (the
+    others' requests its reading counts as foreign) and its waiting request of 4,000 is
+    refused: it is closest to fitting on n0. a's next request of 4,000 fits both nodes and
+    would take n0, the roomier: it takes n1, and is granted (the old rule refused it, and
+    the room on n0 seated nothing of b's). a's request after that fits only n0: a leaves it
+    to b's request, and b's next try is granted once b reads n0 as a does."""
+    clock = ManualClock(T0)
+    config = cfg(redis_server.url)
+    a, b = open_store(stores, config, clock), open_store(stores, config, clock)
+    lim = limits(base=100, kv=None, tpm=None, guarantees={})
+    first = await a.admit(two_node_plan(lim, 4000, 0), T0)
+    second = await a.admit(two_node_plan(lim, 5000, 0), T0)
+    assert isinstance(first, Grant) and isinstance(second, Grant)
+    assert (first.picked, second.picked) == ("n0", "n1")
+    refused = await b.admit(two_node_plan(lim, 4000, 3000, waits=True), T0)
+    assert isinstance(refused, Refusal) and refused.budget is Budget.NODE_KV
+    away = await a.admit(two_node_plan(lim, 4000, 0), T0 + 0.01)
+    assert isinstance(away, Grant) and away.picked == "n1"
+    left = await a.admit(two_node_plan(lim, 4000, 0), T0 + 0.02)
+    assert isinstance(left, Refusal) and left.budget is Budget.SLOTS and left.retryable
+    got = await b.admit(two_node_plan(lim, 4000, 0, waits=True), T0 + 0.03)
+    assert isinstance(got, Grant) and got.picked == "n0"
 
 
 async def test_a_request_answered_with_a_429_at_once_leaves_no_want(stores, redis_server):
@@ -181,7 +244,7 @@ def test_the_admit_script_shares_slots_as_the_python_rule(redis_server, ops: lis
         stores = {who: RedisStore(config, clock=clock) for who in "abc"}
         lim = limits(base=slots, kv=None, tpm=None, guarantees={})
         live: list[tuple[Grant, str]] = []
-        wanting: dict[str, tuple[float, int]] = {}
+        wanting: dict[str, Want] = {}
         try:
             for op in ops:
                 if op[0] == "admit":
@@ -192,7 +255,7 @@ def test_the_admit_script_shares_slots_as_the_python_rule(redis_server, ops: lis
                     if len(live) >= slots:
                         assert isinstance(got, Refusal) and got.budget is Budget.SLOTS, got
                         if wants(got.budget, got.retryable, waits):
-                            wanting[me] = (now, tokens)
+                            wanting[me] = Want(now, tokens)
                     elif yields(me, tokens, leases, wanting, now):
                         assert isinstance(got, Refusal) and got.budget is Budget.SLOTS, (got, leases, wanting)
                     else:

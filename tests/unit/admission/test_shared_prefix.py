@@ -18,14 +18,14 @@ from collections import Counter
 
 import pytest
 import redis as redis_sync
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from extproc.admission import Admission, Demand, Lease, Outcome
 from extproc.admission.types import NodeReport
-from extproc.admission.shared_nodes import Candidate as C, NodeAsk, others_seen, pick_shared
+from extproc.admission.shared_nodes import Candidate as C, NodeAsk, others_seen, pick_shared, room_bases
 from extproc.admission.sharing import MAX_LINKS, MAX_NODE_KEYS, SharedPrefixes
-from extproc.admission.store.fairshare import wants as wants_room, yields
+from extproc.admission.store.fairshare import Want, deferred, gathering, wants as wants_room, yields
 from extproc.admission.store.redis import RedisStore
 from extproc.admission.store.redis_ledger import read_gens, read_shares
 from extproc.admission.types import Budget, Chain, Grant, Plan, PoolLimits, Refusal
@@ -91,6 +91,14 @@ OPS = st.lists(st.one_of(
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=OPS, block=st.sampled_from((16, 32, 256)),
        error=st.dictionaries(st.sampled_from(LEAVES), st.integers(-255, 255)))
+# b's waiting request is closest to fitting on n0: a's next request takes n1, though n0 is
+# as roomy (first in order); a's request after it fits only n0, and a leaves it to b
+@example(ops=[("admit", "a", "other", 0, [("n0", 8000, 0, False, 0)], 0.0, False, False),
+              ("admit", "a", "other", 0, [("n1", 8000, 0, False, 0)], 0.0, False, False),
+              ("admit", "b", "sys", 400, [("n0", 8000, 3000, False, 0), ("n1", 8000, 4000, False, 0)], 0.0, False, True),
+              ("admit", "a", "sys", 400, [("n0", 8000, 0, False, 0), ("n1", 8000, 0, False, 0)], 0.0, False, False),
+              ("admit", "a", "sys", 400, [("n0", 8000, 0, False, 0), ("n1", 8000, 0, False, 0)], 0.0, False, False)],
+         block=16, error={})
 def test_the_lua_script_counts_shared_prefixes_like_the_python_rule(redis_server: RedisServer, ops: list[tuple],
                                                                      block: int, error: dict[str, int]) -> None:
     """Three replicas admit prompts from a trie of shared prefixes (their ends up to a block off
@@ -113,7 +121,7 @@ def test_the_lua_script_counts_shared_prefixes_like_the_python_rule(redis_server
         held = dict.fromkeys(NODES, 0)
         # live leases: grant, replica, path, tail, keys taken, expiry (s)
         live: list[tuple[Grant, str, list[str], int, tuple[int, ...], float]] = []
-        wanting: dict[str, tuple[float, int]] = {}  # replica id -> its latest refusal that wants room (fairshare)
+        wanting: dict[str, Want] = {}  # replica id -> its latest refusal that wants room (fairshare)
 
         def end(i: int) -> None:
             g, who, _path, _tail, keys, _exp = live.pop(i)
@@ -140,17 +148,20 @@ def test_the_lua_script_counts_shared_prefixes_like_the_python_rule(redis_server
                     gens = read_gens(r.hgetall(f"{prefix}:sr"), r.hgetall(f"{prefix}:sn"))
                     me = stores[who].replica_id
                     others = {c.name: others_seen(gens, me, c.name, since, False) for c in cands}
-                    want = pick_shared(ask, held, others, None, model)
                     plan = node_plan(ask, waits)
+                    # the nodes the wants this replica defers to gather room on are taken last
+                    leases = Counter(stores[w].replica_id for _g, w, *_ in live)
+                    totals = {c.name: held[c.name] - model[c.name].shared for c in cands}
+                    last = gathering(deferred(me, plan.tokens, leases, wanting, clock.now()), totals)
+                    want = pick_shared(ask, held, others, None, model, last)
                     got = await stores[who].admit(plan, clock.now())
                     if want.chosen is None:
                         assert isinstance(got, Refusal), (got, want)
                         assert got.budget is Budget.NODE_KV and got.used == (want.best_room or 0)
                         if wants_room(got.budget, got.retryable, plan.waits):
-                            wanting[me] = (clock.now(), plan.tokens)
+                            wanting[me] = Want(clock.now(), plan.tokens, ask.need, room_bases(ask, others, model))
                         continue
-                    leases = Counter(stores[w].replica_id for _g, w, *_ in live)
-                    if yields(me, plan.tokens, leases, wanting, clock.now()):
+                    if yields(me, plan.tokens, leases, wanting, clock.now(), totals, want.chosen):
                         assert isinstance(got, Refusal) and got.budget is Budget.SLOTS, (got, leases, wanting)
                         continue
                     wanting.pop(me, None)
