@@ -40,7 +40,11 @@ three-replica run, followed by the wanting replica's grant within one poll 22 ti
 Leaving room only where the poorer replica reads that it fits (tried: branches ``seat``
 and ``fair-rooms``) took the hand-overs away but left the poorer replica's large requests
 to time out, and the 429 split failed; gathering keeps the hand-over where it builds the
-room, and costs nothing where another node takes the request.
+room, and costs nothing where another node takes the request. Gathering alone failed the
+split after Redis faults (two replicas 62-66 %, three 42-45 %): each replica admitted alone
+meanwhile, their leases are far apart, and only hand-overs bring them together. So a
+replica holding fewer than ``FAIR_FAR`` times this one's leases is left the room wherever
+this one's request goes, as before.
 
 As Netflix's partitions, the shares are enforced only when the pool is full (someone was
 refused), and nothing is held for a replica that does not ask. Unlike a quota it never
@@ -73,6 +77,12 @@ FAIR_SLACK = 0.8
 yield to it (ratio): within it the shares may differ, so that replicas near their share do
 not hand room back and forth (each hand-over leaves the room free for up to one poll)."""
 
+FAIR_FAR = 0.5
+"""FAIR_FAR is how far below this replica's live leases another's must be for this one to
+leave it the room wherever it places its request (ratio): far apart, as after a fault
+(each replica admitted alone meanwhile), the hand-over brings the shares together; near
+them, a node want's room is gathered by placement (module doc)."""
+
 WANTING = (Budget.SLOTS, Budget.RESERVED_SLOTS, Budget.KV, Budget.CLASS_KV, Budget.NODE_KV)
 """WANTING are the budgets whose retryable refusal makes a replica want room."""
 
@@ -101,9 +111,13 @@ def deferred(me: str, tokens: int, leases: Mapping[str, int], wants: Mapping[str
     store instant ``now`` (s): another replica's, less than FAIR_WINDOW_S old, for a request
     of no more tokens, of a replica that holds fewer live leases than FAIR_SLACK times
     ``me``'s (``leases``: replica -> live leases; missing: none)."""
-    mine = leases.get(me, 0)
-    return [w for r, w in wants.items()
-            if r != me and now - w.at < FAIR_WINDOW_S and w.tokens <= tokens and leases.get(r, 0) < FAIR_SLACK * mine]
+    return [w for r, w in wants.items() if _defers(me, tokens, leases, r, w, now)]
+
+
+def _defers(me: str, tokens: int, leases: Mapping[str, int], r: str, w: Want, now: float) -> bool:
+    """_defers says whether ``me`` defers to replica ``r``'s want ``w`` (``deferred``)."""
+    return (r != me and now - w.at < FAIR_WINDOW_S and w.tokens <= tokens
+            and leases.get(r, 0) < FAIR_SLACK * leases.get(me, 0))
 
 
 def target(want: Want, held: Mapping[str, int]) -> str | None:
@@ -132,5 +146,6 @@ def yields(me: str, tokens: int, leases: Mapping[str, int], wants: Mapping[str, 
     gathers on ``node`` (``target`` over every replica's holds now, ``held``; or on no node
     this replica reads)."""
     held = held or {}
-    return any(not w.bases or (t := target(w, held)) is None or t == node
-               for w in deferred(me, tokens, leases, wants, now))
+    far = FAIR_FAR * leases.get(me, 0)
+    return any(not w.bases or (t := target(w, held)) is None or t == node or leases.get(r, 0) < far
+               for r, w in wants.items() if _defers(me, tokens, leases, r, w, now))

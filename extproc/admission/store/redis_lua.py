@@ -29,7 +29,7 @@ from typing import Any, NamedTuple, get_type_hints
 
 from extproc.admission import rules
 from extproc.admission.bucket import FIT_SLACK
-from extproc.admission.store.fairshare import FAIR_SLACK, FAIR_WINDOW_S, WANTING
+from extproc.admission.store.fairshare import FAIR_FAR, FAIR_SLACK, FAIR_WINDOW_S, WANTING
 from extproc.admission.store.fallback import LOCAL_PREFIX
 from extproc.admission.store.redis_sharing import SHARING_LUA
 from extproc.admission.shared_nodes import NodeAsk
@@ -365,7 +365,7 @@ def _constants() -> str:
     lines = [f"local FIT = {FIT_SLACK!r}", f"local LOCAL = '{LOCAL_PREFIX}'",
              f"local MAX_LINKS = {MAX_LINKS}", f"local MAX_NODE_KEYS = {MAX_NODE_KEYS}"]
     lines += [f"local B_{b.name} = '{b.value}'" for b in Budget]
-    lines += [f"local FAIR_S = {FAIR_WINDOW_S!r}", f"local FAIR_SLACK = {FAIR_SLACK!r}",
+    lines += [f"local FAIR_S = {FAIR_WINDOW_S!r}", f"local FAIR_SLACK = {FAIR_SLACK!r}", f"local FAIR_FAR = {FAIR_FAR!r}",
               "local WANTING = {" + ", ".join(f"[B_{b.name}] = true" for b in WANTING) + "}"]
     return "\n".join(lines)
 
@@ -673,6 +673,7 @@ if mine > 0 then
       local who, w = string.sub(f, 3), args(h[i + 1])
       if now - tonumber(w[1]) >= FAIR_S then redis.call('HDEL', st, f)
       elseif who ~= me and tonumber(w[2]) <= n and (tonumber(redis.call('HGET', st, 'r:' .. who)) or 0) < FAIR_SLACK * mine then
+        w.leases = tonumber(redis.call('HGET', st, 'r:' .. who)) or 0
         deferred[#deferred + 1] = w
       end
     end
@@ -885,7 +886,7 @@ if refusal then return refused(refusal) end
 -- (a node want is yielded to only where this request took the node it gathers room on)
 for _, w in ipairs(deferred) do
   local t = target(w)
-  if #w <= 2 or t == nil or t == node then
+  if #w <= 2 or t == nil or t == node or w.leases < FAIR_FAR * mine then
     save()
     return '0 ' .. B_SLOTS .. ' ' .. fmt(est) .. ' 1 1 ' .. mine .. ' ' .. mine .. view(now, st, pbk, pb ~= nil)
   end

@@ -117,10 +117,12 @@ def test_a_node_want_gathers_room_where_its_request_is_closest_to_fitting(want, 
 def test_a_replica_yields_to_a_node_want_only_on_the_node_it_gathers_on(node, expected):
     want = Want(T0, 10, 2500, (("n0", 10_000), ("n1", 10_000)))
     held = {"n0": 7000, "n1": 8000}
-    assert gathering(deferred("a", 10, {"a": 3, "b": 1}, {"b": want}, T0), held) == {"n0"}
-    assert yields("a", 10, {"a": 3, "b": 1}, {"b": want}, T0, held, node) is expected
+    assert gathering(deferred("a", 10, {"a": 3, "b": 2}, {"b": want}, T0), held) == {"n0"}
+    assert yields("a", 10, {"a": 3, "b": 2}, {"b": want}, T0, held, node) is expected
     # a want of slots is yielded to wherever the request goes
-    assert yields("a", 10, {"a": 3, "b": 1}, {"b": Want(T0, 10)}, T0, held, node) is True
+    assert yields("a", 10, {"a": 3, "b": 2}, {"b": Want(T0, 10)}, T0, held, node) is True
+    # and so is a replica holding less than half as many leases (as after a fault)
+    assert yields("a", 10, {"a": 3, "b": 1}, {"b": want}, T0, held, node) is True
 
 
 def test_the_nodes_gathered_on_are_chosen_only_when_no_other_fits():
@@ -153,6 +155,8 @@ async def test_a_replica_leaves_the_node_a_poorer_replicas_request_gathers_room_
     second = await a.admit(two_node_plan(lim, 5000, 0), T0)
     assert isinstance(first, Grant) and isinstance(second, Grant)
     assert (first.picked, second.picked) == ("n0", "n1")
+    small = await b.admit(two_node_plan(lim, 100, 0), T0)   # b holds half as many leases as a
+    assert isinstance(small, Grant) and small.picked == "n0"
     refused = await b.admit(two_node_plan(lim, 4000, 3000, waits=True), T0)
     assert isinstance(refused, Refusal) and refused.budget is Budget.NODE_KV
     away = await a.admit(two_node_plan(lim, 4000, 0), T0 + 0.01)

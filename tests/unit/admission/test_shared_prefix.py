@@ -91,13 +91,14 @@ OPS = st.lists(st.one_of(
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=OPS, block=st.sampled_from((16, 32, 256)),
        error=st.dictionaries(st.sampled_from(LEAVES), st.integers(-255, 255)))
-# b's waiting request is closest to fitting on n0: a's next request takes n1, though n0 is
-# as roomy (first in order); a's request after it fits only n0, and a leaves it to b
-@example(ops=[("admit", "a", "other", 0, [("n0", 8000, 0, False, 0)], 0.0, False, False),
-              ("admit", "a", "other", 0, [("n1", 8000, 0, False, 0)], 0.0, False, False),
-              ("admit", "b", "sys", 400, [("n0", 8000, 3000, False, 0), ("n1", 8000, 4000, False, 0)], 0.0, False, True),
-              ("admit", "a", "sys", 400, [("n0", 8000, 0, False, 0), ("n1", 8000, 0, False, 0)], 0.0, False, False),
-              ("admit", "a", "sys", 400, [("n0", 8000, 0, False, 0), ("n1", 8000, 0, False, 0)], 0.0, False, False)],
+# b (half as many leases as a) has a waiting request closest to fitting on n0: a's next
+# request takes n1, though n0 is roomier
+@example(ops=[("admit", "a", "other", 0, [("n0", 12000, 0, False, 0)], 0.0, False, False),
+              ("admit", "a", "other", 0, [("n1", 12000, 0, False, 0)], 0.0, False, False),
+              ("admit", "b", "sys", 0, [("n1", 12000, 0, False, 0)], 0.0, False, False),
+              ("admit", "b", "sys", 400, [("n0", 12000, 6200, False, 0), ("n1", 12000, 8000, False, 0)], 0.0, False, True),
+              ("admit", "a", "sys", 400, [("n0", 12000, 0, False, 0), ("n1", 12000, 0, False, 0)], 0.0, False, False),
+              ("admit", "a", "sys", 400, [("n0", 12000, 0, False, 0), ("n1", 12000, 0, False, 0)], 0.0, False, False)],
          block=16, error={})
 def test_the_lua_script_counts_shared_prefixes_like_the_python_rule(redis_server: RedisServer, ops: list[tuple],
                                                                      block: int, error: dict[str, int]) -> None:
