@@ -4,15 +4,12 @@ same three simulated nodes and share what each node holds through one redis-serv
 - A burst of long prompts split across both replicas preempts nothing on any node (alone,
   each replica would fill every node to its room, together twice over), and at every
   settled scrape each node's KV in use is what both replicas admitted there, summed.
-- Calls refused beside the other replica's requests are told when room comes back and get
-  in with the openai client's default retries.
 - A replica killed with SIGKILL mid-burst: its leases, and the node holds with them, come
   back within the lease TTL, and the other replica then admits into that room.
 """
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 from collections.abc import Iterator
@@ -39,18 +36,10 @@ PREFIX = "e2e-nodes:"
 PER_NODE = 6
 
 
-# The tenant of the retry-hint test: its class answers a refusal with a 429 at once.
-CHAT_KEY = "sk-e2e-chat"
-
-
 def config(url: str) -> dict[str, Any]:
     return {"store": {"redis": {"url": url, "key_prefix": PREFIX, "lease_ttl_s": LEASE_TTL_S,
                                 # generous: this test is about sharing, not a busy machine's speed
-                                "timeout_s": 2.0, "expected_replicas": 2}},
-            "tenants": {"unauthenticated": "standard",
-                        "classes": {"standard": {"max_wait_s": 30.0}, "chat": {"priority": 10}},
-                        "tenants": {"chat": {"class": "chat",
-                                             "api_key_sha256": hashlib.sha256(CHAT_KEY.encode()).hexdigest()}}}}
+                                "timeout_s": 2.0, "expected_replicas": 2}}}
 
 
 @pytest.fixture(scope="module")
@@ -149,66 +138,6 @@ def test_a_burst_split_across_both_replicas_preempts_nothing_and_the_nodes_hold_
                what="Redis holding nothing")
 
 
-def stream(stack: NodesStack, max_tokens: int) -> None:
-    """stream runs one streamed chat of PROMPT to its end (the replica sees its first token)."""
-    c = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="x", max_retries=0, timeout=60)
-    for _ in c.chat.completions.create(model=MODEL, max_tokens=max_tokens, stream=True,
-                                       messages=[{"role": "user", "content": PROMPT}]):
-        pass
-
-
-def test_calls_refused_beside_the_other_replicas_requests_get_in_with_the_clients_default_retries(
-        replicas: list[NodesStack], redis_srv: RedisServer) -> None:
-    """B has learned how long its requests hold a node, and holds three; A holds the rest of
-    every node's room. B's calls (a class without a wait, openai-python's 2 retries) are
-    refused and told to come back when the requests on the nodes are expected to end (about
-    3 s), not at the 50 ms floor that would spend the retries at once; every call then gets
-    in on a retry, and no node preempts."""
-    a, b = replicas
-    before = preemptions(a)
-    hold_tokens = 300      # about 3 s on the simulator at --speedup 2
-    with ThreadPoolExecutor(3) as pool:   # B learns its holds: about 3 s each
-        assert list(pool.map(lambda _: chat(b, hold_tokens), range(3))) == [hold_tokens] * 3
-    holders = [threading.Thread(target=stream, args=(b, hold_tokens)) for _ in range(3)]
-    for t in holders:
-        t.start()
-    wait_until(lambda: held_in_redis(redis_srv)[0] == 3, timeout=15, what="B holding three requests")
-    holders += [threading.Thread(target=stream, args=(a, hold_tokens)) for _ in range(15)]
-    for t in holders[3:]:
-        t.start()
-    # six requests of 6,007 + 300 tokens on each node: no room for a seventh anywhere
-    wait_until(lambda: held_in_redis(redis_srv)[0] == 18, timeout=15, what="every node full")
-    hints: list[tuple[int, str | None]] = []
-
-    def record(response: Any) -> None:
-        hints.append((response.status_code, response.headers.get("retry-after-ms")))
-    results: list[object] = []
-
-    def call() -> None:
-        c = openai.OpenAI(base_url=f"{b.base_url}/v1", api_key=CHAT_KEY, timeout=60,
-                          http_client=openai.DefaultHttpxClient(event_hooks={"response": [record]}))
-        assert c.max_retries == 2  # openai-python's default
-        try:
-            reply = c.chat.completions.create(model=MODEL, max_tokens=MAX_TOKENS,
-                                              messages=[{"role": "user", "content": PROMPT}])
-            results.append(reply.usage.completion_tokens)
-        except openai.APIError as err:
-            results.append(err)
-    calls = [threading.Thread(target=call) for _ in range(4)]
-    for t in calls:
-        t.start()
-    for t in calls + holders:
-        t.join(60)
-    assert results == [MAX_TOKENS] * 4, (results, hints)
-    # The first four 429s answer the calls' first tries, while every node is full; a retry
-    # may be told to come back at once, as room is about to free.
-    told = [int(ms) for status, ms in hints if status == 429 and ms is not None]
-    assert len(told) >= 4 and min(told[:4]) >= 500, hints
-    assert preemptions(a) == before
-    wait_until(lambda: held_in_redis(redis_srv) == (0, {}), timeout=LEASE_TTL_S + 5,
-               what="Redis holding nothing")
-
-
 def test_a_replica_killed_mid_burst_gives_its_nodes_room_back_within_the_lease_ttl(
         replicas: list[NodesStack], redis_srv: RedisServer) -> None:
     a, b = replicas
@@ -219,8 +148,11 @@ def test_a_replica_killed_mid_burst_gives_its_nodes_room_back_within_the_lease_t
     def hold() -> None:
         # Streamed, so that A sees each request's first token and counts it once, not also
         # as KV the node holds for others.
+        c = openai.OpenAI(base_url=f"{a.base_url}/v1", api_key="x", max_retries=0, timeout=60)
         try:
-            stream(a, long)
+            for _ in c.chat.completions.create(model=MODEL, max_tokens=long, stream=True,
+                                               messages=[{"role": "user", "content": PROMPT}]):
+                pass
         except Exception as exc:  # its replica is killed: the request fails, as it should
             errors.append(exc)
 
