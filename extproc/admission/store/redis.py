@@ -91,8 +91,7 @@ from extproc.admission.store.base import Store
 from extproc.admission.store.fallback import (LOCAL_PREFIX, MODES, Fallback, UnobservedStore, StoreObserver,
                                               StoreUnavailableError, Within)
 from extproc.admission.store.redis_client import MAX_CONNECTIONS, RedisClient, RoundTripError
-from extproc.admission.store.redis_commands import (Rebuilding, admit_cmd, read_admit, refresh_cmds, refused_holds,
-                                                    settle_cmd)
+from extproc.admission.store.redis_commands import Rebuilding, admit_cmd, read_admit, refresh_cmds, settle_cmd
 from extproc.admission.store.redis_escrow import Escrow, Held
 from extproc.admission.store.redis_gone import GoneReplicas
 from extproc.admission.store.redis_ledger import Keys, escrow_hold
@@ -236,7 +235,7 @@ class RedisStore(Store):
         return self._nodes.others_seen(self.replica_id, pool, node, since, idle)
 
     def node_holds(self, pool: str) -> Mapping[str, int] | None:
-        # as the last refresh read them, or the last node refusal (``_read_admit``), the later
+        # as the last refresh read them, or the last node refusal (``NodeReadings.admitted``), the later
         return self._nodes.held.get(pool)
 
     def know_pools(self, pools: Iterable[str]) -> None:
@@ -414,14 +413,8 @@ class RedisStore(Store):
         head, _, view = reply.partition(b"|")
         self._views.read(plan.limits.pool, view, now)
         decision = read_admit(plan, lease_id, head)
-        if type(decision) is Refusal:
-            # a node refusal's holds are newer than the last refresh's: the retry hint reads them
-            fresh = refused_holds(head)
-            if fresh:
-                self._nodes.held.setdefault(plan.limits.pool, {}).update(fresh)
-        elif isinstance(decision, Grant):
-            if decision.node_pooled is not None:
-                self._nodes.quantile[plan.limits.pool] = decision.node_pooled.quantile
+        self._nodes.admitted(plan.limits.pool, decision, head)
+        if isinstance(decision, Grant):
             self._live.setdefault(plan.limits.pool, {})[lease_id] = decision
             self._escrow.held(plan.limits.pool, lease_id,
                               Held(int(plan.tokens), decision.picked, escrow_hold(decision), sent + self._ttl))

@@ -13,7 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from extproc.admission.shared_nodes import SeenGen, others_seen
+from extproc.admission.store.redis_commands import refused_holds
 from extproc.admission.store.redis_ledger import Keys, node_totals, read_gens, read_shares
+from extproc.admission.types import Grant, Refusal
 
 _HASHES = 5
 """_HASHES is how many hashes one pool's reading takes (``nk``, ``nm``, ``sr``, ``sn``, ``ps``)."""
@@ -49,6 +51,17 @@ class NodeReadings:
             shares = self.shares[pool] = read_shares(ps)
             self.held[pool] = node_totals(nk, nm, self.quantile.get(pool), shares)
             self.gens[pool] = read_gens(sr, sn)
+
+    def admitted(self, pool: str, decision: Grant | Refusal, head: bytes) -> None:
+        """admitted keeps what the admit script's reply (``head``, read as ``decision``) tells of
+        the nodes: a node refusal's holds, newer than the last refresh's (the retry hints read
+        them, ``PoolNodes.retry_after``), and a grant's pooled-growth quantile."""
+        if type(decision) is Refusal:
+            fresh = refused_holds(head)
+            if fresh:
+                self.held.setdefault(pool, {}).update(fresh)
+        elif isinstance(decision, Grant) and decision.node_pooled is not None:
+            self.quantile[pool] = decision.node_pooled.quantile
 
     def others_seen(self, replica_id: str, pool: str, node: str, since: float | None, idle: bool) -> int:
         """others_seen is ``shared_nodes.others_seen`` over the replicas but ``replica_id``'s
