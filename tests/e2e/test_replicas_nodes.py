@@ -4,12 +4,15 @@ same three simulated nodes and share what each node holds through one redis-serv
 - A burst of long prompts split across both replicas preempts nothing on any node (alone,
   each replica would fill every node to its room, together twice over), and at every
   settled scrape each node's KV in use is what both replicas admitted there, summed.
+- Calls refused beside the other replica's requests are told when room comes back and get
+  in with the openai client's default retries once the requests on the nodes end.
 - A replica killed with SIGKILL mid-burst: its leases, and the node holds with them, come
   back within the lease TTL, and the other replica then admits into that room.
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections.abc import Iterator
@@ -36,10 +39,18 @@ PREFIX = "e2e-nodes:"
 PER_NODE = 6
 
 
+# The tenant of the retry-hint test: its class answers a refusal with a 429 at once.
+CHAT_KEY = "sk-e2e-chat"
+
+
 def config(url: str) -> dict[str, Any]:
     return {"store": {"redis": {"url": url, "key_prefix": PREFIX, "lease_ttl_s": LEASE_TTL_S,
                                 # generous: this test is about sharing, not a busy machine's speed
-                                "timeout_s": 2.0, "expected_replicas": 2}}}
+                                "timeout_s": 2.0, "expected_replicas": 2}},
+            "tenants": {"unauthenticated": "standard",
+                        "classes": {"standard": {"max_wait_s": 30.0}, "chat": {"priority": 10}},
+                        "tenants": {"chat": {"class": "chat",
+                                             "api_key_sha256": hashlib.sha256(CHAT_KEY.encode()).hexdigest()}}}}
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +145,72 @@ def test_a_burst_split_across_both_replicas_preempts_nothing_and_the_nodes_hold_
             prompt = 6_007
             assert admitted - prompt < in_kv <= admitted + running * (MAX_TOKENS + BLOCK), (node, sample)
             assert running <= PER_NODE, (node, sample)
+    wait_until(lambda: held_in_redis(redis_srv) == (0, {}), timeout=LEASE_TTL_S + 5,
+               what="Redis holding nothing")
+
+
+def open_stream(stack: NodesStack, max_tokens: int) -> Any:
+    """open_stream starts a streamed chat of PROMPT and reads its first chunk (the replica has
+    seen its first token); the request holds its node until the test closes the stream."""
+    c = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="x", max_retries=0, timeout=60)
+    held = c.chat.completions.create(model=MODEL, max_tokens=max_tokens, stream=True,
+                                     messages=[{"role": "user", "content": PROMPT}])
+    next(iter(held))
+    return held
+
+
+def test_calls_refused_beside_the_other_replicas_requests_get_in_with_the_clients_default_retries(
+        replicas: list[NodesStack], redis_srv: RedisServer) -> None:
+    """B has learned that its requests hold a node about 10 s, and holds three; A holds the
+    rest of every node's room. B's calls (a class without a wait, openai-python's 2 retries)
+    are refused and told to come back when the requests on the nodes are expected to end,
+    not at the 50 ms floor that would spend the retries at once. The requests on the nodes
+    end when the test closes them, once every call has had its first refusal (not when the
+    simulator has streamed them, which a loaded machine slows): every call then gets in on
+    a retry, and no node preempts."""
+    a, b = replicas
+    before = preemptions(a)
+    learnt = 1_000  # tokens: about 10 s on the simulator at --speedup 2
+    with ThreadPoolExecutor(3) as pool:
+        assert list(pool.map(lambda _: chat(b, learnt), range(3))) == [learnt] * 3
+    # Four holders of 6,007 + 3,000 tokens fill a node's 39,200 of room past a call's 6,157;
+    # the simulator would stream each for about 30 s.
+    hold_tokens = 3_000
+    with ThreadPoolExecutor(12) as pool:
+        holders = list(pool.map(lambda i: open_stream((b, a)[i >= 3], hold_tokens), range(12)))
+    hints: list[tuple[int, str | None]] = []
+    results: list[object] = []
+    try:
+        wait_until(lambda: held_in_redis(redis_srv)[0] == 12, timeout=15, what="every node full")
+
+        def record(response: Any) -> None:
+            hints.append((response.status_code, response.headers.get("retry-after-ms")))
+
+        def call() -> None:
+            c = openai.OpenAI(base_url=f"{b.base_url}/v1", api_key=CHAT_KEY, timeout=60,
+                              http_client=openai.DefaultHttpxClient(event_hooks={"response": [record]}))
+            assert c.max_retries == 2  # openai-python's default
+            try:
+                reply = c.chat.completions.create(model=MODEL, max_tokens=MAX_TOKENS,
+                                                  messages=[{"role": "user", "content": PROMPT}])
+                results.append(reply.usage.completion_tokens)
+            except openai.APIError as err:
+                results.append(err)
+        calls = [threading.Thread(target=call) for _ in range(4)]
+        for t in calls:
+            t.start()
+        wait_until(lambda: len(hints) >= 4, timeout=15, what="every call's first answer")
+    finally:
+        for held in holders:
+            held.close()
+    for t in calls:
+        t.join(60)
+    assert results == [MAX_TOKENS] * 4, (results, hints)
+    # The first four answers are 429s to the calls' first tries, while every node is full,
+    # each told to wait for the requests there (learnt to run ~10 s), not the floor.
+    told = [int(ms) for status, ms in hints if status == 429 and ms is not None]
+    assert len(told) >= 4 and min(told[:4]) >= 500, hints
+    assert preemptions(a) == before
     wait_until(lambda: held_in_redis(redis_srv) == (0, {}), timeout=LEASE_TTL_S + 5,
                what="Redis holding nothing")
 
