@@ -24,7 +24,8 @@ _HASHES = 5
 class NodeReadings:
     """NodeReadings is, per pool, the last refresh's reading of every replica's leases per node.
 
-    ``held``: node -> tokens every replica's leases hold there; ``gens``: every replica's
+    ``held``: node -> tokens every replica's leases hold there (or as a later node refusal
+    saw them, ``admitted``); ``gens``: every replica's
     published generations (``shared_nodes.SeenGen``); ``shares``: node -> (shared, cross),
     the prompt tokens the leases there share (counted once) and their cross-replica part;
     ``quantile``: the quantile the pool's pooled growth is bounded at (from its admissions).
