@@ -672,9 +672,9 @@ if mine > 0 then
     if string.sub(f, 1, 2) == 'w:' then
       local who, w = string.sub(f, 3), args(h[i + 1])
       if now - tonumber(w[1]) >= FAIR_S then redis.call('HDEL', st, f)
-      elseif who ~= me and tonumber(w[2]) <= n and (tonumber(redis.call('HGET', st, 'r:' .. who)) or 0) < FAIR_SLACK * mine then
+      elseif who ~= me and tonumber(w[2]) <= n then
         w.leases = tonumber(redis.call('HGET', st, 'r:' .. who)) or 0
-        deferred[#deferred + 1] = w
+        if w.leases < FAIR_SLACK * mine then deferred[#deferred + 1] = w end
       end
     end
   end
@@ -776,11 +776,12 @@ local function pick_node(q)
       fitting[#fitting + 1] = {score, name, cr, k, block, room}
     end
   end
-  -- the nodes the deferred wants gather room on are taken last
+  -- the nodes the deferred wants gather room on are taken last (w.t: each want's target,
+  -- read again by the yield below)
   local avoid = {}
   for _, w in ipairs(deferred) do
-    local t = target(w)
-    if t then avoid[t] = true end
+    w.t = target(w)
+    if w.t then avoid[w.t] = true end
   end
   local best_avoided, roomiest_avoided = nil, nil
   for _, f in ipairs(fitting) do
@@ -883,10 +884,10 @@ if refusal then return refused(refusal) end
 -- fairshare.yields: another replica wanted room lately for a request no larger than this
 -- one and holds fewer leases: this one leaves the room to it (refused as slots, retryable;
 -- it wants nothing)
--- (a node want is yielded to only where this request took the node it gathers room on)
+-- (a node want is yielded to only where this request took the node it gathers room on;
+-- w.t is its target as the pick read it, nil without a pick)
 for _, w in ipairs(deferred) do
-  local t = target(w)
-  if #w <= 2 or t == nil or t == node or w.leases < FAIR_FAR * mine then
+  if #w <= 2 or w.t == nil or w.t == node or w.leases < FAIR_FAR * mine then
     save()
     return '0 ' .. B_SLOTS .. ' ' .. fmt(est) .. ' 1 1 ' .. mine .. ' ' .. mine .. view(now, st, pbk, pb ~= nil)
   end
