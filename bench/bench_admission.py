@@ -35,13 +35,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from bench import reports
-from bench.reports import machine, publish
 from extproc.admission import Admission, Demand, Lease, Outcome, PoolSignals
 from extproc.clock import MonotonicClock
 from extproc.config import ADAPTIVE_DEFAULTS, Config
 from extproc.configparse import parse_config
+from kvgate_testkit import reports
 from kvgate_testkit.admission import acquire_now, demand_of
+from kvgate_testkit.reports import machine, publish
 
 ROOT = Path(__file__).resolve().parents[1]
 

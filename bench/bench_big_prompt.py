@@ -46,20 +46,20 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 from prometheus_client import CollectorRegistry
 
-from bench import reports
-from bench.reports import machine, pct, publish
+from extproc import tokens as tk
 from extproc.admission import Admission
 from extproc.clock import MonotonicClock
 from extproc.configparse import parse_config
+from extproc.countpool import CountPool
+from extproc.gate import Gate
+from extproc.metrics import Metrics
 from extproc.request.admit import Admitted
 from extproc.request.arrival import Arrival
-from extproc.gate import Gate
 from extproc.request_facts import ATTR_CONTENT_TYPE, ATTR_METHOD, ATTR_PATH
-from extproc import tokens as tk
-from extproc.countpool import CountPool
-from extproc.metrics import Metrics
 from extproc.server import TOKENIZE_THREADS
 from extproc.tokens import BpeOpenAITokenizer
+from kvgate_testkit import reports
+from kvgate_testkit.reports import machine, pct, publish
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -36,15 +36,15 @@ from pathlib import Path
 
 import orjson
 
-from bench import reports
-from bench.bare import COMMAND as BARE
-from bench.httpload import ChatBodies, closed_loop, hold_streams, run
-from bench.reports import machine, pct, publish
-from bench.sampling import cpu_seconds
-from bench.stacks import hot_stack, wait_picker_nodes_up
-from bench.revision import checkout
+from kvgate_testkit import reports
+from kvgate_testkit.bare import COMMAND as BARE
+from kvgate_testkit.httpload import ChatBodies, closed_loop, hold_streams, run
 from kvgate_testkit.procs import exit_on_sigterm, wait_until
+from kvgate_testkit.reports import machine, pct, publish
+from kvgate_testkit.revision import checkout
+from kvgate_testkit.sampling import cpu_seconds
 from kvgate_testkit.stack import Stack
+from kvgate_testkit.variants import hot_stack, wait_picker_nodes_up
 
 ROOT = Path(__file__).resolve().parents[1]
 

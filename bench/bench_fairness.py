@@ -35,11 +35,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from bench import reports
-from bench.reports import machine, publish
 from extproc.admission import Admission, Demand, Lease, Outcome
 from extproc.clock import ManualClock
 from extproc.configparse import parse_config
+from kvgate_testkit import reports
+from kvgate_testkit.reports import machine, publish
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -47,13 +47,13 @@ from typing import Any
 
 import yaml
 
-from bench import reports
 from bench.inference_perf_reports import Measured, Sample, node_figures, read_stages, tables
-from bench.reports import machine, publish
-from bench.revision import describe
-from bench.sampling import readings
+from kvgate_testkit import reports
 from kvgate_testkit.nodes_stack import MODEL, NodesStack
 from kvgate_testkit.procs import exit_on_sigterm, wait_until
+from kvgate_testkit.reports import machine, publish
+from kvgate_testkit.revision import describe
+from kvgate_testkit.sampling import readings
 
 ROOT = Path(__file__).resolve().parents[1]
 

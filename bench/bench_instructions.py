@@ -6,7 +6,7 @@ the same tree; the number of instructions a request executes does not. Each work
 ``valgrind --tool=callgrind`` and drives, in one process, the request path of
 ``bench_request_path`` (``ExtProcService.Process`` with the messages Envoy sends in each file,
 no gRPC; in the log files Envoy's final access log entry too) or the bare processor of
-``bench/bare.py`` (``BareProcessor``: CONTINUE to everything) with the same messages. Between
+``kvgate_testkit/bare.py`` (``BareProcessor``: CONTINUE to everything) with the same messages. Between
 phases it calls ``os.getppid()``, which nothing else in the process calls, and callgrind dumps
 its counters there (``--dump-before=getppid``): one count per phase, startup apart. A file's
 phases are its warm-up (every request sent once: each prompt tokenized, kvgate's count cache
@@ -53,10 +53,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import reports
-from bench.reports import publish
-from bench.revision import checked_out, describe, worker_env
+from kvgate_testkit import reports
 from kvgate_testkit.procs import exit_on_sigterm
+from kvgate_testkit.reports import publish
+from kvgate_testkit.revision import checked_out, describe, worker_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -268,7 +268,7 @@ def _bare_row(file: str, n1: int, n2: int, loop: Any, mark: _Marks) -> None:
     answers encoded as grpc's generated (de)serializers do)."""
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-    from bench.bare import BareProcessor
+    from kvgate_testkit.bare import BareProcessor
     from bench.bench_request_path import StreamContext, streams
     from kvgate_testkit import held
 

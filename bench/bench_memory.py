@@ -36,9 +36,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from bench import reports
-from bench.reports import machine, publish
+from kvgate_testkit import reports
 from kvgate_testkit.procs import exit_on_sigterm
+from kvgate_testkit.reports import machine, publish
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -127,8 +127,8 @@ def python_objects(held: int, prompt_chars: int) -> dict[str, Any]:
 async def _rss_round(stack: Any, streams: int, settle_s: float) -> tuple[float, float]:
     """_rss_round holds ``streams`` streams open through ``stack``; returns kvgate's RSS growth
     per stream when every first chunk was read, and ``settle_s`` seconds later (bytes)."""
-    from bench.httpload import Inflight, hold_streams
-    from bench.sampling import rss_bytes
+    from kvgate_testkit.httpload import Inflight, hold_streams
+    from kvgate_testkit.sampling import rss_bytes
     pid = stack.procs["kvgate"].pid
     await asyncio.sleep(1.0)  # the warm-up's entries and releases are through
     before = rss_bytes(pid)
@@ -151,7 +151,7 @@ async def resident(stacks: dict[str, Any], streams: int, settle_s: float,
                    reverse: bool) -> dict[str, tuple[float, float] | None]:
     """resident measures one round over every stack (``reverse``: in the other order). Each
     stack is fresh: a process's second burst reuses the heap its first one left."""
-    from bench.httpload import ChatBodies, HttpError, closed_loop
+    from kvgate_testkit.httpload import ChatBodies, HttpError, closed_loop
     bodies = ChatBodies(seed=7)
     for stack in stacks.values():
         await closed_loop(stack.envoy_port, bodies, 8, 200)
@@ -167,8 +167,8 @@ async def resident(stacks: dict[str, Any], streams: int, settle_s: float,
 
 
 def build_stacks(work: Path, variants: Sequence[str], baseline: str | None) -> dict[str, Any]:
-    from bench.revision import checkout
-    from bench.stacks import hot_stack
+    from kvgate_testkit.revision import checkout
+    from kvgate_testkit.variants import hot_stack
     base = checkout(baseline, work / "baseline") if baseline else None
     stacks: dict[str, Any] = {}
     for variant in variants:
@@ -254,8 +254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     py = None if "python" in args.skip else python_objects(args.held, args.prompt_chars)
     rss = None
     if "resident" not in args.skip:
-        from bench.httpload import run
-        from bench.stacks import wait_picker_nodes_up
+        from kvgate_testkit.httpload import run
+        from kvgate_testkit.variants import wait_picker_nodes_up
         rss: dict[str, list[tuple[float, float]]] = {}
         for i in range(args.rounds):
             with tempfile.TemporaryDirectory(prefix="kvgate-bench-memory-") as tmp:

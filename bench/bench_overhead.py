@@ -32,8 +32,8 @@ each run against every setup:
   second and its CPU per entry; and how late kvgate's ledger hears of a stream's first token
   (from the client's read of the first chunk to the first progress entry counted).
 
-The load generator is bench/httpload.py (a bare asyncio HTTP/1.1 client), the bare processor
-bench/bare.py. It writes ``bench/results/overhead.md``.
+The load generator is kvgate_testkit/httpload.py (a bare asyncio HTTP/1.1 client), the bare
+processor kvgate_testkit/bare.py. It writes ``bench/results/overhead.md``.
 
     python bench/bench_overhead.py [--quick] [--variants recommended ...] [--out FILE]
 """
@@ -53,19 +53,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import reports
-from bench.bare import COMMAND as BARE
-from bench.bare import LEVERS
-from bench.httpload import (ChatBodies, Inflight, StreamTimes, closed_loop, hold_streams, open_loop,
-                            run, streams)
 from bench.overhead_report import (ProgressCost, RateStep, Results, Sizes, best_rung,
                                    report, spread)
-from bench.reports import pct, publish
-from bench.sampling import cpu_seconds, rss_bytes
-from bench.stacks import hot_stack, wait_picker_nodes_up
-from bench.variants import BARE_ONLY, VARIANTS
+from kvgate_testkit import reports
+from kvgate_testkit.bare import COMMAND as BARE, LEVERS
+from kvgate_testkit.httpload import (ChatBodies, Inflight, StreamTimes, closed_loop, hold_streams,
+                                     open_loop, run, streams)
 from kvgate_testkit.procs import exit_on_sigterm
+from kvgate_testkit.reports import pct, publish
+from kvgate_testkit.sampling import cpu_seconds, rss_bytes
 from kvgate_testkit.stack import Stack
+from kvgate_testkit.variants import BARE_ONLY, VARIANTS, hot_stack, wait_picker_nodes_up
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -313,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                          "kvgate setups are the plain names, the others' are suffixed")
     ap.add_argument("--setups", nargs="+", default=list(SETUPS), choices=SETUPS)
     ap.add_argument("--bare-levers", nargs="+", default=[], choices=LEVERS,
-                    help="extra bare setups (see bench/bare.py)")
+                    help="extra bare setups (see kvgate_testkit/bare.py)")
     ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     ap.add_argument("--open-streams", type=int, help="streams held open at once for memory")
     ap.add_argument("--disconnects", type=int, help="disconnects timed for release")

@@ -41,8 +41,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import reports
-from bench.revision import Workers, checkout
+from kvgate_testkit import reports
+from kvgate_testkit.revision import Workers, checkout
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -47,13 +47,13 @@ import aiohttp
 import orjson
 
 from bench import prefix_trace
-from bench import reports
-from bench.reports import machine, percentile, publish
-from bench.revision import describe
-from bench.sampling import readings
 from extproc.config import PickingConfig
+from kvgate_testkit import reports
 from kvgate_testkit.nodes_stack import MODEL, NodesStack
 from kvgate_testkit.procs import LOOPBACK, Proc, exit_on_sigterm, free_port
+from kvgate_testkit.reports import machine, percentile, publish
+from kvgate_testkit.revision import describe
+from kvgate_testkit.sampling import readings
 from sim.api import WORDS
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -47,15 +47,14 @@ import aiohttp
 import orjson
 import yaml
 
-from bench.load import CHAT_OVERHEAD, Client, Result, by_class, goodput, replay, result_rows, session
-from bench.reports import cell, chosen, command, machine, percentile
-from bench.sampling import node_state, readings, scraped, wait_fresh
-from bench.stacks import Node, Procs, adaptive_for, failure, print_tails
 from extproc.configparse import parse_config
-from sim.api import words
-from kvgate_testkit.nodes_stack import MODEL
+from kvgate_testkit.load import CHAT_OVERHEAD, Client, Result, by_class, goodput, replay, result_rows, session
+from kvgate_testkit.nodes_stack import MODEL, Node, adaptive_for
+from kvgate_testkit.procs import LOOPBACK, Procs, exit_on_sigterm, failure, free_port, print_tails
+from kvgate_testkit.reports import cell, chosen, command, machine, percentile
+from kvgate_testkit.sampling import node_state, readings, scraped, wait_fresh
 from kvgate_testkit.stack import envoy_config
-from kvgate_testkit.procs import LOOPBACK, exit_on_sigterm, free_port
+from sim.api import words
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -52,18 +52,18 @@ import aiohttp
 import yaml
 
 from bench.bench_trace import Client, apply_background, close_results, parse_kvgate_metrics, sample, wait_signals
-from bench.load import Result
 from bench.trace_policies import POLICIES, Policy, envoy_for, kvgate_config
 from bench.trace_report import Run, Summary, summarize
 from bench.trace_workload import (DEFAULT_TRACE, FULL, NODE, NODES, TRACE_SLICE, Background, Burst, Req,
                                   Scenario, build_requests, read_trace)
-from bench.reports import percentile
-from bench.sampling import preemptions as read_preemptions
-from bench.stacks import Node, print_tails
 from extproc.configparse import parse_config
 from kvgate_testkit.faultproxy import FaultProxy
-from kvgate_testkit.procs import LOOPBACK, VENV_BIN, Proc, exit_on_sigterm, free_port
+from kvgate_testkit.load import Result
+from kvgate_testkit.nodes_stack import Node
+from kvgate_testkit.procs import LOOPBACK, Proc, VENV_BIN, exit_on_sigterm, free_port, print_tails
 from kvgate_testkit.redis_server import RedisServer, _ping, redis_server_binary
+from kvgate_testkit.reports import percentile
+from kvgate_testkit.sampling import preemptions as read_preemptions
 
 ROOT = Path(__file__).resolve().parents[1]
 

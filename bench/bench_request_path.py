@@ -52,12 +52,12 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 from prometheus_client import CollectorRegistry
 
-from bench import reports
-from bench.httpload import ChatBodies
-from bench.revision import Workers, checked_out
-from bench.stacks import BENCH_CONFIG
 from extproc.admission import Admission
 from extproc.clock import Clock, MonotonicClock
+from kvgate_testkit import reports
+from kvgate_testkit.httpload import ChatBodies
+from kvgate_testkit.revision import Workers, checked_out
+from kvgate_testkit.variants import BENCH_CONFIG
 try:
     from extproc.configparse import parse_config
 except ImportError:  # a --baseline revision from before configparse.py

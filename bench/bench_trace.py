@@ -54,20 +54,19 @@ from typing import Any
 import aiohttp
 import orjson
 
-from bench import load
-from bench import reports
-from bench.load import Placer, Result, replay, session
-from bench.reports import cell, chosen
-from bench.sampling import node_state, readings, scraped, wait_fresh
-from bench.sampling import preemptions as read_preemptions
-from bench.stacks import Node, Procs, failure, print_tails
 from bench.trace_policies import (BATCH_WATERMARK, ONLINE_WAIT_S, ORACLE_LEAD_S, PICKER_ENVOY, POLICIES,
                                   Oracle, Policy, api_key, envoy_for, kvgate_config)
 from bench.trace_report import Run, dump_raw, report, summarize
 from bench.trace_workload import (DEFAULT_TRACE, FULL, NODE, NODES, TINY, TRACE_SLICE, Background, Req, Scenario,
                                   build_requests, read_trace)
+from kvgate_testkit import load
+from kvgate_testkit import reports
+from kvgate_testkit.load import Placer, Result, replay, session
+from kvgate_testkit.nodes_stack import Node
+from kvgate_testkit.procs import LOOPBACK, Procs, exit_on_sigterm, failure, free_port, print_tails
+from kvgate_testkit.reports import cell, chosen
+from kvgate_testkit.sampling import node_state, preemptions as read_preemptions, readings, scraped, wait_fresh
 from sim.api import OUTPUT_TOKENS_HEADER
-from kvgate_testkit.procs import LOOPBACK, exit_on_sigterm, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -60,12 +60,12 @@ import aiohttp
 import openai
 from tokenizers import Tokenizer
 
-from bench.reports import chosen
 from bench.vllm_report import (GATE_COUNTERS, GATE_WATCH, KvCheck, Outcome, preemption_cell, prefix_report, report,
                                versions)
-from bench.vllm_rows import ENGINE_ENV, MODEL_NAME, SCENARIOS, Burst, EngineFlags, Row, Scenario, burst_texts
-from bench.vllm_stack import Engine, Gate, backend_name, parse_metrics
+from bench.vllm_rows import SCENARIOS, Burst, Row, Scenario, burst_texts
 from kvgate_testkit.procs import exit_on_sigterm, wait_until
+from kvgate_testkit.reports import chosen
+from kvgate_testkit.vllm import ENGINE_ENV, MODEL_NAME, Engine, EngineFlags, Gate, backend_name, parse_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -260,6 +260,13 @@ def build_model(vllm_python: Path, model_dir: Path) -> None:
                    env={**os.environ, **ENGINE_ENV}, timeout=600)
 
 
+def gate_for(row: Row, engines: list[Engine], tokenizer_path: Path, workdir: Path, max_wait_s: float) -> Gate:
+    """gate_for is kvgate and Envoy on ``row``'s file in front of ``engines``."""
+    assert row.envoy is not None
+    return Gate(row.key, row.envoy, engines, tokenizer_path, workdir, row.picking, row.kv_budget_fraction,
+                max_wait_s)
+
+
 async def bench(args: argparse.Namespace, scenario: Scenario, keys: list[str], workdir: Path
                 ) -> tuple[list[Outcome], dict[str, str], dict[str, str], list[float], EngineFlags]:
     """bench builds the model, starts as many vLLM processes as the scenario's rows need and a
@@ -292,7 +299,7 @@ async def bench(args: argparse.Namespace, scenario: Scenario, keys: list[str], w
             if r.envoy is not None:
                 try:
                     gates[r.key] = await asyncio.to_thread(
-                        lambda r=r: Gate(r, engines[:r.nodes], tokenizer_path, workdir, scenario.max_wait_s).start())
+                        lambda r=r: gate_for(r, engines[:r.nodes], tokenizer_path, workdir, scenario.max_wait_s).start())
                 except Exception as exc:  # noqa: BLE001 - one row's setup must not lose the others
                     failed[r.key] = f"did not start: {type(exc).__name__}: {exc}".replace("\n", " ")[:400]
                     print(f"- {r.key}: {failed[r.key]}", flush=True)

@@ -8,8 +8,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.httpload import StreamTimes
-from bench.reports import machine, pct
+from kvgate_testkit.httpload import StreamTimes
+from kvgate_testkit.reports import machine, pct
 
 P99_LIMIT_S = 0.020
 

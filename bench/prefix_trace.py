@@ -49,10 +49,10 @@ from bench.bench_trace import drive
 from bench.trace_policies import Policy
 from bench.trace_report import Run, kv_for_requests
 from bench.trace_workload import NODE, Background, Req, Scenario
-from bench.load import CHAT_OVERHEAD, NODE_HEADER
-from bench.reports import percentile
-from bench.sampling import fetch_readings
+from kvgate_testkit.load import CHAT_OVERHEAD, NODE_HEADER
 from kvgate_testkit.nodes_stack import MODEL, NodesStack
+from kvgate_testkit.reports import percentile
+from kvgate_testkit.sampling import fetch_readings
 from sim.api import OUTPUT_TOKENS_HEADER, words
 from sim.blocks import blocks_for
 

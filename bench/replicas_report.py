@@ -19,8 +19,8 @@ from bench.bench_replicas import (DEFAULT_POLICY, FAULT_AT, FAULT_GOODPUT, LEASE
 from bench.trace_policies import Policy
 from bench.trace_report import summarize
 from bench.trace_workload import DEFAULT_TRACE, NODE, NODES, Req, Scenario
-from bench.reports import cell
 from kvgate_testkit.redis_server import server_version
+from kvgate_testkit.reports import cell
 
 
 def _mark(ok: bool | None) -> str:

@@ -15,12 +15,11 @@ from typing import Any
 
 import yaml
 
-from bench.stacks import Node, adaptive_for
-from bench.load import NODE_HEADER
 from bench.trace_workload import NODE, Background, Req, Scenario
 from extproc.configparse import parse_config
 from extproc.localstack import is_processor_cluster
-from kvgate_testkit.nodes_stack import cluster_endpoints, header_routes
+from kvgate_testkit.load import NODE_HEADER
+from kvgate_testkit.nodes_stack import Node, adaptive_for, cluster_endpoints, header_routes
 from kvgate_testkit.procs import LOOPBACK
 from kvgate_testkit.stack import envoy_config
 from sim.blocks import blocks_for

@@ -12,11 +12,11 @@ from typing import Any
 
 import orjson
 
-from bench.load import Result, by_class, goodput, result_rows
-from bench.stacks import Node
-from bench.reports import cell, machine, percentile
 from bench.trace_policies import BATCH_WATERMARK, ONLINE_WAIT_S, ORACLE_LEAD_S, PICKER_ENVOY, Policy
 from bench.trace_workload import NODES, RAMP_STEPS, Background, Req, Scenario
+from kvgate_testkit.load import Result, by_class, goodput, result_rows
+from kvgate_testkit.nodes_stack import Node
+from kvgate_testkit.reports import cell, machine, percentile
 from sim.api import OUTPUT_TOKENS_HEADER
 
 ROOT = Path(__file__).resolve().parents[1]

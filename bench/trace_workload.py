@@ -18,9 +18,8 @@ from typing import Any
 
 import orjson
 
-from bench.load import CHAT_OVERHEAD
-from bench.stacks import Node
-from kvgate_testkit.nodes_stack import MODEL
+from kvgate_testkit.load import CHAT_OVERHEAD
+from kvgate_testkit.nodes_stack import MODEL, Node
 from sim.api import words
 
 ROOT = Path(__file__).resolve().parents[1]

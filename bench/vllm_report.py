@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
-from bench.vllm_rows import MAX_WAIT_S, POLL_S, PREFIX_MAX_RATIO, ROWS, Burst, EngineFlags, Row, Scenario, baseline
-from bench.vllm_stack import backend_name
+from bench.vllm_rows import PREFIX_MAX_RATIO, ROWS, Burst, Row, Scenario, baseline
+from kvgate_testkit.vllm import MAX_WAIT_S, POLL_S, EngineFlags, backend_name
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
 @dataclass(slots=True)
 class KvCheck:
     """KvCheck is vLLM's and kvgate's readings of one frozen engine, ``node`` (usage a ratio 0-1)."""

@@ -13,7 +13,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from kvgate_testkit.procs import LOOPBACK
+from kvgate_testkit.vllm import MAX_WAIT_S, EngineFlags
 
 ROOT = Path(__file__).resolve().parents[1]
 POOL_ENVOY = ROOT / "deploy" / "envoy.yaml"
@@ -21,48 +21,7 @@ PICKER_ENVOY = ROOT / "deploy" / "envoy-endpoint-picker.yaml"
 # The picker file whose ext_proc stream ends with the request: progress and the release come
 # from Envoy's access log (periodic entries), the usage from its Lua filter.
 PICKER_LOG_ENVOY = ROOT / "deploy" / "envoy-endpoint-picker-log.yaml"
-MODEL_NAME = "tiny-llama"
-# Envoy's max_message_timeout in both files is 60 s: a class wait above it turns every
-# waiting request into a 504 (VLLM-CPU.md), so kvgate's wait stays below it.
-MAX_WAIT_S = 45.0
-# kvgate's scrape period and timeout of vLLM's /metrics (s), which can take over 0.5 s to
-# answer while the engine is busy on this machine's shared cores.
-POLL_S = 1.0
 ONE_TOKEN_WORD = re.compile(r"^ [a-z]{3,}$")
-
-
-@dataclass(frozen=True, slots=True)
-class EngineFlags:
-    """EngineFlags is the vLLM server's cache and scheduler size: ``blocks`` KV blocks of
-    ``block_size`` tokens (one is vLLM's null block), ``max_model_len`` tokens per request."""
-
-    blocks: int = 129
-    block_size: int = 32
-    max_model_len: int = 4096
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 2048
-
-    @property
-    def usable_tokens(self) -> int:
-        return (self.blocks - 1) * self.block_size
-
-    def argv(self, python: Path, model_dir: Path, port: int) -> list[str]:
-        """argv is the vLLM OpenAI server's command line on loopback ``port``."""
-        return [str(python), "-m", "vllm.entrypoints.openai.api_server",
-                "--model", str(model_dir), "--served-model-name", MODEL_NAME,
-                "--host", LOOPBACK, "--port", str(port), "--dtype", "bfloat16",
-                "--enforce-eager", "--gpu-memory-utilization", "0.05",
-                "--kv-cache-memory-bytes", "64M",
-                "--num-gpu-blocks-override", str(self.blocks), "--block-size", str(self.block_size),
-                "--max-model-len", str(self.max_model_len), "--max-num-seqs", str(self.max_num_seqs),
-                "--max-num-batched-tokens", str(self.max_num_batched_tokens),
-                "--uvicorn-log-level", "warning"]
-
-
-# Both off: vLLM's CPU memory check would refuse to start, and its OpenMP threads would
-# pin both of the machine's shared cores.
-ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
-              "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,9 @@ Envoy from an Envoy file of ``deploy/`` pointed at loopback (by default
 deploy/envoy-endpoint-picker.yaml, whose ORIGINAL_DST cluster goes where kvgate says;
 deploy/envoy.yaml's inference cluster is then given every node, round robin). Without
 kvgate (``kvgate=False``) it is plain Envoy round robin over the nodes: deploy/envoy.yaml without
-its ext_proc filter, the control that a benchmark compares kvgate with.
+its ext_proc filter, the control that a benchmark compares kvgate with. ``Node`` is one
+simulated node as the replay benchmarks start it, ``adaptive_for`` kvgate's ``adaptive``
+section for nodes run faster than real time.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 import sys
 import urllib.request
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +29,7 @@ from extproc.localstack import is_processor_cluster, render_envoy
 from kvgate_testkit.kvmetrics import LoopbackStack
 from kvgate_testkit.procs import LOOPBACK, ROOT, VENV_BIN, Proc, free_port
 from kvgate_testkit.stack import without_processor
+from sim.engine import EngineParams
 
 PICKER_ENVOY = ROOT / "deploy" / "envoy-endpoint-picker.yaml"
 POOL_ENVOY = ROOT / "deploy" / "envoy.yaml"
@@ -236,3 +240,37 @@ class NodesStack(LoopbackStack):
         """per_node is ``name``'s value per backend label."""
         return {self.node_name(i): self.metric(name, backend=self.node_name(i), **labels)
                 for i in range(len(self.node_ports))}
+
+
+@dataclass(slots=True)
+class Node(EngineParams):
+    """Node is the simulated vLLM node the benchmark starts: the simulator's engine settings
+    (capacities in tokens, speeds in tokens/s) plus the model's context length (tokens)."""
+
+    max_model_len: int = 32_768
+
+    def argv(self, port: int, speedup: float, seed: int, overflow: str) -> list[str]:
+        """argv is the simulator's command line for this node."""
+        return [sys.executable, "-m", "sim", "--listen", f"{LOOPBACK}:{port}", "--model", MODEL,
+                "--max-model-len", str(self.max_model_len),
+                "--kv-capacity-tokens", str(self.kv_capacity_tokens),
+                "--block-size", str(self.block_size), "--max-num-seqs", str(self.max_num_seqs),
+                "--max-num-batched-tokens", str(self.max_num_batched_tokens),
+                "--prefill-tokens-per-s", str(self.prefill_tokens_per_s),
+                "--decode-tokens-per-s", str(self.decode_tokens_per_s),
+                "--batch-slowdown", str(self.batch_slowdown), "--speedup", str(speedup),
+                "--seed", str(seed), "--overflow", overflow,
+                # Streams write every 8 tokens (the first at once): TTFT is exact and Envoy,
+                # kvgate and the client see 8x fewer chunks on 2 shared cores.
+                "--stream-interval", "8", "--log-level", "WARNING"]
+
+
+def adaptive_for(speedup: float) -> dict[str, Any]:
+    """adaptive_for is kvgate's ``adaptive`` section for simulated nodes run ``speedup`` times
+    faster than real time: watermarks 0.70/0.85, each duration divided by the speedup (and the
+    recovery rate multiplied by it), so that kvgate acts at the same simulated instants."""
+    return {"high_watermark": 0.85, "low_watermark": 0.70, "min_scale": 0.6,
+            "recovery_per_s": 0.1 * speedup,
+            "poll_interval_s": max(0.01, 1.0 / speedup),
+            "scrape_timeout_s": max(0.005, 0.5 / speedup),
+            "stale_after_s": 3.0 / speedup, "early_scrape_gap_s": 0.2 / speedup}

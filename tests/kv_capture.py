@@ -93,7 +93,7 @@ def wait_healthy(engine: Proc, url: str) -> None:
 
 def complete(url: str, prompt: list[int]) -> None:
     """complete sends one completion of token ids ``prompt`` (4 tokens) and waits for it."""
-    from bench.vllm_rows import MODEL_NAME
+    from kvgate_testkit.vllm import MODEL_NAME
     body = json.dumps({"model": MODEL_NAME, "prompt": prompt, "max_tokens": 4,
                        "temperature": 0}).encode()
     req = urllib.request.Request(f"{url}/v1/completions", body, {"content-type": "application/json"})
@@ -114,7 +114,7 @@ def _drain(sub: zmq.Socket[bytes], out: list[dict[str, object]], quiet_s: float)
 def record(vllm_python: Path, model_dir: Path, workdir: Path) -> list[dict[str, object]]:
     """record runs the engine and the requests; returns the lines to write."""
     from bench.bench_vllm import build_model  # the engine's parts, only when recording
-    from bench.vllm_rows import ENGINE_ENV, EngineFlags
+    from kvgate_testkit.vllm import ENGINE_ENV, EngineFlags
     flags = EngineFlags(blocks=17, block_size=32, max_model_len=512, max_num_seqs=4, max_num_batched_tokens=512)
     build_model(vllm_python, model_dir)
     pub, replay, http = free_port(), free_port(), free_port()

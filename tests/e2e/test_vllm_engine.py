@@ -28,11 +28,11 @@ import openai  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
-from bench.bench_vllm import build_model, run_burst  # noqa: E402
-from bench.vllm_rows import MODEL_NAME, ROWS, Burst, EngineFlags, prompts  # noqa: E402
-from bench.vllm_stack import Engine, Gate  # noqa: E402
+from bench.bench_vllm import build_model, gate_for, run_burst  # noqa: E402
+from bench.vllm_rows import ROWS, Burst, prompts  # noqa: E402
 from extproc import usage_log  # noqa: E402
 from kvgate_testkit.procs import wait_until  # noqa: E402
+from kvgate_testkit.vllm import MAX_WAIT_S, MODEL_NAME, Engine, EngineFlags, Gate  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 
@@ -54,7 +54,7 @@ async def test_kvgate_keeps_vllm_from_preempting_and_reads_its_kv(tmp_path: Path
     gate: Gate | None = None
     try:
         engine.wait_ready()
-        gate = Gate(rows["kvgate"], [engine], MODEL_DIR / "tokenizer.json", tmp_path).start()
+        gate = gate_for(rows["kvgate"], [engine], MODEL_DIR / "tokenizer.json", tmp_path, MAX_WAIT_S).start()
         direct = await run_burst(rows["direct"], 1, [engine], None, gate, prompts(tok, BURST, 1), BURST)
         gated = await run_burst(rows["kvgate"], 1, [engine], gate, gate, prompts(tok, BURST, 2), BURST)
     finally:
@@ -102,7 +102,8 @@ def test_the_usage_filter_reads_vllms_own_stream(tmp_path: Path) -> None:
     tokens = 3 * usage_log.EVENTS_STEP + 5
     try:
         engine.wait_ready()
-        gate = Gate(rows["picker-log-learned"], [engine], MODEL_DIR / "tokenizer.json", tmp_path).start()
+        gate = gate_for(rows["picker-log-learned"], [engine], MODEL_DIR / "tokenizer.json", tmp_path,
+                        MAX_WAIT_S).start()
         client = openai.OpenAI(base_url=f"{gate.url}/v1", api_key="test", max_retries=0, timeout=120)
         before = logged_usage(gate)
         seen = []

@@ -29,7 +29,6 @@ if not VLLM_PYTHON.exists():
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 from bench.bench_vllm import build_model  # noqa: E402
-from bench.vllm_rows import ENGINE_ENV, MODEL_NAME, EngineFlags  # noqa: E402
 from extproc.configparse import parse_config  # noqa: E402
 from extproc.engine_blocks import token_keys  # noqa: E402
 from extproc.metrics import Metrics  # noqa: E402
@@ -37,6 +36,7 @@ from extproc.server import Server  # noqa: E402
 from extproc.signals.kv_events import ViewState  # noqa: E402
 from extproc.tokens import load_tokenizer  # noqa: E402
 from kvgate_testkit.procs import LOOPBACK, Proc, free_port, wait_until  # noqa: E402
+from kvgate_testkit.vllm import ENGINE_ENV, MODEL_NAME, EngineFlags  # noqa: E402
 from tests.kv_capture import complete, wait_healthy  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]

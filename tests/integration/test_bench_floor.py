@@ -1,4 +1,4 @@
-"""The benchmarks' floor and their CPU reading: the bare processor (bench/bare.py) takes the
+"""The benchmarks' floor and their CPU reading: the bare processor (kvgate_testkit/bare.py) takes the
 access log the access-log and picker-log files send it (or refuses it, as the ``no-log-sink``
 lever), and bench_cpu splits a process's CPU by thread."""
 
@@ -41,7 +41,7 @@ def _send_log(port: int) -> grpc.StatusCode:
 def test_the_bare_processor_takes_the_access_log_unless_told_not_to(
         tmp_path: Path, lever: list[str], status: grpc.StatusCode) -> None:
     port = free_port()
-    bare = Proc([sys.executable, str(ROOT / "bench" / "bare.py"),
+    bare = Proc([sys.executable, str(ROOT / "kvgate_testkit" / "bare.py"),
                  "--port", str(port), *lever], tmp_path / "bare.log")
     try:
         bare.wait_port(port)

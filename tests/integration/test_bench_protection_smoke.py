@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from bench.bench_protection import POLICIES, TINY, build_requests
-from bench.load import CHAT_OVERHEAD
+from kvgate_testkit.load import CHAT_OVERHEAD
 from kvgate_testkit.procs import ROOT
 
 pytestmark = [pytest.mark.e2e, pytest.mark.bench]

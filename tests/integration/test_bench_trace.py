@@ -19,14 +19,14 @@ import pytest
 import tiktoken
 
 from bench import bench_trace
-from bench.load import CHAT_OVERHEAD
 from bench.bench_trace import skip_reason
 from bench.trace_policies import POLICIES, Oracle, api_key, envoy_for, key_digest, kvgate_config
 from bench.trace_report import Run, preemptions_at_arrival
 from bench.trace_workload import (NODE, TINY, TRACE_SLICE, Background, Req, Scenario, build_requests,
                                   read_trace)
-from tests.deploy.support import envoy_validate
+from kvgate_testkit.load import CHAT_OVERHEAD
 from kvgate_testkit.procs import ROOT
+from tests.deploy.support import envoy_validate
 
 pytestmark = pytest.mark.bench
 

@@ -8,7 +8,7 @@ import tiktoken
 
 from bench.bench_prefix import (ROWS, Result, Row, burst_messages, kvgate_table, ratio,
                                 seeded_words, table, verdicts)
-from bench.reports import percentile
+from kvgate_testkit.reports import percentile
 
 pytestmark = pytest.mark.bench
 

@@ -9,9 +9,9 @@ import pytest
 from bench.bench_replicas import (FAULTS, Fault, Figures, Row, all_rows, degraded_s, error_answers, fails_over,
                                   fault_plan, lb_pick, max_share, mode_from_metrics, next_replica, select_rows,
                                   shared_again_s, split_limit, verdict)
-from bench.load import Result
 from bench.trace_report import Summary
 from bench.trace_workload import Req
+from kvgate_testkit.load import Result
 pytestmark = pytest.mark.bench
 
 FAULT = {f.key: f for f in FAULTS}

@@ -14,13 +14,14 @@ import yaml
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from bench.bench_vllm import skipped_rows
-from bench.sampling import descendants
 from bench.vllm_report import KvCheck, Outcome, preemption_cell, prefix_report, prefix_target, report, spread
 from bench.vllm_rows import (PICKER_ENVOY, PICKER_LOG_ENVOY, POOL_ENVOY, PREFIX_ROWS, ROWS, SCENARIOS, Burst,
-                             EngineFlags, baseline, burst_texts, prompts, shared_prefix_prompts)
-from bench.vllm_stack import kvgate_config, parse_metrics, render_envoy
-from tests.deploy.support import envoy_validate
+                             baseline, burst_texts, prompts, shared_prefix_prompts)
+from extproc.localstack import render_envoy
 from kvgate_testkit.procs import ROOT, wait_until
+from kvgate_testkit.sampling import descendants
+from kvgate_testkit.vllm import EngineFlags, kvgate_config, parse_metrics
+from tests.deploy.support import envoy_validate
 
 pytestmark = pytest.mark.bench
 
@@ -89,44 +90,19 @@ def test_picker_rows_follow_the_per_node_contract(tmp_path: Path) -> None:
                    for why in skipped.values())
 
 
-def test_render_envoy_points_the_pool_file_at_loopback(tmp_path: Path) -> None:
-    cfg = render_envoy(yaml.safe_load(POOL_ENVOY.read_text()), listen=18080, grpc=15051, upstream=18000)
-    assert "admin" not in cfg
-    listener = cfg["static_resources"]["listeners"][0]
-    assert listener["address"] == {"socket_address": {"address": "127.0.0.1", "port_value": 18080}}
-    ports = {c["name"]: c["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
-             ["socket_address"] for c in cfg["static_resources"]["clusters"]}
-    assert ports == {"inference": {"address": "127.0.0.1", "port_value": 18000},
-                     "kvgate": {"address": "127.0.0.1", "port_value": 15051}}
-    done = envoy_validate(cfg, tmp_path)
-    assert done.returncode == 0, done.stdout + done.stderr
-
-
 def test_the_picker_log_rows_pick_as_the_picker_rows_behind_the_picker_log_file(tmp_path: Path) -> None:
     rows = {r.key: r for r in ROWS}
     for key, twin in (("picker-log-learned", "picker-learned"), ("picker-log-learned-2", "picker-learned-2")):
         assert rows[key].envoy == PICKER_LOG_ENVOY
         assert (rows[key].picking, rows[key].nodes) == (rows[twin].picking, rows[twin].nodes)
-    cfg = render_envoy(yaml.safe_load(PICKER_LOG_ENVOY.read_text()), listen=18080, grpc=15051, upstream=18000)
+    cfg = render_envoy(yaml.safe_load(PICKER_LOG_ENVOY.read_text()), listen=18080, admin=18081, grpc=15051,
+                       upstream=18000)
     for cluster in cfg["static_resources"]["clusters"]:
         if cluster.get("type") != "ORIGINAL_DST":   # the node kvgate names; the rest on loopback
             (ep,) = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
             assert ep["endpoint"]["address"]["socket_address"]["address"] == "127.0.0.1"
     done = envoy_validate(cfg, tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
-
-
-def test_render_envoy_leaves_an_original_dst_cluster_alone() -> None:
-    picked = {"name": "picked", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED",
-              "original_dst_lb_config": {"use_http_header": True,
-                                         "http_header_name": "x-gateway-destination-endpoint"}}
-    template = {"static_resources": {
-        "listeners": [{"name": "l", "address": {"socket_address": {"address": "0.0.0.0", "port_value": 8080}}}],
-        "clusters": [dict(picked), {"name": "kvgate", "type": "STRICT_DNS"}]}}
-    cfg = render_envoy(template, listen=1, grpc=2, upstream=3)
-    clusters = {c["name"]: c for c in cfg["static_resources"]["clusters"]}
-    assert clusters["picked"] == picked
-    assert clusters["kvgate"]["type"] == "STATIC"
 
 
 def test_parse_metrics_sums_vllm_series_and_keeps_the_report_labels() -> None:

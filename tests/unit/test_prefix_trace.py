@@ -11,13 +11,13 @@ import orjson
 import pytest
 import tiktoken
 
-from bench.load import Result
-from bench.trace_policies import Policy
-from bench.trace_report import Run
-from bench.trace_workload import Req
 from bench.prefix_trace import (CONTEXT, HASH_BLOCK, MAX_TOKENS, SIM_BLOCK, TTFT_SLO_S, CacheOracle, RowResult,
                                 TraceRequest, TraceRow, Window, build_replay, figures, main_rows, prompt_text,
                                 read_mooncake, sampled, sweep_rows, table, verdicts)
+from bench.trace_policies import Policy
+from bench.trace_report import Run
+from bench.trace_workload import Req
+from kvgate_testkit.load import Result
 
 pytestmark = pytest.mark.bench
 

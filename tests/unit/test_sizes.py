@@ -1,5 +1,7 @@
 """The product's sizes stay within the redesign's bounds (issue 31): modules of at most 700
-lines, classes of at most 400, functions of at most 80.
+lines, classes of at most 400, functions of at most 80; the benchmarks and their harness (the
+test kit) keep the same bounds, and ``bench/`` stays no larger than the product's largest
+package.
 
 The one exception is named here with its reason: ``redis_lua`` carries the Redis scripts'
 Lua source (a declarative part, as a table is; its docstring says why it stays whole).
@@ -39,8 +41,25 @@ def oversized(root: Path) -> list[str]:
     return out
 
 
+def lines_below(folder: Path) -> int:
+    """lines_below is the lines of every Python file under ``folder``."""
+    return sum(path.read_text().count("\n") for path in folder.rglob("*.py"))
+
+
 def test_the_products_modules_classes_and_functions_stay_within_their_bounds() -> None:
     assert oversized(ROOT / "extproc") == []
+
+
+def test_the_benchmarks_and_their_harness_stay_within_the_same_bounds() -> None:
+    assert oversized(ROOT / "bench") + oversized(ROOT / "kvgate_testkit") == []
+
+
+def test_bench_is_no_larger_than_the_products_largest_package() -> None:
+    packages = {p.parent.name: lines_below(p.parent) for p in (ROOT / "extproc").glob("*/__init__.py")}
+    largest = max(packages, key=packages.__getitem__)
+    assert lines_below(ROOT / "bench") <= packages[largest], (
+        f"bench/ has {lines_below(ROOT / 'bench')} lines, extproc/{largest} {packages[largest]}: "
+        "the shared harness belongs in kvgate_testkit/, each benchmark holds its scenario and verdict")
 
 
 def test_the_check_finds_a_class_past_its_bound(tmp_path: Path) -> None:

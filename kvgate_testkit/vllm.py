@@ -1,24 +1,68 @@
-"""vllm_stack: bench_vllm's processes: the real vLLM server on a loopback port (Engine), and
-kvgate with the real Envoy in front of a row's engines (Gate, on the harness's Procs), with
-kvgate's configuration and Envoy's file for them, and the Prometheus readings of both.
+"""vllm: the real vLLM engine (its CPU build, in its own virtualenv) on a loopback port
+(``Engine``, started with ``EngineFlags``), and kvgate with the real Envoy on one of deploy/'s
+files in front of engines (``Gate``), with kvgate's configuration for them and the Prometheus
+readings of both: for the engine's end-to-end tests and ``bench/bench_vllm.py``.
 """
 from __future__ import annotations
 
 import time
 import urllib.request
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.sampling import descendants
-from bench.stacks import Kvgate, Procs
-from bench.vllm_rows import ENGINE_ENV, MAX_WAIT_S, POLL_S, EngineFlags, Row
 from extproc.configparse import parse_config
-from extproc.localstack import is_processor_cluster
-from kvgate_testkit.procs import LOOPBACK, Proc, free_port, wait_until
+from extproc.localstack import render_envoy
+from kvgate_testkit.procs import LOOPBACK, Kvgate, Proc, Procs, free_port, wait_until
+from kvgate_testkit.sampling import descendants
+
+MODEL_NAME = "tiny-llama"
+# Envoy's max_message_timeout in both files is 60 s: a class wait above it turns every
+# waiting request into a 504 (VLLM-CPU.md), so kvgate's wait stays below it.
+MAX_WAIT_S = 45.0
+# kvgate's scrape period and timeout of vLLM's /metrics (s), which can take over 0.5 s to
+# answer while the engine is busy on this machine's shared cores.
+POLL_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFlags:
+    """EngineFlags is the vLLM server's cache and scheduler size: ``blocks`` KV blocks of
+    ``block_size`` tokens (one is vLLM's null block), ``max_model_len`` tokens per request."""
+
+    blocks: int = 129
+    block_size: int = 32
+    max_model_len: int = 4096
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+
+    @property
+    def usable_tokens(self) -> int:
+        return (self.blocks - 1) * self.block_size
+
+    def argv(self, python: Path, model_dir: Path, port: int) -> list[str]:
+        """argv is the vLLM OpenAI server's command line on loopback ``port``."""
+        return [str(python), "-m", "vllm.entrypoints.openai.api_server",
+                "--model", str(model_dir), "--served-model-name", MODEL_NAME,
+                "--host", LOOPBACK, "--port", str(port), "--dtype", "bfloat16",
+                "--enforce-eager", "--gpu-memory-utilization", "0.05",
+                "--kv-cache-memory-bytes", "64M",
+                "--num-gpu-blocks-override", str(self.blocks), "--block-size", str(self.block_size),
+                "--max-model-len", str(self.max_model_len), "--max-num-seqs", str(self.max_num_seqs),
+                "--max-num-batched-tokens", str(self.max_num_batched_tokens),
+                "--uvicorn-log-level", "warning"]
+
+
+# Both off: vLLM's CPU memory check would refuse to start, and its OpenMP threads would
+# pin both of the machine's shared cores.
+ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
+              "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
 def parse_metrics(text: str) -> dict[str, float]:
     """parse_metrics sums a Prometheus exposition's samples by name and a few labels.
 
@@ -92,16 +136,15 @@ class Engine:
 class Gate:
     """Gate is kvgate and the real Envoy in front of the row's engines, on loopback ports."""
 
-    def __init__(self, row: Row, engines: Sequence[Engine], tokenizer_path: Path, workdir: Path,
+    def __init__(self, name: str, envoy_file: Path, engines: Sequence[Engine], tokenizer_path: Path,
+                 workdir: Path, picking: dict[str, Any] | None = None, kv_budget_fraction: float = 0.9,
                  max_wait_s: float = MAX_WAIT_S) -> None:
-        assert row.envoy is not None
-        self.row = row
-        self.envoy_file = row.envoy
+        self.envoy_file = envoy_file
         self.engines = list(engines)
-        self.procs = Procs(workdir / row.key)
+        self.procs = Procs(workdir / name)
         self.envoy_port = free_port()
         self.kvgate_config = kvgate_config([e.port for e in self.engines], self.engines[0].flags,
-                                           tokenizer_path, row.picking, row.kv_budget_fraction, max_wait_s)
+                                           tokenizer_path, picking, kv_budget_fraction, max_wait_s)
         self.kv: Kvgate | None = None
 
     @property
@@ -120,7 +163,7 @@ class Gate:
             wait_until(lambda: self.metrics().get("kvgate_backend_up") == float(len(self.engines)),
                        timeout=30, what="kvgate's first scrape of every vLLM process")
             cfg = render_envoy(yaml.safe_load(self.envoy_file.read_text()), listen=self.envoy_port,
-                               grpc=self.kv.grpc_port, upstream=self.engines[0].port)
+                               admin=free_port(), grpc=self.kv.grpc_port, upstream=self.engines[0].port)
             self.procs.envoy(cfg, self.envoy_port)
         except BaseException:
             self.stop()
@@ -177,25 +220,4 @@ def kvgate_config(engine_ports: Sequence[int], flags: EngineFlags, tokenizer_pat
     }
     parse_config(cfg)  # a config this kvgate cannot take fails here, with the key named
     return cfg
-
-
-def render_envoy(template: dict[str, Any], *, listen: int, grpc: int, upstream: int) -> dict[str, Any]:
-    """render_envoy points an Envoy file of deploy/ at loopback: the listener on ``listen``,
-    the ext_proc cluster on ``grpc``, the inference cluster on ``upstream``; an ORIGINAL_DST
-    cluster (routed by the header kvgate sets) is left as it is. No admin interface."""
-    cfg = yaml.safe_load(yaml.safe_dump(template))
-    cfg.pop("admin", None)
-    for listener in cfg["static_resources"]["listeners"]:
-        listener["address"] = {"socket_address": {"address": LOOPBACK, "port_value": listen}}
-    for cluster in cfg["static_resources"]["clusters"]:
-        if cluster.get("type") == "ORIGINAL_DST":
-            continue
-        port = grpc if is_processor_cluster(cluster) else upstream
-        cluster["type"] = "STATIC"
-        cluster.pop("dns_lookup_family", None)
-        cluster.pop("transport_socket", None)
-        cluster["load_assignment"] = {"cluster_name": cluster["name"], "endpoints": [{"lb_endpoints": [
-            {"endpoint": {"address": {"socket_address": {"address": LOOPBACK, "port_value": port}}}}]}]}
-    return cfg
-
 

@@ -1,15 +1,21 @@
 """variants: the Envoy files the hot-path benchmarks compare, by name: each shipped file of
 deploy/ and the levers derived from them (a file as it was before an issue, another mode,
-another flush interval), written to a run's folder."""
+another flush interval), written to a run's folder; ``hot_stack``, Envoy on one of them in front of
+the fast fake upstream with kvgate (this tree's or another revision's), the bare processor or
+nothing behind ext_proc; ``BENCH_CONFIG``, kvgate's configuration there."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import orjson
 import yaml
 
-from kvgate_testkit.stack import ENVOY_TEMPLATE
+from kvgate_testkit.procs import LOOPBACK, Proc, wait_until
+from kvgate_testkit.stack import ENVOY_TEMPLATE, Stack
 
 VARIANTS = ("recommended", "four-message", "observe", "reservation", "access-log",
             "endpoint-picker", "endpoint-picker-log", "full-duplex", "no-response-headers",
@@ -111,3 +117,77 @@ def _split_periodic(hcm: dict[str, Any]) -> None:
     common["log_name"] = common["log_name"] + "-progress"
     common["buffer_flush_interval"] = f"{SPLIT_FLUSH_S:g}s"
     hcm["access_log"].append(progress_log)
+
+
+# kvgate's configuration in the hot-path benchmarks: limits far above the load, so that they
+# measure the path, not refusals.
+# kvgate's configuration in the hot-path benchmarks: limits far above the load, so that they
+# measure the path, not refusals.
+BENCH_CONFIG: dict[str, Any] = {
+    "pools": {"default": {"max_concurrency": 1000000, "tpm": 10**13, "context_window": 32768,
+                          "default_max_tokens": 1024, "tokenizer": "cl100k_base"}},
+    "limits": {"max_body_bytes": 1048576},
+    "server": {"drain_s": 0, "grace_s": 1},
+}
+
+
+class SourceStack(Stack):
+    """SourceStack is a kvgate stack whose kvgate runs from another copy of the sources
+    (``source``: a directory holding an ``extproc`` package), for before/after runs."""
+
+    def __init__(self, workdir: Path, config: dict[str, Any], source: Path, **kwargs: Any) -> None:
+        super().__init__(workdir, config, **kwargs)
+        self.source = source
+
+    def _spawn(self, name: str, argv: list[str]) -> Proc:
+        if name != "kvgate":
+            return super()._spawn(name, argv)
+        # ``python -m`` puts the working directory first on sys.path: that picks the copy.
+        proc = Proc(argv, self.workdir / f"{name}.log", cwd=self.source)
+        self.procs[name] = proc
+        return proc
+
+
+def hot_stack(workdir: Path, variant: str, work: Path, processor: str | list[str] | None = "kvgate",
+              source: Path | None = None) -> Stack:
+    """hot_stack is a stack of Envoy on ``variant``'s file (written to ``work`` where derived)
+    in front of the fast fake upstream, with ``processor`` behind ext_proc: ``"kvgate"`` on
+    BENCH_CONFIG (run from ``source`` when given), the command of a bare processor, or None
+    (plain Envoy, on the recommended file's routes: a picker file needs a processor to name
+    the node). In a picker file the processor names the fake upstream as its node."""
+    common: dict[str, Any] = {"envoy_template": variant_file("recommended" if processor is None else variant, work),
+                              "upstream_args": ["--fast"]}
+    if processor == "kvgate" and source is not None:
+        stack: Stack = SourceStack(workdir, BENCH_CONFIG, source, **common)
+    else:
+        stack = Stack(workdir, BENCH_CONFIG if processor == "kvgate" else None, processor=processor, **common)
+    if variant in PICKED:
+        _picks_the_upstream(stack)
+    return stack
+
+
+def _picks_the_upstream(stack: Stack) -> None:
+    """_picks_the_upstream makes a stack of the endpoint-picker file name its fake upstream:
+    kvgate's pool gets it as its one node (address and vLLM metrics), the bare processor
+    names it in a constant answer."""
+    node = f"{LOOPBACK}:{stack.upstream_port}"
+    if stack.processor == "kvgate":
+        cfg = orjson.loads(orjson.dumps(BENCH_CONFIG))
+        cfg["pools"]["default"]["backends"] = [{"name": "node-0", "engine": "vllm", "address": node,
+                                                "metrics_url": f"http://{node}/metrics"}]
+        stack.kvgate_config = cfg
+    elif isinstance(stack.processor, list):
+        stack.processor = [*stack.processor, "--destination", node]
+
+
+def wait_picker_nodes_up(stacks: Iterable[Stack]) -> None:
+    """wait_picker_nodes_up waits until every kvgate of ``stacks`` whose pool picks its nodes
+    has scraped its node once (before that, every request is refused: no node is up)."""
+    for stack in stacks:
+        cfg = stack.kvgate_config
+        if stack.processor == "kvgate" and cfg is not None and "backends" in cfg["pools"]["default"]:
+            wait_until(partial(_picks, stack), timeout=20, what="the picker's node up")
+
+
+def _picks(stack: Stack) -> bool:
+    return stack.metric("kvgate_backend_pickable") == 1

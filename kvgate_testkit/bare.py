@@ -3,7 +3,7 @@ every message and reads nothing else (same grpc.aio, same event loop as kvgate).
 files that send their access log to the processor's cluster it also takes that log (bytes
 read and dropped), as any processor attached to them must.
 
-    python bench/bare.py --port PORT [--destination HOST:PORT] [--raw | --grpclib] [--asyncio] [--no-log-sink]
+    python kvgate_testkit/bare.py --port PORT [--destination HOST:PORT] [--raw | --grpclib] [--asyncio] [--no-log-sink]
 
 Levers (each an extra bare setup in bench_overhead and bench_cpu): ``--raw`` reads and writes
 bytes (no protobuf at all), ``--grpclib`` serves gRPC with grpclib (pure Python on the loop)
@@ -19,14 +19,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.httpload import run
+from kvgate_testkit.httpload import run
 from kvgate_testkit.procs import LOOPBACK
 
 ROOT = Path(__file__).resolve().parents[1]
 
 PICKER_HEADER = "x-gateway-destination-endpoint"
 # The command of a bare processor for kvgate_testkit's Stack (which fills in {port}).
-COMMAND = [sys.executable, str(ROOT / "bench" / "bare.py"), "--port", "{port}"]
+COMMAND = [sys.executable, str(ROOT / "kvgate_testkit" / "bare.py"), "--port", "{port}"]
 LEVERS = ("raw", "asyncio", "grpclib", "no-log-sink")
 
 
