@@ -25,6 +25,9 @@ class RequestOutcome(StrEnum):
     REJECTED_TPM = "rejected_tpm"
     REJECTED_KV_BUDGET = "rejected_kv_budget"
     REJECTED_SHED = "rejected_shed"
+    # The request fitted, and this replica left the room to another replica sharing the pool
+    # through Redis whose requests wait for it (store.fairshare).
+    REJECTED_FAIR_SHARE = "rejected_fair_share"
     REJECTED_CONTEXT_LENGTH = "rejected_context_length"
     REJECTED_BODY_TOO_LARGE = "rejected_body_too_large"
     REJECTED_INVALID = "rejected_invalid"
@@ -49,6 +52,7 @@ REJECTED_BY = {
     Reason.TPM: RequestOutcome.REJECTED_TPM,
     Reason.KV_BUDGET: RequestOutcome.REJECTED_KV_BUDGET,
     Reason.SHED: RequestOutcome.REJECTED_SHED,
+    Reason.FAIR_SHARE: RequestOutcome.REJECTED_FAIR_SHARE,
 }
 
 

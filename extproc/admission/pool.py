@@ -23,7 +23,7 @@ from extproc.clock import Timer
 from extproc.config import PoolConfig
 
 # Budgets that come back when leases are released: their retry hint is learned.
-_RELEASED = (Budget.SLOTS, Budget.RESERVED_SLOTS, Budget.KV, Budget.CLASS_KV)
+_RELEASED = (Budget.SLOTS, Budget.RESERVED_SLOTS, Budget.FAIR_SHARE, Budget.KV, Budget.CLASS_KV)
 _ADMITTED = attrgetter("admitted_at", "demand.reserved_completion")
 _ADMITTED_TOKENS = attrgetter("admitted_at", "demand.tokens", "demand.reserved_completion")
 
@@ -91,7 +91,7 @@ class PoolControl:
         return lim
 
     def expected(self, refusal: Refusal, plan: Plan, now: float) -> Refusal:
-        """expected gives a slots or pool-KV refusal the delay (s) until its budget is expected back.
+        """expected gives a slots (or fair-share) or pool-KV refusal the delay (s) until its budget is expected back.
 
         Over the pool's leases (their ages and holds) against the pool's completed holds,
         each lease is expected to end after its residual hold given its age: a slot comes
@@ -105,7 +105,7 @@ class PoolControl:
         if not refusal.retryable or b not in _RELEASED or not len(self.holds):
             return refusal
         # map and attrgetter read the leases at C speed: a refusal reads up to WALK_LIMIT.
-        if b in (Budget.SLOTS, Budget.RESERVED_SLOTS):
+        if b in (Budget.SLOTS, Budget.RESERVED_SLOTS, Budget.FAIR_SHARE):  # a slot of this replica's
             wait = first_end(now, map(_ADMITTED, self.live), self.holds)
         else:
             wait = expected_wait(now, map(_ADMITTED_TOKENS, self.live),

@@ -147,6 +147,10 @@ def message(refusal: Refusal, plan: Plan) -> str:
     if b is Budget.RESERVED_SLOTS:
         return (f"Too many concurrent requests on pool '{pool}': the free concurrency slots are "
                 f"guaranteed to other classes. Please retry after {retry}.")
+    if b is Budget.FAIR_SHARE:
+        return (f"Pool '{pool}' is full across its gateway replicas: this one holds {int(refusal.used)} "
+                f"of its requests and leaves the room that frees to a replica holding "
+                f"{int(refusal.limit)} whose requests wait for it. Please retry after {retry}.")
     if b is Budget.KV:
         return (f"The in-flight KV-token budget of pool '{pool}' is full: this request needs "
                 f"{int(refusal.needed)} tokens, {int(refusal.used)} of {int(refusal.limit)} are in use. "
@@ -176,6 +180,7 @@ def shed_message(pool: str, class_name: str, retry_after_s: float) -> str:
 _BUDGET_WORDS = {
     Budget.SLOTS: "a concurrency slot",
     Budget.RESERVED_SLOTS: "a concurrency slot",
+    Budget.FAIR_SHARE: "room that another gateway replica's requests wait for",
     Budget.KV: "room in the in-flight KV-token budget",
     Budget.CLASS_KV: "room in the part of the in-flight KV-token budget their class may fill",
     Budget.POOL_TPM: "tokens of the tokens-per-minute limit",

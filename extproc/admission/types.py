@@ -35,6 +35,7 @@ class Reason(StrEnum):
     TPM = "tpm"
     KV_BUDGET = "kv_budget"
     SHED = "shed"
+    FAIR_SHARE = "fair_share"
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,7 +232,9 @@ class Budget(StrEnum):
     in-flight KV-token budget; ``class_kv``: the part of the KV budget the request's class
     may fill (its ``kv_watermark``), the rest being kept for other classes; ``pool_tpm``:
     the pool's token bucket; ``tenant_tpm``: the tenant's own token bucket; ``node_kv``:
-    no node of a pool that picks nodes has room for the request's KV (``rules.pick_node``).
+    no node of a pool that picks nodes has room for the request's KV (``rules.pick_node``);
+    ``fair_share``: the request fits, but another gateway replica sharing the pool through
+    Redis, holding fewer of its requests, waits for that room (``store.fairshare``).
     """
 
     SLOTS = "slots"
@@ -241,6 +244,7 @@ class Budget(StrEnum):
     POOL_TPM = "pool_tpm"
     TENANT_TPM = "tenant_tpm"
     NODE_KV = "node_kv"
+    FAIR_SHARE = "fair_share"
 
     @property
     def reason(self) -> Reason:
@@ -256,6 +260,7 @@ _REASON = {
     Budget.POOL_TPM: Reason.TPM,
     Budget.TENANT_TPM: Reason.TPM,
     Budget.NODE_KV: Reason.KV_BUDGET,
+    Budget.FAIR_SHARE: Reason.FAIR_SHARE,
 }
 
 

@@ -61,7 +61,7 @@ from typing import Any
 from extproc.admission.types import Budget, Demand, Grant, Plan, Refusal
 
 # Budgets every request of the pool needs: a waiter they refuse stops the walk.
-_STOPS = (Budget.SLOTS, Budget.KV, Budget.POOL_TPM, Budget.NODE_KV)
+_STOPS = (Budget.SLOTS, Budget.FAIR_SHARE, Budget.KV, Budget.POOL_TPM, Budget.NODE_KV)
 # Budgets that do not fit above their size at the current scale: only the scale's recovery
 # lets such a waiter in, and holding others back would not bring that sooner.
 _SCALED = (Budget.KV, Budget.CLASS_KV, Budget.POOL_TPM)

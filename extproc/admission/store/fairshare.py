@@ -13,8 +13,8 @@ The rule (``yields``), applied by the admit script after a request fits and befo
 taken: while another replica wants room (one of its requests, of no more KV tokens than
 this one, was refused for lack of room, slots or KV, pool or node, within the last
 ``FAIR_WINDOW_S``) and holds fewer of the pool's live leases than this one, this one does
-not take more: it is refused with ``Budget.SLOTS`` (retryable, so a waiter keeps
-waiting). The room goes to the other replica's next try, at most one poll later. A
+not take more: it is refused with ``Budget.FAIR_SHARE`` (retryable, so a waiter keeps
+waiting, and counted as ``rejected_fair_share`` if its wait ends there). The room goes to the other replica's next try, at most one poll later. A
 larger request is not yielded to: the room this one leaves would not seat it, and would
 stay empty.
 

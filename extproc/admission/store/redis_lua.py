@@ -882,14 +882,14 @@ end
 local refusal = decide()
 if refusal then return refused(refusal) end
 -- fairshare.yields: another replica wanted room lately for a request no larger than this
--- one and holds fewer leases: this one leaves the room to it (refused as slots, retryable;
--- it wants nothing)
+-- one and holds fewer leases: this one leaves the room to it (refused as fair_share,
+-- retryable, with this replica's leases and the other's; it wants nothing)
 -- (a node want is yielded to only where this request took the node it gathers room on;
 -- w.t is its target as the pick read it, nil without a pick)
 for _, w in ipairs(deferred) do
   if #w <= 2 or w.t == nil or w.t == node or w.leases < FAIR_FAR * mine then
     save()
-    return '0 ' .. B_SLOTS .. ' ' .. fmt(est) .. ' 1 1 ' .. mine .. ' ' .. mine .. view(now, st, pbk, pb ~= nil)
+    return '0 ' .. B_FAIR_SHARE .. ' ' .. fmt(est) .. ' 1 1 ' .. mine .. ' ' .. w.leases .. view(now, st, pbk, pb ~= nil)
   end
 end
 redis.call('HDEL', st, 'w:' .. me)

@@ -20,6 +20,7 @@ from extproc.admission.store.redis import RedisStore
 from extproc.admission.types import Budget, Grant, Plan, PoolLimits, Refusal
 from extproc.clock import ManualClock
 from extproc.configparse import parse_config
+from extproc.outcomes import REJECTED_BY, RequestOutcome
 from tests.unit.admission.test_redis_store import (T0, cfg, limits, open_store, plan, stores,  # noqa: F401
                                                    wait_for_event)
 
@@ -72,7 +73,9 @@ async def test_the_room_a_replica_frees_goes_to_the_one_refused_meanwhile(stores
     assert isinstance(refused, Refusal) and refused.budget is Budget.SLOTS
     a.settle(held[0], 10, T0 + 0.01)
     yielded = await a.admit(plan(10, lim), T0 + 0.01)
-    assert isinstance(yielded, Refusal) and yielded.budget is Budget.SLOTS and yielded.retryable
+    assert isinstance(yielded, Refusal) and yielded.budget is Budget.FAIR_SHARE and yielded.retryable
+    # the client is told why: this replica's leases (two live) and the wanting one's (one)
+    assert (yielded.used, yielded.limit) == (2, 1)
     taken = await b.admit(waiting(plan(10, lim)), T0 + 0.02)
     assert isinstance(taken, Grant)
     # a holds two and b one again, and nobody wants room: a takes what frees next
@@ -162,7 +165,7 @@ async def test_a_replica_leaves_the_node_a_poorer_replicas_request_gathers_room_
     away = await a.admit(two_node_plan(lim, 4000, 0), T0 + 0.01)
     assert isinstance(away, Grant) and away.picked == "n1"
     left = await a.admit(two_node_plan(lim, 4000, 0), T0 + 0.02)
-    assert isinstance(left, Refusal) and left.budget is Budget.SLOTS and left.retryable
+    assert isinstance(left, Refusal) and left.budget is Budget.FAIR_SHARE and left.retryable
     got = await b.admit(two_node_plan(lim, 4000, 0, waits=True), T0 + 0.03)
     assert isinstance(got, Grant) and got.picked == "n0"
 
@@ -218,6 +221,35 @@ async def test_only_requests_that_wait_make_their_replica_want_room(stores, redi
     assert r.hget(st, want) is None  # granted: it wants no more
 
 
+async def test_a_yield_reaches_the_client_as_a_fair_share_refusal(stores, redis_server):
+    """Through the controller: a holds both slots, b's request waits for one; a's request ends,
+    and a's next request fits but is left to b's waiter. Its client gets a 429 of its own
+    reason (``fair_share``, counted as ``rejected_fair_share``), not of a full pool: a slot
+    is free, and the message says whose requests wait for it."""
+    clock = ManualClock(T0)
+    config = parse_config({"pools": {"default": {"max_concurrency": 2}},
+                           "tenants": {"classes": {"standard": {}, "patient": {"max_wait_s": 30}}}})
+    store_cfg = cfg(redis_server.url)
+    a = Admission(config, clock, open_store(stores, store_cfg, clock))
+    b_store = open_store(stores, store_cfg, clock)
+    b = Admission(config, clock, b_store)
+    r = redis_sync.Redis.from_url(redis_server.url)
+
+    def demand(cls: str) -> Demand:
+        return Demand(pool="default", tenant="t", class_name=cls, prompt_tokens=10, reserved_completion=10)
+    held = [await a.acquire(demand("standard")) for _ in range(2)]
+    assert all(isinstance(h, Lease) for h in held)
+    waiter = asyncio.create_task(b.acquire(demand("patient")))
+    await wait_for_event(lambda: r.hget(f"{store_cfg.key_prefix}{{default}}:st", f"w:{b_store.replica_id}"))
+    held[0].release(Outcome.COMPLETED, 5)
+    refused = await a.acquire(demand("standard"))
+    assert isinstance(refused, Rejection) and refused.retryable
+    assert REJECTED_BY[refused.reason] == RequestOutcome.REJECTED_FAIR_SHARE
+    assert "this one holds 1 of its requests" in refused.message and "a replica holding 0" in refused.message
+    clock.advance(FAIR_WINDOW_S)  # b's waiter re-tries at its next poll and takes the slot
+    assert isinstance(await asyncio.wait_for(waiter, 10), Lease)
+
+
 # --- the script against the rule, on random traffic of three replicas --------------------------
 
 FAIR_ADMIT = st.tuples(st.just("admit"), st.sampled_from("aaabc"), st.sampled_from((5, 10, 20)), st.booleans())  # waits
@@ -261,7 +293,7 @@ def test_the_admit_script_shares_slots_as_the_python_rule(redis_server, ops: lis
                         if wants(got.budget, got.retryable, waits):
                             wanting[me] = Want(now, tokens)
                     elif yields(me, tokens, leases, wanting, now):
-                        assert isinstance(got, Refusal) and got.budget is Budget.SLOTS, (got, leases, wanting)
+                        assert isinstance(got, Refusal) and got.budget is Budget.FAIR_SHARE, (got, leases, wanting)
                     else:
                         assert isinstance(got, Grant), (got, leases, wanting)
                         wanting.pop(me, None)

@@ -163,7 +163,7 @@ def test_the_lua_script_counts_shared_prefixes_like_the_python_rule(redis_server
                             wanting[me] = Want(clock.now(), plan.tokens, ask.need, room_bases(ask, others, model))
                         continue
                     if yields(me, plan.tokens, leases, wanting, clock.now(), totals, want.chosen):
-                        assert isinstance(got, Refusal) and got.budget is Budget.SLOTS, (got, leases, wanting)
+                        assert isinstance(got, Refusal) and got.budget is Budget.FAIR_SHARE, (got, leases, wanting)
                         continue
                     wanting.pop(me, None)
                     assert isinstance(got, Grant) and got.picked == want.chosen, (got, want)
