@@ -191,22 +191,31 @@ async def test_a_request_answered_with_a_429_at_once_leaves_no_want(stores, redi
     assert isinstance(await a.admit(plan(10, lim), T0 + 0.01), Grant)
 
 
+def demand(cls: str) -> Demand:
+    """demand is a request of class ``cls`` to the pool of ``two_replicas``."""
+    return Demand(pool="default", tenant="t", class_name=cls, prompt_tokens=10, reserved_completion=10)
+
+
+def two_replicas(stores, redis_server, clock: ManualClock, slots: int) -> tuple[Admission, Admission, str, str]:
+    """two_replicas is the controllers of replicas a and b on one Redis, a pool of ``slots``
+    shared by a class that answers at once (``standard``) and one that waits (``patient``);
+    with the pool's ledger hash and b's want field in it."""
+    config = parse_config({"pools": {"default": {"max_concurrency": slots}},
+                           "tenants": {"classes": {"standard": {}, "patient": {"max_wait_s": 30}}}})
+    store_cfg = cfg(redis_server.url)
+    a = Admission(config, clock, open_store(stores, store_cfg, clock))
+    b_store = open_store(stores, store_cfg, clock)
+    return (a, Admission(config, clock, b_store), f"{store_cfg.key_prefix}{{default}}:st",
+            f"w:{b_store.replica_id}")
+
+
 async def test_only_requests_that_wait_make_their_replica_want_room(stores, redis_server):
     """Through the controller: b's request of a class that answers a refusal with a 429 at
     once leaves no want; one of a class with a ``max_wait_s`` wants room from its first
     try, and its re-tries in the bounded wait keep wanting (each re-try stamps its instant)."""
     clock = ManualClock(T0)
-    config = parse_config({"pools": {"default": {"max_concurrency": 1}},
-                           "tenants": {"classes": {"standard": {}, "patient": {"max_wait_s": 30}}}})
-    store_cfg = cfg(redis_server.url)
-    a = Admission(config, clock, open_store(stores, store_cfg, clock))
-    b_store = open_store(stores, store_cfg, clock)
-    b = Admission(config, clock, b_store)
+    a, b, st, want = two_replicas(stores, redis_server, clock, 1)
     r = redis_sync.Redis.from_url(redis_server.url)
-    st, want = f"{store_cfg.key_prefix}{{default}}:st", f"w:{b_store.replica_id}"
-
-    def demand(cls: str) -> Demand:
-        return Demand(pool="default", tenant="t", class_name=cls, prompt_tokens=10, reserved_completion=10)
     held = await a.acquire(demand("standard"))
     assert isinstance(held, Lease)
     assert isinstance(await b.acquire(demand("standard")), Rejection)
@@ -227,20 +236,12 @@ async def test_a_yield_reaches_the_client_as_a_fair_share_refusal(stores, redis_
     reason (``fair_share``, counted as ``rejected_fair_share``), not of a full pool: a slot
     is free, and the message says whose requests wait for it."""
     clock = ManualClock(T0)
-    config = parse_config({"pools": {"default": {"max_concurrency": 2}},
-                           "tenants": {"classes": {"standard": {}, "patient": {"max_wait_s": 30}}}})
-    store_cfg = cfg(redis_server.url)
-    a = Admission(config, clock, open_store(stores, store_cfg, clock))
-    b_store = open_store(stores, store_cfg, clock)
-    b = Admission(config, clock, b_store)
+    a, b, st, want = two_replicas(stores, redis_server, clock, 2)
     r = redis_sync.Redis.from_url(redis_server.url)
-
-    def demand(cls: str) -> Demand:
-        return Demand(pool="default", tenant="t", class_name=cls, prompt_tokens=10, reserved_completion=10)
     held = [await a.acquire(demand("standard")) for _ in range(2)]
     assert all(isinstance(h, Lease) for h in held)
     waiter = asyncio.create_task(b.acquire(demand("patient")))
-    await wait_for_event(lambda: r.hget(f"{store_cfg.key_prefix}{{default}}:st", f"w:{b_store.replica_id}"))
+    await wait_for_event(lambda: r.hget(st, want) is not None)
     held[0].release(Outcome.COMPLETED, 5)
     refused = await a.acquire(demand("standard"))
     assert isinstance(refused, Rejection) and refused.retryable
