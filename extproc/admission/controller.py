@@ -174,6 +174,9 @@ class Admission:
         since = self._store.instant()
         for name, p in self._pools.items():
             if p.nodes is not None:
+                shared = self._store.learned(name)
+                if shared:
+                    p.nodes.growth.adopt(shared)
                 p.nodes.mark(mark, now, since,
                              None if only is None else {b for pool, b in only if pool == name})
 
@@ -329,7 +332,9 @@ class Admission:
             # The pool may have been reloaded since: the charge's node ledger is its own.
             owner = p.nodes if p is not None and p.nodes is not None else None
             if owner is not None:
-                owner.release(charge, completion, completed, now)
+                if owner.release(charge, completion, completed, now) and completed and completion is not None \
+                        and completion >= 0:
+                    self._store.teach(grant.plan.limits.pool, charge.class_name, completion)
             else:
                 charge.drop()
         if p is not None and p.queue.size:

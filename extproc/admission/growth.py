@@ -16,6 +16,8 @@ thread; tokens throughout.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 from extproc.admission import rules
 from extproc.admission.lengths import Lengths
 from extproc.admission.node import Charge, Moments, Node
@@ -52,6 +54,14 @@ class GrowthRule:
         if known is None or len(known.sorted) < self.picking.min_samples:
             return None
         return known
+
+    def adopt(self, shared: Mapping[str, Sequence[int]]) -> None:
+        """adopt takes the completion lengths every replica of a shared store learned (per class,
+        oldest first) in place of this replica's own: each replica then expects what all of
+        them saw, not a third of it (``Store.learned``)."""
+        for class_name, lengths in shared.items():
+            self.lengths[class_name] = Lengths.of(lengths)
+        self.taught = self.picking.growth is not Growth.WORST_CASE
 
     def learn(self, class_name: str, completion_tokens: int) -> None:
         """learn adds a completed request's length to its class's."""

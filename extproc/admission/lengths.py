@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Sequence
 from itertools import accumulate
 from operator import mul
 
@@ -37,6 +38,15 @@ class Lengths:
         self.sorted: list[int] = []
         self._view: tuple[list[int], tuple[list[int], list[int]]] | None = None
         self._since = 0  # lengths learned since the view was built
+
+    @classmethod
+    def of(cls, lengths: Sequence[int]) -> Lengths:
+        """of is the lengths of ``lengths``, oldest first (the latest LENGTH_SAMPLES of them)."""
+        out = cls()
+        out._order.extend(lengths[-LENGTH_SAMPLES:])
+        out.sorted = sorted(out._order)
+        out._since = len(out.sorted)
+        return out
 
     def add(self, n: int) -> None:
         """add remembers one settled completion length, forgetting the oldest beyond LENGTH_SAMPLES."""

@@ -27,7 +27,7 @@ Contract of every store:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from extproc.admission.types import Grant, Plan, PoolUsage, Refusal
 from extproc.errors import KvgateError
@@ -87,6 +87,15 @@ class Store(ABC):
         """node_holds is what every replica's leases hold per node of ``pool`` (tokens), as the
         store last read it, for retry hints (``nodes.PoolNodes.retry_after``); None: this
         replica's leases are all there is."""
+        return None
+
+    def teach(self, pool: str, class_name: str, completion_tokens: int) -> None:
+        """teach hands a store shared by replicas one completion length this replica learned
+        (tokens), for every replica's ``learned``; nothing for a store of one replica."""
+
+    def learned(self, pool: str) -> Mapping[str, Sequence[int]] | None:
+        """learned is the completion lengths every replica taught for ``pool`` (per class, oldest
+        first) when the store read new ones since it was last asked; None: nothing new."""
         return None
 
     async def close(self) -> None:

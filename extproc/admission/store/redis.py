@@ -84,7 +84,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from extproc.admission.store.base import Store
@@ -94,6 +94,7 @@ from extproc.admission.store.redis_client import MAX_CONNECTIONS, RedisClient, R
 from extproc.admission.store.redis_commands import Rebuilding, admit_cmd, read_admit, refresh_cmds, settle_cmd
 from extproc.admission.store.redis_escrow import Escrow, Held
 from extproc.admission.store.redis_gone import GoneReplicas
+from extproc.admission.store.redis_lengths import SharedLengths
 from extproc.admission.store.redis_ledger import Keys, escrow_hold
 from extproc.admission.store.redis_lua import HEARTBEAT, HeartbeatArg, HeartbeatKeys, word
 from extproc.admission.store.redis_nodes import NodeReadings
@@ -178,8 +179,9 @@ class RedisStore(Store):
         # the local grants some refresh has carried to Redis: one never carried is new
         # there, so a refresh that takes it is not a sign that Redis lost anything
         self._carried_local: set[str] = set()
-        # what every replica's leases hold on each node, as the last refresh read it
-        self._nodes = NodeReadings()
+        # what every replica's leases hold on each node, as the last refresh read it, and the
+        # completion lengths they learned
+        self._nodes, self._lengths = NodeReadings(), SharedLengths()
         self._settles = SettleQueue(self._client.round_trip, lambda: self._fallback.shared, self._escrow.sent,
                                     self._read_settles, self._dropped, lambda f: self._upkeep.degrade(f),
                                     lambda what, exc: self._upkeep.survived(what, exc), lambda: self._closed)
@@ -238,6 +240,12 @@ class RedisStore(Store):
         # as the last refresh read them, or the last node refusal (``NodeReadings.admitted``), the later
         return self._nodes.held.get(pool)
 
+    def teach(self, pool: str, class_name: str, completion_tokens: int) -> None:
+        self._lengths.teach(pool, class_name, completion_tokens)
+
+    def learned(self, pool: str) -> Mapping[str, Sequence[int]] | None:
+        return self._lengths.learned(pool)
+
     def know_pools(self, pools: Iterable[str]) -> None:
         """know_pools names the pools every replica serves, so that this one refreshes their
         views and can release a dead replica's leases there before it admitted in them."""
@@ -287,20 +295,9 @@ class RedisStore(Store):
         return any(i.startswith(LOCAL_PREFIX) and i not in carried for live in self._live.values() for i in live)
 
     def _scripts_lost(self) -> list[tuple[Any, ...]]:
-        """_scripts_lost hears that Redis lost the scripts: it restarted (empty, unless it
-        persists) or was flushed. Views start again (their counters did), and the commands
-        returned open every known pool's rebuild window before any script can run there
-        again: no replica admits until every replica in shared mode had a refresh in which
-        to take its live leases again (``_presence_ttl``)."""
-        self._views.restarted()
-        if self._views.views:
-            log.warning("shared store: Redis at %s lost its scripts (a restart?): no admission for %.1fs "
-                        "while every replica takes its live leases again", self._client.where, self._presence_ttl)
-        ms = int(self._presence_ttl * 1000)
-        # Only the pools this replica has heard of from Redis before: a server that never
-        # ran the scripts (a new deployment) has no ledger to rebuild.
-        return [("SET", keys.rb, self.replica_id, "PX", ms, "NX") for pool, keys in self._keys.items()
-                if pool in self._views.views]
+        """_scripts_lost hears that Redis lost its scripts (``PoolViews.lost``; the rebuild window
+        lasts a heartbeat's life, ``_presence_ttl``)."""
+        return self._views.lost(self._keys, self.replica_id, self._presence_ttl, self._client.where)
 
     def _now_arg(self, now: float) -> float | None:
         """_now_arg is the instant a script runs at: None (Redis TIME) or the caller's ``now`` (s)."""
@@ -511,6 +508,7 @@ class RedisStore(Store):
         if lost > 0:
             log.warning("shared store: Redis had lost %d live leases of this replica (restart or expiry): "
                         "taken again", lost)
+        await self._lengths.sync(self._client.round_trip, self._keys)
         return {i for grants in sent for i, _ in grants}
 
     def _refresh_cmds(self, now: float) -> tuple[list[tuple[Any, ...]], list[str], list[list[tuple[str, Held]]]]:

@@ -27,6 +27,8 @@ one Redis Cluster slot and one script may touch them all):
 ``P{pool}:lk``             hash    lease id -> the prefix keys it took on its node, in order
 ``P{pool}:done``           zset    settled lease id -> when its tombstone may go (s)
 ``P{pool}:b:<bucket key>`` hash    a token bucket: ``tok`` tokens, ``t`` instant, ``cap`` tokens, ``rate`` tokens/s
+``P{pool}:ln:<class>``     list    the latest completion lengths (tokens) every replica learned for the
+                                   class (``redis_lengths``); ``P{pool}:lc`` (set) names the classes
 ``P{pool}:rb``             string  while set (it expires): the pool's ledger is rebuilt, no admission
 ``Preplicas``              zset    replica id -> heartbeat expiry (s)
 ``Preplica_addrs``         hash    replica id -> where it answers ``/healthz`` (host:port)
@@ -49,8 +51,8 @@ from extproc.admission.types import BucketSpec, Grant, Plan, PoolLimits
 class Keys:
     """Keys are one pool's Redis keys (see the module's key layout)."""
 
-    __slots__ = ("st", "lz", "lh", "done", "nk", "rb", "sn", "sr", "nm", "pk", "ps", "lk", "bucket_prefix",
-                 "pool_bucket", "limits")
+    __slots__ = ("st", "lz", "lh", "done", "nk", "rb", "sn", "sr", "nm", "pk", "ps", "lk", "ln", "lc",
+                 "bucket_prefix", "pool_bucket", "limits")
 
     def __init__(self, prefix: str, pool: str) -> None:
         base = f"{prefix}{{{pool}}}:"
@@ -66,6 +68,8 @@ class Keys:
         self.pk = base + "pk"
         self.ps = base + "ps"
         self.lk = base + "lk"
+        self.ln = base + "ln:"
+        self.lc = base + "lc"
         self.bucket_prefix = base + "b:"
         self.pool_bucket: str | None = None  # learnt from the plans: the pool's bucket key
         # the last PoolLimits seen and its part of the admit argument, and the guarantees

@@ -8,10 +8,16 @@ Redis has not confirmed yet as already applied, as the in-memory store shows its
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Mapping
+from typing import Any
 
 from extproc.admission.bucket import refilled
+from extproc.admission.store.redis_ledger import Keys
 from extproc.admission.types import PoolUsage
+
+log = logging.getLogger("kvgate.store")
 
 
 class View:
@@ -75,6 +81,21 @@ class PoolViews:
         for view in self.views.values():
             view.at = -math.inf
             view.version = 0
+
+    def lost(self, keys: Mapping[str, Keys], replica_id: str, window_s: float, where: str) -> list[tuple[Any, ...]]:
+        """lost hears that Redis lost the scripts: it restarted (empty, unless it persists) or
+        was flushed. The views start again (their counters did), and the commands returned
+        open every known pool's rebuild window (``window_s``) before any script can run there
+        again: no replica admits until every replica in shared mode had a refresh in which
+        to take its live leases again."""
+        self.restarted()
+        if self.views:
+            log.warning("shared store: Redis at %s lost its scripts (a restart?): no admission for %.1fs "
+                        "while every replica takes its live leases again", where, window_s)
+        # Only the pools this replica has heard of from Redis before: a server that never
+        # ran the scripts (a new deployment) has no ledger to rebuild.
+        return [("SET", k.rb, replica_id, "PX", int(window_s * 1000), "NX") for pool, k in keys.items()
+                if pool in self.views]
 
     def settled(self, pool: str, lease_id: str, settled: Settled) -> None:
         """settled shows the settle of ``lease_id`` in ``pool`` until Redis confirms it."""

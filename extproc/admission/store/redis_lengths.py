@@ -1,0 +1,108 @@
+"""redis_lengths: the completion lengths every replica learned, shared through Redis.
+
+A picking pool expects each request's growth from the completion lengths of its class
+(``growth.GrowthRule``). Each replica learns them from its own completions, so beside
+others it would see a part of them: a class would depart from the worst case later
+(``min_samples``), and a request that has run longer than every length its replica
+learned would be expected to use its whole reservation. ``SharedLengths`` pushes what
+this replica learned to the pool's list of the class, ``P{pool}:ln:<class>`` (the latest
+LENGTH_SAMPLES kept; ``P{pool}:lc`` names the classes), in its refresh round trip, and
+every READ_EVERY refreshes reads every class's list back for the node ledger to expect
+what all of them saw (``GrowthRule.adopt``). The pushes go in a round trip of their own
+after the refresh's: a round trip with scripts is sent again whole when Redis lost them
+(``RedisClient.round_trip``), and a push sent twice would count twice. One whose reply
+was lost after Redis applied it still does: a sample among a thousand, not a budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+from extproc.admission.lengths import LENGTH_SAMPLES
+from extproc.admission.store.redis_client import RoundTripError
+from extproc.admission.store.redis_ledger import Keys
+from extproc.admission.types import ERROR_RESPONSE
+
+READ_EVERY = 4
+"""READ_EVERY is how many refresh round trips one read of the shared lengths is apart."""
+
+
+class SharedLengths:
+    """SharedLengths is what this replica learned and has not pushed yet (``pending``, per pool
+    and class, the latest LENGTH_SAMPLES of each kept while Redis is away), the classes
+    each pool's lists are known for, and the lists last read (``fresh``, until asked)."""
+
+    __slots__ = ("pending", "classes", "fresh", "_round", "_sent", "_reads", "_pushes")
+
+    def __init__(self) -> None:
+        self.pending: dict[str, dict[str, list[int]]] = {}
+        self.classes: dict[str, set[str]] = {}
+        self.fresh: dict[str, dict[str, list[int]]] = {}
+        self._round = 0
+        self._sent: list[tuple[str, str, int]] = []  # (pool, class, lengths) the last cmds pushed
+        self._reads: list[tuple[str, str | None]] = []  # (pool, class or None: the classes) per reply
+        self._pushes = 0  # the last cmds' commands before its reads
+
+    def teach(self, pool: str, class_name: str, completion_tokens: int) -> None:
+        """teach keeps one length to push with the next refresh."""
+        q = self.pending.setdefault(pool, {}).setdefault(class_name, [])
+        q.append(completion_tokens)
+        if len(q) > LENGTH_SAMPLES:
+            del q[0]
+
+    def learned(self, pool: str) -> Mapping[str, Sequence[int]] | None:
+        """learned is the lists of ``pool`` read since it was last asked (None: none)."""
+        return self.fresh.pop(pool, None)
+
+    async def sync(self, round_trip: Callable[[Sequence[tuple[Any, ...]]], Awaitable[list[Any]]],
+                   keys: Mapping[str, Keys]) -> None:
+        """sync pushes and reads in one ``round_trip`` of its own (none when there is nothing
+        to do); raises RoundTripError."""
+        cmds = self.cmds(keys)
+        if not cmds:
+            return
+        replies = await round_trip(cmds)
+        try:
+            self.read(replies)
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise RoundTripError(ERROR_RESPONSE, f"unexpected lengths reply: {exc}") from exc
+
+    def cmds(self, keys: Mapping[str, Keys]) -> list[tuple[Any, ...]]:
+        """cmds are one refresh's commands: the pushes of what is pending in the pools of
+        ``keys`` and, every READ_EVERY rounds (the first included), the reads; ``read`` takes
+        their replies."""
+        self._round += 1
+        out: list[tuple[Any, ...]] = []
+        self._sent, self._reads = [], []
+        for pool, k in keys.items():
+            for cls, q in self.pending.get(pool, {}).items():
+                if q:
+                    out += [("RPUSH", k.ln + cls, *q), ("LTRIM", k.ln + cls, -LENGTH_SAMPLES, -1),
+                            ("SADD", k.lc, cls)]
+                    self._sent.append((pool, cls, len(q)))
+        self._pushes = len(out)
+        if self._round % READ_EVERY == 1:
+            for pool, k in keys.items():
+                out.append(("SMEMBERS", k.lc))
+                self._reads.append((pool, None))
+                for cls in sorted(self.classes.get(pool, ())):
+                    out.append(("LRANGE", k.ln + cls, 0, -1))
+                    self._reads.append((pool, cls))
+        return out
+
+    def read(self, replies: Sequence[Any]) -> None:
+        """read takes the replies to the last ``cmds``: the pushed lengths leave ``pending``, the
+        lists read become ``fresh``. Raises ValueError on a reply it cannot read."""
+        for pool, cls, n in self._sent:
+            del self.pending[pool][cls][:n]
+        lists: dict[str, dict[str, list[int]]] = {}
+        for (of, listed), r in zip(self._reads, replies[self._pushes:]):
+            if listed is None:
+                self.classes[of] = {m.decode() for m in r}
+            else:
+                lists.setdefault(of, {})[listed] = [int(x) for x in r]
+        for pool, by_class in lists.items():
+            if any(by_class.values()):
+                self.fresh[pool] = by_class
+        self._sent = []
