@@ -58,7 +58,7 @@ class GrowthRule:
     def adopt(self, shared: Mapping[str, Sequence[int]]) -> None:
         """adopt takes the completion lengths every replica of a shared store learned (per class,
         oldest first) in place of this replica's own: each replica then expects what all of
-        them saw, not a third of it (``Store.learned``)."""
+        them saw, not its part of it (``Store.learned``)."""
         for class_name, lengths in shared.items():
             self.lengths[class_name] = Lengths.of(lengths)
         self.taught = self.picking.growth is not Growth.WORST_CASE
