@@ -16,6 +16,7 @@ was lost after Redis applied it still does: a sample among a thousand, not a bud
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
@@ -24,8 +25,24 @@ from extproc.admission.store.redis_client import RoundTripError
 from extproc.admission.store.redis_ledger import Keys
 from extproc.admission.types import ERROR_RESPONSE
 
+log = logging.getLogger("kvgate.store")
+
 READ_EVERY = 4
 """READ_EVERY is how many refresh round trips one read of the shared lengths is apart."""
+
+
+def lengths_of(reply: Sequence[Any]) -> list[int]:
+    """lengths_of is a list's lengths that are whole numbers of tokens; what else a list holds
+    (a value written by anything but kvgate) is passed over."""
+    out = []
+    for x in reply:
+        try:
+            n = int(x)
+        except (TypeError, ValueError):
+            continue
+        if n >= 0:
+            out.append(n)
+    return out
 
 
 class SharedLengths:
@@ -33,7 +50,7 @@ class SharedLengths:
     and class, the latest LENGTH_SAMPLES of each kept while Redis is away), the classes
     each pool's lists are known for, and the lists last read (``fresh``, until asked)."""
 
-    __slots__ = ("pending", "classes", "fresh", "_round", "_sent", "_reads", "_pushes")
+    __slots__ = ("pending", "classes", "fresh", "_round", "_sent", "_reads", "_pushes", "_refused")
 
     def __init__(self) -> None:
         self.pending: dict[str, dict[str, list[int]]] = {}
@@ -43,6 +60,7 @@ class SharedLengths:
         self._sent: list[tuple[str, str, int]] = []  # (pool, class, lengths) the last cmds pushed
         self._reads: list[tuple[str, str | None]] = []  # (pool, class or None: the classes) per reply
         self._pushes = 0  # the last cmds' commands before its reads
+        self._refused = False  # Redis refused the last sync (logged once until one passes)
 
     def teach(self, pool: str, class_name: str, completion_tokens: int) -> None:
         """teach keeps one length to push with the next refresh."""
@@ -58,15 +76,25 @@ class SharedLengths:
     async def sync(self, round_trip: Callable[[Sequence[tuple[Any, ...]]], Awaitable[list[Any]]],
                    keys: Mapping[str, Keys]) -> None:
         """sync pushes and reads in one ``round_trip`` of its own (none when there is nothing
-        to do); raises RoundTripError."""
+        to do). Raises RoundTripError when Redis does not answer; an answer it cannot use (a
+        key of another type, written by anything but kvgate) drops what it pushed and keeps
+        the lengths adopted before, with a warning: the store stays shared."""
         cmds = self.cmds(keys)
         if not cmds:
             return
-        replies = await round_trip(cmds)
         try:
+            replies = await round_trip(cmds)
             self.read(replies)
-        except (TypeError, ValueError, AttributeError) as exc:
-            raise RoundTripError(ERROR_RESPONSE, f"unexpected lengths reply: {exc}") from exc
+        except (RoundTripError, TypeError, ValueError, AttributeError) as exc:
+            if isinstance(exc, RoundTripError) and exc.reason != ERROR_RESPONSE:
+                raise
+            self._drop_sent()
+            if not self._refused:
+                log.warning("shared store: Redis refused the shared completion lengths (%s): each replica "
+                            "expects growth from its own until it takes them", exc)
+            self._refused = True
+            return
+        self._refused = False
 
     def cmds(self, keys: Mapping[str, Keys]) -> list[tuple[Any, ...]]:
         """cmds are one refresh's commands: the pushes of what is pending in the pools of
@@ -93,16 +121,18 @@ class SharedLengths:
 
     def read(self, replies: Sequence[Any]) -> None:
         """read takes the replies to the last ``cmds``: the pushed lengths leave ``pending``, the
-        lists read become ``fresh``. Raises ValueError on a reply it cannot read."""
-        for pool, cls, n in self._sent:
-            del self.pending[pool][cls][:n]
+        lists read become ``fresh`` (their whole numbers only; an empty one is not news)."""
+        self._drop_sent()
         lists: dict[str, dict[str, list[int]]] = {}
         for (of, listed), r in zip(self._reads, replies[self._pushes:]):
             if listed is None:
-                self.classes[of] = {m.decode() for m in r}
-            else:
-                lists.setdefault(of, {})[listed] = [int(x) for x in r]
-        for pool, by_class in lists.items():
-            if any(by_class.values()):
-                self.fresh[pool] = by_class
+                self.classes[of] = {m.decode(errors="replace") if isinstance(m, bytes) else str(m) for m in r}
+            elif values := lengths_of(r):  # an empty list (Redis restarted) keeps what was adopted
+                lists.setdefault(of, {})[listed] = values
+        self.fresh.update(lists)
+
+    def _drop_sent(self) -> None:
+        """_drop_sent takes what the last ``cmds`` pushed out of ``pending``."""
+        for pool, cls, n in self._sent:
+            del self.pending[pool][cls][:n]
         self._sent = []

@@ -117,3 +117,31 @@ async def test_a_replica_expects_the_growth_another_replicas_requests_taught(red
     finally:
         for adm in (a, b):
             await adm.close()
+
+
+async def test_lists_written_by_something_else_leave_the_store_shared(redis_server, caplog):
+    """Hostile or broken values in Redis: entries that are no lengths are passed over, and a
+    key of another type makes Redis refuse the lengths' round trip: one warning, the store
+    stays shared and its replicas keep what they adopted before."""
+    import redis as redis_sync
+    clock = ManualClock(T0)
+    shared = cfg(redis_server.url)
+    a, b = RedisStore(shared, clock=clock), RedisStore(shared, clock=clock)
+    r = redis_sync.Redis.from_url(redis_server.url)
+    base = f"{shared.key_prefix}{{default}}:"
+    try:
+        for s in (a, b):
+            s.know_pools(["default"])
+        r.sadd(base + "lc", "standard", "batch")
+        r.rpush(base + "ln:standard", "12", "x", "-4", "1e9", "30")
+        r.set(base + "ln:batch", "not a list")
+        await refreshed(b)
+        assert b.mode == "shared"
+        assert "refused the shared completion lengths" in caplog.text
+        r.delete(base + "ln:batch")
+        await refreshed(b)
+        assert b.learned("default") == {"standard": [12, 30]}  # an empty list adopts nothing
+        assert b.mode == "shared"
+    finally:
+        await a.close()
+        await b.close()
