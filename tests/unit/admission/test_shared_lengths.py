@@ -4,7 +4,11 @@ Redis-protocol server at fixed instants."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+
 import pytest
+import redis as redis_sync
 
 from extproc.admission import Admission, Demand, Lease, Outcome
 from extproc.admission.lengths import LENGTH_SAMPLES
@@ -26,13 +30,24 @@ async def refreshed(store: RedisStore, rounds: int = READ_EVERY + 1) -> None:
         assert await store.refresh()
 
 
-async def test_what_one_replica_learned_reaches_the_other(redis_server):
+@contextlib.asynccontextmanager
+async def two_stores(url: str, **kw: float) -> AsyncIterator[tuple[RedisStore, RedisStore]]:
+    """two_stores is two replicas' stores on the Redis at ``url``, one key prefix, both
+    knowing the pool ``default``; closed on leaving."""
     clock = ManualClock(T0)
-    shared = cfg(redis_server.url)
+    shared = cfg(url, **kw)
     a, b = RedisStore(shared, clock=clock), RedisStore(shared, clock=clock)
     try:
         for s in (a, b):
             s.know_pools(["default"])
+        yield a, b
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_what_one_replica_learned_reaches_the_other(redis_server):
+    async with two_stores(redis_server.url) as (a, b):
         for n in range(1, 31):
             a.teach("default", "standard", n)
         await a.refresh()
@@ -46,19 +61,11 @@ async def test_what_one_replica_learned_reaches_the_other(redis_server):
         await refreshed(b)
         got = b.learned("default")
         assert got is not None and list(got["standard"]) == [1000 + n for n in range(LENGTH_SAMPLES)]
-    finally:
-        await a.close()
-        await b.close()
 
 
 async def test_lengths_taught_while_redis_is_away_wait_for_it():
-    clock = ManualClock(T0)
     with RedisServer() as own_server:  # paused here: not the module's server
-        shared = cfg(own_server.url, timeout_s=0.5, recover_s=0.0)
-        a, b = RedisStore(shared, clock=clock), RedisStore(shared, clock=clock)
-        try:
-            for s in (a, b):
-                s.know_pools(["default"])
+        async with two_stores(own_server.url, timeout_s=0.5, recover_s=0.0) as (a, b):
             own_server.pause()
             try:
                 for n in range(5):
@@ -70,9 +77,6 @@ async def test_lengths_taught_while_redis_is_away_wait_for_it():
             await refreshed(a, 1)
             await refreshed(b)
             assert b.learned("default") == {"batch": [7, 8, 9, 10, 11]}
-        finally:
-            await a.close()
-            await b.close()
 
 
 def learned_picking_config() -> object:
@@ -123,15 +127,9 @@ async def test_lists_written_by_something_else_leave_the_store_shared(redis_serv
     """Hostile or broken values in Redis: entries that are no lengths are passed over, and a
     key of another type makes Redis refuse the lengths' round trip: one warning, the store
     stays shared and its replicas keep what they adopted before."""
-    import redis as redis_sync
-    clock = ManualClock(T0)
-    shared = cfg(redis_server.url)
-    a, b = RedisStore(shared, clock=clock), RedisStore(shared, clock=clock)
     r = redis_sync.Redis.from_url(redis_server.url)
-    base = f"{shared.key_prefix}{{default}}:"
-    try:
-        for s in (a, b):
-            s.know_pools(["default"])
+    async with two_stores(redis_server.url) as (a, b):
+        base = f"{a.config.key_prefix}{{default}}:"
         r.sadd(base + "lc", "standard", "batch")
         r.rpush(base + "ln:standard", "12", "x", "-4", "1e9", "30")
         r.set(base + "ln:batch", "not a list")
@@ -142,6 +140,3 @@ async def test_lists_written_by_something_else_leave_the_store_shared(redis_serv
         await refreshed(b)
         assert b.learned("default") == {"standard": [12, 30]}  # an empty list adopts nothing
         assert b.mode == "shared"
-    finally:
-        await a.close()
-        await b.close()
