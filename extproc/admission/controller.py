@@ -71,6 +71,8 @@ class Admission:
     def _new_nodes(self, pc: PoolConfig, config: Config) -> PoolNodes:
         nodes = PoolNodes(pc, config.adaptive.stale_after_s)
         nodes.poke = partial(self._poke, pc.name)
+        if self._store.shares_nodes:  # the other replicas learn what this one's requests completed
+            nodes.growth.share = partial(self._store.teach, pc.name)
         return nodes
 
     def _poke(self, pool: str, node: str) -> None:
@@ -332,9 +334,7 @@ class Admission:
             # The pool may have been reloaded since: the charge's node ledger is its own.
             owner = p.nodes if p is not None and p.nodes is not None else None
             if owner is not None:
-                if owner.release(charge, completion, completed, now) and completed and completion is not None \
-                        and completion >= 0:
-                    self._store.teach(grant.plan.limits.pool, charge.class_name, completion)
+                owner.release(charge, completion, completed, now)
             else:
                 charge.drop()
         if p is not None and p.queue.size:

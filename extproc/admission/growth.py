@@ -16,7 +16,7 @@ thread; tokens throughout.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from extproc.admission import rules
 from extproc.admission.lengths import Lengths
@@ -30,15 +30,18 @@ class GrowthRule:
 
     ``picking``: the pool's picking settings (growth, quantile, min_samples; a reload
     replaces them); ``lengths``: per class, the completion lengths learned; ``taught``: a
-    length was learned since every charge was last counted (``PoolNodes.mark`` recounts).
+    length was learned since every charge was last counted (``PoolNodes.mark`` recounts);
+    ``share``, when set, is told every length learned (a store shared by replicas,
+    ``Store.teach``).
     """
 
-    __slots__ = ("picking", "lengths", "taught")
+    __slots__ = ("picking", "lengths", "taught", "share")
 
     def __init__(self, picking: PickingConfig) -> None:
         self.picking = picking
         self.lengths: dict[str, Lengths] = {}
         self.taught = False
+        self.share: Callable[[str, int], None] | None = None
 
     @property
     def pooled(self) -> bool:
@@ -64,8 +67,10 @@ class GrowthRule:
         self.taught = self.picking.growth is not Growth.WORST_CASE
 
     def learn(self, class_name: str, completion_tokens: int) -> None:
-        """learn adds a completed request's length to its class's."""
+        """learn adds a completed request's length to its class's (and tells ``share``)."""
         self.lengths.setdefault(class_name, Lengths()).add(completion_tokens)
+        if self.share is not None:
+            self.share(class_name, completion_tokens)
         self.taught = self.picking.growth is not Growth.WORST_CASE
 
     def moments(self, reserved: int, generated: int, class_name: str) -> Moments:

@@ -50,16 +50,15 @@ class SharedLengths:
     and class, the latest LENGTH_SAMPLES of each kept while Redis is away), the classes
     each pool's lists are known for, and the lists last read (``fresh``, until asked)."""
 
-    __slots__ = ("pending", "classes", "fresh", "_round", "_sent", "_reads", "_pushes", "_refused")
+    __slots__ = ("pending", "classes", "fresh", "_round", "_sent", "_reads", "_refused")
 
     def __init__(self) -> None:
         self.pending: dict[str, dict[str, list[int]]] = {}
         self.classes: dict[str, set[str]] = {}
         self.fresh: dict[str, dict[str, list[int]]] = {}
         self._round = 0
-        self._sent: list[tuple[str, str, int]] = []  # (pool, class, lengths) the last cmds pushed
+        self._sent: list[tuple[str, str, int]] = []  # (pool, class, lengths) the last cmds pushed, 3 commands each
         self._reads: list[tuple[str, str | None]] = []  # (pool, class or None: the classes) per reply
-        self._pushes = 0  # the last cmds' commands before its reads
         self._refused = False  # Redis refused the last sync (logged once until one passes)
 
     def teach(self, pool: str, class_name: str, completion_tokens: int) -> None:
@@ -109,7 +108,6 @@ class SharedLengths:
                     out += [("RPUSH", k.ln + cls, *q), ("LTRIM", k.ln + cls, -LENGTH_SAMPLES, -1),
                             ("SADD", k.lc, cls)]
                     self._sent.append((pool, cls, len(q)))
-        self._pushes = len(out)
         if self._round % READ_EVERY == 1:
             for pool, k in keys.items():
                 out.append(("SMEMBERS", k.lc))
@@ -122,9 +120,10 @@ class SharedLengths:
     def read(self, replies: Sequence[Any]) -> None:
         """read takes the replies to the last ``cmds``: the pushed lengths leave ``pending``, the
         lists read become ``fresh`` (their whole numbers only; an empty one is not news)."""
+        reads = replies[3 * len(self._sent):]
         self._drop_sent()
         lists: dict[str, dict[str, list[int]]] = {}
-        for (of, listed), r in zip(self._reads, replies[self._pushes:]):
+        for (of, listed), r in zip(self._reads, reads):
             if listed is None:
                 self.classes[of] = {m.decode(errors="replace") if isinstance(m, bytes) else str(m) for m in r}
             elif values := lengths_of(r):  # an empty list (Redis restarted) keeps what was adopted
