@@ -83,6 +83,7 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, interval: f
         try:
             if predicate():
                 return
+            last_exc = None  # the error named is the last answer's, not an early one's
         except Exception as exc:  # the other process may not be up yet
             last_exc = exc
         time.sleep(interval)

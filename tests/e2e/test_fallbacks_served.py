@@ -35,7 +35,7 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     work = tmp_path_factory.mktemp(mode)
     template = work / "envoy-template.yaml"
     s = NodesStack(work, nodes=2, envoy_template=template, sim_args=["--speedup", "4"],
-                   config={"adaptive": {"poll_interval_s": 60, "stale_after_s": 120, "scrape_timeout_s": 1}})
+                   config={"adaptive": {"poll_interval_s": 60, "stale_after_s": 120, "scrape_timeout_s": 10}})
     backends = s.kvgate_config()["pools"]["default"]["backends"]
     for b, capacity in zip(backends, (100_000, 50_000)):  # A has the more room: the primary
         b["kv_capacity_tokens"] = capacity
@@ -43,10 +43,14 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     # The file kvgate writes for its own configuration; the stack points its clusters at loopback.
     template.write_text(yaml.safe_dump(envoy_bootstrap(parse_config(s.kvgate_config()), mode)))
     s.start()
-    wait_until(lambda: sum(s.per_node("kvgate_backend_pickable").values()) == 2, timeout=10,
-               what="both nodes up")
-    yield s
-    s.stop()
+    try:
+        # The first round is the only one: a scrape slowed past its timeout by a loaded
+        # machine would leave its node unpickable for the test, hence the long timeout.
+        wait_until(lambda: sum(s.per_node("kvgate_backend_pickable").values()) == 2, timeout=20,
+                   what="both nodes up")
+        yield s
+    finally:
+        s.stop()
 
 
 def client(stack: NodesStack) -> Any:
