@@ -291,7 +291,7 @@ class Admission:
         now = self._clock.now()
         p = self._pools.get(lease.demand.pool)
         if p is not None:
-            p.live[lease] = None
+            p.admitted(lease)
         return now
 
     def lease_progress(self, pool: str, charge: Charge, generated: int, grant: Grant) -> None:
@@ -327,7 +327,7 @@ class Admission:
         now = self._clock.now()
         self._store.settle(grant, charged, now)
         p = self._pools.get(grant.plan.limits.pool)
-        if p is not None and lease is not None and p.live.pop(lease, 0) is None and completed:
+        if p is not None and lease is not None and p.ended(lease) and completed:
             p.holds.add(now - lease.admitted_at, lease.demand.reserved_completion)
         charge = grant.node
         if charge is not None:

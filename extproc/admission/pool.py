@@ -39,7 +39,7 @@ class PoolControl:
 
     __slots__ = ("name", "config", "tracker", "kv_capacity", "limits", "queue", "loop", "timer",
                  "timer_at", "blocks", "draining", "drain_again", "drain_task", "retry_estimate_s",
-                 "guaranteed", "kv_watermarks", "adaptive", "nodes", "live", "holds")
+                 "guaranteed", "kv_watermarks", "adaptive", "nodes", "live", "live_tokens", "holds")
 
     def __init__(self, config: PoolConfig, params: ScaleParams, retry_estimate_s: float,
                  guaranteed: dict[str, int], kv_watermarks: dict[str, float], now: float) -> None:
@@ -63,9 +63,24 @@ class PoolControl:
         # Per-node ledgers when the pool picks nodes; its KV is then guarded per node, not
         # by a pool-wide budget.
         self.nodes: PoolNodes | None = None
-        # Leases held now, and how long completed ones held: when slots and KV come back.
+        # Leases held now (and their KV tokens), and how long completed ones held: when
+        # slots and KV come back.
         self.live: dict[Lease, None] = {}
+        self.live_tokens = 0
         self.holds = HoldTimes()
+
+    def admitted(self, lease: Lease) -> None:
+        """admitted records a lease of this pool as held."""
+        self.live[lease] = None
+        self.live_tokens += lease.demand.tokens
+
+    def ended(self, lease: Lease) -> bool:
+        """ended records that a lease no longer holds; False when it was not held here (ended
+        before, or admitted before a reload replaced the pool)."""
+        if self.live.pop(lease, 0) is not None:
+            return False
+        self.live_tokens -= lease.demand.tokens
+        return True
 
     def limits_at(self, now: float) -> PoolLimits:
         """limits_at is the pool's limits at ``now``'s scale (cached while the scale holds)."""
@@ -96,7 +111,12 @@ class PoolControl:
         Over the pool's leases (their ages and holds) against the pool's completed holds,
         each lease is expected to end after its residual hold given its age: a slot comes
         back at the earliest end (``retry.first_end``), KV tokens when the leases in order
-        of expected end have freed what is missing (``retry.expected_wait``). ``live`` keeps
+        of expected end have freed what is missing (``retry.expected_wait``). Where the
+        refusal's tokens in use are more than this replica's (a shared store: other
+        replicas hold the rest), its leases are taken to free their share of what is
+        missing, the others' being like them, as a node's refusal does
+        (``nodes.shared_short``); for a slot the first of its own ends stays the answer, a
+        bound the others' can only bring nearer. ``live`` keeps
         the leases in the order they were admitted, each stamped by the clock as it is
         added: oldest first. A longer delay from a token bucket stays (``rules.decide`` gave
         the longest). Unchanged before any request completed, and for other budgets.
@@ -108,8 +128,10 @@ class PoolControl:
         if b in (Budget.SLOTS, Budget.RESERVED_SLOTS, Budget.FAIR_SHARE):  # a slot of this replica's
             wait = first_end(now, map(_ADMITTED, self.live), self.holds)
         else:
-            wait = expected_wait(now, map(_ADMITTED_TOKENS, self.live),
-                                 refusal.needed + refusal.used - refusal.limit, self.holds)
+            short = refusal.needed + refusal.used - refusal.limit
+            if refusal.used > self.live_tokens > 0 and short > 0:
+                short = math.ceil(short * self.live_tokens / refusal.used)
+            wait = expected_wait(now, map(_ADMITTED_TOKENS, self.live), short, self.holds)
         if wait is None:
             return refusal
         if refusal.retry_after_s > plan.limits.retry_estimate_s:  # a bucket's exact, longer wait
