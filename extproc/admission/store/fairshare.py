@@ -2,12 +2,10 @@
 
 Why: a replica re-tries its own waiters the moment one of its own requests ends, in the
 same round trip as that settle, while the others see the room only at their next poll
-(``controller.SHARED_POLL_S``). So the room a request frees goes, nearly always, to a
+(``waiting.SHARED_POLL_S``). So the room a request frees goes, nearly always, to a
 waiter of the replica that ran it: a replica that holds more of the pool's leases gets
-more of the room that frees, and the shares drift apart. Measured with three replicas
-over identical clients (``make bench-replicas``): one replica gave 58 % to 75 % of the
-429s, and after a Redis outage one replica admitted 115 online requests where the
-others admitted about 300 each.
+more of the room that frees, and the shares drift apart (``make bench-replicas`` over
+identical clients; the figures are in docs/operations.md, "Scaling out").
 
 The rule (``yields``), applied by the admit script after a request fits and before it is
 taken: while another replica wants room (one of its requests, of no more KV tokens than
@@ -34,15 +32,13 @@ places its own request elsewhere when any other node fits it (``gathering``: tho
 are taken last, ``rules.choose_node``), and yields only when the target is the one node
 its request fits. Yielding wherever the wanted request was no larger left room empty for
 nothing: each replica reads a node by its own scrape, the poorer one fuller (it counts
-more of the others' unpublished requests as foreign KV; by 4,500-6,300 tokens a node in
-the replicas bench), so the room left was seldom room it could take (412 yields in a
-three-replica run, followed by the wanting replica's grant within one poll 22 times).
-Leaving room only where the poorer replica reads that it fits (tried: branches ``seat``
-and ``fair-rooms``) took the hand-overs away but left the poorer replica's large requests
-to time out, and the 429 split failed; gathering keeps the hand-over where it builds the
-room, and costs nothing where another node takes the request. Gathering alone failed the
-split after Redis faults (two replicas 62-66 %, three 42-45 %): each replica admitted alone
-meanwhile, their leases are far apart, and only hand-overs bring them together. So a
+more of the others' unpublished requests as foreign KV), so the room left was seldom room
+it could take. Leaving room only where the poorer replica reads that it fits took the
+hand-overs away but left the poorer replica's large requests to time out, and the 429
+split failed; gathering keeps the hand-over where it builds the room, and costs nothing
+where another node takes the request. Gathering alone failed the split after Redis
+faults: each replica admitted alone meanwhile, their leases are far apart, and only
+hand-overs bring them together (each trial's figures: bench/results/replicas-experiments.md). So a
 replica holding fewer than ``FAIR_FAR`` times this one's leases is left the room wherever
 this one's request goes, as before.
 

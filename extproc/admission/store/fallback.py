@@ -14,9 +14,8 @@ comes back once the server has answered every probe for ``recover_s``
 FLAP_WINDOW_S of a return. Its default, 0, shares again at the first probe answered:
 alone near a full node a replica admits little more than it would failing closed (the
 shortfall rule, ``redis_escrow``), so waiting out a hysteresis costs as much as the
-stall of the next failure it would spare (a flapping Redis, 2 s stopped in every 4:
-0.79-0.82 of the goodput without a fault with 0.5 s doubled to 1 s, 0.87-0.92 with 0;
-``docs/operations.md``). Every change is loud: a log line and ``StoreObserver.store_mode``.
+stall of the next failure it would spare (a flapping Redis's goodput with and without
+one: docs/operations.md). Every change is loud: a log line and ``StoreObserver.store_mode``.
 
 The local share never over-admits, whatever the other replicas do meanwhile (some may
 still reach the server and decide over the shared ledger): a replica alone admits only
