@@ -137,11 +137,16 @@ bench-trace: install
 # The same trace through one, two and three kvgate replicas sharing the nodes through Redis,
 # with Redis stopped, flapping, its connections reset, or a replica killed (issue 28).
 # Every row of bench-replicas runs REPLICA_PASSES times in turn (about 11 minutes a pass on 2
-# cores): one pass moved rows by up to 0.16 of the goodput.
+# cores): one pass moved rows by up to 0.16 of the goodput. REPLICA_ROWS picks rows (e.g.
+# 1x-none,2x-none,3x-none); REPLICA_BASELINE (a git revision) runs every row with that
+# revision's kvgate too, back to back with this tree's, and compares them.
 REPLICA_PASSES ?= 3
+REPLICA_ROWS ?= *
+REPLICA_BASELINE ?=
 bench-replicas: install
 	mkdir -p $(BENCH_OUT)
-	$(PY) bench/bench_replicas.py --trace $(TRACE) --repeat $(REPLICA_PASSES) --out $(BENCH_OUT)/replicas.md
+	$(PY) bench/bench_replicas.py --trace $(TRACE) --repeat $(REPLICA_PASSES) --rows '$(REPLICA_ROWS)' \
+		$(if $(REPLICA_BASELINE),--baseline $(REPLICA_BASELINE)) --out $(BENCH_OUT)/replicas.md
 
 # pip also brings PyPI's CUDA builds of torchvision, torchaudio and torchcodec, with which
 # `import vllm` fails (torchvision::nms); text serving needs none of them.

@@ -31,7 +31,8 @@ Per row (``replicas_report``): preemptions, goodput, the 429 split, TTFT and lat
 time back to shared mode, each node's KV use; targets: the constants below.
 
     python bench/bench_replicas.py [--trace ../shared/traces/azure-conv-2023.csv] [--tiny]
-                                   [--rows 1x-none,2x-*] [--speedup 3] [--seed 1] [--out FILE]
+                                   [--rows 1x-none,2x-*] [--speedup 3] [--seed 1] [--repeat N]
+                                   [--baseline REF] [--out FILE]
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from typing import Any
 import aiohttp
 import yaml
 
+from bench.replicas_passes import THIS, run_passes
 from bench.bench_trace import Client, apply_background, close_results, parse_kvgate_metrics, sample, wait_signals
 from bench.trace_policies import POLICIES, Policy, envoy_for, kvgate_config
 from bench.trace_report import Run, Summary, summarize
@@ -62,6 +64,7 @@ from kvgate_testkit.load import Result
 from kvgate_testkit.nodes_stack import Node
 from kvgate_testkit.procs import LOOPBACK, Proc, VENV_BIN, exit_on_sigterm, free_port, print_tails
 from kvgate_testkit.redis_server import RedisServer, _ping, redis_server_binary
+from kvgate_testkit.revision import checkout, describe, worker_env
 from kvgate_testkit.reports import percentile
 from kvgate_testkit.sampling import preemptions as read_preemptions
 
@@ -542,9 +545,10 @@ def replica_config(policy: Policy, sc: Scenario, speedup: float, sim_ports: Sequ
 
 
 def run_row(row: Row, policy: Policy, reqs: list[Req], sc: Scenario, speedup: float, seed: int, workdir: Path,
-            label: str) -> RowRun:
-    """run_row starts Redis, three nodes and the row's replicas (a fault proxy, kvgate and Envoy
-    each), replays the requests under the row's fault and stops everything."""
+            label: str, source: Path | None = None) -> RowRun:
+    """run_row starts Redis, three nodes and the row's replicas (a fault proxy, kvgate with its
+    ``extproc`` from ``source`` or this tree's, and Envoy each), replays the requests under the
+    row's fault and stops everything."""
     rr = RowRun(row, Run(policy))
     workdir.mkdir(parents=True, exist_ok=True)
     procs: list[Proc] = []
@@ -571,7 +575,8 @@ def run_row(row: Row, policy: Policy, reqs: list[Req], sc: Scenario, speedup: fl
                                                sort_keys=False))
             kv = Proc([sys.executable, "-m", "extproc", "serve", "--config", str(cfg_path),
                        "--grpc-listen", f"{LOOPBACK}:{grpc_port}", "--admin-listen", f"{LOOPBACK}:{admin_port}",
-                       "--log-level", "warning"], workdir / f"kvgate-{k}.log")
+                       "--log-level", "warning"], workdir / f"kvgate-{k}.log",
+                      env=None if source is None else worker_env(source), cwd=source)
             kvgates.append(kv)
             grpc_ports.append(grpc_port)
             admin_ports.append(admin_port)
@@ -632,6 +637,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"bench_trace's policy each replica runs (default {DEFAULT_POLICY})")
     ap.add_argument("--repeat", type=int, default=1, choices=range(1, 6), metavar="N",
                     help="run the rows N times (1-5), in turn; the report adds each row's runs and medians")
+    ap.add_argument("--baseline", metavar="REF", help="also run every row with kvgate as it is at this git "
+                    "revision, back to back with this tree's, and compare them (replicas_passes)")
     ap.add_argument("--out", type=Path, default=RESULTS, help="the markdown report's path")
     args = ap.parse_args(argv)
     exit_on_sigterm()  # a killed run still stops what it started
@@ -656,33 +663,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"replicas benchmark: scenario {sc.name} ({len(reqs)} requests, {sc.duration_s:.1f} s simulated), "
           f"speedup {args.speedup:g}x, rows {', '.join(r.key for r in rows)}", flush=True)
     started = time.monotonic()
-    repeats: list[list[RowRun]] = []
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-replicas-") as tmp:
-        for k in range(args.repeat):
-            runs: list[RowRun] = []
-            for i, row in enumerate(rows):
-                label = f"{i + 1}/{len(rows)} {row.key}" + (f", run {k + 1}/{args.repeat}" if args.repeat > 1 else "")
-                print(f"- {row.key}: {row.replicas} replica(s), {row.fault.title}", flush=True)
-                workdir = Path(tmp) / f"{row.key}-{k}"
-                rr = run_row(row, policy, reqs, sc, args.speedup, args.seed, workdir, label)
-                s = summarize(rr.run, sc.background)
-                print(f"  [{label}] {rr.run.wall_s:.0f} s: preemptions {rr.run.preemptions}, goodput "
-                      f"{s.goodput:,.0f} tok/s" + (f"  ERROR: {rr.run.error}" if rr.run.error else ""), flush=True)
-                for n, seen in enumerate(rr.decisions):
-                    print(f"  replica {n + 1} decisions: " + ", ".join(f"{d} {c}" for d, c in sorted(seen.items())),
-                          flush=True)
-                if rr.run.error:
-                    print_tails(workdir)
-                runs.append(rr)
-            repeats.append(runs)
-    from bench.replicas_report import command_line, report  # the report imports this module's figures
+        baseline = None if args.baseline is None else (args.baseline, checkout(args.baseline, Path(tmp) / "baseline"))
+        trees = run_passes(rows, args.repeat, Path(tmp), sc, baseline, lambda row, workdir, label, source: run_row(
+            row, policy, reqs, sc, args.speedup, args.seed, workdir, label, source))
+    repeats = trees[THIS]
+    from bench.replicas_report import against, command_line, report  # the report imports this module's figures
     lines = report(repeats, policy, sc, shown(args.trace), len(trace_rows), reqs, args.speedup, args.seed,
                    time.monotonic() - started, command_line(args), redis_binary)
+    if baseline is not None:
+        lines += against(repeats, trees[args.baseline], sc, describe(args.baseline))
     print("\n".join(lines))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines))
     print(f"report: {args.out}")
-    return 1 if any(r.run.error for runs in repeats for r in runs) else 0
+    return 1 if any(r.run.error for passes in trees.values() for runs in passes for r in runs) else 0
 
 
 def shown(path: Path) -> str:

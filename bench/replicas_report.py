@@ -225,3 +225,39 @@ def setup(policy: Policy, sc: Scenario, trace: str, rows: int, reqs: list[Req], 
         "- Limits of this evidence: simulated nodes, one run per row on a shared machine (figures move between runs), "
         "every process of a row (three nodes, up to three kvgates and Envoys, Redis, the clients) on the same cores.",
         ""]
+
+
+def against(this: list[list[RowRun]], base: list[list[RowRun]], sc: Scenario, ref: str) -> list[str]:
+    """against is the report's section comparing this tree with the baseline at ``ref``
+    (``--baseline``): each tree's passes of every row, read against its own one-replica
+    row of the same pass."""
+    return compared([figures_of(runs, sc) for runs in this], [figures_of(runs, sc) for runs in base],
+                    [rr.row.key for rr in this[0]], ref)
+
+
+def compared(mine: list[dict[str, Figures]], theirs: list[dict[str, Figures]], keys: list[str],
+             ref: str) -> list[str]:
+    """compared is the comparison's lines: per row and tree, each pass's goodput against its
+    tree's one-replica row of that pass, its tok/s, largest 429 share and preemptions, the
+    medians, and in how many passes this tree completed more tok/s than the baseline."""
+    lines = ["", f"## Against `{ref}`", "",
+             f"Every row of every pass ran twice back to back, with this tree's kvgate and with `{ref}`'s "
+             "(the order alternating from row to row); everything but kvgate is this tree's. A pass's "
+             "goodput is read against the one-replica row its own tree ran in that pass.", "",
+             "| row | kvgate | goodput / 1 replica, each pass | median | tok/s, each pass "
+             "| largest 429 share, each pass | median | preemptions, each pass | passes with more tok/s |",
+             "|---|---|---|---:|---|---|---:|---|---:|"]
+    for key in keys:
+        pairs = [(m[key], t[key]) for m, t in zip(mine, theirs) if key in m and key in t]
+        for name, figs in (("this tree", [a for a, _ in pairs]), (f"`{ref}`", [b for _, b in pairs])):
+            ratios = [f.goodput_ratio for f in figs if f.goodput_ratio is not None]
+            shares = [f.share for f in figs if f.share is not None]
+            more = sum((a.summary.goodput > b.summary.goodput) == (name == "this tree") for a, b in pairs)
+            lines.append(
+                f"| {key} | {name} | {' / '.join(cell(x) for x in ratios) or 'n/a'} "
+                f"| {cell(statistics.median(ratios) if ratios else None)} "
+                f"| {' / '.join(f'{f.summary.goodput:,.0f}' for f in figs)} "
+                f"| {' / '.join('n/a' if f.share is None else f'{f.share:.0%}' for f in figs)} "
+                f"| {'n/a' if not shares else f'{statistics.median(shares):.0%}'} "
+                f"| {' / '.join(str(f.preemptions) for f in figs)} | {more} of {len(pairs)} |")
+    return lines

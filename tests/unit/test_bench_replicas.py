@@ -1,15 +1,18 @@
 """The pure parts of bench/bench_replicas.py: the faults' plans, the 429 split and its limit,
 the time until every replica is shared again, the store mode read from an exposition, the
-row filter, the targets' verdict and where a load balancer sends a try."""
+row filter, the targets' verdict, where a load balancer sends a try, and the passes and
+comparison against a baseline revision."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.bench_replicas import (FAULTS, Fault, Figures, Row, all_rows, degraded_s, error_answers, fails_over,
-                                  fault_plan, lb_pick, max_share, mode_from_metrics, next_replica, select_rows,
-                                  shared_again_s, split_limit, verdict)
-from bench.trace_report import Summary
+from bench.bench_replicas import (DEFAULT_POLICY, FAULTS, REPLICA_POLICIES, TINY, Fault, Figures, Row, RowRun,
+                                  all_rows, degraded_s, error_answers, fails_over, fault_plan, lb_pick, max_share,
+                                  mode_from_metrics, next_replica, select_rows, shared_again_s, split_limit, verdict)
+from bench.replicas_passes import THIS, run_passes
+from bench.replicas_report import compared
+from bench.trace_report import Run, Summary
 from bench.trace_workload import Req
 from kvgate_testkit.load import Result
 pytestmark = pytest.mark.bench
@@ -79,9 +82,9 @@ def test_rows_are_chosen_by_key_or_shell_pattern_in_the_matrix_order() -> None:
 
 
 def _figures(preemptions: int = 0, ratio: float | None = 1.0, share: float | None = 0.5, alive: int = 2,
-             again: float | None = None) -> Figures:
+             again: float | None = None, goodput: float = 1.0) -> Figures:
     summary = Summary(preemptions=(preemptions, 0, 0), at_arrival=0, by_class={}, ttft_p50=None, ttft_p99=None,
-                      under_target=None, kv_utilization=None, goodput=1.0, span_s=1.0)
+                      under_target=None, kv_utilization=None, goodput=goodput, span_s=1.0)
     return Figures(summary=summary, preemptions=preemptions, goodput_ratio=ratio, refusals=(), ok=(), refused=(),
                    errors=(), share=share, alive=alive, latency_p99=None, shared_again=again, degraded=(),
                    kv_max=())
@@ -133,3 +136,33 @@ def test_a_first_try_goes_to_its_replica_and_a_retry_to_any_alike_the_same_in_ev
     assert 0.4 < sum(retries) / len(retries) < 0.6
     assert retries == [lb_pick(i, a, 2) for i in range(400) for a in (2, 3)]
     assert {lb_pick(i, 2, 3) for i in range(30)} == {0, 1, 2}
+
+
+def test_with_a_baseline_each_row_runs_by_both_trees_back_to_back_in_alternating_order(tmp_path, capsys) -> None:
+    rows = [Row(1, FAULT["none"]), Row(2, FAULT["none"])]
+    ran: list[tuple[str, str | None]] = []
+
+    def run_row(row: Row, workdir, label: str, source) -> RowRun:
+        ran.append((row.key, None if source is None else source.name))
+        return RowRun(row, Run(REPLICA_POLICIES[DEFAULT_POLICY]))
+
+    out = run_passes(rows, 2, tmp_path, TINY, ("v1", tmp_path / "v1"), run_row)
+    assert ran == [("1x-none", None), ("1x-none", "v1"), ("2x-none", "v1"), ("2x-none", None),
+                   ("1x-none", None), ("1x-none", "v1"), ("2x-none", "v1"), ("2x-none", None)]
+    assert [[rr.row.key for rr in p] for p in out[THIS]] == [["1x-none", "2x-none"]] * 2 == \
+        [[rr.row.key for rr in p] for p in out["v1"]]
+    ran.clear()
+    assert list(run_passes(rows, 1, tmp_path, TINY, None, run_row)) == [THIS] and ran == [
+        ("1x-none", None), ("2x-none", None)]
+
+
+def test_the_comparison_reads_each_tree_against_its_own_reference_and_counts_the_passes_won() -> None:
+    mine = [{"2x-none": _figures(ratio=0.97, share=0.55, goodput=12_500)},
+            {"2x-none": _figures(ratio=0.93, share=0.61, goodput=12_100, preemptions=2)}]
+    theirs = [{"2x-none": _figures(ratio=0.95, share=0.50, goodput=12_300)},
+              {"2x-none": _figures(ratio=0.99, share=None, goodput=12_900)}]
+    lines = compared(mine, theirs, ["2x-none"], "abc123")
+    assert lines[1] == "## Against `abc123`"
+    this, base = lines[-2:]
+    assert this == "| 2x-none | this tree | 0.97 / 0.93 | 0.95 | 12,500 / 12,100 | 55% / 61% | 58% | 0 / 2 | 1 of 2 |"
+    assert base == "| 2x-none | `abc123` | 0.95 / 0.99 | 0.97 | 12,300 / 12,900 | 50% / n/a | 50% | 0 / 0 | 1 of 2 |"
