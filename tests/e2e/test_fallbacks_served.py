@@ -46,8 +46,11 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     try:
         # The first round is the only one: a scrape slowed past its timeout by a loaded
         # machine would leave its node unpickable for the test, hence the long timeout.
-        wait_until(lambda: sum(s.per_node("kvgate_backend_pickable").values()) == 2, timeout=20,
-                   what="both nodes up")
+        try:
+            wait_until(lambda: sum(s.per_node("kvgate_backend_pickable").values()) == 2, timeout=20,
+                       what="both nodes up")
+        except TimeoutError as exc:  # what kvgate logged says which scrape failed, or why it died
+            raise TimeoutError(f"{exc}; kvgate's log:\n{s.procs['kvgate'].output()[-3000:]}") from exc
         yield s
     finally:
         s.stop()
