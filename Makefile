@@ -145,8 +145,7 @@ REPLICA_ROWS ?= *
 REPLICA_BASELINE ?=
 bench-replicas: install
 	mkdir -p $(BENCH_OUT)
-	$(PY) bench/bench_replicas.py --trace $(TRACE) --repeat $(REPLICA_PASSES) --rows '$(REPLICA_ROWS)' \
-		$(if $(REPLICA_BASELINE),--baseline $(REPLICA_BASELINE)) --out $(BENCH_OUT)/replicas.md
+	$(PY) bench/bench_replicas.py --trace $(TRACE) --repeat $(REPLICA_PASSES) --rows '$(REPLICA_ROWS)' $(if $(REPLICA_BASELINE),--baseline $(REPLICA_BASELINE) )--out $(BENCH_OUT)/replicas.md
 
 # pip also brings PyPI's CUDA builds of torchvision, torchaudio and torchcodec, with which
 # `import vllm` fails (torchvision::nms); text serving needs none of them.
