@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from extproc.admission import rules
 from extproc.admission.growth import GrowthRule
 from extproc.admission.node import Charge, Moments, Node, NodeState, PassedOver
-from extproc.admission.retry import MAX_WAIT_S, HoldTimes, expected_wait
+from extproc.admission.retry import MAX_WAIT_S, HoldTimes, expected_wait, own_share
 from extproc.admission.shared_nodes import Candidate, NodeAsk, Pooled
 from extproc.admission.types import Chain, NodeReport
 from extproc.config import PickingConfig, PoolConfig
@@ -115,9 +115,7 @@ def shared_short(need: int, n: Node, own: int, every: int, reserve_fraction: flo
     the room comes back."""
     every = max(own, every)
     room = rules.node_headroom(n.capacity or 0, reserve_fraction, n.net + n.kept + n.rise_ahead(horizon_s, now), every)
-    if need <= room or own <= 0:
-        return need - room
-    return math.ceil((need - room) * own / every)
+    return own_share(need - room, own, every)
 
 
 class PoolNodes:

@@ -15,7 +15,7 @@ from extproc.admission.adaptive import ScaleParams, ScaleTracker
 from extproc.admission.kvbudget import base_kv_budget, effective_kv_budget, kv_ceilings
 from extproc.admission.lease import Lease
 from extproc.admission.nodes import PoolNodes
-from extproc.admission.retry import HoldTimes, expected_wait, first_end
+from extproc.admission.retry import HoldTimes, expected_wait, first_end, own_share
 from extproc.admission.slots import effective_guarantees, effective_limit
 from extproc.admission.types import POOL_BUCKET, Budget, BucketSpec, Plan, PoolLimits, Refusal
 from extproc.admission.waitqueue import Blocks, WaitQueue
@@ -128,9 +128,7 @@ class PoolControl:
         if b in (Budget.SLOTS, Budget.RESERVED_SLOTS, Budget.FAIR_SHARE):  # a slot of this replica's
             wait = first_end(now, map(_ADMITTED, self.live), self.holds)
         else:
-            short = refusal.needed + refusal.used - refusal.limit
-            if refusal.used > self.live_tokens > 0 and short > 0:
-                short = math.ceil(short * self.live_tokens / refusal.used)
+            short = own_share(int(refusal.needed + refusal.used - refusal.limit), self.live_tokens, int(refusal.used))
             wait = expected_wait(now, map(_ADMITTED_TOKENS, self.live), short, self.holds)
         if wait is None:
             return refusal

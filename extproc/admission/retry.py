@@ -243,6 +243,16 @@ def first_end(now: float, admitted: Iterable[tuple[float, int | None]],
     return _bounded(best)
 
 
+def own_share(short: int, own: int, every: int) -> int:
+    """own_share is what this replica's requests must free of ``short`` missing tokens when
+    they hold ``own`` of the ``every`` in use, the other replicas' requests being like them:
+    its share, rounded up; all of it when it holds nothing there (its requests cannot tell)
+    or everything (it is alone)."""
+    if short <= 0 or own <= 0 or every <= own:
+        return short
+    return math.ceil(short * own / every)
+
+
 def expected_wait(now: float, holders: Iterable[tuple[float, float, int | None]], short: float,
                   holds: HoldTimes) -> float | None:
     """expected_wait is the seconds from ``now`` until ``short`` units are expected to be
